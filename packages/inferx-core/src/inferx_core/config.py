@@ -1,0 +1,216 @@
+"""The deployment config: deploy.toml parsed into pydantic models; flags override the file.
+
+Every key has a command-line flag `--<section>-<key>` (underscores as dashes); the common ones
+have a short alias too (ALIASES). Errors name the key: `kv_cache.block_size: ...`.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A config file or flag is wrong; the message names the key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(Section):
+    path: str | None = None  # checkpoint directory or .gguf file; none of path/preset: the demo
+    preset: str | None = None  # random weights with the exact shapes of a known model
+    tokenizer: str | None = None  # directory with tokenizer.json, if not beside the weights
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy (or a plugin's)
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    max_model_len: int | None = Field(default=None, ge=1)
+    seed: int = 0  # for dummy weights and unseeded sampling
+    served_name: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSection:
+        if self.path and self.preset:
+            raise ValueError("set model.path or model.preset, not both")
+        return self
+
+
+class EngineSection(Section):
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    attention_backend: str = "auto"  # auto | torch | triton | flashinfer (or a plugin's)
+    cuda_graphs: bool = True  # decode CUDA graphs (GPU only)
+    threads: int | None = Field(default=None, ge=1)  # torch CPU threads
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ValueError(f"must be auto, cpu, cuda or cuda:N, not {v!r}")
+        return v
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(value: float | int | str) -> float | int:
+    """A fraction of device memory (0 < x <= 1), or an absolute size in bytes ("4GiB", "512MB")."""
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if not m:
+            raise ValueError(f"{value!r} is not a size like '4GiB' or a fraction like 0.9")
+        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if isinstance(value, float) and 0 < value <= 1:
+        return value
+    if isinstance(value, int) and value > 1:
+        return value
+    raise ValueError(f"{value!r} is neither a fraction in (0, 1] nor a size in bytes")
+
+
+class KVCacheSection(Section):
+    manager: str = "paged"
+    block_size: int = 16
+    memory: float | int | str | None = None  # fraction or size; None: 0.9 on GPU, 1GiB on CPU
+    num_blocks: int | None = Field(default=None, ge=1)  # overrides memory
+    dtype: Literal["auto", "fp8_e4m3"] = "auto"
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size(cls, v: int) -> int:
+        if v not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"must be a power of two from 1 to 256, not {v}")
+        return v
+
+    @field_validator("memory")
+    @classmethod
+    def _memory(cls, v: float | int | str | None) -> float | int | None:
+        return None if v is None else parse_memory(v)
+
+
+class SchedulerSection(Section):
+    name: str = "continuous"
+    max_running: int = Field(default=256, ge=1)  # sequences in one step
+    max_batched_tokens: int = Field(default=2048, ge=1)  # tokens in one step
+    prefill_chunk: int = Field(default=512, ge=1)  # most prompt tokens of one sequence per step
+    prefix_cache: bool = True
+    max_waiting: int = Field(default=4096, ge=0)  # queued requests before new ones are refused
+
+    @model_validator(mode="after")
+    def _budget(self) -> SchedulerSection:
+        if self.prefill_chunk > self.max_batched_tokens:
+            raise ValueError(
+                f"prefill_chunk ({self.prefill_chunk}) exceeds max_batched_tokens "
+                f"({self.max_batched_tokens})"
+            )
+        if self.max_running > self.max_batched_tokens:
+            raise ValueError(
+                f"max_running ({self.max_running}) exceeds max_batched_tokens "
+                f"({self.max_batched_tokens}): a full decode step would not fit"
+            )
+        return self
+
+
+class QuantizationSection(Section):
+    scheme: str = "none"
+
+
+class ServerSection(Section):
+    transport: str = "litestar"
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    drain_timeout: float = Field(default=30.0, ge=0)  # seconds SIGTERM waits for requests
+    api_key: str | None = None
+
+
+class ParallelSection(Section):
+    tensor: int = Field(default=1, ge=1)
+
+
+class Config(Section):
+    model: ModelSection = ModelSection()
+    engine: EngineSection = EngineSection()
+    kv_cache: KVCacheSection = KVCacheSection()
+    scheduler: SchedulerSection = SchedulerSection()
+    quantization: QuantizationSection = QuantizationSection()
+    server: ServerSection = ServerSection()
+    parallel: ParallelSection = ParallelSection()
+
+    @model_validator(mode="after")
+    def _combinations(self) -> Config:
+        if self.kv_cache.dtype == "fp8_e4m3" and self.engine.device == "cpu":
+            raise ValueError("kv_cache.dtype fp8_e4m3 needs a GPU (engine.device is cpu)")
+        if self.parallel.tensor > 1 and self.engine.device == "cpu":
+            raise ValueError("parallel.tensor > 1 needs GPUs (engine.device is cpu)")
+        return self
+
+
+# Short flags for the keys people type most.
+ALIASES = {
+    "model": "model.path",
+    "preset": "model.preset",
+    "tokenizer": "model.tokenizer",
+    "load-format": "model.load_format",
+    "dtype": "model.dtype",
+    "max-model-len": "model.max_model_len",
+    "seed": "model.seed",
+    "device": "engine.device",
+    "attention-backend": "engine.attention_backend",
+    "block-size": "kv_cache.block_size",
+    "kv-cache-memory": "kv_cache.memory",
+    "host": "server.host",
+    "port": "server.port",
+}
+
+
+def config_keys() -> dict[str, tuple[str, str, Any]]:
+    """flag name -> (section, key, annotation) for every key of every section."""
+    keys = {}
+    for section, info in Config.model_fields.items():
+        for key, field in info.annotation.model_fields.items():
+            flag = f"{section}-{key}".replace("_", "-")
+            keys[flag] = (section, key, field.annotation)
+    for alias, dotted in ALIASES.items():
+        section, key = dotted.split(".")
+        keys[alias] = (section, key, Config.model_fields[section].annotation.model_fields[key]
+                       .annotation)
+    return keys
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Read TOML (if given), apply {"section.key": value} overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    for dotted, value in (overrides or {}).items():
+        section, key = dotted.split(".", 1)
+        sect = data.setdefault(section, {})
+        if not isinstance(sect, dict):
+            raise ConfigError(f"{section}: must be a table")
+        sect[key] = value
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_errors(exc, path)) from None
+
+
+def format_errors(exc: ValidationError, path: str | Path | None = None) -> str:
+    where = f"{path}: " if path else ""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "config"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{where}{loc}: {msg}")
+    return "; ".join(lines)

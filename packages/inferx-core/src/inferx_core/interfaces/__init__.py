@@ -1,0 +1,34 @@
+"""The interfaces that plugins implement. Each is one small ABC; see docs/ARCHITECTURE.md."""
+
+from inferx_core.interfaces.attention import AttentionBackend, AttentionBatch
+from inferx_core.interfaces.executor import Executor, StepResult
+from inferx_core.interfaces.kv import KVLayerSpec, KVManager
+from inferx_core.interfaces.model import BuildContext, Checkpoint, CheckpointFormat, ModelArch
+from inferx_core.interfaces.quant import QuantLinear, QuantScheme
+from inferx_core.interfaces.scheduler import (
+    ScheduledChunk,
+    Scheduler,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from inferx_core.interfaces.transport import Transport
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionBatch",
+    "BuildContext",
+    "Checkpoint",
+    "CheckpointFormat",
+    "Executor",
+    "KVLayerSpec",
+    "KVManager",
+    "ModelArch",
+    "QuantLinear",
+    "QuantScheme",
+    "ScheduledChunk",
+    "Scheduler",
+    "SchedulerOutput",
+    "SchedulerStats",
+    "StepResult",
+    "Transport",
+]

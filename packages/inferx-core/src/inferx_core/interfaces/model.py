@@ -1,0 +1,84 @@
+"""Model contracts: an architecture (a torch module over a paged cache) and a checkpoint format."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inferx_core.interfaces.attention import AttentionBackend
+from inferx_core.interfaces.kv import KVLayerSpec
+from inferx_core.interfaces.quant import QuantScheme
+
+
+@dataclass
+class BuildContext:
+    """What an architecture gets to build itself with. Layers call these, never a kernel directly."""
+
+    dtype: torch.dtype
+    device: torch.device
+    attention: AttentionBackend
+    quant: QuantScheme
+    tp_rank: int = 0
+    tp_size: int = 1
+
+
+class ModelArch(torch.nn.Module, ABC):
+    """One model family, registered under its Hugging Face architecture name.
+
+    Forward runs over a flat batch of tokens from many sequences (no padding); attention goes
+    through ctx.attention, which knows the step's layout.
+    """
+
+    @classmethod
+    @abstractmethod
+    def kv_layout(cls, hf_config: dict[str, Any]) -> list[KVLayerSpec]:
+        """One spec per attention layer, in layer order."""
+
+    @classmethod
+    @abstractmethod
+    def checkpoint_shapes(cls, hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        """Every tensor a Hugging Face checkpoint of this config holds, by name (dummy weights)."""
+
+    @abstractmethod
+    def __init__(self, hf_config: dict[str, Any], ctx: BuildContext) -> None: ...
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[T] token ids and positions -> [T, hidden] final hidden states."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 logits."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Consume Hugging Face-named tensors into the final (fused) layout. Unknown names and
+        missing tensors are errors."""
+
+
+@dataclass
+class Checkpoint:
+    """An opened checkpoint: its HF-style config, a weight stream, and its tokenizer if it has one."""
+
+    hf_config: dict[str, Any]
+    weights: Iterator[tuple[str, torch.Tensor]]
+    tokenizer: Any = None  # inferx_core.tokenizer.Tokenizer
+    source: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class CheckpointFormat(ABC):
+    """Reads one on-disk format ("safetensors", "gguf", "dummy")."""
+
+    @abstractmethod
+    def detect(self, path: Path) -> bool:
+        """True if this format can open `path` (for load_format = "auto")."""
+
+    @abstractmethod
+    def open(self, path: Path, dtype: torch.dtype, seed: int = 0) -> Checkpoint:
+        """Open `path`; weights are yielded lazily, already in `dtype`."""

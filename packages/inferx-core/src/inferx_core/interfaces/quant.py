@@ -1,0 +1,36 @@
+"""The quantization contract: a scheme owns how a linear layer's weights load and multiply."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class QuantLinear(torch.nn.Module, ABC):
+    """y = x @ W.T (+ b), with W stored however the scheme likes.
+
+    `output_sizes` splits the output rows into fused parts (q, k, v or gate, up): a checkpoint's
+    separate tensors are loaded one part at a time with load(). Tensor-parallel sharding slices
+    inside load() by (tp_rank, tp_size), so models never slice weights themselves.
+    """
+
+    @abstractmethod
+    def load(self, kind: str, tensor: torch.Tensor, part: int = 0) -> None:
+        """Copy a checkpoint tensor of this layer. kind: "weight", "bias" or a scheme's own
+        ("scales", "blocks", ...); part: index into output_sizes."""
+
+
+class QuantScheme(ABC):
+    """Chosen by name in config ([quantization] scheme). "none" is the unquantized default."""
+
+    @abstractmethod
+    def linear(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> QuantLinear:
+        """Build a linear layer whose output is the concatenation of `output_sizes` parts."""

@@ -1,0 +1,105 @@
+"""Requests as the scheduler sees them: token ids, sampling parameters and progress. No torch here."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class SamplingParams(BaseModel):
+    """How to pick tokens and when to stop. Validated once, when the request arrives."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: int = Field(default=16, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)  # 0 (or -1, normalised to 0): no top-k
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _normalise(cls, data: object) -> object:
+        if isinstance(data, dict):
+            data = dict(data)
+            if data.get("top_k") == -1:
+                data["top_k"] = 0
+            if isinstance(data.get("stop"), str):
+                data["stop"] = (data["stop"],)
+        return data
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's state. The scheduler and KV manager own the mutable fields.
+
+    token_ids: the prompt followed by the generated tokens; `num_prompt` marks the boundary.
+    num_computed: tokens at the front of `token_ids` whose KV is in the cache.
+    block_table: KV block ids, in order, covering at least `num_computed` tokens.
+    num_cached: prompt tokens that the prefix cache supplied at the last admission.
+    """
+
+    token_ids: list[int]  # the prompt, then every generated token
+    params: SamplingParams
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    num_prompt: int = -1  # set from token_ids at construction
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    arrival: float = field(default_factory=time.monotonic)
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.token_ids)
+        if self.num_prompt < 0:
+            self.num_prompt = len(self.token_ids)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
