@@ -54,8 +54,17 @@ class EngineSection(Section):
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_memory(value: float | int | str) -> float | int:
@@ -176,8 +185,11 @@ def config_keys() -> dict[str, tuple[str, str, Any]]:
             keys[flag] = (section, key, field.annotation)
     for alias, dotted in ALIASES.items():
         section, key = dotted.split(".")
-        keys[alias] = (section, key, Config.model_fields[section].annotation.model_fields[key]
-                       .annotation)
+        keys[alias] = (
+            section,
+            key,
+            Config.model_fields[section].annotation.model_fields[key].annotation,
+        )
     return keys
 
 

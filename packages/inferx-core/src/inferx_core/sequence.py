@@ -1,4 +1,4 @@
-"""Requests as the scheduler sees them: token ids, sampling parameters and progress. No torch here."""
+"""Requests as the scheduler sees them: token ids, sampling parameters, progress. No torch."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ from inferx_core.interfaces.kv import KVLayerSpec, KVManager
 from inferx_core.interfaces.model import BuildContext, Checkpoint, CheckpointFormat, ModelArch
 from inferx_core.interfaces.quant import QuantLinear, QuantScheme
 from inferx_core.interfaces.scheduler import (
+    QueueFullError,
     ScheduledChunk,
     Scheduler,
     SchedulerOutput,
@@ -25,6 +26,7 @@ __all__ = [
     "ModelArch",
     "QuantLinear",
     "QuantScheme",
+    "QueueFullError",
     "ScheduledChunk",
     "Scheduler",
     "SchedulerOutput",

@@ -17,7 +17,7 @@ class KVLayerSpec:
 
     kind: "full" (every past token), "sliding" (the last `window` tokens; blocks that fall out of
     the window can be freed), "mla" (one compressed latent of `head_dim` per token, `num_kv_heads`
-    is 1 and there is no separate V). `sinks`: tokens at the start that a sliding layer always keeps.
+    is 1 and there is no separate V). `sinks`: leading tokens a sliding layer always keeps.
     dtype: None means the model's dtype; "fp8_e4m3" stores KV as FP8 with per-layer scales.
     """
 

@@ -17,7 +17,7 @@ from inferx_core.interfaces.quant import QuantScheme
 
 @dataclass
 class BuildContext:
-    """What an architecture gets to build itself with. Layers call these, never a kernel directly."""
+    """What an architecture builds itself with. Layers call these, never a kernel directly."""
 
     dtype: torch.dtype
     device: torch.device
@@ -63,7 +63,7 @@ class ModelArch(torch.nn.Module, ABC):
 
 @dataclass
 class Checkpoint:
-    """An opened checkpoint: its HF-style config, a weight stream, and its tokenizer if it has one."""
+    """An opened checkpoint: HF-style config, a weight stream, and its tokenizer if it has one."""
 
     hf_config: dict[str, Any]
     weights: Iterator[tuple[str, torch.Tensor]]

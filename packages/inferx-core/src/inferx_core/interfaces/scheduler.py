@@ -76,3 +76,7 @@ class Scheduler(ABC):
     @abstractmethod
     def stats(self) -> SchedulerStats:
         """Counts for metrics."""
+
+
+class QueueFullError(RuntimeError):
+    """add() refused a request: the waiting queue is at scheduler.max_waiting (HTTP 429)."""
