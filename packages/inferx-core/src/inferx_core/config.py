@@ -70,6 +70,10 @@ _UNITS = {
 def parse_memory(value: float | int | str) -> float | int:
     """A fraction of device memory (0 < x <= 1), or an absolute size in bytes ("4GiB", "512MB")."""
     if isinstance(value, str):
+        try:  # a bare number given as a flag
+            return parse_memory(int(value) if value.strip().isdigit() else float(value))
+        except ValueError:
+            pass
         m = _SIZE.match(value)
         if not m:
             raise ValueError(f"{value!r} is not a size like '4GiB' or a fraction like 0.9")
@@ -166,7 +170,6 @@ ALIASES = {
     "load-format": "model.load_format",
     "dtype": "model.dtype",
     "max-model-len": "model.max_model_len",
-    "seed": "model.seed",
     "device": "engine.device",
     "attention-backend": "engine.attention_backend",
     "block-size": "kv_cache.block_size",

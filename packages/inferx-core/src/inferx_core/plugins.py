@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import logging
 import os
 from dataclasses import dataclass
 from functools import cache
@@ -12,6 +13,8 @@ from types import ModuleType
 import pluggy
 
 from inferx_core import hookspecs
+
+log = logging.getLogger("inferx.plugins")
 
 # kind -> hook name. The kinds are what a deployment's TOML picks by name.
 KINDS = {
@@ -63,6 +66,7 @@ class Plugins:
         self.pm = pluggy.PluginManager("inferx")
         self.pm.add_hookspecs(hookspecs)
         self._packages: dict[int, str] = {}
+        self.failures: dict[str, str] = {}  # entry point -> why it did not load
         if load_entry_points:
             self._load_entry_points()
         self._entries: dict[str, dict[str, Entry]] | None = None
@@ -76,10 +80,10 @@ class Plugins:
             package = ep.dist.name if ep.dist else ep.module
             try:
                 module = ep.load()
-            except Exception as exc:  # noqa: BLE001
-                raise PluginError(
-                    f"plugin {ep.name!r} from {package} failed to load: {exc}"
-                ) from exc
+            except Exception as exc:  # noqa: BLE001 - one broken plugin must not stop the rest
+                self.failures[ep.name] = f"{package}: {type(exc).__name__}: {exc}"
+                log.warning("plugin %r from %s failed to load: %s", ep.name, package, exc)
+                continue
             if self.pm.is_registered(module):
                 continue
             self.register(module, package=package, name=ep.name)
@@ -128,7 +132,10 @@ class Plugins:
             return self.entries[kind][name]
         except KeyError:
             known = ", ".join(self.names(kind)) or "none installed"
-            raise PluginError(f"unknown {kind} {name!r}; known: {known}") from None
+            broken = "".join(
+                f"; plugin {p!r} failed to load ({e})" for p, e in self.failures.items()
+            )
+            raise PluginError(f"unknown {kind} {name!r}; known: {known}{broken}") from None
 
     def get(self, kind: str, name: str) -> object:
         """The implementation registered as `name` for `kind`, imported now."""

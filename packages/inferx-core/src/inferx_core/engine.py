@@ -1,0 +1,279 @@
+"""The engine loop: requests in, scheduler picks a step, executor runs it, outputs out.
+
+Engine is synchronous and single-threaded (one step at a time); LLM is the offline API on top.
+Detokenization and stop strings live here, on the CPU, beside the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from inferx_core.config import Config, load_config
+from inferx_core.interfaces import Executor, KVManager, Scheduler
+from inferx_core.plugins import Plugins, plugins
+from inferx_core.sequence import SamplingParams, Sequence
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: the new tokens and text since the last output."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+@dataclass
+class Completion:
+    """A finished request, whole."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_cached_tokens: int
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: Any  # IncrementalDetokenizer, or None without a tokenizer
+    stop: Any  # StopChecker, or None without stop strings
+    sent: int = 0  # output tokens already reported
+    logprobs: list = field(default_factory=list)
+
+
+class Engine:
+    """Owns the scheduler, the KV manager and the executor for one model."""
+
+    def __init__(
+        self,
+        config: Config,
+        executor: Executor | None = None,
+        tokenizer: Any = None,
+        reg: Plugins | None = None,
+    ) -> None:
+        reg = reg or plugins()
+        self.config = config
+        if executor is None:
+            from inferx_core.executor import ModelRunner
+
+            executor = ModelRunner(config, reg)
+        self.executor = executor
+        self.tokenizer = (
+            tokenizer if tokenizer is not None else getattr(executor, "tokenizer", None)
+        )
+        self.max_model_len: int = getattr(executor, "max_model_len", None) or (
+            config.model.max_model_len or 4096
+        )
+        kv_cls = reg.get("kv_manager", config.kv_cache.manager)
+        self.kv: KVManager = kv_cls(  # type: ignore[operator]
+            executor.num_kv_blocks, executor.block_size, prefix_cache=config.scheduler.prefix_cache
+        )
+        sched_cls = reg.get("scheduler", config.scheduler.name)
+        self.scheduler: Scheduler = sched_cls(  # type: ignore[operator]
+            config.scheduler, self.kv, self.max_model_len
+        )
+        self.requests: dict[str, _Request] = {}
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give prompts as token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; raises ValueError for a prompt that cannot run, QueueFullError when
+        the waiting queue is full."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
+                f"together more than the model's context of {self.max_model_len} tokens"
+            )
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset()
+        seq = Sequence(ids, params, eos_token_ids=frozenset(eos))
+        if request_id is not None:
+            if request_id in self.requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            seq.request_id = request_id
+        detok = stop = None
+        if self.tokenizer is not None:
+            from inferx_core.tokenizer import IncrementalDetokenizer, StopChecker
+
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            if params.stop:
+                stop = StopChecker(params.stop, params.include_stop_str_in_output)
+        self.scheduler.add(seq)
+        self.requests[seq.request_id] = _Request(seq, detok, stop)
+        return seq.request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks. False if it was unknown or already done."""
+        self.requests.pop(request_id, None)
+        return self.scheduler.abort(request_id) is not None
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; report every request that produced tokens or finished."""
+        out = self.scheduler.schedule()
+        if not out.chunks:
+            if self.scheduler.has_work():
+                raise RuntimeError("scheduler has work but scheduled nothing (a scheduler bug)")
+            return []
+        result = self.executor.execute(out)
+        sampled_seqs = [c.seq for c in out.chunks if c.sample]
+        if result.logprobs:
+            for seq, lp in zip(sampled_seqs, result.logprobs, strict=True):
+                req = self.requests.get(seq.request_id)
+                if req is not None and lp is not None:
+                    req.logprobs.append(lp)
+        finished = self.scheduler.update(out, result.sampled)
+        outputs = []
+        for seq in dict.fromkeys(sampled_seqs + finished):  # ordered, unique
+            req = self.requests.get(seq.request_id)
+            if req is not None:
+                outputs.append(self._output(req))
+        return outputs
+
+    def _output(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        new = seq.token_ids[seq.num_prompt + req.sent :]
+        start = req.sent
+        req.sent = seq.num_output
+        text = ""
+        if req.detok is not None:
+            text = "".join(req.detok.push(t) for t in new)
+            if seq.finished:
+                text += req.detok.flush()
+            if req.stop is not None:
+                text, hit = req.stop.feed(text)
+                if hit and not seq.finished:
+                    self.scheduler.finish(seq, "stop")
+                elif hit:
+                    seq.finish_reason = "stop"
+                if seq.finished and not hit:
+                    text += req.stop.flush()
+        if seq.finished:
+            self.requests.pop(seq.request_id, None)
+        lps = req.logprobs[start:] if req.logprobs else None
+        return RequestOutput(
+            request_id=seq.request_id,
+            token_ids=new,
+            text=text,
+            finished=seq.finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt,
+            num_cached_tokens=seq.num_cached,
+            num_output_tokens=seq.num_output,
+            logprobs=lps,
+        )
+
+
+class LLM:
+    """Offline generation: LLM(config).generate(prompts, params)."""
+
+    def __init__(
+        self,
+        config: Config | str | Path | None = None,
+        overrides: dict[str, Any] | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        if not isinstance(config, Config):
+            config = load_config(config, overrides)
+        elif overrides:
+            config = load_config(None, {**_flatten(config), **overrides})
+        self.engine = Engine(config, **engine_kwargs)
+        self.tokenizer = self.engine.tokenizer
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a chat rendered with the model's template, ready for generation."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        # The template writes the special tokens itself, as transformers' tokenize=True does.
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Run every prompt to completion, batched; results in the order of the prompts."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        done: dict[str, Completion] = {}
+        parts: dict[str, list[RequestOutput]] = {i: [] for i in ids}
+        while len(done) < len(ids):
+            for o in self.engine.step():
+                parts[o.request_id].append(o)
+                if o.finished:
+                    done[o.request_id] = _join(parts[o.request_id], self.engine)
+        return [done[i] for i in ids]
+
+    def stream(
+        self, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yield one request's outputs as they come. Other queued requests also advance."""
+        rid = self.engine.add_request(prompt, params)
+        finished = False
+        try:
+            while not finished:
+                for o in self.engine.step():
+                    if o.request_id == rid:
+                        finished = o.finished
+                        yield o
+        finally:
+            if not finished:
+                self.engine.abort(rid)
+
+
+def _join(parts: list[RequestOutput], prompt_ids: list[int]) -> Completion:
+    last = parts[-1]
+    token_ids = [t for p in parts for t in p.token_ids]
+    logprobs = [lp for p in parts for lp in (p.logprobs or [])] or None
+    return Completion(
+        request_id=last.request_id,
+        prompt_token_ids=prompt_ids,
+        token_ids=token_ids,
+        text="".join(p.text for p in parts),
+        finish_reason=last.finish_reason,
+        num_cached_tokens=last.num_cached_tokens,
+        logprobs=logprobs,
+    )
+
+
+def _flatten(config: Config) -> dict[str, Any]:
+    return {
+        f"{section}.{key}": value
+        for section, values in config.model_dump(exclude_unset=True).items()
+        for key, value in values.items()
+    }

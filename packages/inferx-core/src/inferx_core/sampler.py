@@ -1,0 +1,106 @@
+"""Turns a step's logits into tokens on the logits' own device: penalties, temperature, top-k,
+top-p, min-p, per-request seeds, and the logprobs a request asked for.
+
+Seeded requests draw from a generator seeded by (seed, output position), so a request's tokens do
+not depend on what else is in the batch or on whether it was preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from inferx_core.sequence import SamplingParams, Sequence
+
+_MASK = float("-inf")
+
+
+def apply_penalties(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    """Repetition (over prompt and output, Hugging Face's rule), presence and frequency (over
+    output, OpenAI's rule) penalties, in place, row by row for the rows that asked."""
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if p.repetition_penalty != 1.0:
+            ids = torch.tensor(sorted(set(seq.token_ids)), device=logits.device)
+            picked = logits[i, ids]
+            logits[i, ids] = torch.where(
+                picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty
+            )
+        if (p.presence_penalty or p.frequency_penalty) and seq.num_output:
+            out = torch.tensor(seq.output_ids, device=logits.device)
+            counts = torch.bincount(out, minlength=logits.shape[1])[: logits.shape[1]]
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return logits
+
+
+def filter_logits(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Mask tokens outside top-k (0 = off), outside the top-p nucleus, and below min_p times the
+    most likely token's probability. logits are already divided by temperature."""
+    vocab = logits.shape[1]
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        sorted_logits, order = logits.sort(dim=1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+        k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
+        drop = ranks >= k
+        probs = sorted_logits.masked_fill(drop, _MASK).softmax(dim=1)
+        # Keep a token if the mass before it is under top_p: the first token always stays.
+        before = probs.cumsum(dim=1) - probs
+        drop |= before >= top_p.unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, _MASK)
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=1)
+        floor = min_p.unsqueeze(1) * probs.max(dim=1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, _MASK)
+    return logits
+
+
+class Sampler:
+    """Samples one token per row. Rows are the sequences in `seqs`, in the same order."""
+
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, seqs: Seq[Sequence]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (token ids [N], raw logprobs [N, V] float32 of the unprocessed logits)."""
+        logits = logits.float()
+        logprobs = torch.log_softmax(logits, dim=1)
+        params = [s.params for s in seqs]
+        if any(_penalised(p) for p in params):
+            logits = apply_penalties(logits.clone(), seqs)
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        if bool(greedy.all()):
+            return logits.argmax(dim=1), logprobs
+        temp = torch.tensor(
+            [p.temperature if not p.greedy else 1.0 for p in params], device=logits.device
+        )
+        scaled = logits / temp.unsqueeze(1)
+        scaled = filter_logits(
+            scaled,
+            torch.tensor([p.top_k for p in params], device=logits.device),
+            torch.tensor([p.top_p for p in params], device=logits.device),
+            torch.tensor([p.min_p for p in params], device=logits.device),
+        )
+        probs = scaled.softmax(dim=1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one noise row per request.
+        noise = torch.empty_like(probs)
+        for i, (seq, p) in enumerate(zip(seqs, params, strict=True)):
+            if p.seed is None:
+                noise[i].exponential_(generator=self.generator)
+            else:
+                gen = torch.Generator(device=logits.device)
+                gen.manual_seed(hash((p.seed, seq.num_output)) & 0x7FFF_FFFF_FFFF_FFFF)
+                noise[i].exponential_(generator=gen)
+        sampled = (probs / noise).argmax(dim=1)
+        return torch.where(greedy, logits.argmax(dim=1), sampled), logprobs
+
+
+def _penalised(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0

@@ -1,0 +1,1 @@
+"""A toy third-party InferX plugin: one model architecture and one attention backend."""
