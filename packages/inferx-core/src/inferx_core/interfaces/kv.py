@@ -47,6 +47,11 @@ class KVManager(ABC):
     block_size: int
     num_blocks: int
 
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks sequences can hold at once: num_blocks less any the manager reserves."""
+        return self.num_blocks
+
     @abstractmethod
     def num_free_blocks(self) -> int:
         """Blocks that could be handed out now (free, or evictable from the prefix cache)."""

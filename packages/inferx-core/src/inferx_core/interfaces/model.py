@@ -30,8 +30,9 @@ class BuildContext:
 class ModelArch(torch.nn.Module, ABC):
     """One model family, registered under its Hugging Face architecture name.
 
-    Forward runs over a flat batch of tokens from many sequences (no padding); attention goes
-    through ctx.attention, which knows the step's layout.
+    Built as `Arch(hf_config, ctx: BuildContext)`. Forward runs over a flat batch of tokens from
+    many sequences (no padding); attention goes through ctx.attention, which knows the step's
+    layout.
     """
 
     @classmethod
@@ -43,9 +44,6 @@ class ModelArch(torch.nn.Module, ABC):
     @abstractmethod
     def checkpoint_shapes(cls, hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         """Every tensor a Hugging Face checkpoint of this config holds, by name (dummy weights)."""
-
-    @abstractmethod
-    def __init__(self, hf_config: dict[str, Any], ctx: BuildContext) -> None: ...
 
     @abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,129 @@
+"""Paged attention in plain torch: the reference every faster backend is tested against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from inferx_core.interfaces.attention import AttentionBackend, AttentionBatch
+from inferx_core.interfaces.kv import KVLayerSpec
+
+
+@dataclass
+class _Seq:
+    """Where one sequence's queries and gathered context sit in the step's flat tensors."""
+
+    q_start: int
+    q_end: int
+    ctx_start: int
+    ctx_end: int
+    mask: torch.Tensor | None  # [q, ctx] bool, True = may attend
+    causal: bool  # the queries are the whole context: SDPA's own causal mask is the right one
+
+
+class TorchAttention(AttentionBackend):
+    """Gathers each sequence's context from the paged cache and runs SDPA on it, one sequence at
+    a time.
+
+    Cache layout, one tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim], K at
+    index 0 and V at index 1, so that each of K and V flattens to [slots, heads, dim] as a view and
+    a slot (block_id * block_size + offset) indexes it directly.
+    """
+
+    def __init__(
+        self,
+        layers: list[KVLayerSpec],
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__(layers, block_size, dtype, device)
+        for i, spec in enumerate(layers):
+            if spec.kind != "full":
+                raise NotImplementedError(
+                    f"torch attention supports only 'full' layers; layer {i} is {spec.kind!r}"
+                )
+            if spec.v_head_dim not in (None, spec.head_dim):
+                raise NotImplementedError(
+                    f"torch attention needs v_head_dim == head_dim; layer {i} has "
+                    f"{spec.v_head_dim} and {spec.head_dim}"
+                )
+            if spec.dtype is not None:
+                raise NotImplementedError(
+                    f"torch attention keeps KV in the model dtype; layer {i} wants {spec.dtype!r}"
+                )
+        self.caches: list[torch.Tensor] = []
+        self._seqs: list[_Seq] = []
+        self._slots = torch.empty(0, dtype=torch.int64, device=device)
+        self._slot_mapping = torch.empty(0, dtype=torch.int64, device=device)
+
+    def bytes_per_block(self) -> int:
+        per_token = sum(2 * s.num_kv_heads * s.head_dim for s in self.layers)
+        return per_token * self.block_size * self.dtype.itemsize
+
+    def allocate(self, num_blocks: int) -> None:
+        self.caches = []
+        for s in self.layers:
+            shape = (2, num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+            self.caches.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    def begin_step(self, batch: AttentionBatch) -> None:
+        # The slots of every sequence's whole context, concatenated in batch order: each layer
+        # gathers them with one index_select instead of one per sequence.
+        self._slot_mapping = batch.slot_mapping.to(self.device, torch.int64)
+        bs = self.block_size
+        num_seqs, width = batch.block_table.shape
+        offsets = torch.arange(bs, device=self.device)
+        slots = (batch.block_table.to(self.device, torch.int64)[:, :, None] * bs + offsets).reshape(
+            num_seqs, width * bs
+        )
+        positions = torch.arange(width * bs, device=self.device)
+        context_len = batch.context_len.to(self.device, torch.int64)
+        self._slots = slots[positions[None, :] < context_len[:, None]]
+
+        self._seqs = []
+        q_start = ctx_start = 0
+        for q, c in zip(batch.query_lens, batch.context_lens, strict=True):
+            # A decode query sees every key; a fresh prompt is plain causal (and a mask of its
+            # size could be large); a chunk over a cached prefix needs its offset spelled out:
+            # query i is at position c - q + i and sees keys at positions up to that.
+            mask = None
+            if 1 < q < c:
+                key_pos = torch.arange(c, device=self.device)
+                query_pos = torch.arange(c - q, c, device=self.device)
+                mask = key_pos[None, :] <= query_pos[:, None]
+            causal = 1 < q == c
+            self._seqs.append(_Seq(q_start, q_start + q, ctx_start, ctx_start + c, mask, causal))
+            q_start += q
+            ctx_start += c
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        cache = self.caches[layer]
+        heads, dim = cache.shape[-2:]
+        k_flat = cache[0].view(-1, heads, dim)
+        v_flat = cache[1].view(-1, heads, dim)
+        # Write first: the step's own tokens are part of the context the queries attend to.
+        k_flat.index_copy_(0, self._slot_mapping, k.to(cache.dtype))
+        v_flat.index_copy_(0, self._slot_mapping, v.to(cache.dtype))
+        keys = k_flat.index_select(0, self._slots).to(q.dtype)
+        values = v_flat.index_select(0, self._slots).to(q.dtype)
+
+        out = q.new_empty(q.shape[0], q.shape[1], dim)
+        gqa = q.shape[1] != heads
+        for s in self._seqs:
+            # SDPA wants [heads, len, dim].
+            o = F.scaled_dot_product_attention(
+                q[s.q_start : s.q_end].transpose(0, 1),
+                keys[s.ctx_start : s.ctx_end].transpose(0, 1),
+                values[s.ctx_start : s.ctx_end].transpose(0, 1),
+                attn_mask=s.mask,
+                is_causal=s.causal,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            out[s.q_start : s.q_end] = o.transpose(0, 1)
+        return out

@@ -1,0 +1,1 @@
+"""InferX model architectures and checkpoint formats."""

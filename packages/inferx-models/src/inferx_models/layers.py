@@ -1,0 +1,131 @@
+"""Building blocks shared by decoder models: RMSNorm, rotary positions, SiLU gating, attention."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inferx_core.interfaces.model import BuildContext
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and scale after casting back: the order Hugging Face uses, which
+        # matters for bit-closeness in half precision.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The rotary settings of a config, with rope_type and rope_theta always present.
+
+    transformers 5 writes them as `rope_parameters` (theta inside); configs written before that,
+    including most published checkpoints, have `rope_theta` beside a `rope_scaling` dict whose
+    kind is under "rope_type" or the older "type".
+    """
+    params = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
+    params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's long-context rescaling: wavelengths longer than the original context are
+    slowed by `factor`, shorter than original/high_freq_factor kept, and the band between
+    blended linearly in original/wavelength."""
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    original = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    blend = ((original / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - blend) * inv_freq / factor + blend * inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q and k by position (the "rotate half" layout of Llama and Qwen2).
+
+    cos and sin are tabulated in float32 for every position up to max_positions once, so each
+    layer does a lookup rather than trigonometry.
+    """
+
+    def __init__(
+        self, head_dim: int, max_positions: int, params: dict[str, Any], device: torch.device
+    ) -> None:
+        super().__init__()
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+        kind = params["rope_type"]
+        if kind == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, params)
+        elif kind != "default":
+            raise NotImplementedError(f"rope_type {kind!r} is not supported (default, llama3)")
+        angles = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+        table = torch.cat([angles.cos(), angles.sin()], dim=-1)
+        self.register_buffer("cos_sin", table.to(device), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T]; q [T, Hq, D], k [T, Hkv, D]."""
+        cos, sin = self.cos_sin[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] holding gate then up -> silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer: fused QKV projection, rotary positions, the backend's paged
+    attention (which owns the cache), output projection."""
+
+    def __init__(
+        self,
+        layer: int,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        ctx: BuildContext,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.qkv_proj = ctx.quant.linear(
+            hidden_size, [self.q_size, self.kv_size, self.kv_size], qkv_bias, ctx.dtype, ctx.device
+        )
+        self.o_proj = ctx.quant.linear(self.q_size, [hidden_size], o_bias, ctx.dtype, ctx.device)
+        self.rotary = rotary
+        self.backend = ctx.attention
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(self.layer, q, k, v, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))

@@ -1,0 +1,233 @@
+"""The Llama decoder family: Llama 1/2/3 and Qwen2, which differ only in biases and defaults."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inferx_core.interfaces.kv import KVLayerSpec
+from inferx_core.interfaces.model import BuildContext, ModelArch
+from inferx_models.layers import Attention, RMSNorm, RotaryEmbedding, rope_parameters, silu_and_mul
+
+# Checkpoint projection -> (our linear layer, part of it): q/k/v and gate/up are fused.
+FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+
+
+def _dims(cfg: dict[str, Any]) -> tuple[int, int, int, int]:
+    """hidden size, query heads, KV heads, head dim."""
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    return hidden, heads, kv_heads, cfg.get("head_dim") or hidden // heads
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool, ctx: BuildContext) -> None:
+        super().__init__()
+        self.gate_up_proj = ctx.quant.linear(
+            hidden, [intermediate, intermediate], bias, ctx.dtype, ctx.device
+        )
+        self.down_proj = ctx.quant.linear(intermediate, [hidden], bias, ctx.dtype, ctx.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        layer: int,
+        rotary: RotaryEmbedding,
+        biases: tuple[bool, bool, bool],
+        ctx: BuildContext,
+    ) -> None:
+        super().__init__()
+        hidden, heads, kv_heads, head_dim = _dims(cfg)
+        qkv_bias, o_bias, mlp_bias = biases
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(hidden, eps, ctx.dtype, ctx.device)
+        self.self_attn = Attention(
+            layer, hidden, heads, kv_heads, head_dim, rotary, ctx, qkv_bias, o_bias
+        )
+        self.post_attention_layernorm = RMSNorm(hidden, eps, ctx.dtype, ctx.device)
+        self.mlp = MLP(hidden, cfg["intermediate_size"], mlp_bias, ctx)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """The decoder stack, named as in Hugging Face checkpoints (the "model." prefix)."""
+
+    def __init__(
+        self, cfg: dict[str, Any], biases: tuple[bool, bool, bool], ctx: BuildContext
+    ) -> None:
+        super().__init__()
+        hidden, _, _, head_dim = _dims(cfg)
+        self.embed_tokens = nn.utils.skip_init(
+            nn.Embedding, cfg["vocab_size"], hidden, dtype=ctx.dtype, device=ctx.device
+        )
+        rotary = RotaryEmbedding(
+            head_dim, cfg.get("max_position_embeddings", 2048), rope_parameters(cfg), ctx.device
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, rotary, biases, ctx) for i in range(cfg["num_hidden_layers"])
+        )
+        self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6), ctx.dtype, ctx.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(positions, h)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(ModelArch):
+    """LlamaForCausalLM: Llama 1, 2, 3, 3.1 (llama3 rope scaling), 3.2, and look-alikes such as
+    SmolLM2. `attention_bias` and `mlp_bias` from the config are honoured."""
+
+    @classmethod
+    def biases(cls, hf_config: dict[str, Any]) -> tuple[bool, bool, bool]:
+        """Which projections carry a bias: (q/k/v, o, mlp)."""
+        attn = bool(hf_config.get("attention_bias", False))
+        return attn, attn, bool(hf_config.get("mlp_bias", False))
+
+    @classmethod
+    def kv_layout(cls, hf_config: dict[str, Any]) -> list[KVLayerSpec]:
+        _, heads, kv_heads, head_dim = _dims(hf_config)
+        n = hf_config["num_hidden_layers"]
+        window = hf_config.get("sliding_window")
+        # Qwen2's optional sliding window applies from layer max_window_layers on; transformers 5
+        # spells the result out as layer_types.
+        types = hf_config.get("layer_types") or [
+            "sliding_attention"
+            if hf_config.get("use_sliding_window")
+            and window
+            and i >= hf_config["max_window_layers"]
+            else "full_attention"
+            for i in range(n)
+        ]
+        return [
+            KVLayerSpec(heads, kv_heads, head_dim, kind="sliding", window=window)
+            if t == "sliding_attention"
+            else KVLayerSpec(heads, kv_heads, head_dim)
+            for t in types
+        ]
+
+    @classmethod
+    def checkpoint_shapes(cls, hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        hidden, heads, kv_heads, head_dim = _dims(hf_config)
+        inter, vocab = hf_config["intermediate_size"], hf_config["vocab_size"]
+        qkv_bias, o_bias, mlp_bias = cls.biases(hf_config)
+        projections = [
+            ("self_attn.q_proj", heads * head_dim, hidden, qkv_bias),
+            ("self_attn.k_proj", kv_heads * head_dim, hidden, qkv_bias),
+            ("self_attn.v_proj", kv_heads * head_dim, hidden, qkv_bias),
+            ("self_attn.o_proj", hidden, heads * head_dim, o_bias),
+            ("mlp.gate_proj", inter, hidden, mlp_bias),
+            ("mlp.up_proj", inter, hidden, mlp_bias),
+            ("mlp.down_proj", hidden, inter, mlp_bias),
+        ]
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+        for i in range(hf_config["num_hidden_layers"]):
+            prefix = f"model.layers.{i}."
+            shapes[prefix + "input_layernorm.weight"] = (hidden,)
+            shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
+            for name, rows, cols, bias in projections:
+                shapes[f"{prefix}{name}.weight"] = (rows, cols)
+                if bias:
+                    shapes[f"{prefix}{name}.bias"] = (rows,)
+        shapes["model.norm.weight"] = (hidden,)
+        if not hf_config.get("tie_word_embeddings", False):
+            shapes["lm_head.weight"] = (vocab, hidden)
+        return shapes
+
+    def __init__(self, hf_config: dict[str, Any], ctx: BuildContext) -> None:
+        super().__init__()
+        if ctx.tp_size != 1:
+            raise NotImplementedError(
+                f"{type(self).__name__} has no tensor parallelism yet (tp_size={ctx.tp_size})"
+            )
+        self.hf_config = hf_config
+        self.tied = bool(hf_config.get("tie_word_embeddings", False))
+        self.model = LlamaModel(hf_config, self.biases(hf_config), ctx)
+        # The vocabulary projection stays in the serving dtype, like the embedding it is often
+        # tied to; quantized checkpoints leave it unquantized too.
+        self.lm_head = None
+        if not self.tied:
+            self.lm_head = nn.utils.skip_init(
+                nn.Linear,
+                _dims(hf_config)[0],
+                hf_config["vocab_size"],
+                bias=False,
+                dtype=ctx.dtype,
+                device=ctx.device,
+            )
+        self.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head.weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        arch = type(self).__name__
+        expected = self.checkpoint_shapes(self.hf_config)
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # old checkpoints saved the rotary buffer; we compute it
+            if name == "lm_head.weight" and self.tied:
+                continue  # some tied checkpoints store a copy of the embedding anyway
+            path, _, kind = name.rpartition(".")
+            parent, _, leaf = path.rpartition(".")
+            if leaf in FUSED:
+                fused, part = FUSED[leaf]
+                self._submodule(f"{parent}.{fused}", name).load(kind, tensor, part)
+            else:
+                param = getattr(self._submodule(path, name), kind, None)
+                if not isinstance(param, nn.Parameter):
+                    raise ValueError(f"{arch}: unexpected checkpoint tensor {name!r}")
+                if param.shape != tensor.shape:
+                    raise ValueError(
+                        f"{arch}: checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(param.shape)}"
+                    )
+                param.copy_(tensor)
+            seen.add(name)
+        missing = sorted(set(expected) - seen)
+        if missing:
+            listed = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+            raise ValueError(f"{arch}: checkpoint lacks {len(missing)} tensors: {listed}")
+
+    def _submodule(self, path: str, name: str) -> nn.Module:
+        try:
+            return self.get_submodule(path)
+        except AttributeError:
+            raise ValueError(
+                f"{type(self).__name__}: unexpected checkpoint tensor {name!r}"
+            ) from None
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 and Qwen2.5: Llama with biases on q, k and v only."""
+
+    @classmethod
+    def biases(cls, hf_config: dict[str, Any]) -> tuple[bool, bool, bool]:
+        return True, False, False

@@ -1,0 +1,327 @@
+"""Published model configs by name, and random-weight checkpoints with their exact shapes.
+
+Presets let tests and benchmarks run real model shapes with no download: DummyFormat serves them
+from memory, write_checkpoint() writes them out as a Hugging Face directory.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from inferx_core.interfaces.model import ModelArch
+
+_QWEN25 = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_act": "silu",
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "use_sliding_window": False,
+    "use_cache": True,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "torch_dtype": "bfloat16",
+}
+_LLAMA3 = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "mlp_bias": False,
+    "initializer_range": 0.02,
+    "pretraining_tp": 1,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "use_cache": True,
+    "vocab_size": 128256,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+    "torch_dtype": "bfloat16",
+}
+
+
+def _llama3_scaling(factor: float) -> dict[str, Any]:
+    return {
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    }
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b-instruct": _QWEN25
+    | {
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-1.5b-instruct": _QWEN25
+    | {
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-3b-instruct": _QWEN25
+    | {
+        "hidden_size": 2048,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-7b-instruct": _QWEN25
+    | {
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+    },
+    "llama-3.1-8b-instruct": _LLAMA3
+    | {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "rope_scaling": _llama3_scaling(8.0),
+        "tie_word_embeddings": False,
+    },
+    "llama-3.2-1b-instruct": _LLAMA3
+    | {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "rope_scaling": _llama3_scaling(32.0),
+        "tie_word_embeddings": True,
+    },
+    # The demo model's shapes (its weights come as GGUF).
+    "smollm2-135m-instruct": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 100000,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    },
+    # Test shapes: GQA, head_dim 16, and llama3 scaling whose original context (64) is short
+    # enough that all three frequency bands occur at this head_dim.
+    "tiny-llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 320,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "rope_scaling": {
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_type": "llama3",
+        },
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    },
+    "tiny-qwen2": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "vocab_size": 320,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "use_sliding_window": False,
+        "tie_word_embeddings": True,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "torch_dtype": "float32",
+    },
+}
+
+# Files of a Hugging Face tokenizer that write_checkpoint copies when present.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def preset(name: str) -> dict[str, Any]:
+    """A copy of the named preset's config."""
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    return copy.deepcopy(PRESETS[name])
+
+
+def arch_class(hf_config: dict[str, Any]) -> type[ModelArch]:
+    """The ModelArch registered for the config's architecture (through the plugin registry, so
+    other packages' architectures get dummy weights too)."""
+    from inferx_core.plugins import plugins
+
+    archs = hf_config.get("architectures") or []
+    if not archs:
+        raise ValueError("config has no 'architectures' entry naming the model class")
+    return cast(type[ModelArch], plugins().get("model_arch", archs[0]))
+
+
+def random_weights(
+    hf_config: dict[str, Any], dtype: torch.dtype, seed: int = 0
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every checkpoint tensor of the config, one at a time, uniform in +-0.02 (norm weights
+    around 1) so activations and logits stay finite. Same seed and dtype, same tensors."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, shape in arch_class(hf_config).checkpoint_shapes(hf_config).items():
+        # Drawn in the target dtype: a float32 draw of a 7B embedding would double peak memory.
+        tensor = torch.empty(shape, dtype=dtype).uniform_(-0.02, 0.02, generator=generator)
+        if name.endswith("norm.weight"):
+            tensor += 1.0
+        yield name, tensor
+
+
+def write_checkpoint(
+    hf_config_or_preset: dict[str, Any] | str,
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    max_shard_bytes: int = 2**31,
+) -> Path:
+    """Write a Hugging Face checkpoint directory with random weights (those DummyFormat serves
+    for the same config, dtype and seed): config.json, model.safetensors or shards with an index,
+    and the tokenizer files of tokenizer_dir. One tensor is in memory at a time."""
+    if isinstance(hf_config_or_preset, str):
+        config = preset(hf_config_or_preset)
+    else:
+        config = copy.deepcopy(hf_config_or_preset)
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"dtype {dtype} is not one of {list(_SAFETENSORS_DTYPES)}")
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    shapes = arch_class(config).checkpoint_shapes(config)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    if len(shards) == 1:
+        files = ["model.safetensors"]
+    else:
+        files = [
+            f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
+        ]
+        weight_map = {
+            name: file for file, names in zip(files, shards, strict=True) for name in names
+        }
+        total = sum(math.prod(s) for s in shapes.values()) * dtype.itemsize
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+    weights = random_weights(config, dtype, seed)
+    for file, names in zip(files, shards, strict=True):
+        _write_safetensors(out / file, {n: shapes[n] for n in names}, dtype, weights)
+
+    if tokenizer_dir is not None:
+        found = [Path(tokenizer_dir) / f for f in TOKENIZER_FILES]
+        found = [f for f in found if f.is_file()]
+        if not found:
+            raise FileNotFoundError(f"{tokenizer_dir} holds none of {', '.join(TOKENIZER_FILES)}")
+        for f in found:
+            shutil.copyfile(f, out / f.name)
+    return out
+
+
+def _write_safetensors(
+    path: Path,
+    shapes: dict[str, tuple[int, ...]],
+    dtype: torch.dtype,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+) -> None:
+    """Write the safetensors layout (u64 header length, JSON header, raw little-endian data)
+    by hand: the header is known from the shapes up front, so each tensor can be written as it
+    is drawn and dropped, where safetensors.torch.save_file needs the whole shard in memory."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * dtype.itemsize
+        entry = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape)}
+        header[name] = entry | {"data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for expected in shapes:
+            name, tensor = next(tensors)
+            assert name == expected, f"weights out of order: {name} where {expected} belongs"
+            f.write(tensor.contiguous().view(torch.uint8).numpy())
