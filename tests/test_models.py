@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import FIXTURES
 
 from inferx_core.attention_torch import TorchAttention
 from inferx_core.batch import make_attention_batch
@@ -253,9 +254,7 @@ def test_write_checkpoint_loads_here_and_in_transformers(tmp_path: Path, name: s
 
 
 def test_write_checkpoint_copies_tokenizer(tmp_path: Path) -> None:
-    source = Path("/work/shared/fixtures/tokenizers/qwen")
-    if not source.is_dir():
-        pytest.skip("tokenizer fixture not present")
+    source = FIXTURES / "tokenizers" / "qwen"
     out = write_checkpoint("tiny-qwen2", tmp_path, tokenizer_dir=source, dtype=torch.bfloat16)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         assert (out / f).read_bytes() == (source / f).read_bytes()
