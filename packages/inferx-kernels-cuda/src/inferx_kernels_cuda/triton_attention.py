@@ -1,0 +1,317 @@
+"""The `triton` attention backend: paged decode (split-K) and prefill on TorchAttention's cache."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from inferx_core.attention_torch import TorchAttention
+from inferx_core.interfaces.attention import AttentionBatch
+from inferx_core.interfaces.kv import KVLayerSpec
+from inferx_kernels_cuda import triton_kernels as kernels
+
+_LOG2E = 1.4426950408889634
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _Tiles:
+    """The prefill query tiles of one GQA group size: BLOCK_Q queries of one sequence each."""
+
+    block_m: int
+    block_q: int
+    seq: torch.Tensor  # [count] int32, index of the tile's sequence in the batch
+    start: torch.Tensor  # [count] int32, its first query within that sequence
+    count: int
+
+
+@dataclass
+class _Plan:
+    """One step's metadata, built once by begin_step and read by every layer's launches."""
+
+    slot_mapping: torch.Tensor
+    query_start: torch.Tensor
+    context_len: torch.Tensor
+    block_table: torch.Tensor
+    decode_seqs: torch.Tensor  # [num_decode] int32, batch indices of one-query sequences
+    num_decode: int
+    all_decode: bool  # no prefill: decode i is sequence i and query row i
+    num_splits: int
+    split_len: int  # context tokens per split, a multiple of the decode tile
+    part_o: torch.Tensor | None  # split-K partial outputs, fp32, sized for the widest layer
+    part_lse: torch.Tensor | None
+    tiles: dict[int, _Tiles]  # by GQA group size
+
+
+class TritonAttention(TorchAttention):
+    """Paged attention in Triton; a drop-in for TorchAttention with the same cache tensors.
+
+    Sequences with one query this step (decodes) run the decode kernel: one program per
+    (sequence, KV head, split) holding all query heads of the group, the context split into
+    `num_splits` ranges when there are too few (sequence, KV head) pairs to fill the GPU; a
+    second kernel combines the splits by their log-sum-exp. Every other sequence runs the
+    prefill kernel over query tiles from its cached prefix plus its new chunk. Both read the
+    cache after this step's K/V were written by the write kernel, so a mixed batch is two
+    launches over disjoint output rows.
+
+    min_split_len: fewest context tokens per split. target_programs: decode programs to aim
+    for (default: twice the GPU's SM count); splitting stops there. The default of one 64-token
+    tile per split is what measured fastest on an H200 at batch 1-64: each tile iteration of
+    the decode loop costs ~2 us of dependent-load latency there, so short programs in parallel
+    beat long ones even after the reduce launch. Tile sizes and launch options are attributes
+    so that tests and tuning can change them.
+    """
+
+    max_splits = 64
+
+    def __init__(
+        self,
+        layers: list[KVLayerSpec],
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        min_split_len: int = 64,
+        target_programs: int | None = None,
+    ) -> None:
+        if dtype not in _DTYPES:
+            raise NotImplementedError(
+                f"triton attention runs float16, bfloat16 or float32; got {dtype}"
+            )
+        for i, spec in enumerate(layers):
+            if spec.kind != "full":
+                raise NotImplementedError(
+                    f"triton attention supports only 'full' layers; layer {i} is {spec.kind!r}"
+                )
+            d = spec.head_dim
+            if d < 16 or d & (d - 1):
+                raise ValueError(
+                    f"triton attention needs a power-of-two head_dim >= 16; layer {i} has {d}"
+                )
+            if spec.num_q_heads % spec.num_kv_heads:
+                raise ValueError(
+                    f"layer {i}: num_q_heads {spec.num_q_heads} is not a multiple of "
+                    f"num_kv_heads {spec.num_kv_heads}"
+                )
+        super().__init__(layers, block_size, dtype, device)
+        self.interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        self.min_split_len = min_split_len
+        if target_programs is None:
+            target_programs = 1
+            if torch.device(device).type == "cuda":
+                props = torch.cuda.get_device_properties(device)
+                target_programs = 2 * props.multi_processor_count
+        self.target_programs = target_programs
+        # Under the interpreter, small tiles keep numpy's work down and still exercise loops
+        # of several tiles on short test contexts.
+        small = self.interpret
+        self.decode_block_n = 16 if small else 64
+        self.prefill_block_m = 16 if small else 64
+        self.prefill_block_n = 16 if small else 64
+        # Launch options (num_warps, num_stages) per kernel, for tuning.
+        self.decode_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
+        self.prefill_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
+        # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
+        self._upcast = self.interpret and dtype == torch.bfloat16
+        self._dot_precision = "ieee" if dtype == torch.float32 else "tf32"
+        self._groups = sorted({s.num_q_heads // s.num_kv_heads for s in layers})
+        self._plan: _Plan | None = None
+
+    def begin_step(self, batch: AttentionBatch) -> None:
+        device = self.device
+        decode = [i for i, q in enumerate(batch.query_lens) if q == 1]
+        prefill = [i for i, q in enumerate(batch.query_lens) if q != 1]
+
+        num_splits, split_len = 1, self.decode_block_n
+        if decode:
+            max_ctx = max(batch.context_lens[i] for i in decode)
+            num_splits, split_len = self._plan_splits(len(decode), max_ctx)
+
+        context_len = batch.context_len.to(device, torch.int32)
+        decode_seqs = context_len  # never read in a decode-only step: decode i is sequence i
+        tiles = {}
+        if prefill:
+            # Every index list travels in one host-to-device copy.
+            ints = list(decode)
+            tile_ranges = {}
+            for group in self._groups:
+                block_m = max(self.prefill_block_m, triton.next_power_of_2(group))
+                block_q = block_m // group
+                seqs, starts = [], []
+                for i in prefill:
+                    for start in range(0, batch.query_lens[i], block_q):
+                        seqs.append(i)
+                        starts.append(start)
+                tile_ranges[group] = (block_m, block_q, len(ints), len(seqs))
+                ints += seqs + starts
+            packed = torch.tensor(ints, dtype=torch.int32, device=device)
+            decode_seqs = packed[: len(decode)]
+            for group, (block_m, block_q, at, count) in tile_ranges.items():
+                seq = packed[at : at + count]
+                start = packed[at + count : at + 2 * count]
+                tiles[group] = _Tiles(block_m, block_q, seq, start, count)
+
+        part_o = part_lse = None
+        if num_splits > 1:
+            heads = max(s.num_q_heads for s in self.layers)
+            dim = max(s.head_dim for s in self.layers)
+            rows = len(decode) * heads * num_splits
+            part_o = torch.empty(rows * dim, dtype=torch.float32, device=device)
+            part_lse = torch.empty(rows, dtype=torch.float32, device=device)
+
+        self._plan = _Plan(
+            slot_mapping=batch.slot_mapping.to(device, torch.int64),
+            query_start=batch.query_start.to(device, torch.int32),
+            context_len=context_len,
+            block_table=batch.block_table.to(device, torch.int32),
+            decode_seqs=decode_seqs,
+            num_decode=len(decode),
+            all_decode=not prefill,
+            num_splits=num_splits,
+            split_len=split_len,
+            part_o=part_o,
+            part_lse=part_lse,
+            tiles=tiles,
+        )
+
+    def _plan_splits(self, num_decode: int, max_ctx: int) -> tuple[int, int]:
+        """(splits, tokens per split) for the longest decode context of the step.
+
+        Split only while (sequences x KV heads x splits) is short of target_programs, keep
+        every split at least min_split_len long and a whole number of decode tiles.
+        """
+        kv_heads = min(s.num_kv_heads for s in self.layers)
+        wanted = _cdiv(self.target_programs, num_decode * kv_heads)
+        splits = max(1, min(wanted, max_ctx // self.min_split_len, self.max_splits))
+        tile = self.decode_block_n
+        split_len = _cdiv(_cdiv(max_ctx, splits), tile) * tile
+        return _cdiv(max_ctx, split_len), split_len
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("triton attention: begin_step() must run before forward()")
+        spec = self.layers[layer]
+        cache = self.caches[layer]
+        k_cache, v_cache = cache[0], cache[1]
+        # Kernels take any row and head strides (q, k, v are often views of one fused
+        # projection) but need each head's dim contiguous.
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        num_tokens = q.shape[0]
+        out = q.new_empty(num_tokens, spec.num_q_heads, spec.head_dim)
+        if num_tokens == 0:
+            return out
+        if plan.slot_mapping.shape[0] != num_tokens:
+            raise ValueError(
+                f"triton attention: {num_tokens} tokens but the step's slot_mapping has "
+                f"{plan.slot_mapping.shape[0]}"
+            )
+
+        kernels.kv_write_kernel[(num_tokens,)](
+            k,
+            v,
+            k_cache,
+            v_cache,
+            plan.slot_mapping,
+            spec.num_kv_heads,
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            HEADS_PAD=triton.next_power_of_2(spec.num_kv_heads),
+            HEAD_DIM=spec.head_dim,
+        )
+
+        group = spec.num_q_heads // spec.num_kv_heads
+        scale_log2 = scale * _LOG2E
+        cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        if plan.num_decode:
+            split = plan.num_splits > 1
+            kernels.decode_kernel[(plan.num_decode, spec.num_kv_heads, plan.num_splits)](
+                q,
+                k_cache,
+                v_cache,
+                out,
+                plan.part_o if split else out,
+                plan.part_lse if split else out,
+                plan.block_table,
+                plan.context_len,
+                plan.query_start,
+                plan.decode_seqs,
+                scale_log2,
+                plan.split_len,
+                q.stride(0),
+                q.stride(1),
+                out.stride(0),
+                out.stride(1),
+                plan.block_table.stride(0),
+                *cache_strides,
+                GROUP=group,
+                GROUP_PAD=max(16, triton.next_power_of_2(group)),
+                HEAD_DIM=spec.head_dim,
+                BLOCK_SIZE=self.block_size,
+                BLOCK_N=self.decode_block_n,
+                SPLIT=split,
+                ALL_DECODE=plan.all_decode,
+                UPCAST=self._upcast,
+                DOT_PRECISION=self._dot_precision,
+                **self.decode_launch,
+            )
+            if split:
+                kernels.decode_reduce_kernel[(plan.num_decode, spec.num_q_heads)](
+                    plan.part_o,
+                    plan.part_lse,
+                    out,
+                    plan.context_len,
+                    plan.query_start,
+                    plan.decode_seqs,
+                    plan.split_len,
+                    plan.num_splits,
+                    out.stride(0),
+                    out.stride(1),
+                    HEAD_DIM=spec.head_dim,
+                    SPLITS_PAD=triton.next_power_of_2(plan.num_splits),
+                    ALL_DECODE=plan.all_decode,
+                )
+
+        tiles = plan.tiles.get(group)
+        if tiles is not None:
+            kernels.prefill_kernel[(tiles.count, spec.num_kv_heads)](
+                q,
+                k_cache,
+                v_cache,
+                out,
+                plan.block_table,
+                plan.context_len,
+                plan.query_start,
+                tiles.seq,
+                tiles.start,
+                scale_log2,
+                q.stride(0),
+                q.stride(1),
+                out.stride(0),
+                out.stride(1),
+                plan.block_table.stride(0),
+                *cache_strides,
+                GROUP=group,
+                HEAD_DIM=spec.head_dim,
+                BLOCK_SIZE=self.block_size,
+                BLOCK_M=tiles.block_m,
+                BLOCK_Q=tiles.block_q,
+                BLOCK_N=self.prefill_block_n,
+                UPCAST=self._upcast,
+                DOT_PRECISION=self._dot_precision,
+                **self.prefill_launch,
+            )
+        return out

@@ -1,0 +1,346 @@
+"""Triton kernels for paged attention: KV-cache write, split-K decode and its reduce, prefill.
+
+The cache of one layer is K and V, each [num_blocks, block_size, num_kv_heads, head_dim] with the
+head dim contiguous; a token at position p of a sequence lives in block table[p // block_size] at
+offset p % block_size. Softmax runs in base 2: scores are pre-multiplied by scale * log2(e), so
+every log-sum-exp here is a log2-sum-exp2.
+
+UPCAST turns operands to fp32 before tl.dot: Triton's interpreter computes bf16 dots wrongly
+(see LESSONS.md), while on the GPU fp16/bf16 dots run on tensor cores as they are.
+DOT_PRECISION is "ieee" for fp32 caches (exact fp32, not tf32) and ignored for half types.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# A finite floor for the running max: a row that has seen no key yet keeps it, and exp2 of the
+# difference to a real score is 0 instead of the NaN that -inf - -inf would give.
+_NO_MAX = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def kv_write_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    num_kv_heads,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cache_slot,
+    stride_cache_head,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """One program per new token: all its KV heads into its slot. A negative slot is padding."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    # A padding row writes no head (a scalar & tensor mask trips the interpreter).
+    mask = h < tl.where(slot >= 0, num_kv_heads, 0)
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    dst = slot * stride_cache_slot + h * stride_cache_head + d
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_range(
+    q,
+    m,
+    row_sum,
+    acc,
+    lo,
+    hi,
+    q_pos,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq,
+    stride_table,
+    kv_head,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
+    scale_log2,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax of the rows of q over context positions [lo, hi) of one sequence, read
+    from its blocks in BLOCK_N-token tiles; returns the updated (max, sum, unnormalised output).
+
+    Without MASKED every tile must be whole and visible to every row: callers run their full
+    tiles that way and only the ragged or diagonal rest with masks. CAUSAL (with MASKED) hides
+    positions past each row's q_pos.
+    """
+    d = tl.arange(0, HEAD_DIM)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        table = block_table_ptr + seq * stride_table + pos // BLOCK_SIZE
+        if MASKED:
+            valid = pos < hi
+            block = tl.load(table, mask=valid, other=0)
+        else:
+            block = tl.load(table)
+        off = (
+            block.to(tl.int64) * stride_cache_block
+            + (pos % BLOCK_SIZE) * stride_cache_token
+            + kv_head * stride_cache_head
+        )
+        if MASKED:
+            k_t = tl.load(k_cache_ptr + off[None, :] + d[:, None], mask=valid[None, :], other=0.0)
+            v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        else:
+            k_t = tl.load(k_cache_ptr + off[None, :] + d[:, None])
+            v = tl.load(v_cache_ptr + off[:, None] + d[None, :])
+        if UPCAST:
+            k_t = k_t.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
+        if MASKED:
+            if CAUSAL:
+                s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            else:
+                s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+    return m, row_sum, acc
+
+
+@triton.jit
+def decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    block_table_ptr,
+    context_len_ptr,
+    query_start_ptr,
+    seq_ids_ptr,
+    scale_log2,
+    split_len,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_table,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    ALL_DECODE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (decode sequences, KV heads, splits): the one query token of a sequence, all query
+    heads of one KV group (rows of one tl.dot, padded to GROUP_PAD), over one split of the
+    context. With SPLIT the normalised partial output and its lse go to part_o / part_lse
+    ([seq, q_head, split, dim] and [seq, q_head, split]) for decode_reduce_kernel; without, the
+    result goes straight to out. ALL_DECODE: every sequence of the batch is a decode, so
+    sequence i is decode i and its query is row i (one dependent load fewer before the KV reads).
+    """
+    i = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if ALL_DECODE:
+        seq = i
+        row = i
+    else:
+        seq = tl.load(seq_ids_ptr + i)
+        row = tl.load(query_start_ptr + seq)
+    ctx = tl.load(context_len_ptr + seq)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    head = kv_head * GROUP + g
+    g_valid = g < GROUP
+    q = tl.load(
+        q_ptr + row * stride_qt + head[:, None] * stride_qh + d[None, :], mask=g_valid[:, None]
+    )
+    q = q.to(k_cache_ptr.dtype.element_ty)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m = tl.full([GROUP_PAD], _NO_MAX, tl.float32)
+    row_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, ctx)
+    # Whole tiles unmasked, then the ragged tail (if any) masked.
+    full = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
+    m, row_sum, acc = _attend_range(
+        q, m, row_sum, acc, lo, full, 0, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
+        stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
+        scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
+    m, row_sum, acc = _attend_range(
+        q, m, row_sum, acc, full, hi, 0, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
+        stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
+        scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
+
+    # An empty split (past this sequence's context) has no keys: it reports lse -inf and a
+    # zero output, never 0/0.
+    has_keys = row_sum > 0
+    sum_safe = tl.where(has_keys, row_sum, 1.0)
+    o = acc / sum_safe[:, None]
+    if SPLIT:
+        num_q_heads = tl.num_programs(1) * GROUP
+        num_splits = tl.num_programs(2)
+        part = (i * num_q_heads + head) * num_splits + split
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=g_valid[:, None])
+        lse = tl.where(has_keys, m + tl.log2(sum_safe), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=g_valid)
+    else:
+        dst = out_ptr + row * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=g_valid[:, None])
+
+
+@triton.jit
+def decode_reduce_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    context_len_ptr,
+    query_start_ptr,
+    seq_ids_ptr,
+    split_len,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    ALL_DECODE: tl.constexpr,
+):
+    """Grid (decode sequences, query heads): weights each split's output by exp2 of its lse."""
+    i = tl.program_id(0)
+    head = tl.program_id(1)
+    num_q_heads = tl.num_programs(1)
+    if ALL_DECODE:
+        seq = i
+        row = i
+    else:
+        seq = tl.load(seq_ids_ptr + i)
+        row = tl.load(query_start_ptr + seq)
+    ctx = tl.load(context_len_ptr + seq)
+    used = tl.cdiv(ctx, split_len)
+
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    s_valid = s < used
+    part = (i * num_q_heads + head) * num_splits + s
+    lse = tl.load(part_lse_ptr + part, mask=s_valid, other=float("-inf"))
+    o = tl.load(
+        part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=s_valid[:, None], other=0.0
+    )
+    w = tl.exp2(lse - tl.max(lse, 0))
+    res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, res.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_table_ptr,
+    context_len_ptr,
+    query_start_ptr,
+    tile_seq_ptr,
+    tile_start_ptr,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_table,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (query tiles, KV heads). A tile is BLOCK_Q consecutive queries of one sequence times
+    the GROUP query heads of one KV head, flattened into BLOCK_M >= BLOCK_Q * GROUP rows (row r:
+    query r // GROUP, head r % GROUP), so each K/V tile loaded serves the whole group.
+    tile_seq / tile_start give each tile's sequence and first query index within it. Query i of
+    a sequence with q queries and c context tokens sits at position c - q + i and sees keys at
+    positions <= that, read from the cache after this step's write.
+    """
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    first = tl.load(tile_start_ptr + tile)
+    q_begin = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_begin
+    ctx = tl.load(context_len_ptr + seq)
+    prefix = ctx - q_len
+
+    r = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    qi = first + r // GROUP
+    head = kv_head * GROUP + r % GROUP
+    r_valid = (r < BLOCK_Q * GROUP) & (qi < q_len)
+    q_rows = (q_begin + qi) * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=r_valid[:, None], other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = prefix + qi
+
+    m = tl.full([BLOCK_M], _NO_MAX, tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Keys before the tile's first query position are visible to all its rows: those whole
+    # tiles run unmasked; the rest, up to the last query's own position, masked and causal.
+    full = (prefix + first) // BLOCK_N * BLOCK_N
+    kv_end = tl.minimum(ctx, prefix + first + BLOCK_Q)
+    m, row_sum, acc = _attend_range(
+        q, m, row_sum, acc, 0, full, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
+        stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
+        scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
+    m, row_sum, acc = _attend_range(
+        q, m, row_sum, acc, full, kv_end, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
+        stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
+        scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, True, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
+
+    # Padding rows never see a key; every real row sees at least position 0.
+    o = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+    o_rows = (q_begin + qi) * stride_ot + head * stride_oh
+    tl.store(
+        out_ptr + o_rows[:, None] + d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=r_valid[:, None],
+    )
