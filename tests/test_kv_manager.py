@@ -1,0 +1,272 @@
+"""PagedKVManager: block accounting, prefix sharing, eviction; random operation sequences never
+leak a block, free one twice or hand out a block that holds someone else's tokens."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from inferx_core.kv_manager import PagedKVManager
+from inferx_core.sequence import SamplingParams, Sequence
+
+PARAMS = SamplingParams()
+
+
+def seq(tokens: list[int]) -> Sequence:
+    return Sequence(list(tokens), PARAMS)
+
+
+def computed(kv: PagedKVManager, s: Sequence, n: int) -> None:
+    """Pretend a step ran n more tokens of s (blocks must be allocated)."""
+    assert kv.allocate(s, s.num_computed + n)
+    s.num_computed += n
+
+
+def tree_blocks(kv: PagedKVManager) -> list[int]:
+    out, stack = [], list(kv.tree.root.children.values()) if kv.tree else []
+    while stack:
+        n = stack.pop()
+        out.extend(n.blocks)
+        stack.extend(n.children.values())
+    return out
+
+
+def check_accounting(kv: PagedKVManager, live: list[Sequence]) -> None:
+    """Every usable block is exactly one of free, held by sequences, or cached only."""
+    ref = [0] * kv.num_blocks
+    for s in live:
+        for b in s.block_table:
+            ref[b] += 1
+    assert ref == kv._ref, "reference counts disagree with the block tables"
+    free = list(kv._free)
+    assert len(set(free)) == len(free), "a block is on the free list twice"
+    cached = tree_blocks(kv)
+    assert len(set(cached)) == len(cached), "a block is in the tree twice"
+    assert set(cached) == {b for b in range(kv.num_blocks) if kv._cached[b]}
+    held = {b for b in range(kv.num_blocks) if ref[b] > 0}
+    cached_only = set(cached) - held
+    assert not set(free) & (held | set(cached)), "a block in use is on the free list"
+    assert set(free) | held | set(cached) == set(range(1, kv.num_blocks)), "a block leaked"
+    assert 0 not in held | set(cached) | set(free)
+    evictable = kv.tree.evictable if kv.tree else 0
+    assert evictable == len(cached_only), "a cached block is held but evictable, or stuck"
+    assert kv.num_free_blocks() == len(free) + len(cached_only)
+
+
+# -- unit tests ----------------------------------------------------------------------------------
+
+
+def test_block_zero_is_reserved():
+    kv = PagedKVManager(5, 4)
+    assert kv.num_usable_blocks == 4 and kv.num_free_blocks() == 4
+    s = seq(range(16))
+    assert kv.allocate(s, 16)
+    assert sorted(s.block_table) == [1, 2, 3, 4]
+    assert kv.usage() == 1.0
+    with pytest.raises(ValueError, match="at least 2"):
+        PagedKVManager(1, 4)
+
+
+def test_allocate_is_all_or_nothing():
+    kv = PagedKVManager(4, 4, prefix_cache=False)
+    s = seq(range(20))
+    assert not kv.allocate(s, 13)
+    assert s.block_table == [] and kv.num_free_blocks() == 3
+    assert kv.allocate(s, 5) and len(s.block_table) == 2
+    assert kv.allocate(s, 8) and len(s.block_table) == 2, "already big enough"
+
+
+def test_free_returns_every_block_once():
+    kv = PagedKVManager(9, 4, prefix_cache=False)
+    s = seq(range(10))
+    kv.allocate(s, 10)
+    kv.free(s)
+    kv.free(s)
+    assert s.block_table == [] and kv.num_free_blocks() == 8
+    check_accounting(kv, [])
+
+
+def test_committed_blocks_are_shared_by_the_next_match():
+    kv = PagedKVManager(20, 4)
+    a = seq(range(14))
+    computed(kv, a, 14)
+    kv.commit(a)
+    b = seq(list(range(12)) + [99, 98])
+    assert kv.match_prefix(b) == 12
+    assert b.block_table == a.block_table[:3]
+    assert all(kv._ref[x] == 2 for x in b.block_table)
+    check_accounting(kv, [a, b])
+    kv.free(a)
+    kv.free(b)
+    assert kv.num_free_blocks() == 19 and kv.usage() == 0.0
+    check_accounting(kv, [])
+
+
+def test_match_leaves_the_last_token_to_run():
+    kv = PagedKVManager(20, 4)
+    a = seq(range(8))
+    computed(kv, a, 8)
+    kv.commit(a)
+    kv.free(a)
+    assert kv.match_prefix(seq(range(8))) == 4, "8 cached tokens, but the 8th must run"
+    assert kv.match_prefix(seq(range(9))) == 8
+    assert kv.match_prefix(seq([0, 1, 2])) == 0, "no whole block before the last token"
+
+
+def test_match_needs_an_empty_table_and_is_off_without_cache():
+    kv = PagedKVManager(20, 4, prefix_cache=False)
+    a = seq(range(8))
+    computed(kv, a, 8)
+    kv.commit(a)
+    assert kv.match_prefix(seq(range(9))) == 0
+    with pytest.raises(ValueError, match="empty block table"):
+        kv.match_prefix(a)
+
+
+def test_commit_swaps_a_duplicate_for_the_cached_block():
+    kv = PagedKVManager(20, 4)
+    a, b = seq(range(9)), seq(range(9))
+    computed(kv, a, 8)
+    computed(kv, b, 8)
+    own = list(b.block_table)
+    kv.commit(a)
+    kv.commit(b)
+    assert b.block_table[:2] == a.block_table[:2]
+    assert all(kv._ref[x] == 0 for x in own[:2]) and kv.num_free_blocks() == 19 - 2
+    check_accounting(kv, [a, b])
+
+
+def test_commit_only_takes_whole_computed_blocks():
+    kv = PagedKVManager(20, 4)
+    a = seq(range(11))
+    computed(kv, a, 7)
+    kv.commit(a)
+    assert kv.tree.size == 1
+    computed(kv, a, 1)
+    kv.commit(a)
+    assert kv.tree.size == 2
+
+
+def test_allocate_evicts_cached_blocks_when_the_free_list_runs_out():
+    kv = PagedKVManager(6, 2)
+    a = seq(range(8))
+    computed(kv, a, 8)
+    kv.commit(a)
+    kv.free(a)
+    assert len(kv._free) == 1 and kv.num_free_blocks() == 5
+    b = seq(range(100, 106))
+    assert kv.allocate(b, 6)
+    assert kv.tree.size == 2, "only as many blocks as needed were evicted"
+    c = seq(range(8))
+    assert kv.match_prefix(c) == 4, "the oldest prefix blocks stay"
+    check_accounting(kv, [b, c])
+
+
+def test_blocks_in_use_are_not_evictable():
+    kv = PagedKVManager(5, 2)
+    a = seq(range(8))
+    computed(kv, a, 8)
+    kv.commit(a)
+    assert kv.num_free_blocks() == 0
+    assert not kv.allocate(seq(range(50, 52)), 2)
+    check_accounting(kv, [a])
+
+
+# -- random operation sequences ------------------------------------------------------------------
+
+BS = 2
+NUM_BLOCKS = 16
+
+
+class KVMachine(RuleBasedStateMachine):
+    """Sequences from a two-letter alphabet (so prefixes collide) grow, commit and free at random.
+
+    `content` plays the KV cache: the token each block slot was last written with. A sequence
+    must always read its own tokens back through its block table, and every tree block must hold
+    the tokens of its edge.
+    """
+
+    prefix_cache = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = PagedKVManager(NUM_BLOCKS, BS, prefix_cache=self.prefix_cache)
+        self.live: list[Sequence] = []
+        self.content: dict[int, list[int | None]] = {}
+
+    @rule(tokens=st.lists(st.integers(1, 2), min_size=1, max_size=12))
+    def admit(self, tokens: list[int]) -> None:
+        s = seq(tokens)
+        got = self.kv.match_prefix(s)
+        assert got % BS == 0 and got < len(tokens) and len(s.block_table) * BS == got
+        s.num_computed = got
+        self.live.append(s)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), n=st.integers(1, 6))
+    def compute(self, data: st.DataObject, n: int) -> None:
+        s = data.draw(st.sampled_from(self.live))
+        while s.num_computed + n > s.num_tokens:
+            s.token_ids.append(data.draw(st.integers(1, 2)))  # a generated token
+        before = list(s.block_table)
+        if not self.kv.allocate(s, s.num_computed + n):
+            assert s.block_table == before
+            return
+        for p in range(s.num_computed, s.num_computed + n):
+            b = s.block_table[p // BS]
+            assert self.kv._ref[b] == 1 and not self.kv._cached[b], "write into a shared block"
+            self.content.setdefault(b, [None] * BS)[p % BS] = s.token_ids[p]
+        s.num_computed += n
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def commit(self, data: st.DataObject) -> None:
+        self.kv.commit(data.draw(st.sampled_from(self.live)))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        s = data.draw(st.sampled_from(self.live))
+        if data.draw(st.booleans()):
+            self.kv.commit(s)
+        self.kv.free(s)
+        self.kv.free(s)  # a second free is a no-op
+        self.live.remove(s)
+
+    @invariant()
+    def accounting(self) -> None:
+        check_accounting(self.kv, self.live)
+
+    @invariant()
+    def kv_contents(self) -> None:
+        for s in self.live:
+            for p in range(s.num_computed):
+                assert self.content[s.block_table[p // BS]][p % BS] == s.token_ids[p]
+        if self.kv.tree is None:
+            return
+        stack = list(self.kv.tree.root.children.values())
+        while stack:
+            node = stack.pop()
+            for i, b in enumerate(node.blocks):
+                assert self.content[b] == node.key[i * BS : (i + 1) * BS]
+            stack.extend(node.children.values())
+
+    def teardown(self) -> None:
+        for s in self.live:
+            self.kv.free(s)
+        check_accounting(self.kv, [])
+        assert self.kv.num_free_blocks() == NUM_BLOCKS - 1
+
+
+class KVMachineNoCache(KVMachine):
+    prefix_cache = False
+
+
+TestKVManagerRandom = KVMachine.TestCase
+TestKVManagerRandom.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestKVManagerRandomNoCache = KVMachineNoCache.TestCase
+TestKVManagerRandomNoCache.settings = settings(
+    max_examples=40, stateful_step_count=40, deadline=None
+)
