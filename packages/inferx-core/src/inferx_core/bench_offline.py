@@ -53,8 +53,8 @@ def random_prompt(vocab: int, n: int, rng: random.Random) -> list[int]:
 def weight_bytes(model: torch.nn.Module) -> int:
     seen: set[int] = set()
     total = 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() not in seen and t.is_floating_point() and t.dim() >= 2:
+    for t in model.parameters():  # every parameter once (a tied head is the embedding)
+        if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
     return total

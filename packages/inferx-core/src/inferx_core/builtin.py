@@ -21,3 +21,8 @@ def inferx_attention_backends(register: Register) -> None:
 @hookimpl
 def inferx_quant_schemes(register: Register) -> None:
     register("none", "inferx_core.quant_none:Unquantized")
+
+
+@hookimpl
+def inferx_kernel_ops(register: Register) -> None:
+    register("torch", "inferx_core.ops_torch:TorchOps")

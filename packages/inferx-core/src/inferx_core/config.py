@@ -42,7 +42,8 @@ class ModelSection(Section):
 class EngineSection(Section):
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer (or a plugin's)
-    cuda_graphs: bool = True  # decode CUDA graphs (GPU only)
+    kernels: str = "auto"  # fused norm/rotary/activation ops: auto | torch | triton
+    cuda_graphs: bool = True  # capture decode steps in CUDA graphs (GPU and a capable backend)
     threads: int | None = Field(default=None, ge=1)  # torch CPU threads
 
     @field_validator("device")
@@ -138,6 +139,8 @@ class ServerSection(Section):
     port: int = Field(default=8000, ge=0, le=65535)
     drain_timeout: float = Field(default=30.0, ge=0)  # seconds SIGTERM waits for requests
     api_key: str | None = None
+    # /health fails once the engine loop has gone this many seconds without finishing a step
+    health_timeout: float = Field(default=30.0, gt=0)
 
 
 class ParallelSection(Section):

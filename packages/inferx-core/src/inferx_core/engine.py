@@ -234,6 +234,8 @@ class LLM:
         parts: dict[str, list[RequestOutput]] = {i: [] for i in ids}
         while len(done) < len(ids):
             for o in self.engine.step():
+                if o.request_id not in parts:  # someone else's request on the same engine
+                    continue
                 parts[o.request_id].append(o)
                 if o.finished:
                     done[o.request_id] = _join(parts[o.request_id], self.engine)

@@ -108,6 +108,15 @@ def pick_attention_backend(name: str, device: torch.device, reg: Plugins) -> str
     return "torch"
 
 
+def pick_kernel_ops(name: str, device: torch.device, reg: Plugins) -> str:
+    """auto: fused Triton kernels on a GPU when installed, the torch reference otherwise."""
+    if name != "auto":
+        return name
+    if device.type == "cuda" and "triton" in reg.names("kernel_ops"):
+        return "triton"
+    return "torch"
+
+
 @dataclass
 class LoadReport:
     """What start-up spent its time on, in seconds."""
@@ -151,7 +160,8 @@ class ModelRunner(Executor):
             self.kv_layout, self.block_size, self.dtype, self.device
         )
         quant: QuantScheme = reg.get("quant_scheme", config.quantization.scheme)()  # type: ignore[operator]
-        ctx = BuildContext(self.dtype, self.device, self.attention, quant)
+        ops_cls = reg.get("kernel_ops", pick_kernel_ops(config.engine.kernels, self.device, reg))
+        ctx = BuildContext(self.dtype, self.device, self.attention, quant, ops_cls())  # type: ignore[operator]
         self.report.seconds["open"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         with torch.device(self.device):

@@ -50,3 +50,8 @@ def inferx_quant_schemes(register: Register) -> None:
 @hookspec
 def inferx_transports(register: Register) -> None:
     """Register Transport classes ("litestar")."""
+
+
+@hookspec
+def inferx_kernel_ops(register: Register) -> None:
+    """Register KernelOps classes ("torch", "triton")."""

@@ -25,6 +25,7 @@ KINDS = {
     "kv_manager": "inferx_kv_managers",
     "quant_scheme": "inferx_quant_schemes",
     "transport": "inferx_transports",
+    "kernel_ops": "inferx_kernel_ops",
 }
 ENTRY_POINT_GROUP = "inferx"
 # Comma-separated entry point names to load; unset loads all. "" loads only what is registered

@@ -4,6 +4,7 @@ from inferx_core.interfaces.attention import AttentionBackend, AttentionBatch
 from inferx_core.interfaces.executor import Executor, StepResult
 from inferx_core.interfaces.kv import KVLayerSpec, KVManager
 from inferx_core.interfaces.model import BuildContext, Checkpoint, CheckpointFormat, ModelArch
+from inferx_core.interfaces.ops import KernelOps
 from inferx_core.interfaces.quant import QuantLinear, QuantScheme
 from inferx_core.interfaces.scheduler import (
     QueueFullError,
@@ -23,6 +24,7 @@ __all__ = [
     "Executor",
     "KVLayerSpec",
     "KVManager",
+    "KernelOps",
     "ModelArch",
     "QuantLinear",
     "QuantScheme",

@@ -12,6 +12,7 @@ import torch
 
 from inferx_core.interfaces.attention import AttentionBackend
 from inferx_core.interfaces.kv import KVLayerSpec
+from inferx_core.interfaces.ops import KernelOps
 from inferx_core.interfaces.quant import QuantScheme
 
 
@@ -23,8 +24,15 @@ class BuildContext:
     device: torch.device
     attention: AttentionBackend
     quant: QuantScheme
+    ops: KernelOps = field(default_factory=lambda: _reference_ops())
     tp_rank: int = 0
     tp_size: int = 1
+
+
+def _reference_ops() -> KernelOps:
+    from inferx_core.ops_torch import TorchOps
+
+    return TorchOps()
 
 
 class ModelArch(torch.nn.Module, ABC):

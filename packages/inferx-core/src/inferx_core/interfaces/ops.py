@@ -1,0 +1,41 @@
+"""The kernel-ops contract: the small fused operations models run between their GEMMs."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class KernelOps(ABC):
+    """Chosen by name ([engine] kernels); models call these through ctx.ops, never torch directly,
+    so a kernel package can fuse them. "torch" (inferx_core.ops_torch) is the reference."""
+
+    @abstractmethod
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm over the last dim, normalised in float32, cast back, scaled by weight.
+
+        With `residual`: first x = x + residual (in x's dtype); returns (normed, x) so the sum is
+        the next layer's residual (Hugging Face's order of operations, fused)."""
+
+    @abstractmethod
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., 2I] holding gate then up -> silu(gate) * up, [..., I]."""
+
+    @abstractmethod
+    def rotary(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos_sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, Hq, D] and k [T, Hkv, D] by position (the "rotate half" layout).
+
+        cos_sin: [max_positions, D] float32, cos in the first D/2 columns and sin in the rest."""

@@ -1,0 +1,259 @@
+"""Runs Engine.step() on its own thread and routes each step's outputs to the HTTP requests.
+
+The engine is not thread-safe, so only the loop thread touches it: the event loop sends it
+commands (add, abort) through a queue it drains between steps, and it hands each step's outputs
+back with one call_soon_threadsafe per step. Outputs that pile up while a client is slow are
+delivered together, so a busy event loop sends fewer, larger chunks instead of falling behind.
+Why a thread and not a process: docs/BENCHMARKS.md, "Transport alone".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from inferx_core.engine import RequestOutput
+from inferx_core.interfaces import SchedulerStats
+from inferx_core.sequence import SamplingParams
+
+log = logging.getLogger("inferx.server")
+
+
+class EngineDead(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+@dataclass(eq=False)
+class Submission:
+    """One HTTP request: its engine requests (prompts x n choices) and their pending outputs.
+
+    Fields after `items` belong to the event-loop thread.
+    """
+
+    rids: list[str]
+    items: list[tuple[list[int], SamplingParams]]
+    accepted: asyncio.Future[None]
+    arrival: float = field(default_factory=time.monotonic)
+    pending: list[tuple[int, RequestOutput]] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    error: BaseException | None = None
+    aborted: bool = False  # by the server: its outputs stop without a final one
+    open: int = 0  # engine requests not finished yet
+    first: list[float | None] = field(default_factory=list)  # first-token time per choice
+    last: list[float] = field(default_factory=list)  # last-output time per choice
+
+    def __post_init__(self) -> None:
+        self.open = len(self.rids)
+        self.first = [None] * len(self.rids)
+        self.last = [self.arrival] * len(self.rids)
+
+
+class EngineLoop:
+    """Owns the engine's thread. start() from the event loop; submit()/abort() from handlers."""
+
+    def __init__(
+        self,
+        engine: Any,
+        health_timeout: float = 30.0,
+        on_output: Callable[[Submission, int, RequestOutput, float], None] | None = None,
+        on_abort: Callable[[int], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.health_timeout = health_timeout
+        self.on_output = on_output  # metrics hooks, called on the event-loop thread
+        self.on_abort = on_abort
+        self.stats = SchedulerStats(running=0, waiting=0, kv_usage=0.0)
+        self.steps = 0
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._routes: dict[str, tuple[Submission, int]] = {}
+        self._subs: set[Submission] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._heartbeat = time.monotonic()
+
+    # -- event-loop side ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="inferx-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def in_flight(self) -> int:
+        """HTTP requests whose engine requests have not all finished."""
+        return len(self._subs)
+
+    def health(self) -> str | None:
+        """None while the loop is alive and stepping; otherwise what is wrong."""
+        if self._dead is not None:
+            return f"the engine loop died: {self._dead!r}"
+        if self._thread is None or not self._thread.is_alive():
+            return "the engine loop is not running"
+        stalled = time.monotonic() - self._heartbeat
+        if stalled > self.health_timeout:
+            return f"the engine loop has not finished a step for {stalled:.0f} s"
+        return None
+
+    async def submit(
+        self, items: list[tuple[list[int], SamplingParams]], request_id: str
+    ) -> Submission:
+        """Queue every item as one engine request; all are accepted or none.
+
+        Raises what Engine.add_request raises (ValueError, QueueFullError), or EngineDead.
+        Acceptance happens between two steps, when the requests could first run anyway.
+        """
+        if self._dead is not None or self._stopping:
+            raise EngineDead(self.health() or "the engine loop is stopping")
+        assert self._loop is not None, "EngineLoop.start() was not called"
+        rids = [f"{request_id}-{i}" for i in range(len(items))]
+        sub = Submission(rids, items, self._loop.create_future())
+        for i, rid in enumerate(rids):
+            self._routes[rid] = (sub, i)
+        self._subs.add(sub)
+        self._inbox.put(("add", sub))
+        try:
+            await sub.accepted
+        except BaseException:
+            self.abort(sub)
+            raise
+        return sub
+
+    async def outputs(self, sub: Submission) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+        """Everything the engine produced for `sub` since the last batch, until all finish."""
+        while True:
+            await sub.wake.wait()
+            sub.wake.clear()
+            if sub.pending:
+                batch, sub.pending = sub.pending, []
+                yield batch
+            if sub.error is not None:
+                raise EngineDead(str(sub.error)) from sub.error
+            if sub.open == 0 or sub.aborted:
+                return
+
+    def abort(self, sub: Submission, notify: bool = False) -> None:
+        """Stop whatever of `sub` still runs. With notify, its outputs end with "abort"."""
+        if sub not in self._subs:
+            return
+        self._subs.discard(sub)
+        live = [rid for rid in sub.rids if rid in self._routes]
+        if not notify:  # nothing more will arrive: let a waiting consumer go
+            for rid in live:
+                del self._routes[rid]
+            sub.aborted = True
+            sub.wake.set()
+        if live:
+            if self.on_abort is not None:
+                self.on_abort(len(live))
+            self._inbox.put(("abort", (live, notify)))
+
+    def abort_all(self) -> None:
+        """End every request now (drain timeout): streams finish with reason "abort"."""
+        for sub in list(self._subs):
+            self.abort(sub, notify=True)
+
+    def _deliver(self, outputs: list[RequestOutput], t: float) -> None:
+        for out in outputs:
+            route = self._routes.get(out.request_id)
+            if route is None:
+                continue  # aborted by its client
+            sub, index = route
+            sub.pending.append((index, out))
+            sub.wake.set()
+            if self.on_output is not None:
+                self.on_output(sub, index, out, t)
+            if out.finished:
+                del self._routes[out.request_id]
+                sub.open -= 1
+                if sub.open == 0:
+                    self._subs.discard(sub)
+
+    def _settle(self, sub: Submission, error: BaseException | None) -> None:
+        if sub.accepted.done():
+            return
+        if error is None:
+            sub.accepted.set_result(None)
+        else:
+            for rid in sub.rids:
+                self._routes.pop(rid, None)
+            self._subs.discard(sub)
+            sub.accepted.set_exception(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for sub in list(self._subs):
+            self._settle(sub, EngineDead(str(error)))
+            sub.error = error
+            sub.wake.set()
+        self._subs.clear()
+        self._routes.clear()
+
+    # -- engine thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine, loop = self.engine, self._loop
+        assert loop is not None
+        try:
+            while not self._stopping:
+                self._take_commands(block=not engine.has_work())
+                if engine.has_work():
+                    outputs = engine.step()
+                    self.steps += 1
+                    if outputs:
+                        loop.call_soon_threadsafe(self._deliver, outputs, time.monotonic())
+                self.stats = engine.scheduler.stats()
+                self._heartbeat = time.monotonic()
+        except BaseException as exc:
+            log.exception("the engine loop died")
+            self._dead = exc
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self._fail_all, exc)
+
+    def _take_commands(self, block: bool) -> None:
+        # An idle loop still wakes twice a second, so that its heartbeat stays fresh.
+        try:
+            cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._command(*cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _command(self, kind: str, arg: Any) -> None:
+        engine, loop = self.engine, self._loop
+        assert loop is not None
+        if kind == "add":
+            sub: Submission = arg
+            added: list[str] = []
+            try:
+                for rid, (ids, params) in zip(sub.rids, sub.items, strict=True):
+                    engine.add_request(ids, params, rid)
+                    added.append(rid)
+            except Exception as exc:  # refused: undo the part that went in
+                for rid in added:
+                    engine.abort(rid)
+                loop.call_soon_threadsafe(self._settle, sub, exc)
+                return
+            loop.call_soon_threadsafe(self._settle, sub, None)
+        elif kind == "abort":
+            rids, notify = arg
+            ended = [rid for rid in rids if engine.abort(rid) or notify]
+            if notify and ended:
+                outs = [RequestOutput(rid, [], "", True, "abort", 0, 0, 0) for rid in ended]
+                loop.call_soon_threadsafe(self._deliver, outs, time.monotonic())

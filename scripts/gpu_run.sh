@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One call on the H200 (device tool): set up, GPU tests, benchmarks; logs and JSON into $OUT.
+# Needs .whl/ (bash ../shared/gpu/wheelhouse.sh gguf==0.19.0) and .carry/tok/tokenizers/qwen.
+# Usage: bash scripts/gpu_run.sh [tests] [bench] [demo]   (default: tests bench)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 INFERX_FIXTURES=$PWD/.carry/tok
+bash .whl/setup.sh >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
+tail -1 "$OUT/setup.log"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests bench)
+TOK=.carry/tok/tokenizers/qwen
+for step in "${steps[@]}"; do
+  case $step in
+    tests)
+      python3 -m pytest tests/test_gpu_correctness.py tests/test_triton_attention.py -m gpu -q \
+        -k "not demo" 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
+    demo)
+      python3 -m pytest tests/test_gpu_correctness.py -m gpu -q -k demo 2>&1 \
+        | tee "$OUT/gpu-demo.log" | tail -15 ;;
+    bench)
+      for be in torch triton; do
+        inferx-bench latency --preset qwen2.5-3b-instruct \
+          --tokenizer $TOK --dtype bfloat16 --attention-backend $be --kv-cache-memory 40GiB \
+          --scheduler-max-batched-tokens 8192 --scheduler-prefill-chunk 8192 --runs 3 \
+          --json "$OUT/latency-3b-$be.json" 2>&1 | tail -12
+      done
+      inferx-bench throughput --preset qwen2.5-3b-instruct \
+        --tokenizer $TOK --dtype bfloat16 --attention-backend triton --kv-cache-memory 40GiB \
+        --input-len 512 --output-len 256 --num-prompts 256 --scheduler-max-batched-tokens 8192 \
+        --scheduler-prefill-chunk 2048 --json "$OUT/throughput-3b-triton.json" 2>&1 | tail -8 ;;
+  esac
+done

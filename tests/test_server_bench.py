@@ -1,0 +1,47 @@
+"""inferx-bench: the load client against a live server, and the transport benchmark, both tiny."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from test_server_api import QWEN, FakeExecutor, serve
+
+from inferx_server import bench
+
+
+def _run(tmp_path: Path, url: str, *extra: str) -> dict:
+    out = tmp_path / "serve.json"
+    argv = ["serve", "--base-url", url, "--num-prompts", "8", "--input-len", "40",
+            "--output-len", "6", "--json", str(out), *extra]  # fmt: skip
+    assert bench.main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def test_serve_exact_lengths_concurrency_rate_prefix_chat(tmp_path: Path) -> None:
+    with serve(FakeExecutor(step_delay=0.002)) as t:
+        # Text prompts that the server counts as exactly 40 tokens (Qwen adds no BOS).
+        r = _run(tmp_path, t.url, "--tokenizer", str(QWEN), "--concurrency", "4")
+        assert r["completed"] == 8 and r["failed"] == 0
+        assert r["total_input_tokens"] == 8 * 40 and r["total_output_tokens"] == 8 * 6
+        assert r["ttft_ms"]["p99"] > 0 and r["tpot_ms"]["mean"] > 0 and r["itl_ms"]["median"] > 0
+        # Shared prefix over a Poisson arrival rate: the prefix cache serves later prompts.
+        before = t.state.loop.stats.prefix_hits
+        r = _run(tmp_path, t.url, "--tokenizer", str(QWEN), "--request-rate", "40",
+                 "--shared-prefix-len", "32")  # fmt: skip
+        assert r["completed"] == 8 and r["total_input_tokens"] == 8 * 40
+        assert t.state.loop.stats.prefix_hits - before >= 7 * 32
+        r = _run(tmp_path, t.url, "--tokenizer", str(QWEN), "--endpoint", "chat")
+        assert r["completed"] == 8 and r["total_output_tokens"] == 8 * 6
+        r = _run(tmp_path, t.url)  # token-id prompts, no tokenizer needed
+        assert r["completed"] == 8 and r["total_input_tokens"] == 8 * 40
+
+
+def test_transport_benchmark_runs(tmp_path: Path) -> None:
+    out = tmp_path / "transport.json"
+    argv = ["transport", "--streams", "1,4", "--tokens", "8", "--step-ms", "1", "--json", str(out)]
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["streams"] for r in rows] == [1, 4]
+    assert all(r["complete"] == r["streams"] and r["tokens"] == 8 * r["streams"] for r in rows)
+    assert all(0 < r["added_latency_ms"]["median"] < 1000 for r in rows)

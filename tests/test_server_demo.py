@@ -1,0 +1,76 @@
+"""`inferx-server` end to end on the built-in demo model (SmolLM2-135M on the CPU): the real CLI
+in a subprocess, the official openai client, a few short generations, then SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+try:
+    from inferx_models.gguf import find_demo_gguf
+
+    find_demo_gguf()
+except (ImportError, FileNotFoundError) as exc:
+    pytest.skip(f"the demo model is not installed ({exc})", allow_module_level=True)
+
+pytestmark = pytest.mark.slow
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[subprocess.Popen, str]]:
+    cmd = [sys.executable, "-m", "inferx_server.cli", "--port", "0", "--max-model-len", "512"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # blocks until the model is loaded, or the server died
+        assert "loaded in" in line and "listening on http://127.0.0.1:" in line, (
+            line + proc.stderr.read()
+        )
+        yield proc, line.rsplit(" ", 1)[1].strip()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def client(server: tuple[subprocess.Popen, str]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_chat_answers_paris_and_reuses_the_prefix(client: openai.OpenAI) -> None:
+    model = client.models.list().data[0].id
+    kw = dict(model=model, messages=QUESTION, max_tokens=12, temperature=0)
+    first = client.chat.completions.create(**kw)
+    assert "Paris" in first.choices[0].message.content
+    assert first.choices[0].finish_reason == "stop"
+    again = client.chat.completions.create(**kw)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_streaming_equals_whole(client: openai.OpenAI) -> None:
+    model = client.models.list().data[0].id
+    kw = dict(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
+    whole = client.completions.create(**kw).choices[0].text
+    chunks = list(
+        client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_sigterm_exits_zero(server: tuple[subprocess.Popen, str]) -> None:
+    proc, url = server
+    assert httpx.get(url + "/health").status_code == 200
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    assert proc.wait(30) == 0
+    assert time.monotonic() - t0 < 10
