@@ -59,10 +59,12 @@ def test_greedy_is_argmax():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 100, generator=g)
     tokens, logprobs = Sampler(torch.device("cpu"))(
-        logits, seqs([SamplingParams(temperature=0)] * 4)
+        logits, seqs([SamplingParams(temperature=0, logprobs=2)] * 4)
     )
     assert tokens.tolist() == logits.argmax(1).tolist()
     assert torch.allclose(logprobs.exp().sum(1), torch.ones(4))
+    _, none = Sampler(torch.device("cpu"))(logits, seqs([SamplingParams(temperature=0)] * 4))
+    assert none is None  # not computed when nobody asked
 
 
 def test_sampling_follows_the_distribution():
@@ -83,3 +85,15 @@ def test_seeded_rows_do_not_depend_on_the_batch():
         logits, seqs([seeded, SamplingParams(temperature=1.0), SamplingParams(temperature=0.5)])
     )
     assert a[0] == b[0]
+
+
+def test_torch_rotary_reuses_lookup_only_for_the_same_positions():
+    from inferx_core.ops_torch import TorchOps
+
+    ops = TorchOps()
+    table = torch.randn(64, 8)
+    q, k = torch.randn(3, 2, 8), torch.randn(3, 1, 8)
+    a = ops.rotary(torch.tensor([1, 2, 3]), q, k, table)
+    b = ops.rotary(torch.tensor([4, 5, 6]), q, k, table)  # a new tensor: a fresh lookup
+    fresh = TorchOps().rotary(torch.tensor([4, 5, 6]), q, k, table)
+    assert torch.equal(b[0], fresh[0]) and not torch.equal(a[0], b[0])

@@ -108,6 +108,10 @@ class Engine:
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
+        vocab = getattr(self.executor, "vocab_size", None)
+        if vocab is not None and not all(0 <= t < vocab for t in ids):
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "

@@ -9,6 +9,12 @@ from inferx_core.interfaces.ops import KernelOps
 
 
 class TorchOps(KernelOps):
+    def __init__(self) -> None:
+        # Every layer of a step rotates by the same positions tensor: look cos/sin up once. The
+        # key holds the tensors themselves (not addresses, which the allocator reuses).
+        self._rotary_key: tuple | None = None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
     def rms_norm(
         self,
         x: torch.Tensor,
@@ -36,7 +42,15 @@ class TorchOps(KernelOps):
         k: torch.Tensor,
         cos_sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = cos_sin[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+        # Memo only on the CPU: a graph captured on a GPU must do the lookup itself.
+        memo = positions.device.type == "cpu"
+        old = self._rotary_key
+        if memo and old and old[0] is positions and old[1] is cos_sin and old[2] == q.dtype:
+            cos, sin = self._cos_sin  # type: ignore[misc]
+        else:
+            cos, sin = cos_sin[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+            if memo:  # positions is made fresh each step and never mutated
+                self._rotary_key, self._cos_sin = (positions, cos_sin, q.dtype), (cos, sin)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

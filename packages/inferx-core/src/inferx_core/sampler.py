@@ -68,11 +68,13 @@ class Sampler:
 
     def __call__(
         self, logits: torch.Tensor, seqs: Seq[Sequence]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (token ids [N], raw logprobs [N, V] float32 of the unprocessed logits)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (token ids [N], raw logprobs [N, V] float32 of the unprocessed logits, computed
+        only when some request asked for logprobs)."""
         logits = logits.float()
-        logprobs = torch.log_softmax(logits, dim=1)
         params = [s.params for s in seqs]
+        want = any(p.logprobs is not None for p in params)
+        logprobs = torch.log_softmax(logits, dim=1) if want else None
         if any(_penalised(p) for p in params):
             logits = apply_penalties(logits.clone(), seqs)
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)

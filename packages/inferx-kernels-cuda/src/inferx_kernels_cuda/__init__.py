@@ -1,3 +1,3 @@
-"""InferX GPU kernels: the Triton attention backend (and, later, FlashInfer and fused kernels)."""
+"""InferX GPU kernels: the Triton attention backend and fused Triton ops (FlashInfer later)."""
 
 __version__ = "0.1.0"

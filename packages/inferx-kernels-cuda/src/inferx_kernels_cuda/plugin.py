@@ -1,4 +1,4 @@
-"""Registers this package's attention backends; targets are lazy, so listing imports no Triton."""
+"""Registers the Triton attention backend and kernel ops (lazily: listing imports no Triton)."""
 
 from inferx_core.hookspecs import Register, hookimpl
 
@@ -6,3 +6,8 @@ from inferx_core.hookspecs import Register, hookimpl
 @hookimpl
 def inferx_attention_backends(register: Register) -> None:
     register("triton", "inferx_kernels_cuda.triton_attention:TritonAttention")
+
+
+@hookimpl
+def inferx_kernel_ops(register: Register) -> None:
+    register("triton", "inferx_kernels_cuda.ops:TritonOps")

@@ -1,4 +1,4 @@
-"""Building blocks shared by decoder models: RMSNorm, rotary positions, SiLU gating, attention."""
+"""Building blocks of decoder models: RMSNorm, the rotary table, attention; math via ctx.ops."""
 
 from __future__ import annotations
 
@@ -6,24 +6,25 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from inferx_core.interfaces.model import BuildContext
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    """Holds the weight and eps; the arithmetic is ctx.ops.rms_norm, which with a residual also
+    adds it first and returns the sum as the next residual."""
+
+    def __init__(self, size: int, eps: float, ctx: BuildContext) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+        self.weight = nn.Parameter(torch.ones(size, dtype=ctx.dtype, device=ctx.device))
+        self.ops = ctx.ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and scale after casting back: the order Hugging Face uses, which
-        # matters for bit-closeness in half precision.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -52,7 +53,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates q and k by position (the "rotate half" layout of Llama and Qwen2).
+    """The cos/sin table for rotating q and k by position (the "rotate half" layout of Llama and
+    Qwen2) with ctx.ops.rotary.
 
     cos and sin are tabulated in float32 for every position up to max_positions once, so each
     layer does a lookup rather than trigonometry.
@@ -72,24 +74,6 @@ class RotaryEmbedding(nn.Module):
         angles = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
         table = torch.cat([angles.cos(), angles.sin()], dim=-1)
         self.register_buffer("cos_sin", table.to(device), persistent=False)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, Hq, D], k [T, Hkv, D]."""
-        cos, sin = self.cos_sin[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[..., 2I] holding gate then up -> silu(gate) * up."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 class Attention(nn.Module):
@@ -120,12 +104,13 @@ class Attention(nn.Module):
         self.o_proj = ctx.quant.linear(self.q_size, [hidden_size], o_bias, ctx.dtype, ctx.device)
         self.rotary = rotary
         self.backend = ctx.attention
+        self.ops = ctx.ops
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.ops.rotary(positions, q, k, self.rotary.cos_sin)
         out = self.backend.forward(self.layer, q, k, v, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))

@@ -11,7 +11,7 @@ from torch import nn
 
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_core.interfaces.model import BuildContext, ModelArch
-from inferx_models.layers import Attention, RMSNorm, RotaryEmbedding, rope_parameters, silu_and_mul
+from inferx_models.layers import Attention, RMSNorm, RotaryEmbedding, rope_parameters
 
 # Checkpoint projection -> (our linear layer, part of it): q/k/v and gate/up are fused.
 FUSED = {
@@ -39,12 +39,17 @@ class MLP(nn.Module):
             hidden, [intermediate, intermediate], bias, ctx.dtype, ctx.device
         )
         self.down_proj = ctx.quant.linear(intermediate, [hidden], bias, ctx.dtype, ctx.device)
+        self.ops = ctx.ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
+    """One block in the fused-residual form: the stream `residual` is carried beside `h`, the
+    output of the last sublayer, and each norm first adds them (one kernel instead of an add and
+    a norm). The first layer has no residual yet; the model's final norm takes the last one."""
+
     def __init__(
         self,
         cfg: dict[str, Any],
@@ -57,16 +62,25 @@ class DecoderLayer(nn.Module):
         hidden, heads, kv_heads, head_dim = _dims(cfg)
         qkv_bias, o_bias, mlp_bias = biases
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.input_layernorm = RMSNorm(hidden, eps, ctx.dtype, ctx.device)
+        self.input_layernorm = RMSNorm(hidden, eps, ctx)
         self.self_attn = Attention(
             layer, hidden, heads, kv_heads, head_dim, rotary, ctx, qkv_bias, o_bias
         )
-        self.post_attention_layernorm = RMSNorm(hidden, eps, ctx.dtype, ctx.device)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, ctx)
         self.mlp = MLP(hidden, cfg["intermediate_size"], mlp_bias, ctx)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (this layer's MLP output, the residual stream before it was added)."""
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(positions, h)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -86,13 +100,16 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, rotary, biases, ctx) for i in range(cfg["num_hidden_layers"])
         )
-        self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6), ctx.dtype, ctx.device)
+        self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6), ctx)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            h = layer(positions, h)
-        return self.norm(h)
+            h, residual = layer(positions, h, residual)
+        if residual is None:
+            return self.norm(h)  # a model with no layers
+        return self.norm(h, residual)[0]
 
 
 class LlamaForCausalLM(ModelArch):

@@ -182,14 +182,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 1,
-        "vocab_size": 320,
+        # Qwen's real vocabulary (and its special ids), so it runs with the Qwen tokenizer.
+        "vocab_size": 151936,
         "max_position_embeddings": 256,
         "rms_norm_eps": 1e-06,
         "rope_theta": 1000000.0,
         "use_sliding_window": False,
         "tie_word_embeddings": True,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
         "torch_dtype": "float32",
     },
 }

@@ -36,6 +36,7 @@ class KernelOps(ABC):
         k: torch.Tensor,
         cos_sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, Hq, D] and k [T, Hkv, D] by position (the "rotate half" layout).
+        """Rotate q [T, Hq, D] and k [T, Hkv, D] by position (the "rotate half" layout); returns
+        the rotated pair. An implementation may rotate in place: pass tensors the caller owns.
 
         cos_sin: [max_positions, D] float32, cos in the first D/2 columns and sin in the rest."""

@@ -1,0 +1,144 @@
+"""Triton kernels for the small fused ops between GEMMs: add + RMSNorm, SiLU-and-mul, rotary.
+
+Each kernel reproduces the rounding points of the torch reference (inferx_core.ops_torch): values
+are widened to fp32 for arithmetic and rounded back to the input dtype wherever torch would have
+materialised a tensor of that dtype. In fp32 the roundings are no-ops; in fp16/bf16 they make the
+result match torch's to the last bit or one ulp, instead of drifting by the extra precision that
+keeping fp32 throughout would give. No kernel here calls tl.dot, so bf16 is safe under the
+interpreter too.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rounded(x, DTYPE: tl.constexpr):
+    """x (fp32) rounded to DTYPE and widened again: a torch op's output in DTYPE."""
+    return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    stride_x,
+    stride_residual,
+    stride_out,
+    stride_residual_out,
+    n_cols,
+    eps,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    """One program per row, the whole row in one tile (hidden sizes fit: BLOCK = next power of
+    two). With a residual, writes x + residual (rounded to x's dtype) as the new residual and
+    normalises that sum."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    dtype = x_ptr.dtype.element_ty
+    h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        h = _rounded(h + r.to(tl.float32), dtype)
+        tl.store(residual_out_ptr + row * stride_residual_out + cols, h.to(dtype), mask=mask)
+    # Masked columns load as 0 and add nothing to the sum of squares.
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
+    normed = _rounded(h * rstd, dtype)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(
+        out_ptr + row * stride_out + cols,
+        (w * normed).to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+@triton.jit
+def silu_and_mul_kernel(
+    x_ptr,
+    out_ptr,
+    stride_x,
+    stride_out,
+    n_cols,
+    BLOCK: tl.constexpr,
+):
+    """Grid (rows, column blocks): row r of x holds gate then up, n_cols each."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    dtype = x_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    # torch rounds silu(gate) to the dtype before the product.
+    act = _rounded(gate / (1.0 + tl.exp(-gate)), dtype)
+    tl.store(out_ptr + row * stride_out + cols, (act * up).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotate_heads(
+    base_ptr,
+    stride_head,
+    num_heads,
+    cos,
+    sin,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HEADS_BLOCK: tl.constexpr,
+):
+    """Rotate, in place, every head of one token: [num_heads, 2 * HALF] at base_ptr."""
+    dtype = base_ptr.dtype.element_ty
+    d = tl.arange(0, HALF_PAD)[None, :]
+    for h0 in range(0, num_heads, HEADS_BLOCK):
+        h = h0 + tl.arange(0, HEADS_BLOCK)[:, None]
+        mask = (h < num_heads) & (d < HALF)
+        ptr = base_ptr + h * stride_head + d
+        x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+        # Each product and the sum are rounded like the separate torch ops they replace.
+        lo = _rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype)
+        hi = _rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype)
+        tl.store(ptr, lo.to(dtype), mask=mask)
+        tl.store(ptr + HALF, hi.to(dtype), mask=mask)
+
+
+@triton.jit
+def rotary_kernel(
+    q_ptr,
+    k_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cos_sin,
+    num_q_heads,
+    num_k_heads,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HEADS_BLOCK: tl.constexpr,
+):
+    """One program per token: its cos/sin row is read once and rotates all its q and k heads
+    in place. q and k may be strided views (the head dim itself contiguous)."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    d = tl.arange(0, HALF_PAD)[None, :]
+    row = cos_sin_ptr + pos * stride_cos_sin
+    cos = tl.load(row + d, mask=d < HALF, other=0.0)
+    sin = tl.load(row + HALF + d, mask=d < HALF, other=0.0)
+    # The reference casts the table to q's dtype before using it.
+    dtype = q_ptr.dtype.element_ty
+    cos = _rounded(cos, dtype)
+    sin = _rounded(sin, dtype)
+    _rotate_heads(
+        q_ptr + t * stride_qt, stride_qh, num_q_heads, cos, sin, HALF, HALF_PAD, HEADS_BLOCK
+    )
+    _rotate_heads(
+        k_ptr + t * stride_kt, stride_kh, num_k_heads, cos, sin, HALF, HALF_PAD, HEADS_BLOCK
+    )

@@ -1,0 +1,150 @@
+"""The `triton` KernelOps: one launch each for add + RMSNorm, SiLU-and-mul and q/k rotary."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from inferx_core.interfaces.ops import KernelOps
+from inferx_kernels_cuda import fused_kernels as kernels
+
+# Elements of x1 (and of x2) one rotary loop iteration holds: enough for all query heads of
+# common models in one pass at head dim 128, small enough to stay in registers.
+_ROTARY_TILE = 2048
+_SILU_BLOCK = 1024
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last dim] with a unit stride along the last dim (a view when possible)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x.reshape(-1, x.shape[-1])
+
+
+def _norm_warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+class TritonOps(KernelOps):
+    """Fused Triton kernels with the torch reference's numerics (inferx_core.ops_torch).
+
+    Differences from TorchOps a caller can see: `rotary` rotates q and k in place and returns
+    them (they are views of the step's fresh QKV output, so nothing else reads the unrotated
+    values; this saves a copy of q and k), and positions are not range-checked against the
+    cos/sin table (that would cost a device sync).
+    """
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        n = x.shape[-1]
+        if weight.shape != (n,):
+            raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({n},)")
+        x2 = _rows(x)
+        out = torch.empty(
+            x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device
+        )
+        out2 = out.view(-1, n)
+        if residual is not None:
+            if residual.shape != x.shape:
+                raise ValueError(
+                    f"rms_norm: residual has shape {tuple(residual.shape)}, "
+                    f"expected x's {tuple(x.shape)}"
+                )
+            r2 = _rows(residual)
+            summed = torch.empty_like(x, memory_format=torch.contiguous_format)
+            s2 = summed.view(-1, n)
+        else:
+            # Never read: HAS_RESIDUAL=False compiles the residual path away.
+            r2 = s2 = x2
+        rows = x2.shape[0]
+        if rows:
+            block = triton.next_power_of_2(n)
+            kernels.rms_norm_kernel[(rows,)](
+                x2,
+                r2,
+                weight.contiguous(),
+                out2,
+                s2,
+                x2.stride(0),
+                r2.stride(0),
+                out2.stride(0),
+                s2.stride(0),
+                n,
+                eps,
+                BLOCK=block,
+                HAS_RESIDUAL=residual is not None,
+                num_warps=_norm_warps(block),
+            )
+        return out if residual is None else (out, summed)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] % 2:
+            raise ValueError(f"silu_and_mul: last dim {x.shape[-1]} is not gate + up (even)")
+        half = x.shape[-1] // 2
+        x2 = _rows(x)
+        out = torch.empty((*x.shape[:-1], half), dtype=x.dtype, device=x.device)
+        out2 = out.view(-1, half)
+        rows = x2.shape[0]
+        if rows and half:
+            block = min(_SILU_BLOCK, triton.next_power_of_2(half))
+            # Rows on grid axis 0: it allows 2**31 - 1 programs, axis 1 only 65535.
+            grid = (rows, triton.cdiv(half, block))
+            kernels.silu_and_mul_kernel[grid](
+                x2, out2, x2.stride(0), out2.stride(0), half, BLOCK=block, num_warps=4
+            )
+        return out
+
+    def rotary(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos_sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, _, dim = q.shape
+        if k.shape[0] != tokens or k.shape[2] != dim or q.dtype != k.dtype:
+            raise ValueError(
+                f"rotary: q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} must "
+                "agree on tokens, head dim and dtype"
+            )
+        if q.stride(2) != 1 or k.stride(2) != 1:
+            raise ValueError(
+                "rotary: q and k need a contiguous head dim (strided tokens and heads are fine); "
+                f"strides are {q.stride()} and {k.stride()}"
+            )
+        if dim % 2:
+            raise ValueError(f"rotary: head dim {dim} is odd; rotate-half needs an even one")
+        if cos_sin.shape[-1] != dim or cos_sin.dtype != torch.float32:
+            raise ValueError(
+                f"rotary: cos_sin must be [positions, {dim}] float32, got "
+                f"{tuple(cos_sin.shape)} {cos_sin.dtype}"
+            )
+        if tokens:
+            half = dim // 2
+            half_pad = triton.next_power_of_2(half)
+            most_heads = max(q.shape[1], k.shape[1])
+            heads_block = min(triton.next_power_of_2(most_heads), max(1, _ROTARY_TILE // half_pad))
+            cos_sin = cos_sin.contiguous()
+            kernels.rotary_kernel[(tokens,)](
+                q,
+                k,
+                positions.contiguous(),
+                cos_sin,
+                q.stride(0),
+                q.stride(1),
+                k.stride(0),
+                k.stride(1),
+                cos_sin.stride(0),
+                q.shape[1],
+                k.shape[1],
+                HALF=half,
+                HALF_PAD=half_pad,
+                HEADS_BLOCK=heads_block,
+                num_warps=4,
+            )
+        return q, k
