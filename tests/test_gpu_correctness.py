@@ -1,6 +1,7 @@
 """On the GPU, bf16: greedy output agrees with transformers the way vLLM's tests check it —
 identical tokens up to the first divergence, and there each side's token is in the other's top-5.
-The real demo model and a dummy checkpoint of Qwen2.5-3B's shapes, with each attention backend."""
+The real demo model and a dummy checkpoint of Qwen2.5-3B's shapes, with each attention backend,
+eagerly and (where the backend supports them) with CUDA graphs for decode."""
 
 from __future__ import annotations
 
@@ -26,9 +27,17 @@ PROMPTS = [
 ]
 
 
-def backends() -> list[str]:
-    names = plugins().names("attention_backend")
-    return [b for b in ("torch", "triton", "flashinfer") if b in names]
+def backends() -> list[tuple[str, bool]]:
+    """(attention backend, cuda_graphs): each installed backend eagerly, and with CUDA graphs
+    too where it supports them."""
+    reg = plugins()
+    names = reg.names("attention_backend")
+    runs = []
+    for name in ("torch", "triton", "flashinfer"):
+        if name in names:
+            graphs = getattr(reg.get("attention_backend", name), "supports_cuda_graphs", False)
+            runs += [(name, False), (name, True)] if graphs else [(name, False)]
+    return runs
 
 
 def check_close(ours: list[tuple[int, set[int]]], ref: list[tuple[int, set[int]]], label: str):
@@ -68,8 +77,7 @@ def ours_greedy(llm: LLM, prompts: list[list[int]]) -> list[list[tuple[int, set[
 
 
 def compare(hf_model, overrides: dict, label: str, encode) -> None:
-    # CUDA graphs are not implemented yet (issue 4): add engine.cuda_graphs on/off here then.
-    for backend in backends():
+    for backend, graphs in backends():
         llm = LLM(
             load_config(
                 None,
@@ -78,14 +86,17 @@ def compare(hf_model, overrides: dict, label: str, encode) -> None:
                     "engine.device": "cuda",
                     "model.dtype": "bfloat16",
                     "engine.attention_backend": backend,
+                    "engine.cuda_graphs": graphs,
                     "kv_cache.memory": "8GiB",
                 },
             )
         )
+        assert (llm.engine.executor.graphs is not None) == graphs
         prompts = [encode(llm, p) for p in PROMPTS]
         got = ours_greedy(llm, prompts)
+        mode = "graphs" if graphs else "eager"
         for p, g in zip(prompts, got, strict=True):
-            check_close(g, hf_greedy(hf_model, p), f"{label}/{backend}")
+            check_close(g, hf_greedy(hf_model, p), f"{label}/{backend}/{mode}")
         del llm
         torch.cuda.empty_cache()
 

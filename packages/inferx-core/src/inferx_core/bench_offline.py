@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import subprocess
@@ -150,7 +151,8 @@ def main(argv: list[str] | None = None, mode: str | None = None) -> int:
         else platform.processor() or platform.machine(),
         "dtype": str(ex.dtype).removeprefix("torch."),
         "attention_backend": type(ex.attention).__name__,
-        "commit": subprocess.run(
+        "commit": os.environ.get("INFERX_COMMIT")
+        or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
         ).stdout.strip(),
         "startup_s": ready,

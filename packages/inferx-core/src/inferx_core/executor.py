@@ -12,6 +12,7 @@ import torch
 
 from inferx_core.batch import make_attention_batch
 from inferx_core.config import Config
+from inferx_core.cuda_graphs import DecodeGraphRunner, eager_reason
 from inferx_core.interfaces import (
     AttentionBackend,
     BuildContext,
@@ -170,6 +171,7 @@ class ModelRunner(Executor):
         self.model.eval()
         self.report.seconds["weights"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        self.vocab_size = int(ckpt.hf_config["vocab_size"])
         self.max_model_len = int(
             config.model.max_model_len or ckpt.hf_config.get("max_position_embeddings", 4096)
         )
@@ -177,6 +179,28 @@ class ModelRunner(Executor):
         self.attention.allocate(self.num_kv_blocks)
         self.sampler = Sampler(self.device, seed=config.model.seed)
         self.report.seconds["kv_cache"] = time.perf_counter() - t0
+        self.graphs: DecodeGraphRunner | None = None
+        self.eager_reason = eager_reason(config.engine.cuda_graphs, self.device, self.attention)
+        if self.eager_reason is not None:
+            log.info("decode runs eagerly: %s", self.eager_reason)
+        else:
+            t0 = time.perf_counter()
+            self.graphs = DecodeGraphRunner(
+                self.model,
+                self.attention,
+                self.device,
+                config.scheduler.max_running,
+                self.max_model_len,
+                self.block_size,
+            )
+            self.graphs.capture()
+            self.report.seconds["cuda_graphs"] = time.perf_counter() - t0
+            log.info(
+                "captured decode CUDA graphs for %d batch sizes (1 to %d) in %.2f s",
+                len(self.graphs.sizes),
+                self.graphs.max_batch,
+                self.report.seconds["cuda_graphs"],
+            )
 
     def _size_cache(self) -> int:
         kv = self.config.kv_cache
@@ -204,6 +228,13 @@ class ModelRunner(Executor):
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        if self.graphs is not None and self.graphs.fits(out.chunks):
+            logits = self.graphs.run(out.chunks)
+            sample_seqs = [c.seq for c in out.chunks if c.sample]
+            if 0 < len(sample_seqs) < len(out.chunks):  # one-token prompt chunks sample nothing
+                rows = [i for i, c in enumerate(out.chunks) if c.sample]
+                logits = logits[torch.tensor(rows, dtype=torch.long, device=self.device)]
+            return self._sample(logits, sample_seqs)
         ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -229,11 +260,15 @@ class ModelRunner(Executor):
         if not sample_rows:
             return StepResult(sampled=[])
         rows = torch.tensor(sample_rows, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        return self._sample(self.model.compute_logits(hidden.index_select(0, rows)), sample_seqs)
+
+    def _sample(self, logits: torch.Tensor, sample_seqs: list) -> StepResult:
+        if not sample_seqs:
+            return StepResult(sampled=[])
         tokens, logprobs = self.sampler(logits, sample_seqs)
         token_list = tokens.tolist()
         result = StepResult(sampled=token_list)
-        if any(s.params.logprobs is not None for s in sample_seqs):
+        if logprobs is not None:
             result.logprobs = _pick_logprobs(logprobs, token_list, sample_seqs)
         return result
 

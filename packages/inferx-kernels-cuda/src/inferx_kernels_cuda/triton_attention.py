@@ -48,6 +48,24 @@ class _Plan:
     part_o: torch.Tensor | None  # split-K partial outputs, fp32, sized for the widest layer
     part_lse: torch.Tensor | None
     tiles: dict[int, _Tiles]  # by GQA group size
+    seq_split: bool = False  # split_len is the shortest split; each sequence derives its own
+
+
+@dataclass
+class _GraphBuffers:
+    """Static decode metadata that captured kernels read; each replay's layout is copied in."""
+
+    max_batch: int
+    max_blocks: int
+    block_table: torch.Tensor  # [max_batch, max_blocks] int32; only valid block ids ever
+    context_len: torch.Tensor  # [max_batch] int32
+    slot_mapping: torch.Tensor  # [max_batch] int64
+    query_start: torch.Tensor  # [max_batch + 1] int32: row i is sequence i
+    part_o: torch.Tensor  # split-K scratch for the largest batch size's grid
+    part_lse: torch.Tensor
+    staged_context_len: torch.Tensor  # host (pinned on a GPU) copies of the per-row vectors
+    staged_slot_mapping: torch.Tensor
+    copied: torch.cuda.Event | None  # the last replay's copies out of the staged tensors
 
 
 class TritonAttention(TorchAttention):
@@ -70,6 +88,7 @@ class TritonAttention(TorchAttention):
     """
 
     max_splits = 64
+    supports_cuda_graphs = True
 
     def __init__(
         self,
@@ -123,6 +142,7 @@ class TritonAttention(TorchAttention):
         self._dot_precision = "ieee" if dtype == torch.float32 else "tf32"
         self._groups = sorted({s.num_q_heads // s.num_kv_heads for s in layers})
         self._plan: _Plan | None = None
+        self._graph: _GraphBuffers | None = None
 
     def begin_step(self, batch: AttentionBatch) -> None:
         device = self.device
@@ -194,6 +214,97 @@ class TritonAttention(TorchAttention):
         split_len = _cdiv(_cdiv(max_ctx, splits), tile) * tile
         return _cdiv(max_ctx, split_len), split_len
 
+    # -- CUDA graphs: decode batches over static buffers -------------------------------------
+    #
+    # A captured grid is fixed, so the split count is fixed per batch size: the eager policy at
+    # the longest context the buffers hold. Each sequence then splits its own context over that
+    # many programs (SEQ_SPLIT), and splits past its context stay empty, so the one graph serves
+    # every context length. Padding rows have context 1 over a valid block id and slot -1, which
+    # the KV write skips.
+
+    def init_graph_buffers(self, max_batch: int, max_blocks_per_seq: int) -> None:
+        device = self.device
+        max_ctx = max_blocks_per_seq * self.block_size
+        rows = max(b * self._plan_splits(b, max_ctx)[0] for b in range(1, max_batch + 1))
+        rows *= max(s.num_q_heads for s in self.layers)
+        dim = max(s.head_dim for s in self.layers)
+        pin = device.type == "cuda"
+        self._graph = _GraphBuffers(
+            max_batch=max_batch,
+            max_blocks=max_blocks_per_seq,
+            block_table=torch.zeros(
+                max_batch, max_blocks_per_seq, dtype=torch.int32, device=device
+            ),
+            context_len=torch.ones(max_batch, dtype=torch.int32, device=device),
+            slot_mapping=torch.full((max_batch,), -1, dtype=torch.int64, device=device),
+            query_start=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
+            part_o=torch.empty(rows * dim, dtype=torch.float32, device=device),
+            part_lse=torch.empty(rows, dtype=torch.float32, device=device),
+            staged_context_len=torch.ones(max_batch, dtype=torch.int32, pin_memory=pin),
+            staged_slot_mapping=torch.full((max_batch,), -1, dtype=torch.int64, pin_memory=pin),
+            copied=None,
+        )
+
+    def prepare_for_capture(self, batch_size: int) -> None:
+        g = self._graph_buffers(batch_size)
+        max_ctx = g.max_blocks * self.block_size
+        num_splits = self._plan_splits(batch_size, max_ctx)[0]
+        tile = self.decode_block_n
+        g.context_len[:batch_size].fill_(1)
+        g.slot_mapping[:batch_size].fill_(-1)
+        self._plan = _Plan(
+            slot_mapping=g.slot_mapping[:batch_size],
+            query_start=g.query_start[: batch_size + 1],
+            context_len=g.context_len[:batch_size],
+            block_table=g.block_table[:batch_size],
+            decode_seqs=g.context_len[:batch_size],  # never read: every row is a decode
+            num_decode=batch_size,
+            all_decode=True,
+            num_splits=num_splits,
+            split_len=_cdiv(max(self.min_split_len, 1), tile) * tile,
+            part_o=g.part_o if num_splits > 1 else None,
+            part_lse=g.part_lse if num_splits > 1 else None,
+            tiles={},
+            seq_split=True,
+        )
+
+    def prepare_for_replay(self, batch: AttentionBatch, padded_batch_size: int) -> None:
+        g = self._graph_buffers(padded_batch_size)
+        n, width = batch.block_table.shape
+        if batch.slot_mapping.shape[0] != n or n > padded_batch_size or width > g.max_blocks:
+            raise ValueError(
+                f"triton attention: a replay takes a decode-only batch of at most "
+                f"{padded_batch_size} sequences and {g.max_blocks} blocks each; got "
+                f"{batch.slot_mapping.shape[0]} tokens of {n} sequences, {width} blocks wide"
+            )
+        if g.copied is not None:
+            g.copied.synchronize()  # the previous replay's copies have left the staged tensors
+        ctx, slots = g.staged_context_len, g.staged_slot_mapping
+        ctx[:n].copy_(batch.context_len)
+        ctx[n:padded_batch_size] = 1
+        slots[:n].copy_(batch.slot_mapping)
+        slots[n:padded_batch_size] = -1
+        g.context_len[:padded_batch_size].copy_(ctx[:padded_batch_size], non_blocking=True)
+        g.slot_mapping[:padded_batch_size].copy_(slots[:padded_batch_size], non_blocking=True)
+        # Padding rows keep whatever ids their table rows hold: all valid, and read only at
+        # position 0.
+        g.block_table[:n, :width].copy_(batch.block_table, non_blocking=True)
+        if self.device.type == "cuda":
+            if g.copied is None:
+                g.copied = torch.cuda.Event()
+            g.copied.record()
+
+    def _graph_buffers(self, batch_size: int) -> _GraphBuffers:
+        g = self._graph
+        if g is None:
+            raise RuntimeError("triton attention: init_graph_buffers() must run first")
+        if not 1 <= batch_size <= g.max_batch:
+            raise ValueError(
+                f"triton attention: batch size {batch_size} is outside the graph buffers' "
+                f"1..{g.max_batch}"
+            )
+        return g
+
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
@@ -263,6 +374,7 @@ class TritonAttention(TorchAttention):
                 BLOCK_SIZE=self.block_size,
                 BLOCK_N=self.decode_block_n,
                 SPLIT=split,
+                SEQ_SPLIT=plan.seq_split,
                 ALL_DECODE=plan.all_decode,
                 UPCAST=self._upcast,
                 DOT_PRECISION=self._dot_precision,
@@ -282,6 +394,8 @@ class TritonAttention(TorchAttention):
                     out.stride(1),
                     HEAD_DIM=spec.head_dim,
                     SPLITS_PAD=triton.next_power_of_2(plan.num_splits),
+                    SEQ_SPLIT=plan.seq_split,
+                    BLOCK_N=self.decode_block_n,
                     ALL_DECODE=plan.all_decode,
                 )
 

@@ -8,6 +8,10 @@ every log-sum-exp here is a log2-sum-exp2.
 UPCAST turns operands to fp32 before tl.dot: Triton's interpreter computes bf16 dots wrongly
 (see LESSONS.md), while on the GPU fp16/bf16 dots run on tensor cores as they are.
 DOT_PRECISION is "ieee" for fp32 caches (exact fp32, not tf32) and ignored for half types.
+
+SEQ_SPLIT (decode and its reduce): the split length is derived per sequence from its context
+(see _seq_split_len) rather than fixed for the step, so that one grid, captured once in a CUDA
+graph, serves every context length; the split_len argument is then the shortest split.
 """
 
 from __future__ import annotations
@@ -124,6 +128,14 @@ def _attend_range(
 
 
 @triton.jit
+def _seq_split_len(ctx, num_splits, min_len, BLOCK_N: tl.constexpr):
+    """Context tokens per split for one sequence: its context over the grid's splits, at least
+    min_len, whole tiles. A short context leaves the later splits empty."""
+    per = tl.maximum(tl.cdiv(ctx, num_splits), min_len)
+    return tl.cdiv(per, BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -151,6 +163,7 @@ def decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    SEQ_SPLIT: tl.constexpr,
     ALL_DECODE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -187,6 +200,8 @@ def decode_kernel(
     m = tl.full([GROUP_PAD], _NO_MAX, tl.float32)
     row_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    if SEQ_SPLIT:
+        split_len = _seq_split_len(ctx, tl.num_programs(2), split_len, BLOCK_N)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, ctx)
     # Whole tiles unmasked, then the ragged tail (if any) masked.
@@ -233,9 +248,12 @@ def decode_reduce_kernel(
     stride_oh,
     HEAD_DIM: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    SEQ_SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     ALL_DECODE: tl.constexpr,
 ):
-    """Grid (decode sequences, query heads): weights each split's output by exp2 of its lse."""
+    """Grid (decode sequences, query heads): weights each split's output by exp2 of its lse.
+    BLOCK_N is the decode kernel's tile, needed only with SEQ_SPLIT."""
     i = tl.program_id(0)
     head = tl.program_id(1)
     num_q_heads = tl.num_programs(1)
@@ -246,6 +264,8 @@ def decode_reduce_kernel(
         seq = tl.load(seq_ids_ptr + i)
         row = tl.load(query_start_ptr + seq)
     ctx = tl.load(context_len_ptr + seq)
+    if SEQ_SPLIT:
+        split_len = _seq_split_len(ctx, num_splits, split_len, BLOCK_N)
     used = tl.cdiv(ctx, split_len)
 
     s = tl.arange(0, SPLITS_PAD)

@@ -14,7 +14,8 @@ from inferx_core.interfaces.kv import KVLayerSpec
 class AttentionBatch:
     """One step's layout, built by the executor. Sequences are packed in the order of the chunks.
 
-    Host lists describe each sequence; device tensors are ready for kernels.
+    Host lists describe each sequence; the tensors are on the device, ready for kernels (or in
+    pinned host memory for prepare_for_replay, which copies them to its static buffers).
     query_lens[i]: new tokens of sequence i this step; context_lens[i]: its tokens in the cache
     once this step has written them (start + query_len). slot_mapping[t]: the cache slot
     (block_id * block_size + offset) that new token t is written to.
@@ -25,7 +26,9 @@ class AttentionBatch:
     block_tables: list[list[int]]
     slot_mapping: torch.Tensor  # [num_tokens] int64
     query_start: torch.Tensor  # [num_seqs + 1] int32, cumulative query_lens
-    block_table: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    # [num_seqs, max_blocks] int32; entries past a sequence's own blocks are padding, never read
+    # (make_attention_batch writes 0; the CUDA-graph runner leaves older ids there)
+    block_table: torch.Tensor
     context_len: torch.Tensor  # [num_seqs] int32
 
     @property
@@ -39,7 +42,15 @@ class AttentionBackend(ABC):
     Built once with the model's per-layer specs; allocates the cache; is told each step's layout
     with begin_step() (plan kernels there, once per step); then forward() runs once per layer.
     The model never sees metadata or cache tensors: its Attention layers call forward().
+
+    CUDA graphs (decode only) are optional: a backend that sets `supports_cuda_graphs` keeps the
+    metadata of decode batches in static buffers, so that kernels captured once read each later
+    step's layout. The executor calls init_graph_buffers() once, then prepare_for_capture(n)
+    before capturing the forward passes of an n-sequence decode batch, and prepare_for_replay()
+    before each replay. The defaults refuse, so a backend without graphs runs eagerly.
     """
+
+    supports_cuda_graphs: bool = False
 
     def __init__(
         self,
@@ -73,3 +84,21 @@ class AttentionBackend(ABC):
 
         Each sequence's queries attend causally to its whole cached context.
         """
+
+    def init_graph_buffers(self, max_batch: int, max_blocks_per_seq: int) -> None:
+        """Allocate static metadata for decode batches of up to `max_batch` sequences whose
+        block tables have up to `max_blocks_per_seq` blocks."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def prepare_for_capture(self, batch_size: int) -> None:
+        """Make the following forward() calls a decode batch of `batch_size` sequences whose
+        layout is read from the static buffers (reset to padding here). Until begin_step() is
+        called again, forward() must launch the same kernels with the same arguments every
+        time, with no host-to-device copy and no synchronisation, so that it can be captured."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def prepare_for_replay(self, batch: AttentionBatch, padded_batch_size: int) -> None:
+        """Copy a decode-only batch's layout (its tensors preferably in pinned host memory) into
+        the static buffers; rows from len(batch.query_lens) to `padded_batch_size` become padding
+        that writes no cache slot a sequence owns and reads only allocated blocks."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

@@ -1,0 +1,190 @@
+"""CUDA graphs for decode steps: captured at start-up for a ladder of batch sizes, replayed padded.
+
+A decode step at batch 1 launches about a thousand small kernels from Python; a graph replays
+them all in one launch. Each captured size runs the model and the vocabulary projection over
+static inputs (token ids, positions) and the attention backend's static metadata; a step of n
+sequences replays the smallest captured size >= n, its extra rows padding that the backend makes
+harmless. Sampling stays outside the graph, on the real rows.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gc
+import logging
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+
+from inferx_core.interfaces.attention import AttentionBackend, AttentionBatch
+from inferx_core.interfaces.model import ModelArch
+from inferx_core.interfaces.scheduler import ScheduledChunk
+
+log = logging.getLogger("inferx.cuda_graphs")
+
+MAX_GRAPH_BATCH = 256
+
+
+def batch_ladder(max_batch: int) -> list[int]:
+    """Batch sizes to capture, ascending: 1, 2, 4, 8, then every 16, and max_batch itself, so
+    that any batch up to max_batch pads by less than 16 rows (and by less than half below 16)."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be at least 1, not {max_batch}")
+    sizes = [s for s in (1, 2, 4, 8) if s < max_batch]
+    sizes += range(16, max_batch, 16)
+    return sizes + [max_batch]
+
+
+def eager_reason(enabled: bool, device: torch.device, attention: AttentionBackend) -> str | None:
+    """Why decode steps cannot use CUDA graphs here, or None when they can."""
+    if not enabled:
+        return "engine.cuda_graphs is false"
+    if device.type != "cuda":
+        return f"the device is {device.type}, not cuda"
+    if not attention.supports_cuda_graphs:
+        return f"the {type(attention).__name__} attention backend does not support CUDA graphs"
+    return None
+
+
+def _pinned(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+class DecodeGraphRunner:
+    """Captures and replays the decode forward pass (hidden states and logits) of one model.
+
+    The host side of a step is written straight into pinned staging tensors (one row per
+    sequence, no per-token lists) and travels in one copy per tensor; the block table rows are
+    full width so that its copy is one contiguous transfer.
+    """
+
+    def __init__(
+        self,
+        model: ModelArch,
+        attention: AttentionBackend,
+        device: torch.device,
+        max_batch: int,
+        max_model_len: int,
+        block_size: int,
+    ) -> None:
+        self.model = model
+        self.attention = attention
+        self.device = device
+        self.block_size = block_size
+        self.sizes = batch_ladder(min(max_batch, MAX_GRAPH_BATCH))
+        self.max_batch = self.sizes[-1]
+        self.max_blocks = -(-max_model_len // block_size)
+        attention.init_graph_buffers(self.max_batch, self.max_blocks)
+        n = self.max_batch
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.logits: torch.Tensor | None = None  # [max_batch, vocab], sized by the first run
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays: Counter[int] = Counter()  # by padded size: what the ladder served
+        self._ids = _pinned((n,), torch.int64, device)
+        self._positions = _pinned((n,), torch.int64, device)
+        self._context_len = _pinned((n,), torch.int32, device)
+        self._slot_mapping = _pinned((n,), torch.int64, device)
+        self._block_table = _pinned((n, self.max_blocks), torch.int32, device)
+        self._query_start = torch.arange(n + 1, dtype=torch.int32)
+        self._np = [t.numpy() for t in (self._ids, self._positions, self._context_len)]
+        self._np += [self._slot_mapping.numpy(), self._block_table.numpy()]
+        self._copied: torch.cuda.Event | None = None
+
+    def padded_size(self, num_seqs: int) -> int | None:
+        """The captured size a batch of num_seqs runs at, or None when it is too large."""
+        i = bisect.bisect_left(self.sizes, num_seqs)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def fits(self, chunks: Sequence[ScheduledChunk]) -> bool:
+        """Whether a step can replay: one new token per sequence, few enough sequences."""
+        return len(chunks) <= self.max_batch and all(c.num_tokens == 1 for c in chunks)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first so that smaller graphs reuse its memory pool, each
+        after one eager run of the same size (kernels compile and libraries set up outside)."""
+        pool = None
+        gc.collect()
+        gc.freeze()  # a collection during each capture would walk every live object again
+        try:
+            for size in reversed(self.sizes):
+                try:
+                    self.attention.prepare_for_capture(size)
+                    self._forward(size)
+                    torch.cuda.synchronize(self.device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._forward(size)
+                except Exception as exc:
+                    raise RuntimeError(
+                        f"capturing the decode CUDA graph of batch size {size} failed ({exc}); "
+                        "set engine.cuda_graphs = false to run decode eagerly"
+                    ) from exc
+                if pool is None:
+                    pool = graph.pool()
+                self.graphs[size] = graph
+        finally:
+            gc.unfreeze()
+        torch.cuda.synchronize(self.device)
+
+    def _forward(self, size: int) -> None:
+        hidden = self.model(self.input_ids[:size], self.positions[:size])
+        logits = self.model.compute_logits(hidden)
+        if self.logits is None:  # the largest size's eager run, before any capture
+            shape = (self.max_batch, logits.shape[1])
+            self.logits = torch.empty(shape, dtype=logits.dtype, device=self.device)
+        self.logits[:size].copy_(logits)
+
+    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """Logits [len(chunks), vocab] of a step that fits(): chunk i is row i. The tensor is
+        the graph's own output, valid until the next run.
+
+        A size not captured (before capture(), or on the CPU in tests) runs the same padded
+        pass over the same static buffers eagerly.
+        """
+        n = len(chunks)
+        size = self.padded_size(n)
+        assert size is not None
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies have left the staging tensors
+        bs = self.block_size
+        starts = [c.start for c in chunks]
+        seqs = [c.seq for c in chunks]
+        tables = [s.block_table for s in seqs]
+        ids, positions, context_len, slot_mapping, table = self._np
+        ids[:n] = [s.token_ids[p] for s, p in zip(seqs, starts, strict=True)]
+        ids[n:size] = 0
+        positions[:n] = starts
+        positions[n:size] = 0
+        context_len[:n] = positions[:n] + 1
+        slot_mapping[:n] = [t[p // bs] * bs + p % bs for t, p in zip(tables, starts, strict=True)]
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = t
+        batch = AttentionBatch(
+            query_lens=[1] * n,
+            context_lens=[p + 1 for p in starts],
+            block_tables=tables,
+            slot_mapping=self._slot_mapping[:n],
+            query_start=self._query_start[: n + 1],
+            block_table=self._block_table[:n],
+            context_len=self._context_len[:n],
+        )
+        graph = self.graphs.get(size)
+        if graph is None:
+            self.attention.prepare_for_capture(size)
+        self.input_ids[:size].copy_(self._ids[:size], non_blocking=True)
+        self.positions[:size].copy_(self._positions[:size], non_blocking=True)
+        self.attention.prepare_for_replay(batch, size)
+        if self.device.type == "cuda":
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            self._copied.record()
+        if graph is None:
+            self._forward(size)
+        else:
+            graph.replay()
+        self.replays[size] += 1
+        assert self.logits is not None
+        return self.logits[:n]
