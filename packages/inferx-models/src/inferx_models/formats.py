@@ -39,9 +39,11 @@ def _weight_files(path: Path) -> list[Path]:
     )
 
 
-def _read(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _read(
+    files: list[Path], dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
-        with safe_open(file, framework="pt") as f:
+        with safe_open(file, framework="pt", device=str(device)) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 tensor = f.get_tensor(name)
                 yield name, tensor.to(dtype) if tensor.dtype in _CASTABLE else tensor
@@ -58,7 +60,9 @@ class SafetensorsFormat(CheckpointFormat):
             or (path / "model.safetensors.index.json").is_file()
         )
 
-    def open(self, path: Path, dtype: torch.dtype, seed: int = 0) -> Checkpoint:
+    def open(
+        self, path: Path, dtype: torch.dtype, seed: int = 0, device: str | torch.device = "cpu"
+    ) -> Checkpoint:
         path = Path(path)
         config_file = path / "config.json"
         if not config_file.is_file():
@@ -79,7 +83,9 @@ class DummyFormat(CheckpointFormat):
         # Only a bare preset name: a directory lacking weights is a mistake, not a dummy request.
         return str(path) in PRESETS and not Path(path).exists()
 
-    def open(self, path: Path, dtype: torch.dtype, seed: int = 0) -> Checkpoint:
+    def open(
+        self, path: Path, dtype: torch.dtype, seed: int = 0, device: str | torch.device = "cpu"
+    ) -> Checkpoint:
         path = Path(path)
         if (path / "config.json").is_file():
             config = json.loads((path / "config.json").read_text())
@@ -93,7 +99,7 @@ class DummyFormat(CheckpointFormat):
             )
         return Checkpoint(
             hf_config=config,
-            weights=random_weights(config, dtype, seed),
+            weights=random_weights(config, dtype, seed, device),
             tokenizer=tokenizer,
             source=f"dummy:{path}",
         )
@@ -106,7 +112,9 @@ class DemoFormat(CheckpointFormat):
     def detect(self, path: Path) -> bool:
         return False
 
-    def open(self, path: Path, dtype: torch.dtype, seed: int = 0) -> Checkpoint:
+    def open(
+        self, path: Path, dtype: torch.dtype, seed: int = 0, device: str | torch.device = "cpu"
+    ) -> Checkpoint:
         from inferx_models.gguf import GGUFFormat, find_demo_gguf
 
-        return GGUFFormat().open(find_demo_gguf(), dtype, seed)
+        return GGUFFormat().open(find_demo_gguf(), dtype, seed, device)

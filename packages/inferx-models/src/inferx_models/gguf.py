@@ -97,7 +97,10 @@ class GGUFFormat(CheckpointFormat):
         with path.open("rb") as f:
             return f.read(4) == MAGIC
 
-    def open(self, path: Path, dtype: torch.dtype, seed: int = 0) -> Checkpoint:
+    def open(
+        self, path: Path, dtype: torch.dtype, seed: int = 0, device: str | torch.device = "cpu"
+    ) -> Checkpoint:
+        # Dequantised on the host (numpy): `device` is not used.
         if gguf is None:
             raise ImportError(
                 "reading GGUF files needs the gguf package: pip install 'inferx-models[gguf]'"

@@ -86,5 +86,9 @@ class CheckpointFormat(ABC):
         """True if this format can open `path` (for load_format = "auto")."""
 
     @abstractmethod
-    def open(self, path: Path, dtype: torch.dtype, seed: int = 0) -> Checkpoint:
-        """Open `path`; weights are yielded lazily, already in `dtype`."""
+    def open(
+        self, path: Path, dtype: torch.dtype, seed: int = 0, device: str | torch.device = "cpu"
+    ) -> Checkpoint:
+        """Open `path`; weights are yielded lazily, already in `dtype`, on `device` where the
+        format can place them there directly (reading or making them on a GPU saves start-up
+        time); a format may yield host tensors, which the model copies."""
