@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -16,12 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Before triton is imported: @triton.jit chooses the interpreter when a kernel is defined.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 transformers = pytest.importorskip("transformers")
 
+from conftest import interpreted  # noqa: E402
 from test_attention_torch import rel_err  # noqa: E402
 from test_engine import tiny_config  # noqa: E402
 
@@ -41,10 +37,6 @@ from inferx_core.interfaces.scheduler import ScheduledChunk  # noqa: E402
 from inferx_core.sequence import SamplingParams, Sequence  # noqa: E402
 
 CPU = torch.device("cpu")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(
-    not INTERPRET, reason="CPU tests run the kernels under TRITON_INTERPRET=1; set it to run them"
-)
 # Largest |a - b| over the largest |b|, as in test_triton_attention.
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Before triton is imported: @triton.jit chooses the interpreter when a kernel is defined.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 pytest.importorskip("triton", reason="the triton package is not installed")
 
+from conftest import interpreted, on_gpu  # noqa: E402
 from test_models import CONFIGS, rel_err  # noqa: E402
 
 from inferx_core.attention_torch import TorchAttention  # noqa: E402
@@ -27,14 +23,6 @@ from inferx_kernels_cuda import ops as triton_ops  # noqa: E402
 from inferx_kernels_cuda.ops import TritonOps  # noqa: E402
 from inferx_models.layers import RotaryEmbedding, rope_parameters  # noqa: E402
 from inferx_models.presets import preset  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(
-    not INTERPRET, reason="CPU tests run the kernels under TRITON_INTERPRET=1; set it to run them"
-)
-on_gpu = pytest.mark.skipif(
-    INTERPRET or not torch.cuda.is_available(), reason="needs CUDA and compiled Triton kernels"
-)
 
 # Largest |ours - reference| over the largest |reference|. The kernels round where torch rounds,
 # so in fp32 they differ from it by summation order and exp/rsqrt implementations (~1e-7 seen);

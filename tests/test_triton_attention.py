@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Before triton is imported: @triton.jit chooses the interpreter when a kernel is defined.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 pytest.importorskip("triton", reason="the triton package is not installed")
 
+from conftest import interpreted, on_gpu  # noqa: E402
 from test_attention_torch import dense_reference, rel_err  # noqa: E402
 
 from inferx_core.attention_torch import TorchAttention  # noqa: E402
 from inferx_core.batch import make_attention_batch  # noqa: E402
 from inferx_core.interfaces.kv import KVLayerSpec  # noqa: E402
 from inferx_kernels_cuda.triton_attention import TritonAttention  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(
-    not INTERPRET, reason="CPU tests run the kernels under TRITON_INTERPRET=1; set it to run them"
-)
-on_gpu = pytest.mark.skipif(
-    INTERPRET or not torch.cuda.is_available(), reason="needs CUDA and compiled Triton kernels"
-)
 
 # Largest |triton - reference| over the largest |reference|. fp32 differs from float64 only by
 # summation order; fp16 by rounding the softmax weights to fp16 before P @ V (as every flash
