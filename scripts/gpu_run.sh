@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool): set up, GPU tests, benchmarks; logs and JSON into $OUT.
-# Needs .whl/ (bash ../shared/gpu/wheelhouse.sh gguf==0.19.0) and .carry/tok/tokenizers/qwen.
-# Usage: bash scripts/gpu_run.sh [tests] [bench] [demo]   (default: tests bench)
+# Needs .whl/ (bash ../shared/gpu/wheelhouse.sh gguf==0.19.0) and .carry/tok/tokenizers/qwen;
+# the table's Llama model also needs .carry/tok/tokenizers/llama3, copied in before the call:
+#   mkdir -p .carry/tok/tokenizers && cp -r ../shared/fixtures/tokenizers/llama3 .carry/tok/tokenizers/
+# and both carried: carry [".whl", ".carry/tok"] (24 + 20 MB).
+# Usage: bash scripts/gpu_run.sh [tests] [bench] [demo] [table | table-3b | table-8b]
+#   (default: tests bench). table: issue 4's whole table, both models (benchmarks/h200_table.py,
+#   bounded to ~7.5 min after set-up); table-3b / table-8b: one model each, for two calls.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -14,8 +19,8 @@ TOK=.carry/tok/tokenizers/qwen
 for step in "${steps[@]}"; do
   case $step in
     tests)
-      python3 -m pytest tests/test_gpu_correctness.py tests/test_triton_attention.py -m gpu -q \
-        -k "not demo" 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
+      python3 -m pytest tests/test_gpu_correctness.py tests/test_triton_attention.py \
+        tests/test_kv_sizing.py -m gpu -q -k "not demo" 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
     demo)
       python3 -m pytest tests/test_gpu_correctness.py -m gpu -q -k demo 2>&1 \
         | tee "$OUT/gpu-demo.log" | tail -15 ;;
@@ -30,5 +35,13 @@ for step in "${steps[@]}"; do
         --tokenizer $TOK --dtype bfloat16 --attention-backend triton --kv-cache-memory 40GiB \
         --input-len 512 --output-len 256 --num-prompts 256 --scheduler-max-batched-tokens 8192 \
         --scheduler-prefill-chunk 2048 --json "$OUT/throughput-3b-triton.json" 2>&1 | tail -8 ;;
+    table|table-3b|table-8b)
+      case $step in
+        table) models=qwen2.5-3b-instruct,llama-3.1-8b-instruct; name=h200-table ;;
+        table-3b) models=qwen2.5-3b-instruct; name=h200-table-3b ;;
+        table-8b) models=llama-3.1-8b-instruct; name=h200-table-8b ;;
+      esac
+      python3 benchmarks/h200_table.py --models $models --tokenizers .carry/tok/tokenizers \
+        --budget-s 450 --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" ;;
   esac
 done

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ import torch
 
 from inferx_core.batch import make_attention_batch
 from inferx_core.config import Config
-from inferx_core.cuda_graphs import DecodeGraphRunner, eager_reason
+from inferx_core.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphRunner, eager_reason
 from inferx_core.interfaces import (
     AttentionBackend,
     BuildContext,
@@ -26,6 +27,7 @@ from inferx_core.interfaces import (
 )
 from inferx_core.plugins import PluginError, Plugins, plugins
 from inferx_core.sampler import Sampler
+from inferx_core.sequence import SamplingParams, Sequence
 
 log = logging.getLogger("inferx.executor")
 
@@ -103,7 +105,10 @@ def pick_attention_backend(name: str, device: torch.device, reg: Plugins) -> str
     if name != "auto":
         return name
     if device.type == "cuda":
-        for candidate in ("flashinfer", "triton"):
+        # flashinfer moves first once tests/test_flashinfer_attention.py passes on the H200 and
+        # it measures faster than triton; it is registered even where FlashInfer is not
+        # installed (an optional extra) and runs fp16/bf16 only, so check both then.
+        for candidate in ("triton", "flashinfer"):
             if candidate in reg.names("attention_backend"):
                 log.info("attention backend auto -> %s (installed, device is cuda)", candidate)
                 return candidate
@@ -122,12 +127,77 @@ def pick_kernel_ops(name: str, device: torch.device, reg: Plugins) -> str:
 
 @dataclass
 class LoadReport:
-    """What start-up spent its time on, in seconds."""
+    """What start-up spent its time on, in seconds; on a GPU, where the memory went, in bytes
+    (MemoryProfile's fields and the KV cache's size)."""
 
     seconds: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, int] = field(default_factory=dict)
 
     def total(self) -> float:
         return sum(self.seconds.values())
+
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """Device memory at start-up in bytes, measured around one worst-case profiling step."""
+
+    total: int  # the card's memory
+    other: int  # outside torch's allocator: CUDA context, libraries, other processes
+    weights: int  # allocated before the profiling step: weights and fixed buffers
+    activations: int  # the step's peak above that: activations, logits, sampling
+    cuda_graphs: int = 0  # estimated memory pool of the decode CUDA graphs (0: eager decode)
+
+    @property
+    def used(self) -> int:
+        return self.other + self.weights + self.activations + self.cuda_graphs
+
+    def describe(self) -> str:
+        return (
+            f"{self.used / GiB:.2f} GiB in use at the peak (weights {self.weights / GiB:.2f}, "
+            f"activation peak {self.activations / GiB:.2f}, CUDA graphs ~"
+            f"{self.cuda_graphs / GiB:.2f}, outside torch {self.other / GiB:.2f})"
+        )
+
+
+def kv_cache_blocks(memory: float | int, bytes_per_block: int, profile: MemoryProfile) -> int:
+    """KV blocks for kv_cache.memory once the profiled use is set aside.
+
+    A fraction is of the card's total memory and bounds everything InferX uses: the cache gets
+    what is left of it after `profile.used`. A size is the cache's alone and must fit in what
+    the card has left after `profile.used`. Raises LoadError naming kv_cache.memory otherwise.
+    """
+    total = profile.total
+    if isinstance(memory, float):
+        kv_bytes = int(memory * total) - profile.used
+        if kv_bytes < 2 * bytes_per_block:
+            raise LoadError(
+                f"kv_cache.memory = {memory} allows {memory * total / GiB:.2f} GiB of the card's "
+                f"{total / GiB:.2f} GiB, which leaves {kv_bytes / GiB:.2f} GiB for the KV cache "
+                f"after {profile.describe()}; raise kv_cache.memory (at most 1.0) or lower "
+                "scheduler.max_batched_tokens"
+            )
+    else:
+        kv_bytes = memory
+        free = total - profile.used
+        if memory > free:
+            raise LoadError(
+                f"kv_cache.memory = {memory / GiB:.2f} GiB does not fit: the card has "
+                f"{total / GiB:.2f} GiB, {profile.describe()}, so at most {free / GiB:.2f} GiB "
+                "is free for the KV cache; lower kv_cache.memory or give a fraction like 0.9"
+            )
+    return _at_least_two(kv_bytes // bytes_per_block, bytes_per_block)
+
+
+def _at_least_two(blocks: int, bytes_per_block: int) -> int:
+    if blocks < 2:
+        raise LoadError(
+            f"kv_cache.memory leaves room for {blocks} KV blocks of {bytes_per_block} bytes; "
+            "raise it or lower kv_cache.block_size"
+        )
+    return blocks
 
 
 class ModelRunner(Executor):
@@ -180,7 +250,8 @@ class ModelRunner(Executor):
         self.num_kv_blocks = self._size_cache()
         self.attention.allocate(self.num_kv_blocks)
         self.sampler = Sampler(self.device, seed=config.model.seed)
-        self.report.seconds["kv_cache"] = time.perf_counter() - t0
+        profiled = self.report.seconds.get("profile", 0.0)  # sizing's own part, reported apart
+        self.report.seconds["kv_cache"] = time.perf_counter() - t0 - profiled
         self.graphs: DecodeGraphRunner | None = None
         self.eager_reason = eager_reason(config.engine.cuda_graphs, self.device, self.attention)
         if self.eager_reason is not None:
@@ -205,28 +276,140 @@ class ModelRunner(Executor):
             )
 
     def _size_cache(self) -> int:
+        """KV blocks: kv_cache.num_blocks, or on a GPU what kv_cache.memory allows after a
+        profiling step (kv_cache_blocks), or on the CPU kv_cache.memory bytes (1 GiB if unset)."""
         kv = self.config.kv_cache
         if kv.num_blocks:
             return kv.num_blocks
         per_block = self.attention.bytes_per_block()
         budget = kv.memory
-        if budget is None:
-            budget = 0.9 if self.device.type == "cuda" else CPU_DEFAULT_KV_BYTES
-        if isinstance(budget, float):
-            if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                budget = int(free - (1 - budget) * total)
-            else:
-                raise LoadError(
-                    "kv_cache.memory as a fraction needs a GPU; give a size like '2GiB'"
-                )
-        blocks = int(budget // per_block)
-        if blocks < 2:
-            raise LoadError(
-                f"kv_cache.memory leaves room for {blocks} KV blocks of {per_block} bytes; "
-                "raise it or lower kv_cache.block_size"
+        if self.device.type == "cuda":
+            t0 = time.perf_counter()
+            profile = self._profile_memory()
+            self.report.seconds["profile"] = time.perf_counter() - t0
+            blocks = kv_cache_blocks(0.9 if budget is None else budget, per_block, profile)
+            self.report.memory = {
+                "total": profile.total,
+                "other": profile.other,
+                "weights": profile.weights,
+                "activations": profile.activations,
+                "cuda_graphs": profile.cuda_graphs,
+                "kv_cache": blocks * per_block,
+            }
+            log.info(
+                "KV cache: %d blocks, %.2f GiB; weights %.2f GiB; activation peak %.2f GiB; "
+                "CUDA graphs ~%.2f GiB; outside torch %.2f GiB; card %.2f GiB",
+                blocks,
+                blocks * per_block / GiB,
+                profile.weights / GiB,
+                profile.activations / GiB,
+                profile.cuda_graphs / GiB,
+                profile.other / GiB,
+                profile.total / GiB,
             )
-        return blocks
+            return blocks
+        if budget is None:
+            budget = CPU_DEFAULT_KV_BYTES
+        if isinstance(budget, float):
+            raise LoadError("kv_cache.memory as a fraction needs a GPU; give a size like '2GiB'")
+        return _at_least_two(int(budget // per_block), per_block)
+
+    def _profile_layout(self) -> tuple[list[int], list[list[int]], int, int]:
+        """The worst step the scheduler allows, over a temporary cache: (prompt chunk lengths,
+        their block tables, decode graph batch size or 0, temporary cache blocks).
+
+        max_batched_tokens tokens as fresh prompt chunks of at most prefill_chunk tokens (no
+        more chunks than max_running); the decode graphs' largest batch, when graphs are on,
+        one block per sequence. Block 0 stays the padding block.
+        """
+        sched = self.config.scheduler
+        chunk = min(sched.prefill_chunk, self.max_model_len)
+        tokens = sched.max_batched_tokens
+        lens = [chunk] * (tokens // chunk) + ([tokens % chunk] if tokens % chunk else [])
+        lens = lens[: sched.max_running]
+        tables: list[list[int]] = []
+        next_block = 1
+        for n in lens:
+            count = -(-n // self.block_size)
+            tables.append(list(range(next_block, next_block + count)))
+            next_block += count
+        graph_batch = 0
+        if eager_reason(self.config.engine.cuda_graphs, self.device, self.attention) is None:
+            graph_batch = min(sched.max_running, MAX_GRAPH_BATCH)
+        return lens, tables, graph_batch, max(next_block, graph_batch + 1)
+
+    def _profile_step(
+        self, query_lens: list[int], tables: list[list[int]], rows: int, sample: bool
+    ) -> torch.Tensor:
+        """One forward over fresh sequences (query i is all of sequence i's context), logits for
+        its last `rows` tokens and, if `sample`, sampling them with every filter and logprobs on
+        (the sampler's largest working set). Returns the logits."""
+        batch = make_attention_batch(query_lens, query_lens, tables, self.block_size, self.device)
+        self.attention.begin_step(batch)
+        num_tokens = sum(query_lens)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(n) for n in query_lens]).to(self.device)
+        hidden = self.model(ids, positions)
+        picked = torch.arange(num_tokens - rows, num_tokens, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, picked))
+        del hidden
+        if sample:
+            params = SamplingParams(
+                temperature=1.0,
+                top_k=50,
+                top_p=0.9,
+                min_p=0.05,
+                repetition_penalty=1.1,
+                logprobs=20,
+            )
+            seqs = [Sequence([0], params) for _ in range(rows)]
+            Sampler(self.device)(logits, seqs)
+        return logits
+
+    @torch.inference_mode()
+    def _profile_memory(self) -> MemoryProfile:
+        """Run the worst step (see _profile_layout) over a temporary cache just big enough for
+        it and measure, as nano-vllm does: the peak above the weights is the activations' share;
+        an eager decode step at the graphs' largest batch stands for the graphs' memory pool."""
+        dev = self.device
+        lens, tables, graph_batch, num_blocks = self._profile_layout()
+        gc.collect()
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        weights = torch.cuda.memory_allocated(dev)
+        self.attention.allocate(num_blocks)
+        temporary = torch.cuda.memory_allocated(dev) - weights
+        torch.cuda.reset_peak_memory_stats(dev)
+        rows = min(self.config.scheduler.max_running, sum(lens))
+        try:
+            self._profile_step(lens, tables, rows, sample=True)
+            torch.cuda.synchronize(dev)
+            activations = max(0, torch.cuda.max_memory_allocated(dev) - weights - temporary)
+            graphs = 0
+            if graph_batch:
+                before = torch.cuda.memory_allocated(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+                decode_tables = [[1 + i] for i in range(graph_batch)]
+                logits = self._profile_step([1] * graph_batch, decode_tables, graph_batch, False)
+                torch.cuda.synchronize(dev)
+                # The pool holds one step's intermediates; the runner keeps its own logits.
+                pool = torch.cuda.max_memory_allocated(dev) - before
+                graphs = max(0, pool) + logits.numel() * logits.element_size()
+                del logits
+        except torch.OutOfMemoryError as exc:
+            raise LoadError(
+                f"the profiling step of {sum(lens)} tokens (scheduler.max_batched_tokens) ran "
+                f"out of device memory beside {weights / GiB:.2f} GiB of weights; lower "
+                f"scheduler.max_batched_tokens or scheduler.max_running ({exc})"
+            ) from None
+        finally:
+            self.attention.allocate(1)  # drops the temporary cache before the real one is made
+        gc.collect()
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        other = max(0, total - free - torch.cuda.memory_reserved(dev))
+        return MemoryProfile(total, other, weights, activations, graphs)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:

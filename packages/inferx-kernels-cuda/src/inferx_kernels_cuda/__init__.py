@@ -1,3 +1,3 @@
-"""InferX GPU kernels: the Triton attention backend and fused Triton ops (FlashInfer later)."""
+"""InferX GPU kernels: Triton and FlashInfer attention backends, fused Triton ops."""
 
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
-"""Registers the Triton attention backend and kernel ops (lazily: listing imports no Triton)."""
+"""Registers the Triton and FlashInfer attention backends and the Triton kernel ops (lazily:
+listing them imports neither Triton nor FlashInfer)."""
 
 from inferx_core.hookspecs import Register, hookimpl
 
@@ -6,6 +7,9 @@ from inferx_core.hookspecs import Register, hookimpl
 @hookimpl
 def inferx_attention_backends(register: Register) -> None:
     register("triton", "inferx_kernels_cuda.triton_attention:TritonAttention")
+    # FlashInfer is an optional extra (inferx-kernels-cuda[flashinfer]); the backend imports it
+    # only when it is built, and says how to install it when it is missing.
+    register("flashinfer", "inferx_kernels_cuda.flashinfer_attention:FlashInferAttention")
 
 
 @hookimpl

@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -118,21 +119,40 @@ def make_prompts(args: argparse.Namespace, rng: random.Random) -> list[Any]:
     from inferx_core.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(args.tokenizer)
-    regular = tok.backend.get_vocab_size(with_added_tokens=False)
+    return exact_texts(tok, args.input_len, args.num_prompts, rng, prefix_len)
 
-    def count(text: str) -> int:
-        return len(tok.encode(text, add_special_tokens=False))
 
-    def text_of(n: int, before: str = "") -> str:
-        # Random tokens, decoded; kept when `before + text` encodes to exactly the tokens asked.
-        for _ in range(100):
-            text = tok.decode([rng.randrange(regular) for _ in range(n)])
-            if count(before + text) == count(before) + n and count(text) == n:
-                return text
-        raise SystemExit(f"error: found no text of exactly {n} tokens with this tokenizer")
-
-    prefix = text_of(prefix_len) if prefix_len else ""
-    return [prefix + text_of(args.input_len - prefix_len, prefix) for _ in range(args.num_prompts)]
+def exact_texts(tok: Any, n: int, count: int, rng: random.Random, prefix_len: int = 0) -> list[str]:
+    """`count` texts that `tok` encodes to exactly n tokens as a server counts them (special
+    tokens included), the first `prefix_len` the same in all: random whole words, each one
+    vocabulary entry with its leading space, which byte-level BPE never merges across. (Random
+    token ids decoded to text rarely encode back to as many once prompts are long.)"""
+    vocab = tok.backend.get_vocab(with_added_tokens=False)
+    candidates = sorted(i for s, i in vocab.items() if re.fullmatch(r"[Ġ▁][a-z]{3,}", s))
+    texts = [tok.decode([i]) for i in candidates]
+    encoded = tok.backend.encode_batch(texts, add_special_tokens=False)
+    words = [
+        i
+        for i, t, e in zip(candidates, texts, encoded, strict=True)
+        if re.fullmatch(r" [a-z]{3,}", t) and e.ids == [i]
+    ]
+    if len(words) < 100:
+        raise SystemExit(f"error: the tokenizer has too few whole-word tokens ({len(words)})")
+    special = len(tok.encode("hello")) - len(tok.encode("hello", add_special_tokens=False))
+    body = n - special
+    if body < max(prefix_len, 1):
+        raise SystemExit(f"error: {n} tokens leave no room for a prompt after special tokens")
+    prefix = tok.decode(rng.choices(words, k=prefix_len)) if prefix_len else ""
+    out = []
+    for _ in range(count):
+        for _ in range(20):
+            text = prefix + tok.decode(rng.choices(words, k=body - prefix_len))
+            if len(tok.encode(text)) == n:
+                out.append(text)
+                break
+        else:
+            raise SystemExit(f"error: found no text of exactly {n} tokens with this tokenizer")
+    return out
 
 
 async def one_request(args: argparse.Namespace, prompt: Any) -> RequestResult:

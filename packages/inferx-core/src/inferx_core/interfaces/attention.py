@@ -70,7 +70,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def allocate(self, num_blocks: int) -> None:
-        """Create the cache tensors for `num_blocks` blocks."""
+        """Create the cache tensors for `num_blocks` blocks, replacing any made before (start-up
+        calls it more than once: a temporary cache for the profiling pass, then the real one)."""
 
     @abstractmethod
     def begin_step(self, batch: AttentionBatch) -> None:

@@ -1,0 +1,705 @@
+"""FlashInferAttention: listed without importing FlashInfer, its layout and errors, its plumbing
+against a torch stand-in for FlashInfer on the CPU; on the GPU (pytest -m gpu) the conformance
+suite against TorchAttention, captured decode graphs, and generation equal to the triton backend."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import interpreted, on_gpu
+from test_attention_torch import dense_reference, rel_err
+
+from inferx_core.attention_torch import TorchAttention
+from inferx_core.batch import make_attention_batch
+from inferx_core.interfaces.kv import KVLayerSpec
+
+CPU = torch.device("cpu")
+# Largest |a - b| over the largest |b|, as in test_triton_attention: fp16 rounds the softmax
+# weights before P @ V (every flash kernel does); bf16 rounds those and the output to 8 bits.
+TOL = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def flashinfer_module():
+    """The backend's module; it imports Triton (its KV write kernel), never FlashInfer."""
+    pytest.importorskip("triton", reason="the triton package is not installed")
+    from inferx_kernels_cuda import flashinfer_attention
+
+    return flashinfer_attention
+
+
+# -- listing the plugin never imports FlashInfer ------------------------------------------------
+
+
+def test_inferx_plugins_lists_flashinfer_without_importing_it() -> None:
+    """`inferx plugins` in a fresh interpreter: flashinfer is listed from inferx-kernels-cuda,
+    and neither FlashInfer nor the backend's module (nor Triton) was imported to list it."""
+    code = (
+        "import json, sys\n"
+        "from inferx_core.cli import main\n"
+        "main(['plugins', '--json'])\n"
+        "names = ('flashinfer', 'triton', 'inferx_kernels_cuda.flashinfer_attention')\n"
+        "seen = [m for m in sys.modules if m.split('.')[0] in names or m in names]\n"
+        "print(json.dumps(sorted(seen)))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "INFERX_PLUGINS"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    listing, imported = done.stdout.strip().splitlines()[-2:]
+    rows = {(r["kind"], r["name"]): r for r in json.loads(listing)}
+    row = rows.get(("attention_backend", "flashinfer"))
+    assert row is not None, f"flashinfer is not listed: {sorted(rows)}"
+    assert row["package"] == "inferx-kernels-cuda"
+    assert row["target"] == "inferx_kernels_cuda.flashinfer_attention:FlashInferAttention"
+    assert json.loads(imported) == [], f"listing plugins imported {imported}"
+
+
+# -- the layout FlashInfer reads, and what the backend refuses ----------------------------------
+
+
+def test_paged_layout() -> None:
+    fa = flashinfer_module()
+    # contexts of 1, 16, 17 and 33 tokens in blocks of 16; the last two have a chunk of 5 and 4
+    # new tokens; tables may hold more blocks than the context needs (never read).
+    layout = fa.paged_layout(
+        [1, 1, 5, 4], [1, 16, 17, 33], [[7], [3, 9], [4, 5], [6, 8, 2]], 16, padding_rows=2
+    )
+    assert layout.qo_indptr.tolist() == [0, 1, 2, 7, 11, 12, 13]
+    assert layout.kv_indptr.tolist() == [0, 1, 2, 4, 7, 8, 9]
+    assert layout.kv_indices.tolist() == [7, 3, 4, 5, 6, 8, 2, 0, 0]
+    assert layout.kv_last_page_len.tolist() == [1, 16, 1, 1, 1, 1]
+    for t in (layout.qo_indptr, layout.kv_indptr, layout.kv_indices, layout.kv_last_page_len):
+        assert t.dtype == torch.int32 and t.device == CPU
+    only_padding = fa.paged_layout([], [], [], 32, padding_rows=3)
+    assert only_padding.kv_indptr.tolist() == [0, 1, 2, 3]
+    assert only_padding.kv_indices.tolist() == [0, 0, 0]
+    with pytest.raises(ValueError, match="block table of 1 blocks"):
+        fa.paged_layout([1], [17], [[3]], 16)
+
+
+@pytest.mark.parametrize(
+    ("spec", "dtype", "device", "error", "match"),
+    [
+        (KVLayerSpec(4, 2, 64), torch.float32, "cuda", NotImplementedError, "float32"),
+        (KVLayerSpec(4, 2, 64), torch.float64, "cuda", NotImplementedError, "float64"),
+        (
+            KVLayerSpec(4, 2, 64, kind="sliding", window=8),
+            torch.bfloat16,
+            "cuda",
+            NotImplementedError,
+            "sliding",
+        ),
+        (
+            KVLayerSpec(1, 1, 576, kind="mla", v_head_dim=0),
+            torch.bfloat16,
+            "cuda",
+            NotImplementedError,
+            "mla",
+        ),
+        (KVLayerSpec(4, 2, 64, v_head_dim=128), torch.bfloat16, "cuda", NotImplementedError, "v_"),
+        (
+            KVLayerSpec(4, 2, 64, dtype="fp8_e4m3"),
+            torch.bfloat16,
+            "cuda",
+            NotImplementedError,
+            "fp8",
+        ),
+        (KVLayerSpec(4, 2, 96), torch.bfloat16, "cuda", ValueError, "head_dim in"),
+        (KVLayerSpec(6, 4, 64), torch.bfloat16, "cuda", ValueError, "multiple of num_kv_heads"),
+        (KVLayerSpec(4, 2, 64), torch.bfloat16, "cpu", ValueError, "CUDA device"),
+    ],
+)
+def test_unsupported_layouts_are_named(spec, dtype, device, error, match) -> None:
+    """Refused before FlashInfer is imported or anything touches the device."""
+    fa = flashinfer_module()
+    with pytest.raises(error, match=match):
+        fa.FlashInferAttention([spec], 16, dtype, torch.device(device))
+
+
+# -- the plumbing on the CPU, with a torch stand-in for FlashInfer ------------------------------
+
+
+class FakeWrapper:
+    """FlashInfer 0.6's paged wrappers as their docs describe them, computed in torch: plan()
+    keeps the layout (in CUDA-graph mode it copies it into the caller's buffers, and the batch
+    size is fixed); run() attends from whatever those buffers hold when it runs, so a replay
+    sees only what prepare_for_replay planned."""
+
+    prefill = False
+
+    def __init__(
+        self,
+        workspace: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        use_tensor_cores: bool = False,
+        paged_kv_indptr_buffer: torch.Tensor | None = None,
+        paged_kv_indices_buffer: torch.Tensor | None = None,
+        paged_kv_last_page_len_buffer: torch.Tensor | None = None,
+        backend: str = "auto",
+    ) -> None:
+        assert kv_layout == "NHD"
+        self.graph = use_cuda_graph
+        self.tensor_cores = use_tensor_cores
+        self.backend = backend
+        if use_cuda_graph:
+            assert paged_kv_indptr_buffer is not None and paged_kv_indices_buffer is not None
+            assert paged_kv_last_page_len_buffer is not None
+            assert len(paged_kv_indptr_buffer) == len(paged_kv_last_page_len_buffer) + 1
+        self.kv_indptr = paged_kv_indptr_buffer
+        self.kv_indices = paged_kv_indices_buffer
+        self.kv_last = paged_kv_last_page_len_buffer
+        FakeFlashInfer.created.append(self)
+
+    def _keep(self, qo_indptr, kv_indptr, kv_indices, kv_last, q_heads, kv_heads, dim, page_size):
+        # plan() reads the offsets and lengths on the host; the indices it only copies.
+        for t in (qo_indptr, kv_indptr, kv_last):
+            if t is not None:
+                assert t.dtype == torch.int32 and t.device == CPU, "int32 host tensors"
+        assert kv_indices.dtype == torch.int32
+        assert int(kv_indptr[-1]) == len(kv_indices)
+        assert bool(((kv_last >= 1) & (kv_last <= page_size)).all())
+        assert q_heads % kv_heads == 0
+        if self.graph:
+            assert len(kv_last) == len(self.kv_last), "CUDA-graph mode fixes the batch size"
+            assert len(kv_indices) <= len(self.kv_indices)
+            self.kv_indptr.copy_(kv_indptr)
+            self.kv_indices[: len(kv_indices)].copy_(kv_indices)
+            self.kv_last.copy_(kv_last)
+        else:
+            self.kv_indptr, self.kv_indices, self.kv_last = kv_indptr, kv_indices, kv_last
+        self.qo_indptr = qo_indptr
+        self.shape = (q_heads, kv_heads, dim)
+        self.page_size = page_size
+
+    def run(self, q, paged_kv_cache, *, q_scale=None, out=None):
+        k_cache, v_cache = paged_kv_cache
+        assert q.dtype == self.q_dtype and k_cache.dtype == self.kv_dtype
+        q_heads, kv_heads, dim = self.shape
+        assert q.shape[1:] == (q_heads, dim) and k_cache.shape[1:] == (
+            self.page_size,
+            kv_heads,
+            dim,
+        )
+        rows = len(self.kv_last)
+        qo = self.qo_indptr.tolist() if self.prefill else list(range(rows + 1))
+        assert q.shape[0] == qo[-1]
+        assert out is not None and out.shape == q.shape and out.dtype == q.dtype
+        sm_scale = dim**-0.5 * (1.0 if q_scale is None else q_scale)
+        kv_indptr, kv_last = self.kv_indptr.tolist(), self.kv_last.tolist()
+        for i in range(rows):
+            pages = self.kv_indices[kv_indptr[i] : kv_indptr[i + 1]].long().to(q.device)
+            kv_len = (len(pages) - 1) * self.page_size + kv_last[i]
+            keys = k_cache[pages].reshape(-1, kv_heads, dim)[:kv_len].float()
+            values = v_cache[pages].reshape(-1, kv_heads, dim)[:kv_len].float()
+            keys = keys.repeat_interleave(q_heads // kv_heads, dim=1)
+            values = values.repeat_interleave(q_heads // kv_heads, dim=1)
+            queries = q[qo[i] : qo[i + 1]].float()
+            scores = torch.einsum("qhd,khd->hqk", queries, keys) * sm_scale
+            if self.prefill and self.causal:  # aligned to the end of the context
+                n = len(queries)
+                pos = torch.arange(kv_len - n, kv_len, device=q.device)
+                visible = torch.arange(kv_len, device=q.device)[None, :] <= pos[:, None]
+                scores = scores.masked_fill(~visible, float("-inf"))
+            out[qo[i] : qo[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+        return out
+
+
+class FakeDecode(FakeWrapper):
+    def plan(self, indptr, indices, last_page_len, q_heads, kv_heads, dim, page_size, **kw):
+        self.q_dtype, self.kv_dtype = kw["q_data_type"], kw["kv_data_type"]
+        self._keep(None, indptr, indices, last_page_len, q_heads, kv_heads, dim, page_size)
+
+
+class FakePrefill(FakeWrapper):
+    prefill = True
+
+    def plan(self, qo_indptr, indptr, indices, last, q_heads, kv_heads, dim, page_size, **kw):
+        assert not self.graph
+        self.q_dtype, self.kv_dtype = kw["q_data_type"], kw["kv_data_type"]
+        self.causal = kw.get("causal", False)
+        assert int(qo_indptr[-1]) >= len(last)
+        self._keep(qo_indptr, indptr, indices, last, q_heads, kv_heads, dim, page_size)
+
+
+class FakeFlashInfer:
+    created: list[FakeWrapper] = []
+    module = types.SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=FakeDecode,
+        BatchPrefillWithPagedKVCacheWrapper=FakePrefill,
+    )
+
+
+def cpu_flashinfer(layers, block_size, dtype):
+    """FlashInferAttention on the CPU with the stand-in; its KV writes run Triton's kernel
+    under the interpreter."""
+    fa = flashinfer_module()
+
+    class CpuFlashInfer(fa.FlashInferAttention):
+        workspace_bytes = 1024
+
+        def _load_flashinfer(self):
+            return FakeFlashInfer.module
+
+    FakeFlashInfer.created.clear()
+    return CpuFlashInfer(layers, block_size, dtype, CPU)
+
+
+def scattered_tables(totals: list[int], block_size: int, num_blocks: int) -> list[list[int]]:
+    """Non-contiguous block ids, never block 0 (reserved), as a real block manager hands out."""
+    ids = (torch.randperm(num_blocks - 1) + 1).tolist()
+    tables = []
+    for t in totals:
+        need = -(-t // block_size)
+        tables.append(ids[:need])
+        ids = ids[need:]
+    return tables
+
+
+def fused_views(q, k, v):
+    """q, k, v as strided views of one [T, (Hq + 2 Hkv) * D] tensor, as a fused QKV projection
+    hands them to the backend."""
+    t = q.shape[0]
+    qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=1)
+    parts = qkv.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=1)
+    return parts[0].view(q.shape), parts[1].view(k.shape), parts[2].view(v.shape)
+
+
+def steps_of(plan: list[tuple[int, int]]) -> tuple[list[int], list[list[tuple[int, int]]]]:
+    """Each sequence's total length and four steps of [a, b) spans (empty: sits the step out):
+    the cached prefixes as one ragged prefill, the new chunks (with any decodes), two decodes."""
+    totals = [p + n + 2 for p, n in plan]
+    steps = [
+        [(0, p) for p, _ in plan],
+        [(p, p + n) for p, n in plan],
+        [(t - 2, t - 1) for t in totals],
+        [(t - 1, t) for t in totals],
+    ]
+    return totals, steps
+
+
+def check_steps(backend, plan: list[tuple[int, int]], scale_factor: float = 1.0) -> list[str]:
+    """Run a plan's steps on `backend` and on TorchAttention (same device, same scattered
+    tables) and check every layer against both and against dense float64 attention. Returns
+    the kind of plan each step made ("prefill", "decode")."""
+    layers, bs, dtype, device = backend.layers, backend.block_size, backend.dtype, backend.device
+    tol = TOL[dtype]
+    totals, steps = steps_of(plan)
+    num_blocks = sum(-(-t // bs) for t in totals) + 4
+    reference = TorchAttention(layers, bs, dtype, device)
+    for b in (backend, reference):
+        b.allocate(num_blocks)
+    tables = scattered_tables(totals, bs, num_blocks)
+    hist = [
+        [
+            [
+                torch.randn(t, h, s.head_dim).to(dtype)
+                for h in (s.num_q_heads,) + (s.num_kv_heads,) * 2
+            ]
+            for t in totals
+        ]
+        for s in layers
+    ]
+    kinds = []
+    for step, spans in enumerate(steps):
+        live = [i for i, (a, b) in enumerate(spans) if b > a]
+        query_lens = [spans[i][1] - spans[i][0] for i in live]
+        batch = make_attention_batch(
+            query_lens, [spans[i][1] for i in live], [tables[i] for i in live], bs, device
+        )
+        backend.begin_step(batch)
+        reference.begin_step(batch)
+        kinds.append(backend._plan.kind)
+        for layer, spec in enumerate(layers):
+            q, k, v = (
+                torch.cat([hist[layer][i][j][slice(*spans[i])] for i in live]).to(device)
+                for j in range(3)
+            )
+            scale = spec.head_dim**-0.5 * scale_factor
+            got = backend.forward(layer, *fused_views(q, k, v), scale)
+            want = reference.forward(layer, q, k, v, scale)
+            assert got.shape == (sum(query_lens), spec.num_q_heads, spec.head_dim)
+            assert got.dtype == dtype
+            dense = torch.cat(
+                [
+                    dense_reference(
+                        hist[layer][i][0][slice(*spans[i])],
+                        hist[layer][i][1][: spans[i][1]],
+                        hist[layer][i][2][: spans[i][1]],
+                        scale,
+                    )
+                    for i in live
+                ]
+            )
+            where = f"step {step} ({kinds[-1]}), layer {layer} {spec}, spans {spans}"
+            for other, label in ((dense, "float64"), (want, "torch")):
+                err = rel_err(got.cpu(), other.cpu())
+                if err > tol:
+                    worst = worst_sequence(got.cpu(), other.cpu(), query_lens, live)
+                    raise AssertionError(
+                        f"{where}: {err:.2e} against {label} (limit {tol:.0e}); worst: {worst}"
+                    )
+    for layer in range(len(layers)):
+        assert torch.equal(backend.caches[layer].cpu(), reference.caches[layer].cpu()), layer
+    return kinds
+
+
+def worst_sequence(got, want, query_lens: list[int], live: list[int]) -> str:
+    """Which sequence of a step differs most, for a failure message."""
+    start, rows = 0, []
+    for i, n in zip(live, query_lens, strict=True):
+        diff = (got[start : start + n].double() - want[start : start + n].double()).abs().max()
+        rows.append((float(diff), i, n))
+        start += n
+    diff, i, n = max(rows)
+    return f"sequence {i} ({n} queries), max |diff| {diff:.3e}"
+
+
+# (cached prefix, new tokens): a fresh prompt, a chunk over a cached prefix, decodes, a
+# one-token prompt; then chunks over cached prefixes alone (a prefill-only step over a prefix).
+SMALL_PLANS = [
+    [(0, 13), (9, 7), (21, 1), (5, 1), (0, 1)],
+    [(9, 7), (16, 16), (3, 2)],
+]
+
+
+@interpreted
+@pytest.mark.parametrize(
+    ("block_size", "group", "dtype"),
+    [(4, 1, torch.float16), (16, 2, torch.bfloat16), (4, 6, torch.float16), (8, 8, torch.bfloat16)],
+)
+def test_steps_plan_what_flashinfer_reads(block_size: int, group: int, dtype: torch.dtype) -> None:
+    """Prefill-only ragged, mixed, over cached prefixes, decode-only: outputs equal
+    TorchAttention's when FlashInfer computes exactly what its docs say from the layout the
+    backend plans; a decode-only step plans the decode wrapper, any other the causal prefill
+    wrapper; two attention shapes get a wrapper each; groups above 4 decode on tensor cores."""
+    torch.manual_seed(block_size * 10 + group)
+    layers = [
+        KVLayerSpec(2 * group, 2, 64),
+        KVLayerSpec(group, 1, 128),
+        KVLayerSpec(2 * group, 2, 64),
+    ]
+    backend = cpu_flashinfer(layers, block_size, dtype)
+    assert [w.tensor_cores for w in FakeFlashInfer.created if isinstance(w, FakeDecode)] == [
+        group >= 5
+    ] * 2
+    assert all(w.backend == "fa2" for w in FakeFlashInfer.created if isinstance(w, FakePrefill))
+    for plan in SMALL_PLANS:
+        assert check_steps(backend, plan) == ["prefill", "prefill", "decode", "decode"]
+    # A scale other than 1/sqrt(head_dim) reaches FlashInfer through q_scale.
+    check_steps(backend, SMALL_PLANS[1], scale_factor=0.5)
+
+
+@interpreted
+def test_graph_life_cycle_replans_static_buffers() -> None:
+    """prepare_for_capture builds one CUDA-graph decode wrapper per size and shape over the
+    static buffers; each replay re-plans that size's wrappers, so the same forward() serves new
+    contexts; padding rows (garbage inputs) write nothing, so caches end equal to eager ones."""
+    torch.manual_seed(3)
+    dtype, bs = torch.float16, 4
+    layers = [KVLayerSpec(4, 2, 64), KVLayerSpec(6, 1, 128)]
+    max_blocks = 64 // bs
+    num_blocks = 4 * max_blocks + 1
+    static = cpu_flashinfer(layers, bs, dtype)
+    eager = cpu_flashinfer(layers, bs, dtype)
+    reference = TorchAttention(layers, bs, dtype, CPU)
+    for b in (static, eager, reference):
+        b.allocate(num_blocks)
+        for cache in b.caches:
+            torch.manual_seed(1)
+            cache.copy_(torch.randn(cache.shape).to(dtype))
+    static.init_graph_buffers(8, max_blocks)
+    for size in (4, 2):
+        static.prepare_for_capture(size)
+    graphs = [w for s in static._shapes for w in s.graphs.values()]
+    assert len(graphs) == 4 and all(w.graph for w in graphs)
+    assert [s.graphs[4].tensor_cores for s in static._shapes] == [False, True]
+
+    for contexts, size in (([37, 5, 64, 20], 4), ([1, 50], 4), ([63], 2), ([9, 2], 2)):
+        n = len(contexts)
+        tables = scattered_tables(contexts, bs, num_blocks)
+        batch = make_attention_batch([1] * n, contexts, tables, bs)
+        static.prepare_for_replay(batch, size)
+        eager.begin_step(batch)
+        reference.begin_step(batch)
+        assert static._plan.kind == "graph" and eager._plan.kind == "decode"
+        assert static._plan.wrappers == [s.graphs[size] for s in static._shapes]
+        g = static._graph
+        assert g.slot_mapping[:size].tolist() == batch.slot_mapping.tolist() + [-1] * (size - n)
+        for layer, spec in enumerate(layers):
+            heads = (spec.num_q_heads, spec.num_kv_heads, spec.num_kv_heads)
+            qkv = [torch.randn(size, h, spec.head_dim).to(dtype) for h in heads]
+            scale = spec.head_dim**-0.5
+            got = static.forward(layer, *fused_views(*qkv), scale)[:n]
+            want = eager.forward(layer, *(x[:n] for x in qkv), scale)
+            ref = reference.forward(layer, *(x[:n] for x in qkv), scale)
+            for other, label in ((want, "eager"), (ref, "torch")):
+                err = rel_err(got, other)
+                assert err <= TOL[dtype], (
+                    f"contexts {contexts}, layer {layer}: {err:.2e} vs {label}"
+                )
+        for layer in range(len(layers)):
+            assert torch.equal(static.caches[layer], eager.caches[layer]), (contexts, layer)
+
+
+@interpreted
+def test_graph_life_cycle_checks_its_inputs() -> None:
+    backend = cpu_flashinfer([KVLayerSpec(4, 2, 64)], 4, torch.float16)
+    backend.allocate(8)
+    with pytest.raises(RuntimeError, match="init_graph_buffers"):
+        backend.prepare_for_capture(1)
+    backend.init_graph_buffers(4, 2)
+    with pytest.raises(ValueError, match="outside the graph buffers"):
+        backend.prepare_for_capture(5)
+    decode = make_attention_batch([1], [3], [[1]], 4)
+    with pytest.raises(RuntimeError, match=r"prepare_for_capture\(2\)"):
+        backend.prepare_for_replay(decode, 2)
+    backend.prepare_for_capture(2)
+    with pytest.raises(ValueError, match="decode-only batch"):
+        backend.prepare_for_replay(make_attention_batch([3], [3], [[1]], 4), 2)
+    with pytest.raises(ValueError, match="2 blocks each"):
+        backend.prepare_for_replay(make_attention_batch([1], [12], [[1, 2, 3]], 4), 2)
+    fresh = cpu_flashinfer([KVLayerSpec(4, 2, 64)], 4, torch.float16)
+    fresh.allocate(8)
+    x = torch.zeros(1, 4, 64, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="begin_step"):
+        fresh.forward(0, x, x[:, :2], x[:, :2], 0.125)
+    fresh.begin_step(decode)
+    with pytest.raises(ValueError, match="planned for 1"):
+        fresh.forward(0, x.repeat(2, 1, 1), x[:, :2].repeat(2, 1, 1), x[:, :2].repeat(2, 1, 1), 1)
+
+
+# -- on the GPU ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def flashinfer():
+    """FlashInfer itself; GPU tests skip (not fail) where it is not installed."""
+    return pytest.importorskip("flashinfer", reason="FlashInfer is not installed")
+
+
+def gpu_backend(layers, block_size, dtype):
+    from inferx_kernels_cuda.flashinfer_attention import FlashInferAttention
+
+    return FlashInferAttention(layers, block_size, dtype, torch.device("cuda"))
+
+
+# The issue's conformance sizes, as in test_triton_attention: contexts up to 2049 tokens, a
+# ragged prefill of the prefixes, a mixed step (fresh prompts, chunks over cached prefixes,
+# decodes, one-token prompts), two decode-only steps; then chunks over cached prefixes alone.
+GPU_PLANS = [
+    [(0, 300), (100, 37), (1000, 1), (2047, 1), (5, 1), (0, 1), (64, 64), (513, 200)],
+    [(100, 37), (64, 64), (513, 200), (31, 2), (1500, 17)],
+]
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_gpu_conformance_bf16(flashinfer, block_size: int, group: int, head_dim: int) -> None:
+    torch.manual_seed(block_size * 1000 + group * 10 + head_dim)
+    layers = [KVLayerSpec(2 * group, 2, head_dim), KVLayerSpec(4 * group, 4, head_dim)]
+    backend = gpu_backend(layers, block_size, torch.bfloat16)
+    for plan in GPU_PLANS:
+        assert check_steps(backend, plan) == ["prefill", "prefill", "decode", "decode"]
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("group", [4, 8])
+def test_gpu_float16_and_other_scale(flashinfer, group: int) -> None:
+    torch.manual_seed(group)
+    backend = gpu_backend([KVLayerSpec(2 * group, 2, 128)], 16, torch.float16)
+    check_steps(backend, GPU_PLANS[0])
+    check_steps(backend, GPU_PLANS[1], scale_factor=0.7)
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_gpu_captured_decode_serves_new_contexts(flashinfer) -> None:
+    """A decode step captured per batch size through the backend's graph hooks (three
+    attention shapes: CUDA-core and tensor-core decode, two head dims), replayed for new
+    contexts from 1 to 2048 tokens and fewer real rows than captured: outputs equal eager
+    FlashInfer and TorchAttention, padding rows write nothing, and FlashInfer's plan (whose
+    work split the graph baked in) is the same at every replay as at capture."""
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    bs, max_ctx = 16, 2048
+    max_blocks = max_ctx // bs
+    sizes = [1, 4, 16]
+    num_blocks = sizes[-1] * max_blocks + 1
+    layers = [KVLayerSpec(16, 2, 128), KVLayerSpec(4, 2, 64), KVLayerSpec(12, 2, 128)]
+    graphed = gpu_backend(layers, bs, dtype)
+    eager = gpu_backend(layers, bs, dtype)
+    reference = TorchAttention(layers, bs, dtype, dev)
+    assert [s.tensor_cores for s in graphed._shapes] == [True, False, True]
+    for b in (graphed, eager, reference):
+        b.allocate(num_blocks)
+        for cache in b.caches:
+            torch.manual_seed(1)
+            cache.copy_(torch.randn(cache.shape, device=dev).to(dtype))
+    scales = [s.head_dim**-0.5 for s in layers]
+    graphed.init_graph_buffers(sizes[-1], max_blocks)
+    captured = {}
+    for size in reversed(sizes):
+        inputs = [
+            [torch.zeros(size, h, s.head_dim, dtype=dtype, device=dev) for h in heads]
+            for s in layers
+            for heads in [(s.num_q_heads, s.num_kv_heads, s.num_kv_heads)]
+        ]
+
+        def step(inputs=inputs) -> list[torch.Tensor]:
+            return [graphed.forward(i, *fused_views(*inputs[i]), scales[i]) for i in range(3)]
+
+        graphed.prepare_for_capture(size)
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = step()
+        plans = [plan_info(s.graphs[size]) for s in graphed._shapes]
+        captured[size] = (graph, inputs, outs, plans)
+    print("captured sizes", sorted(captured), "plan info", {k: v[3] for k, v in captured.items()})
+
+    cases = [([1, 1000, 2048], 4), ([64, 65, 2047, 7], 4), ([2048], 1), ([5], 4), ([1], 1)]
+    cases.append(([int(x) for x in torch.randint(1, max_ctx + 1, (13,))], 16))
+    for contexts, size in cases:
+        graph, inputs, outs, plans = captured[size]
+        n = len(contexts)
+        tables = scattered_tables(contexts, bs, num_blocks)
+        graphed.prepare_for_replay(make_attention_batch([1] * n, contexts, tables, bs), size)
+        now = [plan_info(s.graphs[size]) for s in graphed._shapes]
+        assert now == plans, f"size {size}, contexts {contexts}: plan {now}, captured {plans}"
+        for x in (t for per_layer in inputs for t in per_layer):
+            x.copy_(torch.randn(x.shape, device=dev).to(dtype))  # padding rows get garbage too
+        graph.replay()
+        batch = make_attention_batch([1] * n, contexts, tables, bs, dev)
+        eager.begin_step(batch)
+        reference.begin_step(batch)
+        for i in range(len(layers)):
+            real = [x[:n] for x in inputs[i]]
+            got = outs[i][:n]
+            for other, label in (
+                (eager.forward(i, *real, scales[i]), "eager flashinfer"),
+                (reference.forward(i, *real, scales[i]), "torch"),
+            ):
+                err = rel_err(got, other)
+                if err > TOL[dtype]:
+                    worst = worst_sequence(got.cpu(), other.cpu(), [1] * n, list(range(n)))
+                    raise AssertionError(
+                        f"size {size}, contexts {contexts}, layer {i} {layers[i]}: {err:.2e} vs "
+                        f"{label}; worst: {worst}"
+                    )
+        torch.cuda.synchronize()
+        for i in range(len(layers)):
+            assert torch.equal(graphed.caches[i], eager.caches[i]), (size, contexts, i)
+
+
+def plan_info(wrapper) -> list[int]:
+    """FlashInfer's plan of a wrapper (a private attribute: for diagnostics only)."""
+    return [int(x) for x in (getattr(wrapper, "_plan_info", None) or [])]
+
+
+def checkpoint_64(arch: str, tmp_path_factory) -> Path:
+    """test_cuda_graphs' tiny random Llama or Qwen2, widened to head_dim 64 (FlashInfer's
+    smallest): hidden 256, 4 query heads, 2 KV heads, 3 layers."""
+    import transformers
+    from test_engine import tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config(arch)
+    config.hidden_size, config.intermediate_size = 256, 512
+    if getattr(config, "head_dim", None) is not None:
+        config.head_dim = 64
+    cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM
+    model = cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.04)
+    path = tmp_path_factory.mktemp(f"{arch}-hd64")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gpu_generates_like_triton(flashinfer, arch: str, tmp_path_factory) -> None:
+    """Greedy generation, bf16, 32 tokens: attention_backend "flashinfer" equals "triton"
+    token for token (a divergence only at a near tie, reported), with CUDA graphs and without:
+    batches that hit and miss captured sizes, a batch that shrinks, prompts chunked over 64
+    tokens beside decodes, and prompts that hit the prefix cache (prefill over a cached
+    prefix). In compare_runs' messages "graphs" is flashinfer and "eager" triton."""
+    from test_cuda_graphs import NEW, LogitsRecorder, compare_runs, ragged_prompts
+
+    from inferx_core.config import load_config
+    from inferx_core.engine import LLM
+    from inferx_core.sequence import SamplingParams
+
+    path = checkpoint_64(arch, tmp_path_factory)
+    common = ragged_prompts(1, 150, 150, seed=7)[0]
+    scenarios = [(f"batch {n}", ragged_prompts(n, 3, 30, seed=n), [NEW] * n) for n in (1, 3, 8, 13)]
+    scenarios += [
+        ("shrinking", ragged_prompts(13, 3, 30, 13), [NEW - 2 * i for i in range(13)]),
+        ("long, chunked", ragged_prompts(3, 100, 200, 99), [NEW] * 3),
+        ("prefix, first", [common + [5, 6, 7]], [NEW]),
+        ("prefix, cached", [common + [9] * k for k in (1, 20, 40)], [NEW] * 3),
+    ]
+    problems = []
+    for graphs in (True, False):
+        runs = {}
+        for backend in ("flashinfer", "triton"):
+            llm = LLM(
+                load_config(
+                    None,
+                    {
+                        "model.path": str(path),
+                        "model.dtype": "bfloat16",
+                        "engine.device": "cuda",
+                        "engine.attention_backend": backend,
+                        "engine.cuda_graphs": graphs,
+                        "kv_cache.memory": "512MiB",
+                        "scheduler.max_running": 16,
+                        "scheduler.prefill_chunk": 64,
+                        "scheduler.prefix_cache": True,
+                    },
+                )
+            )
+            ex = llm.engine.executor
+            assert type(ex.attention).__name__ == (
+                "FlashInferAttention" if backend == "flashinfer" else "TritonAttention"
+            )
+            assert (ex.graphs is not None) == graphs, ex.eager_reason
+            recorder = ex.sampler = LogitsRecorder(ex.sampler)
+            results = []
+            for _, prompts, max_tokens in scenarios:
+                params = [
+                    SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=2)
+                    for m in max_tokens
+                ]
+                results.append((llm.generate(prompts, params), recorder.take()))
+            if graphs:
+                print(f"{arch}/{backend}: graph replays by padded size {dict(ex.graphs.replays)}")
+                assert sum(ex.graphs.replays.values()) > 0
+            runs[backend] = results
+            del llm, ex, recorder
+            gc.collect()
+            torch.cuda.empty_cache()
+        for (label, _, _), (fi, fi_steps), (tr, tr_steps) in zip(
+            scenarios, runs["flashinfer"], runs["triton"], strict=True
+        ):
+            name = f"{arch}/graphs {'on' if graphs else 'off'}/{label}"
+            problems += compare_runs(name, fi, tr, fi_steps, tr_steps, "bfloat16")
+    assert not problems, "\n".join(problems)

@@ -1,0 +1,107 @@
+"""benchmarks/h200_table.py's plumbing on the CPU: --quick with the tiny-qwen2 preset and the Qwen
+tokenizer produces every figure (offline child, inferx-server, the serve client), prints the
+table, honours --only, and starts an engine again with kv_cache.num_blocks when it cannot start."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import FIXTURES
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_table.py"
+TOKENIZERS = FIXTURES / "tokenizers"
+
+
+def run_table(tmp_path: Path, *extra: str) -> tuple[dict[str, Any], str]:
+    out = tmp_path / "h200-table.json"
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--models", "tiny-qwen2", "--tokenizers",
+           str(TOKENIZERS), "--budget-s", "100", "--json", str(out), *extra]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text()), proc.stdout
+
+
+def errors(node: Any, path: str = "") -> list[str]:
+    if isinstance(node, dict):
+        found = [f"{path}: {node['error']}"] if "error" in node else []
+        return found + [e for k, v in node.items() for e in errors(v, f"{path}.{k}")]
+    return []
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+    return run_table(tmp_path_factory.mktemp("table"))
+
+
+def test_every_figure_is_measured(quick: tuple[dict[str, Any], str]) -> None:
+    doc, _ = quick
+    res = doc["models"]["tiny-qwen2"]
+    assert errors(res) == []
+    d = res["decode"]
+    assert d["ms_per_token"] > 0 and d["floor_ms_per_token"] > 0 and len(d["runs_ms"]) == 2
+    assert set(res["ttft"]) == {"64", "128", "seconds"}
+    assert all(res["ttft"][n]["ttft_ms"] > 0 and res["ttft"][n]["prefill_tok_s"] > 0
+               for n in ("64", "128"))  # fmt: skip
+    assert res["throughput"]["output_tok_s"] > 0 and res["throughput"]["num_prompts"] == 8
+    for c, prompts in (("1", 4), ("4", 8)):
+        r = res["serve"][c]
+        assert r["completed"] == r["num_prompts"] == prompts and r["failed"] == 0
+        assert r["server_input_tokens_per_request"] == 32  # token-exact text prompts
+        assert r["total_output_tokens"] == prompts * 8
+        assert r["output_throughput"] > 0 and r["ttft_ms"]["mean"] > 0 and r["itl_ms"]["p99"] > 0
+    off, server = res["startup"]["offline"], res["startup"]["server"]
+    assert off["spawn_to_ready_s"] > off["engine_s"] > 0 and "weights" in off["parts_s"]
+    assert off["overrides"]["scheduler.prefix_cache"] == "false"
+    assert server["spawn_to_ready_s"] > 0 and server["exit_code"] == 0  # drained on SIGTERM
+    assert doc["peers"]["qwen2.5-3b-instruct"]["decode"][0].startswith("2.975")
+
+
+def test_the_table_prints(quick: tuple[dict[str, Any], str]) -> None:
+    _, stdout = quick
+    lines = stdout.splitlines()
+    head = lines.index("| figure | InferX | vLLM 0.26.0 | goal |")
+    rows = [line for line in lines[head + 2 :] if line.startswith("| ")]
+    assert len(rows) == 9  # decode, 2 TTFT, offline, 2 online, 2 start-ups, KV cache
+    assert all(row.split(" | ")[1].strip() for row in rows), rows  # every figure has a value
+    assert "error" not in stdout and "unreadable" not in stdout
+
+
+def test_peers_and_errors_render(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = importlib.util.spec_from_file_location("h200_table", SCRIPT)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "h200_table", mod)  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    res = {"decode": {"error": "RuntimeError: CUDA error: out of memory\nmore"},
+           "serve": {"64": {"error": "skipped: the time budget was spent"}}}  # fmt: skip
+    text = mod.table("qwen2.5-3b-instruct", res, mod.Sizes())
+    assert (
+        "| error: RuntimeError: CUDA error: out of memory | 2.975 (floor 1.437) | <= 2.0 |" in text
+    )
+    assert "skipped: the time budget was spent | 11,359 tok/s" in text
+    assert "unreadable" not in text  # figures not measured are blank
+    assert "6,371 tok/s" in mod.table("llama-3.1-8b-instruct", {}, mod.Sizes())
+
+
+def test_only_and_a_second_start_with_fixed_blocks(tmp_path: Path) -> None:
+    # A fraction of memory cannot size a cache on the CPU: the engine fails to start, and the
+    # table starts it again with kv_cache.num_blocks, as it would after a fault on the GPU.
+    doc, stdout = run_table(tmp_path, "--only", "startup", "--kv-cache-memory", "0.5")
+    res = doc["models"]["tiny-qwen2"]
+    assert set(res) == {"budget_s", "startup", "seconds"}
+    off = res["startup"]["offline"]
+    assert "kv_cache.memory as a fraction needs a GPU" in off["first_attempt"]["error"]
+    assert off["overrides"]["kv_cache.num_blocks"] == str(1 << 16) and off["spawn_to_ready_s"] > 0
+    assert "[second start, kv_cache.num_blocks]" in stdout
+
+
+def test_unknown_figure_is_refused() -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--only", "decode,latency"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and "unknown figure(s) latency" in proc.stderr
