@@ -32,6 +32,8 @@ class TorchAttention(AttentionBackend):
     a slot (block_id * block_size + offset) indexes it directly.
     """
 
+    name = "torch attention"  # in error messages
+
     def __init__(
         self,
         layers: list[KVLayerSpec],
@@ -40,19 +42,26 @@ class TorchAttention(AttentionBackend):
         device: torch.device,
     ) -> None:
         super().__init__(layers, block_size, dtype, device)
+        # Subclasses share the cache layout, so they share these limits (under their own name).
+        name = self.name
         for i, spec in enumerate(layers):
             if spec.kind != "full":
                 raise NotImplementedError(
-                    f"torch attention supports only 'full' layers; layer {i} is {spec.kind!r}"
+                    f"{name} supports only 'full' layers; layer {i} is {spec.kind!r}"
                 )
             if spec.v_head_dim not in (None, spec.head_dim):
                 raise NotImplementedError(
-                    f"torch attention needs v_head_dim == head_dim; layer {i} has "
+                    f"{name} needs v_head_dim == head_dim; layer {i} has "
                     f"{spec.v_head_dim} and {spec.head_dim}"
                 )
             if spec.dtype is not None:
                 raise NotImplementedError(
-                    f"torch attention keeps KV in the model dtype; layer {i} wants {spec.dtype!r}"
+                    f"{name} keeps KV in the model dtype; layer {i} wants {spec.dtype!r}"
+                )
+            if spec.num_q_heads % spec.num_kv_heads:
+                raise ValueError(
+                    f"layer {i}: num_q_heads {spec.num_q_heads} is not a multiple of "
+                    f"num_kv_heads {spec.num_kv_heads}"
                 )
         self.caches: list[torch.Tensor] = []
         self._seqs: list[_Seq] = []

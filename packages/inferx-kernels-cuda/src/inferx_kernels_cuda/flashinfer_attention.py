@@ -138,6 +138,7 @@ class FlashInferAttention(TorchAttention):
     by q_scale, the same as scaling q).
     """
 
+    name = "flashinfer attention"
     supports_cuda_graphs = True
     # Split-KV partial outputs (fp32), shared by every wrapper. FlashInfer suggests 128 MiB, but
     # a prompt chunk over a long cached context with Qwen2.5-3B's 16 query heads plans 132 MiB.
@@ -158,31 +159,12 @@ class FlashInferAttention(TorchAttention):
                 "torch backends run float32)"
             )
         for i, spec in enumerate(layers):
-            if spec.kind != "full":
-                raise NotImplementedError(
-                    f"flashinfer attention supports only 'full' layers; layer {i} is {spec.kind!r}"
-                )
-            if spec.v_head_dim not in (None, spec.head_dim):
-                raise NotImplementedError(
-                    f"flashinfer attention needs v_head_dim == head_dim; layer {i} has "
-                    f"{spec.v_head_dim} and {spec.head_dim}"
-                )
-            if spec.dtype is not None:
-                raise NotImplementedError(
-                    f"flashinfer attention keeps KV in the model dtype; layer {i} wants "
-                    f"{spec.dtype!r}"
-                )
-            if spec.head_dim not in _HEAD_DIMS:
+            if spec.kind == "full" and spec.head_dim not in _HEAD_DIMS:  # others: refused below
                 raise ValueError(
                     f"flashinfer attention needs head_dim in {_HEAD_DIMS}; layer {i} has "
                     f"{spec.head_dim}"
                 )
-            if spec.num_q_heads % spec.num_kv_heads:
-                raise ValueError(
-                    f"layer {i}: num_q_heads {spec.num_q_heads} is not a multiple of "
-                    f"num_kv_heads {spec.num_kv_heads}"
-                )
-        super().__init__(layers, block_size, dtype, torch.device(device))
+        super().__init__(layers, block_size, dtype, torch.device(device))  # + the shared checks
         fi = self._load_flashinfer()
         self._fi = fi
         self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=self.device)

@@ -87,6 +87,7 @@ class TritonAttention(TorchAttention):
     so that tests and tuning can change them.
     """
 
+    name = "triton attention"
     max_splits = 64
     supports_cuda_graphs = True
 
@@ -105,21 +106,12 @@ class TritonAttention(TorchAttention):
                 f"triton attention runs float16, bfloat16 or float32; got {dtype}"
             )
         for i, spec in enumerate(layers):
-            if spec.kind != "full":
-                raise NotImplementedError(
-                    f"triton attention supports only 'full' layers; layer {i} is {spec.kind!r}"
-                )
             d = spec.head_dim
-            if d < 16 or d & (d - 1):
+            if spec.kind == "full" and (d < 16 or d & (d - 1)):  # others: refused below
                 raise ValueError(
                     f"triton attention needs a power-of-two head_dim >= 16; layer {i} has {d}"
                 )
-            if spec.num_q_heads % spec.num_kv_heads:
-                raise ValueError(
-                    f"layer {i}: num_q_heads {spec.num_q_heads} is not a multiple of "
-                    f"num_kv_heads {spec.num_kv_heads}"
-                )
-        super().__init__(layers, block_size, dtype, device)
+        super().__init__(layers, block_size, dtype, device)  # + the shared checks
         self.interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
         self.min_split_len = min_split_len
         if target_programs is None:
