@@ -91,17 +91,51 @@ class Sampler:
             torch.tensor([p.min_p for p in params], device=logits.device),
         )
         probs = scaled.softmax(dim=1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one noise row per request.
-        noise = torch.empty_like(probs)
-        for i, (seq, p) in enumerate(zip(seqs, params, strict=True)):
-            if p.seed is None:
-                noise[i].exponential_(generator=self.generator)
-            else:
-                gen = torch.Generator(device=logits.device)
-                gen.manual_seed(hash((p.seed, seq.num_output)) & 0x7FFF_FFFF_FFFF_FFFF)
-                noise[i].exponential_(generator=gen)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. One launch for the
+        # unseeded rows; seeded rows get noise that is a pure function of (seed, output index,
+        # token), so neither the batch nor a preemption changes what they draw.
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        if seeded:
+            dev = logits.device
+            noise[torch.tensor(seeded, device=dev)] = seeded_exponential(
+                torch.tensor([params[i].seed for i in seeded], dtype=torch.int64, device=dev),
+                torch.tensor([seqs[i].num_output for i in seeded], dtype=torch.int64, device=dev),
+                probs.shape[1],
+            )
         sampled = (probs / noise).argmax(dim=1)
         return torch.where(greedy, logits.argmax(dim=1), sampled), logprobs
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(x: int) -> int:
+    """A 64-bit constant as the int64 torch holds (two's complement)."""
+    x &= _MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = (
+    _signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> keeps the sign)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def seeded_exponential(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, vocab] float32 Exp(1) noise, a pure function of (seed, step, token index): a
+    splitmix64 hash of a counter, on the device, no generator objects (int64 products wrap)."""
+    token = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    x = (seeds * _GOLDEN + steps * _MIX1).unsqueeze(1) + token * _MIX2
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    x = x ^ _shr(x, 31)
+    uniform = (_shr(x, 11).double() + 0.5) / float(1 << 53)  # in (0, 1), never 0
+    return (-torch.log(uniform)).float()
 
 
 def _penalised(p: SamplingParams) -> bool:
