@@ -26,6 +26,17 @@ FIXTURES = Path(
 )
 
 
+def fused_views(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as strided views of one [T, (Hq + 2 Hkv) * D] tensor, as a fused QKV projection
+    hands them to an attention backend."""
+    t = q.shape[0]
+    qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=1)
+    parts = qkv.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=1)
+    return parts[0].view(q.shape), parts[1].view(k.shape), parts[2].view(v.shape)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import interpreted, on_gpu
+from conftest import fused_views, interpreted, on_gpu
 from test_attention_torch import dense_reference, rel_err
 
 from inferx_core.attention_torch import TorchAttention
@@ -263,15 +263,6 @@ def scattered_tables(totals: list[int], block_size: int, num_blocks: int) -> lis
         tables.append(ids[:need])
         ids = ids[need:]
     return tables
-
-
-def fused_views(q, k, v):
-    """q, k, v as strided views of one [T, (Hq + 2 Hkv) * D] tensor, as a fused QKV projection
-    hands them to the backend."""
-    t = q.shape[0]
-    qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=1)
-    parts = qkv.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=1)
-    return parts[0].view(q.shape), parts[1].view(k.shape), parts[2].view(v.shape)
 
 
 def steps_of(plan: list[tuple[int, int]]) -> tuple[list[int], list[list[tuple[int, int]]]]:

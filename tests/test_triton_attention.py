@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton", reason="the triton package is not installed")
 
-from conftest import interpreted, on_gpu  # noqa: E402
+from conftest import fused_views, interpreted, on_gpu  # noqa: E402
 from test_attention_torch import dense_reference, rel_err  # noqa: E402
 
 from inferx_core.attention_torch import TorchAttention  # noqa: E402
@@ -23,17 +23,6 @@ TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 # (cached prefix, new tokens) of each sequence in the mixed step: a fresh prompt, a chunk over
 # a cached prefix, decodes, a one-token prompt. Two decode steps follow it.
 SMALL_PLAN = [(0, 13), (9, 7), (21, 1), (5, 1), (0, 1)]
-
-
-def fused_views(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v as strided views of one [T, (Hq + 2 Hkv) * D] tensor, as a fused QKV projection
-    hands them to the backend."""
-    t = q.shape[0]
-    qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=1)
-    parts = qkv.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=1)
-    return parts[0].view(q.shape), parts[1].view(k.shape), parts[2].view(v.shape)
 
 
 def plan_steps(plan: list[tuple[int, int]]) -> tuple[list[int], list[list[tuple[int, int]]]]:

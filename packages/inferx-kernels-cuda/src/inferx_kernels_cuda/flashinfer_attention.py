@@ -14,6 +14,7 @@ import triton
 from inferx_core.attention_torch import TorchAttention
 from inferx_core.interfaces.attention import AttentionBatch
 from inferx_core.interfaces.kv import KVLayerSpec
+from inferx_kernels_cuda.triton_attention import checked_graph_buffers
 from inferx_kernels_cuda.triton_kernels import kv_write_kernel
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -329,15 +330,7 @@ class FlashInferAttention(TorchAttention):
         self._plan = _Plan("graph", padded_batch_size, g.slot_mapping[:padded_batch_size], wrappers)
 
     def _graph_buffers(self, batch_size: int) -> _GraphBuffers:
-        g = self._graph
-        if g is None:
-            raise RuntimeError("flashinfer attention: init_graph_buffers() must run first")
-        if not 1 <= batch_size <= g.max_batch:
-            raise ValueError(
-                f"flashinfer attention: batch size {batch_size} is outside the graph buffers' "
-                f"1..{g.max_batch}"
-            )
-        return g
+        return checked_graph_buffers(self, batch_size)
 
     # -- the layer ----------------------------------------------------------------------------
 

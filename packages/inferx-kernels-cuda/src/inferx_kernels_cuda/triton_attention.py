@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -66,6 +67,19 @@ class _GraphBuffers:
     staged_context_len: torch.Tensor  # host (pinned on a GPU) copies of the per-row vectors
     staged_slot_mapping: torch.Tensor
     copied: torch.cuda.Event | None  # the last replay's copies out of the staged tensors
+
+
+def checked_graph_buffers(backend: Any, batch_size: int) -> Any:
+    """backend._graph (set by init_graph_buffers), if it holds `batch_size` rows."""
+    g = backend._graph
+    if g is None:
+        raise RuntimeError(f"{backend.name}: init_graph_buffers() must run first")
+    if not 1 <= batch_size <= g.max_batch:
+        raise ValueError(
+            f"{backend.name}: batch size {batch_size} is outside the graph buffers' "
+            f"1..{g.max_batch}"
+        )
+    return g
 
 
 class TritonAttention(TorchAttention):
@@ -287,15 +301,7 @@ class TritonAttention(TorchAttention):
             g.copied.record()
 
     def _graph_buffers(self, batch_size: int) -> _GraphBuffers:
-        g = self._graph
-        if g is None:
-            raise RuntimeError("triton attention: init_graph_buffers() must run first")
-        if not 1 <= batch_size <= g.max_batch:
-            raise ValueError(
-                f"triton attention: batch size {batch_size} is outside the graph buffers' "
-                f"1..{g.max_batch}"
-            )
-        return g
+        return checked_graph_buffers(self, batch_size)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
