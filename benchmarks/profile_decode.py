@@ -1,13 +1,31 @@
-"""Where a batch-1 decode step spends its time: torch.profiler over a short greedy run.
+"""Where decode steps spend their time, and how long the GPU sits idle between them.
 
     python benchmarks/profile_decode.py --preset qwen2.5-3b-instruct --tokenizer DIR \
-        --backend triton [--batch 1] [--tokens 16]
+        --backend triton --batch 1,64 [--steps 64] [--eager] [--json OUT.json]
+
+Per batch size: `batch` requests of a 128-token prompt are prefilled, then `--steps` decode
+steps run under torch.profiler (CPU and CUDA activity). From the trace's GPU records (kernels,
+copies, memsets) it prints:
+
+- the wall time per step (host clock, engine.step() to engine.step()),
+- the GPU idle fraction: 1 - (union of GPU activity) / (first GPU start to last GPU end) over
+  the profiled steps, the figure issue 4 wants under 5%,
+- each kernel's launches and GPU time per step, largest first: what one decode step runs.
+
+The profiler adds a little host overhead to every launch; graph replays are one launch each, so
+with CUDA graphs the idle figure is close to the unprofiled one. Eager steps are slower under it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import tempfile
 import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -16,69 +34,150 @@ from inferx_core.config import load_config
 from inferx_core.engine import LLM
 from inferx_core.sequence import SamplingParams
 
+GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+def gpu_records(trace_path: Path) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, name) of every GPU activity in a chrome trace, sorted by start."""
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    recs = [
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), str(e.get("name", "?")))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES
+    ]
+    return sorted(recs)
+
+
+def idle_fraction(recs: list[tuple[float, float, str]]) -> tuple[float, float]:
+    """(idle fraction, window µs): the GPU's idle share between its first start and last end."""
+    if not recs:
+        return float("nan"), 0.0
+    busy = 0.0
+    cur_start, cur_end = recs[0][0], recs[0][1]
+    for start, end, _ in recs[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    window = max(e for _, e, _ in recs) - recs[0][0]
+    return (1.0 - busy / window if window > 0 else 0.0), window
+
+
+def kernel_table(recs: list[tuple[float, float, str]], steps: int) -> list[dict[str, Any]]:
+    per: dict[str, list[float]] = defaultdict(list)
+    for start, end, name in recs:
+        per[name].append(end - start)
+    rows = [
+        {
+            "name": name,
+            "launches_per_step": len(durs) / steps,
+            "us_per_step": sum(durs) / steps,
+            "us_each": sum(durs) / len(durs),
+        }
+        for name, durs in per.items()
+    ]
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
+def profile_batch(llm: LLM, batch: int, steps: int, trace_dir: Path) -> dict[str, Any]:
+    engine = llm.engine
+    prompts = [list(range(1000 + i, 1128 + i)) for i in range(batch)]
+    params = SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm
+    ids = [engine.add_request(p, params) for p in prompts]
+    while any(engine.requests[i].seq.num_output == 0 for i in ids):  # prefill, first tokens
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    walls = []
+    trace = trace_dir / f"decode-{batch}.json"
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(trace))
+    for i in ids:
+        engine.abort(i)
+    # Unprofiled wall time per step, for comparison with the profiled one.
+    ids = [engine.add_request(p, params) for p in prompts]
+    while any(engine.requests[i].seq.num_output == 0 for i in ids):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    plain_ms = (time.perf_counter() - t0) / steps * 1e3
+    for i in ids:
+        engine.abort(i)
+    recs = gpu_records(trace)
+    idle, window = idle_fraction(recs)
+    kernels = kernel_table(recs, steps)
+    return {
+        "batch": batch,
+        "steps": steps,
+        "step_ms_median_profiled": statistics.median(walls) * 1e3,
+        "step_ms_mean_unprofiled": plain_ms,
+        "gpu_window_ms_per_step": window / steps / 1e3,
+        "gpu_busy_ms_per_step": window * (1 - idle) / steps / 1e3,
+        "gpu_idle_fraction": idle,
+        "kernels": kernels,
+    }
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen2.5-3b-instruct")
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--backend", default="triton")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--batch", default="1,64", help="comma-separated batch sizes")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--eager", action="store_true", help="engine.cuda_graphs = false")
+    ap.add_argument("--overlap", choices=["on", "off", "default"], default="default")
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    llm = LLM(
-        load_config(
-            None,
-            {
-                "model.preset": args.preset,
-                "model.tokenizer": args.tokenizer,
-                "model.dtype": "bfloat16",
-                "kv_cache.memory": "20GiB",
-                "engine.attention_backend": args.backend,
-            },
-        )
-    )
-    prompts = [list(range(1000 + i, 1128 + i)) for i in range(args.batch)]
-    params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
-    llm.generate(prompts, params)
-    ex = llm.engine.executor
-    # Split one decode step: engine overhead vs the executor vs the forward alone.
-    rid = llm.engine.add_request(
-        prompts[0], SamplingParams(max_tokens=64, ignore_eos=True, temperature=0)
-    )
-    llm.engine.step()  # prefill
-    t_step, t_exec, t_fwd = [], [], []
-    real_execute, real_forward = ex.execute, ex.model.forward
+    overrides = {
+        "model.preset": args.preset,
+        "model.tokenizer": args.tokenizer,
+        "model.dtype": "bfloat16",
+        "kv_cache.memory": "20GiB",
+        "engine.attention_backend": args.backend,
+        "engine.cuda_graphs": not args.eager,
+    }
+    if args.overlap != "default":
+        overrides["engine.overlap"] = args.overlap == "on"
+    llm = LLM(load_config(None, overrides))
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for batch in [int(b) for b in args.batch.split(",")]:
+            r = profile_batch(llm, batch, args.steps, Path(tmp))
+            results.append(r)
+            print(
+                f"\nbatch {batch}: step {r['step_ms_mean_unprofiled']:.3f} ms unprofiled "
+                f"({r['step_ms_median_profiled']:.3f} profiled); GPU busy "
+                f"{r['gpu_busy_ms_per_step']:.3f} ms of a {r['gpu_window_ms_per_step']:.3f} ms "
+                f"window per step: idle {100 * r['gpu_idle_fraction']:.1f}%"
+            )
+            print(f"{'kernel':<72} {'launch/step':>11} {'us/step':>9} {'us each':>8}")
+            for k in r["kernels"][: args.top]:
+                print(
+                    f"{k['name'][:72]:<72} {k['launches_per_step']:>11.1f} "
+                    f"{k['us_per_step']:>9.1f} {k['us_each']:>8.2f}"
+                )
+    doc = {"args": vars(args), "commit": _commit(), "results": results}
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1))
 
-    def timed_execute(out):
-        t0 = time.perf_counter()
-        r = real_execute(out)
-        t_exec.append(time.perf_counter() - t0)
-        return r
 
-    def timed_forward(*a):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        r = real_forward(*a)
-        torch.cuda.synchronize()
-        t_fwd.append(time.perf_counter() - t0)
-        return r
+def _commit() -> str:
+    import os
 
-    ex.execute, ex.model.forward = timed_execute, timed_forward
-    for _ in range(32):
-        t0 = time.perf_counter()
-        llm.engine.step()
-        t_step.append(time.perf_counter() - t0)
-    ex.execute, ex.model.forward = real_execute, real_forward
-    llm.engine.abort(rid)
-    med = lambda xs: sorted(xs)[len(xs) // 2] * 1e3  # noqa: E731
-    print(
-        f"median ms: step {med(t_step):.2f}  execute {med(t_exec):.2f}  "
-        f"forward(synced) {med(t_fwd):.2f}"
-    )
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20))
+    return os.environ.get("INFERX_COMMIT", "?")
 
 
 if __name__ == "__main__":

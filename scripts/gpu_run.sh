@@ -4,7 +4,10 @@
 # the table's Llama model also needs .carry/tok/tokenizers/llama3, copied in before the call:
 #   mkdir -p .carry/tok/tokenizers && cp -r ../shared/fixtures/tokenizers/llama3 .carry/tok/tokenizers/
 # and both carried: carry [".whl", ".carry/tok"] (24 + 20 MB).
-# Usage: bash scripts/gpu_run.sh [tests] [bench] [demo] [table | table-3b | table-8b]
+# Usage: bash scripts/gpu_run.sh [tests] [flashinfer] [profile] [bench] [demo] [table | table-3b | table-8b]
+#   flashinfer: its conformance tests, then its compiled kernels packed into $OUT (copy the
+#   returned fi-cache parts into .whl/ so the next machine skips compiling them);
+#   profile: benchmarks/profile_decode.py (idle GPU time and kernels of a decode step, batch 1, 64).
 #   (default: tests bench). table: issue 4's whole table, both models (benchmarks/h200_table.py,
 #   bounded to ~7.5 min after set-up); table-3b / table-8b: one model each, for two calls.
 # demo: the real demo model on the GPU. Its GGUF (98 MB) cannot travel in one call (64 MiB):
@@ -25,8 +28,19 @@ TOK=.carry/tok/tokenizers/qwen
 for step in "${steps[@]}"; do
   case $step in
     tests)
-      python3 -m pytest tests/test_gpu_correctness.py tests/test_triton_attention.py \
-        tests/test_kv_sizing.py -m gpu -q -k "not demo" 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
+      timeout ${TESTS_TIMEOUT:-400} python3 -m pytest tests/test_kv_sizing.py tests/test_gpu_correctness.py tests/test_triton_attention.py \
+        -m gpu -q -k "not demo" ${TESTS_ARGS:-} 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
+    flashinfer)
+      timeout 420 python3 -m pytest tests/test_flashinfer_attention.py -q -rs --maxfail=5 2>&1 \
+        | tee "$OUT/gpu-flashinfer.log" | tail -15
+      bash .whl/save-cache.sh "$OUT" 2>&1 | tail -3 ;;
+    profile)
+      for mode in ${PROFILE_MODES:-graphs}; do
+        flag=""; [ "$mode" = eager ] && flag=--eager
+        timeout 300 python3 benchmarks/profile_decode.py --tokenizer $TOK --backend triton \
+          --batch 1,64 --steps 64 $flag ${PROFILE_ARGS:-} --json "$OUT/profile-$mode.json" 2>&1 \
+          | grep -v Warning | tail -40
+      done ;;
     demo)
       python3 -m pytest tests/test_gpu_correctness.py -m gpu -q -k demo 2>&1 \
         | tee "$OUT/gpu-demo.log" | tail -15 ;;
