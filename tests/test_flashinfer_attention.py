@@ -633,7 +633,7 @@ def test_gpu_generates_like_triton(flashinfer, arch: str, tmp_path_factory) -> N
     batches that hit and miss captured sizes, a batch that shrinks, prompts chunked over 64
     tokens beside decodes, and prompts that hit the prefix cache (prefill over a cached
     prefix). In compare_runs' messages "graphs" is flashinfer and "eager" triton."""
-    from test_cuda_graphs import NEW, LogitsRecorder, compare_runs, ragged_prompts
+    from test_cuda_graphs import NEW, TOP, LogitsRecorder, compare_runs, ragged_prompts
 
     from inferx_core.config import load_config
     from inferx_core.engine import LLM
@@ -677,7 +677,7 @@ def test_gpu_generates_like_triton(flashinfer, arch: str, tmp_path_factory) -> N
             results = []
             for _, prompts, max_tokens in scenarios:
                 params = [
-                    SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=2)
+                    SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=TOP)
                     for m in max_tokens
                 ]
                 results.append((llm.generate(prompts, params), recorder.take()))
