@@ -7,6 +7,8 @@
 # Usage: bash scripts/gpu_run.sh [tests] [flashinfer] [profile] [bench] [demo] [table | table-3b | table-8b]
 #   flashinfer: its conformance tests, then its compiled kernels packed into $OUT (copy the
 #   returned fi-cache parts into .whl/ so the next machine skips compiling them);
+#   Keep the returned parts in .carry/fi/ (31 MB; .whl + .carry/tok + .carry/fi fit the 64 MiB a
+#   call carries only with the Qwen tokenizer alone) and carry .carry/fi in runs that use FlashInfer.
 #   profile: benchmarks/profile_decode.py (idle GPU time and kernels of a decode step, batch 1, 64).
 #   (default: tests bench). table: issue 4's whole table, both models (benchmarks/h200_table.py,
 #   bounded to ~7.5 min after set-up); table-3b / table-8b: one model each, for two calls.
@@ -20,6 +22,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 INFERX_FIXTURES=$PWD/.carry/tok
+[ -d .carry/fi ] && cp .carry/fi/fi-cache.tar.part-* .whl/ 2>/dev/null
 bash .whl/setup.sh >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
 tail -1 "$OUT/setup.log"
 steps=("$@")
