@@ -4,12 +4,15 @@ Each step writes the chunk's token ids into the cache slots its block table name
 sampling sequence's whole context back through its block table. A block shared by mistake, freed
 while in use or missing from the table shows up as a context that differs from the sequence's
 own tokens, so every scheduler test also checks the KV bookkeeping.
+
+It supports overlap like a device does: a PENDING input token is the one it sampled for that
+sequence in the step before, which the scheduler has not been told yet.
 """
 
 from __future__ import annotations
 
 from inferx_core.interfaces import Executor, SchedulerOutput, StepResult
-from inferx_core.sequence import SamplingParams
+from inferx_core.sequence import PENDING, SamplingParams
 
 
 def next_token(context: list[int]) -> int:
@@ -36,27 +39,45 @@ def expected_output(
 
 
 class FakeExecutor(Executor):
+    supports_overlap = True
+
     def __init__(self, num_kv_blocks: int, block_size: int) -> None:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.cache: list[list[int | None]] = [[None] * block_size for _ in range(num_kv_blocks)]
         self.tokens_run = 0
+        self.pending_inputs = 0  # PENDING tokens read from the step before
+        self.last: dict[int, int] = {}  # id(seq) -> what the last step sampled for it
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         bs = self.block_size
+        last, self.last = self.last, {}
+
+        def token(seq, pos: int) -> int:
+            t = seq.token_ids[pos]
+            if t == PENDING:
+                assert pos == len(seq.token_ids) - 2, "a PENDING input that is not the last"
+                self.pending_inputs += 1
+                return last[id(seq)]
+            return t
+
         for c in out.chunks:
             table = c.seq.block_table
             assert 0 not in table, f"{c.seq.request_id} holds the reserved block 0"
             for pos in range(c.start, c.start + c.num_tokens):
-                self.cache[table[pos // bs]][pos % bs] = c.seq.token_ids[pos]
+                self.cache[table[pos // bs]][pos % bs] = token(c.seq, pos)
             self.tokens_run += c.num_tokens
         sampled = []
         for c in out.chunks:
             if not c.sample:
                 continue
             end = c.start + c.num_tokens
-            table = c.seq.block_table
+            seq = c.seq
+            assert seq.token_ids[end] == PENDING, "a sampled position that is not PENDING"
+            table = seq.block_table
             context = [self.cache[table[p // bs]][p % bs] for p in range(end)]
-            assert context == c.seq.token_ids[:end], f"{c.seq.request_id} reads corrupt KV"
+            want = [t if t != PENDING else last[id(seq)] for t in seq.token_ids[:end]]
+            assert context == want, f"{seq.request_id} reads corrupt KV"
             sampled.append(next_token(context))  # type: ignore[arg-type]
+            self.last[id(seq)] = sampled[-1]
         return StepResult(sampled)

@@ -14,10 +14,20 @@ from inferx_core.config import SchedulerSection
 from inferx_core.interfaces import QueueFullError, SchedulerOutput
 from inferx_core.kv_manager import PagedKVManager
 from inferx_core.scheduler import ContinuousScheduler
-from inferx_core.sequence import SamplingParams, Sequence, Status
+from inferx_core.sequence import PENDING, SamplingParams, Sequence, Status
 
 MAX_LEN = 10_000
 _made: list[ContinuousScheduler] = []
+OVERLAP = {"on": False}  # run() schedules step N+1 before update() of step N when on
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["serial", "overlap"])
+def overlap(request):
+    """Every test runs twice: steps in series, and with one step in flight as the engine runs
+    them on a device (schedule N+1, then update N)."""
+    OVERLAP["on"] = request.param
+    yield request.param
+    OVERLAP["on"] = False
 
 
 @pytest.fixture(autouse=True)
@@ -60,18 +70,24 @@ def check_step(sched: ContinuousScheduler, out: SchedulerOutput, before: list[Se
     assert len(set(map(id, seqs))) == len(seqs), "a sequence scheduled twice"
     for c in out.chunks:
         s = c.seq
+        end = c.start + c.num_tokens
         assert s.status is Status.RUNNING
-        assert c.start == s.num_computed and c.num_tokens >= 1
-        assert c.start + c.num_tokens <= s.num_tokens
-        assert c.sample == (c.start + c.num_tokens == s.num_tokens)
-        assert len(s.block_table) * bs >= c.start + c.num_tokens, "chunk without blocks"
+        assert end == s.num_computed and c.num_tokens >= 1
+        # A sampling chunk ends right before the PENDING token it will sample.
+        assert c.sample == (end == s.num_tokens - 1 and s.token_ids[end] == PENDING)
+        if not c.sample:
+            assert end < s.num_tokens - s.num_pending, "a prompt chunk past the prompt"
+        assert len(s.block_table) * bs >= end, "chunk without blocks"
+        assert s.num_pending <= 2 and all(t != PENDING for t in s.known_ids)
     for p in out.preempted:
         assert p.status is Status.WAITING and p.num_computed == 0 and not p.block_table
         assert p not in seqs
-    # Every running sequence that was not preempted gets its turn: decodes never stall.
+    # Every running sequence that was not preempted gets its turn: decodes never stall. Only
+    # a sequence whose pending token is its last (overlap) waits for update() to finish it.
     served = set(map(id, seqs))
     for s in before:
-        assert id(s) in served or s in out.preempted
+        last = s.num_pending and s.num_tokens >= min(s.max_length, sched.max_model_len)
+        assert id(s) in served or s in out.preempted or last
     # A chunk writes only into blocks that no other running sequence can see.
     owners: dict[int, int] = {}
     for s in sched.running:
@@ -85,23 +101,35 @@ def check_step(sched: ContinuousScheduler, out: SchedulerOutput, before: list[Se
 
 
 def run(sched, ex, arrivals=(), max_steps=5000, log=None):
-    """Drive schedule -> execute -> update until idle. arrivals: (step, seq) pairs."""
+    """Drive schedule -> execute -> update until idle. arrivals: (step, seq) pairs. With
+    OVERLAP on, each step is scheduled and executed before the previous one's update()."""
     pending = sorted(arrivals, key=lambda a: a[0])
     done: dict[str, Sequence] = {}
     step = 0
-    while pending or sched.has_work():
+    in_flight = None
+
+    def finish(out, result):
+        for s in sched.update(out, result.sampled):
+            assert s.finished and not s.block_table and not s.num_pending
+            done[s.request_id] = s
+
+    while pending or sched.has_work() or in_flight:
         while pending and pending[0][0] <= step:
             sched.add(pending.pop(0)[1])
         before = list(sched.running)
         out = sched.schedule()
         check_step(sched, out, before)
-        if sched.has_work():
+        if sched.has_work() and not in_flight:
             assert out.chunks, "work left but nothing scheduled"
         if log is not None:
             log.append([(c.seq.request_id, c.start, c.num_tokens) for c in out.chunks])
-        for s in sched.update(out, ex.execute(out).sampled):
-            assert s.finished and not s.block_table
-            done[s.request_id] = s
+        result = ex.execute(out)
+        if OVERLAP["on"]:
+            if in_flight:
+                finish(*in_flight)
+            in_flight = (out, result) if out.chunks else None
+        else:
+            finish(out, result)
         step += 1
         assert step < max_steps, "did not finish: starvation or livelock"
     assert_all_free(sched.kv)
@@ -126,13 +154,15 @@ def prompts(n, rng, lo=5, hi=40, vocab=50):
 # -- batching and fairness -----------------------------------------------------------------------
 
 
-def test_batch_of_requests_matches_expected_outputs():
+def test_batch_of_requests_matches_expected_outputs(overlap):
     sched, ex = make()
     rng = random.Random(0)
     seqs = [seq(p, max_tokens=rng.randint(1, 20)) for p in prompts(12, rng)]
     done = run(sched, ex, [(0, s) for s in seqs])
     check_outputs(done, seqs)
     assert sched.stats().preemptions == 0
+    # With a step in flight, decodes read the token sampled just before from the "device".
+    assert (ex.pending_inputs > 0) == overlap
 
 
 def test_admission_is_first_come_first_served():

@@ -5,6 +5,13 @@ prompt chunk), then admits waiting ones first come, first served while the token
 max_running and free blocks allow. When a running sequence needs a block and none is left, the
 most recently admitted running sequence is preempted: its blocks are freed and it waits at the
 front of the queue to recompute its prompt and generated tokens later.
+
+A step may be scheduled before the previous one's results are in (the engine overlaps the two):
+schedule() counts a chunk as computed at once and appends a PENDING token for each token it will
+sample; update() fills those in, so the next schedule() can already run the decode of a PENDING
+token (the executor takes its id from the previous step's sampled tokens on the device). A
+sequence whose pending token will be its last (max_tokens or the context) is not scheduled again;
+one that stops on a token found later ran one step in vain, and that step's token is dropped.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from inferx_core.interfaces.scheduler import (
     SchedulerOutput,
     SchedulerStats,
 )
-from inferx_core.sequence import Sequence, Status
+from inferx_core.sequence import PENDING, Sequence, Status
 
 
 class ContinuousScheduler(Scheduler):
@@ -104,16 +111,24 @@ class ContinuousScheduler(Scheduler):
         bs = self.kv.block_size
         running = self.running
 
+        max_len = self.max_model_len
         # Preemption pops from the end of `running`; the loop never reaches what was popped.
         for i, seq in enumerate(running):
+            tokens = seq.token_ids
+            if seq.num_pending and len(tokens) >= min(seq.max_length, max_len):
+                continue  # its pending token is its last: update() will finish it
             start = seq.num_computed
-            left = len(seq.token_ids) - start
+            left = len(tokens) - start
             # A prompt chunk leaves one token of budget for each sequence after it, so a long
             # prompt never stalls the decodes behind it (max_running <= max_batched_tokens).
             n = 1 if left == 1 else min(left, chunk_cap, budget - (len(running) - i - 1))
             if start + n > len(seq.block_table) * bs and not self._grow(seq, start + n, out):
                 break  # seq was the last one and preempted itself
             chunks.append(ScheduledChunk(seq, start, n, n == left))
+            seq.num_computed = start + n
+            if n == left:
+                tokens.append(PENDING)
+                seq.num_pending += 1
             budget -= n
 
         # Admitting right after a preemption would only take back the blocks just freed.
@@ -134,7 +149,12 @@ class ContinuousScheduler(Scheduler):
                 self._prefix_queries += seq.num_tokens
                 self._prefix_hits += cached
             running.append(seq)
-            chunks.append(ScheduledChunk(seq, cached, n, cached + n == seq.num_tokens))
+            sample = cached + n == seq.num_tokens
+            chunks.append(ScheduledChunk(seq, cached, n, sample))
+            seq.num_computed = cached + n
+            if sample:
+                seq.token_ids.append(PENDING)
+                seq.num_pending += 1
             budget -= n
         return out
 
@@ -147,26 +167,29 @@ class ContinuousScheduler(Scheduler):
         k = 0
         for c in out.chunks:
             seq = c.seq
+            token = PENDING
             if c.sample:
                 token = sampled[k]
                 k += 1
-            if seq.status is not running:
-                continue  # aborted between schedule() and update()
-            before = seq.num_computed
-            seq.num_computed = after = before + c.num_tokens
-            if commit and after // bs != before // bs:
-                self.kv.commit(seq)  # a block just filled up: offer it to the prefix cache
+            if seq.finished:
+                continue  # aborted or stopped after it was scheduled
+            end = c.start + c.num_tokens
+            if c.sample:
+                seq.token_ids[end] = token  # first, so that a commit below sees it
+                seq.num_pending -= 1
+            if commit and seq.status is running and end // bs != c.start // bs:
+                self.kv.commit(seq)  # a block filled up: offer it to the prefix cache
             if not c.sample:
                 continue
-            tokens = seq.token_ids
-            tokens.append(token)
             p = seq.params
             if (token in seq.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
                 reason = "stop"
-            elif len(tokens) - seq.num_prompt >= p.max_tokens or len(tokens) >= max_len:
+            elif end + 1 >= min(seq.max_length, max_len):
                 reason = "length"
             else:
                 continue
+            if seq.status is Status.WAITING:  # preempted while this step was in flight
+                self.waiting.remove(seq)
             self._finish(seq, reason)
             finished.append(seq)
         if k != len(sampled):
@@ -201,6 +224,8 @@ class ContinuousScheduler(Scheduler):
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        seq.drop_pending()
+        seq.num_computed = min(seq.num_computed, len(seq.token_ids))
         if self.config.prefix_cache:
             self.kv.commit(seq)
         self.kv.free(seq)

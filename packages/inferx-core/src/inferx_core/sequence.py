@@ -47,6 +47,9 @@ class SamplingParams(BaseModel):
         return self.temperature == 0.0 or self.top_k == 1
 
 
+PENDING = -1  # in token_ids: a token that a step in flight is sampling, not known yet
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -60,8 +63,11 @@ _ids = itertools.count()
 class Sequence:
     """One request's state. The scheduler and KV manager own the mutable fields.
 
-    token_ids: the prompt followed by the generated tokens; `num_prompt` marks the boundary.
-    num_computed: tokens at the front of `token_ids` whose KV is in the cache.
+    token_ids: the prompt followed by the generated tokens; `num_prompt` marks the boundary. The
+        last `num_pending` entries are PENDING: tokens that scheduled steps will sample (one per
+        step in flight); update() fills them in.
+    num_computed: tokens at the front of `token_ids` whose KV is in the cache or is being written
+        by a step already scheduled (the device runs steps in order).
     block_table: KV block ids, in order, covering at least `num_computed` tokens.
     num_cached: prompt tokens that the prefix cache supplied at the last admission.
     """
@@ -75,6 +81,7 @@ class Sequence:
     num_computed: int = 0
     num_cached: int = 0
     num_preemptions: int = 0
+    num_pending: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     arrival: float = field(default_factory=time.monotonic)
     eos_token_ids: frozenset[int] = frozenset()
@@ -90,7 +97,13 @@ class Sequence:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt :]
+        """The generated tokens known so far (no PENDING)."""
+        return self.token_ids[self.num_prompt : len(self.token_ids) - self.num_pending]
+
+    @property
+    def known_ids(self) -> list[int]:
+        """The prompt and the generated tokens known so far (no PENDING)."""
+        return self.token_ids[: len(self.token_ids) - self.num_pending]
 
     @property
     def num_tokens(self) -> int:
@@ -98,7 +111,19 @@ class Sequence:
 
     @property
     def num_output(self) -> int:
-        return len(self.token_ids) - self.num_prompt
+        """Generated tokens known so far."""
+        return len(self.token_ids) - self.num_prompt - self.num_pending
+
+    @property
+    def max_length(self) -> int:
+        """Tokens the sequence ends at when nothing stops it sooner (prompt + max_tokens)."""
+        return self.num_prompt + self.params.max_tokens
+
+    def drop_pending(self) -> None:
+        """Forget the tokens that steps still in flight will sample (the sequence is done)."""
+        if self.num_pending:
+            del self.token_ids[-self.num_pending :]
+            self.num_pending = 0
 
     @property
     def finished(self) -> bool:

@@ -1,7 +1,7 @@
 """The interfaces that plugins implement. Each is one small ABC; see docs/ARCHITECTURE.md."""
 
 from inferx_core.interfaces.attention import AttentionBackend, AttentionBatch
-from inferx_core.interfaces.executor import Executor, StepResult
+from inferx_core.interfaces.executor import DoneStep, Executor, PendingStep, StepResult
 from inferx_core.interfaces.kv import KVLayerSpec, KVManager
 from inferx_core.interfaces.model import BuildContext, Checkpoint, CheckpointFormat, ModelArch
 from inferx_core.interfaces.ops import KernelOps
@@ -21,11 +21,13 @@ __all__ = [
     "BuildContext",
     "Checkpoint",
     "CheckpointFormat",
+    "DoneStep",
     "Executor",
     "KVLayerSpec",
     "KVManager",
     "KernelOps",
     "ModelArch",
+    "PendingStep",
     "QuantLinear",
     "QuantScheme",
     "QueueFullError",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from inferx_core.interfaces.scheduler import SchedulerOutput
 
@@ -19,12 +20,38 @@ class StepResult:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] = field(default_factory=list)
 
 
+class PendingStep(Protocol):
+    """A submitted step; result() waits for it and returns what it sampled."""
+
+    def result(self) -> StepResult: ...
+
+
+@dataclass
+class DoneStep:
+    """A step that has already run."""
+
+    value: StepResult
+
+    def result(self) -> StepResult:
+        return self.value
+
+
 class Executor(ABC):
-    """Owns the model, the KV cache tensors and the device. Knows nothing about queues."""
+    """Owns the model, the KV cache tensors and the device. Knows nothing about queues.
+
+    An executor with `supports_overlap` lets the engine submit step N+1 before it collects step
+    N: a chunk's input may then be a PENDING token (sequence.PENDING), which is the token that
+    the step submitted just before sampled for that sequence, still on the device.
+    """
 
     num_kv_blocks: int
     block_size: int
+    supports_overlap: bool = False
 
     @abstractmethod
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one forward pass over the chunks and sample where asked."""
+
+    def submit(self, out: SchedulerOutput) -> PendingStep:
+        """Start a step and return without waiting for the device (here: run it whole)."""
+        return DoneStep(self.execute(out))

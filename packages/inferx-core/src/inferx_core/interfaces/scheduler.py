@@ -46,7 +46,9 @@ class Scheduler(ABC):
     """Decides each step's batch. Owns the waiting and running queues and the KVManager calls.
 
     Life of a step: schedule() -> the executor runs the chunks -> update() with the tokens
-    sampled for the chunks whose `sample` is True (in chunk order).
+    sampled for the chunks whose `sample` is True (in chunk order). The engine may call
+    schedule() for the next step before update() of this one (one step in flight); tokens
+    still to be sampled then stand in token_ids as PENDING (see sequence.Sequence).
     """
 
     @abstractmethod
