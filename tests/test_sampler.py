@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from inferx_core.sampler import Sampler, apply_penalties, filter_logits
@@ -58,11 +59,13 @@ def test_presence_and_frequency_penalties_count_output_only():
 def test_greedy_is_argmax():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 100, generator=g)
-    tokens, logprobs = Sampler(torch.device("cpu"))(
+    tokens, top = Sampler(torch.device("cpu"))(
         logits, seqs([SamplingParams(temperature=0, logprobs=2)] * 4)
     )
     assert tokens.tolist() == logits.argmax(1).tolist()
-    assert torch.allclose(logprobs.exp().sum(1), torch.ones(4))
+    assert top.ids.tolist() == logits.topk(2).indices.tolist()
+    assert torch.equal(top.sampled, top.values[:, 0])  # the greedy token is the most likely
+    assert bool((top.values.exp().sum(1) < 1).all())
     _, none = Sampler(torch.device("cpu"))(logits, seqs([SamplingParams(temperature=0)] * 4))
     assert none is None  # not computed when nobody asked
 
@@ -116,3 +119,148 @@ def test_seeded_noise_changes_with_the_output_index():
     again = seeded_exponential(torch.tensor([7]), torch.tensor([1]), 1000)
     assert not torch.equal(a[0], a[1]) and torch.equal(a[1], again[0])
     assert abs(float(a.mean()) - 1.0) < 0.1 and bool((a > 0).all())
+
+
+def with_output(prompt: list[int], output: list[int], params: SamplingParams) -> Sequence:
+    seq = Sequence(prompt, params)
+    seq.token_ids += output
+    return seq
+
+
+def reference_penalties(logits: torch.Tensor, rows: list[Sequence]) -> torch.Tensor:
+    """apply_penalties row by row and token by token in float64."""
+    out = logits.double().clone()
+    for i, seq in enumerate(rows):
+        p = seq.params
+        if p.repetition_penalty != 1.0:
+            for t in set(seq.token_ids):
+                x = out[i, t]
+                out[i, t] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        for t in set(seq.output_ids):
+            count = seq.output_ids.count(t)
+            out[i, t] -= p.frequency_penalty * count + p.presence_penalty
+    return out
+
+
+def test_batched_penalties_match_a_per_row_reference():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 64, generator=g) * 3
+    rows = [
+        with_output([1, 2, 3], [5, 5, 5, 9], SamplingParams(repetition_penalty=1.3)),
+        with_output([4, 4], [7, 7, 8], SamplingParams(presence_penalty=0.7)),
+        with_output([1], [2, 2, 2, 2, 63], SamplingParams(frequency_penalty=-0.4)),
+        with_output([3, 9], [9, 9, 0], SamplingParams()),
+        with_output(
+            [10, 11, 12],
+            [11, 20, 20, 0, 20],
+            SamplingParams(repetition_penalty=0.8, presence_penalty=-1.5, frequency_penalty=1.25),
+        ),
+        Sequence([30, 31], SamplingParams(presence_penalty=2.0, repetition_penalty=1.5)),
+    ]
+    out = apply_penalties(logits.clone(), rows)
+    ref = reference_penalties(logits, rows)
+    assert torch.allclose(out.double(), ref, rtol=1e-6, atol=1e-5)
+    assert torch.equal(out[3], logits[3])  # no penalties: the row is untouched
+    changed = (out != logits).sum(1).tolist()
+    assert changed == [5, 2, 2, 0, 5, 2]  # prompt+output set; output set; ...; prompt only
+
+
+def reference_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int | None]) -> list:
+    lp = torch.log_softmax(logits.double(), dim=1)
+    out = []
+    for i, k in enumerate(ks):
+        if k is None:
+            out.append(None)
+            continue
+        top = lp[i].topk(k)
+        alts = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+        out.append((float(lp[i, tokens[i]]), alts))
+    return out
+
+
+def assert_logprobs_close(got: list, want: list) -> None:
+    """Same rows asked, same tokens in the same order, logprobs within 1e-5."""
+    assert [g is None for g in got] == [w is None for w in want]
+    for g, w in zip(got, want, strict=True):
+        if g is None:
+            continue
+        assert abs(g[0] - w[0]) < 1e-5, (g[0], w[0])
+        assert [t for t, _ in g[1]] == [t for t, _ in w[1]]
+        assert all(abs(a - b) < 1e-5 for (_, a), (_, b) in zip(g[1], w[1], strict=True))
+
+
+def test_top_logprobs_rows_match_log_softmax():
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(5, 200, generator=g) * 4
+    ks = [None, 0, 1, 5, 3]
+    params = [
+        SamplingParams(temperature=1.0, logprobs=ks[0]),
+        SamplingParams(temperature=0.7, top_k=10, logprobs=ks[1]),
+        SamplingParams(temperature=0, repetition_penalty=3.0, logprobs=ks[2]),
+        SamplingParams(temperature=1.0, seed=3, frequency_penalty=1.0, logprobs=ks[3]),
+        SamplingParams(temperature=1.2, top_p=0.5, logprobs=ks[4]),
+    ]
+    rows = [with_output([1, 2], [4, 4], p) for p in params]
+    tokens, top = Sampler(torch.device("cpu"))(logits.clone(), rows)
+    assert top.ids.shape == (5, 5) and top.values.shape == (5, 5) and top.sampled.shape == (5,)
+    got = top.copy_to_host().rows(ks)
+    # Under the raw logits: the penalised rows' logprobs are not those of the penalised logits.
+    assert_logprobs_close(got, reference_logprobs(logits, tokens.tolist(), ks))
+    assert got[0] is None and [len(r[1]) for r in got[1:]] == [0, 1, 5, 3]
+
+
+def test_top_logprobs_with_k_zero_everywhere():
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(7))
+    tokens, top = Sampler(torch.device("cpu"))(logits, seqs([SamplingParams(logprobs=0)] * 3))
+    assert top.ids.shape == (3, 0)
+    got = top.copy_to_host().rows([0, 0, None])
+    assert_logprobs_close(got, reference_logprobs(logits, tokens.tolist(), [0, 0, None]))
+    assert got[2] is None and [r[1] for r in got[:2]] == [[], []]
+
+
+def test_seeded_rows_draw_at_output_index():
+    from inferx_core.sampler import output_index, seeded_exponential
+
+    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(8))
+    rows = [with_output([1], [2, 3, 4], SamplingParams(seed=11)), Sequence([1], SamplingParams())]
+    tokens, _ = Sampler(torch.device("cpu"))(logits, rows)
+    noise = seeded_exponential(torch.tensor([11]), torch.tensor([output_index(rows[0])]), 300)
+    assert output_index(rows[0]) == 3
+    assert tokens[0] == (logits[:1].softmax(1) / noise).argmax(1)[0]
+
+
+def _no_host_read(*args, **kwargs):
+    raise AssertionError("the sampler read a tensor value on the host")
+
+
+def test_sampler_never_reads_a_tensor_on_the_host(monkeypatch):
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(7, 500, generator=g) * 3
+    logits[5, 7] = logits[5].max() + 0.5  # repeated: the penalty moves row 5's argmax
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8, top_k=20),
+        SamplingParams(temperature=1.0, top_p=0.6, logprobs=3),
+        SamplingParams(temperature=1.0, min_p=0.2),
+        SamplingParams(temperature=1.0, seed=1234, logprobs=0),
+        SamplingParams(temperature=0, repetition_penalty=1.5, logprobs=5),
+        SamplingParams(temperature=0.9, presence_penalty=1.0, frequency_penalty=0.5, seed=5),
+    ]
+    rows = [with_output([1, 2, 3], [7, 7, 8], p) for p in params]
+    sampler = Sampler(torch.device("cpu"), seed=4)
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+            m.setattr(torch.Tensor, name, _no_host_read)
+        with pytest.raises(AssertionError, match="on the host"):
+            bool(torch.tensor(True))  # the patch is live
+        tokens, top = sampler(logits.clone(), rows)
+    tokens = tokens.tolist()
+    penalised = apply_penalties(logits.clone(), rows)
+    assert tokens[0] == int(logits[0].argmax()) and tokens[5] == int(penalised[5].argmax()) != 7
+    assert tokens[1] in (logits[1] / 0.8).topk(20).indices.tolist()
+    probs = logits[3].softmax(0)
+    assert probs[tokens[3]] >= 0.2 * probs.max()
+    again, _ = Sampler(torch.device("cpu"), seed=99)(logits.clone(), rows)
+    assert again.tolist()[4] == tokens[4] and again.tolist()[6] == tokens[6]  # seeded
+    ks = [p.logprobs for p in params]
+    assert_logprobs_close(top.copy_to_host().rows(ks), reference_logprobs(logits, tokens, ks))

@@ -26,7 +26,7 @@ from inferx_core.interfaces import (
     StepResult,
 )
 from inferx_core.plugins import PluginError, Plugins, plugins
-from inferx_core.sampler import Sampler
+from inferx_core.sampler import Sampler, TopLogprobs
 from inferx_core.sequence import SamplingParams, Sequence
 
 log = logging.getLogger("inferx.executor")
@@ -450,22 +450,17 @@ class ModelRunner(Executor):
     def _sample(self, logits: torch.Tensor, sample_seqs: list) -> StepResult:
         if not sample_seqs:
             return StepResult(sampled=[])
-        tokens, logprobs = self.sampler(logits, sample_seqs)
-        token_list = tokens.tolist()
-        result = StepResult(sampled=token_list)
-        if logprobs is not None:
-            result.logprobs = _pick_logprobs(logprobs, token_list, sample_seqs)
+        tokens, top = self.sampler(logits, sample_seqs)
+        host = top.copy_to_host() if top is not None else None
+        result = StepResult(sampled=tokens.tolist())
+        if host is not None:
+            result.logprobs = _pick_logprobs(host, sample_seqs, self.device)
         return result
 
 
-def _pick_logprobs(logprobs: torch.Tensor, tokens: list[int], seqs: list) -> list:
-    picked = []
-    for row, (tok, seq) in enumerate(zip(tokens, seqs, strict=True)):
-        k = seq.params.logprobs
-        if k is None:
-            picked.append(None)
-            continue
-        top = logprobs[row].topk(k) if k else None
-        alts = list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else []
-        picked.append((float(logprobs[row, tok]), alts))
-    return picked
+def _pick_logprobs(host: TopLogprobs, seqs: list, device: torch.device) -> list:
+    """Each row's (sampled logprob, top alternatives), or None where the request asked for none,
+    from the host copy of the sampler's TopLogprobs (waits for the copy on CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return host.rows([seq.params.logprobs for seq in seqs])

@@ -3,11 +3,17 @@ top-p, min-p, per-request seeds, and the logprobs a request asked for.
 
 Seeded requests draw from a generator seeded by (seed, output position), so a request's tokens do
 not depend on what else is in the batch or on whether it was preempted and recomputed.
+
+Nothing here makes the host wait for the device: every branch is decided from the rows'
+`SamplingParams`, per-row parameters reach the device in one float and one int copy (pinned and
+non-blocking on CUDA), and the results stay on the device until the caller copies them back.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
@@ -16,31 +22,110 @@ from inferx_core.sequence import SamplingParams, Sequence
 _MASK = float("-inf")
 
 
+def output_index(seq: Sequence) -> int:
+    """The output position a seeded row draws its next token's noise for."""
+    return seq.num_output
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on `device` without the host waiting: a pinned, non-blocking copy on CUDA,
+    a plain `.to` elsewhere."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of `t`: a non-blocking copy into pinned memory from CUDA (valid once the
+    stream reaches it), a plain copy from elsewhere."""
+    if t.device.type == "cuda":
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return out.copy_(t, non_blocking=True)
+    return t.to("cpu", copy=True)
+
+
+@dataclass
+class TopLogprobs:
+    """The logprobs the rows asked for, under the raw (unprocessed) logits. K is the most
+    alternatives any row asked for (may be 0); a row that asked for k reads the first k.
+
+    sampled: [N] float32, the logprob of each row's sampled token.
+    ids: [N, K] int64, the K most likely tokens of each row, most likely first (as topk gives).
+    values: [N, K] float32, their logprobs.
+    """
+
+    sampled: torch.Tensor
+    ids: torch.Tensor
+    values: torch.Tensor
+
+    def copy_to_host(self) -> TopLogprobs:
+        """Starts the device-to-host copies and returns the host tensors; from CUDA they are
+        valid once the stream has passed this point (synchronize or wait on an event)."""
+        return TopLogprobs(to_host(self.sampled), to_host(self.ids), to_host(self.values))
+
+    def rows(self, ks: list[int | None]) -> list[tuple[float, list[tuple[int, float]]] | None]:
+        """Per row, None where k is None, else (sampled logprob, [(token, logprob)] of the k
+        most likely tokens). Reads host tensors (see copy_to_host)."""
+        sampled, ids, values = self.sampled.tolist(), self.ids.tolist(), self.values.tolist()
+        return [
+            None if k is None else (sampled[i], list(zip(ids[i][:k], values[i][:k], strict=True)))
+            for i, k in enumerate(ks)
+        ]
+
+
 def apply_penalties(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
     """Repetition (over prompt and output, Hugging Face's rule), presence and frequency (over
-    output, OpenAI's rule) penalties, in place, row by row for the rows that asked."""
+    output, OpenAI's rule) penalties, in place, for the rows that asked. The (row, token) pairs
+    are gathered on the host (output counts too) and applied in one gather and one scatter per
+    kind, from one int and one float copy."""
+    rep_rows: list[int] = []
+    rep_toks: list[int] = []
+    rep_vals: list[float] = []
+    out_rows: list[int] = []
+    out_toks: list[int] = []
+    out_vals: list[float] = []
     for i, seq in enumerate(seqs):
         p = seq.params
         if p.repetition_penalty != 1.0:
-            ids = torch.tensor(sorted(set(seq.token_ids)), device=logits.device)
-            picked = logits[i, ids]
-            logits[i, ids] = torch.where(
-                picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty
-            )
+            toks = set(seq.token_ids)
+            rep_rows += [i] * len(toks)
+            rep_toks += toks
+            rep_vals += [p.repetition_penalty] * len(toks)
         if (p.presence_penalty or p.frequency_penalty) and seq.num_output:
-            out = torch.tensor(seq.output_ids, device=logits.device)
-            counts = torch.bincount(out, minlength=logits.shape[1])[: logits.shape[1]]
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+            counts = Counter(seq.output_ids)
+            out_rows += [i] * len(counts)
+            out_toks += counts.keys()
+            out_vals += [p.frequency_penalty * c + p.presence_penalty for c in counts.values()]
+    if not rep_rows and not out_rows:
+        return logits
+    dev = logits.device
+    ints = to_device(torch.tensor(rep_rows + rep_toks + out_rows + out_toks), dev)
+    floats = to_device(torch.tensor(rep_vals + out_vals, dtype=torch.float32), dev)
+    r, o = len(rep_rows), len(out_rows)
+    if r:
+        pair = (ints[:r], ints[r : 2 * r])
+        picked, penalty = logits[pair], floats[:r]
+        logits.index_put_(pair, torch.where(picked > 0, picked / penalty, picked * penalty))
+    if o:
+        pair = (ints[2 * r : 2 * r + o], ints[2 * r + o :])
+        logits.index_put_(pair, logits[pair] - floats[r:])
     return logits
 
 
 def filter_logits(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    ranked: bool = True,
+    floored: bool = True,
 ) -> torch.Tensor:
     """Mask tokens outside top-k (0 = off), outside the top-p nucleus, and below min_p times the
-    most likely token's probability. logits are already divided by temperature."""
+    most likely token's probability. logits are already divided by temperature. `ranked` and
+    `floored` say, from the host, whether any row uses top-k / top-p and min-p: the filter is
+    skipped when not, so no tensor value decides a branch."""
     vocab = logits.shape[1]
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+    if ranked:
         sorted_logits, order = logits.sort(dim=1, descending=True)
         ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
         k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
@@ -51,11 +136,20 @@ def filter_logits(
         drop |= before >= top_p.unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, _MASK)
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    if bool((min_p > 0).any()):
+    if floored:
         probs = logits.softmax(dim=1)
         floor = min_p.unsqueeze(1) * probs.max(dim=1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, _MASK)
     return logits
+
+
+def top_logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int) -> TopLogprobs:
+    """The sampled tokens' logprobs and the k most likely tokens of each row of `raw` (float32
+    logits [N, V], unprocessed), as logits minus their logsumexp: no [N, V] log-softmax."""
+    lse = torch.logsumexp(raw, dim=1, keepdim=True)
+    best = raw.topk(k, dim=1)
+    sampled = raw.gather(1, tokens.unsqueeze(1)) - lse
+    return TopLogprobs(sampled.squeeze(1), best.indices, best.values - lse)
 
 
 class Sampler:
@@ -68,43 +162,63 @@ class Sampler:
 
     def __call__(
         self, logits: torch.Tensor, seqs: Seq[Sequence]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns (token ids [N], raw logprobs [N, V] float32 of the unprocessed logits, computed
-        only when some request asked for logprobs)."""
-        logits = logits.float()
+    ) -> tuple[torch.Tensor, TopLogprobs | None]:
+        """Returns (token ids [N], the requested logprobs of the unprocessed logits, or None
+        when no row asked), both on the logits' device."""
+        raw = logits.float()
         params = [s.params for s in seqs]
-        want = any(p.logprobs is not None for p in params)
-        logprobs = torch.log_softmax(logits, dim=1) if want else None
-        if any(_penalised(p) for p in params):
-            logits = apply_penalties(logits.clone(), seqs)
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        if bool(greedy.all()):
-            return logits.argmax(dim=1), logprobs
-        temp = torch.tensor(
-            [p.temperature if not p.greedy else 1.0 for p in params], device=logits.device
+        logits = apply_penalties(raw.clone(), seqs) if any(map(_penalised, params)) else raw
+        tokens = self._draw(logits, seqs)
+        ks = [p.logprobs for p in params if p.logprobs is not None]
+        return tokens, top_logprobs(raw, tokens, max(ks)) if ks else None
+
+    def _draw(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+        """Token ids [N]: argmax for greedy rows, an exponential race over the filtered
+        distribution for the rest."""
+        params = [s.params for s in seqs]
+        if all(p.greedy for p in params):
+            return logits.argmax(dim=1)
+        n, dev = len(params), logits.device
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        floats = torch.tensor(
+            [p.temperature if not p.greedy else 1.0 for p in params]
+            + [p.top_p for p in params]
+            + [p.min_p for p in params],
+            dtype=torch.float32,
         )
-        scaled = logits / temp.unsqueeze(1)
+        ints = torch.tensor(
+            [p.top_k for p in params]
+            + [p.greedy for p in params]
+            + seeded
+            + [params[i].seed for i in seeded]
+            + [output_index(seqs[i]) for i in seeded],
+            dtype=torch.int64,
+        )
+        floats, ints = to_device(floats, dev), to_device(ints, dev)
+        temp, top_p, min_p = floats.view(3, n).unbind()
+        top_k, greedy = ints[:n], ints[n : 2 * n] != 0
+        drawn = [p for p in params if not p.greedy]
         scaled = filter_logits(
-            scaled,
-            torch.tensor([p.top_k for p in params], device=logits.device),
-            torch.tensor([p.top_p for p in params], device=logits.device),
-            torch.tensor([p.min_p for p in params], device=logits.device),
+            logits / temp.unsqueeze(1),
+            top_k,
+            top_p,
+            min_p,
+            ranked=any(p.top_k > 0 or p.top_p < 1 for p in drawn),
+            floored=any(p.min_p > 0 for p in drawn),
         )
         probs = scaled.softmax(dim=1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. One launch for the
         # unseeded rows; seeded rows get noise that is a pure function of (seed, output index,
         # token), so neither the batch nor a preemption changes what they draw.
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        seeded = [i for i, p in enumerate(params) if p.seed is not None]
         if seeded:
-            dev = logits.device
-            noise[torch.tensor(seeded, device=dev)] = seeded_exponential(
-                torch.tensor([params[i].seed for i in seeded], dtype=torch.int64, device=dev),
-                torch.tensor([seqs[i].num_output for i in seeded], dtype=torch.int64, device=dev),
-                probs.shape[1],
-            )
+            s = len(seeded)
+            rows, seeds, steps = ints[2 * n :].view(3, s).unbind()
+            noise[rows] = seeded_exponential(seeds, steps, probs.shape[1])
         sampled = (probs / noise).argmax(dim=1)
-        return torch.where(greedy, logits.argmax(dim=1), sampled), logprobs
+        if len(drawn) == n:
+            return sampled
+        return torch.where(greedy, logits.argmax(dim=1), sampled)
 
 
 _MASK64 = (1 << 64) - 1
