@@ -22,6 +22,9 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 INFERX_FIXTURES=$PWD/.carry/tok
+# The tokenizers travel xz-packed (4 MB instead of 20): tar -C .carry/tok -cJf
+# .carry/tokxz/tok.tar.xz tokenizers, and carry .carry/tokxz.
+[ -f .carry/tokxz/tok.tar.xz ] && mkdir -p .carry/tok && tar -C .carry/tok -xJf .carry/tokxz/tok.tar.xz
 [ -d .carry/fi ] && cp .carry/fi/fi-cache.tar.part-* .whl/ 2>/dev/null
 bash .whl/setup.sh >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
 tail -1 "$OUT/setup.log"
@@ -31,15 +34,19 @@ TOK=.carry/tok/tokenizers/qwen
 for step in "${steps[@]}"; do
   case $step in
     tests)
-      timeout ${TESTS_TIMEOUT:-400} python3 -m pytest tests/test_kv_sizing.py tests/test_gpu_correctness.py tests/test_triton_attention.py \
+      timeout ${TESTS_TIMEOUT:-400} python3 -m pytest tests/test_kv_sizing.py tests/test_gpu_correctness.py tests/test_cuda_graphs.py \
+        tests/test_triton_attention.py \
         -m gpu -q -k "not demo" ${TESTS_ARGS:-} 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
     flashinfer)
       timeout 420 python3 -m pytest tests/test_flashinfer_attention.py -q -rs --maxfail=5 2>&1 \
         | tee "$OUT/gpu-flashinfer.log" | tail -15
       bash .whl/save-cache.sh "$OUT" 2>&1 | tail -3 ;;
     profile)
-      for mode in ${PROFILE_MODES:-graphs}; do
-        flag=""; [ "$mode" = eager ] && flag=--eager
+      # PROFILE_MODES: graphs|eager, each with -overlap or -serial (engine.overlap on/off).
+      for mode in ${PROFILE_MODES:-graphs-overlap graphs-serial}; do
+        flag="--overlap ${mode##*-}"; flag=${flag/overlap overlap/overlap on}
+        flag=${flag/overlap serial/overlap off}
+        [ "${mode%%-*}" = eager ] && flag="$flag --eager"
         timeout 300 python3 benchmarks/profile_decode.py --tokenizer $TOK --backend triton \
           --batch 1,64 --steps 64 $flag ${PROFILE_ARGS:-} --json "$OUT/profile-$mode.json" 2>&1 \
           | grep -v Warning | tail -40

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from inferx_core.sampler import Sampler, apply_penalties, filter_logits
-from inferx_core.sequence import SamplingParams, Sequence
+from inferx_core.sequence import PENDING, SamplingParams, Sequence
 
 
 def seqs(params: list[SamplingParams], tokens: list[list[int]] | None = None) -> list[Sequence]:
@@ -122,8 +122,11 @@ def test_seeded_noise_changes_with_the_output_index():
 
 
 def with_output(prompt: list[int], output: list[int], params: SamplingParams) -> Sequence:
+    """A sequence as the sampler gets it: prompt, output so far, and the PENDING token that the
+    scheduler appended for the token being sampled."""
     seq = Sequence(prompt, params)
-    seq.token_ids += output
+    seq.token_ids += output + [PENDING]
+    seq.num_pending = 1
     return seq
 
 
@@ -133,7 +136,7 @@ def reference_penalties(logits: torch.Tensor, rows: list[Sequence]) -> torch.Ten
     for i, seq in enumerate(rows):
         p = seq.params
         if p.repetition_penalty != 1.0:
-            for t in set(seq.token_ids):
+            for t in set(seq.known_ids):  # never PENDING (-1 would index the last token)
                 x = out[i, t]
                 out[i, t] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
         for t in set(seq.output_ids):
@@ -225,7 +228,7 @@ def test_seeded_rows_draw_at_output_index():
     rows = [with_output([1], [2, 3, 4], SamplingParams(seed=11)), Sequence([1], SamplingParams())]
     tokens, _ = Sampler(torch.device("cpu"))(logits, rows)
     noise = seeded_exponential(torch.tensor([11]), torch.tensor([output_index(rows[0])]), 300)
-    assert output_index(rows[0]) == 3
+    assert output_index(rows[0]) == 3  # the fourth output token
     assert tokens[0] == (logits[:1].softmax(1) / noise).argmax(1)[0]
 
 

@@ -1,10 +1,28 @@
-"""Builds an AttentionBatch (device tensors) from per-sequence host lists."""
+"""Builds an AttentionBatch (device tensors) from per-sequence host lists, and moves small
+tensors between host and device without making the host wait for the device."""
 
 from __future__ import annotations
 
 import torch
 
 from inferx_core.interfaces.attention import AttentionBatch
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A CPU tensor on `device` without the host waiting: a pinned, non-blocking copy on CUDA
+    (a plain `tensor(..., device=cuda)` waits for all queued work), a plain `.to` elsewhere."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of `t`: a non-blocking copy into pinned memory from CUDA (valid once the
+    stream reaches it), a plain copy from elsewhere."""
+    if t.device.type == "cuda":
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return out.copy_(t, non_blocking=True)
+    return t.to("cpu", copy=True)
 
 
 def make_attention_batch(
@@ -30,14 +48,17 @@ def make_attention_batch(
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
+    n = len(query_lens)
+    ints = torch.tensor(
+        starts + list(context_lens) + [b for t in padded for b in t], dtype=torch.int32
+    )
+    ints = to_device(ints, device)
     return AttentionBatch(
         query_lens=list(query_lens),
         context_lens=list(context_lens),
         block_tables=[list(t) for t in block_tables],
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start=torch.tensor(starts, dtype=torch.int32, device=device),
-        block_table=torch.tensor(padded, dtype=torch.int32, device=device).reshape(
-            len(block_tables), width
-        ),
-        context_len=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        slot_mapping=to_device(torch.tensor(slots, dtype=torch.int64), device),
+        query_start=ints[: n + 1],
+        block_table=ints[2 * n + 1 :].view(n, width),
+        context_len=ints[n + 1 : 2 * n + 1],
     )

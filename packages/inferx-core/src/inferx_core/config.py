@@ -44,6 +44,7 @@ class EngineSection(Section):
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer (or a plugin's)
     kernels: str = "auto"  # fused norm/rotary/activation ops: auto | torch | triton
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (GPU and a capable backend)
+    overlap: bool = True  # schedule and submit step N+1 while the device runs step N
     threads: int | None = Field(default=None, ge=1)  # torch CPU threads
 
     @field_validator("device")

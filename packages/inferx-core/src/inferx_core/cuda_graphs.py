@@ -13,7 +13,7 @@ import bisect
 import gc
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -137,9 +137,15 @@ class DecodeGraphRunner:
             self.logits = torch.empty(shape, dtype=logits.dtype, device=self.device)
         self.logits[:size].copy_(logits)
 
-    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+    def run(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        fill: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
         """Logits [len(chunks), vocab] of a step that fits(): chunk i is row i. The tensor is
-        the graph's own output, valid until the next run.
+        the graph's own output, valid until the next run. `fill`, if given, is called with the
+        static input ids once the host's are copied in, to write tokens that are still on the
+        device (PENDING on the host).
 
         A size not captured (before capture(), or on the CPU in tests) runs the same padded
         pass over the same static buffers eagerly.
@@ -176,6 +182,8 @@ class DecodeGraphRunner:
             self.attention.prepare_for_capture(size)
         self.input_ids[:size].copy_(self._ids[:size], non_blocking=True)
         self.positions[:size].copy_(self._positions[:size], non_blocking=True)
+        if fill is not None:
+            fill(self.input_ids)
         self.attention.prepare_for_replay(batch, size)
         if self.device.type == "cuda":
             if self._copied is None:

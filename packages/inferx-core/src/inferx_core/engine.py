@@ -1,7 +1,13 @@
 """The engine loop: requests in, scheduler picks a step, executor runs it, outputs out.
 
-Engine is synchronous and single-threaded (one step at a time); LLM is the offline API on top.
-Detokenization and stop strings live here, on the CPU, beside the scheduler.
+Engine is single-threaded; LLM is the offline API on top. Detokenization and stop strings live
+here, on the CPU, beside the scheduler.
+
+With engine.overlap (and an executor that supports it) one step is always in flight: step()
+schedules and submits step N+1 before it waits for step N's tokens, so the host's work (the
+scheduler, building inputs, detokenizing) runs while the device computes. A sequence that stops
+at step N has one step N+1 computed in vain; a step whose sequences need their tokens on the
+host to sample the next one (penalties) is collected before the next is scheduled.
 """
 
 from __future__ import annotations
@@ -12,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from inferx_core.config import Config, load_config
-from inferx_core.interfaces import Executor, KVManager, Scheduler
+from inferx_core.interfaces import (
+    Executor,
+    KVManager,
+    PendingStep,
+    Scheduler,
+    SchedulerOutput,
+    StepResult,
+)
 from inferx_core.plugins import Plugins, plugins
 from inferx_core.sequence import SamplingParams, Sequence
 
@@ -86,6 +99,8 @@ class Engine:
             config.scheduler, self.kv, self.max_model_len
         )
         self.requests: dict[str, _Request] = {}
+        self.overlap = config.engine.overlap and executor.supports_overlap
+        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -140,18 +155,34 @@ class Engine:
         return self.scheduler.abort(request_id) is not None
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._in_flight is not None or self.scheduler.has_work()
 
     # -- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; report every request that produced tokens or finished."""
+        """Run one step; report every request that produced tokens or finished. With overlap,
+        the step reported is the one submitted by the call before (or by this call, at first),
+        and the next one is already on the device."""
+        if self._in_flight is None:
+            self._in_flight = self._submit(idle_ok=False)
+            if self._in_flight is None:
+                return []
+        out, pending = self._in_flight
+        self._in_flight = None
+        if self.overlap and not any(c.seq.params.needs_history for c in out.chunks if c.sample):
+            self._in_flight = self._submit(idle_ok=True)
+        return self._apply(out, pending.result())
+
+    def _submit(self, idle_ok: bool) -> tuple[SchedulerOutput, PendingStep] | None:
         out = self.scheduler.schedule()
         if not out.chunks:
-            if self.scheduler.has_work():
+            # With a step in flight every running sequence may be waiting on it.
+            if self.scheduler.has_work() and not idle_ok:
                 raise RuntimeError("scheduler has work but scheduled nothing (a scheduler bug)")
-            return []
-        result = self.executor.execute(out)
+            return None
+        return out, self.executor.submit(out)
+
+    def _apply(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         sampled_seqs = [c.seq for c in out.chunks if c.sample]
         if result.logprobs:
             for seq, lp in zip(sampled_seqs, result.logprobs, strict=True):
@@ -168,7 +199,7 @@ class Engine:
 
     def _output(self, req: _Request) -> RequestOutput:
         seq = req.seq
-        new = seq.token_ids[seq.num_prompt + req.sent :]
+        new = seq.output_ids[req.sent :]  # known tokens only: none PENDING
         start = req.sent
         req.sent = seq.num_output
         text = ""
@@ -234,6 +265,7 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        prompt_ids = {i: self.engine.requests[i].seq.prompt_ids for i in ids}
         done: dict[str, Completion] = {}
         parts: dict[str, list[RequestOutput]] = {i: [] for i in ids}
         while len(done) < len(ids):
@@ -242,7 +274,7 @@ class LLM:
                     continue
                 parts[o.request_id].append(o)
                 if o.finished:
-                    done[o.request_id] = _join(parts[o.request_id], self.engine)
+                    done[o.request_id] = _join(parts[o.request_id], prompt_ids[o.request_id])
         return [done[i] for i in ids]
 
     def stream(

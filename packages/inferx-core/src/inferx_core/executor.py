@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from inferx_core.batch import make_attention_batch
+from inferx_core.batch import make_attention_batch, to_device, to_host
 from inferx_core.config import Config
 from inferx_core.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphRunner, eager_reason
 from inferx_core.interfaces import (
@@ -19,15 +19,17 @@ from inferx_core.interfaces import (
     BuildContext,
     Checkpoint,
     CheckpointFormat,
+    DoneStep,
     Executor,
     ModelArch,
+    PendingStep,
     QuantScheme,
     SchedulerOutput,
     StepResult,
 )
 from inferx_core.plugins import PluginError, Plugins, plugins
 from inferx_core.sampler import Sampler, TopLogprobs
-from inferx_core.sequence import SamplingParams, Sequence
+from inferx_core.sequence import PENDING, SamplingParams, Sequence
 
 log = logging.getLogger("inferx.executor")
 
@@ -203,6 +205,8 @@ def _at_least_two(blocks: int, bytes_per_block: int) -> int:
 class ModelRunner(Executor):
     """Runs steps of one model on one device."""
 
+    supports_overlap = True
+
     def __init__(self, config: Config, reg: Plugins | None = None) -> None:
         reg = reg or plugins()
         self.config = config
@@ -250,6 +254,8 @@ class ModelRunner(Executor):
         self.num_kv_blocks = self._size_cache()
         self.attention.allocate(self.num_kv_blocks)
         self.sampler = Sampler(self.device, seed=config.model.seed)
+        # What the last submitted step sampled, on the device, and each sequence's row in it.
+        self._last_sampled: tuple[torch.Tensor | None, dict[int, int]] = (None, {})
         profiled = self.report.seconds.get("profile", 0.0)  # sizing's own part, reported apart
         self.report.seconds["kv_cache"] = time.perf_counter() - t0 - profiled
         self.graphs: DecodeGraphRunner | None = None
@@ -411,56 +417,104 @@ class ModelRunner(Executor):
         other = max(0, total - free - torch.cuda.memory_reserved(dev))
         return MemoryProfile(total, other, weights, activations, graphs)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        if self.graphs is not None and self.graphs.fits(out.chunks):
-            logits = self.graphs.run(out.chunks)
-            sample_seqs = [c.seq for c in out.chunks if c.sample]
-            if 0 < len(sample_seqs) < len(out.chunks):  # one-token prompt chunks sample nothing
-                rows = [i for i, c in enumerate(out.chunks) if c.sample]
-                logits = logits[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        return self.submit(out).result()
+
+    @torch.inference_mode()
+    def submit(self, out: SchedulerOutput) -> PendingStep:
+        """Queue the step's forward pass and sampling on the device and return at once; the
+        sampled tokens (and logprobs) come back in one non-blocking copy. A PENDING input token
+        is taken from what the step submitted before sampled, still on the device."""
+        chunks = out.chunks
+        sample_seqs = [c.seq for c in chunks if c.sample]
+        pending = [
+            i
+            for i, c in enumerate(chunks)
+            if c.seq.token_ids[c.start + c.num_tokens - 1] == PENDING
+        ]
+        if self.graphs is not None and self.graphs.fits(chunks):
+            fill = None
+            if pending:
+                fill = lambda ids: self._fill_pending(ids, pending, chunks)  # noqa: E731
+            logits = self.graphs.run(chunks, fill)
+            if 0 < len(sample_seqs) < len(chunks):  # one-token prompt chunks sample nothing
+                rows = [i for i, c in enumerate(chunks) if c.sample]
+                logits = logits[to_device(torch.tensor(rows), self.device)]
             return self._sample(logits, sample_seqs)
         ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
-        sample_seqs = []
-        for chunk in out.chunks:
+        last_rows: list[int] = []  # each chunk's last token's row
+        for chunk in chunks:
             end = chunk.start + chunk.num_tokens
             ids.extend(chunk.seq.token_ids[chunk.start : end])
             positions.extend(range(chunk.start, end))
+            last_rows.append(len(ids) - 1)
             if chunk.sample:
                 sample_rows.append(len(ids) - 1)
-                sample_seqs.append(chunk.seq)
         batch = make_attention_batch(
-            [c.num_tokens for c in out.chunks],
-            [c.start + c.num_tokens for c in out.chunks],
-            [c.seq.block_table for c in out.chunks],
+            [c.num_tokens for c in chunks],
+            [c.start + c.num_tokens for c in chunks],
+            [c.seq.block_table for c in chunks],
             self.block_size,
             self.device,
         )
         self.attention.begin_step(batch)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        host = torch.tensor(ids + positions + sample_rows, dtype=torch.long)
+        on_device = to_device(host, self.device)
+        n = len(ids)
+        input_ids, pos, rows = on_device[:n], on_device[n : 2 * n], on_device[2 * n :]
+        if pending:
+            self._fill_pending(input_ids, [last_rows[i] for i in pending], chunks, pending)
         hidden = self.model(input_ids, pos)
         if not sample_rows:
-            return StepResult(sampled=[])
-        rows = torch.tensor(sample_rows, device=self.device)
+            return DoneStep(StepResult(sampled=[]))
         return self._sample(self.model.compute_logits(hidden.index_select(0, rows)), sample_seqs)
 
-    def _sample(self, logits: torch.Tensor, sample_seqs: list) -> StepResult:
+    def _fill_pending(
+        self,
+        input_ids: torch.Tensor,
+        rows: list[int],
+        chunks: list,
+        pending: list[int] | None = None,
+    ) -> None:
+        """Write into input_ids[rows] the tokens the previous step sampled for the sequences of
+        chunks[pending] (by default chunks[rows]): they are still on the device."""
+        tokens, row_of = self._last_sampled
+        src = [row_of[id(chunks[i].seq)] for i in (pending if pending is not None else rows)]
+        index = to_device(torch.tensor(rows + src), self.device)
+        input_ids[index[: len(rows)]] = tokens[index[len(rows) :]]
+
+    def _sample(self, logits: torch.Tensor, sample_seqs: list) -> PendingStep:
         if not sample_seqs:
-            return StepResult(sampled=[])
+            self._last_sampled = (None, {})
+            return DoneStep(StepResult(sampled=[]))
         tokens, top = self.sampler(logits, sample_seqs)
-        host = top.copy_to_host() if top is not None else None
-        result = StepResult(sampled=tokens.tolist())
-        if host is not None:
-            result.logprobs = _pick_logprobs(host, sample_seqs, self.device)
+        self._last_sampled = (tokens, {id(s): i for i, s in enumerate(sample_seqs)})
+        ks = [s.params.logprobs for s in sample_seqs] if top is not None else None
+        return _SampledStep(self.device, to_host(tokens), top and top.copy_to_host(), ks)
+
+
+class _SampledStep:
+    """A submitted step's sampled tokens (and logprobs), copying to the host."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        tokens: torch.Tensor,
+        top: TopLogprobs | None,
+        ks: list[int | None] | None,
+    ) -> None:
+        self.tokens, self.top, self.ks = tokens, top, ks
+        self.copied = None
+        if device.type == "cuda":
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def result(self) -> StepResult:
+        if self.copied is not None:
+            self.copied.synchronize()  # waits for this step only, not for a later one
+        result = StepResult(sampled=self.tokens.tolist())
+        if self.top is not None and self.ks is not None:
+            result.logprobs = self.top.rows(self.ks)
         return result
-
-
-def _pick_logprobs(host: TopLogprobs, seqs: list, device: torch.device) -> list:
-    """Each row's (sampled logprob, top alternatives), or None where the request asked for none,
-    from the host copy of the sampler's TopLogprobs (waits for the copy on CUDA)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return host.rows([seq.params.logprobs for seq in seqs])

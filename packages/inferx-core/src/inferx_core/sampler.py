@@ -17,31 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
-from inferx_core.sequence import SamplingParams, Sequence
+from inferx_core.batch import to_device, to_host
+from inferx_core.sequence import Sequence
 
 _MASK = float("-inf")
 
 
 def output_index(seq: Sequence) -> int:
-    """The output position a seeded row draws its next token's noise for."""
-    return seq.num_output
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor on `device` without the host waiting: a pinned, non-blocking copy on CUDA,
-    a plain `.to` elsewhere."""
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of `t`: a non-blocking copy into pinned memory from CUDA (valid once the
-    stream reaches it), a plain copy from elsewhere."""
-    if t.device.type == "cuda":
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return out.copy_(t, non_blocking=True)
-    return t.to("cpu", copy=True)
+    """The output position of the token a row samples now: the sequence's last token, PENDING
+    (the scheduler appends it when it schedules the step)."""
+    return len(seq.token_ids) - 1 - seq.num_prompt
 
 
 @dataclass
@@ -87,7 +72,7 @@ def apply_penalties(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
     for i, seq in enumerate(seqs):
         p = seq.params
         if p.repetition_penalty != 1.0:
-            toks = set(seq.token_ids)
+            toks = set(seq.known_ids)
             rep_rows += [i] * len(toks)
             rep_toks += toks
             rep_vals += [p.repetition_penalty] * len(toks)
@@ -167,7 +152,7 @@ class Sampler:
         when no row asked), both on the logits' device."""
         raw = logits.float()
         params = [s.params for s in seqs]
-        logits = apply_penalties(raw.clone(), seqs) if any(map(_penalised, params)) else raw
+        logits = apply_penalties(raw.clone(), seqs) if any(p.needs_history for p in params) else raw
         tokens = self._draw(logits, seqs)
         ks = [p.logprobs for p in params if p.logprobs is not None]
         return tokens, top_logprobs(raw, tokens, max(ks)) if ks else None
@@ -250,7 +235,3 @@ def seeded_exponential(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> 
     x = x ^ _shr(x, 31)
     uniform = (_shr(x, 11).double() + 0.5) / float(1 << 53)  # in (0, 1), never 0
     return (-torch.log(uniform)).float()
-
-
-def _penalised(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0

@@ -46,6 +46,15 @@ class SamplingParams(BaseModel):
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def needs_history(self) -> bool:
+        """Sampling reads the tokens generated so far on the host (the penalties)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
 
 PENDING = -1  # in token_ids: a token that a step in flight is sampling, not known yet
 

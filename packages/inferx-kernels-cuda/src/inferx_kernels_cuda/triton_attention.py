@@ -10,6 +10,7 @@ import torch
 import triton
 
 from inferx_core.attention_torch import TorchAttention
+from inferx_core.batch import to_device
 from inferx_core.interfaces.attention import AttentionBatch
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda import triton_kernels as kernels
@@ -177,7 +178,7 @@ class TritonAttention(TorchAttention):
                         starts.append(start)
                 tile_ranges[group] = (block_m, block_q, len(ints), len(seqs))
                 ints += seqs + starts
-            packed = torch.tensor(ints, dtype=torch.int32, device=device)
+            packed = to_device(torch.tensor(ints, dtype=torch.int32), device)
             decode_seqs = packed[: len(decode)]
             for group, (block_m, block_q, at, count) in tile_ranges.items():
                 seq = packed[at : at + count]
