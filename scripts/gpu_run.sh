@@ -9,6 +9,7 @@
 #   returned fi-cache parts into .whl/ so the next machine skips compiling them);
 #   Keep the returned parts in .carry/fi/ (31 MB; .whl + .carry/tok + .carry/fi fit the 64 MiB a
 #   call carries only with the Qwen tokenizer alone) and carry .carry/fi in runs that use FlashInfer.
+#   breakdown: benchmarks/step_breakdown.py (the offline throughput run, step by step);
 #   profile: benchmarks/profile_decode.py (idle GPU time and kernels of a decode step, batch 1, 64).
 #   (default: tests bench). table: issue 4's whole table, both models (benchmarks/h200_table.py,
 #   bounded to ~7.5 min after set-up); table-3b / table-8b: one model each, for two calls.
@@ -50,6 +51,17 @@ for step in "${steps[@]}"; do
         timeout 300 python3 benchmarks/profile_decode.py --tokenizer $TOK --backend triton \
           --batch 1,64 --steps 64 $flag ${PROFILE_ARGS:-} --json "$OUT/profile-$mode.json" 2>&1 \
           | grep -v Warning | tail -40
+      done ;;
+    breakdown)
+      # BREAKDOWN_SETS: ;-separated variants, each a space-separated list of --set KEY=VALUE.
+      IFS=';' read -ra variants <<< "${BREAKDOWN_SETS:-engine.overlap=true;engine.overlap=false}"
+      i=0
+      for v in "${variants[@]}"; do
+        sets=(); for kv in $v; do sets+=(--set "$kv"); done
+        echo "== breakdown: $v"
+        timeout 240 python3 benchmarks/step_breakdown.py --tokenizer $TOK "${sets[@]}" \
+          --json "$OUT/breakdown-$i.json" 2>&1 | grep -v -i warn | tail -8
+        i=$((i + 1))
       done ;;
     demo)
       python3 -m pytest tests/test_gpu_correctness.py -m gpu -q -k demo 2>&1 \

@@ -1,0 +1,200 @@
+"""Where the offline throughput run spends its time, step by step (issue 4's 256 x 512/256).
+
+    python benchmarks/step_breakdown.py --preset qwen2.5-3b-instruct --tokenizer DIR \
+        [--num-prompts 256 --input-len 512 --output-len 256] [--json OUT.json]
+
+Runs LLM.generate over random prompts and times, for every engine.step() call, its parts on the
+host clock: schedule() and submit() of the next step, waiting for the step's result, and
+applying it (update, detokenize). Steps are grouped by what they ran: decode-only steps (CUDA
+graphs) and steps with prompt tokens (eager). Then torch.profiler over a window of decode steps
+at the largest batch gives the GPU's busy and idle time per step there (profile_decode.py's
+measure). Prints a table; --json keeps it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).parent))
+from profile_decode import gpu_records, idle_fraction  # noqa: E402
+
+from inferx_core.bench_offline import random_prompt  # noqa: E402
+from inferx_core.config import load_config  # noqa: E402
+from inferx_core.engine import LLM  # noqa: E402
+from inferx_core.sequence import SamplingParams  # noqa: E402
+
+
+class StepTimer:
+    """Wraps an engine's parts to time them per engine.step() call."""
+
+    def __init__(self, engine: Any) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.cur: dict[str, Any] = {}
+        eng = engine
+        real_submit, real_apply, real_step = eng._submit, eng._apply, eng.step
+
+        def submit(idle_ok: bool):
+            t0 = time.perf_counter()
+            got = real_submit(idle_ok)
+            self.cur["submit_ms"] = self.cur.get("submit_ms", 0) + (time.perf_counter() - t0) * 1e3
+            if got is not None:
+                chunks = got[0].chunks
+                self.cur["next_tokens"] = sum(c.num_tokens for c in chunks)
+                self.cur["next_seqs"] = len(chunks)
+            return got
+
+        def apply(out, result):
+            self.cur["wait_ms"] = (time.perf_counter() - self.t_wait) * 1e3
+            t0 = time.perf_counter()
+            r = real_apply(out, result)
+            self.cur["apply_ms"] = (time.perf_counter() - t0) * 1e3
+            self.cur["tokens"] = sum(c.num_tokens for c in out.chunks)
+            self.cur["seqs"] = len(out.chunks)
+            return r
+
+        def step():
+            self.cur = {}
+            t0 = time.perf_counter()
+            self.t_wait = t0
+            out = real_step()
+            self.cur["step_ms"] = (time.perf_counter() - t0) * 1e3
+            self.rows.append(self.cur)
+            return out
+
+        # result() is called right before _apply; time from the end of the last submit.
+        def submit_then_mark(idle_ok: bool):
+            got = submit(idle_ok)
+            self.t_wait = time.perf_counter()
+            return got
+
+        eng._submit, eng._apply, eng.step = submit_then_mark, apply, step
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        if "tokens" not in r:
+            continue
+        kind = "decode" if r["tokens"] == r["seqs"] else "with prompt tokens"
+        groups[kind].append(r)
+    out = {}
+    for kind, rs in groups.items():
+        n = len(rs)
+        out[kind] = {
+            "steps": n,
+            "total_s": sum(r["step_ms"] for r in rs) / 1e3,
+            "mean_seqs": sum(r["seqs"] for r in rs) / n,
+            "mean_tokens": sum(r["tokens"] for r in rs) / n,
+            **{
+                f"mean_{k}": sum(r.get(k, 0.0) for r in rs) / n
+                for k in ("step_ms", "submit_ms", "wait_ms", "apply_ms")
+            },
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen2.5-3b-instruct")
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--backend", default="triton")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--set", action="append", default=[], help="extra config KEY=VALUE")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    overrides = {
+        "model.preset": args.preset,
+        "model.tokenizer": args.tokenizer,
+        "model.dtype": "bfloat16",
+        "engine.attention_backend": args.backend,
+        "scheduler.max_batched_tokens": 8192,
+        "scheduler.prefill_chunk": 8192,
+        "scheduler.prefix_cache": False,
+    }
+    for kv in args.set:
+        key, value = kv.split("=", 1)
+        overrides[key] = value
+    llm = LLM(load_config(None, overrides))
+    vocab = int(llm.engine.executor.hf_config["vocab_size"])
+    rng = random.Random(2)
+    prompts = [random_prompt(vocab, args.input_len, rng) for _ in range(args.num_prompts)]
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    llm.generate(prompts[:16], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    timer = StepTimer(llm.engine)
+    t0 = time.perf_counter()
+    done = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    out_tokens = sum(len(d.token_ids) for d in done)
+    summary = summarize(timer.rows)
+    print(
+        f"{args.preset}: {args.num_prompts} x {args.input_len}/{args.output_len}: {elapsed:.2f} s, "
+        f"{out_tokens / elapsed:,.0f} output tok/s, {len(timer.rows)} steps"
+    )
+    print(
+        f"{'steps':<20} {'n':>5} {'total s':>8} {'seqs':>6} {'tokens':>7} {'step ms':>8} "
+        f"{'submit':>7} {'wait':>7} {'apply':>7}"
+    )
+    for kind, s in summary.items():
+        print(
+            f"{kind:<20} {s['steps']:>5} {s['total_s']:>8.2f} {s['mean_seqs']:>6.0f} "
+            f"{s['mean_tokens']:>7.0f} {s['mean_step_ms']:>8.2f} {s['mean_submit_ms']:>7.2f} "
+            f"{s['mean_wait_ms']:>7.2f} {s['mean_apply_ms']:>7.2f}"
+        )
+    doc = {
+        "commit": os.environ.get("INFERX_COMMIT", "?"),
+        "args": vars(args),
+        "elapsed_s": elapsed,
+        "output_tok_s": out_tokens / elapsed,
+        "summary": summary,
+        "rows": timer.rows,
+    }
+    if torch.cuda.is_available():
+        doc["decode_full_batch"] = gpu_idle(llm, prompts, params)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+
+
+def gpu_idle(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict[str, float]:
+    """GPU busy and idle time per decode step with every prompt running."""
+    engine = llm.engine
+    ids = [engine.add_request(p, params) for p in prompts]
+    while any(engine.requests[i].seq.num_output == 0 for i in ids if i in engine.requests):
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    steps = 20
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(str(trace))
+        recs = gpu_records(trace)
+    for i in ids:
+        engine.abort(i)
+    idle, window = idle_fraction(recs)
+    busy_ms = window * (1 - idle) / steps / 1e3
+    print(
+        f"decode at batch {len(ids)}: GPU busy {busy_ms:.2f} ms of {window / steps / 1e3:.2f} "
+        f"ms per step (idle {100 * idle:.1f}%)"
+    )
+    return {"gpu_busy_ms": busy_ms, "window_ms": window / steps / 1e3, "idle": idle}
+
+
+if __name__ == "__main__":
+    main()
