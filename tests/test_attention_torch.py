@@ -147,3 +147,19 @@ def test_bytes_per_block_matches_allocation() -> None:
     backend.allocate(3)
     allocated = sum(c.numel() * c.element_size() for c in backend.caches)
     assert allocated == 3 * backend.bytes_per_block()
+
+
+def test_pack_aligned_keeps_every_part_at_16_bytes():
+    """Slices of one packed tensor start 16-byte aligned, as separate tensors would (Triton
+    compiles a kernel variant per pointer alignment), and hold their parts unchanged."""
+    from inferx_core.batch import pack_aligned
+
+    parts = [[1, 2, 3], [], [4], list(range(10, 27)), [5, 6]]
+    for dtype, per in ((torch.int32, 4), (torch.int64, 2)):
+        packed, at = pack_aligned(parts, dtype)
+        assert packed.dtype == dtype
+        assert all(a % per == 0 for a in at)
+        for part, a in zip(parts, at, strict=True):
+            view = packed[a : a + len(part)]
+            assert view.tolist() == part
+            assert not part or view.data_ptr() % 16 == packed.data_ptr() % 16

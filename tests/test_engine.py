@@ -165,3 +165,11 @@ def test_seeded_sampling_is_reproducible_across_batches(checkpoint):
     alone = llm.generate([PROMPTS[1]], params)[0].token_ids
     batched = llm.generate(PROMPTS, [params if i == 1 else GREEDY for i in range(5)])[1].token_ids
     assert alone == batched
+
+
+def test_warm_up_steps_leave_generation_unchanged(checkpoint, expected):
+    """The start-up warm-up (run on GPUs) writes into cache blocks nobody holds yet: greedy
+    output after it still equals transformers'."""
+    llm = make_llm(checkpoint[0], **{"kv_cache.block_size": 4, "model.max_model_len": 128})
+    llm.engine.executor._warm_up()
+    assert generate(llm) == expected

@@ -25,6 +25,20 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu", copy=True)
 
 
+def pack_aligned(parts: list[list[int]], dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:
+    """One CPU tensor holding each list at an offset of whole 16 bytes (so one copy moves them
+    all, and every slice of it is as aligned as a tensor of its own: Triton compiles a kernel
+    variant per pointer alignment). Returns the tensor and each part's offset."""
+    step = max(1, 16 // torch.tensor([], dtype=dtype).element_size())
+    flat: list[int] = []
+    offsets = []
+    for part in parts:
+        offsets.append(len(flat))
+        flat += part
+        flat += [0] * (-len(flat) % step)
+    return torch.tensor(flat, dtype=dtype), offsets
+
+
 def make_attention_batch(
     query_lens: list[int],
     context_lens: list[int],
@@ -49,16 +63,15 @@ def make_attention_batch(
     for q in query_lens:
         starts.append(starts[-1] + q)
     n = len(query_lens)
-    ints = torch.tensor(
-        starts + list(context_lens) + [b for t in padded for b in t], dtype=torch.int32
-    )
-    ints = to_device(ints, device)
+    flat = [b for t in padded for b in t]
+    packed, (_, at_ctx, at_table) = pack_aligned([starts, list(context_lens), flat], torch.int32)
+    ints = to_device(packed, device)
     return AttentionBatch(
         query_lens=list(query_lens),
         context_lens=list(context_lens),
         block_tables=[list(t) for t in block_tables],
         slot_mapping=to_device(torch.tensor(slots, dtype=torch.int64), device),
         query_start=ints[: n + 1],
-        block_table=ints[2 * n + 1 :].view(n, width),
-        context_len=ints[n + 1 : 2 * n + 1],
+        block_table=ints[at_table : at_table + n * width].view(n, width),
+        context_len=ints[at_ctx : at_ctx + n],
     )

@@ -258,6 +258,10 @@ class ModelRunner(Executor):
         self._last_sampled: tuple[torch.Tensor | None, dict[int, int]] = (None, {})
         profiled = self.report.seconds.get("profile", 0.0)  # sizing's own part, reported apart
         self.report.seconds["kv_cache"] = time.perf_counter() - t0 - profiled
+        if self.device.type == "cuda":
+            t0 = time.perf_counter()
+            self._warm_up()
+            self.report.seconds["warm_up"] = time.perf_counter() - t0
         self.graphs: DecodeGraphRunner | None = None
         self.eager_reason = eager_reason(config.engine.cuda_graphs, self.device, self.attention)
         if self.eager_reason is not None:
@@ -371,6 +375,34 @@ class ModelRunner(Executor):
             seqs = [Sequence([0], params) for _ in range(rows)]
             Sampler(self.device)(logits, seqs)
         return logits
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Eager steps of the shapes that neither the profiling step (prompt chunks alone) nor
+        the graph capture (decodes alone) runs: decodes eagerly, alone and beside a prompt
+        chunk, with one split of the context and with several. Kernels compile now, not in the
+        middle of serving (a JIT compile stalls every running request for up to seconds)."""
+        bs = self.block_size
+        long = max(2, min(1024, self.max_model_len - 1, (self.num_kv_blocks - 1) // 3 * bs))
+        cases = [([1], [long]), ([1, 1], [1, 2]), ([1, 17], [long, 17]), ([1, 16], [1, 16])]
+        for query_lens, context_lens in cases:
+            tables, next_block = [], 1
+            for c in context_lens:
+                count = -(-c // bs)
+                tables.append(list(range(next_block, next_block + count)))
+                next_block += count
+            if next_block > self.num_kv_blocks:
+                continue
+            batch = make_attention_batch(query_lens, context_lens, tables, bs, self.device)
+            self.attention.begin_step(batch)
+            positions = [
+                p for q, c in zip(query_lens, context_lens, strict=True) for p in range(c - q, c)
+            ]
+            pos = torch.tensor(positions, device=self.device)
+            hidden = self.model(torch.zeros_like(pos), pos)
+            self.model.compute_logits(hidden[-1:])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def _profile_memory(self) -> MemoryProfile:

@@ -10,7 +10,7 @@ import torch
 import triton
 
 from inferx_core.attention_torch import TorchAttention
-from inferx_core.batch import to_device
+from inferx_core.batch import pack_aligned, to_device
 from inferx_core.interfaces.attention import AttentionBatch
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda import triton_kernels as kernels
@@ -165,8 +165,8 @@ class TritonAttention(TorchAttention):
         decode_seqs = context_len  # never read in a decode-only step: decode i is sequence i
         tiles = {}
         if prefill:
-            # Every index list travels in one host-to-device copy.
-            ints = list(decode)
+            # Every index list travels in one host-to-device copy, each 16-byte aligned.
+            parts = [list(decode)]
             tile_ranges = {}
             for group in self._groups:
                 block_m = max(self.prefill_block_m, triton.next_power_of_2(group))
@@ -176,13 +176,14 @@ class TritonAttention(TorchAttention):
                     for start in range(0, batch.query_lens[i], block_q):
                         seqs.append(i)
                         starts.append(start)
-                tile_ranges[group] = (block_m, block_q, len(ints), len(seqs))
-                ints += seqs + starts
-            packed = to_device(torch.tensor(ints, dtype=torch.int32), device)
+                tile_ranges[group] = (block_m, block_q, len(parts), len(seqs))
+                parts += [seqs, starts]
+            packed, at = pack_aligned(parts, torch.int32)
+            packed = to_device(packed, device)
             decode_seqs = packed[: len(decode)]
-            for group, (block_m, block_q, at, count) in tile_ranges.items():
-                seq = packed[at : at + count]
-                start = packed[at + count : at + 2 * count]
+            for group, (block_m, block_q, part, count) in tile_ranges.items():
+                seq = packed[at[part] : at[part] + count]
+                start = packed[at[part + 1] : at[part + 1] + count]
                 tiles[group] = _Tiles(block_m, block_q, seq, start, count)
 
         part_o = part_lse = None
@@ -392,7 +393,10 @@ class TritonAttention(TorchAttention):
                     out.stride(0),
                     out.stride(1),
                     HEAD_DIM=spec.head_dim,
-                    SPLITS_PAD=triton.next_power_of_2(plan.num_splits),
+                    # Eager steps pad to the most splits there can be: one compiled variant.
+                    SPLITS_PAD=triton.next_power_of_2(
+                        plan.num_splits if plan.seq_split else self.max_splits
+                    ),
                     SEQ_SPLIT=plan.seq_split,
                     BLOCK_N=self.decode_block_n,
                     ALL_DECODE=plan.all_decode,

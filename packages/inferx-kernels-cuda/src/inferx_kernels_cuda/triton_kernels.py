@@ -135,7 +135,9 @@ def _seq_split_len(ctx, num_splits, min_len, BLOCK_N: tl.constexpr):
     return tl.cdiv(per, BLOCK_N) * BLOCK_N
 
 
-@triton.jit
+# Ints that change from step to step are not specialised on (Triton would compile a variant for
+# values of 1 and multiples of 16): every variant a step can need is compiled at start-up.
+@triton.jit(do_not_specialize=["split_len", "stride_table"])
 def decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -234,7 +236,7 @@ def decode_kernel(
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=g_valid[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_len", "num_splits"])
 def decode_reduce_kernel(
     part_o_ptr,
     part_lse_ptr,
@@ -281,7 +283,7 @@ def decode_reduce_kernel(
     tl.store(out_ptr + row * stride_ot + head * stride_oh + d, res.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"])
 def prefill_kernel(
     q_ptr,
     k_cache_ptr,
