@@ -35,9 +35,10 @@ TOK=.carry/tok/tokenizers/qwen
 for step in "${steps[@]}"; do
   case $step in
     tests)
-      timeout ${TESTS_TIMEOUT:-400} python3 -m pytest tests/test_kv_sizing.py tests/test_gpu_correctness.py tests/test_cuda_graphs.py \
-        tests/test_triton_attention.py \
-        -m gpu -q -k "not demo" ${TESTS_ARGS:-} 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
+      files=${TESTS_FILES:-tests/test_kv_sizing.py tests/test_gpu_correctness.py \
+        tests/test_cuda_graphs.py tests/test_triton_attention.py}
+      timeout ${TESTS_TIMEOUT:-400} python3 -m pytest $files -m gpu -q -k "not demo" \
+        ${TESTS_ARGS:-} 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
     flashinfer)
       timeout 420 python3 -m pytest tests/test_flashinfer_attention.py -q -rs --maxfail=5 2>&1 \
         | tee "$OUT/gpu-flashinfer.log" | tail -15
