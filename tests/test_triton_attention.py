@@ -236,3 +236,72 @@ def test_gpu_other_dtypes(dtype: torch.dtype) -> None:
     backend = TritonAttention(layers, 16, dtype, torch.device("cuda"))
     totals, steps = plan_steps(GPU_PLAN)
     check_steps(backend, totals, steps, against_torch=True)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 4])
+def test_fused_rotary_equals_rotary_then_forward(group: int, dtype: torch.dtype) -> None:
+    check_fused_rotary(group, dtype, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_gpu_fused_rotary_bf16(group: int) -> None:
+    check_fused_rotary(group, torch.bfloat16, torch.device("cuda"))
+
+
+ROTARY_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+def check_fused_rotary(group: int, dtype: torch.dtype, device: torch.device) -> None:
+    """forward_with_rotary (rotary and KV write in one kernel) against the torch reference ops'
+    rotary followed by TorchAttention.forward, on fresh random inputs in a mixed step (a prompt
+    over a cached prefix, a fresh prompt, decodes): the same outputs, the same cache, q rotated
+    in place; a padding row (slot -1) rotates q and writes nothing."""
+    from inferx_core.ops_torch import TorchOps
+
+    head_dim, kv_heads, bs = 32, 2, 4
+    layers = [KVLayerSpec(kv_heads * group, kv_heads, head_dim)] * 2
+    backend = TritonAttention(layers, bs, dtype, device)
+    reference = TorchAttention(layers, bs, dtype, device)
+    angles = torch.rand(64, head_dim // 2, device=device) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    spans = [(5, 12), (0, 6), (20, 21), (9, 10)]  # (cached prefix, end) per sequence
+    tables = [[3, 7, 1], [4, 9], [2, 5, 8, 10, 11, 12], [6, 13, 14]]
+    backend.allocate(16)
+    reference.allocate(16)
+    for mine, theirs in zip(backend.caches, reference.caches, strict=True):
+        mine.copy_(torch.randn(mine.shape, device=device).to(dtype))  # the cached prefixes
+        theirs.copy_(mine)
+    batch = make_attention_batch(
+        [e - s for s, e in spans], [e for _, e in spans], tables, bs, device
+    )
+    positions = torch.cat([torch.arange(s, e) for s, e in spans]).to(device)
+    tokens = positions.shape[0]
+    ops = TorchOps()
+    for b in (backend, reference):
+        b.begin_step(batch)
+    for layer, spec in enumerate(layers):
+        heads = (spec.num_q_heads, kv_heads, kv_heads)
+        q, k, v = (torch.randn(tokens, h, head_dim, device=device).to(dtype) for h in heads)
+        fq, fk, fv = fused_views(q.clone(), k.clone(), v.clone())
+        got = backend.forward_with_rotary(layer, fq, fk, fv, head_dim**-0.5, positions, cos_sin)
+        rq, rk = ops.rotary(positions, q.clone(), k.clone(), cos_sin)
+        want = reference.forward(layer, rq, rk, v, head_dim**-0.5)
+        # Rounded like the reference: equal but for an occasional one-ulp flip (test_kernel_ops).
+        assert rel_err(fq, rq) <= ROTARY_TOL[dtype], "q is rotated in place"
+        assert rel_err(got, want) <= TOL[dtype]
+        assert rel_err(backend.caches[layer], reference.caches[layer]) <= ROTARY_TOL[dtype]
+    # Padding: slot -1 leaves the cache alone but still rotates q.
+    pad = make_attention_batch([1], [3], [[15]], bs, device)
+    pad.slot_mapping.fill_(-1)
+    backend.begin_step(pad)
+    before = backend.caches[0].clone()
+    heads = (kv_heads * group, kv_heads, kv_heads)
+    q, k, v = (torch.randn(1, h, head_dim, device=device).to(dtype) for h in heads)
+    rotated = ops.rotary(torch.tensor([2], device=device), q.clone(), k.clone(), cos_sin)[0]
+    backend.forward_with_rotary(0, q, k, v, 1.0, torch.tensor([2], device=device), cos_sin)
+    assert torch.equal(backend.caches[0], before)
+    assert rel_err(q, rotated) <= ROTARY_TOL[dtype]

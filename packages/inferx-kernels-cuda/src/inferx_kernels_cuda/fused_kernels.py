@@ -92,19 +92,41 @@ def _rotate_heads(
     HEADS_BLOCK: tl.constexpr,
 ):
     """Rotate, in place, every head of one token: [num_heads, 2 * HALF] at base_ptr."""
-    dtype = base_ptr.dtype.element_ty
+    rotate_into(
+        base_ptr, stride_head, base_ptr, stride_head, num_heads, cos, sin, HALF, HALF_PAD,
+        HEADS_BLOCK,
+    )  # fmt: skip
+
+
+@triton.jit
+def rotate_into(
+    src_ptr,
+    stride_src_head,
+    dst_ptr,
+    stride_dst_head,
+    num_heads,
+    cos,
+    sin,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HEADS_BLOCK: tl.constexpr,
+):
+    """Rotate every head of one token, [num_heads, 2 * HALF] at src_ptr, into dst_ptr (which may
+    be src_ptr), rounding like the reference in src's dtype and storing in dst's."""
+    dtype = src_ptr.dtype.element_ty
     d = tl.arange(0, HALF_PAD)[None, :]
     for h0 in range(0, num_heads, HEADS_BLOCK):
         h = h0 + tl.arange(0, HEADS_BLOCK)[:, None]
         mask = (h < num_heads) & (d < HALF)
-        ptr = base_ptr + h * stride_head + d
-        x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+        src = src_ptr + h * stride_src_head + d
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
         # Each product and the sum are rounded like the separate torch ops they replace.
         lo = _rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype)
         hi = _rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype)
-        tl.store(ptr, lo.to(dtype), mask=mask)
-        tl.store(ptr + HALF, hi.to(dtype), mask=mask)
+        dst = dst_ptr + h * stride_dst_head + d
+        tl.store(dst, lo.to(dtype).to(dst_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, hi.to(dtype).to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -14,6 +14,7 @@ from inferx_core.batch import pack_aligned, to_device
 from inferx_core.interfaces.attention import AttentionBatch
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda import triton_kernels as kernels
+from inferx_kernels_cuda.ops import _ROTARY_TILE
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -105,6 +106,7 @@ class TritonAttention(TorchAttention):
     name = "triton attention"
     max_splits = 64
     supports_cuda_graphs = True
+    fuses_rotary = True
 
     def __init__(
         self,
@@ -308,6 +310,40 @@ class TritonAttention(TorchAttention):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
+        return self._forward(layer, q, k, v, scale, None)
+
+    def forward_with_rotary(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+    ) -> torch.Tensor:
+        dim = q.shape[-1]
+        if dim % 2 or q.dtype != k.dtype:
+            raise ValueError(
+                f"triton attention: the fused rotary needs an even head dim and q, k of one "
+                f"dtype; got {dim}, {q.dtype} and {k.dtype}"
+            )
+        if cos_sin.shape[-1] != dim or cos_sin.dtype != torch.float32:
+            raise ValueError(
+                f"triton attention: cos_sin must be [positions, {dim}] float32, got "
+                f"{tuple(cos_sin.shape)} {cos_sin.dtype}"
+            )
+        return self._forward(layer, q, k, v, scale, (positions, cos_sin))
+
+    def _forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
         plan = self._plan
         if plan is None:
             raise RuntimeError("triton attention: begin_step() must run before forward()")
@@ -327,22 +363,57 @@ class TritonAttention(TorchAttention):
                 f"{plan.slot_mapping.shape[0]}"
             )
 
-        kernels.kv_write_kernel[(num_tokens,)](
-            k,
-            v,
-            k_cache,
-            v_cache,
-            plan.slot_mapping,
-            spec.num_kv_heads,
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            HEADS_PAD=triton.next_power_of_2(spec.num_kv_heads),
-            HEAD_DIM=spec.head_dim,
-        )
+        if rotary is None:
+            kernels.kv_write_kernel[(num_tokens,)](
+                k,
+                v,
+                k_cache,
+                v_cache,
+                plan.slot_mapping,
+                spec.num_kv_heads,
+                k.stride(0),
+                k.stride(1),
+                v.stride(0),
+                v.stride(1),
+                k_cache.stride(1),
+                k_cache.stride(2),
+                HEADS_PAD=triton.next_power_of_2(spec.num_kv_heads),
+                HEAD_DIM=spec.head_dim,
+            )
+        else:
+            positions, cos_sin = rotary
+            half = spec.head_dim // 2
+            half_pad = triton.next_power_of_2(half)
+            most_heads = triton.next_power_of_2(max(spec.num_q_heads, spec.num_kv_heads))
+            cos_sin = cos_sin.contiguous()
+            kernels.rotary_kv_write_kernel[(num_tokens,)](
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                plan.slot_mapping,
+                positions.contiguous(),
+                cos_sin,
+                spec.num_q_heads,
+                spec.num_kv_heads,
+                q.stride(0),
+                q.stride(1),
+                k.stride(0),
+                k.stride(1),
+                v.stride(0),
+                v.stride(1),
+                k_cache.stride(1),
+                k_cache.stride(2),
+                cos_sin.stride(0),
+                HALF=half,
+                HALF_PAD=half_pad,
+                HEADS_BLOCK=min(
+                    triton.next_power_of_2(most_heads), max(1, _ROTARY_TILE // half_pad)
+                ),
+                HEADS_PAD=triton.next_power_of_2(spec.num_kv_heads),
+                HEAD_DIM=spec.head_dim,
+            )
 
         group = spec.num_q_heads // spec.num_kv_heads
         scale_log2 = scale * _LOG2E

@@ -19,6 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from inferx_kernels_cuda.fused_kernels import _rounded, rotate_into
+
 # A finite floor for the running max: a row that has seen no key yet keeps it, and exp2 of the
 # difference to a real score is 0 instead of the NaN that -inf - -inf would give.
 _NO_MAX = tl.constexpr(-1.0e30)
@@ -53,6 +55,59 @@ def kv_write_kernel(
     dst = slot * stride_cache_slot + h * stride_cache_head + d
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rotary_kv_write_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    num_q_heads,
+    num_kv_heads,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_cos_sin,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HEADS_BLOCK: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """One program per new token: rotate its q heads in place, and write its k heads rotated
+    and its v heads into its cache slot (rotary and KV write in one launch; the rotation
+    rounds as fused_kernels.rotary_kernel does). A negative slot is padding: q only."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    dh = tl.arange(0, HALF_PAD)[None, :]
+    row = cos_sin_ptr + pos * stride_cos_sin
+    dtype = q_ptr.dtype.element_ty
+    cos = _rounded(tl.load(row + dh, mask=dh < HALF, other=0.0), dtype)
+    sin = _rounded(tl.load(row + HALF + dh, mask=dh < HALF, other=0.0), dtype)
+    q_row = q_ptr + t * stride_qt
+    rotate_into(q_row, stride_qh, q_row, stride_qh, num_q_heads, cos, sin, HALF, HALF_PAD,
+                HEADS_BLOCK)  # fmt: skip
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    kv_heads = tl.where(slot >= 0, num_kv_heads, 0)
+    dst = slot * stride_cache_slot
+    rotate_into(k_ptr + t * stride_kt, stride_kh, k_cache_ptr + dst, stride_cache_head, kv_heads,
+                cos, sin, HALF, HALF_PAD, HEADS_BLOCK)  # fmt: skip
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    mask = h < kv_heads
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    cache_v = v_cache_ptr + dst + h * stride_cache_head + d
+    tl.store(cache_v, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -111,6 +111,11 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.ops.rotary(positions, q, k, self.rotary.cos_sin)
-        out = self.backend.forward(self.layer, q, k, v, self.scale)
+        if self.backend.fuses_rotary:
+            out = self.backend.forward_with_rotary(
+                self.layer, q, k, v, self.scale, positions, self.rotary.cos_sin
+            )
+        else:
+            q, k = self.ops.rotary(positions, q, k, self.rotary.cos_sin)
+            out = self.backend.forward(self.layer, q, k, v, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))

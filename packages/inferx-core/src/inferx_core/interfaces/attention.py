@@ -48,9 +48,14 @@ class AttentionBackend(ABC):
     step's layout. The executor calls init_graph_buffers() once, then prepare_for_capture(n)
     before capturing the forward passes of an n-sequence decode batch, and prepare_for_replay()
     before each replay. The defaults refuse, so a backend without graphs runs eagerly.
+
+    A backend that sets `fuses_rotary` also offers forward_with_rotary(): the model then hands it
+    q and k before the rotary embedding, and the backend rotates them as it writes the cache
+    (one kernel instead of two per layer).
     """
 
     supports_cuda_graphs: bool = False
+    fuses_rotary: bool = False
 
     def __init__(
         self,
@@ -85,6 +90,20 @@ class AttentionBackend(ABC):
 
         Each sequence's queries attend causally to its whole cached context.
         """
+
+    def forward_with_rotary(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """forward() of q and k not yet rotated: rotate them by `positions` ("rotate half"
+        layout, cos_sin as KernelOps.rotary takes it) first. q may be rotated in place."""
+        raise NotImplementedError(f"{type(self).__name__} does not fuse the rotary embedding")
 
     def init_graph_buffers(self, max_batch: int, max_blocks_per_seq: int) -> None:
         """Allocate static metadata for decode batches of up to `max_batch` sequences whose
