@@ -1,35 +1,25 @@
 """The litestar app: OpenAI's completions and chat endpoints, models, tokenize, health, metrics.
 
-Handlers validate and tokenize on the event loop, hand token ids to the EngineLoop and turn its
-outputs into OpenAI's JSON or server-sent events. Every error leaves as OpenAI's error body;
-client mistakes are 4xx, never 500.
+Handlers validate and tokenize on the event loop (requests.py), hand token ids to the EngineLoop
+and turn its outputs into OpenAI's JSON or server-sent events (responses.py). Every error leaves
+as OpenAI's error body; client mistakes are 4xx, never 500.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import jinja2
-import msgspec
-import pydantic
 from litestar import Litestar, Request, Response, get, post
-from litestar.dto import MsgspecDTO
-from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig, ResponseSpec
 from litestar.params import FromPath, JSONBody
-from litestar.response import Stream
-from litestar.typing import FieldDefinition
 
 from inferx_core.engine import RequestOutput
-from inferx_core.interfaces import QueueFullError
-from inferx_core.sequence import SamplingParams
-from inferx_server.engine_loop import EngineDead, EngineLoop, Submission
+from inferx_server.engine_loop import EngineLoop
 from inferx_server.metrics import CONTENT_TYPE, Metrics
 from inferx_server.protocol import (
     UNSET,
@@ -39,10 +29,7 @@ from inferx_server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprobs,
-    ChatMessage,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     Delta,
@@ -53,23 +40,35 @@ from inferx_server.protocol import (
     ModelCard,
     ModelList,
     OpenAIError,
-    PromptTokensDetails,
     TokenizeRequest,
     TokenizeResponse,
-    TokenLogprob,
-    TopLogprob,
-    Usage,
-    decode_request,
 )
-
-if TYPE_CHECKING:
-    from litestar._openapi.schema_generation import SchemaCreator
-
-log = logging.getLogger("inferx.server")
-
-RETRY_AFTER = "1"  # seconds, for 429 and 503
-_DONE = b"data: [DONE]\n\n"
-_encode = msgspec.json.Encoder().encode
+from inferx_server.requests import (
+    RETRY_AFTER,
+    _chat_ids,
+    _check_accepting,
+    _check_ids,
+    _check_model,
+    _check_stream_options,
+    _max_tokens,
+    _sampling,
+    _start,
+    _StrictBody,
+)
+from inferx_server.responses import (
+    _chat_logprobs,
+    _Choice,
+    _collect,
+    _completion_logprobs,
+    _deltas,
+    _event,
+    _http_error,
+    _openai_error,
+    _server_error,
+    _sse,
+    _stream_response,
+    _usage,
+)
 
 
 @dataclass
@@ -94,296 +93,6 @@ class ServerState:
             self._token_strs[token_id] = s
         return s
 
-
-class _StrictBody(MsgspecDTO):
-    """Decodes bodies strictly (litestar's own decoding coerces "3" to 3), and documents the
-    struct itself rather than a transfer model, whose constraints litestar misplaces."""
-
-    def decode_bytes(self, value: bytes) -> Any:
-        return decode_request(value, self.model_type)
-
-    @classmethod
-    def create_openapi_schema(
-        cls, field_definition: FieldDefinition, handler_id: str, schema_creator: SchemaCreator
-    ) -> Any:
-        return schema_creator.for_field_definition(FieldDefinition.from_annotation(cls.model_type))
-
-
-# -- helpers shared by the endpoints -----------------------------------------------------------
-
-
-def _check_model(srv: ServerState, model: str | None) -> None:
-    if model is not None and model != srv.model_name and model not in srv.aliases:
-        raise OpenAIError(
-            404,
-            f"the model '{model}' does not exist; this server serves '{srv.model_name}'",
-            param="model",
-            code="model_not_found",
-        )
-
-
-def _check_accepting(srv: ServerState) -> None:
-    if srv.draining:
-        raise OpenAIError(
-            503,
-            "the server is shutting down and accepts no new requests",
-            type="service_unavailable",
-            code="draining",
-            headers={"Retry-After": RETRY_AFTER},
-        )
-
-
-def _check_ids(srv: ServerState, ids: list[int], param: str) -> None:
-    vocab = srv.tokenizer.vocab_size
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise OpenAIError(
-            400, f"token id {bad} is outside the vocabulary [0, {vocab})", param=param
-        )
-    if not ids:
-        raise OpenAIError(400, "the prompt is empty", param=param)
-
-
-def _max_tokens(
-    srv: ServerState,
-    requested: int | None,
-    default: int | None,
-    n_prompt: int,
-    param: str,
-    prompt_param: str,
-) -> int:
-    room = srv.max_model_len - n_prompt
-    if room < 1:
-        raise OpenAIError(
-            400,
-            f"the prompt has {n_prompt} tokens, which leaves no room to generate in the model's "
-            f"context of {srv.max_model_len} tokens",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
-    if requested is None:
-        return room if default is None else min(default, room)
-    if requested > room:
-        raise OpenAIError(
-            400,
-            f"{param} is {requested}, but the prompt has {n_prompt} tokens and the model's context "
-            f"is {srv.max_model_len}: at most {room} tokens can be generated",
-            param=param,
-            code="context_length_exceeded",
-        )
-    return requested
-
-
-def _sampling(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
-) -> list[SamplingParams]:
-    """One SamplingParams per choice; a seeded request gives choice i the seed seed + i, so the
-    choices differ from each other and each is reproducible."""
-    stop = req.stop if isinstance(req.stop, list) else [req.stop] if req.stop else []
-    if any(not s for s in stop):
-        raise OpenAIError(400, "stop strings must not be empty", param="stop")
-    kw: dict[str, Any] = dict(
-        max_tokens=max_tokens,
-        stop=tuple(stop),
-        stop_token_ids=tuple(req.stop_token_ids or ()),
-        ignore_eos=req.ignore_eos,
-        logprobs=logprobs,
-        skip_special_tokens=req.skip_special_tokens,
-        include_stop_str_in_output=req.include_stop_str_in_output,
-    )
-    for name in (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-    ):
-        value = getattr(req, name)
-        if value is not None:
-            kw[name] = value
-    try:
-        return [
-            SamplingParams(**kw, seed=None if req.seed is None else req.seed + i)
-            for i in range(req.n)
-        ]
-    except pydantic.ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        raise OpenAIError(400, f"{param}: {err['msg']}", param=param) from None
-
-
-def _chat_ids(
-    srv: ServerState, messages: list[ChatMessage], add_generation_prompt: bool
-) -> list[int]:
-    chat = []
-    for m in messages:
-        content = m.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        # Templates know "system"; OpenAI's newer "developer" role means the same to them.
-        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
-        message["content"] = content
-        if m.name is not None:
-            message["name"] = m.name
-        chat.append(message)
-    try:
-        text = srv.tokenizer.apply_chat_template(chat, add_generation_prompt=add_generation_prompt)
-    except (jinja2.TemplateError, ValueError) as exc:
-        raise OpenAIError(
-            400, f"the chat template refused the messages: {exc}", param="messages"
-        ) from None
-    # The template writes the special tokens itself.
-    return srv.tokenizer.encode(text, add_special_tokens=False)
-
-
-async def _start(
-    srv: ServerState, items: list[tuple[list[int], SamplingParams]], request_id: str
-) -> Submission:
-    try:
-        return await srv.loop.submit(items, request_id)
-    except QueueFullError as exc:
-        raise OpenAIError(
-            429,
-            str(exc),
-            type="rate_limit_exceeded",
-            code="queue_full",
-            headers={"Retry-After": RETRY_AFTER},
-        ) from None
-    except EngineDead as exc:
-        raise OpenAIError(503, str(exc), type="service_unavailable", code="engine_dead") from None
-    except ValueError as exc:
-        raise OpenAIError(400, str(exc)) from None
-
-
-class _Choice:
-    """One choice's outputs so far: the full text for a response, the counts for usage."""
-
-    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "prompt", "cached", "output")
-
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
-        self.finish_reason: str | None = None
-        self.prompt = self.cached = self.output = 0
-
-    def add(self, out: RequestOutput) -> None:
-        self.text.append(out.text)
-        self.token_ids += out.token_ids
-        if out.logprobs:
-            self.logprobs += out.logprobs
-        if out.finished:
-            self.finish_reason = out.finish_reason
-        self.count(out)
-
-    def count(self, out: RequestOutput) -> None:
-        # A drained request's closing "abort" output carries no counts.
-        self.prompt = max(self.prompt, out.num_prompt_tokens)
-        self.cached = max(self.cached, out.num_cached_tokens)
-        self.output = max(self.output, out.num_output_tokens)
-
-
-def _merge(batch: list[tuple[int, RequestOutput]]) -> dict[int, _Choice]:
-    """A batch's outputs joined per choice, in the order the choices first appear."""
-    merged: dict[int, _Choice] = {}
-    for index, out in batch:
-        choice = merged.get(index)
-        if choice is None:
-            choice = merged[index] = _Choice()
-        choice.add(out)
-    return merged
-
-
-def _usage(choices: list[_Choice], n: int) -> Usage:
-    # The prompt of each group of n choices counts once, as OpenAI counts it.
-    firsts = choices[::n]
-    prompt = sum(c.prompt for c in firsts)
-    completion = sum(c.output for c in choices)
-    cached = sum(c.cached for c in firsts)
-    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
-
-
-def _completion_logprobs(srv: ServerState, c: _Choice, offset: int) -> CompletionLogprobs:
-    tokens, lps, tops, offsets = [], [], [], []
-    for tok_id, (lp, top) in zip(c.token_ids, c.logprobs, strict=False):
-        s = srv.token_str(tok_id)
-        tokens.append(s)
-        lps.append(lp)
-        alts = {srv.token_str(t): v for t, v in top}
-        alts.setdefault(s, lp)
-        tops.append(alts)
-        offsets.append(offset)
-        offset += len(s)
-    return CompletionLogprobs(tokens, lps, tops, offsets)
-
-
-def _chat_logprobs(srv: ServerState, c: _Choice, top_n: int) -> ChatLogprobs:
-    content = []
-    for tok_id, (lp, top) in zip(c.token_ids, c.logprobs, strict=False):
-        s = srv.token_str(tok_id)
-        alts = [TopLogprob(srv.token_str(t), v, list(srv.token_str(t).encode())) for t, v in top]
-        content.append(TokenLogprob(s, lp, list(s.encode()), alts[:top_n]))
-    return ChatLogprobs(content)
-
-
-async def _abort_on_disconnect(request: Request, srv: ServerState, sub: Submission) -> None:
-    # The body has been read, so the next ASGI message is the disconnect (or the end).
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            srv.loop.abort(sub)
-            return
-
-
-async def _collect(srv: ServerState, sub: Submission, request: Request) -> list[_Choice]:
-    choices = [_Choice() for _ in sub.rids]
-    watch = asyncio.ensure_future(_abort_on_disconnect(request, srv, sub))
-    try:
-        async for batch in srv.loop.outputs(sub):
-            for index, out in batch:
-                choices[index].add(out)
-    except EngineDead as exc:
-        raise OpenAIError(500, f"the engine failed: {exc}", type="server_error") from None
-    finally:
-        watch.cancel()
-        srv.loop.abort(sub)
-    return choices
-
-
-async def _sse(
-    srv: ServerState, sub: Submission, first: bytes, render: Any
-) -> AsyncIterator[bytes]:
-    """Server-sent events: `first`, then render(batch) per batch of outputs, then [DONE].
-
-    Leaving early (client gone: litestar cancels the stream) aborts the engine requests.
-    """
-    try:
-        if first:
-            yield first
-        async for batch in srv.loop.outputs(sub):
-            if data := render(batch):
-                yield data
-        if data := render(None):
-            yield data
-    except EngineDead as exc:
-        err = OpenAIError(500, f"the engine failed: {exc}", type="server_error")
-        yield b"data: " + _encode(err.body()) + b"\n\n"
-    finally:
-        srv.loop.abort(sub)
-    yield _DONE
-
-
-def _event(obj: Any) -> bytes:
-    return b"data: " + _encode(obj) + b"\n\n"
-
-
-def _stream_response(events: AsyncIterator[bytes]) -> Stream:
-    return Stream(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-# -- the app -------------------------------------------------------------------------------------
 
 _ERRORS = {
     400: ResponseSpec(ErrorResponse, description="Invalid request", generate_examples=False),
@@ -431,8 +140,7 @@ def create_app(srv: ServerState) -> Litestar:
                 "of lists of token ids",
                 param="prompt",
             )
-        if data.stream_options is not None and not data.stream:
-            raise OpenAIError(400, "stream_options needs stream: true", param="stream_options")
+        _check_stream_options(data)
         items = []
         for p in prompts:
             ids = srv.tokenizer.encode(p) if isinstance(p, str) else p
@@ -476,13 +184,8 @@ def create_app(srv: ServerState) -> Litestar:
                         rid, created, srv.model_name, [], usage=_usage(totals, data.n)
                     )
                 )
-            for index, out in batch:
-                totals[index].count(out)
             events = []
-            for index, c in _merge(batch).items():
-                text = "".join(c.text)
-                if not text and c.finish_reason is None and not (want_lp and c.token_ids):
-                    continue  # nothing to show yet: held back text
+            for index, text, c in _deltas(batch, totals, want_lp):
                 lp = _completion_logprobs(srv, c, offsets[index]) if want_lp else None
                 offsets[index] += len(text)
                 choice = CompletionChoice(index, text, lp, c.finish_reason)
@@ -518,8 +221,7 @@ def create_app(srv: ServerState) -> Litestar:
         _check_model(srv, data.model)
         if not data.messages:
             raise OpenAIError(400, "messages must not be empty", param="messages")
-        if data.stream_options is not None and not data.stream:
-            raise OpenAIError(400, "stream_options needs stream: true", param="stream_options")
+        _check_stream_options(data)
         if data.top_logprobs is not None and not data.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         requested, param = data.max_completion_tokens, "max_completion_tokens"
@@ -574,13 +276,8 @@ def create_app(srv: ServerState) -> Litestar:
         def render(batch: list[tuple[int, RequestOutput]] | None) -> bytes:
             if batch is None:
                 return chunk([], _usage(totals, data.n)) if include_usage else b""
-            for index, out in batch:
-                totals[index].count(out)
             events = []
-            for index, c in _merge(batch).items():
-                text = "".join(c.text)
-                if not text and c.finish_reason is None and not (data.logprobs and c.token_ids):
-                    continue
+            for index, text, c in _deltas(batch, totals, bool(data.logprobs)):
                 lp = _chat_logprobs(srv, c, top_n) if data.logprobs else None
                 delta = Delta(content=text) if text else Delta()
                 events.append(
@@ -684,34 +381,3 @@ def create_app(srv: ServerState) -> Litestar:
         openapi_config=OpenAPIConfig(title="InferX", version="0.1.0"),
         logging_config=None,  # the process's logging belongs to whoever runs the server
     )
-
-
-def _openai_error(request: Request, exc: OpenAIError) -> Response:
-    return Response(exc.body(), status_code=exc.status, headers=exc.headers)
-
-
-_TYPES = {
-    401: "invalid_request_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_exceeded",
-    503: "service_unavailable",
-}
-
-
-def _http_error(request: Request, exc: HTTPException) -> Response:
-    status = exc.status_code
-    message = exc.detail
-    if isinstance(exc, ValidationException) and isinstance(exc.extra, list) and exc.extra:
-        message = "; ".join(str(e.get("message", e)) for e in exc.extra if isinstance(e, dict))
-    if status >= 500:
-        log.error("%s %s failed: %s", request.method, request.url.path, message)
-        return _openai_error(request, OpenAIError(status, message, type="server_error"))
-    kind = _TYPES.get(status, "invalid_request_error")
-    return _openai_error(request, OpenAIError(status, message, type=kind, headers=exc.headers))
-
-
-def _server_error(request: Request, exc: Exception) -> Response:
-    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-    return _openai_error(request, OpenAIError(500, f"internal error: {exc!r}", type="server_error"))

@@ -1,0 +1,196 @@
+"""From an OpenAI request body to engine requests.
+
+Strict decoding of the body, the checks that turn a client's mistake into a 4xx, the token ids of
+chat messages, one SamplingParams per choice, and submission to the EngineLoop.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+import pydantic
+from litestar.dto import MsgspecDTO
+from litestar.typing import FieldDefinition
+
+from inferx_core.interfaces import QueueFullError
+from inferx_core.sequence import SamplingParams
+from inferx_server.engine_loop import EngineDead, Submission
+from inferx_server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    OpenAIError,
+    decode_request,
+)
+
+if TYPE_CHECKING:
+    from litestar._openapi.schema_generation import SchemaCreator
+
+    from inferx_server.app import ServerState
+
+RETRY_AFTER = "1"  # seconds, for 429 and 503
+
+
+class _StrictBody(MsgspecDTO):
+    """Decodes bodies strictly (litestar's own decoding coerces "3" to 3), and documents the
+    struct itself rather than a transfer model, whose constraints litestar misplaces."""
+
+    def decode_bytes(self, value: bytes) -> Any:
+        return decode_request(value, self.model_type)
+
+    @classmethod
+    def create_openapi_schema(
+        cls, field_definition: FieldDefinition, handler_id: str, schema_creator: SchemaCreator
+    ) -> Any:
+        return schema_creator.for_field_definition(FieldDefinition.from_annotation(cls.model_type))
+
+
+def _check_model(srv: ServerState, model: str | None) -> None:
+    if model is not None and model != srv.model_name and model not in srv.aliases:
+        raise OpenAIError(
+            404,
+            f"the model '{model}' does not exist; this server serves '{srv.model_name}'",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _check_accepting(srv: ServerState) -> None:
+    if srv.draining:
+        raise OpenAIError(
+            503,
+            "the server is shutting down and accepts no new requests",
+            type="service_unavailable",
+            code="draining",
+            headers={"Retry-After": RETRY_AFTER},
+        )
+
+
+def _check_stream_options(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise OpenAIError(400, "stream_options needs stream: true", param="stream_options")
+
+
+def _check_ids(srv: ServerState, ids: list[int], param: str) -> None:
+    vocab = srv.tokenizer.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise OpenAIError(
+            400, f"token id {bad} is outside the vocabulary [0, {vocab})", param=param
+        )
+    if not ids:
+        raise OpenAIError(400, "the prompt is empty", param=param)
+
+
+def _max_tokens(
+    srv: ServerState,
+    requested: int | None,
+    default: int | None,
+    n_prompt: int,
+    param: str,
+    prompt_param: str,
+) -> int:
+    room = srv.max_model_len - n_prompt
+    if room < 1:
+        raise OpenAIError(
+            400,
+            f"the prompt has {n_prompt} tokens, which leaves no room to generate in the model's "
+            f"context of {srv.max_model_len} tokens",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise OpenAIError(
+            400,
+            f"{param} is {requested}, but the prompt has {n_prompt} tokens and the model's context "
+            f"is {srv.max_model_len}: at most {room} tokens can be generated",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def _sampling(
+    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
+) -> list[SamplingParams]:
+    """One SamplingParams per choice; a seeded request gives choice i the seed seed + i, so the
+    choices differ from each other and each is reproducible."""
+    stop = req.stop if isinstance(req.stop, list) else [req.stop] if req.stop else []
+    if any(not s for s in stop):
+        raise OpenAIError(400, "stop strings must not be empty", param="stop")
+    kw: dict[str, Any] = dict(
+        max_tokens=max_tokens,
+        stop=tuple(stop),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+    )
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
+        value = getattr(req, name)
+        if value is not None:
+            kw[name] = value
+    try:
+        return [
+            SamplingParams(**kw, seed=None if req.seed is None else req.seed + i)
+            for i in range(req.n)
+        ]
+    except pydantic.ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise OpenAIError(400, f"{param}: {err['msg']}", param=param) from None
+
+
+def _chat_ids(
+    srv: ServerState, messages: list[ChatMessage], add_generation_prompt: bool
+) -> list[int]:
+    chat = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        # Templates know "system"; OpenAI's newer "developer" role means the same to them.
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
+        message["content"] = content
+        if m.name is not None:
+            message["name"] = m.name
+        chat.append(message)
+    try:
+        text = srv.tokenizer.apply_chat_template(chat, add_generation_prompt=add_generation_prompt)
+    except (jinja2.TemplateError, ValueError) as exc:
+        raise OpenAIError(
+            400, f"the chat template refused the messages: {exc}", param="messages"
+        ) from None
+    # The template writes the special tokens itself.
+    return srv.tokenizer.encode(text, add_special_tokens=False)
+
+
+async def _start(
+    srv: ServerState, items: list[tuple[list[int], SamplingParams]], request_id: str
+) -> Submission:
+    try:
+        return await srv.loop.submit(items, request_id)
+    except QueueFullError as exc:
+        raise OpenAIError(
+            429,
+            str(exc),
+            type="rate_limit_exceeded",
+            code="queue_full",
+            headers={"Retry-After": RETRY_AFTER},
+        ) from None
+    except EngineDead as exc:
+        raise OpenAIError(503, str(exc), type="service_unavailable", code="engine_dead") from None
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc)) from None

@@ -1,0 +1,220 @@
+"""From engine outputs to OpenAI's responses.
+
+A submission's outputs gathered per choice (`_Choice`) into usage and logprobs, collected for a
+JSON response or rendered as server-sent events; either way a client that leaves aborts the
+engine requests. Also the exception handlers, which answer every error with OpenAI's error body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.response import Stream
+
+from inferx_core.engine import RequestOutput
+from inferx_server.engine_loop import EngineDead, Submission
+from inferx_server.protocol import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    OpenAIError,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+if TYPE_CHECKING:
+    from inferx_server.app import ServerState
+
+log = logging.getLogger("inferx.server")
+
+_DONE = b"data: [DONE]\n\n"
+_encode = msgspec.json.Encoder().encode
+
+
+# -- outputs per choice --------------------------------------------------------------------------
+
+
+class _Choice:
+    """One choice's outputs so far: the full text for a response, the counts for usage."""
+
+    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "prompt", "cached", "output")
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        self.finish_reason: str | None = None
+        self.prompt = self.cached = self.output = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.text.append(out.text)
+        self.token_ids += out.token_ids
+        if out.logprobs:
+            self.logprobs += out.logprobs
+        if out.finished:
+            self.finish_reason = out.finish_reason
+        self.count(out)
+
+    def count(self, out: RequestOutput) -> None:
+        # A drained request's closing "abort" output carries no counts.
+        self.prompt = max(self.prompt, out.num_prompt_tokens)
+        self.cached = max(self.cached, out.num_cached_tokens)
+        self.output = max(self.output, out.num_output_tokens)
+
+
+def _merge(batch: list[tuple[int, RequestOutput]]) -> dict[int, _Choice]:
+    """A batch's outputs joined per choice, in the order the choices first appear."""
+    merged: dict[int, _Choice] = {}
+    for index, out in batch:
+        choice = merged.get(index)
+        if choice is None:
+            choice = merged[index] = _Choice()
+        choice.add(out)
+    return merged
+
+
+def _deltas(
+    batch: list[tuple[int, RequestOutput]], totals: list[_Choice], want_lp: bool
+) -> list[tuple[int, str, _Choice]]:
+    """A streamed batch as (index, text, outputs) per choice that has something to show, after
+    counting each output into `totals` for the closing usage."""
+    for index, out in batch:
+        totals[index].count(out)
+    deltas = []
+    for index, c in _merge(batch).items():
+        text = "".join(c.text)
+        if not text and c.finish_reason is None and not (want_lp and c.token_ids):
+            continue  # nothing to show yet: held back text
+        deltas.append((index, text, c))
+    return deltas
+
+
+def _usage(choices: list[_Choice], n: int) -> Usage:
+    # The prompt of each group of n choices counts once, as OpenAI counts it.
+    firsts = choices[::n]
+    prompt = sum(c.prompt for c in firsts)
+    completion = sum(c.output for c in choices)
+    cached = sum(c.cached for c in firsts)
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
+
+
+def _completion_logprobs(srv: ServerState, c: _Choice, offset: int) -> CompletionLogprobs:
+    tokens, lps, tops, offsets = [], [], [], []
+    for tok_id, (lp, top) in zip(c.token_ids, c.logprobs, strict=False):
+        s = srv.token_str(tok_id)
+        tokens.append(s)
+        lps.append(lp)
+        alts = {srv.token_str(t): v for t, v in top}
+        alts.setdefault(s, lp)
+        tops.append(alts)
+        offsets.append(offset)
+        offset += len(s)
+    return CompletionLogprobs(tokens, lps, tops, offsets)
+
+
+def _chat_logprobs(srv: ServerState, c: _Choice, top_n: int) -> ChatLogprobs:
+    content = []
+    for tok_id, (lp, top) in zip(c.token_ids, c.logprobs, strict=False):
+        s = srv.token_str(tok_id)
+        alts = [TopLogprob(srv.token_str(t), v, list(srv.token_str(t).encode())) for t, v in top]
+        content.append(TokenLogprob(s, lp, list(s.encode()), alts[:top_n]))
+    return ChatLogprobs(content)
+
+
+# -- a submission's outputs, whole or streamed ---------------------------------------------------
+
+
+async def _abort_on_disconnect(request: Request, srv: ServerState, sub: Submission) -> None:
+    # The body has been read, so the next ASGI message is the disconnect (or the end).
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            srv.loop.abort(sub)
+            return
+
+
+async def _collect(srv: ServerState, sub: Submission, request: Request) -> list[_Choice]:
+    choices = [_Choice() for _ in sub.rids]
+    watch = asyncio.ensure_future(_abort_on_disconnect(request, srv, sub))
+    try:
+        async for batch in srv.loop.outputs(sub):
+            for index, out in batch:
+                choices[index].add(out)
+    except EngineDead as exc:
+        raise OpenAIError(500, f"the engine failed: {exc}", type="server_error") from None
+    finally:
+        watch.cancel()
+        srv.loop.abort(sub)
+    return choices
+
+
+async def _sse(
+    srv: ServerState, sub: Submission, first: bytes, render: Any
+) -> AsyncIterator[bytes]:
+    """Server-sent events: `first`, then render(batch) per batch of outputs, then [DONE].
+
+    Leaving early (client gone: litestar cancels the stream) aborts the engine requests.
+    """
+    try:
+        if first:
+            yield first
+        async for batch in srv.loop.outputs(sub):
+            if data := render(batch):
+                yield data
+        if data := render(None):
+            yield data
+    except EngineDead as exc:
+        err = OpenAIError(500, f"the engine failed: {exc}", type="server_error")
+        yield b"data: " + _encode(err.body()) + b"\n\n"
+    finally:
+        srv.loop.abort(sub)
+    yield _DONE
+
+
+def _event(obj: Any) -> bytes:
+    return b"data: " + _encode(obj) + b"\n\n"
+
+
+def _stream_response(events: AsyncIterator[bytes]) -> Stream:
+    return Stream(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+def _openai_error(request: Request, exc: OpenAIError) -> Response:
+    return Response(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+_TYPES = {
+    401: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    503: "service_unavailable",
+}
+
+
+def _http_error(request: Request, exc: HTTPException) -> Response:
+    status = exc.status_code
+    message = exc.detail
+    if isinstance(exc, ValidationException) and isinstance(exc.extra, list) and exc.extra:
+        message = "; ".join(str(e.get("message", e)) for e in exc.extra if isinstance(e, dict))
+    if status >= 500:
+        log.error("%s %s failed: %s", request.method, request.url.path, message)
+        return _openai_error(request, OpenAIError(status, message, type="server_error"))
+    kind = _TYPES.get(status, "invalid_request_error")
+    return _openai_error(request, OpenAIError(status, message, type=kind, headers=exc.headers))
+
+
+def _server_error(request: Request, exc: Exception) -> Response:
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return _openai_error(request, OpenAIError(500, f"internal error: {exc!r}", type="server_error"))
