@@ -65,6 +65,26 @@ def idle_fraction(recs: list[tuple[float, float, str]]) -> tuple[float, float]:
     return (1.0 - busy / window if window > 0 else 0.0), window
 
 
+GAP_EDGES_US = (5.0, 50.0)  # gaps inside a graph are ~1-3 µs; between steps, tens or more
+
+
+def idle_by_gap(recs: list[tuple[float, float, str]], steps: int) -> dict[str, float]:
+    """Idle µs per step in the gaps between GPU activities, by gap length: short gaps are the
+    launch latency between kernels inside a graph, long ones the host keeping the GPU waiting
+    (between steps)."""
+    buckets = {"<5us": 0.0, "5-50us": 0.0, ">50us": 0.0}
+    end = recs[0][1] if recs else 0.0
+    for start, stop, _ in recs[1:]:
+        gap = start - end
+        if gap > 0:
+            key = (
+                "<5us" if gap < GAP_EDGES_US[0] else "5-50us" if gap < GAP_EDGES_US[1] else ">50us"
+            )
+            buckets[key] += gap
+        end = max(end, stop)
+    return {k: v / steps for k, v in buckets.items()}
+
+
 def kernel_table(recs: list[tuple[float, float, str]], steps: int) -> list[dict[str, Any]]:
     per: dict[str, list[float]] = defaultdict(list)
     for start, end, name in recs:
@@ -125,6 +145,7 @@ def profile_batch(llm: LLM, batch: int, steps: int, trace_dir: Path) -> dict[str
         "gpu_window_ms_per_step": window / steps / 1e3,
         "gpu_busy_ms_per_step": window * (1 - idle) / steps / 1e3,
         "gpu_idle_fraction": idle,
+        "idle_us_per_step_by_gap": idle_by_gap(recs, steps),
         "kernels": kernels,
     }
 
@@ -161,7 +182,8 @@ def main() -> None:
                 f"\nbatch {batch}: step {r['step_ms_mean_unprofiled']:.3f} ms unprofiled "
                 f"({r['step_ms_median_profiled']:.3f} profiled); GPU busy "
                 f"{r['gpu_busy_ms_per_step']:.3f} ms of a {r['gpu_window_ms_per_step']:.3f} ms "
-                f"window per step: idle {100 * r['gpu_idle_fraction']:.1f}%"
+                f"window per step: idle {100 * r['gpu_idle_fraction']:.1f}%; idle µs/step by "
+                f"gap length {r['idle_us_per_step_by_gap']}"
             )
             print(f"{'kernel':<72} {'launch/step':>11} {'us/step':>9} {'us each':>8}")
             for k in r["kernels"][: args.top]:

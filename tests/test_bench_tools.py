@@ -1,0 +1,49 @@
+"""The arithmetic of the profiling benchmarks (benchmarks/profile_decode.py, step_breakdown.py),
+on hand-made traces: the GPU-idle figures that issue 4 reports must be right."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+
+from profile_decode import gpu_records, idle_by_gap, idle_fraction, kernel_table  # noqa: E402
+from step_breakdown import summarize  # noqa: E402
+
+
+def test_idle_counts_gaps_once_and_overlaps_as_busy(tmp_path: Path) -> None:
+    trace = {
+        "traceEvents": [
+            {"ph": "X", "cat": "kernel", "name": "a", "ts": 0, "dur": 10},
+            {"ph": "X", "cat": "kernel", "name": "b", "ts": 11, "dur": 9},
+            {"ph": "X", "cat": "gpu_memcpy", "name": "copy", "ts": 30, "dur": 10},
+            {"ph": "X", "cat": "kernel", "name": "a", "ts": 100, "dur": 10},
+            {"ph": "X", "cat": "kernel", "name": "inside", "ts": 105, "dur": 3},
+            {"ph": "X", "cat": "cpu_op", "name": "host work", "ts": 40, "dur": 60},
+        ]
+    }
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    recs = gpu_records(path)
+    assert [r[2] for r in recs] == ["a", "b", "copy", "a", "inside"]  # host events left out
+    idle, window = idle_fraction(recs)
+    assert window == 110 and abs(idle - 71 / 110) < 1e-12  # gaps of 1, 10 and 60 µs
+    assert idle_by_gap(recs, steps=2) == {"<5us": 0.5, "5-50us": 5.0, ">50us": 30.0}
+    table = {row["name"]: row for row in kernel_table(recs, steps=2)}
+    assert table["a"]["launches_per_step"] == 1 and table["a"]["us_per_step"] == 10
+
+
+def test_step_breakdown_groups_decode_and_prompt_steps() -> None:
+    rows = [
+        {"tokens": 8, "seqs": 8, "step_ms": 2.0, "submit_ms": 1.0, "wait_ms": 0.5, "apply_ms": 0.5},
+        {"tokens": 8, "seqs": 8, "step_ms": 4.0, "submit_ms": 1.0, "wait_ms": 2.5, "apply_ms": 0.5},
+        {"tokens": 100, "seqs": 3, "step_ms": 30.0, "submit_ms": 20.0, "apply_ms": 1.0},
+        {"step_ms": 1.0},  # a call that only submitted: nothing applied
+    ]
+    s = summarize(rows)
+    assert s["decode"]["steps"] == 2 and s["decode"]["mean_step_ms"] == 3.0
+    assert s["decode"]["mean_wait_ms"] == 1.5 and s["decode"]["total_s"] == 0.006
+    assert s["with prompt tokens"]["steps"] == 1
+    assert s["with prompt tokens"]["mean_wait_ms"] == 0.0
