@@ -9,13 +9,11 @@ from types import ModuleType
 from typing import Any
 
 import torch
-import triton
 
 from inferx_core.attention_torch import TorchAttention
 from inferx_core.interfaces.attention import AttentionBatch
 from inferx_core.interfaces.kv import KVLayerSpec
-from inferx_kernels_cuda.triton_attention import checked_graph_buffers
-from inferx_kernels_cuda.triton_kernels import kv_write_kernel
+from inferx_kernels_cuda.triton_attention import checked_graph_buffers, write_kv
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _HEAD_DIMS = (64, 128, 256)
@@ -355,22 +353,7 @@ class FlashInferAttention(TorchAttention):
         # Both kernels take any token and head strides (q, k, v are views of one fused
         # projection) but need each head's dim contiguous.
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        kv_write_kernel[(num_tokens,)](
-            k,
-            v,
-            k_cache,
-            v_cache,
-            plan.slot_mapping,
-            spec.num_kv_heads,
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            HEADS_PAD=triton.next_power_of_2(spec.num_kv_heads),
-            HEAD_DIM=spec.head_dim,
-        )
+        write_kv(k, v, k_cache, v_cache, plan.slot_mapping, spec)
         q = q.to(self.dtype)
         if plan.kind == "prefill":
             # Prefill costs far more than a copy of q; only decode (graphs) is launch-bound,

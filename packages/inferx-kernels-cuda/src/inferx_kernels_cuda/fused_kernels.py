@@ -81,24 +81,6 @@ def silu_and_mul_kernel(
 
 
 @triton.jit
-def _rotate_heads(
-    base_ptr,
-    stride_head,
-    num_heads,
-    cos,
-    sin,
-    HALF: tl.constexpr,
-    HALF_PAD: tl.constexpr,
-    HEADS_BLOCK: tl.constexpr,
-):
-    """Rotate, in place, every head of one token: [num_heads, 2 * HALF] at base_ptr."""
-    rotate_into(
-        base_ptr, stride_head, base_ptr, stride_head, num_heads, cos, sin, HALF, HALF_PAD,
-        HEADS_BLOCK,
-    )  # fmt: skip
-
-
-@triton.jit
 def rotate_into(
     src_ptr,
     stride_src_head,
@@ -158,9 +140,9 @@ def rotary_kernel(
     dtype = q_ptr.dtype.element_ty
     cos = _rounded(cos, dtype)
     sin = _rounded(sin, dtype)
-    _rotate_heads(
-        q_ptr + t * stride_qt, stride_qh, num_q_heads, cos, sin, HALF, HALF_PAD, HEADS_BLOCK
-    )
-    _rotate_heads(
-        k_ptr + t * stride_kt, stride_kh, num_k_heads, cos, sin, HALF, HALF_PAD, HEADS_BLOCK
-    )
+    q_row = q_ptr + t * stride_qt
+    k_row = k_ptr + t * stride_kt
+    rotate_into(q_row, stride_qh, q_row, stride_qh, num_q_heads, cos, sin, HALF, HALF_PAD,
+                HEADS_BLOCK)  # fmt: skip
+    rotate_into(k_row, stride_kh, k_row, stride_kh, num_k_heads, cos, sin, HALF, HALF_PAD,
+                HEADS_BLOCK)  # fmt: skip

@@ -71,6 +71,33 @@ class _GraphBuffers:
     copied: torch.cuda.Event | None  # the last replay's copies out of the staged tensors
 
 
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    spec: KVLayerSpec,
+) -> None:
+    """k, v [T, Hkv, D] (head dim contiguous) into the cache slots of slot_mapping (-1: skip)."""
+    kernels.kv_write_kernel[(k.shape[0],)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        spec.num_kv_heads,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        HEADS_PAD=triton.next_power_of_2(spec.num_kv_heads),
+        HEAD_DIM=spec.head_dim,
+    )
+
+
 def checked_graph_buffers(backend: Any, batch_size: int) -> Any:
     """backend._graph (set by init_graph_buffers), if it holds `batch_size` rows."""
     g = backend._graph
@@ -364,22 +391,7 @@ class TritonAttention(TorchAttention):
             )
 
         if rotary is None:
-            kernels.kv_write_kernel[(num_tokens,)](
-                k,
-                v,
-                k_cache,
-                v_cache,
-                plan.slot_mapping,
-                spec.num_kv_heads,
-                k.stride(0),
-                k.stride(1),
-                v.stride(0),
-                v.stride(1),
-                k_cache.stride(1),
-                k_cache.stride(2),
-                HEADS_PAD=triton.next_power_of_2(spec.num_kv_heads),
-                HEAD_DIM=spec.head_dim,
-            )
+            write_kv(k, v, k_cache, v_cache, plan.slot_mapping, spec)
         else:
             positions, cos_sin = rotary
             half = spec.head_dim // 2
