@@ -500,7 +500,7 @@ class ModelRunner(Executor):
             self._fill_pending(input_ids, [last_rows[i] for i in pending], chunks, pending)
         hidden = self.model(input_ids, pos)
         if not sample_rows:
-            return DoneStep(StepResult(sampled=[]))
+            return self._sample(None, [])
         return self._sample(self.model.compute_logits(hidden.index_select(0, rows)), sample_seqs)
 
     def _fill_pending(
@@ -517,8 +517,8 @@ class ModelRunner(Executor):
         index = to_device(torch.tensor(rows + src), self.device)
         input_ids[index[: len(rows)]] = tokens[index[len(rows) :]]
 
-    def _sample(self, logits: torch.Tensor, sample_seqs: list) -> PendingStep:
-        if not sample_seqs:
+    def _sample(self, logits: torch.Tensor | None, sample_seqs: list) -> PendingStep:
+        if logits is None or not sample_seqs:
             self._last_sampled = (None, {})
             return DoneStep(StepResult(sampled=[]))
         tokens, top = self.sampler(logits, sample_seqs)
