@@ -4,13 +4,15 @@
 # the table's Llama model also needs .carry/tok/tokenizers/llama3, copied in before the call:
 #   mkdir -p .carry/tok/tokenizers && cp -r ../shared/fixtures/tokenizers/llama3 .carry/tok/tokenizers/
 # and both carried: carry [".whl", ".carry/tok"] (24 + 20 MB).
-# Usage: bash scripts/gpu_run.sh [tests] [flashinfer] [profile] [bench] [demo] [table | table-3b | table-8b]
+# Usage: bash scripts/gpu_run.sh [tests] [flashinfer] [profile] [gemv] [bench] [demo] [table | table-3b | table-8b]
 #   flashinfer: its conformance tests, then its compiled kernels packed into $OUT (copy the
 #   returned fi-cache parts into .whl/ so the next machine skips compiling them);
 #   Keep the returned parts in .carry/fi/ (31 MB; .whl + .carry/tok + .carry/fi fit the 64 MiB a
 #   call carries only with the Qwen tokenizer alone) and carry .carry/fi in runs that use FlashInfer.
 #   breakdown: benchmarks/step_breakdown.py (the offline throughput run, step by step);
 #   profile: benchmarks/profile_decode.py (idle GPU time and kernels of a decode step, batch 1, 64).
+#   gemv: tests/test_gemv.py -m gpu, then benchmarks/bench_gemv.py (skinny_linear against
+#   cuBLAS per decode GEMM shape; GEMV_ARGS for its options) into $OUT/gemv.json.
 #   (default: tests bench). table: issue 4's whole table, both models (benchmarks/h200_table.py,
 #   bounded to ~7.5 min after set-up); table-3b / table-8b: one model each, for two calls.
 # demo: the real demo model on the GPU. Its GGUF (98 MB) cannot travel in one call (64 MiB):
@@ -64,6 +66,11 @@ for step in "${steps[@]}"; do
           --json "$OUT/breakdown-$i.json" 2>&1 | grep -v -i warn | tail -8
         i=$((i + 1))
       done ;;
+    gemv)
+      timeout 240 python3 -m pytest tests/test_gemv.py -m gpu -q 2>&1 | tee "$OUT/gpu-gemv-tests.log" \
+        | tail -8
+      timeout 300 python3 benchmarks/bench_gemv.py ${GEMV_ARGS:-} --json "$OUT/gemv.json" 2>&1 \
+        | tee "$OUT/gemv.log" ;;
     demo)
       python3 -m pytest tests/test_gpu_correctness.py -m gpu -q -k demo 2>&1 \
         | tee "$OUT/gpu-demo.log" | tail -15 ;;

@@ -1,0 +1,295 @@
+"""skinny_linear (inferx_kernels_cuda.gemv) against float64 torch: both kernel paths, split and
+unsplit, ragged N and K, with and without bias; on the CPU under the interpreter, bf16 on a GPU."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton", reason="the triton package is not installed")
+
+from conftest import interpreted, on_gpu  # noqa: E402
+
+from inferx_kernels_cuda.gemv import (  # noqa: E402
+    MAX_ROWS,
+    GemvConfig,
+    pick_config,
+    skinny_linear,
+    split_for,
+)
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+from bench_gemv import candidate_configs, linear_shapes  # noqa: E402
+
+# Half an ulp, relative, of the one rounding of the fp32 result to the output dtype (none in fp32).
+HALF_ULP = {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+CPU = torch.device("cpu")
+# Small tiles so the CPU sizes below still have several column blocks and K steps.
+SMALL = dict(block_n=16, block_k=32)
+CONFIGS = {
+    "fma": GemvConfig(**SMALL, split_k=1, use_dot=False),
+    "fma-split3": GemvConfig(**SMALL, split_k=3, use_dot=False),
+    "dot": GemvConfig(**SMALL, split_k=1, use_dot=True),
+    "dot-split3": GemvConfig(**SMALL, split_k=3, use_dot=True),
+}
+
+
+def inputs(
+    m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [m, k], weight [n, k], bias [n]: unit-normal activations, weights and a bias that is
+    not small next to the products' sum, so a missing bias shows."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) * 4
+    return x.to(device, dtype), w.to(device, dtype), b.to(device, dtype)
+
+
+def check(
+    ours: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    fp32_unit: float = 2.0**-24,
+) -> None:
+    """ours within a rigorous per-element bound of the exact float64 result: fp32 summation of
+    K products and the bias, |error| <= (K + 2) u (sum |x_k w_k| + |b|) with u = 2**-24 (the
+    products of half-precision inputs are exact in fp32), then one rounding to the dtype, half
+    an ulp of the value (plus half the smallest subnormal step). On tensor cores, which may
+    truncate while accumulating, u = 2**-23."""
+    m, k, n = x.shape[0], x.shape[1], w.shape[0]
+    assert ours.shape == (m, n) and ours.dtype == x.dtype and ours.device == x.device
+    exact = x.double() @ w.double().T
+    mag = x.double().abs() @ w.double().abs().T
+    if b is not None:
+        exact = exact + b.double()
+        mag = mag + b.double().abs()
+    fp32_err = (k + 2) * fp32_unit * mag
+    info = torch.finfo(x.dtype)
+    bound = fp32_err + HALF_ULP[x.dtype] * (exact.abs() + fp32_err) + info.tiny * info.eps
+    err = (ours.double() - exact).abs()
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, (
+        f"error {err.max().item():.3e} exceeds the bound by {worst:.2f}x "
+        f"(at {divmod((err / bound).argmax().item(), n)})"
+    )
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_against_float64(dtype: torch.dtype, m: int, with_bias: bool, name: str) -> None:
+    # N = 50: four column blocks of 16, the last one ragged. K = 200 = 6 blocks of 32 and 8 more:
+    # unsplit, a masked tail after the loop; in 3 splits of 96, two of 3 whole blocks and a last
+    # one of the 8-wide tail alone.
+    x, w, b = inputs(m, 50, 200, dtype, CPU, seed=m * 100 + with_bias)
+    bias = b if with_bias else None
+    before = [t.clone() for t in (x, w, b)]
+    check(skinny_linear(x, w, bias, CONFIGS[name]), x, w, bias)
+    assert all(torch.equal(t, u) for t, u in zip((x, w, b), before, strict=True))
+
+
+@interpreted
+@pytest.mark.parametrize("use_dot", [False, True])
+def test_empty_splits_and_strided_rows(use_dot: bool) -> None:
+    # K = 40 in 4 splits of one 32-block: split 1 holds an 8-wide tail, splits 2-3 nothing and
+    # must contribute zeros. x and weight are column and row slices of larger tensors (a fused
+    # weight's part): row strides 45 and 40, K still contiguous.
+    wide_x, fused_w, b = inputs(5, 90, 45, torch.float32, CPU, seed=7)
+    x = wide_x[:, 3:43]
+    w = fused_w[:, :40].contiguous()[20:70]
+    cfg = GemvConfig(block_n=16, block_k=32, split_k=4, use_dot=use_dot)
+    check(skinny_linear(x, w, b[20:70], cfg), x, w, b[20:70])
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 5])
+def test_default_config(dtype: torch.dtype, m: int) -> None:
+    # pick_config's real tiles (FMA 16x256 at 1 row; 64x128 dot in 2 splits at 5 rows).
+    x, w, b = inputs(m, 300, 1000, dtype, CPU, seed=m)
+    check(skinny_linear(x, w, b), x, w, b)
+
+
+@interpreted
+def test_fma_block_n_below_16() -> None:
+    x, w, _ = inputs(3, 21, 70, torch.float16, CPU, seed=3)
+    check(skinny_linear(x, w, None, GemvConfig(block_n=4, block_k=16, split_k=2)), x, w, None)
+
+
+def test_empty_output_launches_nothing() -> None:
+    x, w, _ = inputs(2, 8, 16, torch.float32, CPU, seed=0)
+    assert skinny_linear(x[:0], w).shape == (0, 8)
+    assert skinny_linear(x, w[:0]).shape == (2, 0)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (((17, 64), (32, 64)), "at most 16"),
+        (((2, 64), (32, 48)), "last dims"),
+        (((2, 64, 1), (32, 64)), "must be \\[M, K\\]"),
+        (((2, 64), (32, 64), (31,)), "bias must be"),
+    ],
+)
+def test_refuses_bad_shapes(args: tuple[tuple[int, ...], ...], message: str) -> None:
+    tensors = [torch.zeros(s) for s in args]
+    with pytest.raises(ValueError, match=message):
+        skinny_linear(*tensors)
+
+
+def test_refuses_bad_layouts_dtypes_and_configs() -> None:
+    x, w = torch.zeros(2, 64), torch.zeros(32, 64)
+    with pytest.raises(ValueError, match="contiguous K"):
+        skinny_linear(torch.zeros(64, 2).t(), w)
+    with pytest.raises(ValueError, match="contiguous K"):
+        skinny_linear(x, torch.zeros(32, 128)[:, ::2])
+    with pytest.raises(ValueError, match="share a dtype"):
+        skinny_linear(x, w.half())
+    with pytest.raises(ValueError, match="share a dtype"):
+        skinny_linear(x.double(), w.double())
+    with pytest.raises(ValueError, match="bias must be"):
+        skinny_linear(x, w, torch.zeros(32, dtype=torch.float16))
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        skinny_linear(x, w, None, GemvConfig(block_n=8, block_k=32, use_dot=True))
+    with pytest.raises(ValueError, match="power of two"):
+        skinny_linear(x, w, None, GemvConfig(block_n=24))
+    with pytest.raises(ValueError, match="split_k"):
+        skinny_linear(x, w, None, GemvConfig(split_k=0))
+
+
+def test_pick_config_on_the_real_shapes() -> None:
+    """The heuristic's promises on every benchmarked shape: a valid config, a power-of-two
+    split that fills two programs per SM unless splits would get shorter than 2 K blocks."""
+    sms = 132
+    for model in ("qwen2.5-3b", "llama-3.1-8b"):
+        for shape in linear_shapes(model):
+            for m in range(1, MAX_ROWS + 1):
+                cfg = pick_config(m, shape.n, shape.k, sms)
+                cfg.check()
+                assert cfg.use_dot == (m > 4)
+                s = cfg.split_k
+                assert s & (s - 1) == 0
+                programs = -(-shape.n // cfg.block_n) * s
+                assert programs >= 2 * sms or shape.k < 4 * cfg.block_k * s
+                assert s == 1 or shape.k >= 2 * cfg.block_k * s
+                grid = candidate_configs(m, shape.n, shape.k, sms, "small")
+                assert grid[0] == cfg and len(set(grid)) == len(grid)
+    assert split_for(blocks_n=1000, k=4096, block_k=256) == 1
+
+
+def test_bench_shapes_are_the_models() -> None:
+    qwen = {s.name: (s.n, s.k, s.bias) for s in linear_shapes("qwen2.5-3b")}
+    assert qwen == {
+        "qkv": (2560, 2048, True),
+        "o": (2048, 2048, False),
+        "gate_up": (22016, 2048, False),
+        "down": (2048, 11008, False),
+        "lm_head": (151936, 2048, False),
+    }
+    llama = {s.name: (s.n, s.k, s.bias) for s in linear_shapes("llama-3.1-8b")}
+    assert llama["qkv"] == (6144, 4096, False) and llama["lm_head"] == (128256, 4096, False)
+    assert llama["down"] == (4096, 14336, False) and llama["gate_up"] == (28672, 4096, False)
+
+
+def test_bench_refuses_to_run_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench_gemv
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        bench_gemv.main([])
+
+
+@interpreted
+@pytest.mark.parametrize("use_graph", [False, True])
+def test_bench_row_on_the_cpu(monkeypatch: pytest.MonkeyPatch, use_graph: bool) -> None:
+    """bench_gemv's bookkeeping on a tiny shape under the interpreter, timers faked: every
+    candidate runs and is checked, the row names pick_config's config and the best one."""
+    import bench_gemv
+
+    calls: list[int] = []
+
+    def fake_bench(fn):  # each config "takes" longer than the one before, cuBLAS the longest
+        fn()
+        calls.append(1)
+        return 100.0 if len(calls) == 1 else float(len(calls))
+
+    def fake_graph(call, weights):
+        for w in weights:
+            call(w)
+        return 50.0 + len(calls)
+
+    monkeypatch.setattr(bench_gemv, "bench_us", fake_bench)
+    monkeypatch.setattr(bench_gemv, "graph_us", fake_graph)
+    shape = bench_gemv.Shape("tiny", "qkv", 48, 64, True)
+    row = bench_gemv.run_pair(shape, 2, "small", use_graph, 132, pytest.fail, device=CPU)
+    names = [str(c) for c in candidate_configs(2, 48, 64, 132, "small")]
+    assert [r["config"] for r in row["configs"]] == names
+    assert all(r["rel_err"] <= bench_gemv.MAX_REL_ERR for r in row["configs"])
+    assert row["heuristic"] == names[0] and row["best"] == names[0]
+    assert row["copies"] == (20 if use_graph else 1)
+    # cuBLAS took 100 (bench) and 51 (graph); the first config 2 and 52.
+    assert bench_gemv.fmt_row(row).endswith("0.98x" if use_graph else "50.00x")
+
+
+GPU_SHAPES = [
+    ("3b-qkv", 2560, 2048, True),
+    ("3b-o", 2048, 2048, False),
+    ("3b-gate_up", 22016, 2048, False),
+    ("3b-down", 2048, 11008, False),
+    ("3b-lm_head", 151936, 2048, False),
+    ("8b-qkv", 6144, 4096, False),
+    ("8b-down", 4096, 14336, False),
+]
+GPU_CONFIGS = {
+    "default": None,
+    "fma-unsplit": GemvConfig(block_n=16, block_k=256, split_k=1),
+    "dot-split4": GemvConfig(block_n=64, block_k=128, split_k=4, use_dot=True, num_stages=3),
+}
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=[s[0] for s in GPU_SHAPES])
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("name", list(GPU_CONFIGS))
+def test_gpu_bf16_real_shapes(shape: tuple[str, int, int, bool], m: int, name: str) -> None:
+    _, n, k, with_bias = shape
+    dev = torch.device("cuda")
+    x, w, b = inputs(m, n, k, torch.bfloat16, dev, seed=n + m)
+    w = w * 0.05  # weights of a trained model's size; the bound scales with them
+    bias = b if with_bias else None
+    ours = skinny_linear(x, w, bias, GPU_CONFIGS[name])
+    check(ours, x, w, bias, fp32_unit=2.0**-23)
+    cublas = F.linear(x, w, bias)
+    rel = ((ours.double() - cublas.double()).abs().max() / cublas.double().abs().max()).item()
+    assert rel <= 1e-2, f"{rel:.2e} against cuBLAS"
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_gpu_cuda_graph_replays_new_inputs(split_k: int) -> None:
+    dev = torch.device("cuda")
+    x, w, b = inputs(4, 2560, 2048, torch.bfloat16, dev, seed=1)
+    cfg = GemvConfig(block_n=32, block_k=256, split_k=split_k)
+    static_x = x.clone()
+    skinny_linear(static_x, w, b, cfg)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = skinny_linear(static_x, w, b, cfg)
+    for seed in (2, 3):
+        fresh, _, _ = inputs(4, 2560, 2048, torch.bfloat16, dev, seed=seed)
+        static_x.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, skinny_linear(fresh, w, b, cfg))
+        check(static_out, fresh, w, b, fp32_unit=2.0**-23)
