@@ -199,7 +199,8 @@ class Engine:
 
     def _output(self, req: _Request) -> RequestOutput:
         seq = req.seq
-        new = seq.output_ids[req.sent :]  # known tokens only: none PENDING
+        # Known tokens only (none PENDING), sliced once: no copy of the whole output per step.
+        new = seq.token_ids[seq.num_prompt + req.sent : len(seq.token_ids) - seq.num_pending]
         start = req.sent
         req.sent = seq.num_output
         text = ""
