@@ -227,9 +227,10 @@ class IncrementalDetokenizer:
     """Turns a stream of output ids into text deltas.
 
     The deltas, followed by flush(), add up to tokenizer.decode(output ids) exactly. Each push
-    decodes only the tokens since the last emitted text plus the tokens before them (the prefix
-    window), so the cost per token does not grow with the output. Text is held back while it
-    ends in U+FFFD, i.e. while the last tokens are the first bytes of a character.
+    is one step of the tokenizers library's DecodeStream (Rust; it decodes a short window of
+    the last tokens, so the cost per token does not grow with the output) and holds text back
+    while the last tokens are the first bytes of a character. flush() decodes the whole output
+    once and returns what the deltas have not covered yet.
 
     `prompt_ids` is accepted because callers have it at hand, but the text never depends on it:
     it is the decode of the output alone, as transformers would give it.
@@ -241,32 +242,29 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
     ) -> None:
+        from tokenizers.decoders import DecodeStream
+
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
-        self.prefix_offset = 0  # start of the window decoded as context
-        self.read_offset = 0  # end of the text already emitted
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        self.emitted = 0  # characters of text returned so far
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (often "", never a broken character)."""
         self.ids.append(token_id)
-        return self._advance(final=False)
+        text = self._stream.step(self.tokenizer.backend, token_id)
+        if not text:
+            return ""
+        self.emitted += len(text)
+        return text
 
     def flush(self) -> str:
         """The text still held back, U+FFFD included, once generation has ended."""
-        return self._advance(final=True)
-
-    def _advance(self, final: bool) -> str:
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        text = self._decode(self.ids[self.prefix_offset :])
-        if len(text) <= len(prefix) or (text.endswith("\ufffd") and not final):
-            return ""
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.ids)
-        return text[len(prefix) :]
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
+        tail = full[self.emitted :]
+        self.emitted = len(full)
+        return tail
 
 
 class StopChecker:
