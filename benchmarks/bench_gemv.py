@@ -44,27 +44,10 @@ import triton
 import triton.testing
 
 from inferx_kernels_cuda.gemv import GemvConfig, pick_config, skinny_linear, split_for
+from inferx_models.presets import preset
 
-MODELS: dict[str, dict[str, Any]] = {
-    "qwen2.5-3b": dict(
-        hidden=2048,
-        intermediate=11008,
-        q_heads=16,
-        kv_heads=2,
-        head_dim=128,
-        vocab=151936,
-        qkv_bias=True,
-    ),
-    "llama-3.1-8b": dict(
-        hidden=4096,
-        intermediate=14336,
-        q_heads=32,
-        kv_heads=8,
-        head_dim=128,
-        vocab=128256,
-        qkv_bias=False,
-    ),
-}
+# Benchmark name -> the model preset (inferx_models.presets) whose exact shapes it uses.
+MODELS = {"qwen2.5-3b": "qwen2.5-3b-instruct", "llama-3.1-8b": "llama-3.1-8b-instruct"}
 GRAPH_CALLS = 20
 # Weight copies a graph cycles over add up to at least this much, several times the H200's
 # 50 MB L2, so no call finds its weights cached.
@@ -88,15 +71,17 @@ class Shape:
 
 def linear_shapes(model: str) -> list[Shape]:
     """The five GEMMs of a decoder step: fused QKV, o_proj, fused gate_up, down_proj, lm_head."""
-    c = MODELS[model]
-    q, kv = c["q_heads"] * c["head_dim"], c["kv_heads"] * c["head_dim"]
-    h, i = c["hidden"], c["intermediate"]
+    c = preset(MODELS[model])
+    h, i = c["hidden_size"], c["intermediate_size"]
+    head_dim = c.get("head_dim") or h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    qkv_bias = c["architectures"][0] == "Qwen2ForCausalLM" or bool(c.get("attention_bias"))
     return [
-        Shape(model, "qkv", q + 2 * kv, h, c["qkv_bias"]),
+        Shape(model, "qkv", q + 2 * kv, h, qkv_bias),
         Shape(model, "o", h, q, False),
         Shape(model, "gate_up", 2 * i, h, False),
         Shape(model, "down", h, i, False),
-        Shape(model, "lm_head", c["vocab"], h, False),
+        Shape(model, "lm_head", c["vocab_size"], h, False),
     ]
 
 
