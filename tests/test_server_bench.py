@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from test_server_api import QWEN, FakeExecutor, serve
 
 from inferx_server import bench
@@ -37,10 +38,13 @@ def test_serve_exact_lengths_concurrency_rate_prefix_chat(tmp_path: Path) -> Non
         assert r["completed"] == 8 and r["total_input_tokens"] == 8 * 40
 
 
-def test_transport_benchmark_runs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["stub", "real"])
+def test_transport_benchmark_runs(tmp_path: Path, engine: str) -> None:
+    """Both engines: the stub, and the real Engine (overlapping its host work with a sleeping
+    stand-in for the GPU) with the stub tokenizer's decode_stream."""
     out = tmp_path / "transport.json"
     argv = ["transport", "--streams", "1,4", "--tokens", "8", "--step-ms", "1", "--json", str(out)]
-    assert bench.main(argv) == 0
+    assert bench.main(argv + ["--engine", engine]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["streams"] for r in rows] == [1, 4]
     assert all(r["complete"] == r["streams"] and r["tokens"] == 8 * r["streams"] for r in rows)

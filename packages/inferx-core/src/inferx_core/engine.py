@@ -19,6 +19,7 @@ from typing import Any
 
 from inferx_core.config import Config, load_config
 from inferx_core.interfaces import (
+    DoneStep,
     Executor,
     KVManager,
     PendingStep,
@@ -99,7 +100,8 @@ class Engine:
             config.scheduler, self.kv, self.max_model_len
         )
         self.requests: dict[str, _Request] = {}
-        self.overlap = config.engine.overlap and executor.supports_overlap
+        # Executors are duck-typed (tests and benchmarks pass their own): no flag, no overlap.
+        self.overlap = config.engine.overlap and getattr(executor, "supports_overlap", False)
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
 
     # -- requests ------------------------------------------------------------------------------
@@ -180,7 +182,9 @@ class Engine:
             if self.scheduler.has_work() and not idle_ok:
                 raise RuntimeError("scheduler has work but scheduled nothing (a scheduler bug)")
             return None
-        return out, self.executor.submit(out)
+        if self.overlap:
+            return out, self.executor.submit(out)
+        return out, DoneStep(self.executor.execute(out))
 
     def _apply(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         sampled_seqs = [c.seq for c in out.chunks if c.sample]

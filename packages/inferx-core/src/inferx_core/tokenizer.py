@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
@@ -134,6 +134,15 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str | None]:
+        """A step function for decoding one token at a time: the text the token completes, or
+        None while it is held back (tokenizers' DecodeStream: a short window of recent tokens,
+        never half a UTF-8 character)."""
+        from tokenizers.decoders import DecodeStream
+
+        stream, tok = DecodeStream(skip_special_tokens=skip_special_tokens), self._tok
+        return lambda token_id: stream.step(tok, token_id)
+
     def apply_chat_template(
         self,
         messages: Sequence[dict[str, Any]],
@@ -227,10 +236,10 @@ class IncrementalDetokenizer:
     """Turns a stream of output ids into text deltas.
 
     The deltas, followed by flush(), add up to tokenizer.decode(output ids) exactly. Each push
-    is one step of the tokenizers library's DecodeStream (Rust; it decodes a short window of
-    the last tokens, so the cost per token does not grow with the output) and holds text back
-    while the last tokens are the first bytes of a character. flush() decodes the whole output
-    once and returns what the deltas have not covered yet.
+    is one step of the tokenizer's decode_stream() (tokenizers' DecodeStream, in Rust: a short
+    window of the last tokens, so the cost per token does not grow with the output), which
+    holds text back while the last tokens are the first bytes of a character. flush() decodes
+    the whole output once and returns what the deltas have not covered yet.
 
     `prompt_ids` is accepted because callers have it at hand, but the text never depends on it:
     it is the decode of the output alone, as transformers would give it.
@@ -242,18 +251,16 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
     ) -> None:
-        from tokenizers.decoders import DecodeStream
-
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.emitted = 0  # characters of text returned so far
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._step = tokenizer.decode_stream(skip_special_tokens)
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (often "", never a broken character)."""
         self.ids.append(token_id)
-        text = self._stream.step(self.tokenizer.backend, token_id)
+        text = self._step(token_id)
         if not text:
             return ""
         self.emitted += len(text)

@@ -298,6 +298,9 @@ class StubTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return f"{int(time.monotonic() * 1e6)} " * len(ids)
 
+    def decode_stream(self, skip_special_tokens: bool = True) -> Any:
+        return lambda token_id: f"{int(time.monotonic() * 1e6)} "
+
     def apply_chat_template(self, messages: list[dict[str, Any]], **kw: Any) -> str:
         return "".join(str(m.get("content")) for m in messages)
 
@@ -355,23 +358,47 @@ class StubEngine:
 
 class SleepExecutor:
     """For `--engine real`: the real Engine (scheduler, KV manager, detokenizer) over an
-    executor whose step is a sleep of `step_s` (a GPU's time) that samples token 7."""
+    executor that stands in for a GPU: each submitted step takes `step_s` of "device" time,
+    queued behind the one before (as kernels are), and samples token 7. submit() returns at
+    once, so the engine overlaps its host work with the sleep as it does with a GPU."""
+
+    supports_overlap = True
 
     def __init__(self, step_s: float) -> None:
         self.step_s = step_s
         self.num_kv_blocks, self.block_size, self.max_model_len = 32768, 16, 4096
         self.periods: list[float] = []
         self._last = 0.0
+        self._busy_until = 0.0
+
+    def submit(self, out: Any) -> Any:
+        start = max(time.monotonic(), self._busy_until)
+        self._busy_until = start + self.step_s
+        return _SleptStep(self, self._busy_until, sum(c.sample for c in out.chunks))
 
     def execute(self, out: Any) -> Any:
+        return self.submit(out).result()
+
+    def _done(self, at: float) -> None:
+        if self._last and at - self._last < 1.0:  # gaps while idle are not steps
+            self.periods.append(at - self._last)
+        self._last = at
+
+
+class _SleptStep:
+    """A SleepExecutor step: result() waits until its device time is over."""
+
+    def __init__(self, executor: SleepExecutor, done_at: float, samples: int) -> None:
+        self.executor, self.done_at, self.samples = executor, done_at, samples
+
+    def result(self) -> Any:
         from inferx_core.interfaces import StepResult
 
-        time.sleep(self.step_s)
-        now = time.monotonic()
-        if self._last and now - self._last < 1.0:  # gaps while idle are not steps
-            self.periods.append(now - self._last)
-        self._last = now
-        return StepResult([7] * sum(c.sample for c in out.chunks))
+        wait = self.done_at - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        self.executor._done(max(self.done_at, time.monotonic()))
+        return StepResult([7] * self.samples)
 
 
 def cmd_stub_server(args: argparse.Namespace) -> int:
