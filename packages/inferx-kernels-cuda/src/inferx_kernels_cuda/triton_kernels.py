@@ -190,6 +190,21 @@ def _seq_split_len(ctx, num_splits, min_len, BLOCK_N: tl.constexpr):
     return tl.cdiv(per, BLOCK_N) * BLOCK_N
 
 
+@triton.jit
+def _decode_row(i, seq_ids_ptr, query_start_ptr, context_len_ptr, ALL_DECODE: tl.constexpr):
+    """Decode i's sequence, its query row and its context length. ALL_DECODE: every sequence of
+    the batch is a decode, so sequence i is decode i and its query is row i (one dependent load
+    fewer before the KV reads)."""
+    if ALL_DECODE:
+        seq = i
+        row = i
+    else:
+        seq = tl.load(seq_ids_ptr + i)
+        row = tl.load(query_start_ptr + seq)
+    ctx = tl.load(context_len_ptr + seq)
+    return seq, row, ctx
+
+
 # Ints that change from step to step are not specialised on (Triton would compile a variant for
 # values of 1 and multiples of 16): every variant a step can need is compiled at start-up.
 @triton.jit(do_not_specialize=["split_len", "stride_table"])
@@ -235,13 +250,7 @@ def decode_kernel(
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if ALL_DECODE:
-        seq = i
-        row = i
-    else:
-        seq = tl.load(seq_ids_ptr + i)
-        row = tl.load(query_start_ptr + seq)
-    ctx = tl.load(context_len_ptr + seq)
+    seq, row, ctx = _decode_row(i, seq_ids_ptr, query_start_ptr, context_len_ptr, ALL_DECODE)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
@@ -314,13 +323,7 @@ def decode_reduce_kernel(
     i = tl.program_id(0)
     head = tl.program_id(1)
     num_q_heads = tl.num_programs(1)
-    if ALL_DECODE:
-        seq = i
-        row = i
-    else:
-        seq = tl.load(seq_ids_ptr + i)
-        row = tl.load(query_start_ptr + seq)
-    ctx = tl.load(context_len_ptr + seq)
+    seq, row, ctx = _decode_row(i, seq_ids_ptr, query_start_ptr, context_len_ptr, ALL_DECODE)
     if SEQ_SPLIT:
         split_len = _seq_split_len(ctx, num_splits, split_len, BLOCK_N)
     used = tl.cdiv(ctx, split_len)
