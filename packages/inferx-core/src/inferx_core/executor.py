@@ -193,6 +193,18 @@ def kv_cache_blocks(memory: float | int, bytes_per_block: int, profile: MemoryPr
     return _at_least_two(kv_bytes // bytes_per_block, bytes_per_block)
 
 
+def fresh_tables(lengths: list[int], block_size: int) -> tuple[list[list[int]], int]:
+    """Block tables for sequences of these lengths over consecutive blocks from 1 (block 0 is
+    the padding block), and the first block left over."""
+    tables: list[list[int]] = []
+    next_block = 1
+    for n in lengths:
+        count = -(-n // block_size)
+        tables.append(list(range(next_block, next_block + count)))
+        next_block += count
+    return tables, next_block
+
+
 def _at_least_two(blocks: int, bytes_per_block: int) -> int:
     if blocks < 2:
         raise LoadError(
@@ -337,28 +349,31 @@ class ModelRunner(Executor):
         tokens = sched.max_batched_tokens
         lens = [chunk] * (tokens // chunk) + ([tokens % chunk] if tokens % chunk else [])
         lens = lens[: sched.max_running]
-        tables: list[list[int]] = []
-        next_block = 1
-        for n in lens:
-            count = -(-n // self.block_size)
-            tables.append(list(range(next_block, next_block + count)))
-            next_block += count
+        tables, next_block = fresh_tables(lens, self.block_size)
         graph_batch = 0
         if eager_reason(self.config.engine.cuda_graphs, self.device, self.attention) is None:
             graph_batch = min(sched.max_running, MAX_GRAPH_BATCH)
         return lens, tables, graph_batch, max(next_block, graph_batch + 1)
 
     def _profile_step(
-        self, query_lens: list[int], tables: list[list[int]], rows: int, sample: bool
+        self,
+        query_lens: list[int],
+        tables: list[list[int]],
+        rows: int,
+        sample: bool,
+        context_lens: list[int] | None = None,
     ) -> torch.Tensor:
-        """One forward over fresh sequences (query i is all of sequence i's context), logits for
-        its last `rows` tokens and, if `sample`, sampling them with every filter and logprobs on
-        (the sampler's largest working set). Returns the logits."""
-        batch = make_attention_batch(query_lens, query_lens, tables, self.block_size, self.device)
+        """One forward of token 0 at every position, where query i is the last query_lens[i] of
+        context_lens[i] tokens (default: all of them, a fresh sequence); logits for its last
+        `rows` tokens and, if `sample`, sampling them with every filter and logprobs on (the
+        sampler's largest working set). Returns the logits."""
+        context_lens = context_lens or query_lens
+        pairs = list(zip(query_lens, context_lens, strict=True))
+        batch = make_attention_batch(query_lens, context_lens, tables, self.block_size, self.device)
         self.attention.begin_step(batch)
         num_tokens = sum(query_lens)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(n) for n in query_lens]).to(self.device)
+        positions = torch.cat([torch.arange(c - q, c) for q, c in pairs]).to(self.device)
         hidden = self.model(ids, positions)
         picked = torch.arange(num_tokens - rows, num_tokens, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, picked))
@@ -386,21 +401,9 @@ class ModelRunner(Executor):
         long = max(2, min(1024, self.max_model_len - 1, (self.num_kv_blocks - 1) // 3 * bs))
         cases = [([1], [long]), ([1, 1], [1, 2]), ([1, 17], [long, 17]), ([1, 16], [1, 16])]
         for query_lens, context_lens in cases:
-            tables, next_block = [], 1
-            for c in context_lens:
-                count = -(-c // bs)
-                tables.append(list(range(next_block, next_block + count)))
-                next_block += count
-            if next_block > self.num_kv_blocks:
-                continue
-            batch = make_attention_batch(query_lens, context_lens, tables, bs, self.device)
-            self.attention.begin_step(batch)
-            positions = [
-                p for q, c in zip(query_lens, context_lens, strict=True) for p in range(c - q, c)
-            ]
-            pos = torch.tensor(positions, device=self.device)
-            hidden = self.model(torch.zeros_like(pos), pos)
-            self.model.compute_logits(hidden[-1:])
+            tables, next_block = fresh_tables(context_lens, bs)
+            if next_block <= self.num_kv_blocks:
+                self._profile_step(query_lens, tables, 1, False, context_lens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
