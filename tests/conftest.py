@@ -37,6 +37,31 @@ def fused_views(
     return parts[0].view(q.shape), parts[1].view(k.shape), parts[2].view(v.shape)
 
 
+def scattered_tables(totals: list[int], block_size: int, num_blocks: int) -> list[list[int]]:
+    """Non-contiguous block ids, never block 0 (reserved), as a real block manager hands out."""
+    ids = (torch.randperm(num_blocks - 1) + 1).tolist()
+    tables = []
+    for t in totals:
+        need = -(-t // block_size)
+        tables.append(ids[:need])
+        ids = ids[need:]
+    return tables
+
+
+def plan_steps(plan: list[tuple[int, int]]) -> tuple[list[int], list[list[tuple[int, int]]]]:
+    """For (cached prefix, new tokens) per sequence: each sequence's total length and four
+    steps of [a, b) spans (empty: sits the step out): the cached prefixes as one ragged
+    prefill, the new chunks (with any decodes), two decodes."""
+    totals = [p + n + 2 for p, n in plan]
+    steps = [
+        [(0, p) for p, _ in plan],
+        [(p, p + n) for p, n in plan],
+        [(t - 2, t - 1) for t in totals],
+        [(t - 1, t) for t in totals],
+    ]
+    return totals, steps
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -17,7 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import interpreted  # noqa: E402
+from conftest import interpreted, scattered_tables  # noqa: E402
 from test_attention_torch import rel_err  # noqa: E402
 from test_engine import tiny_config  # noqa: E402
 
@@ -591,12 +591,7 @@ def test_gpu_captured_attention_serves_any_context(dtype: torch.dtype) -> None:
 
     for contexts in ([1, 1000, 4096], [64, 65, 2047, 7], [4096]):
         n = len(contexts)
-        ids = (torch.randperm(num_blocks - 1) + 1).tolist()
-        tables = []
-        for c in contexts:
-            need = -(-c // bs)
-            tables.append(ids[:need])
-            ids = ids[need:]
+        tables = scattered_tables(contexts, bs, num_blocks)
         graphed.prepare_for_replay(make_attention_batch([1] * n, contexts, tables, bs), padded)
         for x in (t for per_layer in inputs for t in per_layer):
             x.copy_(torch.randn(x.shape, device=dev).to(dtype))  # padding rows get garbage too

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fused_views, interpreted, on_gpu
+from conftest import fused_views, interpreted, on_gpu, plan_steps, scattered_tables
 from test_attention_torch import dense_reference, rel_err
 
 from inferx_core.attention_torch import TorchAttention
@@ -254,37 +254,13 @@ def cpu_flashinfer(layers, block_size, dtype):
     return CpuFlashInfer(layers, block_size, dtype, CPU)
 
 
-def scattered_tables(totals: list[int], block_size: int, num_blocks: int) -> list[list[int]]:
-    """Non-contiguous block ids, never block 0 (reserved), as a real block manager hands out."""
-    ids = (torch.randperm(num_blocks - 1) + 1).tolist()
-    tables = []
-    for t in totals:
-        need = -(-t // block_size)
-        tables.append(ids[:need])
-        ids = ids[need:]
-    return tables
-
-
-def steps_of(plan: list[tuple[int, int]]) -> tuple[list[int], list[list[tuple[int, int]]]]:
-    """Each sequence's total length and four steps of [a, b) spans (empty: sits the step out):
-    the cached prefixes as one ragged prefill, the new chunks (with any decodes), two decodes."""
-    totals = [p + n + 2 for p, n in plan]
-    steps = [
-        [(0, p) for p, _ in plan],
-        [(p, p + n) for p, n in plan],
-        [(t - 2, t - 1) for t in totals],
-        [(t - 1, t) for t in totals],
-    ]
-    return totals, steps
-
-
 def check_steps(backend, plan: list[tuple[int, int]], scale_factor: float = 1.0) -> list[str]:
     """Run a plan's steps on `backend` and on TorchAttention (same device, same scattered
     tables) and check every layer against both and against dense float64 attention. Returns
     the kind of plan each step made ("prefill", "decode")."""
     layers, bs, dtype, device = backend.layers, backend.block_size, backend.dtype, backend.device
     tol = TOL[dtype]
-    totals, steps = steps_of(plan)
+    totals, steps = plan_steps(plan)
     num_blocks = sum(-(-t // bs) for t in totals) + 4
     reference = TorchAttention(layers, bs, dtype, device)
     for b in (backend, reference):

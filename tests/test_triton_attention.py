@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton", reason="the triton package is not installed")
 
-from conftest import fused_views, interpreted, on_gpu  # noqa: E402
+from conftest import fused_views, interpreted, on_gpu, plan_steps  # noqa: E402
 from test_attention_torch import dense_reference, rel_err  # noqa: E402
 
 from inferx_core.attention_torch import TorchAttention  # noqa: E402
@@ -23,18 +23,6 @@ TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 # (cached prefix, new tokens) of each sequence in the mixed step: a fresh prompt, a chunk over
 # a cached prefix, decodes, a one-token prompt. Two decode steps follow it.
 SMALL_PLAN = [(0, 13), (9, 7), (21, 1), (5, 1), (0, 1)]
-
-
-def plan_steps(plan: list[tuple[int, int]]) -> tuple[list[int], list[list[tuple[int, int]]]]:
-    """Totals and four steps: the prefixes as one ragged prefill, the mixed step, two decodes."""
-    totals = [p + n + 2 for p, n in plan]
-    steps = [
-        [(0, p) for p, _ in plan],
-        [(p, p + n) for p, n in plan],
-        [(t - 2, t - 1) for t in totals],
-        [(t - 1, t) for t in totals],
-    ]
-    return totals, steps
 
 
 def check_steps(
