@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool): set up, GPU tests, benchmarks; logs and JSON into $OUT.
-# Needs .whl/ (bash ../shared/gpu/wheelhouse.sh gguf==0.19.0) and .carry/tok/tokenizers/qwen;
-# the table's Llama model also needs .carry/tok/tokenizers/llama3, copied in before the call:
-#   mkdir -p .carry/tok/tokenizers && cp -r ../shared/fixtures/tokenizers/llama3 .carry/tok/tokenizers/
-# and both carried: carry [".whl", ".carry/tok"] (24 + 20 MB).
-# Usage: bash scripts/gpu_run.sh [tests] [flashinfer] [profile] [gemv] [bench] [demo] [table | table-3b | table-8b]
-#   flashinfer: its conformance tests, then its compiled kernels packed into $OUT (copy the
-#   returned fi-cache parts into .whl/ so the next machine skips compiling them);
-#   Keep the returned parts in .carry/fi/ (31 MB; .whl + .carry/tok + .carry/fi fit the 64 MiB a
-#   call carries only with the Qwen tokenizer alone) and carry .carry/fi in runs that use FlashInfer.
+# Needs .whl/ (bash ../shared/gpu/wheelhouse.sh gguf==0.19.0) and the tokenizers, xz-packed so
+# that they travel small (2.9 MB instead of 20):
+#   mkdir -p .carry/tok/tokenizers .carry/tokxz
+#   cp -r ../shared/fixtures/tokenizers/{qwen,llama3} .carry/tok/tokenizers/
+#   tar -C .carry/tok -cJf .carry/tokxz/tok.tar.xz tokenizers
+# then carry [".whl", ".carry/tokxz"] (unpacked below into .carry/tok on the machine).
+# Usage: bash scripts/gpu_run.sh [tests] [flashinfer] [profile] [breakdown] [gemv] [bench] [demo]
+#        [table | table-3b | table-8b]
+#   flashinfer: its conformance tests, then its compiled kernels packed into $OUT as
+#   fi-cache.tar.part-*: keep them in .carry/fi/ (31 MB) and carry .carry/fi in later runs
+#   that use FlashInfer; they are copied into .whl/ before set-up, which unpacks them.
 #   breakdown: benchmarks/step_breakdown.py (the offline throughput run, step by step);
 #   profile: benchmarks/profile_decode.py (idle GPU time and kernels of a decode step, batch 1, 64).
 #   gemv: tests/test_gemv.py -m gpu, then benchmarks/bench_gemv.py (skinny_linear against
@@ -18,15 +20,13 @@
 # demo: the real demo model on the GPU. Its GGUF (98 MB) cannot travel in one call (64 MiB):
 #   here: split -n 4 -d FILE .carry/gpart- ; put part 00 in .carry/g1, 01-02 in .carry/g2, 03 in
 #   .carry/g3; then three back-to-back calls (a warm machine keeps ignored files; it is released
-#   after 30 s idle): carry [".whl", ".carry/tok", ".carry/g1"], then [".carry/g2"], then
+#   after 30 s idle): carry [".whl", ".carry/tokxz", ".carry/g1"], then [".carry/g2"], then
 #   [".carry/g3"] with `cat .carry/g*/gpart-* > /tmp/demo.gguf && bash scripts/gpu_run.sh demo`.
 set -uo pipefail
 [ -f /tmp/demo.gguf ] && export INFERX_DEMO_GGUF=/tmp/demo.gguf
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 INFERX_FIXTURES=$PWD/.carry/tok
-# The tokenizers travel xz-packed (4 MB instead of 20): tar -C .carry/tok -cJf
-# .carry/tokxz/tok.tar.xz tokenizers, and carry .carry/tokxz.
 [ -f .carry/tokxz/tok.tar.xz ] && mkdir -p .carry/tok && tar -C .carry/tok -xJf .carry/tokxz/tok.tar.xz
 [ -d .carry/fi ] && cp .carry/fi/fi-cache.tar.part-* .whl/ 2>/dev/null
 bash .whl/setup.sh >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
