@@ -20,7 +20,7 @@ def spy_fills(llm) -> list[int]:
     real = ex._fill_pending
     calls: list[int] = []
 
-    def spy(input_ids, rows, chunks, pending=None):
+    def spy(input_ids, rows, chunks, pending):
         calls.append(len(rows))
         return real(input_ids, rows, chunks, pending)
 

@@ -470,7 +470,7 @@ class ModelRunner(Executor):
         if self.graphs is not None and self.graphs.fits(chunks):
             fill = None
             if pending:
-                fill = lambda ids: self._fill_pending(ids, pending, chunks)  # noqa: E731
+                fill = lambda ids: self._fill_pending(ids, pending, chunks, pending)  # noqa: E731
             logits = self.graphs.run(chunks, fill)
             if 0 < len(sample_seqs) < len(chunks):  # one-token prompt chunks sample nothing
                 rows = [i for i, c in enumerate(chunks) if c.sample]
@@ -507,16 +507,13 @@ class ModelRunner(Executor):
         return self._sample(self.model.compute_logits(hidden.index_select(0, rows)), sample_seqs)
 
     def _fill_pending(
-        self,
-        input_ids: torch.Tensor,
-        rows: list[int],
-        chunks: list,
-        pending: list[int] | None = None,
+        self, input_ids: torch.Tensor, rows: list[int], chunks: list, pending: list[int]
     ) -> None:
         """Write into input_ids[rows] the tokens the previous step sampled for the sequences of
-        chunks[pending] (by default chunks[rows]): they are still on the device."""
+        chunks[pending] (row i of the inputs is chunk i in a graph step): they are still on the
+        device."""
         tokens, row_of = self._last_sampled
-        src = [row_of[id(chunks[i].seq)] for i in (pending if pending is not None else rows)]
+        src = [row_of[id(chunks[i].seq)] for i in pending]
         index = to_device(torch.tensor(rows + src), self.device)
         input_ids[index[: len(rows)]] = tokens[index[len(rows) :]]
 
