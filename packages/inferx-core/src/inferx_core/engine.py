@@ -203,8 +203,7 @@ class Engine:
 
     def _output(self, req: _Request) -> RequestOutput:
         seq = req.seq
-        # Known tokens only (none PENDING), sliced once: no copy of the whole output per step.
-        new = seq.token_ids[seq.num_prompt + req.sent : len(seq.token_ids) - seq.num_pending]
+        new = seq.outputs_from(req.sent)  # one slice, not a copy of the whole output per step
         start = req.sent
         req.sent = seq.num_output
         text = ""

@@ -107,7 +107,11 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         """The generated tokens known so far (no PENDING)."""
-        return self.token_ids[self.num_prompt : len(self.token_ids) - self.num_pending]
+        return self.outputs_from(0)
+
+    def outputs_from(self, start: int) -> list[int]:
+        """The known generated tokens from output index `start` on (one slice, no PENDING)."""
+        return self.token_ids[self.num_prompt + start : len(self.token_ids) - self.num_pending]
 
     @property
     def known_ids(self) -> list[int]:
