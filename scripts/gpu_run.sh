@@ -8,7 +8,7 @@
 # then carry [".whl", ".carry/tokxz"] (unpacked below into .carry/tok on the machine).
 # Usage: bash scripts/gpu_run.sh [tests] [flashinfer] [profile] [breakdown] [gemv] [bench] [demo]
 #        [table | table-3b | table-8b]
-#   flashinfer: its conformance tests, then its compiled kernels packed into $OUT as
+#   flashinfer: its conformance tests (FI_K: a pytest -k filter), then its compiled kernels packed into $OUT as
 #   fi-cache.tar.part-*: keep them in .carry/fi/ (31 MB) and carry .carry/fi in later runs
 #   that use FlashInfer; they are copied into .whl/ before set-up, which unpacks them.
 #   breakdown: benchmarks/step_breakdown.py (the offline throughput run, step by step);
@@ -42,7 +42,8 @@ for step in "${steps[@]}"; do
       timeout ${TESTS_TIMEOUT:-400} python3 -m pytest $files -m gpu -q -k "not demo" \
         ${TESTS_ARGS:-} 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
     flashinfer)
-      timeout 420 python3 -m pytest tests/test_flashinfer_attention.py -q -rs --maxfail=5 2>&1 \
+      timeout 420 python3 -m pytest tests/test_flashinfer_attention.py -q -rs --maxfail=5 \
+        ${FI_K:+-k "$FI_K"} 2>&1 \
         | tee "$OUT/gpu-flashinfer.log" | tail -15
       bash .whl/save-cache.sh "$OUT" 2>&1 | tail -3 ;;
     profile)
