@@ -1,0 +1,211 @@
+"""Is an eager step (prompt tokens beside decodes) bound by the host or by the GPU?
+
+    python benchmarks/mixed_step.py --preset qwen2.5-3b-instruct --tokenizer DIR \
+        [--decodes 0,8,64] [--chunks 16,128,512,2048] [--json OUT.json]
+
+For each number of running decodes and each prompt chunk length, one step runs a fresh prompt of
+that length beside the decodes. The GPU is idle when the step is submitted (synchronised first),
+so the host's time to submit it (build inputs, launch every kernel) and the GPU's time for it
+(CUDA events around the submit, read after a synchronise) are measured apart: a host time above
+the GPU time means the step is launch-bound. Then cProfile over one submit names where the host
+time goes, and a micro-benchmark gives the host cost of one Triton launch and one torch op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import random
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inferx_core.bench_offline import random_prompt
+from inferx_core.config import load_config
+from inferx_core.engine import LLM
+from inferx_core.sequence import SamplingParams
+
+
+class SubmitTimer:
+    """Wraps the executor's submit: syncs first, then times the host and the GPU."""
+
+    def __init__(self, executor: Any) -> None:
+        self.real = executor.submit
+        self.last: dict[str, float] = {}
+        self.profiler: cProfile.Profile | None = None
+        executor.submit = self.submit
+
+    def submit(self, out: Any) -> Any:
+        cuda = torch.cuda.is_available()  # on the CPU (a smoke run) the GPU time is the host's
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        if self.profiler is not None:
+            self.profiler.enable()
+        got = self.real(out)
+        if self.profiler is not None:
+            self.profiler.disable()
+        host = time.perf_counter() - t0
+        gpu = host * 1e3
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+            gpu = start.elapsed_time(end)
+        self.last = {
+            "host_ms": host * 1e3,
+            "gpu_ms": gpu,
+            "tokens": sum(c.num_tokens for c in out.chunks),
+            "seqs": len(out.chunks),
+        }
+        return got
+
+
+def launch_costs(llm: LLM, calls: int = 300) -> dict[str, float]:
+    """Host µs per call of a Triton kernel (add + RMSNorm on one row) and of a torch op."""
+    from inferx_kernels_cuda.ops import TritonOps
+
+    ops = TritonOps()
+    hidden = int(llm.engine.executor.hf_config["hidden_size"])
+    x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn_like(x)
+    w = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+    out: dict[str, float] = {}
+
+    def timed(fn: Any) -> float:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host = (time.perf_counter() - t0) / calls * 1e6
+        torch.cuda.synchronize()
+        return host
+
+    out["torch_add_us"] = timed(lambda: torch.add(x, res))
+    out["torch_linear_us"] = timed(lambda: torch.nn.functional.linear(x, torch.ones_like(w)[None]))
+    out["triton_add_rms_norm_us"] = timed(lambda: ops.rms_norm(x, w, 1e-6, res))
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _touch(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + offs, mask=offs < n)
+        tl.store(x_ptr + offs, v, mask=offs < n)
+
+    out["triton_minimal_kernel_us"] = timed(lambda: _touch[(1,)](x, 16, BLOCK=16))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="qwen2.5-3b-instruct")
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--backend", default="triton")
+    ap.add_argument("--decodes", default="0,8,64")
+    ap.add_argument("--chunks", default="16,128,512,2048")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    overrides: dict[str, Any] = {
+        "model.preset": args.preset,
+        "model.tokenizer": args.tokenizer,
+        "model.dtype": "bfloat16" if torch.cuda.is_available() else "float32",
+        "engine.attention_backend": args.backend,
+        "kv_cache.memory": "40GiB" if torch.cuda.is_available() else "1GiB",
+        "scheduler.max_batched_tokens": 8192,
+        "scheduler.prefill_chunk": 8192,
+    }
+    for kv in args.set:
+        key, _, value = kv.partition("=")
+        overrides[key] = value
+    llm = LLM(load_config(None, overrides))
+    engine = llm.engine
+    vocab = int(engine.executor.hf_config["vocab_size"])
+    timer = SubmitTimer(engine.executor)
+    long = SamplingParams(max_tokens=4000, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    rows: list[dict[str, Any]] = []
+    print(f"{args.preset}, {args.backend}; eager steps submitted with the GPU idle")
+    print(f"{'decodes':>7} {'chunk':>6} | {'host ms':>8} {'GPU ms':>8} {'host/GPU':>8}")
+    rng = random.Random(0)
+    for decodes in [int(v) for v in args.decodes.split(",")]:
+        ids = [engine.add_request(random_prompt(vocab, 128, rng), long) for _ in range(decodes)]
+        while any(engine.requests[i].seq.num_output < 2 for i in ids):
+            engine.step()
+        for chunk in [int(v) for v in args.chunks.split(",")]:
+            samples = []
+            for _ in range(args.repeats):
+                rid = engine.add_request(random_prompt(vocab, chunk, rng), one)
+                while rid in engine.requests and engine.requests[rid].seq.num_computed == 0:
+                    engine.step()
+                    if timer.last.get("tokens", 0) >= chunk:
+                        samples.append(dict(timer.last))
+                while rid in engine.requests:
+                    engine.step()
+            if not samples:
+                continue
+            host = statistics.median(s["host_ms"] for s in samples)
+            gpu = statistics.median(s["gpu_ms"] for s in samples)
+            rows.append({"decodes": decodes, "chunk": chunk, "host_ms": host, "gpu_ms": gpu})
+            print(f"{decodes:>7} {chunk:>6} | {host:8.2f} {gpu:8.2f} {host / gpu:8.2f}")
+        for i in ids:
+            engine.abort(i)
+        while engine.has_work():
+            engine.step()
+
+    # Where one eager step's host time goes: 64 decodes beside a 512-token chunk.
+    ids = [engine.add_request(random_prompt(vocab, 128, rng), long) for _ in range(64)]
+    while any(engine.requests[i].seq.num_output < 2 for i in ids):
+        engine.step()
+    timer.profiler = cProfile.Profile()
+    rid = engine.add_request(random_prompt(vocab, 512, rng), one)
+    while rid in engine.requests and engine.requests[rid].seq.num_computed == 0:
+        engine.step()
+    timer.profiler, prof = None, timer.profiler
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
+    profile_text = buf.getvalue()
+    print(profile_text[profile_text.find("function calls") :])
+    for i in ids:
+        engine.abort(i)
+    while engine.has_work():
+        engine.step()
+
+    costs = launch_costs(llm) if torch.cuda.is_available() else {}
+    print("host µs per call: " + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()))
+    if args.json:
+        commit = (
+            os.environ.get("INFERX_COMMIT")
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ).stdout.strip()
+        )
+        doc = {
+            "meta": {
+                "commit": commit,
+                "preset": args.preset,
+                "backend": args.backend,
+                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            },
+            "rows": rows,
+            "launch_costs_us": costs,
+            "cprofile_64_decodes_512_chunk": profile_text,
+        }
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
