@@ -44,6 +44,9 @@ class EngineSection(Section):
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer (or a plugin's)
     kernels: str = "auto"  # fused norm/rotary/activation ops: auto | torch | triton
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (GPU and a capable backend)
+    # Steps with prompt tokens of up to this many tokens also replay CUDA graphs (captured for a
+    # ladder of token counts, when the attention backend supports it); 0: they run eagerly.
+    graph_max_tokens: int = Field(default=2048, ge=0, le=16384)
     overlap: bool = True  # schedule and submit step N+1 while the device runs step N
     threads: int | None = Field(default=None, ge=1)  # torch CPU threads
 

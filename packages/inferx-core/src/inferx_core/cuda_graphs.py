@@ -1,10 +1,15 @@
-"""CUDA graphs for decode steps: captured at start-up for a ladder of batch sizes, replayed padded.
+"""CUDA graphs: captured at start-up for a ladder of sizes, replayed padded.
 
 A decode step at batch 1 launches about a thousand small kernels from Python; a graph replays
 them all in one launch. Each captured size runs the model and the vocabulary projection over
 static inputs (token ids, positions) and the attention backend's static metadata; a step of n
 sequences replays the smallest captured size >= n, its extra rows padding that the backend makes
 harmless. Sampling stays outside the graph, on the real rows.
+
+Steps with prompt tokens (MixedGraphRunner) are graphs too, by padded token count: launching
+their kernels one by one costs the host ~30 ms on an H200 machine whatever the chunk's length,
+several times the GPU's own time for a short chunk. They return hidden states; the vocabulary
+projection of the sampled rows runs after the replay.
 """
 
 from __future__ import annotations
@@ -34,6 +39,17 @@ def batch_ladder(max_batch: int) -> list[int]:
     sizes = [s for s in (1, 2, 4, 8) if s < max_batch]
     sizes += range(16, max_batch, 16)
     return sizes + [max_batch]
+
+
+def token_ladder(max_tokens: int) -> list[int]:
+    """Token counts to capture steps with prompt tokens at, ascending: 64, 256, 512, 768, then
+    every 512, and max_tokens itself. Below 512 tokens a step's GPU time hardly depends on its
+    length (the weights are read once either way), so the rungs can be far apart there."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
+    sizes = [s for s in (64, 256, 512, 768) if s < max_tokens]
+    sizes += range(1024, max_tokens, 512)
+    return sizes + [max_tokens]
 
 
 def eager_reason(enabled: bool, device: torch.device, attention: AttentionBackend) -> str | None:
@@ -102,32 +118,19 @@ class DecodeGraphRunner:
         return len(chunks) <= self.max_batch and all(c.num_tokens == 1 for c in chunks)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every size, largest first so that smaller graphs reuse its memory pool, each
-        after one eager run of the same size (kernels compile and libraries set up outside)."""
-        pool = None
-        gc.collect()
-        gc.freeze()  # a collection during each capture would walk every live object again
-        try:
-            for size in reversed(self.sizes):
-                try:
-                    self.attention.prepare_for_capture(size)
-                    self._forward(size)
-                    torch.cuda.synchronize(self.device)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self._forward(size)
-                except Exception as exc:
-                    raise RuntimeError(
-                        f"capturing the decode CUDA graph of batch size {size} failed ({exc}); "
-                        "set engine.cuda_graphs = false to run decode eagerly"
-                    ) from exc
-                if pool is None:
-                    pool = graph.pool()
-                self.graphs[size] = graph
-        finally:
-            gc.unfreeze()
-        torch.cuda.synchronize(self.device)
+    def capture(self, pool: object = None) -> object:
+        """Capture every size, largest first so that smaller graphs reuse its memory pool (or
+        `pool`, another runner's), each after one eager run of the same size (kernels compile
+        and libraries set up outside). Returns the pool."""
+        return _capture_ladder(
+            self.sizes,
+            self.graphs,
+            self.attention.prepare_for_capture,
+            self._forward,
+            self.device,
+            pool,
+            "the decode CUDA graph of batch size {size}",
+        )
 
     def _forward(self, size: int) -> None:
         hidden = self.model(self.input_ids[:size], self.positions[:size])
@@ -196,3 +199,123 @@ class DecodeGraphRunner:
         self.replays[size] += 1
         assert self.logits is not None
         return self.logits[:n]
+
+
+def _capture_ladder(
+    sizes: list[int],
+    graphs: dict[int, torch.cuda.CUDAGraph],
+    prepare: Callable[[int], None],
+    forward: Callable[[int], None],
+    device: torch.device,
+    pool: object,
+    what: str,
+) -> object:
+    gc.collect()
+    gc.freeze()  # a collection during each capture would walk every live object again
+    try:
+        for size in reversed(sizes):
+            try:
+                prepare(size)
+                forward(size)
+                torch.cuda.synchronize(device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    forward(size)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"capturing {what.format(size=size)} failed ({exc}); set "
+                    "engine.cuda_graphs = false (or engine.graph_max_tokens = 0) to run eagerly"
+                ) from exc
+            if pool is None:
+                pool = graph.pool()
+            graphs[size] = graph
+    finally:
+        gc.unfreeze()
+    torch.cuda.synchronize(device)
+    return pool
+
+
+class MixedGraphRunner:
+    """Captures and replays the forward pass (hidden states) of steps with prompt tokens, by
+    token count; the attention backend's mixed hooks hold the layout. A step of t tokens over s
+    sequences replays the smallest captured count >= t; padding tokens are id 0 at position 0
+    and write no cache slot."""
+
+    def __init__(
+        self,
+        model: ModelArch,
+        attention: AttentionBackend,
+        device: torch.device,
+        max_tokens: int,
+        max_seqs: int,
+        max_model_len: int,
+        block_size: int,
+    ) -> None:
+        self.model = model
+        self.attention = attention
+        self.device = device
+        self.sizes = token_ladder(max_tokens)
+        self.max_tokens = self.sizes[-1]
+        self.max_seqs = max_seqs
+        attention.init_mixed_graph_buffers(
+            self.max_tokens, max_seqs, -(-max_model_len // block_size)
+        )
+        self.input_ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
+        self.hidden: dict[int, torch.Tensor] = {}  # each size's output
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays: Counter[int] = Counter()
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        i = bisect.bisect_left(self.sizes, num_tokens)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def fits(self, num_tokens: int, num_seqs: int) -> bool:
+        return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs
+
+    @torch.inference_mode()
+    def capture(self, pool: object = None) -> object:
+        """As DecodeGraphRunner.capture; capture this runner first (its steps are larger)."""
+        return _capture_ladder(
+            self.sizes,
+            self.graphs,
+            self.attention.prepare_mixed_capture,
+            self._forward,
+            self.device,
+            pool,
+            "the CUDA graph of steps with prompt tokens at {size} tokens",
+        )
+
+    def _forward(self, size: int) -> None:
+        self.hidden[size] = self.model(self.input_ids[:size], self.positions[:size])
+
+    def run(
+        self,
+        ids: list[int],
+        positions: list[int],
+        batch: AttentionBatch,
+        fill: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """Hidden states [len(ids), hidden] of a step that fits(), row t for token t; the
+        graph's own output, valid until the next run. `batch` is the step's layout on the
+        host; `fill` as in DecodeGraphRunner.run. Without a captured graph (before capture(),
+        on the CPU) the same padded pass runs eagerly."""
+        n = len(ids)
+        size = self.padded_size(n)
+        assert size is not None
+        pad = [0] * (size - n)
+        host = torch.tensor([ids + pad, positions + pad], dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        self.input_ids[:size].copy_(host[0], non_blocking=True)
+        self.positions[:size].copy_(host[1], non_blocking=True)
+        if fill is not None:
+            fill(self.input_ids)
+        self.attention.prepare_mixed_replay(batch, size)
+        graph = self.graphs.get(size)
+        if graph is None:
+            self._forward(size)
+        else:
+            graph.replay()
+        self.replays[size] += 1
+        return self.hidden[size][:n]

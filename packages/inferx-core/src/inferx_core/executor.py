@@ -13,7 +13,12 @@ import torch
 
 from inferx_core.batch import make_attention_batch, to_device, to_host
 from inferx_core.config import Config
-from inferx_core.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphRunner, eager_reason
+from inferx_core.cuda_graphs import (
+    MAX_GRAPH_BATCH,
+    DecodeGraphRunner,
+    MixedGraphRunner,
+    eager_reason,
+)
 from inferx_core.interfaces import (
     AttentionBackend,
     BuildContext,
@@ -275,11 +280,24 @@ class ModelRunner(Executor):
             self._warm_up()
             self.report.seconds["warm_up"] = time.perf_counter() - t0
         self.graphs: DecodeGraphRunner | None = None
+        self.mixed: MixedGraphRunner | None = None
         self.eager_reason = eager_reason(config.engine.cuda_graphs, self.device, self.attention)
         if self.eager_reason is not None:
             log.info("decode runs eagerly: %s", self.eager_reason)
         else:
             t0 = time.perf_counter()
+            pool = None
+            if self._mixed_graph_tokens():
+                self.mixed = MixedGraphRunner(
+                    self.model,
+                    self.attention,
+                    self.device,
+                    self._mixed_graph_tokens(),
+                    config.scheduler.max_running,
+                    self.max_model_len,
+                    self.block_size,
+                )
+                pool = self.mixed.capture()
             self.graphs = DecodeGraphRunner(
                 self.model,
                 self.attention,
@@ -288,14 +306,25 @@ class ModelRunner(Executor):
                 self.max_model_len,
                 self.block_size,
             )
-            self.graphs.capture()
+            self.graphs.capture(pool)
             self.report.seconds["cuda_graphs"] = time.perf_counter() - t0
             log.info(
-                "captured decode CUDA graphs for %d batch sizes (1 to %d) in %.2f s",
+                "captured CUDA graphs in %.2f s: decode at %d batch sizes (1 to %d); steps "
+                "with prompt tokens at %s tokens",
+                self.report.seconds["cuda_graphs"],
                 len(self.graphs.sizes),
                 self.graphs.max_batch,
-                self.report.seconds["cuda_graphs"],
+                self.mixed.sizes if self.mixed else "no",
             )
+
+    def _mixed_graph_tokens(self) -> int:
+        """The largest step with prompt tokens to capture (0: none): engine.graph_max_tokens
+        within what the scheduler can send, where graphs run and the backend supports them."""
+        if eager_reason(self.config.engine.cuda_graphs, self.device, self.attention):
+            return 0
+        if not self.attention.supports_mixed_graphs:
+            return 0
+        return min(self.config.engine.graph_max_tokens, self.config.scheduler.max_batched_tokens)
 
     def _size_cache(self) -> int:
         """KV blocks: kv_cache.num_blocks, or on a GPU what kv_cache.memory allows after a
@@ -435,8 +464,18 @@ class ModelRunner(Executor):
                 torch.cuda.synchronize(dev)
                 # The pool holds one step's intermediates; the runner keeps its own logits.
                 pool = torch.cuda.max_memory_allocated(dev) - before
-                graphs = max(0, pool) + logits.numel() * logits.element_size()
+                logits_bytes = logits.numel() * logits.element_size()
                 del logits
+                mixed = self._mixed_graph_tokens()
+                if mixed:  # the graphs share one pool: the larger of the two steps' needs
+                    before = torch.cuda.memory_allocated(dev)
+                    torch.cuda.reset_peak_memory_stats(dev)
+                    tables = fresh_tables([mixed], self.block_size)[0]
+                    logits = self._profile_step([mixed], tables, 1, False)
+                    torch.cuda.synchronize(dev)
+                    pool = max(pool, torch.cuda.max_memory_allocated(dev) - before)
+                    del logits
+                graphs = max(0, pool) + logits_bytes
         except torch.OutOfMemoryError as exc:
             raise LoadError(
                 f"the profiling step of {sum(lens)} tokens (scheduler.max_batched_tokens) ran "
@@ -487,21 +526,28 @@ class ModelRunner(Executor):
             last_rows.append(len(ids) - 1)
             if chunk.sample:
                 sample_rows.append(len(ids) - 1)
-        batch = make_attention_batch(
+        pending_rows = [last_rows[i] for i in pending]
+        layout = (
             [c.num_tokens for c in chunks],
             [c.start + c.num_tokens for c in chunks],
             [c.seq.block_table for c in chunks],
             self.block_size,
-            self.device,
         )
-        self.attention.begin_step(batch)
-        host = torch.tensor(ids + positions + sample_rows, dtype=torch.long)
-        on_device = to_device(host, self.device)
-        n = len(ids)
-        input_ids, pos, rows = on_device[:n], on_device[n : 2 * n], on_device[2 * n :]
-        if pending:
-            self._fill_pending(input_ids, [last_rows[i] for i in pending], chunks, pending)
-        hidden = self.model(input_ids, pos)
+        if self.mixed is not None and self.mixed.fits(len(ids), len(chunks)):
+            fill = None
+            if pending:
+                fill = lambda ids: self._fill_pending(ids, pending_rows, chunks, pending)  # noqa: E731
+            hidden = self.mixed.run(ids, positions, make_attention_batch(*layout), fill)
+            rows = to_device(torch.tensor(sample_rows, dtype=torch.long), self.device)
+        else:
+            self.attention.begin_step(make_attention_batch(*layout, self.device))
+            host = torch.tensor(ids + positions + sample_rows, dtype=torch.long)
+            on_device = to_device(host, self.device)
+            n = len(ids)
+            input_ids, pos, rows = on_device[:n], on_device[n : 2 * n], on_device[2 * n :]
+            if pending:
+                self._fill_pending(input_ids, pending_rows, chunks, pending)
+            hidden = self.model(input_ids, pos)
         if not sample_rows:
             return self._sample(None, [])
         return self._sample(self.model.compute_logits(hidden.index_select(0, rows)), sample_seqs)

@@ -24,6 +24,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """A host tensor in pinned memory (where CUDA is), so that copies from it do not block."""
+    return t.pin_memory() if torch.cuda.is_available() else t
+
+
 @dataclass
 class _Tiles:
     """The prefill query tiles of one GQA group size: BLOCK_Q queries of one sequence each."""
@@ -69,6 +74,23 @@ class _GraphBuffers:
     staged_context_len: torch.Tensor  # host (pinned on a GPU) copies of the per-row vectors
     staged_slot_mapping: torch.Tensor
     copied: torch.cuda.Event | None  # the last replay's copies out of the staged tensors
+
+
+@dataclass
+class _MixedBuffers:
+    """Static metadata of mixed-step graphs. Every sequence (prompt chunk or decode) runs the
+    prefill kernel over a grid of query tiles fixed per token count; tiles past the step's own,
+    and padding tokens, belong to an empty sequence row (no queries, no context)."""
+
+    max_tokens: int
+    max_seqs: int
+    max_blocks: int
+    slot_mapping: torch.Tensor  # [max_tokens] int64, -1 for padding tokens
+    query_start: torch.Tensor  # [max_seqs + 2] int32
+    context_len: torch.Tensor  # [max_seqs + 1] int32
+    block_table: torch.Tensor  # [max_seqs + 1, max_blocks] int32
+    tile_seq: dict[int, torch.Tensor]  # by GQA group size: [tiles for max_tokens] int32
+    tile_start: dict[int, torch.Tensor]
 
 
 def write_kv(
@@ -133,6 +155,7 @@ class TritonAttention(TorchAttention):
     name = "triton attention"
     max_splits = 64
     supports_cuda_graphs = True
+    supports_mixed_graphs = True
     fuses_rotary = True
 
     def __init__(
@@ -179,6 +202,22 @@ class TritonAttention(TorchAttention):
         self._groups = sorted({s.num_q_heads // s.num_kv_heads for s in layers})
         self._plan: _Plan | None = None
         self._graph: _GraphBuffers | None = None
+        self._mixed: _MixedBuffers | None = None
+
+    def _tile_shape(self, group: int) -> tuple[int, int]:
+        """(BLOCK_M, BLOCK_Q) of the prefill kernel for a GQA group size."""
+        block_m = max(self.prefill_block_m, triton.next_power_of_2(group))
+        return block_m, block_m // group
+
+    @staticmethod
+    def _tiles_of(query_lens: list[int], seqs: list[int], block_q: int) -> list[list[int]]:
+        """[tile sequences, tile first queries] covering the queries of `seqs`."""
+        tile_seqs, starts = [], []
+        for i in seqs:
+            for start in range(0, query_lens[i], block_q):
+                tile_seqs.append(i)
+                starts.append(start)
+        return [tile_seqs, starts]
 
     def begin_step(self, batch: AttentionBatch) -> None:
         device = self.device
@@ -198,15 +237,10 @@ class TritonAttention(TorchAttention):
             parts = [list(decode)]
             tile_ranges = {}
             for group in self._groups:
-                block_m = max(self.prefill_block_m, triton.next_power_of_2(group))
-                block_q = block_m // group
-                seqs, starts = [], []
-                for i in prefill:
-                    for start in range(0, batch.query_lens[i], block_q):
-                        seqs.append(i)
-                        starts.append(start)
-                tile_ranges[group] = (block_m, block_q, len(parts), len(seqs))
-                parts += [seqs, starts]
+                block_m, block_q = self._tile_shape(group)
+                seqs_starts = self._tiles_of(batch.query_lens, prefill, block_q)
+                tile_ranges[group] = (block_m, block_q, len(parts), len(seqs_starts[0]))
+                parts += seqs_starts
             packed, at = pack_aligned(parts, torch.int32)
             packed = to_device(packed, device)
             decode_seqs = packed[: len(decode)]
@@ -330,6 +364,114 @@ class TritonAttention(TorchAttention):
             if g.copied is None:
                 g.copied = torch.cuda.Event()
             g.copied.record()
+
+    # -- CUDA graphs of steps with prompt tokens ---------------------------------------------
+    #
+    # Query lengths vary, so every sequence runs the prefill kernel (a decode is a one-query
+    # tile) over a fixed grid: at t tokens and group size g, cdiv(t, BLOCK_Q) + min(t, max_seqs)
+    # tiles, the most any step of t tokens can need. Unused tiles and padding tokens point at
+    # the sequence row after the step's last, which has no queries and no context.
+
+    def init_mixed_graph_buffers(
+        self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int
+    ) -> None:
+        device = self.device
+        tiles = {g: self._mixed_tile_count(max_tokens, max_seqs, g) for g in self._groups}
+        self._mixed = _MixedBuffers(
+            max_tokens=max_tokens,
+            max_seqs=max_seqs,
+            max_blocks=max_blocks_per_seq,
+            slot_mapping=torch.full((max_tokens,), -1, dtype=torch.int64, device=device),
+            query_start=torch.zeros(max_seqs + 2, dtype=torch.int32, device=device),
+            context_len=torch.zeros(max_seqs + 1, dtype=torch.int32, device=device),
+            block_table=torch.zeros(
+                max_seqs + 1, max_blocks_per_seq, dtype=torch.int32, device=device
+            ),
+            tile_seq={
+                g: torch.zeros(n, dtype=torch.int32, device=device) for g, n in tiles.items()
+            },
+            tile_start={
+                g: torch.zeros(n, dtype=torch.int32, device=device) for g, n in tiles.items()
+            },
+        )
+
+    def _mixed_tile_count(self, num_tokens: int, max_seqs: int, group: int) -> int:
+        return _cdiv(num_tokens, self._tile_shape(group)[1]) + min(num_tokens, max_seqs)
+
+    def _mixed_buffers(self, num_tokens: int) -> _MixedBuffers:
+        m = self._mixed
+        if m is None:
+            raise RuntimeError(f"{self.name}: init_mixed_graph_buffers() must run first")
+        if not 1 <= num_tokens <= m.max_tokens:
+            raise ValueError(
+                f"{self.name}: {num_tokens} tokens is outside the mixed graph buffers' "
+                f"1..{m.max_tokens}"
+            )
+        return m
+
+    def _mixed_plan(self, m: _MixedBuffers, num_tokens: int) -> _Plan:
+        tiles = {}
+        for group in self._groups:
+            block_m, block_q = self._tile_shape(group)
+            count = self._mixed_tile_count(num_tokens, m.max_seqs, group)
+            seq, start = m.tile_seq[group][:count], m.tile_start[group][:count]
+            tiles[group] = _Tiles(block_m, block_q, seq, start, count)
+        return _Plan(
+            slot_mapping=m.slot_mapping[:num_tokens],
+            query_start=m.query_start,
+            context_len=m.context_len,
+            block_table=m.block_table,
+            decode_seqs=m.context_len,  # never read: no decode launch
+            num_decode=0,
+            all_decode=False,
+            num_splits=1,
+            split_len=self.decode_block_n,
+            part_o=None,
+            part_lse=None,
+            tiles=tiles,
+        )
+
+    def prepare_mixed_capture(self, num_tokens: int) -> None:
+        m = self._mixed_buffers(num_tokens)
+        m.slot_mapping.fill_(-1)
+        for t in (m.query_start, m.context_len, *m.tile_seq.values(), *m.tile_start.values()):
+            t.zero_()  # every tile on row 0, which has no queries and no context
+        self._plan = self._mixed_plan(m, num_tokens)
+
+    def prepare_mixed_replay(self, batch: AttentionBatch, num_tokens: int) -> None:
+        m = self._mixed_buffers(num_tokens)
+        n, width = batch.block_table.shape
+        real = sum(batch.query_lens)
+        if real > num_tokens or n > min(num_tokens, m.max_seqs) or width > m.max_blocks:
+            raise ValueError(
+                f"{self.name}: a mixed replay of {num_tokens} tokens takes at most that many "
+                f"tokens, {min(num_tokens, m.max_seqs)} sequences and {m.max_blocks} blocks "
+                f"each; got {real} tokens of {n} sequences, {width} blocks wide"
+            )
+        # Row n is the empty sequence: no queries (query_start repeats), no context.
+        query_start = [0]
+        for q in batch.query_lens:
+            query_start.append(query_start[-1] + q)
+        parts = [query_start + [real], list(batch.context_lens) + [0]]
+        dests = [m.query_start[: n + 2], m.context_len[: n + 1]]
+        for group in self._groups:
+            count = self._mixed_tile_count(num_tokens, m.max_seqs, group)
+            seqs, starts = self._tiles_of(
+                batch.query_lens, list(range(n)), self._tile_shape(group)[1]
+            )
+            pad = count - len(seqs)
+            parts += [seqs + [n] * pad, starts + [0] * pad]
+            dests += [m.tile_seq[group][:count], m.tile_start[group][:count]]
+        packed, at = pack_aligned(parts, torch.int32)
+        packed = _pinned(packed)
+        for dest, offset, part in zip(dests, at, parts, strict=True):
+            dest.copy_(packed[offset : offset + len(part)], non_blocking=True)
+        slots = torch.full((num_tokens,), -1, dtype=torch.int64)
+        slots[:real] = batch.slot_mapping
+        m.slot_mapping[:num_tokens].copy_(_pinned(slots), non_blocking=True)
+        # Rows past n keep older ids: every one a valid block, and never read.
+        m.block_table[:n, :width].copy_(_pinned(batch.block_table), non_blocking=True)
+        self._plan = self._mixed_plan(m, num_tokens)
 
     def _graph_buffers(self, batch_size: int) -> _GraphBuffers:
         return checked_graph_buffers(self, batch_size)

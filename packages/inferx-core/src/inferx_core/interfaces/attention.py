@@ -49,12 +49,18 @@ class AttentionBackend(ABC):
     before capturing the forward passes of an n-sequence decode batch, and prepare_for_replay()
     before each replay. The defaults refuse, so a backend without graphs runs eagerly.
 
+    Steps with prompt tokens (any query lengths) can be graphs too, over a padded token count:
+    a backend that sets `supports_mixed_graphs` gets init_mixed_graph_buffers() once, then
+    prepare_mixed_capture(t) before capturing a step of t tokens and prepare_mixed_replay()
+    before each replay, with the same rules as the decode hooks.
+
     A backend that sets `fuses_rotary` also offers forward_with_rotary(): the model then hands it
     q and k before the rotary embedding, and the backend rotates them as it writes the cache
     (one kernel instead of two per layer).
     """
 
     supports_cuda_graphs: bool = False
+    supports_mixed_graphs: bool = False
     fuses_rotary: bool = False
 
     def __init__(
@@ -122,3 +128,22 @@ class AttentionBackend(ABC):
         the static buffers; rows from len(batch.query_lens) to `padded_batch_size` become padding
         that writes no cache slot a sequence owns and reads only allocated blocks."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_mixed_graph_buffers(
+        self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int
+    ) -> None:
+        """Allocate static metadata for steps of up to `max_tokens` tokens over up to `max_seqs`
+        sequences of any query lengths (prompt chunks beside decodes)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support mixed CUDA graphs")
+
+    def prepare_mixed_capture(self, num_tokens: int) -> None:
+        """Make the following forward() calls a step of `num_tokens` tokens whose layout is read
+        from the static buffers (reset to padding here); the capture rules of
+        prepare_for_capture() apply."""
+        raise NotImplementedError(f"{type(self).__name__} does not support mixed CUDA graphs")
+
+    def prepare_mixed_replay(self, batch: AttentionBatch, num_tokens: int) -> None:
+        """Copy a batch of at most `num_tokens` tokens (its tensors on the host) into the static
+        buffers; tokens from sum(batch.query_lens) to `num_tokens` are padding that writes no
+        cache slot and whose outputs are unspecified."""
+        raise NotImplementedError(f"{type(self).__name__} does not support mixed CUDA graphs")

@@ -1,0 +1,202 @@
+"""CUDA graphs of steps with prompt tokens (MixedGraphRunner and the Triton backend's mixed hooks):
+the padded, static-buffer path against eager steps, on the CPU under the Triton interpreter, and
+graphs against eager steps on the GPU."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from conftest import interpreted, on_gpu  # noqa: E402
+from test_attention_torch import rel_err  # noqa: E402
+from test_cuda_graphs import TOL, LogitsRecorder, checkpoint, triton_attention  # noqa: E402
+
+from inferx_core.attention_torch import TorchAttention  # noqa: E402
+from inferx_core.batch import make_attention_batch  # noqa: E402
+from inferx_core.config import load_config  # noqa: E402
+from inferx_core.cuda_graphs import MixedGraphRunner, token_ladder  # noqa: E402
+from inferx_core.engine import LLM  # noqa: E402
+from inferx_core.interfaces.kv import KVLayerSpec  # noqa: E402
+from inferx_core.sequence import SamplingParams  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def test_token_ladder() -> None:
+    assert token_ladder(2048) == [64, 256, 512, 768, 1024, 1536, 2048]
+    assert token_ladder(1000) == [64, 256, 512, 768, 1000]
+    assert token_ladder(64) == [64]
+    assert token_ladder(10) == [10]
+    with pytest.raises(ValueError, match="at least 1"):
+        token_ladder(0)
+
+
+def _tables(contexts: list[int], block_size: int, num_blocks: int) -> list[list[int]]:
+    ids = (torch.randperm(num_blocks - 1) + 1).tolist()  # block 0 is never a sequence's
+    tables = []
+    for c in contexts:
+        need = -(-c // block_size)
+        tables.append(ids[:need])
+        ids = ids[need:]
+    return tables
+
+
+@interpreted
+@pytest.mark.parametrize(
+    ("block_size", "group", "dtype"),
+    [(4, 1, torch.float32), (16, 2, torch.float32), (4, 4, torch.float16), (16, 2, torch.bfloat16)],
+)
+def test_static_mixed_path_matches_eager(block_size: int, group: int, dtype: torch.dtype) -> None:
+    """One set of buffers serves steps of prompt chunks beside decodes, padded to 48 tokens:
+    chunks over a cached prefix, a fresh prompt, decodes, then a smaller step (rows and tiles
+    that held real sequences turn into padding). Outputs equal the eager step's and
+    TorchAttention's; padding tokens (garbage queries and keys) write no cache slot."""
+    torch.manual_seed(block_size * 10 + group)
+    layers = [KVLayerSpec(2 * group, 2, 16), KVLayerSpec(group, 1, 32)]
+    max_blocks = 64 // block_size
+    num_blocks = 6 * max_blocks + 1
+    static = triton_attention(layers, block_size, dtype, CPU)
+    eager = triton_attention(layers, block_size, dtype, CPU)
+    reference = TorchAttention(layers, block_size, dtype, CPU)
+    for backend in (static, eager, reference):
+        backend.allocate(num_blocks)
+        for cache in backend.caches:
+            torch.manual_seed(1)
+            cache.copy_(torch.randn(cache.shape).to(dtype))
+    static.init_mixed_graph_buffers(48, 6, max_blocks)
+    static.prepare_mixed_capture(48)
+    padded = 48
+    for query_lens, contexts in (([9, 1, 20, 1, 3], [30, 17, 20, 64, 3]), ([1, 13], [40, 13])):
+        n, real = len(query_lens), sum(query_lens)
+        batch = make_attention_batch(
+            query_lens, contexts, _tables(contexts, block_size, num_blocks), block_size
+        )
+        static.prepare_mixed_replay(batch, padded)
+        eager.begin_step(batch)
+        reference.begin_step(batch)
+        for layer, spec in enumerate(layers):
+            heads = (spec.num_q_heads, spec.num_kv_heads, spec.num_kv_heads)
+            qkv = [torch.randn(padded, h, spec.head_dim).to(dtype) for h in heads]
+            scale = spec.head_dim**-0.5
+            got = static.forward(layer, *qkv, scale)[:real]
+            want = eager.forward(layer, *(x[:real] for x in qkv), scale)
+            ref = reference.forward(layer, *(x[:real] for x in qkv), scale)
+            assert got.shape == want.shape == (real, spec.num_q_heads, spec.head_dim)
+            err = rel_err(got, want)
+            assert err <= TOL[dtype], f"{query_lens}, layer {layer}: {err:.2e} vs eager"
+            err = rel_err(got, ref)
+            assert err <= TOL[dtype], f"{query_lens}, layer {layer}: {err:.2e} vs torch"
+        for layer in range(len(layers)):
+            assert torch.equal(static.caches[layer], eager.caches[layer]), (query_lens, layer)
+        assert n <= 6
+
+
+@interpreted
+def test_mixed_buffers_check_their_inputs() -> None:
+    backend = triton_attention([KVLayerSpec(2, 1, 16)], 4, torch.float32, CPU)
+    with pytest.raises(RuntimeError, match="init_mixed_graph_buffers"):
+        backend.prepare_mixed_capture(8)
+    backend.init_mixed_graph_buffers(16, 3, 4)
+    with pytest.raises(ValueError, match="outside the mixed graph buffers' 1..16"):
+        backend.prepare_mixed_capture(17)
+    too_many_tokens = make_attention_batch([9], [9], [[1, 2, 3]], 4)
+    with pytest.raises(ValueError, match="got 9 tokens of 1 sequences"):
+        backend.prepare_mixed_replay(too_many_tokens, 8)
+    too_many_seqs = make_attention_batch([1] * 4, [1] * 4, [[1], [2], [3], [4]], 4)
+    with pytest.raises(ValueError, match="3 sequences"):
+        backend.prepare_mixed_replay(too_many_seqs, 8)
+    too_wide = make_attention_batch([2], [20], [[1, 2, 3, 4, 5]], 4)
+    with pytest.raises(ValueError, match="4 blocks each"):
+        backend.prepare_mixed_replay(too_wide, 8)
+
+
+def _engine(path, prefill_chunk: int) -> LLM:
+    config = {
+        "model.path": str(path),
+        "model.dtype": "float32",
+        "model.max_model_len": 64,
+        "engine.device": "cpu",
+        "engine.attention_backend": "triton",
+        "scheduler.max_running": 4,
+        "scheduler.prefix_cache": False,
+        "scheduler.prefill_chunk": prefill_chunk,
+    }
+    return LLM(load_config(None, config))
+
+
+@interpreted
+@pytest.mark.parametrize("prefill_chunk", [512, 5])
+def test_runner_generates_like_eager_steps(tmp_path_factory, prefill_chunk: int) -> None:
+    """The executor path on the CPU: MixedGraphRunner.run (padding, the static layout; no graph
+    to replay on the CPU, so the same padded pass runs eagerly) for every step with prompt
+    tokens, against ordinary eager steps. With 5-token chunks prompts are chunked and run beside
+    decodes, some steps sampling only some rows; with overlap on, decodes beside a chunk read
+    their last token from the device."""
+    llm = _engine(checkpoint("llama", tmp_path_factory), prefill_chunk)
+    ex = llm.engine.executor
+    assert ex.mixed is None  # on the CPU: no graphs unless a test sets a runner
+    recorder = ex.sampler = LogitsRecorder(ex.sampler)
+    prompts = [list(range(3, 20)), [5, 9, 17, 33, 65, 129, 200], [7] * 3]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (8, 5, 3)]
+
+    eager = [c.token_ids for c in llm.generate(prompts, params)]
+    eager_logits = recorder.take()
+    ex.mixed = MixedGraphRunner(ex.model, ex.attention, ex.device, 16, 4, ex.max_model_len, 16)
+    static = [c.token_ids for c in llm.generate(prompts, params)]
+    static_logits = recorder.take()
+
+    assert static == eager
+    assert [s.logits.shape for s in static_logits] == [s.logits.shape for s in eager_logits]
+    for step, (a, b) in enumerate(zip(static_logits, eager_logits, strict=True)):
+        err = rel_err(a.logits, b.logits)
+        assert err <= 1e-4, f"step {step}: logits differ by {err:.2e}"
+    # No decode runner here, so decode-only steps replay the mixed runner too.
+    if prefill_chunk == 512:  # 27 prompt tokens, over 16: eager; then 7 decode steps
+        assert ex.mixed.replays == Counter({16: 7})
+    else:  # every step fits 16 tokens: chunks of 5 beside decodes, then decodes
+        assert ex.mixed.replays == Counter({16: len(static_logits)})
+
+
+# -- on the GPU ---------------------------------------------------------------------------------
+
+
+@on_gpu
+@pytest.mark.gpu
+def test_gpu_mixed_graphs_generate_like_eager(tmp_path_factory) -> None:
+    """Real graphs on the GPU: prompts of random lengths beside decodes in chunks of up to 40
+    tokens, with graphs on (decode and mixed) and off, in fp32 (the tiny model's greedy choices
+    are far apart there): the same tokens."""
+    path = checkpoint("llama", tmp_path_factory)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(3, 60))] for _ in range(10)]
+    params = [
+        SamplingParams(max_tokens=rng.randrange(4, 24), temperature=0, ignore_eos=True)
+        for _ in prompts
+    ]
+    outs = {}
+    for graphs in (True, False):
+        config = {
+            "model.path": str(path),
+            "model.dtype": "float32",
+            "model.max_model_len": 128,
+            "engine.attention_backend": "triton",
+            "engine.cuda_graphs": graphs,
+            "engine.graph_max_tokens": 64,
+            "kv_cache.num_blocks": 256,
+            "scheduler.max_running": 6,
+            "scheduler.prefix_cache": False,
+            "scheduler.prefill_chunk": 40,
+        }
+        llm = LLM(load_config(None, config))
+        ex = llm.engine.executor
+        assert (ex.mixed is not None) == graphs
+        outs[graphs] = [c.token_ids for c in llm.generate(prompts, params)]
+        if graphs:
+            assert ex.mixed is not None and sum(ex.mixed.replays.values()) > 0
+            assert set(ex.mixed.graphs) == {64}
+    assert outs[True] == outs[False]
