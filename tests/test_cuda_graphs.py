@@ -48,6 +48,46 @@ def triton_attention(*args, **kwargs):
     return mod.TritonAttention(*args, **kwargs)
 
 
+def seeded_backends(
+    layers: list[KVLayerSpec], block_size: int, dtype: torch.dtype, num_blocks: int, **kwargs
+) -> tuple:
+    """Two Triton backends (one to run from static buffers, one eagerly) and TorchAttention,
+    their caches holding the same random values."""
+    static = triton_attention(layers, block_size, dtype, CPU, **kwargs)
+    eager = triton_attention(layers, block_size, dtype, CPU, **kwargs)
+    reference = TorchAttention(layers, block_size, dtype, CPU)
+    for backend in (static, eager, reference):
+        backend.allocate(num_blocks)
+        for cache in backend.caches:
+            torch.manual_seed(1)
+            cache.copy_(torch.randn(cache.shape).to(dtype))
+    return static, eager, reference
+
+
+def check_static_step(static, eager, reference, batch, padded: int, dtype, label: str) -> None:
+    """One step of every layer: `static` (its static layout already copied in) over `padded`
+    rows of random q, k, v whose extra rows are garbage, against `eager` and `reference` on the
+    real rows after begin_step(batch). Outputs agree to TOL; padding writes no cache slot, so
+    the static and eager caches end equal."""
+    real = int(batch.query_start[-1])
+    eager.begin_step(batch)
+    reference.begin_step(batch)
+    for layer, spec in enumerate(static.layers):
+        heads = (spec.num_q_heads, spec.num_kv_heads, spec.num_kv_heads)
+        qkv = [torch.randn(padded, h, spec.head_dim).to(dtype) for h in heads]
+        scale = spec.head_dim**-0.5
+        got = static.forward(layer, *qkv, scale)[:real]
+        want = eager.forward(layer, *(x[:real] for x in qkv), scale)
+        ref = reference.forward(layer, *(x[:real] for x in qkv), scale)
+        assert got.shape == want.shape == (real, spec.num_q_heads, spec.head_dim)
+        err = rel_err(got, want)
+        assert err <= TOL[dtype], f"{label}, layer {layer}: {err:.2e} vs eager"
+        err = rel_err(got, ref)
+        assert err <= TOL[dtype], f"{label}, layer {layer}: {err:.2e} vs torch"
+    for layer in range(len(static.layers)):
+        assert torch.equal(static.caches[layer], eager.caches[layer]), (label, layer)
+
+
 class GraphCapable(TorchAttention):
     """A backend that claims graph support and records how its buffers were sized."""
 
@@ -226,44 +266,16 @@ def test_static_decode_path_matches_eager(block_size: int, group: int, dtype: to
     num_blocks = 4 * max_blocks + 1
     # Two splits for 4 rows: a context over 32 tokens takes splits longer than the shortest.
     split = {"min_split_len": 16, "target_programs": 12}
-    static = triton_attention(layers, block_size, dtype, CPU, **split)
-    eager = triton_attention(layers, block_size, dtype, CPU, **split)
-    reference = TorchAttention(layers, block_size, dtype, CPU)
-    for backend in (static, eager, reference):
-        backend.allocate(num_blocks)
-        for cache in backend.caches:
-            torch.manual_seed(1)
-            cache.copy_(torch.randn(cache.shape).to(dtype))
+    static, eager, reference = seeded_backends(layers, block_size, dtype, num_blocks, **split)
     static.init_graph_buffers(8, max_blocks)
     static.prepare_for_capture(4)
     assert static._plan is not None and static._plan.num_splits == 2
 
     for contexts in ([37, 5, 64, 20], [1, 50]):
-        n = len(contexts)
-        ids = (torch.randperm(num_blocks - 1) + 1).tolist()  # block 0 is never a sequence's
-        tables = []
-        for c in contexts:
-            need = -(-c // block_size)
-            tables.append(ids[:need])
-            ids = ids[need:]
-        batch = make_attention_batch([1] * n, contexts, tables, block_size)
+        tables = scattered_tables(contexts, block_size, num_blocks)
+        batch = make_attention_batch([1] * len(contexts), contexts, tables, block_size)
         static.prepare_for_replay(batch, 4)
-        eager.begin_step(batch)
-        reference.begin_step(batch)
-        for layer, spec in enumerate(layers):
-            heads = (spec.num_q_heads, spec.num_kv_heads, spec.num_kv_heads)
-            qkv = [torch.randn(4, h, spec.head_dim).to(dtype) for h in heads]
-            scale = spec.head_dim**-0.5
-            got = static.forward(layer, *qkv, scale)[:n]
-            want = eager.forward(layer, *(x[:n] for x in qkv), scale)
-            ref = reference.forward(layer, *(x[:n] for x in qkv), scale)
-            assert got.shape == want.shape == (n, spec.num_q_heads, spec.head_dim)
-            err = rel_err(got, want)
-            assert err <= TOL[dtype], f"contexts {contexts}, layer {layer}: {err:.2e} vs eager"
-            err = rel_err(got, ref)
-            assert err <= TOL[dtype], f"contexts {contexts}, layer {layer}: {err:.2e} vs torch"
-        for layer in range(len(layers)):
-            assert torch.equal(static.caches[layer], eager.caches[layer]), (contexts, layer)
+        check_static_step(static, eager, reference, batch, 4, dtype, f"contexts {contexts}")
 
 
 @interpreted

@@ -12,11 +12,16 @@ import torch
 
 pytest.importorskip("transformers")
 
-from conftest import interpreted, on_gpu  # noqa: E402
+from conftest import interpreted, on_gpu, scattered_tables  # noqa: E402
 from test_attention_torch import rel_err  # noqa: E402
-from test_cuda_graphs import TOL, LogitsRecorder, checkpoint, triton_attention  # noqa: E402
+from test_cuda_graphs import (  # noqa: E402
+    LogitsRecorder,
+    check_static_step,
+    checkpoint,
+    seeded_backends,
+    triton_attention,
+)
 
-from inferx_core.attention_torch import TorchAttention  # noqa: E402
 from inferx_core.batch import make_attention_batch  # noqa: E402
 from inferx_core.config import load_config  # noqa: E402
 from inferx_core.cuda_graphs import MixedGraphRunner, token_ladder  # noqa: E402
@@ -36,16 +41,6 @@ def test_token_ladder() -> None:
         token_ladder(0)
 
 
-def _tables(contexts: list[int], block_size: int, num_blocks: int) -> list[list[int]]:
-    ids = (torch.randperm(num_blocks - 1) + 1).tolist()  # block 0 is never a sequence's
-    tables = []
-    for c in contexts:
-        need = -(-c // block_size)
-        tables.append(ids[:need])
-        ids = ids[need:]
-    return tables
-
-
 @interpreted
 @pytest.mark.parametrize(
     ("block_size", "group", "dtype"),
@@ -60,40 +55,14 @@ def test_static_mixed_path_matches_eager(block_size: int, group: int, dtype: tor
     layers = [KVLayerSpec(2 * group, 2, 16), KVLayerSpec(group, 1, 32)]
     max_blocks = 64 // block_size
     num_blocks = 6 * max_blocks + 1
-    static = triton_attention(layers, block_size, dtype, CPU)
-    eager = triton_attention(layers, block_size, dtype, CPU)
-    reference = TorchAttention(layers, block_size, dtype, CPU)
-    for backend in (static, eager, reference):
-        backend.allocate(num_blocks)
-        for cache in backend.caches:
-            torch.manual_seed(1)
-            cache.copy_(torch.randn(cache.shape).to(dtype))
+    static, eager, reference = seeded_backends(layers, block_size, dtype, num_blocks)
     static.init_mixed_graph_buffers(48, 6, max_blocks)
     static.prepare_mixed_capture(48)
-    padded = 48
     for query_lens, contexts in (([9, 1, 20, 1, 3], [30, 17, 20, 64, 3]), ([1, 13], [40, 13])):
-        n, real = len(query_lens), sum(query_lens)
-        batch = make_attention_batch(
-            query_lens, contexts, _tables(contexts, block_size, num_blocks), block_size
-        )
-        static.prepare_mixed_replay(batch, padded)
-        eager.begin_step(batch)
-        reference.begin_step(batch)
-        for layer, spec in enumerate(layers):
-            heads = (spec.num_q_heads, spec.num_kv_heads, spec.num_kv_heads)
-            qkv = [torch.randn(padded, h, spec.head_dim).to(dtype) for h in heads]
-            scale = spec.head_dim**-0.5
-            got = static.forward(layer, *qkv, scale)[:real]
-            want = eager.forward(layer, *(x[:real] for x in qkv), scale)
-            ref = reference.forward(layer, *(x[:real] for x in qkv), scale)
-            assert got.shape == want.shape == (real, spec.num_q_heads, spec.head_dim)
-            err = rel_err(got, want)
-            assert err <= TOL[dtype], f"{query_lens}, layer {layer}: {err:.2e} vs eager"
-            err = rel_err(got, ref)
-            assert err <= TOL[dtype], f"{query_lens}, layer {layer}: {err:.2e} vs torch"
-        for layer in range(len(layers)):
-            assert torch.equal(static.caches[layer], eager.caches[layer]), (query_lens, layer)
-        assert n <= 6
+        tables = scattered_tables(contexts, block_size, num_blocks)
+        batch = make_attention_batch(query_lens, contexts, tables, block_size)
+        static.prepare_mixed_replay(batch, 48)
+        check_static_step(static, eager, reference, batch, 48, dtype, f"{query_lens}")
 
 
 @interpreted
