@@ -364,6 +364,7 @@ def overrides_for(run: Run, preset: str, server: bool, fallback: bool) -> dict[s
         # As the peer was measured: prefix caching off offline, the default (on) when serving.
         "scheduler.prefix_cache": "true" if server else "false",
     }
+    o |= dict(kv.split("=", 1) for kv in a.set or [])
     if fallback:
         del o["kv_cache.memory"]
         o["kv_cache.num_blocks"] = str(fallback_blocks(preset))
@@ -736,7 +737,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-backend", help="default: triton (auto with --quick)")
     ap.add_argument("--kv-cache-memory", help="default: 0.9 (256MiB with --quick)")
     ap.add_argument("--concurrency", type=lambda v: tuple(int(c) for c in _list(v)))
+    ap.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="more config, offline and server"
+    )
     args = ap.parse_args(argv)
+    bad = [kv for kv in args.set or [] if "=" not in kv]
+    if bad:
+        ap.error(f"--set takes KEY=VALUE, got {bad}")
     unknown = [f for f in args.only if f not in FIGURES]
     if unknown:
         ap.error(f"--only: unknown figure(s) {', '.join(unknown)}; known: {', '.join(FIGURES)}")

@@ -26,6 +26,7 @@ from inferx_core.batch import make_attention_batch  # noqa: E402
 from inferx_core.config import load_config  # noqa: E402
 from inferx_core.cuda_graphs import MixedGraphRunner, token_ladder  # noqa: E402
 from inferx_core.engine import LLM  # noqa: E402
+from inferx_core.executor import first_tokens  # noqa: E402
 from inferx_core.interfaces.kv import KVLayerSpec  # noqa: E402
 from inferx_core.sequence import SamplingParams  # noqa: E402
 
@@ -98,14 +99,23 @@ def _engine(path, prefill_chunk: int) -> LLM:
     return LLM(load_config(None, config))
 
 
+def test_first_tokens() -> None:
+    assert first_tokens([8, 8, 8], 20) == [8, 8, 4]
+    assert first_tokens([8, 8], 16) == [8, 8]
+    assert first_tokens([8, 8], 100) == [8, 8]
+    assert first_tokens([8], 3) == [3]
+
+
 @interpreted
-@pytest.mark.parametrize("prefill_chunk", [512, 5])
-def test_runner_generates_like_eager_steps(tmp_path_factory, prefill_chunk: int) -> None:
+@pytest.mark.parametrize(("prefill_chunk", "max_seqs"), [(512, 4), (5, 4), (5, 2)])
+def test_runner_generates_like_eager_steps(
+    tmp_path_factory, prefill_chunk: int, max_seqs: int
+) -> None:
     """The executor path on the CPU: MixedGraphRunner.run (padding, the static layout; no graph
     to replay on the CPU, so the same padded pass runs eagerly) for every step with prompt
     tokens, against ordinary eager steps. With 5-token chunks prompts are chunked and run beside
     decodes, some steps sampling only some rows; with overlap on, decodes beside a chunk read
-    their last token from the device."""
+    their last token from the device. With max_seqs 2, steps over 3 sequences run eagerly."""
     llm = _engine(checkpoint("llama", tmp_path_factory), prefill_chunk)
     ex = llm.engine.executor
     assert ex.mixed is None  # on the CPU: no graphs unless a test sets a runner
@@ -115,7 +125,8 @@ def test_runner_generates_like_eager_steps(tmp_path_factory, prefill_chunk: int)
 
     eager = [c.token_ids for c in llm.generate(prompts, params)]
     eager_logits = recorder.take()
-    ex.mixed = MixedGraphRunner(ex.model, ex.attention, ex.device, 16, 4, ex.max_model_len, 16)
+    runner = MixedGraphRunner(ex.model, ex.attention, ex.device, 16, max_seqs, ex.max_model_len, 16)
+    ex.mixed = runner
     static = [c.token_ids for c in llm.generate(prompts, params)]
     static_logits = recorder.take()
 
@@ -126,9 +137,11 @@ def test_runner_generates_like_eager_steps(tmp_path_factory, prefill_chunk: int)
         assert err <= 1e-4, f"step {step}: logits differ by {err:.2e}"
     # No decode runner here, so decode-only steps replay the mixed runner too.
     if prefill_chunk == 512:  # 27 prompt tokens, over 16: eager; then 7 decode steps
-        assert ex.mixed.replays == Counter({16: 7})
-    else:  # every step fits 16 tokens: chunks of 5 beside decodes, then decodes
-        assert ex.mixed.replays == Counter({16: len(static_logits)})
+        assert runner.replays == Counter({16: 7})
+    elif max_seqs == 4:  # every step fits 16 tokens: chunks of 5 beside decodes, then decodes
+        assert runner.replays == Counter({16: len(static_logits)})
+    else:  # steps over 3 sequences eagerly: the replays are the rest
+        assert 0 < runner.replays[16] < len(static_logits)
 
 
 # -- on the GPU ---------------------------------------------------------------------------------
@@ -137,12 +150,13 @@ def test_runner_generates_like_eager_steps(tmp_path_factory, prefill_chunk: int)
 @on_gpu
 @pytest.mark.gpu
 def test_gpu_mixed_graphs_generate_like_eager(tmp_path_factory) -> None:
-    """Real graphs on the GPU: prompts of random lengths beside decodes in chunks of up to 40
-    tokens, with graphs on (decode and mixed) and off, in fp32 (the tiny model's greedy choices
-    are far apart there): the same tokens."""
+    """Real graphs on the GPU, sized by the start-up profiling pass: prompts of random lengths
+    beside decodes (chunks of up to 100 tokens, 4 sequences at a time), with graphs on (decode,
+    and mixed at 64, 256 and 300 tokens) and off, in fp32 (the tiny model's greedy choices are
+    far apart there): the same tokens."""
     path = checkpoint("llama", tmp_path_factory)
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(3, 60))] for _ in range(10)]
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(3, 200))] for _ in range(10)]
     params = [
         SamplingParams(max_tokens=rng.randrange(4, 24), temperature=0, ignore_eos=True)
         for _ in prompts
@@ -152,20 +166,20 @@ def test_gpu_mixed_graphs_generate_like_eager(tmp_path_factory) -> None:
         config = {
             "model.path": str(path),
             "model.dtype": "float32",
-            "model.max_model_len": 128,
+            "model.max_model_len": 256,
             "engine.attention_backend": "triton",
             "engine.cuda_graphs": graphs,
-            "engine.graph_max_tokens": 64,
-            "kv_cache.num_blocks": 256,
-            "scheduler.max_running": 6,
+            "engine.graph_max_tokens": 300,
+            "kv_cache.memory": "1GiB",  # sized after the profiling pass, which runs
+            "scheduler.max_running": 4,
             "scheduler.prefix_cache": False,
-            "scheduler.prefill_chunk": 40,
+            "scheduler.prefill_chunk": 100,
         }
         llm = LLM(load_config(None, config))
         ex = llm.engine.executor
         assert (ex.mixed is not None) == graphs
         outs[graphs] = [c.token_ids for c in llm.generate(prompts, params)]
-        if graphs:
-            assert ex.mixed is not None and sum(ex.mixed.replays.values()) > 0
-            assert set(ex.mixed.graphs) == {64}
+        if graphs:  # several sizes share the pool; steps over 300 tokens ran eagerly
+            assert ex.mixed is not None and set(ex.mixed.graphs) == {64, 256, 300}
+            assert set(ex.mixed.replays) == {64, 256, 300}, ex.mixed.replays
     assert outs[True] == outs[False]

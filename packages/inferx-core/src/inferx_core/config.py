@@ -47,6 +47,8 @@ class EngineSection(Section):
     # Steps with prompt tokens of up to this many tokens also replay CUDA graphs (captured for a
     # ladder of token counts, when the attention backend supports it); 0: they run eagerly.
     graph_max_tokens: int = Field(default=2048, ge=0, le=16384)
+    # ... and over at most this many sequences (more decodes beside a chunk: eager).
+    graph_max_seqs: int = Field(default=128, ge=1)
     overlap: bool = True  # schedule and submit step N+1 while the device runs step N
     threads: int | None = Field(default=None, ge=1)  # torch CPU threads
 

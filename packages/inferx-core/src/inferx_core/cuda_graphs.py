@@ -262,7 +262,7 @@ class MixedGraphRunner:
         )
         self.input_ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
-        self.hidden: dict[int, torch.Tensor] = {}  # each size's output
+        self.hidden: torch.Tensor | None = None  # [max_tokens, hidden], sized by the first run
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays: Counter[int] = Counter()
 
@@ -287,7 +287,12 @@ class MixedGraphRunner:
         )
 
     def _forward(self, size: int) -> None:
-        self.hidden[size] = self.model(self.input_ids[:size], self.positions[:size])
+        hidden = self.model(self.input_ids[:size], self.positions[:size])
+        if self.hidden is None:  # the largest size's eager run, before any capture
+            shape = (self.max_tokens, hidden.shape[1])
+            self.hidden = torch.empty(shape, dtype=hidden.dtype, device=self.device)
+        # One static output for every size: a graph's own would stay in the pool for good.
+        self.hidden[:size].copy_(hidden)
 
     def run(
         self,
@@ -318,4 +323,5 @@ class MixedGraphRunner:
         else:
             graph.replay()
         self.replays[size] += 1
-        return self.hidden[size][:n]
+        assert self.hidden is not None
+        return self.hidden[:n]

@@ -40,12 +40,6 @@ log = logging.getLogger("inferx.executor")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_DEFAULT_KV_BYTES = 1 << 30
-# Steps with prompt tokens over more sequences than this run eagerly. In a mixed graph every
-# decode runs the prefill kernel (4-8x the decode kernel's arithmetic) and the step pads to the
-# next captured token count; with ~256 decodes that cost more GPU time than the eager launches'
-# ~30 ms of host time hid (H200: 256-client serving fell from 15.2k to 13.0k tok/s while 64
-# clients rose from 10.5k to 11.6k).
-MIXED_GRAPH_MAX_SEQS = 128
 
 
 class LoadError(RuntimeError):
@@ -216,6 +210,17 @@ def fresh_tables(lengths: list[int], block_size: int) -> tuple[list[list[int]], 
     return tables, next_block
 
 
+def first_tokens(lens: list[int], n: int) -> list[int]:
+    """The chunk lengths `lens` cut to their first n tokens in all."""
+    out = []
+    for length in lens:
+        if n <= 0:
+            break
+        out.append(min(length, n))
+        n -= out[-1]
+    return out
+
+
 def _at_least_two(blocks: int, bytes_per_block: int) -> int:
     if blocks < 2:
         raise LoadError(
@@ -299,7 +304,7 @@ class ModelRunner(Executor):
                     self.attention,
                     self.device,
                     self._mixed_graph_tokens(),
-                    min(config.scheduler.max_running, MIXED_GRAPH_MAX_SEQS),
+                    min(config.scheduler.max_running, config.engine.graph_max_seqs),
                     self.max_model_len,
                     self.block_size,
                 )
@@ -330,7 +335,8 @@ class ModelRunner(Executor):
             return 0
         if not self.attention.supports_mixed_graphs:
             return 0
-        return min(self.config.engine.graph_max_tokens, self.config.scheduler.max_batched_tokens)
+        # The profiling step's prompt chunks are the most tokens one step can hold.
+        return min(self.config.engine.graph_max_tokens, sum(self._profile_layout()[0]))
 
     def _size_cache(self) -> int:
         """KV blocks: kv_cache.num_blocks, or on a GPU what kv_cache.memory allows after a
@@ -468,20 +474,23 @@ class ModelRunner(Executor):
                 decode_tables = [[1 + i] for i in range(graph_batch)]
                 logits = self._profile_step([1] * graph_batch, decode_tables, graph_batch, False)
                 torch.cuda.synchronize(dev)
-                # The pool holds one step's intermediates; the runner keeps its own logits.
+                # The pool holds one step's intermediates; the runners keep their outputs outside.
                 pool = torch.cuda.max_memory_allocated(dev) - before
-                logits_bytes = logits.numel() * logits.element_size()
+                outputs = logits.numel() * logits.element_size()
                 del logits
                 mixed = self._mixed_graph_tokens()
                 if mixed:  # the graphs share one pool: the larger of the two steps' needs
                     before = torch.cuda.memory_allocated(dev)
                     torch.cuda.reset_peak_memory_stats(dev)
-                    tables = fresh_tables([mixed], self.block_size)[0]
-                    logits = self._profile_step([mixed], tables, 1, False)
+                    mixed_lens = first_tokens(lens, mixed)
+                    logits = self._profile_step(mixed_lens, tables[: len(mixed_lens)], 1, False)
                     torch.cuda.synchronize(dev)
                     pool = max(pool, torch.cuda.max_memory_allocated(dev) - before)
                     del logits
-                graphs = max(0, pool) + logits_bytes
+                    # and the runner's static output, outside the pool
+                    hidden = int(self.hf_config["hidden_size"])
+                    outputs += mixed * hidden * torch.tensor([], dtype=self.dtype).element_size()
+                graphs = max(0, pool) + outputs
         except torch.OutOfMemoryError as exc:
             raise LoadError(
                 f"the profiling step of {sum(lens)} tokens (scheduler.max_batched_tokens) ran "
