@@ -55,7 +55,7 @@ class _Plan:
     split_len: int  # context tokens per split, a multiple of the decode tile
     part_o: torch.Tensor | None  # split-K partial outputs, fp32, sized for the widest layer
     part_lse: torch.Tensor | None
-    tiles: dict[int, _Tiles]  # by GQA group size
+    tiles: dict[int, list[_Tiles]]  # by GQA group size: one prefill launch per tile set
     seq_split: bool = False  # split_len is the shortest split; each sequence derives its own
 
 
@@ -78,9 +78,10 @@ class _GraphBuffers:
 
 @dataclass
 class _MixedBuffers:
-    """Static metadata of mixed-step graphs. Every sequence (prompt chunk or decode) runs the
-    prefill kernel over a grid of query tiles fixed per token count; tiles past the step's own,
-    and padding tokens, belong to an empty sequence row (no queries, no context)."""
+    """Static metadata of mixed-step graphs. Every sequence runs the prefill kernel over grids
+    of query tiles fixed per token count: prompt chunks in BLOCK_M-row tiles, one-query
+    sequences (decodes) in short tiles of one query's heads; tiles past the step's own, and
+    padding tokens, belong to an empty sequence row (no queries, no context)."""
 
     max_tokens: int
     max_seqs: int
@@ -91,6 +92,8 @@ class _MixedBuffers:
     block_table: torch.Tensor  # [max_seqs + 1, max_blocks] int32
     tile_seq: dict[int, torch.Tensor]  # by GQA group size: [tiles for max_tokens] int32
     tile_start: dict[int, torch.Tensor]
+    short_seq: torch.Tensor  # [max_seqs] int32: one-query sequences, one short tile each
+    short_start: torch.Tensor  # [max_seqs] int32 zeros: each short tile's first query
 
 
 def write_kv(
@@ -204,9 +207,10 @@ class TritonAttention(TorchAttention):
         self._graph: _GraphBuffers | None = None
         self._mixed: _MixedBuffers | None = None
 
-    def _tile_shape(self, group: int) -> tuple[int, int]:
-        """(BLOCK_M, BLOCK_Q) of the prefill kernel for a GQA group size."""
-        block_m = max(self.prefill_block_m, triton.next_power_of_2(group))
+    def _tile_shape(self, group: int, short: bool = False) -> tuple[int, int]:
+        """(BLOCK_M, BLOCK_Q) of the prefill kernel for a GQA group size; `short`: the
+        smallest tile tl.dot takes (16 rows) that holds one query's heads, for decodes."""
+        block_m = max(16 if short else self.prefill_block_m, triton.next_power_of_2(group))
         return block_m, block_m // group
 
     @staticmethod
@@ -247,7 +251,7 @@ class TritonAttention(TorchAttention):
             for group, (block_m, block_q, part, count) in tile_ranges.items():
                 seq = packed[at[part] : at[part] + count]
                 start = packed[at[part + 1] : at[part + 1] + count]
-                tiles[group] = _Tiles(block_m, block_q, seq, start, count)
+                tiles[group] = [_Tiles(block_m, block_q, seq, start, count)]
 
         part_o = part_lse = None
         if num_splits > 1:
@@ -367,10 +371,12 @@ class TritonAttention(TorchAttention):
 
     # -- CUDA graphs of steps with prompt tokens ---------------------------------------------
     #
-    # Query lengths vary, so every sequence runs the prefill kernel (a decode is a one-query
-    # tile) over a fixed grid: at t tokens and group size g, cdiv(t, BLOCK_Q) + min(t, max_seqs)
-    # tiles, the most any step of t tokens can need. Unused tiles and padding tokens point at
-    # the sequence row after the step's last, which has no queries and no context.
+    # Query lengths vary, so every sequence runs the prefill kernel over fixed grids: at t
+    # tokens and group size g, cdiv(t, BLOCK_Q) + min(t, max_seqs) tiles for the sequences of
+    # several queries (the most any step of t tokens can need), and min(t, max_seqs) short
+    # tiles (16 rows: one query's heads) for the one-query sequences, decodes. Unused tiles and
+    # padding tokens point at the sequence row after the step's last, which has no queries and
+    # no context.
 
     def init_mixed_graph_buffers(
         self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int
@@ -393,6 +399,8 @@ class TritonAttention(TorchAttention):
             tile_start={
                 g: torch.zeros(n, dtype=torch.int32, device=device) for g, n in tiles.items()
             },
+            short_seq=torch.zeros(max_seqs, dtype=torch.int32, device=device),
+            short_start=torch.zeros(max_seqs, dtype=torch.int32, device=device),
         )
 
     def _mixed_tile_count(self, num_tokens: int, max_seqs: int, group: int) -> int:
@@ -411,11 +419,17 @@ class TritonAttention(TorchAttention):
 
     def _mixed_plan(self, m: _MixedBuffers, num_tokens: int) -> _Plan:
         tiles = {}
+        short_count = min(num_tokens, m.max_seqs)
+        short_seq, short_start = m.short_seq[:short_count], m.short_start[:short_count]
         for group in self._groups:
             block_m, block_q = self._tile_shape(group)
             count = self._mixed_tile_count(num_tokens, m.max_seqs, group)
             seq, start = m.tile_seq[group][:count], m.tile_start[group][:count]
-            tiles[group] = _Tiles(block_m, block_q, seq, start, count)
+            short_m, short_q = self._tile_shape(group, short=True)
+            tiles[group] = [
+                _Tiles(block_m, block_q, seq, start, count),
+                _Tiles(short_m, short_q, short_seq, short_start, short_count),
+            ]
         return _Plan(
             slot_mapping=m.slot_mapping[:num_tokens],
             query_start=m.query_start,
@@ -434,7 +448,8 @@ class TritonAttention(TorchAttention):
     def prepare_mixed_capture(self, num_tokens: int) -> None:
         m = self._mixed_buffers(num_tokens)
         m.slot_mapping.fill_(-1)
-        for t in (m.query_start, m.context_len, *m.tile_seq.values(), *m.tile_start.values()):
+        tile_lists = (*m.tile_seq.values(), *m.tile_start.values(), m.short_seq)
+        for t in (m.query_start, m.context_len, *tile_lists):
             t.zero_()  # every tile on row 0, which has no queries and no context
         self._plan = self._mixed_plan(m, num_tokens)
 
@@ -452,13 +467,18 @@ class TritonAttention(TorchAttention):
         query_start = [0]
         for q in batch.query_lens:
             query_start.append(query_start[-1] + q)
-        parts = [query_start + [real], list(batch.context_lens) + [0]]
-        dests = [m.query_start[: n + 2], m.context_len[: n + 1]]
+        one_query = [i for i, q in enumerate(batch.query_lens) if q == 1]
+        more = [i for i, q in enumerate(batch.query_lens) if q != 1]
+        short_count = min(num_tokens, m.max_seqs)
+        parts = [
+            query_start + [real],
+            list(batch.context_lens) + [0],
+            one_query + [n] * (short_count - len(one_query)),
+        ]
+        dests = [m.query_start[: n + 2], m.context_len[: n + 1], m.short_seq[:short_count]]
         for group in self._groups:
             count = self._mixed_tile_count(num_tokens, m.max_seqs, group)
-            seqs, starts = self._tiles_of(
-                batch.query_lens, list(range(n)), self._tile_shape(group)[1]
-            )
+            seqs, starts = self._tiles_of(batch.query_lens, more, self._tile_shape(group)[1])
             pad = count - len(seqs)
             parts += [seqs + [n] * pad, starts + [0] * pad]
             dests += [m.tile_seq[group][:count], m.tile_start[group][:count]]
@@ -627,8 +647,7 @@ class TritonAttention(TorchAttention):
                     ALL_DECODE=plan.all_decode,
                 )
 
-        tiles = plan.tiles.get(group)
-        if tiles is not None:
+        for tiles in plan.tiles.get(group, []):
             kernels.prefill_kernel[(tiles.count, spec.num_kv_heads)](
                 q,
                 k_cache,
