@@ -6,13 +6,14 @@
 #   cp -r ../shared/fixtures/tokenizers/{qwen,llama3} .carry/tok/tokenizers/
 #   tar -C .carry/tok -cJf .carry/tokxz/tok.tar.xz tokenizers
 # then carry [".whl", ".carry/tokxz"] (unpacked below into .carry/tok on the machine).
-# Usage: bash scripts/gpu_run.sh [tests] [flashinfer] [profile] [breakdown] [gemv] [mixed] [bench] [demo]
+# Usage: bash scripts/gpu_run.sh [tests] [flashinfer] [profile] [breakdown] [gemv] [mixed] [tune] [bench] [demo]
 #        [table | table-3b | table-8b]
 #   flashinfer: its conformance tests (FI_K: a pytest -k filter), then its compiled kernels packed into $OUT as
 #   fi-cache.tar.part-*: keep them in .carry/fi/ (31 MB) and carry .carry/fi in later runs
 #   that use FlashInfer; they are copied into .whl/ before set-up, which unpacks them.
 #   breakdown: benchmarks/step_breakdown.py (the offline throughput run, step by step);
 #   profile: benchmarks/profile_decode.py (idle GPU time and kernels of a decode step, batch 1, 64).
+#   tune: benchmarks/tune_decode_attention.py (decode attention launch options, in graphs).
 #   mixed: benchmarks/mixed_step.py (host vs GPU time of eager steps with prompt tokens).
 #   gemv: tests/test_gemv.py -m gpu, then benchmarks/bench_gemv.py (skinny_linear against
 #   cuBLAS per decode GEMM shape; GEMV_ARGS for its options) into $OUT/gemv.json.
@@ -73,6 +74,9 @@ for step in "${steps[@]}"; do
         | tail -8
       timeout 300 python3 benchmarks/bench_gemv.py ${GEMV_ARGS:-} --json "$OUT/gemv.json" 2>&1 \
         | tee "$OUT/gemv.log" ;;
+    tune)
+      timeout 300 python3 benchmarks/tune_decode_attention.py ${TUNE_ARGS:-} \
+        --json "$OUT/tune-decode.json" 2>&1 | grep -v -i warn | tail -20 ;;
     mixed)
       timeout 300 python3 benchmarks/mixed_step.py --tokenizer $TOK ${MIXED_ARGS:-} \
         --json "$OUT/mixed-step.json" 2>&1 | grep -v -i warn | tail -45 ;;

@@ -198,6 +198,7 @@ class TritonAttention(TorchAttention):
         self.prefill_block_n = 16 if small else 64
         # Launch options (num_warps, num_stages) per kernel, for tuning.
         self.decode_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
+        self.reduce_launch: dict[str, int] = {"num_warps": 4}  # Triton's default
         self.prefill_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         self._upcast = self.interpret and dtype == torch.bfloat16
@@ -645,6 +646,7 @@ class TritonAttention(TorchAttention):
                     SEQ_SPLIT=plan.seq_split,
                     BLOCK_N=self.decode_block_n,
                     ALL_DECODE=plan.all_decode,
+                    **self.reduce_launch,
                 )
 
         for tiles in plan.tiles.get(group, []):
