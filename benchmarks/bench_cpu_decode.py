@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import time
 
 import torch
+from commit_id import commit_id
 
 from inferx_core.config import Config
 from inferx_core.engine import LLM
@@ -94,12 +94,10 @@ def main() -> None:
         bench_inferx(args.new_tokens, args.runs),
         bench_transformers(args.new_tokens, args.runs),
     ]
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    sha = commit_id()
     print(
         f"demo model SmolLM2-135M-Instruct (fp32, CPU, {args.threads} threads), "
-        f"commit {commit}, {platform.processor() or platform.machine()}"
+        f"commit {sha}, {platform.processor() or platform.machine()}"
     )
     print(f"{'engine':<22} {'prompt':>6} {'new':>4} {'TTFT ms':>8} {'ms/token':>9} {'tok/s':>7}")
     for r in rows:
@@ -109,7 +107,7 @@ def main() -> None:
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"commit": commit, "threads": args.threads, "rows": rows}, f, indent=2)
+            json.dump({"commit": sha, "threads": args.threads, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ import json
 import math
 import multiprocessing
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -42,6 +41,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
+from commit_id import commit_id
 
 from inferx_kernels_cuda.gemv import GemvConfig, pick_config, skinny_linear, split_for
 from inferx_models.presets import preset
@@ -315,14 +315,10 @@ def main(argv: list[str] | None = None) -> None:
         s for model in args.models.split(",") for s in linear_shapes(model) if s.name in names
     ]
     props = torch.cuda.get_device_properties(0)
-    commit = os.environ.get("INFERX_COMMIT", "")
-    if not commit:  # the device's copy of the tree has no git metadata: pass INFERX_COMMIT
-        with contextlib.suppress(OSError):
-            git = ["git", "rev-parse", "--short", "HEAD"]
-            commit = subprocess.run(git, capture_output=True, text=True).stdout.strip()
+    sha = commit_id()
     doc: dict[str, Any] = {
         "meta": {
-            "commit": commit,
+            "commit": sha,
             "device": props.name,
             "sms": props.multi_processor_count,
             "torch": torch.__version__,
@@ -337,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     print(
         f"{props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
-        f"triton {triton.__version__}, commit {commit or '?'}; us = µs per call, TB/s of "
+        f"triton {triton.__version__}, commit {sha}; us = µs per call, TB/s of "
         f"weight bytes; ranked by {'bench' if args.no_graph else 'graph'}"
     )
     t0 = time.monotonic()

@@ -18,8 +18,9 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import time
+
+from commit_id import commit_id
 
 from inferx_core.config import SchedulerSection
 from inferx_core.kv_manager import PagedKVManager
@@ -88,16 +89,6 @@ def run_case(name: str, steps: int, prefix_cache: bool, mixed: bool) -> dict:
     }
 
 
-def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=1000)
@@ -118,7 +109,7 @@ def main() -> None:
     if args.json:
         report = {
             "benchmark": "scheduler",
-            "commit": git_commit(),
+            "commit": commit_id(),
             "python": platform.python_version(),
             "platform": platform.platform(),
             "cpus": os.cpu_count(),

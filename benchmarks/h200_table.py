@@ -61,6 +61,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from commit_id import commit_id
+
 FIGURES = ("decode", "ttft", "throughput", "serve", "startup")
 OFFLINE = ("decode", "ttft", "throughput")
 MODELS = ("qwen2.5-3b-instruct", "llama-3.1-8b-instruct")
@@ -766,15 +768,11 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     logs = out.parent / "h200-table-logs"
     logs.mkdir(exist_ok=True)
-    commit = os.environ.get("INFERX_COMMIT", "")
-    if not commit:  # the device's copy of the tree has no git metadata: pass INFERX_COMMIT
-        with contextlib.suppress(OSError):
-            git = ["git", "rev-parse", "--short", "HEAD"]
-            commit = subprocess.run(git, capture_output=True, text=True).stdout.strip()
+    sha = commit_id()
     run = Run(args, sizes, tuple(args.only), out, logs, time.monotonic() + args.budget_s)
     run.doc = {
         "meta": {
-            "commit": commit,
+            "commit": sha,
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "command": [Path(sys.argv[0]).name, *argv],
             "budget_s": args.budget_s,

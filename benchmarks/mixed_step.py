@@ -17,16 +17,15 @@ import argparse
 import cProfile
 import io
 import json
-import os
 import pstats
 import random
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from commit_id import commit_id
 
 from inferx_core.bench_offline import random_prompt
 from inferx_core.config import load_config
@@ -187,15 +186,9 @@ def main() -> None:
     costs = launch_costs(llm) if torch.cuda.is_available() else {}
     print("host µs per call: " + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()))
     if args.json:
-        commit = (
-            os.environ.get("INFERX_COMMIT")
-            or subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-            ).stdout.strip()
-        )
         doc = {
             "meta": {
-                "commit": commit,
+                "commit": commit_id(),
                 "preset": args.preset,
                 "backend": args.backend,
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from commit_id import commit_id
 from torch.profiler import ProfilerActivity, profile
 
 from inferx_core.config import load_config
@@ -191,15 +192,9 @@ def main() -> None:
                     f"{k['name'][:72]:<72} {k['launches_per_step']:>11.1f} "
                     f"{k['us_per_step']:>9.1f} {k['us_each']:>8.2f}"
                 )
-    doc = {"args": vars(args), "commit": _commit(), "results": results}
+    doc = {"args": vars(args), "commit": commit_id(), "results": results}
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
-
-
-def _commit() -> str:
-    import os
-
-    return os.environ.get("INFERX_COMMIT", "?")
 
 
 if __name__ == "__main__":

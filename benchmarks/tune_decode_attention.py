@@ -19,10 +19,10 @@ import argparse
 import itertools
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import torch
+from commit_id import commit_id
 
 from inferx_core.batch import make_attention_batch
 from inferx_core.interfaces.kv import KVLayerSpec
@@ -153,13 +153,11 @@ def main() -> None:
         )
         print(f"{batch:>5} {context:>5} | {base_us:10.2f} | {best_us:8.2f}  {best}")
     if args.json:
-        commit = (
-            os.environ.get("INFERX_COMMIT")
-            or subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-            ).stdout.strip()
-        )
-        meta = {"commit": commit, "device": torch.cuda.get_device_name(), "layers": args.layers}
+        meta = {
+            "commit": commit_id(),
+            "device": torch.cuda.get_device_name(),
+            "layers": args.layers,
+        }
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
