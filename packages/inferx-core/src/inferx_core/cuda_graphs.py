@@ -134,11 +134,7 @@ class DecodeGraphRunner:
 
     def _forward(self, size: int) -> None:
         hidden = self.model(self.input_ids[:size], self.positions[:size])
-        logits = self.model.compute_logits(hidden)
-        if self.logits is None:  # the largest size's eager run, before any capture
-            shape = (self.max_batch, logits.shape[1])
-            self.logits = torch.empty(shape, dtype=logits.dtype, device=self.device)
-        self.logits[:size].copy_(logits)
+        self.logits = _into_static(self.logits, self.max_batch, self.model.compute_logits(hidden))
 
     def run(
         self,
@@ -199,6 +195,16 @@ class DecodeGraphRunner:
         self.replays[size] += 1
         assert self.logits is not None
         return self.logits[:n]
+
+
+def _into_static(static: torch.Tensor | None, rows: int, value: torch.Tensor) -> torch.Tensor:
+    """Copy `value` into the first rows of `static`, which is made [rows, ...] by the first
+    call (the largest size's eager run, before any capture). One static output serves every
+    size of a ladder: a graph's own output would stay in the memory pool for good."""
+    if static is None:
+        static = torch.empty((rows, *value.shape[1:]), dtype=value.dtype, device=value.device)
+    static[: value.shape[0]].copy_(value)
+    return static
 
 
 def _capture_ladder(
@@ -288,11 +294,7 @@ class MixedGraphRunner:
 
     def _forward(self, size: int) -> None:
         hidden = self.model(self.input_ids[:size], self.positions[:size])
-        if self.hidden is None:  # the largest size's eager run, before any capture
-            shape = (self.max_tokens, hidden.shape[1])
-            self.hidden = torch.empty(shape, dtype=hidden.dtype, device=self.device)
-        # One static output for every size: a graph's own would stay in the pool for good.
-        self.hidden[:size].copy_(hidden)
+        self.hidden = _into_static(self.hidden, self.max_tokens, hidden)
 
     def run(
         self,
