@@ -49,3 +49,14 @@ def test_transport_benchmark_runs(tmp_path: Path, engine: str) -> None:
     assert [r["streams"] for r in rows] == [1, 4]
     assert all(r["complete"] == r["streams"] and r["tokens"] == 8 * r["streams"] for r in rows)
     assert all(0 < r["added_latency_ms"]["median"] < 1000 for r in rows)
+
+
+def test_transport_host_work_holds_the_gil(tmp_path: Path) -> None:
+    """--host-ms: the sleeping executor spins that long per step (GIL held), so with steps of
+    1 ms the engine's step period grows to at least the spin."""
+    out = tmp_path / "transport.json"
+    argv = ["transport", "--streams", "2", "--tokens", "16", "--step-ms", "1", "--engine", "real"]
+    assert bench.main(argv + ["--host-ms", "4", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["host_ms"] == 4 and row["complete"] == 2
+    assert row["step_period_ms"]["median"] >= 3.9

@@ -360,18 +360,24 @@ class SleepExecutor:
     """For `--engine real`: the real Engine (scheduler, KV manager, detokenizer) over an
     executor that stands in for a GPU: each submitted step takes `step_s` of "device" time,
     queued behind the one before (as kernels are), and samples token 7. submit() returns at
-    once, so the engine overlaps its host work with the sleep as it does with a GPU."""
+    once, so the engine overlaps its host work with the sleep as it does with a GPU.
+    `host_s`: Python work per submit that holds the GIL, as building a step's inputs and
+    launching it does on a real executor."""
 
     supports_overlap = True
 
-    def __init__(self, step_s: float) -> None:
+    def __init__(self, step_s: float, host_s: float = 0.0) -> None:
         self.step_s = step_s
+        self.host_s = host_s
         self.num_kv_blocks, self.block_size, self.max_model_len = 32768, 16, 4096
         self.periods: list[float] = []
         self._last = 0.0
         self._busy_until = 0.0
 
     def submit(self, out: Any) -> Any:
+        spin_until = time.monotonic() + self.host_s
+        while time.monotonic() < spin_until:  # holds the GIL, unlike a sleep
+            pass
         start = max(time.monotonic(), self._busy_until)
         self._busy_until = start + self.step_s
         return _SleptStep(self, self._busy_until, sum(c.sample for c in out.chunks))
@@ -412,7 +418,7 @@ def cmd_stub_server(args: argparse.Namespace) -> int:
     if args.engine == "real":
         from inferx_core.engine import Engine
 
-        timer = SleepExecutor(args.step_ms / 1000)
+        timer = SleepExecutor(args.step_ms / 1000, args.host_ms / 1000)
         engine: Any = Engine(config, executor=timer, tokenizer=StubTokenizer())
     else:
         engine = timer = StubEngine(args.step_ms / 1000)
@@ -495,7 +501,8 @@ def cmd_transport(args: argparse.Namespace) -> int:
         for streams in args.streams:
             # A fresh server per row, so that each row's engine step periods are its own.
             cmd = [sys.executable, "-m", "inferx_server.bench", "_stub-server", "--step-ms",
-                   str(step_ms), "--engine", args.engine]  # fmt: skip
+                   str(step_ms), "--engine", args.engine,
+                   "--host-ms", str(args.host_ms)]  # fmt: skip
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
             try:
                 url = proc.stdout.readline().strip()  # type: ignore[union-attr]
@@ -506,7 +513,7 @@ def cmd_transport(args: argparse.Namespace) -> int:
                 proc.terminate()
                 out, _ = proc.communicate(timeout=30)
             row.update(json.loads(out.strip().splitlines()[-1]))
-            row["step_ms"], row["engine"] = step_ms, args.engine
+            row["step_ms"], row["engine"], row["host_ms"] = step_ms, args.engine, args.host_ms
             rows.append(row)
             lat = row["added_latency_ms"]
             print(
@@ -573,6 +580,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="stub: no scheduler at all; real: the Engine over a sleeping executor",
     )
     t.add_argument(
+        "--host-ms",
+        type=float,
+        default=0.0,
+        help="with --engine real: GIL-holding executor work per step (input building, launches)",
+    )
+    t.add_argument(
         "--offline",
         action="store_true",
         help="no server: the real engine's step periods alone (the baseline)",
@@ -583,6 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
     stub = sub.add_parser("_stub-server")
     stub.add_argument("--step-ms", type=float, default=0.0)
     stub.add_argument("--engine", choices=["stub", "real"], default="stub")
+    stub.add_argument("--host-ms", type=float, default=0.0)
     stub.set_defaults(func=cmd_stub_server)
     return parser
 
