@@ -38,10 +38,11 @@ def test_serve_exact_lengths_concurrency_rate_prefix_chat(tmp_path: Path) -> Non
         assert r["completed"] == 8 and r["total_input_tokens"] == 8 * 40
 
 
-@pytest.mark.parametrize("engine", ["stub", "real"])
+@pytest.mark.parametrize("engine", ["stub", "real", "process"])
 def test_transport_benchmark_runs(tmp_path: Path, engine: str) -> None:
-    """Both engines: the stub, and the real Engine (overlapping its host work with a sleeping
-    stand-in for the GPU) with the stub tokenizer's decode_stream."""
+    """Every engine: the stub, and the real Engine (overlapping its host work with a sleeping
+    stand-in for the GPU) with the stub tokenizer's decode_stream, on the server's thread or in
+    its own process."""
     out = tmp_path / "transport.json"
     argv = ["transport", "--streams", "1,4", "--tokens", "8", "--step-ms", "1", "--json", str(out)]
     assert bench.main(argv + ["--engine", engine]) == 0

@@ -147,6 +147,9 @@ class ServerSection(Section):
     api_key: str | None = None
     # /health fails once the engine loop has gone this many seconds without finishing a step
     health_timeout: float = Field(default=30.0, gt=0)
+    # Run the engine in a child process (its own GIL) rather than on a thread of the server's:
+    # for many streams, where the engine's and the SSE loop's Python work share one GIL.
+    engine_process: bool = False
 
 
 class ParallelSection(Section):

@@ -407,30 +407,60 @@ class _SleptStep:
         return StepResult([7] * self.samples)
 
 
+_STUB_OVERRIDES = {"server.port": 0, "server.drain_timeout": 0, "scheduler.max_running": 256}
+
+
+def sleeping_engine(step_s: float, host_s: float) -> Any:
+    """The real Engine over a SleepExecutor and the stub tokenizer (also an engine process's
+    factory: top-level, so that it pickles)."""
+    from inferx_core.config import load_config
+    from inferx_core.engine import Engine
+
+    executor = SleepExecutor(step_s, host_s)
+    return Engine(load_config(None, _STUB_OVERRIDES), executor=executor, tokenizer=StubTokenizer())
+
+
 def cmd_stub_server(args: argparse.Namespace) -> int:
     """The transport benchmark's server: our transport over an engine stub, on a free port."""
+    from functools import partial
+
     from inferx_core.config import load_config
     from inferx_server.transport import LitestarTransport
 
     logging.getLogger("inferx.server").setLevel(logging.ERROR)  # no "draining" line per row
-    overrides = {"server.port": 0, "server.drain_timeout": 0, "scheduler.max_running": 256}
-    config = load_config(None, overrides)
-    if args.engine == "real":
-        from inferx_core.engine import Engine
+    config = load_config(None, _STUB_OVERRIDES)
+    periods: list[float] = []
+    if args.engine == "process":  # step periods from the times the child sends with outputs
+        from inferx_server.engine_process import EngineProcess
 
-        timer = SleepExecutor(args.step_ms / 1000, args.host_ms / 1000)
-        engine: Any = Engine(config, executor=timer, tokenizer=StubTokenizer())
+        engine: Any = EngineProcess(
+            partial(sleeping_engine, args.step_ms / 1000, args.host_ms / 1000)
+        )
+    elif args.engine == "real":
+        engine = sleeping_engine(args.step_ms / 1000, args.host_ms / 1000)
+        periods = engine.executor.periods
     else:
-        engine = timer = StubEngine(args.step_ms / 1000)
+        engine = StubEngine(args.step_ms / 1000)
+        periods = engine.periods
     ready_cpu = [0.0]
 
     def ready(url: str) -> None:
         ready_cpu[0] = time.process_time()
         print(url, flush=True)
 
-    LitestarTransport(engine, config).serve(on_ready=ready)
-    periods = timer.periods or [0.0]
-    stats = {"steps": len(timer.periods), "step_period_ms": _stats(periods),
+    transport = LitestarTransport(engine, config)
+    if args.engine == "process":
+        loop, deliver, last = transport.state.loop, transport.state.loop._deliver, [0.0]
+
+        def timed(outputs: list[Any], t: float) -> None:
+            if last[0] and t - last[0] < 1.0:  # gaps while idle are not steps
+                periods.append(t - last[0])
+            last[0] = t
+            deliver(outputs, t)
+
+        loop._deliver = timed  # type: ignore[method-assign]
+    transport.serve(on_ready=ready)
+    stats = {"steps": len(periods), "step_period_ms": _stats(periods or [0.0]),
              "server_cpu_s": time.process_time() - ready_cpu[0]}  # fmt: skip
     print(json.dumps(stats), flush=True)
     return 0
@@ -575,9 +605,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--engine",
-        choices=["stub", "real"],
+        choices=["stub", "real", "process"],
         default="stub",
-        help="stub: no scheduler at all; real: the Engine over a sleeping executor",
+        help="stub: no scheduler at all; real: the Engine over a sleeping executor, on the "
+        "server's thread; process: the same in its own process (server.engine_process)",
     )
     t.add_argument(
         "--host-ms",
@@ -595,7 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     stub = sub.add_parser("_stub-server")
     stub.add_argument("--step-ms", type=float, default=0.0)
-    stub.add_argument("--engine", choices=["stub", "real"], default="stub")
+    stub.add_argument("--engine", choices=["stub", "real", "process"], default="stub")
     stub.add_argument("--host-ms", type=float, default=0.0)
     stub.set_defaults(func=cmd_stub_server)
     return parser

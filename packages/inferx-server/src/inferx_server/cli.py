@@ -34,7 +34,14 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         reg = plugins()
         transport_cls = reg.get("transport", config.server.transport)
-        engine = Engine(config, reg=reg)
+        if config.server.engine_process:
+            from functools import partial
+
+            from inferx_server.engine_process import EngineProcess, build_engine
+
+            engine = EngineProcess(partial(build_engine, config))
+        else:
+            engine = Engine(config, reg=reg)
         transport = transport_cls(engine, config)  # type: ignore[operator]
         loaded = time.perf_counter() - t0
         from inferx_server.transport import bind

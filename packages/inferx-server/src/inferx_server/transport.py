@@ -14,6 +14,7 @@ import uvicorn
 from inferx_core.interfaces import Transport
 from inferx_server.app import ServerState, create_app
 from inferx_server.engine_loop import EngineLoop
+from inferx_server.engine_process import EngineProcess, ProcessEngineLoop
 from inferx_server.metrics import Metrics
 
 log = logging.getLogger("inferx.server")
@@ -24,7 +25,8 @@ def served_model_name(config: Any, engine: Any) -> str:
     if config.model.served_name:
         return config.model.served_name
     ckpt = getattr(getattr(engine, "executor", None), "checkpoint", None)
-    source = getattr(ckpt, "source", "") or config.model.path or config.model.preset or "model"
+    source = getattr(ckpt, "source", "") or getattr(engine, "source", "")  # an EngineProcess's
+    source = source or config.model.path or config.model.preset or "model"
     name = Path(source.removeprefix("dummy:").rstrip("/")).name
     return name.removesuffix(".gguf") or "model"
 
@@ -40,12 +42,14 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class LitestarTransport(Transport):
-    """engine: an inferx_core.engine.Engine, stepped on the EngineLoop's thread; config: Config."""
+    """engine: an inferx_core.engine.Engine, stepped on the EngineLoop's thread, or an
+    EngineProcess (server.engine_process), stepped in its own process; config: Config."""
 
     def __init__(self, engine: Any, config: Any) -> None:
         self.config = config
         name = served_model_name(config, engine)
-        loop = EngineLoop(engine, health_timeout=config.server.health_timeout)
+        loop_cls = ProcessEngineLoop if isinstance(engine, EngineProcess) else EngineLoop
+        loop = loop_cls(engine, health_timeout=config.server.health_timeout)
         metrics = Metrics(name, lambda: loop.stats)
         loop.on_output, loop.on_abort = metrics.on_output, metrics.on_abort
         aliases = frozenset(a for a in (config.model.path, config.model.preset) if a)

@@ -1,0 +1,142 @@
+"""server.engine_process: the engine in a child process behind the same HTTP API. The child runs
+test_server_api's deterministic FakeExecutor, so answers can be compared with the in-process
+server's token for token."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import pytest
+from test_server_api import MODEL, QWEN, FakeExecutor, serve  # noqa: E402
+
+from inferx_core.config import load_config  # noqa: E402
+from inferx_server.engine_process import EngineProcess  # noqa: E402
+
+
+def fake_engine(overrides: dict[str, Any]) -> Any:
+    """Runs in the child: the Engine of test_server_api's servers."""
+    from inferx_core.engine import Engine
+    from inferx_core.tokenizer import Tokenizer
+
+    config = load_config(None, {"model.served_name": MODEL, **overrides})
+    return Engine(
+        config, executor=FakeExecutor(step_delay=0.002), tokenizer=Tokenizer.from_dir(QWEN)
+    )
+
+
+def broken_engine() -> Any:
+    raise ValueError("no such model: on purpose")
+
+
+@contextlib.contextmanager
+def serve_in_process_engine(**overrides: Any) -> Iterator[Any]:
+    from inferx_server.transport import LitestarTransport, bind
+
+    config = load_config(None, {"model.served_name": MODEL, **overrides})
+    proc = EngineProcess(partial(fake_engine, overrides))
+    transport = LitestarTransport(proc, config)
+    ready = threading.Event()
+    sock = bind("127.0.0.1", 0)
+    thread = threading.Thread(target=transport.serve, args=(sock, lambda url: ready.set()))
+    thread.start()
+    assert ready.wait(20), "the server did not start"
+    transport.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    transport.proc = proc
+    try:
+        yield transport
+    finally:
+        transport.stop()
+        thread.join(20)
+        assert not thread.is_alive(), "the server did not stop"
+        proc.process.join(10)
+        assert not proc.process.is_alive(), "the engine process outlived the server"
+
+
+def post(url: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def completion(url: str, prompt: str, stream: bool) -> tuple[int, str]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "stream": stream}
+    status, raw = post(url + "/v1/completions", body)
+    if status != 200:
+        return status, raw.decode()
+    if not stream:
+        return status, json.loads(raw)["choices"][0]["text"]
+    text = ""
+    for line in raw.decode().splitlines():
+        if line.startswith("data: {"):
+            text += json.loads(line[6:])["choices"][0]["text"]
+    return status, text
+
+
+PROMPTS = ["the cat sat", "a dog ran on the mat", "and"]
+
+
+def test_answers_like_the_in_process_engine() -> None:
+    """Streamed and whole answers, several requests at once, bad input as a 400 from the
+    child's add_request, then a clean shutdown of both processes."""
+    with serve() as local:
+        want = [completion(local.url, p, stream=False) for p in PROMPTS]
+    with serve_in_process_engine() as remote:
+        got = [completion(remote.url, p, stream=False) for p in PROMPTS]
+        assert got == want
+        results: list[Any] = [None] * len(PROMPTS)
+
+        def run(i: int) -> None:
+            results[i] = completion(remote.url, PROMPTS[i], stream=True)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert results == want
+        long_prompt = "the " * 600  # over max_model_len (512): refused in the child
+        status, body = post(
+            remote.url + "/v1/completions",
+            {"model": MODEL, "prompt": long_prompt, "max_tokens": 4},
+        )
+        assert status == 400 and b"invalid_request_error" in body
+        with urllib.request.urlopen(remote.url + "/health", timeout=10) as resp:
+            assert resp.status == 200
+
+
+def test_a_dead_engine_process_fails_health_and_requests() -> None:
+    with serve_in_process_engine() as remote:
+        remote.proc.process.kill()
+        remote.proc.process.join(10)
+        deadline = time.monotonic() + 10
+        status = 200
+        while status == 200 and time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(remote.url + "/health", timeout=5) as resp:
+                    status = resp.status
+            except urllib.error.HTTPError as exc:
+                status = exc.code
+            time.sleep(0.05)
+        assert status == 503
+        status, _ = post(
+            remote.url + "/v1/completions", {"model": MODEL, "prompt": "the", "max_tokens": 2}
+        )
+        assert status in (500, 503)
+
+
+def test_an_engine_that_cannot_start_raises_its_error() -> None:
+    with pytest.raises(ValueError, match="on purpose"):
+        EngineProcess(broken_engine)
