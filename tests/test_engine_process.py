@@ -15,7 +15,7 @@ from functools import partial
 from typing import Any
 
 import pytest
-from test_server_api import MODEL, QWEN, FakeExecutor, serve  # noqa: E402
+from test_server_api import MODEL, QWEN, FakeExecutor, serve, serve_engine  # noqa: E402
 
 from inferx_core.config import load_config  # noqa: E402
 from inferx_server.engine_process import EngineProcess  # noqa: E402
@@ -38,26 +38,14 @@ def broken_engine() -> Any:
 
 @contextlib.contextmanager
 def serve_in_process_engine(**overrides: Any) -> Iterator[Any]:
-    from inferx_server.transport import LitestarTransport, bind
-
+    """serve() with the engine in a child process; the transport has .url and .engine (the
+    EngineProcess), and the child is gone after."""
     config = load_config(None, {"model.served_name": MODEL, **overrides})
     proc = EngineProcess(partial(fake_engine, overrides))
-    transport = LitestarTransport(proc, config)
-    ready = threading.Event()
-    sock = bind("127.0.0.1", 0)
-    thread = threading.Thread(target=transport.serve, args=(sock, lambda url: ready.set()))
-    thread.start()
-    assert ready.wait(20), "the server did not start"
-    transport.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    transport.proc = proc
-    try:
+    with serve_engine(proc, config) as transport:
         yield transport
-    finally:
-        transport.stop()
-        thread.join(20)
-        assert not thread.is_alive(), "the server did not stop"
-        proc.process.join(10)
-        assert not proc.process.is_alive(), "the engine process outlived the server"
+    proc.process.join(10)
+    assert not proc.process.is_alive(), "the engine process outlived the server"
 
 
 def post(url: str, body: dict[str, Any]) -> tuple[int, bytes]:
@@ -119,8 +107,8 @@ def test_answers_like_the_in_process_engine() -> None:
 
 def test_a_dead_engine_process_fails_health_and_requests() -> None:
     with serve_in_process_engine() as remote:
-        remote.proc.process.kill()
-        remote.proc.process.join(10)
+        remote.engine.process.kill()
+        remote.engine.process.join(10)
         deadline = time.monotonic() + 10
         status = 200
         while status == 200 and time.monotonic() < deadline:

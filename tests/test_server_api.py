@@ -78,10 +78,19 @@ class FakeExecutor(Executor):
 def serve(executor: FakeExecutor | None = None, **overrides: Any) -> Iterator[Any]:
     """A live server on 127.0.0.1 (a free port) in a thread; yields the transport, with .url."""
     from inferx_core.tokenizer import Tokenizer
-    from inferx_server.transport import LitestarTransport, bind
 
     config = load_config(None, {"model.served_name": MODEL, **overrides})
     engine = Engine(config, executor=executor or FakeExecutor(), tokenizer=Tokenizer.from_dir(QWEN))
+    with serve_engine(engine, config) as transport:
+        yield transport
+
+
+@contextlib.contextmanager
+def serve_engine(engine: Any, config: Any) -> Iterator[Any]:
+    """serve() over a given engine (an Engine, or an EngineProcess); the transport has .url and
+    .engine."""
+    from inferx_server.transport import LitestarTransport, bind
+
     transport = LitestarTransport(engine, config)
     ready = threading.Event()
     sock = bind("127.0.0.1", 0)
