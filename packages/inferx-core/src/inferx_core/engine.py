@@ -207,26 +207,30 @@ class Engine:
         start = req.sent
         req.sent = seq.num_output
         text = ""
+        finished = seq.finished
         if req.detok is not None:
-            text = "".join(req.detok.push(t) for t in new)
-            if seq.finished:
+            push = req.detok.push
+            # one token a step is the common case: no generator and join for it
+            text = push(new[0]) if len(new) == 1 else "".join(push(t) for t in new)
+            if finished:
                 text += req.detok.flush()
             if req.stop is not None:
                 text, hit = req.stop.feed(text)
-                if hit and not seq.finished:
+                if hit and not finished:
                     self.scheduler.finish(seq, "stop")
+                    finished = True
                 elif hit:
                     seq.finish_reason = "stop"
-                if seq.finished and not hit:
+                if finished and not hit:
                     text += req.stop.flush()
-        if seq.finished:
+        if finished:
             self.requests.pop(seq.request_id, None)
         lps = req.logprobs[start:] if req.logprobs else None
         return RequestOutput(
             request_id=seq.request_id,
             token_ids=new,
             text=text,
-            finished=seq.finished,
+            finished=finished,
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt,
             num_cached_tokens=seq.num_cached,
