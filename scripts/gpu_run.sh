@@ -6,13 +6,14 @@
 #   cp -r ../shared/fixtures/tokenizers/{qwen,llama3} .carry/tok/tokenizers/
 #   tar -C .carry/tok -cJf .carry/tokxz/tok.tar.xz tokenizers
 # then carry [".whl", ".carry/tokxz"] (unpacked below into .carry/tok on the machine).
-# Usage: bash scripts/gpu_run.sh [tests] [flashinfer] [profile] [breakdown] [gemv] [mixed] [tune] [bench] [demo]
+# Usage: bash scripts/gpu_run.sh [tests] [flashinfer] [profile] [breakdown] [gemv] [mixed] [tune] [serve-ab] [bench] [demo]
 #        [table | table-3b | table-8b]
 #   flashinfer: its conformance tests (FI_K: a pytest -k filter), then its compiled kernels packed into $OUT as
 #   fi-cache.tar.part-*: keep them in .carry/fi/ (31 MB) and carry .carry/fi in later runs
 #   that use FlashInfer; they are copied into .whl/ before set-up, which unpacks them.
 #   breakdown: benchmarks/step_breakdown.py (the offline throughput run, step by step);
 #   profile: benchmarks/profile_decode.py (idle GPU time and kernels of a decode step, batch 1, 64).
+#   serve-ab: 3B serving only, variants of config (SERVE_AB_SETS) in SERVE_AB_REPEATS rounds.
 #   tune: benchmarks/tune_decode_attention.py (decode attention launch options, in graphs).
 #   mixed: benchmarks/mixed_step.py (host vs GPU time of eager steps with prompt tokens).
 #   gemv: tests/test_gemv.py -m gpu, then benchmarks/bench_gemv.py (skinny_linear against
@@ -74,6 +75,22 @@ for step in "${steps[@]}"; do
         | tail -8
       timeout 300 python3 benchmarks/bench_gemv.py ${GEMV_ARGS:-} --json "$OUT/gemv.json" 2>&1 \
         | tee "$OUT/gemv.log" ;;
+    serve-ab)
+      # SERVE_AB_SETS: ;-separated variants, each a space-separated list of KEY=VALUE (default:
+      # the engine on a thread vs in its own process), SERVE_AB_REPEATS rounds of all of them
+      # (serving figures spread widely from run to run: compare rounds, not single runs).
+      IFS=';' read -ra variants <<< "${SERVE_AB_SETS:-server.engine_process=false;server.engine_process=true}"
+      for r in $(seq 1 ${SERVE_AB_REPEATS:-2}); do
+        i=0
+        for v in "${variants[@]}"; do
+          sets=(); for kv in $v; do sets+=(--set "$kv"); done
+          echo "== round $r: $v"
+          timeout 150 python3 benchmarks/h200_table.py --models qwen2.5-3b-instruct --only serve \
+            --concurrency ${SERVE_AB_CONCURRENCY:-8,64,256} --tokenizers .carry/tok/tokenizers \
+            --budget-s 140 "${sets[@]}" --json "$OUT/serve-ab-$r-$i.json" 2>&1 | grep "serve c="
+          i=$((i + 1))
+        done
+      done ;;
     tune)
       timeout 300 python3 benchmarks/tune_decode_attention.py ${TUNE_ARGS:-} \
         --json "$OUT/tune-decode.json" 2>&1 | grep -v -i warn | tail -20 ;;
