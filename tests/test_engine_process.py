@@ -128,3 +128,22 @@ def test_a_dead_engine_process_fails_health_and_requests() -> None:
 def test_an_engine_that_cannot_start_raises_its_error() -> None:
     with pytest.raises(ValueError, match="on purpose"):
         EngineProcess(broken_engine)
+
+
+def test_a_burst_of_long_prompts_all_complete() -> None:
+    """More pickled prompt tokens at once than a pipe buffer holds (the HTTP side's sends go
+    through their own thread, so the event loop never waits on the pipe): every request ends."""
+    prompt = "the cat sat on a mat and " * 55  # ~400 tokens each
+    with serve_in_process_engine() as remote:
+        results: list[int] = []
+
+        def run() -> None:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 3}
+            results.append(post(remote.url + "/v1/completions", body)[0])
+
+        threads = [threading.Thread(target=run) for _ in range(40)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert results == [200] * 40

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -134,22 +135,37 @@ class EngineProcess:
 
 
 class _PipeInbox:
-    """EngineLoop's command queue, forwarded to the child; adds wait for their "settled"."""
+    """EngineLoop's command queue, forwarded to the child by a thread of its own: a send blocks
+    while the pipe is full (a burst of long prompts while the child is mid-step), and the event
+    loop must not. Adds wait in `adding` for their "settled"."""
 
     def __init__(self, proc: EngineProcess) -> None:
         self.proc = proc
         self.adding: dict[int, Submission] = {}
+        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._send_all, name="inferx-send", daemon=True)
+        self._thread.start()
 
     def put(self, cmd: tuple[str, Any]) -> None:
         kind, arg = cmd
         if kind == "add":
             sub: Submission = arg
             self.adding[id(sub)] = sub
-            self.proc.send(("add", id(sub), sub.rids, sub.items))
+            self._queue.put(("add", id(sub), sub.rids, sub.items))
         elif kind == "abort":
             rids, notify = arg
-            self.proc.send(("abort", rids, notify))
+            self._queue.put(("abort", rids, notify))
         # "wake" (stop): stop() closes the process instead
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _send_all(self) -> None:
+        while (msg := self._queue.get()) is not None:
+            try:
+                self.proc.send(msg)
+            except (OSError, ValueError):  # the child is gone: the reader thread reports it
+                return
 
 
 class ProcessEngineLoop(EngineLoop):
@@ -162,6 +178,7 @@ class ProcessEngineLoop(EngineLoop):
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
+        self._inbox.close()  # type: ignore[attr-defined]
         self.proc.close(timeout)
         if self._thread is not None:
             self._thread.join(timeout)
