@@ -29,6 +29,31 @@ class EngineDead(RuntimeError):
     """The engine loop has stopped; no request can be served."""
 
 
+def add_requests(
+    engine: Any, rids: list[str], items: list[tuple[list[int], SamplingParams]]
+) -> Exception | None:
+    """Add every item as one engine request, all or none: when one is refused, the ones added
+    before it are aborted and the refusal is returned."""
+    added: list[str] = []
+    try:
+        for rid, (ids, params) in zip(rids, items, strict=True):
+            engine.add_request(ids, params, rid)
+            added.append(rid)
+    except Exception as exc:
+        for rid in added:
+            engine.abort(rid)
+        return exc
+    return None
+
+
+def abort_requests(engine: Any, rids: list[str], notify: bool) -> list[RequestOutput]:
+    """Abort rids; with notify, the final "abort" output of each that was still running."""
+    ended = [rid for rid in rids if engine.abort(rid) or notify]
+    if not notify:
+        return []
+    return [RequestOutput(rid, [], "", True, "abort", 0, 0, 0) for rid in ended]
+
+
 @dataclass(eq=False)
 class Submission:
     """One HTTP request: its engine requests (prompts x n choices) and their pending outputs.
@@ -240,20 +265,7 @@ class EngineLoop:
         assert loop is not None
         if kind == "add":
             sub: Submission = arg
-            added: list[str] = []
-            try:
-                for rid, (ids, params) in zip(sub.rids, sub.items, strict=True):
-                    engine.add_request(ids, params, rid)
-                    added.append(rid)
-            except Exception as exc:  # refused: undo the part that went in
-                for rid in added:
-                    engine.abort(rid)
-                loop.call_soon_threadsafe(self._settle, sub, exc)
-                return
-            loop.call_soon_threadsafe(self._settle, sub, None)
-        elif kind == "abort":
-            rids, notify = arg
-            ended = [rid for rid in rids if engine.abort(rid) or notify]
-            if notify and ended:
-                outs = [RequestOutput(rid, [], "", True, "abort", 0, 0, 0) for rid in ended]
-                loop.call_soon_threadsafe(self._deliver, outs, time.monotonic())
+            refused = add_requests(engine, sub.rids, sub.items)
+            loop.call_soon_threadsafe(self._settle, sub, refused)
+        elif kind == "abort" and (outs := abort_requests(engine, *arg)):
+            loop.call_soon_threadsafe(self._deliver, outs, time.monotonic())

@@ -29,8 +29,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from inferx_core.engine import RequestOutput
-from inferx_server.engine_loop import EngineLoop, Submission
+from inferx_server.engine_loop import EngineLoop, Submission, abort_requests, add_requests
 
 log = logging.getLogger("inferx.server")
 
@@ -89,28 +88,15 @@ def _child(conn: Connection, factory: Callable[[], Any]) -> None:
 def _command(engine: Any, conn: Connection, msg: tuple) -> None:
     if msg[0] == "add":
         _, key, rids, items = msg
-        added: list[str] = []
-        try:
-            for rid, (ids, params) in zip(rids, items, strict=True):
-                engine.add_request(ids, params, rid)
-                added.append(rid)
-        except Exception as exc:  # refused: undo the part that went in
-            for rid in added:
-                engine.abort(rid)
-            conn.send(("settled", key, exc))
-            return
-        conn.send(("settled", key, None))
-    elif msg[0] == "abort":
-        _, rids, notify = msg
-        ended = [rid for rid in rids if engine.abort(rid) or notify]
-        if notify and ended:
-            outs = [RequestOutput(rid, [], "", True, "abort", 0, 0, 0) for rid in ended]
-            conn.send(("out", outs, time.monotonic(), engine.scheduler.stats()))
+        conn.send(("settled", key, add_requests(engine, rids, items)))
+    elif msg[0] == "abort" and (outs := abort_requests(engine, *msg[1:])):
+        conn.send(("out", outs, time.monotonic(), engine.scheduler.stats()))
 
 
 class EngineProcess:
     """The parent's handle on the child: what the transport reads of an engine (tokenizer,
-    max_model_len) and the pipe. spawn() returns once the child has built its engine."""
+    max_model_len) and the pipe. Constructing it returns once the child has built its engine,
+    or raises what building it raised."""
 
     def __init__(self, factory: Callable[[], Any], start_timeout: float = 600.0) -> None:
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
