@@ -110,8 +110,7 @@ class DecodeGraphRunner:
 
     def padded_size(self, num_seqs: int) -> int | None:
         """The captured size a batch of num_seqs runs at, or None when it is too large."""
-        i = bisect.bisect_left(self.sizes, num_seqs)
-        return self.sizes[i] if i < len(self.sizes) else None
+        return _next_size(self.sizes, num_seqs)
 
     def fits(self, chunks: Sequence[ScheduledChunk]) -> bool:
         """Whether a step can replay: one new token per sequence, few enough sequences."""
@@ -197,6 +196,12 @@ class DecodeGraphRunner:
         return self.logits[:n]
 
 
+def _next_size(sizes: list[int], n: int) -> int | None:
+    """The smallest of the ascending `sizes` that holds n, or None when none does."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
 def _into_static(static: torch.Tensor | None, rows: int, value: torch.Tensor) -> torch.Tensor:
     """Copy `value` into the first rows of `static`, which is made [rows, ...] by the first
     call (the largest size's eager run, before any capture). One static output serves every
@@ -273,8 +278,7 @@ class MixedGraphRunner:
         self.replays: Counter[int] = Counter()
 
     def padded_size(self, num_tokens: int) -> int | None:
-        i = bisect.bisect_left(self.sizes, num_tokens)
-        return self.sizes[i] if i < len(self.sizes) else None
+        return _next_size(self.sizes, num_tokens)
 
     def fits(self, num_tokens: int, num_seqs: int) -> bool:
         return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -298,12 +299,12 @@ class ModelRunner(Executor):
         else:
             t0 = time.perf_counter()
             pool = None
-            if self._mixed_graph_tokens():
+            if mixed_tokens := self._mixed_graph_tokens():
                 self.mixed = MixedGraphRunner(
                     self.model,
                     self.attention,
                     self.device,
-                    self._mixed_graph_tokens(),
+                    mixed_tokens,
                     min(config.scheduler.max_running, config.engine.graph_max_seqs),
                     self.max_model_len,
                     self.block_size,
@@ -522,10 +523,7 @@ class ModelRunner(Executor):
             if c.seq.token_ids[c.start + c.num_tokens - 1] == PENDING
         ]
         if self.graphs is not None and self.graphs.fits(chunks):
-            fill = None
-            if pending:
-                fill = lambda ids: self._fill_pending(ids, pending, chunks, pending)  # noqa: E731
-            logits = self.graphs.run(chunks, fill)
+            logits = self.graphs.run(chunks, self._pending_filler(pending, chunks, pending))
             if 0 < len(sample_seqs) < len(chunks):  # one-token prompt chunks sample nothing
                 rows = [i for i, c in enumerate(chunks) if c.sample]
                 logits = logits[to_device(torch.tensor(rows), self.device)]
@@ -548,10 +546,8 @@ class ModelRunner(Executor):
             [c.seq.block_table for c in chunks],
             self.block_size,
         )
+        fill = self._pending_filler(pending_rows, chunks, pending)
         if self.mixed is not None and self.mixed.fits(len(ids), len(chunks)):
-            fill = None
-            if pending:
-                fill = lambda ids: self._fill_pending(ids, pending_rows, chunks, pending)  # noqa: E731
             hidden = self.mixed.run(ids, positions, make_attention_batch(*layout), fill)
             rows = to_device(torch.tensor(sample_rows, dtype=torch.long), self.device)
         else:
@@ -560,12 +556,21 @@ class ModelRunner(Executor):
             on_device = to_device(host, self.device)
             n = len(ids)
             input_ids, pos, rows = on_device[:n], on_device[n : 2 * n], on_device[2 * n :]
-            if pending:
-                self._fill_pending(input_ids, pending_rows, chunks, pending)
+            if fill is not None:
+                fill(input_ids)
             hidden = self.model(input_ids, pos)
         if not sample_rows:
             return self._sample(None, [])
         return self._sample(self.model.compute_logits(hidden.index_select(0, rows)), sample_seqs)
+
+    def _pending_filler(
+        self, rows: list[int], chunks: list, pending: list[int]
+    ) -> Callable[[torch.Tensor], None] | None:
+        """What writes the PENDING inputs into a step's input ids (see _fill_pending), or None
+        when the step has none."""
+        if not pending:
+            return None
+        return lambda input_ids: self._fill_pending(input_ids, rows, chunks, pending)
 
     def _fill_pending(
         self, input_ids: torch.Tensor, rows: list[int], chunks: list, pending: list[int]
