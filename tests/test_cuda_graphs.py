@@ -9,6 +9,7 @@ import gc
 import logging
 import random
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -301,7 +302,25 @@ def test_runner_generates_like_eager_steps(tmp_path_factory, prefill_chunk: int)
     the static plan; no graph to replay on the CPU, so the same pass runs eagerly) against
     ordinary eager steps, as the batch shrinks from 3 to 1. With prefill_chunk=1 every prompt
     token is a one-token chunk too, so steps that sample only some rows go through the runner."""
-    path = checkpoint("llama", tmp_path_factory)
+    llm = cpu_triton_llm(checkpoint("llama", tmp_path_factory), prefill_chunk)
+    ex = llm.engine.executor
+    assert ex.graphs is None
+    ex.attention.min_split_len = 16  # split on the CPU: 4 splits of the graph plan's 64 tokens
+    ex.attention.target_programs = 10**6
+
+    def install() -> None:
+        ex.graphs = DecodeGraphRunner(ex.model, ex.attention, ex.device, 4, ex.max_model_len, 16)
+
+    generates_like_eager(llm, install)
+    if prefill_chunk == 512:  # one prefill step, then decodes of 3, 3, 2, 2, 1, 1, 1 sequences
+        assert ex.graphs.replays == Counter({4: 2, 2: 2, 1: 3})
+    else:  # every step: the 3, 7 and 17 prompt tokens one at a time, then 2, 4 and 7 decodes
+        assert ex.graphs.replays == Counter({4: 5, 2: 6, 1: 13})
+
+
+def cpu_triton_llm(path: Path, prefill_chunk: int) -> LLM:
+    """The tiny checkpoint on the CPU with the Triton backend (interpreted): 64-token context,
+    4 sequences at a time, no prefix cache."""
     config = {
         "model.path": str(path),
         "model.dtype": "float32",
@@ -312,18 +331,21 @@ def test_runner_generates_like_eager_steps(tmp_path_factory, prefill_chunk: int)
         "scheduler.prefix_cache": False,
         "scheduler.prefill_chunk": prefill_chunk,
     }
-    llm = LLM(load_config(None, config))
+    return LLM(load_config(None, config))
+
+
+def generates_like_eager(llm: LLM, install: Callable[[], None]) -> list[Step]:
+    """Three greedy requests of 8, 5 and 3 tokens (17-, 7- and 3-token prompts) generated
+    eagerly, then again after install() puts a graph runner in: the same tokens, and every
+    step's logits within 1e-4. Returns the second run's steps."""
     ex = llm.engine.executor
-    assert ex.graphs is None
-    ex.attention.min_split_len = 16  # split on the CPU: 4 splits of the graph plan's 64 tokens
-    ex.attention.target_programs = 10**6
     recorder = ex.sampler = LogitsRecorder(ex.sampler)
     prompts = [list(range(3, 20)), [5, 9, 17, 33, 65, 129, 200], [7] * 3]
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (8, 5, 3)]
 
     eager = [c.token_ids for c in llm.generate(prompts, params)]
     eager_logits = recorder.take()
-    ex.graphs = DecodeGraphRunner(ex.model, ex.attention, ex.device, 4, ex.max_model_len, 16)
+    install()
     static = [c.token_ids for c in llm.generate(prompts, params)]
     static_logits = recorder.take()
 
@@ -332,10 +354,7 @@ def test_runner_generates_like_eager_steps(tmp_path_factory, prefill_chunk: int)
     for step, (a, b) in enumerate(zip(static_logits, eager_logits, strict=True)):
         err = rel_err(a.logits, b.logits)
         assert err <= 1e-4, f"step {step}: logits differ by {err:.2e}"
-    if prefill_chunk == 512:  # one prefill step, then decodes of 3, 3, 2, 2, 1, 1, 1 sequences
-        assert ex.graphs.replays == Counter({4: 2, 2: 2, 1: 3})
-    else:  # every step: the 3, 7 and 17 prompt tokens one at a time, then 2, 4 and 7 decodes
-        assert ex.graphs.replays == Counter({4: 5, 2: 6, 1: 13})
+    return static_logits
 
 
 class FakeGraph:

@@ -13,11 +13,11 @@ import torch
 pytest.importorskip("transformers")
 
 from conftest import interpreted, on_gpu, scattered_tables  # noqa: E402
-from test_attention_torch import rel_err  # noqa: E402
 from test_cuda_graphs import (  # noqa: E402
-    LogitsRecorder,
     check_static_step,
     checkpoint,
+    cpu_triton_llm,
+    generates_like_eager,
     seeded_backends,
     triton_attention,
 )
@@ -85,20 +85,6 @@ def test_mixed_buffers_check_their_inputs() -> None:
         backend.prepare_mixed_replay(too_wide, 8)
 
 
-def _engine(path, prefill_chunk: int) -> LLM:
-    config = {
-        "model.path": str(path),
-        "model.dtype": "float32",
-        "model.max_model_len": 64,
-        "engine.device": "cpu",
-        "engine.attention_backend": "triton",
-        "scheduler.max_running": 4,
-        "scheduler.prefix_cache": False,
-        "scheduler.prefill_chunk": prefill_chunk,
-    }
-    return LLM(load_config(None, config))
-
-
 def test_first_tokens() -> None:
     assert first_tokens([8, 8, 8], 20) == [8, 8, 4]
     assert first_tokens([8, 8], 16) == [8, 8]
@@ -116,25 +102,17 @@ def test_runner_generates_like_eager_steps(
     tokens, against ordinary eager steps. With 5-token chunks prompts are chunked and run beside
     decodes, some steps sampling only some rows; with overlap on, decodes beside a chunk read
     their last token from the device. With max_seqs 2, steps over 3 sequences run eagerly."""
-    llm = _engine(checkpoint("llama", tmp_path_factory), prefill_chunk)
+    llm = cpu_triton_llm(checkpoint("llama", tmp_path_factory), prefill_chunk)
     ex = llm.engine.executor
     assert ex.mixed is None  # on the CPU: no graphs unless a test sets a runner
-    recorder = ex.sampler = LogitsRecorder(ex.sampler)
-    prompts = [list(range(3, 20)), [5, 9, 17, 33, 65, 129, 200], [7] * 3]
-    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (8, 5, 3)]
 
-    eager = [c.token_ids for c in llm.generate(prompts, params)]
-    eager_logits = recorder.take()
-    runner = MixedGraphRunner(ex.model, ex.attention, ex.device, 16, max_seqs, ex.max_model_len, 16)
-    ex.mixed = runner
-    static = [c.token_ids for c in llm.generate(prompts, params)]
-    static_logits = recorder.take()
+    def install() -> None:
+        ex.mixed = MixedGraphRunner(
+            ex.model, ex.attention, ex.device, 16, max_seqs, ex.max_model_len, 16
+        )
 
-    assert static == eager
-    assert [s.logits.shape for s in static_logits] == [s.logits.shape for s in eager_logits]
-    for step, (a, b) in enumerate(zip(static_logits, eager_logits, strict=True)):
-        err = rel_err(a.logits, b.logits)
-        assert err <= 1e-4, f"step {step}: logits differ by {err:.2e}"
+    static_logits = generates_like_eager(llm, install)
+    runner = ex.mixed
     # No decode runner here, so decode-only steps replay the mixed runner too.
     if prefill_chunk == 512:  # 27 prompt tokens, over 16: eager; then 7 decode steps
         assert runner.replays == Counter({16: 7})
