@@ -162,6 +162,7 @@ def main() -> None:
     ap.add_argument("--overlap", choices=["on", "off", "default"], default="default")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--set", action="append", default=[], help="extra config KEY=VALUE")
     args = ap.parse_args()
     overrides = {
         "model.preset": args.preset,
@@ -173,6 +174,9 @@ def main() -> None:
     }
     if args.overlap != "default":
         overrides["engine.overlap"] = args.overlap == "on"
+    for kv in args.set:
+        key, value = kv.split("=", 1)
+        overrides[key] = value
     llm = LLM(load_config(None, overrides))
     results = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -50,14 +50,24 @@ for step in "${steps[@]}"; do
         | tee "$OUT/gpu-flashinfer.log" | tail -15
       bash .whl/save-cache.sh "$OUT" 2>&1 | tail -3 ;;
     profile)
-      # PROFILE_MODES: graphs|eager, each with -overlap or -serial (engine.overlap on/off).
+      # PROFILE_MODES: graphs|eager, each with -overlap or -serial (engine.overlap on/off);
+      # PROFILE_SETS: ;-separated config variants (space-separated KEY=VALUE), each profiled
+      # in every mode; PROFILE_ARGS: more options (--preset, --batch, --tokenizer ...).
+      IFS=';' read -ra variants <<< "${PROFILE_SETS:-}"
+      [ ${#variants[@]} -eq 0 ] && variants=("")
       for mode in ${PROFILE_MODES:-graphs-overlap graphs-serial}; do
         flag="--overlap ${mode##*-}"; flag=${flag/overlap overlap/overlap on}
         flag=${flag/overlap serial/overlap off}
         [ "${mode%%-*}" = eager ] && flag="$flag --eager"
-        timeout 300 python3 benchmarks/profile_decode.py --tokenizer $TOK --backend triton \
-          --batch 1,64 --steps 64 $flag ${PROFILE_ARGS:-} --json "$OUT/profile-$mode.json" 2>&1 \
-          | grep -v Warning | tail -40
+        i=0
+        for v in "${variants[@]}"; do
+          sets=(); for kv in $v; do sets+=(--set "$kv"); done
+          echo "== profile $mode: ${v:-defaults} ${PROFILE_ARGS:-}"
+          timeout 300 python3 benchmarks/profile_decode.py --tokenizer $TOK --backend triton \
+            --batch 1,64 --steps 64 $flag "${sets[@]}" ${PROFILE_ARGS:-} \
+            --json "$OUT/profile-$mode-$i.json" 2>&1 | grep -v Warning | tail -${PROFILE_TAIL:-40}
+          i=$((i + 1))
+        done
       done ;;
     breakdown)
       # BREAKDOWN_SETS: ;-separated variants, each a space-separated list of --set KEY=VALUE.
