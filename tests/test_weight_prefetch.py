@@ -51,7 +51,7 @@ def cpu_llm(path) -> LLM:
 def test_each_linear_names_the_next_one_in_running_order(tmp_path_factory) -> None:
     llm = cpu_llm(checkpoint("qwen2", tmp_path_factory))
     model = llm.engine.executor.model
-    prefetch = WeightPrefetch(model, RecordingOps(), 1 << 20, min_bytes=0)
+    prefetch = WeightPrefetch(model, RecordingOps(), 1 << 30)
     layers = model.model.layers
     expected = []
     for layer in layers:
@@ -63,7 +63,7 @@ def test_each_linear_names_the_next_one_in_running_order(tmp_path_factory) -> No
     assert expected[-1] not in prefetch.next  # the last one has nothing after it
 
 
-def test_min_bytes_leaves_small_layers_out(tmp_path_factory) -> None:
+def test_weights_over_max_bytes_are_never_prefetched(tmp_path_factory) -> None:
     llm = cpu_llm(checkpoint("llama", tmp_path_factory))
     model = llm.engine.executor.model
     sizes = {
@@ -72,10 +72,10 @@ def test_min_bytes_leaves_small_layers_out(tmp_path_factory) -> None:
         if isinstance(m, QuantLinear)
     }
     cut = sorted(sizes.values())[len(sizes) // 2]
-    prefetch = WeightPrefetch(model, RecordingOps(), 1 << 20, min_bytes=cut)
-    assert prefetch.next, "some layers are at least the median size"
-    for m, w in prefetch.next.items():
-        assert sizes[m] >= cut and w.numel() * w.element_size() >= cut
+    prefetch = WeightPrefetch(model, RecordingOps(), cut)
+    assert prefetch.next, "some layers are at most the median size"
+    small = {id(m.weight) for m, size in sizes.items() if size <= cut}
+    assert {id(w) for w in prefetch.next.values()} == small - {id(next(iter(sizes)).weight)}
 
 
 def test_nothing_is_issued_on_the_cpu_or_outside_active(tmp_path_factory) -> None:
@@ -86,7 +86,7 @@ def test_nothing_is_issued_on_the_cpu_or_outside_active(tmp_path_factory) -> Non
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     before = llm.generate([[3, 5, 7, 9]], params)[0].token_ids
     ops = RecordingOps()
-    prefetch = WeightPrefetch(ex.model, ops, 1 << 20, min_bytes=0)
+    prefetch = WeightPrefetch(ex.model, ops, 1 << 30)
     assert llm.generate([[3, 5, 7, 9]], params)[0].token_ids == before
     with prefetch.active(ex.device):
         assert llm.generate([[3, 5, 7, 9]], params)[0].token_ids == before

@@ -3,8 +3,10 @@
 At the batch sizes where a decode step is bound by reading weights, the small GEMMs do not
 reach memory bandwidth: a 3B model's o_proj (8 MB) takes ~5.6 µs on an H200 where its bytes
 alone need 2, the rest is the latency of a cold start. So when each linear layer's forward
-begins, a side stream asks the kernel ops (KernelOps.prefetch_l2) to pull the first
-`max_bytes` of the next layer's weight into L2; that GEMM then starts on warm cache lines.
+begins, a side stream asks the kernel ops (KernelOps.prefetch_l2) to pull the next layer's
+weight into L2, when that weight is at most `max_bytes`; that GEMM then starts on warm cache
+lines. Large weights are never prefetched: their GEMMs already stream at near bandwidth, and
+pulling them early only competes with the GEMM running (measured: every GEMM got slower).
 
 Only while `active()` (the executor wraps the CUDA graph captures in it): inside a graph the
 side stream is a branch that costs the main chain nothing, while eagerly it would cost launch
@@ -30,19 +32,18 @@ class WeightPrefetch:
         model: torch.nn.Module,
         ops: KernelOps,
         max_bytes: int,
-        min_bytes: int = 1 << 20,
     ) -> None:
         self.ops = ops
         self.max_bytes = max_bytes
         linears = [
             m
             for m in model.modules()
-            if isinstance(m, QuantLinear)
-            and isinstance(getattr(m, "weight", None), torch.Tensor)
-            and m.weight.numel() * m.weight.element_size() >= min_bytes
+            if isinstance(m, QuantLinear) and isinstance(getattr(m, "weight", None), torch.Tensor)
         ]
         self.next: dict[torch.nn.Module, torch.Tensor] = {
-            m: n.weight for m, n in zip(linears, linears[1:], strict=False)
+            m: n.weight
+            for m, n in zip(linears, linears[1:], strict=False)
+            if n.weight.numel() * n.weight.element_size() <= max_bytes
         }
         self.issued = 0  # prefetches launched (for tests and logs)
         self._enabled = False
