@@ -50,9 +50,6 @@ class EngineSection(Section):
     # ... and over at most this many sequences (more decodes beside a chunk: eager).
     graph_max_seqs: int = Field(default=128, ge=1)
     overlap: bool = True  # schedule and submit step N+1 while the device runs step N
-    # In CUDA graphs, each linear layer first has the next one's weight pulled into L2 on a side
-    # stream when it is at most this many MiB (kernels that can: Hopper and later); 0: off.
-    l2_prefetch_mib: int = Field(default=0, ge=0, le=1024)
     threads: int | None = Field(default=None, ge=1)  # torch CPU threads
 
     @field_validator("device")

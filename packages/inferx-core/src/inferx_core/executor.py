@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import time
@@ -37,7 +36,6 @@ from inferx_core.interfaces import (
 from inferx_core.plugins import PluginError, Plugins, plugins
 from inferx_core.sampler import Sampler, TopLogprobs
 from inferx_core.sequence import PENDING, SamplingParams, Sequence
-from inferx_core.weight_prefetch import WeightPrefetch
 
 log = logging.getLogger("inferx.executor")
 
@@ -295,20 +293,32 @@ class ModelRunner(Executor):
             self.report.seconds["warm_up"] = time.perf_counter() - t0
         self.graphs: DecodeGraphRunner | None = None
         self.mixed: MixedGraphRunner | None = None
-        self.prefetch: WeightPrefetch | None = None
         self.eager_reason = eager_reason(config.engine.cuda_graphs, self.device, self.attention)
         if self.eager_reason is not None:
             log.info("decode runs eagerly: %s", self.eager_reason)
         else:
             t0 = time.perf_counter()
-            prefetch: contextlib.AbstractContextManager = contextlib.nullcontext()
-            if config.engine.l2_prefetch_mib:
-                self.prefetch = WeightPrefetch(
-                    self.model, ctx.ops, config.engine.l2_prefetch_mib << 20
+            pool = None
+            if mixed_tokens := self._mixed_graph_tokens():
+                self.mixed = MixedGraphRunner(
+                    self.model,
+                    self.attention,
+                    self.device,
+                    mixed_tokens,
+                    min(config.scheduler.max_running, config.engine.graph_max_seqs),
+                    self.max_model_len,
+                    self.block_size,
                 )
-                prefetch = self.prefetch.active(self.device)
-            with prefetch:
-                self._capture_graphs()
+                pool = self.mixed.capture()
+            self.graphs = DecodeGraphRunner(
+                self.model,
+                self.attention,
+                self.device,
+                config.scheduler.max_running,
+                self.max_model_len,
+                self.block_size,
+            )
+            self.graphs.capture(pool)
             self.report.seconds["cuda_graphs"] = time.perf_counter() - t0
             log.info(
                 "captured CUDA graphs in %.2f s: decode at %d batch sizes (1 to %d); steps "
@@ -318,31 +328,6 @@ class ModelRunner(Executor):
                 self.graphs.max_batch,
                 self.mixed.sizes if self.mixed else "no",
             )
-
-    def _capture_graphs(self) -> None:
-        """Capture the mixed-step graphs (if any), then the decode graphs in the same pool."""
-        config = self.config
-        pool = None
-        if mixed_tokens := self._mixed_graph_tokens():
-            self.mixed = MixedGraphRunner(
-                self.model,
-                self.attention,
-                self.device,
-                mixed_tokens,
-                min(config.scheduler.max_running, config.engine.graph_max_seqs),
-                self.max_model_len,
-                self.block_size,
-            )
-            pool = self.mixed.capture()
-        self.graphs = DecodeGraphRunner(
-            self.model,
-            self.attention,
-            self.device,
-            config.scheduler.max_running,
-            self.max_model_len,
-            self.block_size,
-        )
-        self.graphs.capture(pool)
 
     def _mixed_graph_tokens(self) -> int:
         """The largest step with prompt tokens to capture (0: none): engine.graph_max_tokens

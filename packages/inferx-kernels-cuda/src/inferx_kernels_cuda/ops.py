@@ -7,7 +7,6 @@ import triton
 
 from inferx_core.interfaces.ops import KernelOps
 from inferx_kernels_cuda import fused_kernels as kernels
-from inferx_kernels_cuda import l2_prefetch
 
 # Elements of x1 (and of x2) one rotary loop iteration holds: enough for all query heads of
 # common models in one pass at head dim 128, small enough to stay in registers.
@@ -149,6 +148,3 @@ class TritonOps(KernelOps):
                 num_warps=4,
             )
         return q, k
-
-    def prefetch_l2(self, weight: torch.Tensor, max_bytes: int) -> bool:
-        return l2_prefetch.prefetch_l2(weight, max_bytes)

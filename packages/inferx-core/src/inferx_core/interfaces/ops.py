@@ -40,9 +40,3 @@ class KernelOps(ABC):
         the rotated pair. An implementation may rotate in place: pass tensors the caller owns.
 
         cos_sin: [max_positions, D] float32, cos in the first D/2 columns and sin in the rest."""
-
-    def prefetch_l2(self, weight: torch.Tensor, max_bytes: int) -> bool:
-        """A hint, with no effect on results: start pulling the first max_bytes of `weight`
-        into the GPU's L2 cache without waiting for them, on the current stream. Returns
-        whether anything was issued. The default (and the CPU) does nothing."""
-        return False
