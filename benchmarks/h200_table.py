@@ -487,6 +487,19 @@ def serve_prompts(run: Run, preset: str) -> dict[int, list[str]]:
     return {c: exact_prompts(tok_dir, s.serve_in, s.num_prompts(c), seed=c) for c in s.concurrency}
 
 
+def triton_kernels() -> set[str]:
+    """The compiled kernels in Triton's on-disk cache (one <hash>/<name>.json each): what a
+    server compiles while serving shows up as new entries between two calls."""
+    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    if not root.is_dir():
+        return set()
+    return {
+        f"{f.parent.name[:8]}/{f.stem}"
+        for f in root.glob("*/*.json")
+        if not f.name.startswith("__grp__")
+    }
+
+
 def run_serve(
     run: Run,
     preset: str,
@@ -535,11 +548,15 @@ def run_serve(
                     serve[str(c)] = {"error": skip}
                     continue
                 try:
+                    kernels = triton_kernels()
                     r = load(url, model, prompts[c], c, s, min(SERVE_RUN_CAP_S, left))
+                    # Kernels compiled mid-run: start-up's warm-up should have done them all.
+                    r["triton_compiled"] = sorted(triton_kernels() - kernels)
                     serve[str(c)] = r
                     print(
                         f"[{preset}] serve c={c}: {r['output_throughput']:.0f} tok/s, "
-                        f"{r['completed']}/{r['num_prompts']} done",
+                        f"{r['completed']}/{r['num_prompts']} done; Triton kernels compiled "
+                        f"during the run: {r['triton_compiled'] or 'none'}",
                         flush=True,
                     )
                 except Exception as exc:
