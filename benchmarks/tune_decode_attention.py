@@ -3,15 +3,14 @@
     python benchmarks/tune_decode_attention.py [--batches 1,8,64,256] [--contexts 192,1024,4096]
         [--layers 8] [--json OUT.json]
 
-The decode step's attention is one decode kernel per layer; when the context is split, the last
-program of each sequence and KV head also combines the splits (a second kernel before, and then
-the two cost ~6 us a layer on an H200 at batch 1, ~11 us at batch 64: profile in
-docs/BENCHMARKS.md), mostly latency. For each (batch, context) this captures `--layers` layers
-of attention (one cache each, the shapes of Qwen2.5-3B: 16 query heads, 2 KV heads, head dim
-128, bf16, block size 16) as the decode graphs do, for every combination of the decode kernel's
-num_warps, the split combine's tile (reduce_tile), min_split_len and target_programs, and prints
-µs per layer: the default's, the best's, and which that is. Outputs are checked against the
-default's on the way (a config that changes results is an error, not a winner).
+The decode step's attention is a decode kernel plus (when the context is split) a reduce
+kernel per layer; at batch 1 they cost ~6 us a layer on an H200, at batch 64 ~11 us (profile
+in docs/BENCHMARKS.md), mostly latency. For each (batch, context) this captures `--layers`
+layers of attention (one cache each, the shapes of Qwen2.5-3B: 16 query heads, 2 KV heads,
+head dim 128, bf16, block size 16) as the decode graphs do, for every combination of the
+decode kernel's num_warps, the reduce kernel's num_warps, min_split_len and target_programs,
+and prints µs per layer: the default's, the best's, and which that is. Outputs are checked
+against the default's on the way (a config that changes results is an error, not a winner).
 """
 
 from __future__ import annotations
@@ -31,10 +30,10 @@ from inferx_kernels_cuda.triton_attention import TritonAttention
 
 SPEC = KVLayerSpec(16, 2, 128)  # Qwen2.5-3B
 BLOCK = 16
-DEFAULT = {"decode_warps": 4, "reduce_tile": 8192, "min_split_len": 64, "target_x": 2}
+DEFAULT = {"decode_warps": 4, "reduce_warps": 4, "min_split_len": 64, "target_x": 2}
 GRID = {
     "decode_warps": (2, 4, 8),
-    "reduce_tile": (2048, 4096, 8192),  # fp32 elements the combine reads per round trip
+    "reduce_warps": (1, 2, 4),
     "min_split_len": (64, 128, 256),
     "target_x": (1, 2, 4),  # target_programs = this x the SM count
 }
@@ -61,7 +60,7 @@ def build(
         target_programs=cfg["target_x"] * sms,
     )
     backend.decode_launch = {"num_warps": cfg["decode_warps"], "num_stages": 1}
-    backend.reduce_tile = cfg["reduce_tile"]
+    backend.reduce_launch = {"num_warps": cfg["reduce_warps"]}
     blocks_per_seq = -(-context // BLOCK)
     backend.allocate(batch * blocks_per_seq + 1)
     gen = torch.Generator(device=device).manual_seed(0)

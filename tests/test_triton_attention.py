@@ -149,32 +149,6 @@ def test_split_k_decode(block_size: int, group: int, dtype: torch.dtype) -> None
     assert check_steps(backend, totals, steps) == [1, 3, 3]
 
 
-@interpreted
-@pytest.mark.parametrize(("head_dim", "reduce_tile"), [(64, 64), (128, 4096)])
-@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
-def test_decode_kernel_combines_its_splits(group: int, head_dim: int, reduce_tile: int) -> None:
-    """No reduce launch: the last program of each (decode, KV head) to finish combines the
-    splits. Decodes of 1 to 65 tokens over the step's 4, then 5 splits of 16 (the short ones
-    leave splits empty), two layers of 2 and 1 KV heads, two steps in a row: every launch finds
-    its counters zero, so each leaves them zero. reduce_tile 64 combines one split at a time;
-    4096 takes 4 to 32 splits a tile at head dim 128, masking those past the context."""
-    torch.manual_seed(group * 1000 + head_dim)
-    layers = [KVLayerSpec(2 * group, 2, head_dim), KVLayerSpec(group, 1, head_dim)]
-    backend = TritonAttention(
-        layers, 16, torch.float32, torch.device("cpu"), min_split_len=1, target_programs=10**6
-    )
-    backend.reduce_tile = reduce_tile
-    totals = [65, 2, 7, 20, 34]
-    steps = [
-        [(0, t - 2) for t in totals],  # a ragged prefill (the 2-token sequence sits it out)
-        [(t - 2, t - 1) for t in totals],
-        [(t - 1, t) for t in totals],
-    ]
-    assert check_steps(backend, totals, steps) == [1, 4, 5]
-    counters = backend._counters
-    assert counters.shape == (len(totals) * 2,) and not counters.any()
-
-
 def test_split_policy() -> None:
     """Split only while the GPU would be short of programs, never below min_split_len."""
     backend = TritonAttention(

@@ -55,7 +55,6 @@ class _Plan:
     split_len: int  # context tokens per split, a multiple of the decode tile
     part_o: torch.Tensor | None  # split-K partial outputs, fp32, sized for the widest layer
     part_lse: torch.Tensor | None
-    counters: torch.Tensor | None  # split-K: int32 zeros, one per (decode, KV head)
     tiles: dict[int, list[_Tiles]]  # by GQA group size: one prefill launch per tile set
     seq_split: bool = False  # split_len is the shortest split; each sequence derives its own
 
@@ -72,7 +71,6 @@ class _GraphBuffers:
     query_start: torch.Tensor  # [max_batch + 1] int32: row i is sequence i
     part_o: torch.Tensor  # split-K scratch for the largest batch size's grid
     part_lse: torch.Tensor
-    counters: torch.Tensor  # [max_batch * most KV heads] int32 zeros, zeroed again per launch
     staged_context_len: torch.Tensor  # host (pinned on a GPU) copies of the per-row vectors
     staged_slot_mapping: torch.Tensor
     copied: torch.cuda.Event | None  # the last replay's copies out of the staged tensors
@@ -143,18 +141,18 @@ class TritonAttention(TorchAttention):
 
     Sequences with one query this step (decodes) run the decode kernel: one program per
     (sequence, KV head, split) holding all query heads of the group, the context split into
-    `num_splits` ranges when there are too few (sequence, KV head) pairs to fill the GPU; the
-    last program of a pair to finish combines its splits by their log-sum-exp, in the same
-    launch. Every other sequence runs the prefill kernel over query tiles from its cached
-    prefix plus its new chunk. Both read the cache after this step's K/V were written by the
-    write kernel, so a mixed batch is two launches over disjoint output rows.
+    `num_splits` ranges when there are too few (sequence, KV head) pairs to fill the GPU; a
+    second kernel combines the splits by their log-sum-exp. Every other sequence runs the
+    prefill kernel over query tiles from its cached prefix plus its new chunk. Both read the
+    cache after this step's K/V were written by the write kernel, so a mixed batch is two
+    launches over disjoint output rows.
 
     min_split_len: fewest context tokens per split. target_programs: decode programs to aim
     for (default: twice the GPU's SM count); splitting stops there. The default of one 64-token
     tile per split is what measured fastest on an H200 at batch 1-64: each tile iteration of
     the decode loop costs ~2 us of dependent-load latency there, so short programs in parallel
-    beat long ones. Tile sizes and launch options are attributes so that tests and tuning can
-    change them.
+    beat long ones even after the reduce launch. Tile sizes and launch options are attributes
+    so that tests and tuning can change them.
     """
 
     name = "triton attention"
@@ -200,18 +198,13 @@ class TritonAttention(TorchAttention):
         self.prefill_block_n = 16 if small else 64
         # Launch options (num_warps, num_stages) per kernel, for tuning.
         self.decode_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
-        # Elements (a power of two) of the split combine's [splits, heads, dim] fp32 tile, all
-        # loaded at once: 64 a thread at 4 warps. Compiled for sm_90, the split variant then
-        # stays within the no-split one's ~128 registers at head dim 128; twice that does not.
-        # The interpreter's few, so that test shapes take several chunks of splits.
-        self.reduce_tile = 64 if small else 8192
+        self.reduce_launch: dict[str, int] = {"num_warps": 4}  # Triton's default
         self.prefill_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         self._upcast = self.interpret and dtype == torch.bfloat16
         self._dot_precision = "ieee" if dtype == torch.float32 else "tf32"
         self._groups = sorted({s.num_q_heads // s.num_kv_heads for s in layers})
         self._plan: _Plan | None = None
-        self._counters = torch.zeros(0, dtype=torch.int32, device=device)  # eager steps'
         self._graph: _GraphBuffers | None = None
         self._mixed: _MixedBuffers | None = None
 
@@ -261,19 +254,13 @@ class TritonAttention(TorchAttention):
                 start = packed[at[part + 1] : at[part + 1] + count]
                 tiles[group] = [_Tiles(block_m, block_q, seq, start, count)]
 
-        part_o = part_lse = counters = None
+        part_o = part_lse = None
         if num_splits > 1:
             heads = max(s.num_q_heads for s in self.layers)
             dim = max(s.head_dim for s in self.layers)
             rows = len(decode) * heads * num_splits
             part_o = torch.empty(rows * dim, dtype=torch.float32, device=device)
             part_lse = torch.empty(rows, dtype=torch.float32, device=device)
-            # Every launch leaves its counters zero, so one buffer serves every step and layer;
-            # it only grows (zeroed) when a step has more decodes than it holds.
-            need = len(decode) * max(s.num_kv_heads for s in self.layers)
-            if self._counters.numel() < need:
-                self._counters = torch.zeros(need, dtype=torch.int32, device=device)
-            counters = self._counters
 
         self._plan = _Plan(
             slot_mapping=batch.slot_mapping.to(device, torch.int64),
@@ -287,7 +274,6 @@ class TritonAttention(TorchAttention):
             split_len=split_len,
             part_o=part_o,
             part_lse=part_lse,
-            counters=counters,
             tiles=tiles,
         )
 
@@ -330,11 +316,6 @@ class TritonAttention(TorchAttention):
             query_start=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
             part_o=torch.empty(rows * dim, dtype=torch.float32, device=device),
             part_lse=torch.empty(rows, dtype=torch.float32, device=device),
-            counters=torch.zeros(
-                max_batch * max(s.num_kv_heads for s in self.layers),
-                dtype=torch.int32,
-                device=device,
-            ),
             staged_context_len=torch.ones(max_batch, dtype=torch.int32, pin_memory=pin),
             staged_slot_mapping=torch.full((max_batch,), -1, dtype=torch.int64, pin_memory=pin),
             copied=None,
@@ -359,7 +340,6 @@ class TritonAttention(TorchAttention):
             split_len=_cdiv(max(self.min_split_len, 1), tile) * tile,
             part_o=g.part_o if num_splits > 1 else None,
             part_lse=g.part_lse if num_splits > 1 else None,
-            counters=g.counters if num_splits > 1 else None,
             tiles={},
             seq_split=True,
         )
@@ -463,7 +443,6 @@ class TritonAttention(TorchAttention):
             split_len=self.decode_block_n,
             part_o=None,
             part_lse=None,
-            counters=None,
             tiles=tiles,
         )
 
@@ -616,11 +595,6 @@ class TritonAttention(TorchAttention):
         cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         if plan.num_decode:
             split = plan.num_splits > 1
-            # The split combine's tile: one size per layer shape whatever the split count (one
-            # compiled variant), powers of two as tl.arange needs.
-            reduce_heads = triton.next_power_of_2(group)
-            reduce_splits = max(1, self.reduce_tile // (reduce_heads * spec.head_dim))
-            reduce_splits = min(reduce_splits, self.max_splits)
             kernels.decode_kernel[(plan.num_decode, spec.num_kv_heads, plan.num_splits)](
                 q,
                 k_cache,
@@ -628,7 +602,6 @@ class TritonAttention(TorchAttention):
                 out,
                 plan.part_o if split else out,
                 plan.part_lse if split else out,
-                plan.counters if split else out,
                 plan.block_table,
                 plan.context_len,
                 plan.query_start,
@@ -651,10 +624,30 @@ class TritonAttention(TorchAttention):
                 ALL_DECODE=plan.all_decode,
                 UPCAST=self._upcast,
                 DOT_PRECISION=self._dot_precision,
-                REDUCE_HEADS=reduce_heads,
-                REDUCE_SPLITS=reduce_splits,
                 **self.decode_launch,
             )
+            if split:
+                kernels.decode_reduce_kernel[(plan.num_decode, spec.num_q_heads)](
+                    plan.part_o,
+                    plan.part_lse,
+                    out,
+                    plan.context_len,
+                    plan.query_start,
+                    plan.decode_seqs,
+                    plan.split_len,
+                    plan.num_splits,
+                    out.stride(0),
+                    out.stride(1),
+                    HEAD_DIM=spec.head_dim,
+                    # Eager steps pad to the most splits there can be: one compiled variant.
+                    SPLITS_PAD=triton.next_power_of_2(
+                        plan.num_splits if plan.seq_split else self.max_splits
+                    ),
+                    SEQ_SPLIT=plan.seq_split,
+                    BLOCK_N=self.decode_block_n,
+                    ALL_DECODE=plan.all_decode,
+                    **self.reduce_launch,
+                )
 
         for tiles in plan.tiles.get(group, []):
             kernels.prefill_kernel[(tiles.count, spec.num_kv_heads)](

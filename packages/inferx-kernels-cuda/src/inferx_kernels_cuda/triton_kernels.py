@@ -1,4 +1,4 @@
-"""Triton kernels for paged attention: KV-cache write, split-K decode, prefill.
+"""Triton kernels for paged attention: KV-cache write, split-K decode and its reduce, prefill.
 
 The cache of one layer is K and V, each [num_blocks, block_size, num_kv_heads, head_dim] with the
 head dim contiguous; a token at position p of a sequence lives in block table[p // block_size] at
@@ -9,9 +9,9 @@ UPCAST turns operands to fp32 before tl.dot: Triton's interpreter computes bf16 
 (see LESSONS.md), while on the GPU fp16/bf16 dots run on tensor cores as they are.
 DOT_PRECISION is "ieee" for fp32 caches (exact fp32, not tf32) and ignored for half types.
 
-SEQ_SPLIT (decode): the split length is derived per sequence from its context (see
-_seq_split_len) rather than fixed for the step, so that one grid, captured once in a CUDA graph,
-serves every context length; the split_len argument is then the shortest split.
+SEQ_SPLIT (decode and its reduce): the split length is derived per sequence from its context
+(see _seq_split_len) rather than fixed for the step, so that one grid, captured once in a CUDA
+graph, serves every context length; the split_len argument is then the shortest split.
 """
 
 from __future__ import annotations
@@ -205,56 +205,6 @@ def _decode_row(i, seq_ids_ptr, query_start_ptr, context_len_ptr, ALL_DECODE: tl
     return seq, row, ctx
 
 
-@triton.jit
-def _combine_splits(
-    part_o_ptr,
-    part_lse_ptr,
-    first,
-    num_splits,
-    used,
-    out_ptr,
-    stride_oh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEADS: tl.constexpr,
-    SPLITS: tl.constexpr,
-):
-    """out (the GROUP heads from out_ptr on) = the splits' partial outputs weighted by exp2 of
-    their lse, over the first `used` splits (later ones are past the context: empty). `first`:
-    the partials' row of head 0, split 0. Reads [SPLITS, HEADS, HEAD_DIM] tiles (HEADS: GROUP
-    padded to a power of two), rescaling the running sums as the max lse grows, so the register
-    footprint is the tile's whatever the split count. Splits lead the tile so that Triton lays
-    warps across heads and sums over splits within each thread (splits second put the warps
-    across them: a sum through shared memory, and ~3x the registers). The loads bypass L1
-    (.cg): the partials were written by other programs, possibly on other SMs."""
-    s = tl.arange(0, SPLITS)[:, None]
-    g = tl.arange(0, HEADS)
-    d = tl.arange(0, HEAD_DIM)
-    m = tl.full([HEADS], _NO_MAX, tl.float32)
-    w_sum = tl.zeros([HEADS], tl.float32)
-    acc = tl.zeros([HEADS, HEAD_DIM], tl.float32)
-    for start in range(0, used, SPLITS):
-        valid = (start + s < used) & (g[None, :] < GROUP)
-        part = first + g[None, :] * num_splits + start + s
-        lse = tl.load(part_lse_ptr + part, mask=valid, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(
-            part_o_ptr + part[:, :, None] * HEAD_DIM + d[None, None, :],
-            mask=valid[:, :, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new[None, :])
-        w_sum = w_sum * alpha + tl.sum(w, 0)
-        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 0)
-        m = m_new
-    # Padding heads (g >= GROUP) saw no split; every real head sees split 0, never empty.
-    res = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
-    dst = out_ptr + g[:, None] * stride_oh + d[None, :]
-    tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
-
-
 # Ints that change from step to step are not specialised on (Triton would compile a variant for
 # values of 1 and multiples of 16): every variant a step can need is compiled at start-up.
 @triton.jit(do_not_specialize=["split_len", "stride_table"])
@@ -265,7 +215,6 @@ def decode_kernel(
     out_ptr,
     part_o_ptr,
     part_lse_ptr,
-    counter_ptr,
     block_table_ptr,
     context_len_ptr,
     query_start_ptr,
@@ -290,19 +239,13 @@ def decode_kernel(
     ALL_DECODE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    REDUCE_HEADS: tl.constexpr,
-    REDUCE_SPLITS: tl.constexpr,
 ):
     """Grid (decode sequences, KV heads, splits): the one query token of a sequence, all query
     heads of one KV group (rows of one tl.dot, padded to GROUP_PAD), over one split of the
-    context. Without SPLIT the result goes straight to out. With SPLIT the normalised partial
-    output and its lse go to part_o / part_lse ([seq, q_head, split, dim] and [seq, q_head,
-    split]), and the last program of a (sequence, KV head) to finish combines all its splits
-    into out (_combine_splits): no second launch. It finds out it is last from counter
-    [seq, KV head] (int32, zero before the launch), which it sets back to zero, so the next
-    launch or graph replay finds it zeroed too. ALL_DECODE: every sequence of the batch is a
-    decode, so sequence i is decode i and its query is row i (one dependent load fewer before
-    the KV reads).
+    context. With SPLIT the normalised partial output and its lse go to part_o / part_lse
+    ([seq, q_head, split, dim] and [seq, q_head, split]) for decode_reduce_kernel; without, the
+    result goes straight to out. ALL_DECODE: every sequence of the batch is a decode, so
+    sequence i is decode i and its query is row i (one dependent load fewer before the KV reads).
     """
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -352,22 +295,50 @@ def decode_kernel(
         tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=g_valid[:, None])
         lse = tl.where(has_keys, m + tl.log2(sum_safe), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=g_valid)
-        # A split-K semaphore. Triton runs a scalar atomic on one thread: the barrier puts all
-        # threads' stores above before it, and its release publishes them (GPU scope) to the
-        # program whose acquire reads the last count; that one's loads come after its acquire.
-        tl.debug_barrier()
-        counter = counter_ptr + i * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-            tl.store(counter, 0)  # every split has counted: no program touches it again
-            dst = out_ptr + row * stride_ot + (kv_head * GROUP) * stride_oh
-            _combine_splits(
-                part_o_ptr, part_lse_ptr, (i * num_q_heads + kv_head * GROUP) * num_splits,
-                num_splits, tl.cdiv(ctx, split_len), dst, stride_oh, GROUP, HEAD_DIM,
-                REDUCE_HEADS, REDUCE_SPLITS,
-            )  # fmt: skip
     else:
         dst = out_ptr + row * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=g_valid[:, None])
+
+
+@triton.jit(do_not_specialize=["split_len", "num_splits"])
+def decode_reduce_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    context_len_ptr,
+    query_start_ptr,
+    seq_ids_ptr,
+    split_len,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    SEQ_SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ALL_DECODE: tl.constexpr,
+):
+    """Grid (decode sequences, query heads): weights each split's output by exp2 of its lse.
+    BLOCK_N is the decode kernel's tile, needed only with SEQ_SPLIT."""
+    i = tl.program_id(0)
+    head = tl.program_id(1)
+    num_q_heads = tl.num_programs(1)
+    seq, row, ctx = _decode_row(i, seq_ids_ptr, query_start_ptr, context_len_ptr, ALL_DECODE)
+    if SEQ_SPLIT:
+        split_len = _seq_split_len(ctx, num_splits, split_len, BLOCK_N)
+    used = tl.cdiv(ctx, split_len)
+
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    s_valid = s < used
+    part = (i * num_q_heads + head) * num_splits + s
+    lse = tl.load(part_lse_ptr + part, mask=s_valid, other=float("-inf"))
+    o = tl.load(
+        part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=s_valid[:, None], other=0.0
+    )
+    w = tl.exp2(lse - tl.max(lse, 0))
+    res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, res.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["stride_table"])
