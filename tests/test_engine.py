@@ -173,3 +173,22 @@ def test_warm_up_steps_leave_generation_unchanged(checkpoint, expected):
     llm = make_llm(checkpoint[0], **{"kv_cache.block_size": 4, "model.max_model_len": 128})
     llm.engine.executor._warm_up()
     assert generate(llm) == expected
+
+
+def test_eager_step_inputs_are_16_byte_aligned(checkpoint, expected):
+    """The eager path packs ids, positions and sampled rows into one host tensor; each part must
+    start 16-byte aligned whatever the token count (Triton compiles a kernel variant per pointer
+    alignment: an odd count once compiled a new rotary variant in the middle of serving)."""
+    llm = make_llm(checkpoint[0])
+    model = llm.engine.executor.model
+    seen = []
+    forward = model.forward
+
+    def recording(input_ids, positions):
+        seen.append((input_ids.shape[0], input_ids.data_ptr() % 16, positions.data_ptr() % 16))
+        return forward(input_ids, positions)
+
+    model.forward = recording
+    assert generate(llm) == expected
+    assert any(n % 2 for n, _, _ in seen), "no step had an odd token count"
+    assert all(a == 0 and b == 0 for _, a, b in seen), seen

@@ -147,3 +147,33 @@ def test_a_burst_of_long_prompts_all_complete() -> None:
         for t in threads:
             t.join(60)
         assert results == [200] * 40
+
+
+@pytest.mark.parametrize(
+    ("value", "device", "expected"),
+    [("auto", "cpu", False), ("true", "cpu", True), ("false", "cpu", False), ("false", "auto", 0)],
+)
+def test_engine_process_auto_is_a_thread_on_a_cpu(value: str, device: str, expected: int) -> None:
+    """auto: a child process only where the engine runs on a GPU (measured faster on the H200 at
+    64 and 256 streams); on a CPU the child and the HTTP side would share the few cores."""
+    from inferx_server.cli import engine_in_process
+
+    config = load_config(None, {"server.engine_process": value, "engine.device": device})
+    assert engine_in_process(config) is bool(expected)
+
+
+def test_engine_process_auto_is_a_process_on_a_gpu(monkeypatch) -> None:
+    import torch
+
+    from inferx_server.cli import engine_in_process
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert engine_in_process(load_config(None, {"engine.device": "auto"})) is True
+    assert engine_in_process(load_config(None, {"server.engine_process": "false"})) is False
+
+
+def test_engine_process_rejects_other_values() -> None:
+    from inferx_core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="engine_process"):
+        load_config(None, {"server.engine_process": "maybe"})

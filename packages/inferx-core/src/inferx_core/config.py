@@ -148,8 +148,10 @@ class ServerSection(Section):
     # /health fails once the engine loop has gone this many seconds without finishing a step
     health_timeout: float = Field(default=30.0, gt=0)
     # Run the engine in a child process (its own GIL) rather than on a thread of the server's:
-    # for many streams, where the engine's and the SSE loop's Python work share one GIL.
-    engine_process: bool = False
+    # for many streams, where the engine's and the SSE loop's Python work share one GIL. auto: a
+    # process when the engine runs on a GPU (measured faster there), a thread on a CPU (where
+    # the child and the HTTP side would share the few cores).
+    engine_process: bool | Literal["auto"] = "auto"
 
 
 class ParallelSection(Section):

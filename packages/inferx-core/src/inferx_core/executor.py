@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from inferx_core.batch import make_attention_batch, to_device, to_host
+from inferx_core.batch import make_attention_batch, pack_aligned, to_device, to_host
 from inferx_core.config import Config
 from inferx_core.cuda_graphs import (
     MAX_GRAPH_BATCH,
@@ -552,10 +552,14 @@ class ModelRunner(Executor):
             rows = to_device(torch.tensor(sample_rows, dtype=torch.long), self.device)
         else:
             self.attention.begin_step(make_attention_batch(*layout, self.device))
-            host = torch.tensor(ids + positions + sample_rows, dtype=torch.long)
+            # Each part 16-byte aligned: a slice at an odd token count would be a pointer
+            # alignment Triton compiles another kernel variant for, mid-serving.
+            host, (_, at_pos, at_rows) = pack_aligned([ids, positions, sample_rows], torch.long)
             on_device = to_device(host, self.device)
             n = len(ids)
-            input_ids, pos, rows = on_device[:n], on_device[n : 2 * n], on_device[2 * n :]
+            input_ids = on_device[:n]
+            pos = on_device[at_pos : at_pos + n]
+            rows = on_device[at_rows : at_rows + len(sample_rows)]
             if fill is not None:
                 fill(input_ids)
             hidden = self.model(input_ids, pos)

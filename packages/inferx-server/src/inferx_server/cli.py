@@ -11,7 +11,7 @@ import sys
 import time
 
 from inferx_core.cli import UsageError, _Parser, add_config_flags, config_from_args
-from inferx_core.config import ConfigError
+from inferx_core.config import Config, ConfigError
 
 
 def build_parser() -> _Parser:
@@ -21,6 +21,17 @@ def build_parser() -> _Parser:
     )
     add_config_flags(parser)
     return parser
+
+
+def engine_in_process(config: Config) -> bool:
+    """server.engine_process with "auto" resolved: a child process where the engine runs on a
+    GPU, a thread of this process on a CPU."""
+    choice = config.server.engine_process
+    if choice == "auto":
+        from inferx_core.executor import resolve_device
+
+        return resolve_device(config.engine.device).type == "cuda"
+    return choice
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         reg = plugins()
         transport_cls = reg.get("transport", config.server.transport)
-        if config.server.engine_process:
+        if engine_in_process(config):
             from functools import partial
 
             from inferx_server.engine_process import EngineProcess, build_engine
