@@ -192,3 +192,20 @@ def test_eager_step_inputs_are_16_byte_aligned(checkpoint, expected):
     assert generate(llm) == expected
     assert any(n % 2 for n, _, _ in seen), "no step had an odd token count"
     assert all(a == 0 and b == 0 for _, a, b in seen), seen
+
+
+def test_gemms_split_along_k_still_equal_transformers(checkpoint, expected, monkeypatch):
+    """The model hands o_proj and down_proj outputs to the next norm as partial results; with
+    every such GEMM split in 4 (as on a GPU at decode sizes, forced here on the CPU), greedy
+    output still equals transformers'."""
+    from inferx_core import quant_none
+
+    def split(self, x):
+        return quant_none.split_k_bmm(x, self.weight, 4)
+
+    monkeypatch.setattr(quant_none.DenseLinear, "forward_parts", split)
+    calls = []
+    real = quant_none.split_k_bmm
+    monkeypatch.setattr(quant_none, "split_k_bmm", lambda *a: calls.append(a[2]) or real(*a))
+    assert generate(make_llm(checkpoint[0])) == expected
+    assert calls and set(calls) == {4}

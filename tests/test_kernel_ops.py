@@ -138,6 +138,25 @@ def check_rotary(
         assert err <= TOL[dtype], f"{name}: {err:.2e} against TorchOps"
 
 
+def check_rms_norm_parts(
+    num_parts: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> None:
+    """x as partial results [S, *shape] (QuantLinear.forward_parts): both ops sum them in fp32,
+    round once, then add the residual; TritonOps equals TorchOps (the sums bit for bit), and
+    both equal float64 within the dtype's tolerance."""
+    g = torch.Generator().manual_seed(num_parts * 1000 + shape[-1])
+    parts = (torch.randn((num_parts, *shape), generator=g) * 3).to(device, dtype)
+    _, residual, weight = norm_inputs(shape, dtype, device, seed=shape[-1] + 1)
+    ours, summed = TritonOps().rms_norm(parts, weight, EPS, residual, parts=True)
+    ref, ref_summed = TorchOps().rms_norm(parts, weight, EPS, residual, parts=True)
+    assert ours.shape == shape and summed.shape == shape and ours.dtype == dtype
+    assert torch.equal(summed, ref_summed)
+    assert rel_err(ours, ref) <= TOL[dtype]
+    exact = parts.double().sum(0) + residual.double()
+    assert rel_err(summed, exact) <= TOL[dtype]
+    assert rel_err(ours, norm_reference(exact, weight, EPS)) <= TOL[dtype]
+
+
 # --- CPU, under the interpreter ---------------------------------------------------------------
 
 
@@ -160,6 +179,24 @@ def test_rms_norm_leading_dims_and_strided_rows() -> None:
     ref, ref_summed = TorchOps().rms_norm(x, weight[:40], EPS, residual)
     assert torch.equal(summed, ref_summed)
     assert rel_err(ours, ref) <= TOL[torch.float32]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_parts", [1, 3, 4])
+@pytest.mark.parametrize("shape", [(5, 96), (2, 3, 40), (1, 17)])
+def test_rms_norm_sums_parts(dtype: torch.dtype, num_parts: int, shape: tuple[int, ...]) -> None:
+    check_rms_norm_parts(num_parts, shape, dtype, CPU)
+
+
+@interpreted
+def test_rms_norm_parts_need_a_matching_residual() -> None:
+    x, residual, weight = norm_inputs((3, 16), torch.float32, CPU, seed=3)
+    for ops in (TritonOps(), TorchOps()):
+        with pytest.raises(ValueError, match="parts of shape"):
+            ops.rms_norm(x[None], weight, EPS, parts=True)
+        with pytest.raises(ValueError, match="parts of shape"):
+            ops.rms_norm(x, weight, EPS, residual, parts=True)  # no leading parts dim
 
 
 @interpreted
@@ -298,6 +335,15 @@ GPU = torch.device("cuda")
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_gpu_rms_norm(dtype: torch.dtype, hidden: int, rows: int, with_residual: bool) -> None:
     check_rms_norm((rows, hidden), dtype, GPU, with_residual)
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_parts", [1, 4])
+@pytest.mark.parametrize("rows", [1, 64])
+def test_gpu_rms_norm_sums_parts(dtype: torch.dtype, num_parts: int, rows: int) -> None:
+    check_rms_norm_parts(num_parts, (rows, 2048), dtype, GPU)
 
 
 @on_gpu

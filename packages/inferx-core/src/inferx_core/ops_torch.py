@@ -21,7 +21,15 @@ class TorchOps(KernelOps):
         weight: torch.Tensor,
         eps: float,
         residual: torch.Tensor | None = None,
+        parts: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if parts:
+            if residual is None or x.shape[1:] != residual.shape:
+                raise ValueError(
+                    f"rms_norm: parts of shape {tuple(x.shape)} need a residual of shape "
+                    f"{tuple(x.shape[1:])}"
+                )
+            x = x[0] if x.shape[0] == 1 else x.float().sum(0).to(x.dtype)
         if residual is not None:
             x = x + residual
         # Normalise in float32, cast back, then scale: Hugging Face's order, which matters for

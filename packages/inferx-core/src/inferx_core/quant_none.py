@@ -7,6 +7,18 @@ import torch.nn.functional as F
 
 from inferx_core.interfaces.quant import QuantLinear, QuantScheme
 
+SPLIT_PARTS = 4
+SPLIT_MAX_ROWS = 64
+
+
+def split_k_bmm(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """[parts, M, N] partial products of x [M, K] and weight [N, K] over equal slices of K,
+    one batched GEMM over strided views (no copies)."""
+    m, k = x.shape
+    xs = x.view(m, parts, k // parts).transpose(0, 1)  # [parts, M, K/parts]
+    ws = weight.view(-1, parts, k // parts).permute(1, 2, 0)  # [parts, K/parts, N]
+    return torch.bmm(xs, ws)
+
 
 class DenseLinear(QuantLinear):
     """A plain linear layer whose output rows may be several fused checkpoint tensors."""
@@ -47,6 +59,23 @@ class DenseLinear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+    def forward_parts(self, x: torch.Tensor) -> torch.Tensor:
+        """On a GPU, at most SPLIT_MAX_ROWS rows: SPLIT_PARTS GEMMs over slices of K in one
+        batched call. cuBLAS runs the decode-sized o_proj and down_proj of 3B/8B models on too
+        few thread blocks to reach memory bandwidth (one 8 MB o_proj: 6.2 µs, 1.4 TB/s on an
+        H200) or splits K with a reduce kernel of its own; four slices take 4.9 µs, and the
+        caller's fused add + RMSNorm does the reduce (docs/BENCHMARKS.md, bench_split_gemm)."""
+        k = self.weight.shape[1]
+        if (
+            not x.is_cuda
+            or self.bias is not None
+            or x.dim() != 2
+            or x.shape[0] > SPLIT_MAX_ROWS
+            or k % SPLIT_PARTS
+        ):
+            return super().forward_parts(x)
+        return split_k_bmm(x, self.weight, SPLIT_PARTS)
 
 
 class Unquantized(QuantScheme):

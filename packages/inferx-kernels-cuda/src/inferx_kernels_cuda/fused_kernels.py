@@ -20,7 +20,8 @@ def _rounded(x, DTYPE: tl.constexpr):
     return x.to(DTYPE).to(tl.float32)
 
 
-@triton.jit
+# stride_part is rows x hidden, so it changes with the batch: not specialised on.
+@triton.jit(do_not_specialize=["stride_part"])
 def rms_norm_kernel(
     x_ptr,
     residual_ptr,
@@ -31,19 +32,27 @@ def rms_norm_kernel(
     stride_residual,
     stride_out,
     stride_residual_out,
+    stride_part,
     n_cols,
     eps,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PARTS: tl.constexpr,
 ):
     """One program per row, the whole row in one tile (hidden sizes fit: BLOCK = next power of
     two). With a residual, writes x + residual (rounded to x's dtype) as the new residual and
-    normalises that sum."""
+    normalises that sum. PARTS > 1: x is that many partial results stride_part apart, summed
+    in fp32 and rounded once (to what one GEMM would have written) before the residual."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     dtype = x_ptr.dtype.element_ty
     h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if PARTS > 1:
+        for p in tl.static_range(1, PARTS):
+            part = tl.load(x_ptr + p * stride_part + row * stride_x + cols, mask=mask, other=0.0)
+            h += part.to(tl.float32)
+        h = _rounded(h, dtype)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
         h = _rounded(h + r.to(tl.float32), dtype)

@@ -40,10 +40,23 @@ class TritonOps(KernelOps):
         weight: torch.Tensor,
         eps: float,
         residual: torch.Tensor | None = None,
+        parts: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         n = x.shape[-1]
         if weight.shape != (n,):
             raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({n},)")
+        num_parts, stride_part = 1, 0
+        if parts:
+            if residual is None or x.shape[1:] != residual.shape:
+                raise ValueError(
+                    f"rms_norm: parts of shape {tuple(x.shape)} need a residual of shape "
+                    f"{tuple(x.shape[1:])}"
+                )
+            num_parts = x.shape[0]
+            if num_parts > 1 and (x.stride(-1) != 1 or not x[0].is_contiguous()):
+                x = x.contiguous()
+            stride_part = x.stride(0) if num_parts > 1 else 0
+            x = x[0]  # part 0; the kernel finds the others stride_part further
         x2 = _rows(x)
         out = torch.empty(
             x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device
@@ -74,10 +87,12 @@ class TritonOps(KernelOps):
                 r2.stride(0),
                 out2.stride(0),
                 s2.stride(0),
+                stride_part,
                 n,
                 eps,
                 BLOCK=block,
                 HAS_RESIDUAL=residual is not None,
+                PARTS=num_parts,
                 num_warps=_norm_warps(block),
             )
         return out if residual is None else (out, summed)

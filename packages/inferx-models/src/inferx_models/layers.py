@@ -22,9 +22,9 @@ class RMSNorm(nn.Module):
         self.ops = ctx.ops
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, parts: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+        return self.ops.rms_norm(x, self.weight, self.eps, residual, parts)
 
 
 def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -106,7 +106,11 @@ class Attention(nn.Module):
         self.backend = ctx.attention
         self.ops = ctx.ops
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, parts: bool = False
+    ) -> torch.Tensor:
+        """The layer's output, or with `parts` its partial results (QuantLinear.forward_parts)
+        for a norm that adds them up."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -118,4 +122,5 @@ class Attention(nn.Module):
         else:
             q, k = self.ops.rotary(positions, q, k, self.rotary.cos_sin)
             out = self.backend.forward(self.layer, q, k, v, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = out.reshape(-1, self.q_size)
+        return self.o_proj.forward_parts(out) if parts else self.o_proj(out)

@@ -41,14 +41,17 @@ class MLP(nn.Module):
         self.down_proj = ctx.quant.linear(intermediate, [hidden], bias, ctx.dtype, ctx.device)
         self.ops = ctx.ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, parts: bool = False) -> torch.Tensor:
+        h = self.ops.silu_and_mul(self.gate_up_proj(x))
+        return self.down_proj.forward_parts(h) if parts else self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
     """One block in the fused-residual form: the stream `residual` is carried beside `h`, the
     output of the last sublayer, and each norm first adds them (one kernel instead of an add and
-    a norm). The first layer has no residual yet; the model's final norm takes the last one."""
+    a norm). The first layer has no residual yet; the model's final norm takes the last one.
+    The sublayers hand over their output as partial results (QuantLinear.forward_parts), which
+    that same norm sums: a GEMM split along K costs no reduce kernel of its own."""
 
     def __init__(
         self,
@@ -72,15 +75,15 @@ class DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (this layer's MLP output, the residual stream before it was added)."""
+        """-> (this layer's MLP output as parts, the residual stream before it was added)."""
         if residual is None:
             residual = h
             h = self.input_layernorm(h)
         else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(positions, h)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+            h, residual = self.input_layernorm(h, residual, parts=True)
+        h = self.self_attn(positions, h, parts=True)
+        h, residual = self.post_attention_layernorm(h, residual, parts=True)
+        return self.mlp(h, parts=True), residual
 
 
 class LlamaModel(nn.Module):
@@ -109,7 +112,7 @@ class LlamaModel(nn.Module):
             h, residual = layer(positions, h, residual)
         if residual is None:
             return self.norm(h)  # a model with no layers
-        return self.norm(h, residual)[0]
+        return self.norm(h, residual, parts=True)[0]
 
 
 class LlamaForCausalLM(ModelArch):

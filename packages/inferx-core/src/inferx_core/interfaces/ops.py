@@ -18,11 +18,14 @@ class KernelOps(ABC):
         weight: torch.Tensor,
         eps: float,
         residual: torch.Tensor | None = None,
+        parts: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm over the last dim, normalised in float32, cast back, scaled by weight.
 
         With `residual`: first x = x + residual (in x's dtype); returns (normed, x) so the sum is
-        the next layer's residual (Hugging Face's order of operations, fused)."""
+        the next layer's residual (Hugging Face's order of operations, fused). With `parts`
+        (needs `residual`): x is [S, *residual.shape], partial results of the GEMM before
+        (QuantLinear.forward_parts), first summed in float32 and cast to x's dtype once."""
 
     @abstractmethod
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

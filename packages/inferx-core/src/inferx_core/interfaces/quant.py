@@ -20,6 +20,12 @@ class QuantLinear(torch.nn.Module, ABC):
         """Copy a checkpoint tensor of this layer. kind: "weight", "bias" or a scheme's own
         ("scales", "blocks", ...); part: index into output_sizes."""
 
+    def forward_parts(self, x: torch.Tensor) -> torch.Tensor:
+        """y as [S, *y.shape]: S >= 1 partial results that add up to y, for a caller that sums
+        them anyway (KernelOps.rms_norm with parts=True). A scheme may split the GEMM along K
+        where thinner GEMMs read the weights faster; the default is y itself, S = 1."""
+        return self(x).unsqueeze(0)
+
 
 class QuantScheme(ABC):
     """Chosen by name in config ([quantization] scheme). "none" is the unquantized default."""
