@@ -42,8 +42,9 @@ for step in "${steps[@]}"; do
     tests)
       files=${TESTS_FILES:-tests/test_kv_sizing.py tests/test_gpu_correctness.py \
         tests/test_cuda_graphs.py tests/test_triton_attention.py}
-      timeout ${TESTS_TIMEOUT:-400} python3 -m pytest $files -m gpu -q -k "not demo" \
-        ${TESTS_ARGS:-} 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
+      # TESTS_K: a pytest -k expression (ANDed with "not demo").
+      timeout ${TESTS_TIMEOUT:-400} python3 -m pytest $files -m gpu -q \
+        -k "not demo${TESTS_K:+ and ($TESTS_K)}" 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
     flashinfer)
       timeout 420 python3 -m pytest tests/test_flashinfer_attention.py -q -rs --maxfail=5 \
         ${FI_K:+-k "$FI_K"} 2>&1 \
