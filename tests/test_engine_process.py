@@ -163,13 +163,37 @@ def test_engine_process_auto_is_a_thread_on_a_cpu(value: str, device: str, expec
 
 
 def test_engine_process_auto_is_a_process_on_a_gpu(monkeypatch) -> None:
+    from inferx_server import cli
+
+    monkeypatch.setattr(cli, "cuda_devices", lambda: 1)
+    assert cli.engine_in_process(load_config(None, {"engine.device": "auto"})) is True
+    assert cli.engine_in_process(load_config(None, {"engine.device": "cpu"})) is False
+    assert cli.engine_in_process(load_config(None, {"server.engine_process": "false"})) is False
+    monkeypatch.setattr(cli, "cuda_devices", lambda: 0)
+    assert cli.engine_in_process(load_config(None, {"engine.device": "cuda:1"})) is True
+    assert cli.engine_in_process(load_config(None, {"engine.device": "auto"})) is False
+
+
+def test_cuda_devices_counts_what_torch_sees() -> None:
+    """The driver-level count that decides "auto" without torch agrees with torch."""
     import torch
 
-    from inferx_server.cli import engine_in_process
+    from inferx_server.cli import cuda_devices
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert engine_in_process(load_config(None, {"engine.device": "auto"})) is True
-    assert engine_in_process(load_config(None, {"server.engine_process": "false"})) is False
+    assert (cuda_devices() > 0) == torch.cuda.is_available()
+
+
+def test_the_server_spawns_its_engine_before_importing_torch() -> None:
+    """inferx-server's entry module and the engine-process module import no torch: the child
+    starts while the parent's own imports run (start-up time, BENCHMARKS.md)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, inferx_server.cli, inferx_server.engine_process; print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_engine_process_rejects_other_values() -> None:

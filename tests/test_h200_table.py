@@ -73,6 +73,7 @@ def test_the_table_prints(quick: tuple[dict[str, Any], str]) -> None:
 
 
 def test_peers_and_errors_render(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # its own imports (commit_id) live there
     spec = importlib.util.spec_from_file_location("h200_table", SCRIPT)
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)

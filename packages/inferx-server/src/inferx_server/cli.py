@@ -9,9 +9,11 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from functools import partial
 
 from inferx_core.cli import UsageError, _Parser, add_config_flags, config_from_args
 from inferx_core.config import Config, ConfigError
+from inferx_server.engine_process import EngineProcess, build_engine
 
 
 def build_parser() -> _Parser:
@@ -25,47 +27,73 @@ def build_parser() -> _Parser:
 
 def engine_in_process(config: Config) -> bool:
     """server.engine_process with "auto" resolved: a child process where the engine runs on a
-    GPU, a thread of this process on a CPU."""
+    GPU, a thread of this process on a CPU. Decided without importing torch (see main)."""
     choice = config.server.engine_process
-    if choice == "auto":
-        from inferx_core.executor import resolve_device
+    if choice != "auto":
+        return choice
+    device = config.engine.device
+    return device.startswith("cuda") or (device == "auto" and cuda_devices() > 0)
 
-        return resolve_device(config.engine.device).type == "cuda"
-    return choice
+
+def cuda_devices() -> int:
+    """CUDA devices the driver shows this process (0 without a driver), asked of libcuda
+    directly: importing torch to ask would cost seconds before the child could start."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """What main reports in one line (exit 2) rather than a traceback. A function, evaluated
+    only when something was raised: LoadError's module imports torch."""
+    from inferx_core.executor import LoadError
+    from inferx_core.plugins import PluginError
+
+    return (UsageError, ConfigError, LoadError, PluginError, ValueError, FileNotFoundError)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from inferx_core.engine import Engine
-    from inferx_core.executor import LoadError
-    from inferx_core.plugins import PluginError, plugins
-
     logging.basicConfig(level=logging.WARNING, format="inferx-server: %(message)s")
+    engine = None
     try:
         config = config_from_args(build_parser().parse_args(argv))
         t0 = time.perf_counter()
+        if engine_in_process(config):
+            # Started first: this process's own imports below (torch, the transport's) then
+            # overlap the child's, instead of preceding them.
+            engine = EngineProcess(partial(build_engine, config), wait=False)
+        from inferx_core.engine import Engine
+        from inferx_core.plugins import plugins
+
         reg = plugins()
         transport_cls = reg.get("transport", config.server.transport)
-        if engine_in_process(config):
-            from functools import partial
-
-            from inferx_server.engine_process import EngineProcess, build_engine
-
-            engine = EngineProcess(partial(build_engine, config))
-        else:
+        if engine is None:
             engine = Engine(config, reg=reg)
+        else:
+            engine.wait_ready()
         transport = transport_cls(engine, config)  # type: ignore[operator]
         loaded = time.perf_counter() - t0
         from inferx_server.transport import bind
 
         sock = bind(config.server.host, config.server.port)
-    except (UsageError, ConfigError, LoadError, PluginError, ValueError, FileNotFoundError) as exc:
+    except _user_errors() as exc:
+        _close(engine)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # the port is taken, or the host is not ours
+        _close(engine)
         where = f"{config.server.host}:{config.server.port}"
         print(f"error: cannot listen on {where}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        _close(engine)
         return 130
 
     def ready(url: str) -> None:
@@ -74,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
 
     transport.serve(sock, on_ready=ready)
     return 0
+
+
+def _close(engine: object) -> None:
+    """Stop an engine process that was started before start-up failed."""
+    if isinstance(engine, EngineProcess):
+        engine.close()
 
 
 if __name__ == "__main__":

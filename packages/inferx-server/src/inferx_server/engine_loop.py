@@ -4,7 +4,8 @@ The engine is not thread-safe, so only the loop thread touches it: the event loo
 commands (add, abort) through a queue it drains between steps, and it hands each step's outputs
 back with one call_soon_threadsafe per step. Outputs that pile up while a client is slow are
 delivered together, so a busy event loop sends fewer, larger chunks instead of falling behind.
-Why a thread and not a process: docs/BENCHMARKS.md, "Transport alone".
+ProcessEngineLoop (at the end) is the same loop over an engine in a child process
+(engine_process.py), its thread reading the child's messages instead of stepping an engine.
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inferx_core.engine import RequestOutput
 from inferx_core.interfaces import SchedulerStats
 from inferx_core.sequence import SamplingParams
+
+if TYPE_CHECKING:
+    from inferx_server.engine_process import EngineProcess
 
 log = logging.getLogger("inferx.server")
 
@@ -269,3 +273,88 @@ class EngineLoop:
             loop.call_soon_threadsafe(self._settle, sub, refused)
         elif kind == "abort" and (outs := abort_requests(engine, *arg)):
             loop.call_soon_threadsafe(self._deliver, outs, time.monotonic())
+
+
+class _PipeInbox:
+    """EngineLoop's command queue, forwarded to the child by a thread of its own: a send blocks
+    while the pipe is full (a burst of long prompts while the child is mid-step), and the event
+    loop must not. Adds wait in `adding` for their "settled"."""
+
+    def __init__(self, proc: EngineProcess) -> None:
+        self.proc = proc
+        self.adding: dict[int, Submission] = {}
+        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._send_all, name="inferx-send", daemon=True)
+        self._thread.start()
+
+    def put(self, cmd: tuple[str, Any]) -> None:
+        kind, arg = cmd
+        if kind == "add":
+            sub: Submission = arg
+            self.adding[id(sub)] = sub
+            self._queue.put(("add", id(sub), sub.rids, sub.items))
+        elif kind == "abort":
+            rids, notify = arg
+            self._queue.put(("abort", rids, notify))
+        # "wake" (stop): stop() closes the process instead
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _send_all(self) -> None:
+        while (msg := self._queue.get()) is not None:
+            try:
+                self.proc.send(msg)
+            except (OSError, ValueError):  # the child is gone: the reader thread reports it
+                return
+
+
+class ProcessEngineLoop(EngineLoop):
+    """EngineLoop over an EngineProcess: its thread reads the child's messages."""
+
+    def __init__(self, proc: EngineProcess, **kwargs: Any) -> None:
+        super().__init__(proc, **kwargs)
+        self.proc = proc
+        self._inbox = _PipeInbox(proc)  # type: ignore[assignment]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._inbox.close()  # type: ignore[attr-defined]
+        self.proc.close(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        inbox: _PipeInbox = self._inbox  # type: ignore[assignment]
+        try:
+            while not self._stopping:
+                msg = self.proc.conn.recv()
+                self._heartbeat = time.monotonic()
+                kind = msg[0]
+                if kind == "out":
+                    _, outputs, t, self.stats = msg
+                    self.steps += 1
+                    loop.call_soon_threadsafe(self._deliver, outputs, t)
+                elif kind == "beat":
+                    self.stats = msg[1]
+                elif kind == "settled":
+                    sub = inbox.adding.pop(msg[1], None)
+                    if sub is not None:
+                        loop.call_soon_threadsafe(self._settle, sub, msg[2])
+                elif kind == "dead":
+                    raise msg[1]
+        except (EOFError, OSError) as exc:
+            if self._stopping:
+                return
+            self._died(RuntimeError(f"the engine process exited ({exc!r})"))
+        except BaseException as exc:  # noqa: BLE001
+            self._died(exc)
+
+    def _died(self, exc: BaseException) -> None:
+        log.error("the engine process died: %r", exc)
+        self._dead = exc
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._fail_all, exc)

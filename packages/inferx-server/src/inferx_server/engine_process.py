@@ -13,8 +13,10 @@ talk over one duplex pipe of pickled messages:
                      ("beat", stats)                   idle, alive
                      ("dead", error)                   the loop raised; the child exits
 
-ProcessEngineLoop is EngineLoop with its thread reading the pipe instead of stepping an engine,
-so requests, streaming, aborts and health behave the same either way.
+ProcessEngineLoop (engine_loop.py) is EngineLoop with its thread reading the pipe instead of
+stepping an engine, so requests, streaming, aborts and health behave the same either way. This
+module imports nothing heavy (no torch): inferx-server spawns the child before its own imports,
+which then overlap the child's start-up.
 """
 
 from __future__ import annotations
@@ -22,14 +24,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
-import queue
 import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
-
-from inferx_server.engine_loop import EngineLoop, Submission, abort_requests, add_requests
 
 log = logging.getLogger("inferx.server")
 
@@ -86,6 +85,8 @@ def _child(conn: Connection, factory: Callable[[], Any]) -> None:
 
 
 def _command(engine: Any, conn: Connection, msg: tuple) -> None:
+    from inferx_server.engine_loop import abort_requests, add_requests
+
     if msg[0] == "add":
         _, key, rids, items = msg
         conn.send(("settled", key, add_requests(engine, rids, items)))
@@ -96,9 +97,12 @@ def _command(engine: Any, conn: Connection, msg: tuple) -> None:
 class EngineProcess:
     """The parent's handle on the child: what the transport reads of an engine (tokenizer,
     max_model_len) and the pipe. Constructing it returns once the child has built its engine,
-    or raises what building it raised."""
+    or raises what building it raised; with wait=False it returns at once, and wait_ready()
+    does the waiting."""
 
-    def __init__(self, factory: Callable[[], Any], start_timeout: float = 600.0) -> None:
+    def __init__(
+        self, factory: Callable[[], Any], start_timeout: float = 600.0, wait: bool = True
+    ) -> None:
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
         self.conn, child_conn = ctx.Pipe()
         self.process = ctx.Process(
@@ -107,9 +111,14 @@ class EngineProcess:
         self.process.start()
         child_conn.close()
         self._send_lock = threading.Lock()
-        if not self.conn.poll(start_timeout):
+        self.start_timeout = start_timeout
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        if not self.conn.poll(self.start_timeout):
             self.close()
-            raise RuntimeError(f"the engine process did not start in {start_timeout:.0f} s")
+            raise RuntimeError(f"the engine process did not start in {self.start_timeout:.0f} s")
         try:
             msg = self.conn.recv()
         except EOFError:
@@ -131,88 +140,3 @@ class EngineProcess:
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(timeout)
-
-
-class _PipeInbox:
-    """EngineLoop's command queue, forwarded to the child by a thread of its own: a send blocks
-    while the pipe is full (a burst of long prompts while the child is mid-step), and the event
-    loop must not. Adds wait in `adding` for their "settled"."""
-
-    def __init__(self, proc: EngineProcess) -> None:
-        self.proc = proc
-        self.adding: dict[int, Submission] = {}
-        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._send_all, name="inferx-send", daemon=True)
-        self._thread.start()
-
-    def put(self, cmd: tuple[str, Any]) -> None:
-        kind, arg = cmd
-        if kind == "add":
-            sub: Submission = arg
-            self.adding[id(sub)] = sub
-            self._queue.put(("add", id(sub), sub.rids, sub.items))
-        elif kind == "abort":
-            rids, notify = arg
-            self._queue.put(("abort", rids, notify))
-        # "wake" (stop): stop() closes the process instead
-
-    def close(self) -> None:
-        self._queue.put(None)
-
-    def _send_all(self) -> None:
-        while (msg := self._queue.get()) is not None:
-            try:
-                self.proc.send(msg)
-            except (OSError, ValueError):  # the child is gone: the reader thread reports it
-                return
-
-
-class ProcessEngineLoop(EngineLoop):
-    """EngineLoop over an EngineProcess: its thread reads the child's messages."""
-
-    def __init__(self, proc: EngineProcess, **kwargs: Any) -> None:
-        super().__init__(proc, **kwargs)
-        self.proc = proc
-        self._inbox = _PipeInbox(proc)  # type: ignore[assignment]
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stopping = True
-        self._inbox.close()  # type: ignore[attr-defined]
-        self.proc.close(timeout)
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        loop = self._loop
-        assert loop is not None
-        inbox: _PipeInbox = self._inbox  # type: ignore[assignment]
-        try:
-            while not self._stopping:
-                msg = self.proc.conn.recv()
-                self._heartbeat = time.monotonic()
-                kind = msg[0]
-                if kind == "out":
-                    _, outputs, t, self.stats = msg
-                    self.steps += 1
-                    loop.call_soon_threadsafe(self._deliver, outputs, t)
-                elif kind == "beat":
-                    self.stats = msg[1]
-                elif kind == "settled":
-                    sub = inbox.adding.pop(msg[1], None)
-                    if sub is not None:
-                        loop.call_soon_threadsafe(self._settle, sub, msg[2])
-                elif kind == "dead":
-                    raise msg[1]
-        except (EOFError, OSError) as exc:
-            if self._stopping:
-                return
-            self._died(RuntimeError(f"the engine process exited ({exc!r})"))
-        except BaseException as exc:  # noqa: BLE001
-            self._died(exc)
-
-    def _died(self, exc: BaseException) -> None:
-        log.error("the engine process died: %r", exc)
-        self._dead = exc
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._fail_all, exc)

@@ -13,8 +13,8 @@ import uvicorn
 
 from inferx_core.interfaces import Transport
 from inferx_server.app import ServerState, create_app
-from inferx_server.engine_loop import EngineLoop
-from inferx_server.engine_process import EngineProcess, ProcessEngineLoop
+from inferx_server.engine_loop import EngineLoop, ProcessEngineLoop
+from inferx_server.engine_process import EngineProcess
 from inferx_server.metrics import Metrics
 
 log = logging.getLogger("inferx.server")
