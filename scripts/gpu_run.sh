@@ -6,7 +6,7 @@
 #   cp -r ../shared/fixtures/tokenizers/{qwen,llama3} .carry/tok/tokenizers/
 #   tar -C .carry/tok -cJf .carry/tokxz/tok.tar.xz tokenizers
 # then carry [".whl", ".carry/tokxz"] (unpacked below into .carry/tok on the machine).
-# Usage: bash scripts/gpu_run.sh [tests] [flashinfer] [profile] [breakdown] [gemv] [mixed] [tune] [split-gemm] [serve-ab] [bench] [demo]
+# Usage: bash scripts/gpu_run.sh [tests] [flashinfer] [profile] [breakdown] [gemv] [mixed] [tune] [split-gemm] [startup] [serve-ab] [bench] [demo]
 #        [table | table-3b | table-8b]
 #   flashinfer: its conformance tests (FI_K: a pytest -k filter), then its compiled kernels packed into $OUT as
 #   fi-cache.tar.part-*: keep them in .carry/fi/ (31 MB) and carry .carry/fi in later runs
@@ -106,6 +106,11 @@ for step in "${steps[@]}"; do
       # benchmarks/bench_split_gemm.py: cuBLAS as the model calls it vs K-split bmm parts.
       timeout 200 python3 benchmarks/bench_split_gemm.py ${SPLIT_GEMM_ARGS:-} \
         --json "$OUT/split-gemm.json" 2>&1 | grep -v -i warn ;;
+    startup)
+      # benchmarks/server_startup.py: inferx-server spawn-to-ready, engine process vs thread.
+      timeout 300 python3 benchmarks/server_startup.py --rounds ${STARTUP_ROUNDS:-2} \
+        --set model.preset=qwen2.5-3b-instruct --set model.tokenizer=$TOK \
+        --set model.dtype=bfloat16 --json "$OUT/server-startup.json" 2>&1 | grep -v -i warn ;;
     tune)
       timeout 300 python3 benchmarks/tune_decode_attention.py ${TUNE_ARGS:-} \
         --json "$OUT/tune-decode.json" 2>&1 | grep -v -i warn | tail -20 ;;

@@ -47,3 +47,18 @@ def test_step_breakdown_groups_decode_and_prompt_steps() -> None:
     assert s["decode"]["mean_wait_ms"] == 1.5 and s["decode"]["total_s"] == 0.006
     assert s["with prompt tokens"]["steps"] == 1
     assert s["with prompt tokens"]["mean_wait_ms"] == 0.0
+
+
+def test_server_startup_times_both_variants(tmp_path: Path) -> None:
+    """benchmarks/server_startup.py on the demo model: every variant's server got ready (and
+    answered a completion) in every round, and the JSON says how long each took."""
+    import subprocess
+
+    out = tmp_path / "startup.json"
+    script = Path(__file__).parent.parent / "benchmarks" / "server_startup.py"
+    cmd = [sys.executable, str(script), "--rounds", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seconds = json.loads(out.read_text())["seconds"]
+    assert set(seconds) == {"server.engine_process=true", "server.engine_process=false"}
+    assert all(len(v) == 1 and 0 < v[0] < 240 for v in seconds.values())
