@@ -327,6 +327,7 @@ def cpu_triton_llm(path: Path, prefill_chunk: int) -> LLM:
         "model.max_model_len": 64,
         "engine.device": "cpu",
         "engine.attention_backend": "triton",
+        "engine.overlap": True,  # PENDING tokens beside the runners, as on a GPU
         "scheduler.max_running": 4,
         "scheduler.prefix_cache": False,
         "scheduler.prefill_chunk": prefill_chunk,

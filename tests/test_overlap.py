@@ -134,3 +134,20 @@ def test_abort_while_a_step_is_in_flight_frees_everything(checkpoint):  # noqa: 
     alone = llm.generate([PROMPTS[0], PROMPTS[2]], greedy)
     assert [outputs[ids[0]], outputs[ids[2]]] == [c.token_ids for c in alone]
     assert engine.kv.usage() == 0.0 and not engine.has_work()
+
+
+def test_auto_overlaps_except_on_the_cpu(checkpoint):  # noqa: F811
+    """engine.overlap = "auto" (the default): off for an executor on the CPU (submitting a step
+    there runs it, so overlap would only hold each output back a step), on for executors that
+    are not (stand-ins without a device count as a device)."""
+    from fake_executor import FakeExecutor
+
+    from inferx_core.config import load_config
+    from inferx_core.engine import Engine
+
+    path, _ = checkpoint
+    assert make_llm(path).engine.overlap is False
+    assert make_llm(path, **{"engine.overlap": True}).engine.overlap is True
+    config = load_config(None, {})
+    assert config.engine.overlap == "auto"
+    assert Engine(config, executor=FakeExecutor(64, 16)).overlap is True

@@ -49,7 +49,10 @@ class EngineSection(Section):
     graph_max_tokens: int = Field(default=2048, ge=0, le=16384)
     # ... and over at most this many sequences (more decodes beside a chunk: eager).
     graph_max_seqs: int = Field(default=128, ge=1)
-    overlap: bool = True  # schedule and submit step N+1 while the device runs step N
+    # Schedule and submit step N+1 while the device runs step N. auto: on, unless the executor
+    # computes on the CPU, where submitting a step runs it, so overlap gains nothing and holds
+    # every output back one step (the demo model's first token: 57-61 -> 89-97 ms).
+    overlap: bool | Literal["auto"] = "auto"
     threads: int | None = Field(default=None, ge=1)  # torch CPU threads
 
     @field_validator("device")

@@ -101,7 +101,10 @@ class Engine:
         )
         self.requests: dict[str, _Request] = {}
         # Executors are duck-typed (tests and benchmarks pass their own): no flag, no overlap.
-        self.overlap = config.engine.overlap and getattr(executor, "supports_overlap", False)
+        overlap = config.engine.overlap
+        if overlap == "auto":  # see EngineSection.overlap
+            overlap = getattr(getattr(executor, "device", None), "type", None) != "cpu"
+        self.overlap = overlap and getattr(executor, "supports_overlap", False)
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
 
     # -- requests ------------------------------------------------------------------------------
