@@ -9,9 +9,11 @@ decode GEMM shape of Qwen2.5-3B and Llama-3.1-8B and per batch M:
 - bmm sS+sum: the same plus .sum(0), the price of a separate reduce.
 
     python benchmarks/bench_split_gemm.py [--models qwen2.5-3b,llama-3.1-8b] [--m 1,8,64]
-        [--shapes o,down,qkv] [--splits 2,4,8] [--json OUT.json]
+        [--shapes o,down,qkv,gate_up] [--splits 2,4,8] [--json OUT.json]
 
-Each split result is checked against F.linear (max error over max |y| <= 1e-2).
+gate_up is there to see whether its GEMM (~86 thread blocks at M=1 on 3B) would gain too: its
+consumer, SiLU-and-mul, could sum the parts as the norm does. Each split result is checked
+against F.linear (max error over max |y| <= 1e-2).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="qwen2.5-3b,llama-3.1-8b")
     ap.add_argument("--m", default="1,8,64")
-    ap.add_argument("--shapes", default="o,down,qkv")
+    ap.add_argument("--shapes", default="o,down,qkv,gate_up")
     ap.add_argument("--splits", default="2,4,8")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
