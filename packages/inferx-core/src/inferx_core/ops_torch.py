@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inferx_core.interfaces.ops import KernelOps
+from inferx_core.interfaces.ops import KernelOps, check_parts
 
 
 class TorchOps(KernelOps):
@@ -24,11 +24,7 @@ class TorchOps(KernelOps):
         parts: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if parts:
-            if residual is None or x.shape[1:] != residual.shape:
-                raise ValueError(
-                    f"rms_norm: parts of shape {tuple(x.shape)} need a residual of shape "
-                    f"{tuple(x.shape[1:])}"
-                )
+            check_parts(x, residual)
             x = x[0] if x.shape[0] == 1 else x.float().sum(0).to(x.dtype)
         if residual is not None:
             x = x + residual

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from inferx_core.interfaces.ops import KernelOps
+from inferx_core.interfaces.ops import KernelOps, check_parts
 from inferx_kernels_cuda import fused_kernels as kernels
 
 # Elements of x1 (and of x2) one rotary loop iteration holds: enough for all query heads of
@@ -47,11 +47,7 @@ class TritonOps(KernelOps):
             raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({n},)")
         num_parts, stride_part = 1, 0
         if parts:
-            if residual is None or x.shape[1:] != residual.shape:
-                raise ValueError(
-                    f"rms_norm: parts of shape {tuple(x.shape)} need a residual of shape "
-                    f"{tuple(x.shape[1:])}"
-                )
+            check_parts(x, residual)
             num_parts = x.shape[0]
             if num_parts > 1 and (x.stride(-1) != 1 or not x[0].is_contiguous()):
                 x = x.contiguous()

@@ -43,3 +43,12 @@ class KernelOps(ABC):
         the rotated pair. An implementation may rotate in place: pass tensors the caller owns.
 
         cos_sin: [max_positions, D] float32, cos in the first D/2 columns and sin in the rest."""
+
+
+def check_parts(x: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """rms_norm(parts=True)'s input check, shared by every KernelOps: x is [S, *residual.shape]."""
+    if residual is None or x.shape[1:] != residual.shape:
+        raise ValueError(
+            f"rms_norm: parts of shape {tuple(x.shape)} need a residual of shape "
+            f"{tuple(x.shape[1:])}"
+        )
