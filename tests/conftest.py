@@ -37,6 +37,16 @@ def fused_views(
     return parts[0].view(q.shape), parts[1].view(k.shape), parts[2].view(v.shape)
 
 
+def same_random_caches(backends: list, num_blocks: int, dtype: torch.dtype) -> None:
+    """Allocate each backend's cache and fill every one with the same random values (seed 1,
+    drawn on the cache's device), so backends run side by side start from equal caches."""
+    for backend in backends:
+        backend.allocate(num_blocks)
+        for cache in backend.caches:
+            torch.manual_seed(1)
+            cache.copy_(torch.randn(cache.shape, device=cache.device).to(dtype))
+
+
 def scattered_tables(totals: list[int], block_size: int, num_blocks: int) -> list[list[int]]:
     """Non-contiguous block ids, never block 0 (reserved), as a real block manager hands out."""
     ids = (torch.randperm(num_blocks - 1) + 1).tolist()

@@ -18,7 +18,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import interpreted, scattered_tables  # noqa: E402
+from conftest import interpreted, same_random_caches, scattered_tables  # noqa: E402
 from test_attention_torch import rel_err  # noqa: E402
 from test_engine import tiny_config  # noqa: E402
 
@@ -57,11 +57,7 @@ def seeded_backends(
     static = triton_attention(layers, block_size, dtype, CPU, **kwargs)
     eager = triton_attention(layers, block_size, dtype, CPU, **kwargs)
     reference = TorchAttention(layers, block_size, dtype, CPU)
-    for backend in (static, eager, reference):
-        backend.allocate(num_blocks)
-        for cache in backend.caches:
-            torch.manual_seed(1)
-            cache.copy_(torch.randn(cache.shape).to(dtype))
+    same_random_caches([static, eager, reference], num_blocks, dtype)
     return static, eager, reference
 
 
@@ -596,11 +592,7 @@ def test_gpu_captured_attention_serves_any_context(dtype: torch.dtype) -> None:
     graphed = TritonAttention(layers, bs, dtype, dev)
     eager = TritonAttention(layers, bs, dtype, dev)
     reference = TorchAttention(layers, bs, dtype, dev)
-    for backend in (graphed, eager, reference):
-        backend.allocate(num_blocks)
-        for cache in backend.caches:
-            torch.manual_seed(1)
-            cache.copy_(torch.randn(cache.shape, device=dev).to(dtype))
+    same_random_caches([graphed, eager, reference], num_blocks, dtype)
     inputs = [
         [torch.zeros(padded, h, s.head_dim, dtype=dtype, device=dev) for h in heads]
         for s in layers

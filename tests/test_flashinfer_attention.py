@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fused_views, interpreted, on_gpu, plan_steps, scattered_tables
+from conftest import (
+    fused_views,
+    interpreted,
+    on_gpu,
+    plan_steps,
+    same_random_caches,
+    scattered_tables,
+)
 from test_attention_torch import dense_reference, rel_err
 
 from inferx_core.attention_torch import TorchAttention
@@ -379,11 +386,7 @@ def test_graph_life_cycle_replans_static_buffers() -> None:
     static = cpu_flashinfer(layers, bs, dtype)
     eager = cpu_flashinfer(layers, bs, dtype)
     reference = TorchAttention(layers, bs, dtype, CPU)
-    for b in (static, eager, reference):
-        b.allocate(num_blocks)
-        for cache in b.caches:
-            torch.manual_seed(1)
-            cache.copy_(torch.randn(cache.shape).to(dtype))
+    same_random_caches([static, eager, reference], num_blocks, dtype)
     static.init_graph_buffers(8, max_blocks)
     for size in (4, 2):
         static.prepare_for_capture(size)
@@ -511,11 +514,7 @@ def test_gpu_captured_decode_serves_new_contexts(flashinfer) -> None:
     eager = gpu_backend(layers, bs, dtype)
     reference = TorchAttention(layers, bs, dtype, dev)
     assert [s.tensor_cores for s in graphed._shapes] == [True, False, True]
-    for b in (graphed, eager, reference):
-        b.allocate(num_blocks)
-        for cache in b.caches:
-            torch.manual_seed(1)
-            cache.copy_(torch.randn(cache.shape, device=dev).to(dtype))
+    same_random_caches([graphed, eager, reference], num_blocks, dtype)
     scales = [s.head_dim**-0.5 for s in layers]
     graphed.init_graph_buffers(sizes[-1], max_blocks)
     captured = {}
