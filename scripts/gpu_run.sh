@@ -32,8 +32,11 @@ mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 INFERX_FIXTURES=$PWD/.carry/tok
 [ -f .carry/tokxz/tok.tar.xz ] && mkdir -p .carry/tok && tar -C .carry/tok -xJf .carry/tokxz/tok.tar.xz
 [ -d .carry/fi ] && cp .carry/fi/fi-cache.tar.part-* .whl/ 2>/dev/null
-bash .whl/setup.sh >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
-tail -1 "$OUT/setup.log"
+# SKIP_SETUP=1: a second gpu_run.sh in the same call (the packages are installed already).
+if [ -z "${SKIP_SETUP:-}" ]; then
+  bash .whl/setup.sh >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
+  tail -1 "$OUT/setup.log"
+fi
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests bench)
 TOK=.carry/tok/tokenizers/qwen
