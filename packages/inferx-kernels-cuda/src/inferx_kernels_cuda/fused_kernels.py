@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from inferx_kernels_cuda.pdl import gdc_launch_dependents, gdc_wait
+from inferx_kernels_cuda.pdl import gdc_wait
 
 
 @triton.jit
@@ -51,8 +51,6 @@ def rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     dtype = x_ptr.dtype.element_ty
-    if PDL:
-        gdc_launch_dependents()
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if PDL:
         gdc_wait()
@@ -91,7 +89,6 @@ def silu_and_mul_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     if PDL:
-        gdc_launch_dependents()
         gdc_wait()
     dtype = x_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)

@@ -1,15 +1,17 @@
 """Programmatic dependent launch (PDL) for the small Triton kernels between the decode GEMMs.
 
 A kernel launched with PDL may start before the kernel ahead of it in the stream has finished:
-its programs become resident as soon as every program of that kernel has called
-`gdc_launch_dependents` (or exited), run what they can, and block in `gdc_wait` until that
-kernel's writes are visible. A decode step is ~400 kernels of a few microseconds each, so the
-launch gap and first loads of each are a visible part of it (docs/BENCHMARKS.md).
+its programs are launched once every program of that kernel has exited (or called
+`gdc_launch_dependents`), run what they can, and block in `gdc_wait` until that kernel's
+writes are visible. A decode step is ~400 kernels of a few microseconds each, so each launch's
+gap is a visible part of it (docs/BENCHMARKS.md).
 
-The contract each kernel with a `PDL` constexpr keeps: `gdc_launch_dependents()` first, then
-only loads of data no kernel of the step writes (weights), then `gdc_wait()`, then everything
-else. Every earlier kernel has then finished too: the one ahead waited for its own predecessor
-before it could finish. Kernels without PDL (cuBLAS, torch's) wait as before.
+The contract each kernel with a `PDL` constexpr keeps: only loads of data no kernel of the step
+writes (weights) before `gdc_wait()`, everything else after it. Every earlier kernel has then
+finished too: the one ahead waited for its own predecessor before it could finish. Kernels
+without PDL (cuBLAS, torch's) wait as before. No kernel here calls `gdc_launch_dependents`
+early: on the H200 that let the next kernel's programs sit waiting on SMs the running kernel
+needed, and the step got slower (batch 64: 3.07 -> 3.17 ms).
 
 Off under TRITON_INTERPRET, on GPUs before Hopper, with a Triton that lacks it, and when the
 environment sets INFERX_PDL=0 (for A/B runs).
@@ -25,19 +27,15 @@ import torch
 import triton
 
 try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    from triton.language.extra.cuda import gdc_wait
 except ImportError:  # a Triton without grid dependency control: never called (PDL is off)
 
     @triton.jit
     def gdc_wait() -> None:
         pass
 
-    @triton.jit
-    def gdc_launch_dependents() -> None:
-        pass
 
-
-__all__ = ["gdc_launch_dependents", "gdc_wait", "launch_options", "pdl_enabled"]
+__all__ = ["gdc_wait", "launch_options", "pdl_enabled"]
 
 
 def _triton_has_pdl() -> bool:

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from inferx_kernels_cuda.fused_kernels import _rounded, rotate_into
-from inferx_kernels_cuda.pdl import gdc_launch_dependents, gdc_wait
+from inferx_kernels_cuda.pdl import gdc_wait
 
 # A finite floor for the running max: a row that has seen no key yet keeps it, and exp2 of the
 # difference to a real score is 0 instead of the NaN that -inf - -inf would give.
@@ -91,7 +91,6 @@ def rotary_kv_write_kernel(
     rounds as fused_kernels.rotary_kernel does). A negative slot is padding: q only."""
     t = tl.program_id(0).to(tl.int64)
     if PDL:
-        gdc_launch_dependents()
         gdc_wait()
     pos = tl.load(positions_ptr + t).to(tl.int64)
     dh = tl.arange(0, HALF_PAD)[None, :]
@@ -257,7 +256,6 @@ def decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if PDL:
-        gdc_launch_dependents()
         gdc_wait()
     seq, row, ctx = _decode_row(i, seq_ids_ptr, query_start_ptr, context_len_ptr, ALL_DECODE)
 
@@ -333,7 +331,6 @@ def decode_reduce_kernel(
     i = tl.program_id(0)
     head = tl.program_id(1)
     if PDL:
-        gdc_launch_dependents()
         gdc_wait()
     num_q_heads = tl.num_programs(1)
     seq, row, ctx = _decode_row(i, seq_ids_ptr, query_start_ptr, context_len_ptr, ALL_DECODE)
