@@ -13,8 +13,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from inferx_kernels_cuda.pdl import gdc_wait
-
 
 @triton.jit
 def _rounded(x, DTYPE: tl.constexpr):
@@ -40,20 +38,15 @@ def rms_norm_kernel(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     PARTS: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """One program per row, the whole row in one tile (hidden sizes fit: BLOCK = next power of
     two). With a residual, writes x + residual (rounded to x's dtype) as the new residual and
     normalises that sum. PARTS > 1: x is that many partial results stride_part apart, summed
-    in fp32 and rounded once (to what one GEMM would have written) before the residual.
-    PDL: see inferx_kernels_cuda.pdl (the weight is read before the wait)."""
+    in fp32 and rounded once (to what one GEMM would have written) before the residual."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     dtype = x_ptr.dtype.element_ty
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if PDL:
-        gdc_wait()
     h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if PARTS > 1:
         for p in tl.static_range(1, PARTS):
@@ -67,6 +60,7 @@ def rms_norm_kernel(
     # Masked columns load as 0 and add nothing to the sum of squares.
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
     normed = _rounded(h * rstd, dtype)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(
         out_ptr + row * stride_out + cols,
         (w * normed).to(out_ptr.dtype.element_ty),
@@ -82,14 +76,11 @@ def silu_and_mul_kernel(
     stride_out,
     n_cols,
     BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """Grid (rows, column blocks): row r of x holds gate then up, n_cols each."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    if PDL:
-        gdc_wait()
     dtype = x_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)

@@ -7,7 +7,6 @@ import triton
 
 from inferx_core.interfaces.ops import KernelOps, check_parts
 from inferx_kernels_cuda import fused_kernels as kernels
-from inferx_kernels_cuda.pdl import launch_options
 
 # Elements of x1 (and of x2) one rotary loop iteration holds: enough for all query heads of
 # common models in one pass at head dim 128, small enough to stay in registers.
@@ -91,7 +90,6 @@ class TritonOps(KernelOps):
                 HAS_RESIDUAL=residual is not None,
                 PARTS=num_parts,
                 num_warps=_norm_warps(block),
-                **launch_options(x.device),
             )
         return out if residual is None else (out, summed)
 
@@ -108,14 +106,7 @@ class TritonOps(KernelOps):
             # Rows on grid axis 0: it allows 2**31 - 1 programs, axis 1 only 65535.
             grid = (rows, triton.cdiv(half, block))
             kernels.silu_and_mul_kernel[grid](
-                x2,
-                out2,
-                x2.stride(0),
-                out2.stride(0),
-                half,
-                BLOCK=block,
-                num_warps=4,
-                **launch_options(x.device),
+                x2, out2, x2.stride(0), out2.stride(0), half, BLOCK=block, num_warps=4
             )
         return out
 

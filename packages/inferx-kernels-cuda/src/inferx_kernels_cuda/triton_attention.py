@@ -15,7 +15,6 @@ from inferx_core.interfaces.attention import AttentionBatch
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda import triton_kernels as kernels
 from inferx_kernels_cuda.ops import _ROTARY_TILE
-from inferx_kernels_cuda.pdl import launch_options
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -201,8 +200,6 @@ class TritonAttention(TorchAttention):
         self.decode_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
         self.reduce_launch: dict[str, int] = {"num_warps": 4}  # Triton's default
         self.prefill_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
-        # Programmatic dependent launch for the decode-step kernels (inferx_kernels_cuda.pdl).
-        self.pdl_launch = launch_options(device)
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         self._upcast = self.interpret and dtype == torch.bfloat16
         self._dot_precision = "ieee" if dtype == torch.float32 else "tf32"
@@ -591,7 +588,6 @@ class TritonAttention(TorchAttention):
                 ),
                 HEADS_PAD=triton.next_power_of_2(spec.num_kv_heads),
                 HEAD_DIM=spec.head_dim,
-                **self.pdl_launch,
             )
 
         group = spec.num_q_heads // spec.num_kv_heads
@@ -629,7 +625,6 @@ class TritonAttention(TorchAttention):
                 UPCAST=self._upcast,
                 DOT_PRECISION=self._dot_precision,
                 **self.decode_launch,
-                **self.pdl_launch,
             )
             if split:
                 kernels.decode_reduce_kernel[(plan.num_decode, spec.num_q_heads)](
@@ -652,7 +647,6 @@ class TritonAttention(TorchAttention):
                     BLOCK_N=self.decode_block_n,
                     ALL_DECODE=plan.all_decode,
                     **self.reduce_launch,
-                    **self.pdl_launch,
                 )
 
         for tiles in plan.tiles.get(group, []):

@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from inferx_kernels_cuda.fused_kernels import _rounded, rotate_into
-from inferx_kernels_cuda.pdl import gdc_wait
 
 # A finite floor for the running max: a row that has seen no key yet keeps it, and exp2 of the
 # difference to a real score is 0 instead of the NaN that -inf - -inf would give.
@@ -84,14 +83,11 @@ def rotary_kv_write_kernel(
     HEADS_BLOCK: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """One program per new token: rotate its q heads in place, and write its k heads rotated
     and its v heads into its cache slot (rotary and KV write in one launch; the rotation
     rounds as fused_kernels.rotary_kernel does). A negative slot is padding: q only."""
     t = tl.program_id(0).to(tl.int64)
-    if PDL:
-        gdc_wait()
     pos = tl.load(positions_ptr + t).to(tl.int64)
     dh = tl.arange(0, HALF_PAD)[None, :]
     row = cos_sin_ptr + pos * stride_cos_sin
@@ -243,7 +239,6 @@ def decode_kernel(
     ALL_DECODE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """Grid (decode sequences, KV heads, splits): the one query token of a sequence, all query
     heads of one KV group (rows of one tl.dot, padded to GROUP_PAD), over one split of the
@@ -255,8 +250,6 @@ def decode_kernel(
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if PDL:
-        gdc_wait()
     seq, row, ctx = _decode_row(i, seq_ids_ptr, query_start_ptr, context_len_ptr, ALL_DECODE)
 
     g = tl.arange(0, GROUP_PAD)
@@ -324,14 +317,11 @@ def decode_reduce_kernel(
     SEQ_SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ALL_DECODE: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """Grid (decode sequences, query heads): weights each split's output by exp2 of its lse.
     BLOCK_N is the decode kernel's tile, needed only with SEQ_SPLIT."""
     i = tl.program_id(0)
     head = tl.program_id(1)
-    if PDL:
-        gdc_wait()
     num_q_heads = tl.num_programs(1)
     seq, row, ctx = _decode_row(i, seq_ids_ptr, query_start_ptr, context_len_ptr, ALL_DECODE)
     if SEQ_SPLIT:
