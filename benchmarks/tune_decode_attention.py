@@ -1,7 +1,7 @@
 """Sweep the Triton decode attention's launch options inside CUDA graphs, per batch and context.
 
     python benchmarks/tune_decode_attention.py [--batches 1,8,64,256] [--contexts 192,1024,4096]
-        [--layers 8] [--json OUT.json]
+        [--layers 8] [--grid KEY=V1,V2 ...] [--json OUT.json]
 
 The decode step's attention is a decode kernel plus (when the context is split) a reduce
 kernel per layer; at batch 1 they cost ~6 us a layer on an H200, at batch 64 ~11 us (profile
@@ -11,6 +11,9 @@ head dim 128, bf16, block size 16) as the decode graphs do, for every combinatio
 decode kernel's num_warps, the reduce kernel's num_warps, min_split_len and target_programs,
 and prints µs per layer: the default's, the best's, and which that is. Outputs are checked
 against the default's on the way (a config that changes results is an error, not a winner).
+`--grid KEY=V1,V2` (repeatable) sweeps only the keys it names, the others at their default;
+decode_stages (the decode kernel's num_stages: software pipelining of its KV tile loads) and
+block_n (context tokens per tile) are swept only that way.
 """
 
 from __future__ import annotations
@@ -30,13 +33,33 @@ from inferx_kernels_cuda.triton_attention import TritonAttention
 
 SPEC = KVLayerSpec(16, 2, 128)  # Qwen2.5-3B
 BLOCK = 16
-DEFAULT = {"decode_warps": 4, "reduce_warps": 4, "min_split_len": 64, "target_x": 2}
+DEFAULT = {
+    "decode_warps": 4,
+    "reduce_warps": 4,
+    "min_split_len": 64,
+    "target_x": 2,
+    "decode_stages": 1,
+    "block_n": 64,
+}
 GRID = {
     "decode_warps": (2, 4, 8),
     "reduce_warps": (1, 2, 4),
     "min_split_len": (64, 128, 256),
     "target_x": (1, 2, 4),  # target_programs = this x the SM count
 }
+
+
+def parse_grid(items: list[str]) -> dict[str, tuple[int, ...]]:
+    """--grid KEY=V1,V2 items -> the grid: the named keys swept, every other at its default."""
+    if not items:
+        return {**{k: (v,) for k, v in DEFAULT.items()}, **GRID}
+    grid = {k: (v,) for k, v in DEFAULT.items()}
+    for item in items:
+        key, _, values = item.partition("=")
+        if key not in DEFAULT or not values:
+            raise SystemExit(f"--grid {item!r}: expected KEY=V1,V2 with KEY one of {list(DEFAULT)}")
+        grid[key] = tuple(int(v) for v in values.split(","))
+    return grid
 
 
 def build(
@@ -59,7 +82,8 @@ def build(
         min_split_len=cfg["min_split_len"],
         target_programs=cfg["target_x"] * sms,
     )
-    backend.decode_launch = {"num_warps": cfg["decode_warps"], "num_stages": 1}
+    backend.decode_block_n = cfg["block_n"]
+    backend.decode_launch = {"num_warps": cfg["decode_warps"], "num_stages": cfg["decode_stages"]}
     backend.reduce_launch = {"num_warps": cfg["reduce_warps"]}
     blocks_per_seq = -(-context // BLOCK)
     backend.allocate(batch * blocks_per_seq + 1)
@@ -113,14 +137,16 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--contexts", default="192,1024,4096")
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("tune_decode_attention.py times CUDA graphs: it needs a GPU")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    names = list(GRID)
+    grid = parse_grid(args.grid)
+    names = list(grid)
     configs = [
-        dict(zip(names, values, strict=True)) for values in itertools.product(*GRID.values())
+        dict(zip(names, values, strict=True)) for values in itertools.product(*grid.values())
     ]
     rows = []
     print(f"{'batch':>5} {'ctx':>5} | {'default us':>10} | {'best us':>8}  best config")
