@@ -149,6 +149,25 @@ def test_split_k_decode(block_size: int, group: int, dtype: torch.dtype) -> None
     assert check_steps(backend, totals, steps) == [1, 3, 3]
 
 
+@interpreted
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize(
+    ("block_size", "dtype"), [(16, torch.float32), (4, torch.float16), (16, torch.bfloat16)]
+)
+def test_prefetched_decode_matches_dense(block_size: int, dtype: torch.dtype, split: bool) -> None:
+    """decode_prefetch (the decode kernel's whole tiles pipelined by hand) on contexts of up to
+    six 16-token tiles, whole and ragged, split along the context or not."""
+    torch.manual_seed(11 + block_size + int(split))
+    kwargs = {"min_split_len": 32, "target_programs": 10**6} if split else {}
+    backend = TritonAttention(
+        [KVLayerSpec(4, 2, 16)], block_size, dtype, torch.device("cpu"), **kwargs
+    )
+    backend.decode_prefetch = True
+    totals, steps = plan_steps([(60, 35), (40, 22), (20, 11), (10, 4), (0, 3)])
+    splits = check_steps(backend, totals, steps)
+    assert (max(splits) > 1) == split
+
+
 def test_split_policy() -> None:
     """Split only while the GPU would be short of programs, never below min_split_len."""
     backend = TritonAttention(
@@ -213,6 +232,20 @@ def test_gpu_conformance_bf16(block_size: int, group: int, head_dim: int) -> Non
     totals, steps = plan_steps(GPU_PLAN)
     splits = check_steps(backend, totals, steps, against_torch=True)
     assert splits[0] == 1 and splits[2] > 1  # the decode-only steps take the split-K path
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_gpu_prefetched_decode_bf16(block_size: int, group: int) -> None:
+    """The conformance plan with decode_prefetch on: long decodes walk many whole tiles."""
+    torch.manual_seed(block_size * 100 + group)
+    layers = [KVLayerSpec(2 * group, 2, 128), KVLayerSpec(4 * group, 4, 64)]
+    backend = TritonAttention(layers, block_size, torch.bfloat16, torch.device("cuda"))
+    backend.decode_prefetch = True
+    totals, steps = plan_steps(GPU_PLAN)
+    check_steps(backend, totals, steps, against_torch=True)
 
 
 @pytest.mark.gpu

@@ -200,6 +200,9 @@ class TritonAttention(TorchAttention):
         self.decode_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
         self.reduce_launch: dict[str, int] = {"num_warps": 4}  # Triton's default
         self.prefill_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
+        # The decode kernel's whole tiles software-pipelined by hand (triton_kernels.
+        # _attend_prefetched). Off until an H200 run shows it pays (tune_decode_attention.py).
+        self.decode_prefetch = False
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         self._upcast = self.interpret and dtype == torch.bfloat16
         self._dot_precision = "ieee" if dtype == torch.float32 else "tf32"
@@ -624,6 +627,7 @@ class TritonAttention(TorchAttention):
                 ALL_DECODE=plan.all_decode,
                 UPCAST=self._upcast,
                 DOT_PRECISION=self._dot_precision,
+                PREFETCH=self.decode_prefetch,
                 **self.decode_launch,
             )
             if split:

@@ -183,6 +183,73 @@ def _attend_range(
 
 
 @triton.jit
+def _attend_prefetched(
+    q,
+    m,
+    row_sum,
+    acc,
+    lo,
+    hi,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq,
+    stride_table,
+    kv_head,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
+    scale_log2,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """_attend_range over whole, unmasked tiles [lo, hi), software-pipelined by hand: while
+    tile i is computed, tile i+1's K and V loads and tile i+2's block ids are in flight, so a
+    program walking many tiles waits on memory once rather than twice per tile (the block id,
+    then the rows it points to). Loads past hi are masked off and touch no memory."""
+    d = tl.arange(0, HEAD_DIM)
+    offs = tl.arange(0, BLOCK_N)
+    table = block_table_ptr + seq * stride_table
+    head_off = kv_head * stride_cache_head
+    pos = lo + offs
+    block = tl.load(table + pos // BLOCK_SIZE, mask=pos < hi, other=0).to(tl.int64)
+    off = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_token + head_off
+    k_t = tl.load(k_cache_ptr + off[None, :] + d[:, None], mask=(pos < hi)[None, :], other=0.0)
+    v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=(pos < hi)[:, None], other=0.0)
+    pos = lo + BLOCK_N + offs
+    block = tl.load(table + pos // BLOCK_SIZE, mask=pos < hi, other=0).to(tl.int64)
+    for start in range(lo, hi, BLOCK_N):
+        nxt = start + BLOCK_N + offs
+        off = block * stride_cache_block + (nxt % BLOCK_SIZE) * stride_cache_token + head_off
+        k_next = tl.load(
+            k_cache_ptr + off[None, :] + d[:, None], mask=(nxt < hi)[None, :], other=0.0
+        )
+        v_next = tl.load(
+            v_cache_ptr + off[:, None] + d[None, :], mask=(nxt < hi)[:, None], other=0.0
+        )
+        after = start + 2 * BLOCK_N + offs
+        block = tl.load(table + after // BLOCK_SIZE, mask=after < hi, other=0).to(tl.int64)
+        k_cur = k_t
+        v_cur = v
+        if UPCAST:
+            k_cur = k_cur.to(tl.float32)
+            v_cur = v_cur.to(tl.float32)
+        s = tl.dot(q, k_cur, input_precision=DOT_PRECISION) * scale_log2
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v_cur.dtype), v_cur, input_precision=DOT_PRECISION)
+        m = m_new
+        k_t = k_next
+        v = v_next
+    return m, row_sum, acc
+
+
+@triton.jit
 def _seq_split_len(ctx, num_splits, min_len, BLOCK_N: tl.constexpr):
     """Context tokens per split for one sequence: its context over the grid's splits, at least
     min_len, whole tiles. A short context leaves the later splits empty."""
@@ -239,6 +306,7 @@ def decode_kernel(
     ALL_DECODE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     """Grid (decode sequences, KV heads, splits): the one query token of a sequence, all query
     heads of one KV group (rows of one tl.dot, padded to GROUP_PAD), over one split of the
@@ -272,11 +340,18 @@ def decode_kernel(
     hi = tl.minimum(lo + split_len, ctx)
     # Whole tiles unmasked, then the ragged tail (if any) masked.
     full = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
-    m, row_sum, acc = _attend_range(
-        q, m, row_sum, acc, lo, full, 0, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
-        stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
-        scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION,
-    )  # fmt: skip
+    if PREFETCH:
+        m, row_sum, acc = _attend_prefetched(
+            q, m, row_sum, acc, lo, full, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
+            stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
+            scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
+    else:
+        m, row_sum, acc = _attend_range(
+            q, m, row_sum, acc, lo, full, 0, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
+            stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
+            scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
     m, row_sum, acc = _attend_range(
         q, m, row_sum, acc, full, hi, 0, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
         stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
