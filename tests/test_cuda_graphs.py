@@ -314,6 +314,40 @@ def test_runner_generates_like_eager_steps(tmp_path_factory, prefill_chunk: int)
         assert ex.graphs.replays == Counter({4: 5, 2: 6, 1: 13})
 
 
+@interpreted
+def test_decode_variants_generate_like_the_default(tmp_path_factory, monkeypatch) -> None:
+    """INFERX_TRITON_DECODE=prefetch,rotary (the decode kernel pipelines its tiles, and rotates
+    and writes the new tokens itself in decode-only steps): eager steps give the default
+    kernels' tokens and logits within 1e-4, and the graph runner's steps (split in 4) the
+    same as eager ones."""
+    path = checkpoint("llama", tmp_path_factory)
+    prompts = [list(range(3, 40)), [5, 9, 17, 33, 65, 129, 200], [7] * 3]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def eager_run() -> tuple[LLM, list[list[int]], list[Step]]:
+        llm = cpu_triton_llm(path, 512)
+        recorder = llm.engine.executor.sampler = LogitsRecorder(llm.engine.executor.sampler)
+        return llm, [c.token_ids for c in llm.generate(prompts, params)], recorder.take()
+
+    _, tokens, logits = eager_run()
+    monkeypatch.setenv("INFERX_TRITON_DECODE", "prefetch,rotary")
+    llm, variant_tokens, variant_logits = eager_run()
+    ex = llm.engine.executor
+    assert ex.attention.decode_prefetch and ex.attention.decode_rotary
+    assert variant_tokens == tokens
+    for step, (a, b) in enumerate(zip(variant_logits, logits, strict=True)):
+        assert rel_err(a.logits, b.logits) <= 1e-4, f"step {step}"
+    ex.attention.min_split_len = 16
+    ex.attention.target_programs = 10**6
+    ex.sampler = ex.sampler.sampler
+
+    def install() -> None:
+        ex.graphs = DecodeGraphRunner(ex.model, ex.attention, ex.device, 4, ex.max_model_len, 16)
+
+    generates_like_eager(llm, install)
+    assert ex.graphs.replays
+
+
 def cpu_triton_llm(path: Path, prefill_chunk: int) -> LLM:
     """The tiny checkpoint on the CPU with the Triton backend (interpreted): 64-token context,
     4 sequences at a time, no prefix cache."""

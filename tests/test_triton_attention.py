@@ -168,6 +168,19 @@ def test_prefetched_decode_matches_dense(block_size: int, dtype: torch.dtype, sp
     assert (max(splits) > 1) == split
 
 
+def test_decode_variants_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = [KVLayerSpec(4, 2, 16)]
+    cpu = torch.device("cpu")
+    backend = TritonAttention(spec, 16, torch.float32, cpu)
+    assert not backend.decode_prefetch and not backend.decode_rotary
+    monkeypatch.setenv("INFERX_TRITON_DECODE", "rotary,prefetch")
+    backend = TritonAttention(spec, 16, torch.float32, cpu)
+    assert backend.decode_prefetch and backend.decode_rotary
+    monkeypatch.setenv("INFERX_TRITON_DECODE", "rotary,fast")
+    with pytest.raises(ValueError, match=r"INFERX_TRITON_DECODE: unknown option\(s\) \['fast'\]"):
+        TritonAttention(spec, 16, torch.float32, cpu)
+
+
 def test_split_policy() -> None:
     """Split only while the GPU would be short of programs, never below min_split_len."""
     backend = TritonAttention(
@@ -274,6 +287,75 @@ def test_gpu_fused_rotary_bf16(group: int) -> None:
 
 
 ROTARY_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+@interpreted
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 4])
+def test_rotary_in_the_decode_kernel(group: int, dtype: torch.dtype, split: bool) -> None:
+    check_decode_rotary(group, dtype, torch.device("cpu"), split)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_gpu_rotary_in_the_decode_kernel_bf16(group: int, split: bool) -> None:
+    check_decode_rotary(group, torch.bfloat16, torch.device("cuda"), split)
+
+
+def check_decode_rotary(group: int, dtype: torch.dtype, device: torch.device, split: bool) -> None:
+    """decode_rotary: in a decode-only step the decode kernel rotates q and k and writes the new
+    k and v itself. Against the torch reference ops' rotary followed by TorchAttention.forward
+    on fresh random inputs: the same outputs and the same cache, with the context split or
+    not (the split holding the new token writes it); a padding row (slot -1) writes nothing."""
+    from inferx_core.ops_torch import TorchOps
+
+    head_dim, kv_heads, bs = 32, 2, 4
+    layers = [KVLayerSpec(kv_heads * group, kv_heads, head_dim)] * 2
+    kwargs = {"min_split_len": 1, "target_programs": 10**6} if split else {}
+    backend = TritonAttention(layers, bs, dtype, device, **kwargs)
+    backend.decode_rotary = True
+    reference = TorchAttention(layers, bs, dtype, device)
+    angles = torch.rand(64, head_dim // 2, device=device) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    ends = [6, 1, 37, 10, 16]  # context lengths; the new token is the last of each
+    tables = [[3, 7], [4], [2, 5, 8, 11, 12, 15, 16, 17, 18, 19], [6, 13, 14], [1, 9, 10, 20]]
+    backend.allocate(21)
+    reference.allocate(21)
+    for mine, theirs in zip(backend.caches, reference.caches, strict=True):
+        mine.copy_(torch.randn(mine.shape, device=device).to(dtype))  # the cached prefixes
+        theirs.copy_(mine)
+    batch = make_attention_batch([1] * len(ends), ends, tables, bs, device)
+    positions = torch.tensor([e - 1 for e in ends], device=device)
+    ops = TorchOps()
+    splits = []
+    for b in (backend, reference):
+        b.begin_step(batch)
+    for layer, spec in enumerate(layers):
+        heads = (spec.num_q_heads, kv_heads, kv_heads)
+        q, k, v = (torch.randn(len(ends), h, head_dim, device=device).to(dtype) for h in heads)
+        fq, fk, fv = fused_views(q.clone(), k.clone(), v.clone())
+        got = backend.forward_with_rotary(layer, fq, fk, fv, head_dim**-0.5, positions, cos_sin)
+        splits.append(backend._plan.num_splits)
+        rq, rk = ops.rotary(positions, q.clone(), k.clone(), cos_sin)
+        want = reference.forward(layer, rq, rk, v, head_dim**-0.5)
+        assert rel_err(got, want) <= TOL[dtype]
+        # bf16: the kernel and torch's ops round the two products of a rotated element
+        # differently now and then, an ulp each (seen on the CPU for the separate rotary
+        # kernel too): up to 2 ulps of the largest value, 2**-6.
+        cache_tol = 2e-2 if dtype == torch.bfloat16 else ROTARY_TOL[dtype]
+        assert rel_err(backend.caches[layer], reference.caches[layer]) <= cache_tol
+    assert (max(splits) > 1) == split
+    pad = make_attention_batch([1], [3], [[15]], bs, device)
+    pad.slot_mapping.fill_(-1)
+    backend.begin_step(pad)
+    before = backend.caches[0].clone()
+    heads = (kv_heads * group, kv_heads, kv_heads)
+    q, k, v = (torch.randn(1, h, head_dim, device=device).to(dtype) for h in heads)
+    backend.forward_with_rotary(0, q, k, v, 1.0, torch.tensor([2], device=device), cos_sin)
+    assert torch.equal(backend.caches[0], before)
 
 
 def check_fused_rotary(group: int, dtype: torch.dtype, device: torch.device) -> None:

@@ -200,9 +200,20 @@ class TritonAttention(TorchAttention):
         self.decode_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
         self.reduce_launch: dict[str, int] = {"num_warps": 4}  # Triton's default
         self.prefill_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
-        # The decode kernel's whole tiles software-pipelined by hand (triton_kernels.
-        # _attend_prefetched). Off until an H200 run shows it pays (tune_decode_attention.py).
-        self.decode_prefetch = False
+        # Two decode-kernel variants, off until an H200 run shows they pay; the environment
+        # turns them on for A/B runs (INFERX_TRITON_DECODE=prefetch,rotary):
+        # - prefetch: whole KV tiles software-pipelined by hand (_attend_prefetched);
+        # - rotary: decode-only steps rotate q and k and write the new k/v inside the decode
+        #   kernel (ROTARY) instead of a rotary_kv_write_kernel launch before it.
+        options = {o for o in os.environ.get("INFERX_TRITON_DECODE", "").split(",") if o}
+        unknown = sorted(options - {"prefetch", "rotary"})
+        if unknown:
+            raise ValueError(
+                f"INFERX_TRITON_DECODE: unknown option(s) {unknown}; expected a comma-separated "
+                "list of prefetch, rotary"
+            )
+        self.decode_prefetch = "prefetch" in options
+        self.decode_rotary = "rotary" in options
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         self._upcast = self.interpret and dtype == torch.bfloat16
         self._dot_precision = "ieee" if dtype == torch.float32 else "tf32"
@@ -497,6 +508,24 @@ class TritonAttention(TorchAttention):
         m.block_table[:n, :width].copy_(_pinned(batch.block_table), non_blocking=True)
         self._plan = self._mixed_plan(m, num_tokens)
 
+    @staticmethod
+    def _no_new_tokens(plan: _Plan) -> dict[str, Any]:
+        """The decode kernel's ROTARY arguments when it does not rotate: never read."""
+        unused = plan.slot_mapping
+        return {
+            "k_new_ptr": unused,
+            "v_new_ptr": unused,
+            "slot_ptr": unused,
+            "positions_ptr": unused,
+            "cos_sin_ptr": unused,
+            "stride_kt": 0,
+            "stride_kh": 0,
+            "stride_vt": 0,
+            "stride_vh": 0,
+            "stride_cos_sin": 0,
+            "ROTARY": False,
+        }
+
     def _graph_buffers(self, batch_size: int) -> _GraphBuffers:
         return checked_graph_buffers(self, batch_size)
 
@@ -556,8 +585,26 @@ class TritonAttention(TorchAttention):
                 f"{plan.slot_mapping.shape[0]}"
             )
 
+        # The decode kernel rotates and writes the new tokens itself (ROTARY) in decode-only
+        # steps when decode_rotary is on.
+        in_decode = rotary is not None and self.decode_rotary and plan.num_decode == num_tokens
         if rotary is None:
             write_kv(k, v, k_cache, v_cache, plan.slot_mapping, spec)
+        elif in_decode:
+            positions, cos_sin = rotary[0], rotary[1].contiguous()
+            new_tokens = {
+                "k_new_ptr": k,
+                "v_new_ptr": v,
+                "slot_ptr": plan.slot_mapping,
+                "positions_ptr": positions.contiguous(),
+                "cos_sin_ptr": cos_sin,
+                "stride_kt": k.stride(0),
+                "stride_kh": k.stride(1),
+                "stride_vt": v.stride(0),
+                "stride_vh": v.stride(1),
+                "stride_cos_sin": cos_sin.stride(0),
+                "ROTARY": True,
+            }
         else:
             positions, cos_sin = rotary
             half = spec.head_dim // 2
@@ -628,6 +675,7 @@ class TritonAttention(TorchAttention):
                 UPCAST=self._upcast,
                 DOT_PRECISION=self._dot_precision,
                 PREFETCH=self.decode_prefetch,
+                **(new_tokens if in_decode else self._no_new_tokens(plan)),
                 **self.decode_launch,
             )
             if split:

@@ -272,6 +272,18 @@ def _decode_row(i, seq_ids_ptr, query_start_ptr, context_len_ptr, ALL_DECODE: tl
     return seq, row, ctx
 
 
+@triton.jit
+def _rotated(ptr, offs, cos, sin, sign, partner_offs, mask):
+    """The rows at ptr + offs rotated (rotate-half) as fused_kernels.rotate_into rounds them,
+    in ptr's dtype. partner_offs point at each element's rotate-half partner; cos and sin are
+    per element (the table's halves repeated), sign is -1 on the first half and +1 on the
+    second."""
+    dtype = ptr.dtype.element_ty
+    x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(ptr + partner_offs, mask=mask, other=0.0).to(tl.float32)
+    return (_rounded(x * cos, dtype) + sign * _rounded(xp * sin, dtype)).to(dtype)
+
+
 # Ints that change from step to step are not specialised on (Triton would compile a variant for
 # values of 1 and multiples of 16): every variant a step can need is compiled at start-up.
 @triton.jit(do_not_specialize=["split_len", "stride_table"])
@@ -306,7 +318,18 @@ def decode_kernel(
     ALL_DECODE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr,
+    k_new_ptr,
+    v_new_ptr,
+    slot_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cos_sin,
+    ROTARY: tl.constexpr,
 ):
     """Grid (decode sequences, KV heads, splits): the one query token of a sequence, all query
     heads of one KV group (rows of one tl.dot, padded to GROUP_PAD), over one split of the
@@ -314,6 +337,13 @@ def decode_kernel(
     ([seq, q_head, split, dim] and [seq, q_head, split]) for decode_reduce_kernel; without, the
     result goes straight to out. ALL_DECODE: every sequence of the batch is a decode, so
     sequence i is decode i and its query is row i (one dependent load fewer before the KV reads).
+    PREFETCH: whole tiles through _attend_prefetched.
+
+    ROTARY (decode-only steps): q and the new token's k arrive unrotated, and k and v are not
+    in the cache yet (rotary_kv_write_kernel did not run). Every program rotates its q heads
+    in registers; the one program per (sequence, KV head) whose split holds the new position
+    rotates k, writes k and v to the token's slot (none for a negative slot: padding), and
+    syncs its threads before reading the cache. One launch a layer fewer.
     """
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -324,9 +354,21 @@ def decode_kernel(
     d = tl.arange(0, HEAD_DIM)
     head = kv_head * GROUP + g
     g_valid = g < GROUP
-    q = tl.load(
-        q_ptr + row * stride_qt + head[:, None] * stride_qh + d[None, :], mask=g_valid[:, None]
-    )
+    q_offs = row * stride_qt + head[:, None] * stride_qh
+    if ROTARY:
+        half_d = d % (HEAD_DIM // 2)
+        partner = (d + HEAD_DIM // 2) % HEAD_DIM
+        sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
+        cs = cos_sin_ptr + tl.load(positions_ptr + row).to(tl.int64) * stride_cos_sin
+        rot_dtype = q_ptr.dtype.element_ty
+        cos = _rounded(tl.load(cs + half_d), rot_dtype)
+        sin = _rounded(tl.load(cs + HEAD_DIM // 2 + half_d), rot_dtype)
+        q = _rotated(
+            q_ptr, q_offs + d[None, :], cos[None, :], sin[None, :], sign[None, :],
+            q_offs + partner[None, :], g_valid[:, None],
+        )  # fmt: skip
+    else:
+        q = tl.load(q_ptr + q_offs + d[None, :], mask=g_valid[:, None])
     q = q.to(k_cache_ptr.dtype.element_ty)
     if UPCAST:
         q = q.to(tl.float32)
@@ -338,6 +380,18 @@ def decode_kernel(
         split_len = _seq_split_len(ctx, tl.num_programs(2), split_len, BLOCK_N)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, ctx)
+    if ROTARY:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        owner = (slot >= 0) & (lo <= ctx - 1) & (ctx - 1 < hi)
+        # (d < HEAD_DIM) & owner would be an int tensor under the interpreter, not a mask.
+        mine = d < tl.where(owner, HEAD_DIM, 0)
+        k_offs = row * stride_kt + kv_head * stride_kh
+        k = _rotated(k_new_ptr, k_offs + d, cos, sin, sign, k_offs + partner, mine)
+        v = tl.load(v_new_ptr + row * stride_vt + kv_head * stride_vh + d, mask=mine)
+        dst = slot * stride_cache_token + kv_head * stride_cache_head + d
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mine)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mine)
+        tl.debug_barrier()  # this program's reads below see the k and v it wrote
     # Whole tiles unmasked, then the ragged tail (if any) masked.
     full = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
     if PREFETCH:
