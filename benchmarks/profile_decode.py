@@ -1,11 +1,11 @@
 """Where decode steps spend their time, and how long the GPU sits idle between them.
 
     python benchmarks/profile_decode.py --preset qwen2.5-3b-instruct --tokenizer DIR \
-        --backend triton --batch 1,64 [--steps 64] [--eager] [--json OUT.json]
+        --backend triton --batch 1,64 [--steps 64] [--prompt-len 128] [--eager] [--json OUT.json]
 
-Per batch size: `batch` requests of a 128-token prompt are prefilled, then `--steps` decode
-steps run under torch.profiler (CPU and CUDA activity). From the trace's GPU records (kernels,
-copies, memsets) it prints:
+Per batch size: `batch` requests of a `--prompt-len`-token prompt (128) are prefilled, then
+`--steps` decode steps run under torch.profiler (CPU and CUDA activity). From the trace's GPU
+records (kernels, copies, memsets) it prints:
 
 - the wall time per step (host clock, engine.step() to engine.step()),
 - the GPU idle fraction: 1 - (union of GPU activity) / (first GPU start to last GPU end) over
@@ -102,9 +102,11 @@ def kernel_table(recs: list[tuple[float, float, str]], steps: int) -> list[dict[
     return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
-def profile_batch(llm: LLM, batch: int, steps: int, trace_dir: Path) -> dict[str, Any]:
+def profile_batch(
+    llm: LLM, batch: int, steps: int, trace_dir: Path, prompt_len: int = 128
+) -> dict[str, Any]:
     engine = llm.engine
-    prompts = [list(range(1000 + i, 1128 + i)) for i in range(batch)]
+    prompts = [list(range(1000 + i, 1000 + prompt_len + i)) for i in range(batch)]
     params = SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True)
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm
     ids = [engine.add_request(p, params) for p in prompts]
@@ -158,6 +160,7 @@ def main() -> None:
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--batch", default="1,64", help="comma-separated batch sizes")
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--eager", action="store_true", help="engine.cuda_graphs = false")
     ap.add_argument("--overlap", choices=["on", "off", "default"], default="default")
     ap.add_argument("--top", type=int, default=15)
@@ -181,7 +184,7 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for batch in [int(b) for b in args.batch.split(",")]:
-            r = profile_batch(llm, batch, args.steps, Path(tmp))
+            r = profile_batch(llm, batch, args.steps, Path(tmp), args.prompt_len)
             results.append(r)
             print(
                 f"\nbatch {batch}: step {r['step_ms_mean_unprofiled']:.3f} ms unprofiled "

@@ -6,7 +6,7 @@
 #   cp -r ../shared/fixtures/tokenizers/{qwen,llama3} .carry/tok/tokenizers/
 #   tar -C .carry/tok -cJf .carry/tokxz/tok.tar.xz tokenizers
 # then carry [".whl", ".carry/tokxz"] (unpacked below into .carry/tok on the machine).
-# Usage: bash scripts/gpu_run.sh [tests] [flashinfer] [profile] [breakdown] [gemv] [mixed] [tune] [split-gemm] [startup] [serve-ab] [bench] [demo]
+# Usage: bash scripts/gpu_run.sh [tests] [flashinfer] [profile] [decode-variants] [breakdown] [gemv] [mixed] [tune] [split-gemm] [startup] [serve-ab] [bench] [demo]
 #        [table | table-3b | table-8b]
 #   flashinfer: its conformance tests (FI_K: a pytest -k filter), then its compiled kernels packed into $OUT as
 #   fi-cache.tar.part-*: keep them in .carry/fi/ (31 MB) and carry .carry/fi in later runs
@@ -71,6 +71,24 @@ for step in "${steps[@]}"; do
             --batch 1,64 --steps 64 $flag "${sets[@]}" ${PROFILE_ARGS:-} \
             --json "$OUT/profile-$mode-$i.json" 2>&1 | grep -v Warning | tail -${PROFILE_TAIL:-40}
           i=$((i + 1))
+        done
+      done ;;
+    decode-variants)
+      # The Triton decode kernel's unmeasured variants (TritonAttention: INFERX_TRITON_DECODE)
+      # against the default, alternating, each profiled at batch 1 and 64 in graphs with
+      # overlap: DECODE_VARIANTS (space-separated; "-" is the default) x DECODE_PROMPT_LENS
+      # (the context the decodes start from) x DECODE_ROUNDS.
+      for r in $(seq 1 ${DECODE_ROUNDS:-1}); do
+        for len in ${DECODE_PROMPT_LENS:-128 640}; do
+          for v in ${DECODE_VARIANTS:-- prefetch rotary prefetch,rotary}; do
+            [ "$v" = - ] && env_v= || env_v=$v
+            echo "== round $r, prompt $len: INFERX_TRITON_DECODE=${env_v}"
+            INFERX_TRITON_DECODE=$env_v timeout 300 python3 benchmarks/profile_decode.py \
+              --tokenizer $TOK --backend triton --batch 1,64 --steps 64 --overlap on \
+              --prompt-len $len ${PROFILE_ARGS:-} \
+              --json "$OUT/profile-decode-${v/,/+}-p$len-$r.json" 2>&1 \
+              | grep -E "^batch|decode_kernel|decode_reduce|rotary_kv" | cut -c1-160
+          done
         done
       done ;;
     breakdown)
