@@ -13,6 +13,7 @@ from test_attention_torch import dense_reference, rel_err  # noqa: E402
 from inferx_core.attention_torch import TorchAttention  # noqa: E402
 from inferx_core.batch import make_attention_batch  # noqa: E402
 from inferx_core.interfaces.kv import KVLayerSpec  # noqa: E402
+from inferx_core.ops_torch import TorchOps  # noqa: E402
 from inferx_kernels_cuda.triton_attention import TritonAttention  # noqa: E402
 
 # Largest |triton - reference| over the largest |reference|. fp32 differs from float64 only by
@@ -310,8 +311,6 @@ def check_decode_rotary(group: int, dtype: torch.dtype, device: torch.device, sp
     k and v itself. Against the torch reference ops' rotary followed by TorchAttention.forward
     on fresh random inputs: the same outputs and the same cache, with the context split or
     not (the split holding the new token writes it); a padding row (slot -1) writes nothing."""
-    from inferx_core.ops_torch import TorchOps
-
     head_dim, kv_heads, bs = 32, 2, 4
     layers = [KVLayerSpec(kv_heads * group, kv_heads, head_dim)] * 2
     kwargs = {"min_split_len": 1, "target_programs": 10**6} if split else {}
@@ -348,14 +347,7 @@ def check_decode_rotary(group: int, dtype: torch.dtype, device: torch.device, sp
         cache_tol = 2e-2 if dtype == torch.bfloat16 else ROTARY_TOL[dtype]
         assert rel_err(backend.caches[layer], reference.caches[layer]) <= cache_tol
     assert (max(splits) > 1) == split
-    pad = make_attention_batch([1], [3], [[15]], bs, device)
-    pad.slot_mapping.fill_(-1)
-    backend.begin_step(pad)
-    before = backend.caches[0].clone()
-    heads = (kv_heads * group, kv_heads, kv_heads)
-    q, k, v = (torch.randn(1, h, head_dim, device=device).to(dtype) for h in heads)
-    backend.forward_with_rotary(0, q, k, v, 1.0, torch.tensor([2], device=device), cos_sin)
-    assert torch.equal(backend.caches[0], before)
+    forward_padding_row(backend, cos_sin)
 
 
 def check_fused_rotary(group: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -363,8 +355,6 @@ def check_fused_rotary(group: int, dtype: torch.dtype, device: torch.device) -> 
     rotary followed by TorchAttention.forward, on fresh random inputs in a mixed step (a prompt
     over a cached prefix, a fresh prompt, decodes): the same outputs, the same cache, q rotated
     in place; a padding row (slot -1) rotates q and writes nothing."""
-    from inferx_core.ops_torch import TorchOps
-
     head_dim, kv_heads, bs = 32, 2, 4
     layers = [KVLayerSpec(kv_heads * group, kv_heads, head_dim)] * 2
     backend = TritonAttention(layers, bs, dtype, device)
@@ -398,13 +388,25 @@ def check_fused_rotary(group: int, dtype: torch.dtype, device: torch.device) -> 
         assert rel_err(got, want) <= TOL[dtype]
         assert rel_err(backend.caches[layer], reference.caches[layer]) <= ROTARY_TOL[dtype]
     # Padding: slot -1 leaves the cache alone but still rotates q.
-    pad = make_attention_batch([1], [3], [[15]], bs, device)
+    q, rotated = forward_padding_row(backend, cos_sin)
+    assert rel_err(q, rotated) <= ROTARY_TOL[dtype]
+
+
+def forward_padding_row(
+    backend: TritonAttention, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A one-token step whose slot is -1 (a padded graph row) through forward_with_rotary at
+    position 2: the cache must stay as it was. Returns q after the call and q as the torch
+    reference rotates it."""
+    spec, device, dtype = backend.layers[0], backend.device, backend.dtype
+    pad = make_attention_batch([1], [3], [[15]], backend.block_size, device)
     pad.slot_mapping.fill_(-1)
     backend.begin_step(pad)
     before = backend.caches[0].clone()
-    heads = (kv_heads * group, kv_heads, kv_heads)
-    q, k, v = (torch.randn(1, h, head_dim, device=device).to(dtype) for h in heads)
-    rotated = ops.rotary(torch.tensor([2], device=device), q.clone(), k.clone(), cos_sin)[0]
-    backend.forward_with_rotary(0, q, k, v, 1.0, torch.tensor([2], device=device), cos_sin)
+    heads = (spec.num_q_heads, spec.num_kv_heads, spec.num_kv_heads)
+    q, k, v = (torch.randn(1, h, spec.head_dim, device=device).to(dtype) for h in heads)
+    position = torch.tensor([2], device=device)
+    rotated = TorchOps().rotary(position, q.clone(), k.clone(), cos_sin)[0]
+    backend.forward_with_rotary(0, q, k, v, 1.0, position, cos_sin)
     assert torch.equal(backend.caches[0], before)
-    assert rel_err(q, rotated) <= ROTARY_TOL[dtype]
+    return q, rotated

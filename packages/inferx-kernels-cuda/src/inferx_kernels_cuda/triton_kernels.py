@@ -173,13 +173,20 @@ def _attend_range(
                 s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
             else:
                 s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+        m, row_sum, acc = _softmax_step(s, v, m, row_sum, acc, DOT_PRECISION)
     return m, row_sum, acc
+
+
+@triton.jit
+def _softmax_step(s, v, m, row_sum, acc, DOT_PRECISION: tl.constexpr):
+    """One tile of the online softmax: fold scores s (log2 domain, -inf where hidden) and the
+    tile's values v into the running (max, sum, unnormalised output)."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    row_sum = row_sum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, row_sum, acc
 
 
 @triton.jit
@@ -238,12 +245,7 @@ def _attend_prefetched(
             k_cur = k_cur.to(tl.float32)
             v_cur = v_cur.to(tl.float32)
         s = tl.dot(q, k_cur, input_precision=DOT_PRECISION) * scale_log2
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v_cur.dtype), v_cur, input_precision=DOT_PRECISION)
-        m = m_new
+        m, row_sum, acc = _softmax_step(s, v_cur, m, row_sum, acc, DOT_PRECISION)
         k_t = k_next
         v = v_next
     return m, row_sum, acc
