@@ -90,8 +90,7 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int, grid: str) -> list[G
     FMA tiles of 2048, 4096 and 8192 weights per row of x (8, 16, 32 x 256 at one row; up to 4
     rows) and tensor-core tiles 64x128 (at 2, 3 and 4 stages), 32x256 and 128x64. "full" adds
     FMA 16x512 and 32x128 per row and up to 8 rows, dot 16x256 and 64x256, half and double
-    splits, num_warps 2 and 8, and FMA tiles at 2 and 3 stages (the weight loads pipelined).
-    Duplicates dropped, order kept."""
+    splits, num_warps 2 and 8. Duplicates dropped, order kept."""
     first = pick_config(m, n, k, num_sms)
     if grid == "none":
         return [first]
@@ -114,8 +113,6 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int, grid: str) -> list[G
                 out += [replace(base, num_stages=st) for st in (2, 4)]
             if full:
                 out += [replace(base, num_warps=w) for w in (2, 8)]
-                if not tile.use_dot and s == split:
-                    out += [replace(base, num_stages=st) for st in (2, 3)]
     return list(dict.fromkeys(out))
 
 
