@@ -88,9 +88,10 @@ def linear_shapes(model: str) -> list[Shape]:
 def candidate_configs(m: int, n: int, k: int, num_sms: int, grid: str) -> list[GemvConfig]:
     """pick_config's choice first. Grid "small" adds, each at split_for's split and at split 1:
     FMA tiles of 2048, 4096 and 8192 weights per row of x (8, 16, 32 x 256 at one row; up to 4
-    rows) and tensor-core tiles 64x128 (at 2, 3 and 4 stages), 32x256 and 128x64. "full" adds
-    FMA 16x512 and 32x128 per row and up to 8 rows, dot 16x256 and 64x256, half and double
-    splits, num_warps 2 and 8. Duplicates dropped, order kept."""
+    rows) and tensor-core tiles 64x128 (at 2, 3 and 4 stages), 32x256 and 128x64, and each FMA
+    tile at its split with prefetch (the next K block loaded before this one's products) at 4
+    and 8 warps. "full" adds FMA 16x512 and 32x128 per row and up to 8 rows, dot 16x256 and
+    64x256, half and double splits, num_warps 2 and 8. Duplicates dropped, order kept."""
     first = pick_config(m, n, k, num_sms)
     if grid == "none":
         return [first]
@@ -111,6 +112,8 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int, grid: str) -> list[G
             out.append(base)
             if tile.use_dot and (tile.block_n, tile.block_k) == (64, 128) and s == split:
                 out += [replace(base, num_stages=st) for st in (2, 4)]
+            if not tile.use_dot and s == split:
+                out += [replace(base, prefetch=True, num_warps=w) for w in (4, 8)]
             if full:
                 out += [replace(base, num_warps=w) for w in (2, 8)]
     return list(dict.fromkeys(out))
@@ -127,6 +130,7 @@ def compile_key(shape: Shape, m: int, cfg: GemvConfig) -> tuple[Any, ...]:
         cfg.use_dot,
         cfg.num_warps,
         cfg.num_stages,
+        cfg.prefetch,
         cfg.split_k > 1,
         shape.bias,
     )

@@ -35,6 +35,9 @@ CONFIGS = {
     "fma-split3": GemvConfig(**SMALL, split_k=3, use_dot=False),
     "dot": GemvConfig(**SMALL, split_k=1, use_dot=True),
     "dot-split3": GemvConfig(**SMALL, split_k=3, use_dot=True),
+    "fma-prefetch": GemvConfig(**SMALL, split_k=1, use_dot=False, prefetch=True),
+    "fma-prefetch-split3": GemvConfig(**SMALL, split_k=3, use_dot=False, prefetch=True),
+    "dot-prefetch-split3": GemvConfig(**SMALL, split_k=3, use_dot=True, prefetch=True),
 }
 
 
@@ -251,6 +254,7 @@ GPU_SHAPES = [
 GPU_CONFIGS = {
     "default": None,
     "fma-unsplit": GemvConfig(block_n=16, block_k=256, split_k=1),
+    "fma-prefetch-split2": GemvConfig(block_n=16, block_k=256, split_k=2, prefetch=True),
     "dot-split4": GemvConfig(block_n=64, block_k=128, split_k=4, use_dot=True, num_stages=3),
 }
 

@@ -12,6 +12,10 @@ BLOCK_K columns at a time, with every row of x against it. Accumulation is fp32 
 - the dot path (use_dot=True) pads x to 16 rows and runs tl.dot on tensor cores; the padding
   costs nothing a memory-bound kernel would notice.
 
+prefetch=True issues the next K block's loads before the current block's products, so each
+program keeps two blocks of W in flight. Triton pipelines only loads that feed tl.dot
+(num_stages), so without it the FMA path waits on every block in turn.
+
 SPLIT_K == 1 adds the bias and stores in x's dtype: one launch. SPLIT_K > 1 stores fp32 partial
 sums in a [SPLIT_K, M, N] workspace and a second kernel sums them in split order, adds the bias
 and casts: two launches, deterministic (no atomics), no host sync, all sizes given by the shapes,
@@ -50,12 +54,13 @@ class GemvConfig:
     use_dot: bool = False
     num_warps: int = 4
     num_stages: int = 1
+    prefetch: bool = False
 
     def __str__(self) -> str:
         path = "dot" if self.use_dot else "fma"
         return (
             f"{path} n{self.block_n} k{self.block_k} s{self.split_k} "
-            f"w{self.num_warps} st{self.num_stages}"
+            f"w{self.num_warps} st{self.num_stages}" + (" pf" if self.prefetch else "")
         )
 
     def check(self) -> None:
@@ -144,6 +149,7 @@ def skinny_linear_kernel(
     USE_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Grid (column blocks, splits): out[split] = x[:, ks] @ W[ns, ks].T (+ bias), columns
     ns = BLOCK_N of them, ks = this split's [k_start, k_start + k_per_split) clipped to k.
@@ -168,12 +174,31 @@ def skinny_linear_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     full = k_len // BLOCK_K
-    for _ in range(0, full):
-        x = tl.load(x_ptrs)
-        w = tl.load(w_ptrs)
+    if PREFETCH:
+        # Block j + 1 is loaded before block j's products. Block 0 loads as zeros when there
+        # is no whole block, and the last whole block is accumulated after the loop.
+        # (A scalar `full > 0` mask is an int under the interpreter, not a mask.)
+        first = offs_k[None, :] < BLOCK_K * tl.minimum(full, 1)
+        x = tl.load(x_ptrs, mask=first, other=0.0)
+        w = tl.load(w_ptrs, mask=first, other=0.0)
+        for _ in range(0, full - 1):
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+            x_next = tl.load(x_ptrs)
+            w_next = tl.load(w_ptrs)
+            acc = _accumulate(acc, x, w, USE_DOT, UPCAST, DOT_PRECISION)
+            x = x_next
+            w = w_next
         acc = _accumulate(acc, x, w, USE_DOT, UPCAST, DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K * tl.minimum(full, 1)  # past the last whole block, to the tail
+        w_ptrs += BLOCK_K * tl.minimum(full, 1)
+    else:
+        for _ in range(0, full):
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+            acc = _accumulate(acc, x, w, USE_DOT, UPCAST, DOT_PRECISION)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     if full * BLOCK_K < k_len:
         k_mask = (full * BLOCK_K + offs_k)[None, :] < k_len
         x = tl.load(x_ptrs, mask=k_mask, other=0.0)
@@ -287,6 +312,7 @@ def skinny_linear(
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         "UPCAST": interpret and x.dtype == torch.bfloat16,
         "DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
+        "PREFETCH": cfg.prefetch,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
     }
