@@ -28,14 +28,7 @@ from bench_gemv import COLD_BYTES, MAX_REL_ERR, linear_shapes, rel_err, tbps
 from bench_gemv import graph_us as graph_us_of
 from commit_id import commit_id
 
-
-def split_bmm(x: torch.Tensor, w: torch.Tensor, splits: int) -> torch.Tensor:
-    """[S, M, N] partial products of x [M, K] and w [N, K] over S equal slices of K."""
-    m, k = x.shape
-    n = w.shape[0]
-    xs = x.view(m, splits, k // splits).transpose(0, 1)  # [S, M, K/S]
-    ws = w.view(n, splits, k // splits).permute(1, 2, 0)  # [S, K/S, N], column-major slices
-    return torch.bmm(xs, ws)
+from inferx_core.quant_none import split_k_bmm as split_bmm  # what DenseLinear.forward_parts runs
 
 
 def main() -> None:
