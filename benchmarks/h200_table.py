@@ -514,9 +514,11 @@ def run_serve(
     s = run.sizes
     log = run.logs / f"server-{preset}{'-fallback' if fallback else ''}.log"
     overrides = overrides_for(run, preset, server=True, fallback=fallback)
+    from inferx_core.config import flag_name
+
     cmd = [sys.executable, "-m", "inferx_server.cli"]
     for key, value in overrides.items():
-        cmd += [f"--{key.replace('.', '-').replace('_', '-')}", value]
+        cmd += [f"--{flag_name(key)}", value]
     startup["overrides"] = overrides
     startup["log"] = str(log)
     with open(log, "w") as f:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 from commit_id import commit_id
 
+from inferx_core.config import flag_name
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -35,7 +37,7 @@ def flags(settings: list[str]) -> list[str]:
     out = []
     for kv in settings:
         key, value = kv.split("=", 1)
-        out += [f"--{key.replace('.', '-').replace('_', '-')}", value]
+        out += [f"--{flag_name(key)}", value]
     return out
 
 

@@ -196,13 +196,18 @@ ALIASES = {
 }
 
 
+def flag_name(dotted: str) -> str:
+    """The command-line flag of a dotted key, without its dashes: "server.engine_process" ->
+    "server-engine-process" (what scripts that spawn `inferx-server` pass as --<name>)."""
+    return dotted.replace(".", "-").replace("_", "-")
+
+
 def config_keys() -> dict[str, tuple[str, str, Any]]:
     """flag name -> (section, key, annotation) for every key of every section."""
     keys = {}
     for section, info in Config.model_fields.items():
         for key, field in info.annotation.model_fields.items():
-            flag = f"{section}-{key}".replace("_", "-")
-            keys[flag] = (section, key, field.annotation)
+            keys[flag_name(f"{section}.{key}")] = (section, key, field.annotation)
     for alias, dotted in ALIASES.items():
         section, key = dotted.split(".")
         keys[alias] = (
