@@ -55,14 +55,20 @@ def build_engine(config: Any) -> Any:
     return Engine(config)
 
 
+def checkpoint_source(engine: Any) -> str:
+    """Where an Engine's weights came from ("" when its executor does not say): the served
+    model's name is made from it. An EngineProcess carries its child's as `source`."""
+    checkpoint = getattr(getattr(engine, "executor", None), "checkpoint", None)
+    return getattr(checkpoint, "source", "")
+
+
 def _child(conn: Connection, factory: Callable[[], Any]) -> None:
     try:
         engine = factory()
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
         conn.send(("dead", exc))
         return
-    source = getattr(getattr(getattr(engine, "executor", None), "checkpoint", None), "source", "")
-    conn.send(("ready", engine.tokenizer, engine.max_model_len, source))
+    conn.send(("ready", engine.tokenizer, engine.max_model_len, checkpoint_source(engine)))
     try:
         while True:
             if not engine.has_work() and not conn.poll(_BEAT_S):

@@ -14,7 +14,7 @@ import uvicorn
 from inferx_core.interfaces import Transport
 from inferx_server.app import ServerState, create_app
 from inferx_server.engine_loop import EngineLoop, ProcessEngineLoop
-from inferx_server.engine_process import EngineProcess
+from inferx_server.engine_process import EngineProcess, checkpoint_source
 from inferx_server.metrics import Metrics
 
 log = logging.getLogger("inferx.server")
@@ -24,8 +24,7 @@ def served_model_name(config: Any, engine: Any) -> str:
     """model.served_name, else the checkpoint's file or directory name (without .gguf)."""
     if config.model.served_name:
         return config.model.served_name
-    ckpt = getattr(getattr(engine, "executor", None), "checkpoint", None)
-    source = getattr(ckpt, "source", "") or getattr(engine, "source", "")  # an EngineProcess's
+    source = checkpoint_source(engine) or getattr(engine, "source", "")  # an EngineProcess's
     source = source or config.model.path or config.model.preset or "model"
     name = Path(source.removeprefix("dummy:").rstrip("/")).name
     return name.removesuffix(".gguf") or "model"
