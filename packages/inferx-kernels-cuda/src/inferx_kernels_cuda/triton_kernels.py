@@ -190,6 +190,28 @@ def _softmax_step(s, v, m, row_sum, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    block,
+    pos,
+    hi,
+    d,
+    head_off,
+    stride_cache_block,
+    stride_cache_token,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """K (transposed, [HEAD_DIM, BLOCK_N]) and V ([BLOCK_N, HEAD_DIM]) of context positions
+    pos, which live in cache blocks `block`; positions from hi on load as zeros."""
+    off = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_token + head_off
+    valid = pos < hi
+    k_t = tl.load(k_cache_ptr + off[None, :] + d[:, None], mask=valid[None, :], other=0.0)
+    v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    return k_t, v
+
+
+@triton.jit
 def _attend_prefetched(
     q,
     m,
@@ -223,20 +245,17 @@ def _attend_prefetched(
     head_off = kv_head * stride_cache_head
     pos = lo + offs
     block = tl.load(table + pos // BLOCK_SIZE, mask=pos < hi, other=0).to(tl.int64)
-    off = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_token + head_off
-    k_t = tl.load(k_cache_ptr + off[None, :] + d[:, None], mask=(pos < hi)[None, :], other=0.0)
-    v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=(pos < hi)[:, None], other=0.0)
+    k_t, v = _kv_tile(
+        k_cache_ptr, v_cache_ptr, block, pos, hi, d, head_off, stride_cache_block,
+        stride_cache_token, BLOCK_SIZE,
+    )  # fmt: skip
     pos = lo + BLOCK_N + offs
     block = tl.load(table + pos // BLOCK_SIZE, mask=pos < hi, other=0).to(tl.int64)
     for start in range(lo, hi, BLOCK_N):
-        nxt = start + BLOCK_N + offs
-        off = block * stride_cache_block + (nxt % BLOCK_SIZE) * stride_cache_token + head_off
-        k_next = tl.load(
-            k_cache_ptr + off[None, :] + d[:, None], mask=(nxt < hi)[None, :], other=0.0
-        )
-        v_next = tl.load(
-            v_cache_ptr + off[:, None] + d[None, :], mask=(nxt < hi)[:, None], other=0.0
-        )
+        k_next, v_next = _kv_tile(
+            k_cache_ptr, v_cache_ptr, block, start + BLOCK_N + offs, hi, d, head_off,
+            stride_cache_block, stride_cache_token, BLOCK_SIZE,
+        )  # fmt: skip
         after = start + 2 * BLOCK_N + offs
         block = tl.load(table + after // BLOCK_SIZE, mask=after < hi, other=0).to(tl.int64)
         k_cur = k_t
