@@ -37,6 +37,8 @@ if [ -z "${SKIP_SETUP:-}" ]; then
   bash .whl/setup.sh >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
   tail -1 "$OUT/setup.log"
 fi
+# A variant ("KEY=VALUE KEY=VALUE") as the --set flags the benchmark scripts take, in sets.
+set_flags() { sets=(); for kv in $1; do sets+=(--set "$kv"); done; }
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests bench)
 TOK=.carry/tok/tokenizers/qwen
@@ -65,7 +67,7 @@ for step in "${steps[@]}"; do
         [ "${mode%%-*}" = eager ] && flag="$flag --eager"
         i=0
         for v in "${variants[@]}"; do
-          sets=(); for kv in $v; do sets+=(--set "$kv"); done
+          set_flags "$v"
           echo "== profile $mode: ${v:-defaults} ${PROFILE_ARGS:-}"
           timeout 300 python3 benchmarks/profile_decode.py --tokenizer $TOK --backend triton \
             --batch 1,64 --steps 64 $flag "${sets[@]}" ${PROFILE_ARGS:-} \
@@ -96,7 +98,7 @@ for step in "${steps[@]}"; do
       IFS=';' read -ra variants <<< "${BREAKDOWN_SETS:-engine.overlap=true;engine.overlap=false}"
       i=0
       for v in "${variants[@]}"; do
-        sets=(); for kv in $v; do sets+=(--set "$kv"); done
+        set_flags "$v"
         echo "== breakdown: $v"
         timeout 240 python3 benchmarks/step_breakdown.py --tokenizer $TOK "${sets[@]}" \
           --json "$OUT/breakdown-$i.json" 2>&1 | grep -v -i warn | tail -8
@@ -115,7 +117,7 @@ for step in "${steps[@]}"; do
       for r in $(seq 1 ${SERVE_AB_REPEATS:-2}); do
         i=0
         for v in "${variants[@]}"; do
-          sets=(); for kv in $v; do sets+=(--set "$kv"); done
+          set_flags "$v"
           echo "== round $r: $v"
           timeout 150 python3 benchmarks/h200_table.py --models qwen2.5-3b-instruct --only serve \
             --concurrency ${SERVE_AB_CONCURRENCY:-8,64,256} --tokenizers .carry/tok/tokenizers \
