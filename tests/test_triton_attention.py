@@ -316,6 +316,8 @@ def check_decode_rotary(group: int, dtype: torch.dtype, device: torch.device, sp
     kwargs = {"min_split_len": 1, "target_programs": 10**6} if split else {}
     backend = TritonAttention(layers, bs, dtype, device, **kwargs)
     backend.decode_rotary = True
+    if split:
+        backend.decode_block_n = 16  # contexts here are short of two of the GPU's 64-token tiles
     reference = TorchAttention(layers, bs, dtype, device)
     angles = torch.rand(64, head_dim // 2, device=device) * 6.3
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
@@ -358,6 +360,7 @@ def check_fused_rotary(group: int, dtype: torch.dtype, device: torch.device) -> 
     head_dim, kv_heads, bs = 32, 2, 4
     layers = [KVLayerSpec(kv_heads * group, kv_heads, head_dim)] * 2
     backend = TritonAttention(layers, bs, dtype, device)
+    backend.decode_rotary = False  # the separate kernel, whatever INFERX_TRITON_DECODE says
     reference = TorchAttention(layers, bs, dtype, device)
     angles = torch.rand(64, head_dim // 2, device=device) * 6.3
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
