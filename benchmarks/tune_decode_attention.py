@@ -13,8 +13,7 @@ and prints µs per layer: the default's, the best's, and which that is. Outputs 
 against the default's on the way (a config that changes results is an error, not a winner).
 `--grid KEY=V1,V2` (repeatable) sweeps only the keys it names, the others at their default;
 decode_stages (the decode kernel's num_stages: Triton's software pipelining of its KV tile
-loads), block_n (context tokens per tile) and prefetch (1: TritonAttention.decode_prefetch, the
-tiles pipelined by hand) are swept only that way.
+loads) and block_n (context tokens per tile) are swept only that way.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ DEFAULT = {
     "target_x": 2,
     "decode_stages": 1,
     "block_n": 64,
-    "prefetch": 0,
 }
 GRID = {
     "decode_warps": (2, 4, 8),
@@ -85,7 +83,6 @@ def build(
         target_programs=cfg["target_x"] * sms,
     )
     backend.decode_block_n = cfg["block_n"]
-    backend.decode_prefetch = bool(cfg["prefetch"])
     backend.decode_launch = {"num_warps": cfg["decode_warps"], "num_stages": cfg["decode_stages"]}
     backend.reduce_launch = {"num_warps": cfg["reduce_warps"]}
     blocks_per_seq = -(-context // BLOCK)

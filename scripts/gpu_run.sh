@@ -76,19 +76,18 @@ for step in "${steps[@]}"; do
         done
       done ;;
     decode-variants)
-      # The Triton decode kernel's unmeasured variants (TritonAttention: INFERX_TRITON_DECODE)
-      # against the default, alternating, each profiled at batch 1 and 64 in graphs with
-      # overlap: DECODE_VARIANTS (space-separated; "-" is the default) x DECODE_PROMPT_LENS
+      # The Triton decode kernel with and without rotary inside it (TritonAttention.decode_rotary:
+      # INFERX_TRITON_DECODE_ROTARY), alternating, each profiled at batch 1 and 64 in graphs with
+      # overlap: DECODE_VARIANTS (space-separated values of the variable) x DECODE_PROMPT_LENS
       # (the context the decodes start from) x DECODE_ROUNDS.
       for r in $(seq 1 ${DECODE_ROUNDS:-1}); do
         for len in ${DECODE_PROMPT_LENS:-128 640}; do
-          for v in ${DECODE_VARIANTS:-- prefetch rotary prefetch,rotary}; do
-            [ "$v" = - ] && env_v= || env_v=$v
-            echo "== round $r, prompt $len: INFERX_TRITON_DECODE=${env_v}"
-            INFERX_TRITON_DECODE=$env_v timeout 300 python3 benchmarks/profile_decode.py \
+          for v in ${DECODE_VARIANTS:-1 0}; do
+            echo "== round $r, prompt $len: INFERX_TRITON_DECODE_ROTARY=$v"
+            INFERX_TRITON_DECODE_ROTARY=$v timeout 300 python3 benchmarks/profile_decode.py \
               --tokenizer $TOK --backend triton --batch 1,64 --steps 64 --overlap on \
               --prompt-len $len ${PROFILE_ARGS:-} \
-              --json "$OUT/profile-decode-${v/,/+}-p$len-$r.json" 2>&1 \
+              --json "$OUT/profile-decode-rotary$v-p$len-$r.json" 2>&1 \
               | grep -E "^batch|decode_kernel|decode_reduce|rotary_kv" | cut -c1-160
           done
         done

@@ -315,11 +315,11 @@ def test_runner_generates_like_eager_steps(tmp_path_factory, prefill_chunk: int)
 
 
 @interpreted
-def test_decode_variants_generate_like_the_default(tmp_path_factory, monkeypatch) -> None:
-    """INFERX_TRITON_DECODE=prefetch,rotary (the decode kernel pipelines its tiles, and rotates
-    and writes the new tokens itself in decode-only steps): eager steps give the default
-    kernels' tokens and logits within 1e-4, and the graph runner's steps (split in 4) the
-    same as eager ones."""
+def test_decode_rotary_generates_like_the_separate_kernel(tmp_path_factory, monkeypatch) -> None:
+    """decode_rotary (the default: the decode kernel rotates and writes the new tokens itself
+    in decode-only steps) against INFERX_TRITON_DECODE_ROTARY=0 (rotary_kv_write_kernel first):
+    eager steps give the same tokens and logits within 1e-4, and the graph runner's steps
+    (split in 4) the same as eager ones."""
     path = checkpoint("llama", tmp_path_factory)
     prompts = [list(range(3, 40)), [5, 9, 17, 33, 65, 129, 200], [7] * 3]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -329,11 +329,13 @@ def test_decode_variants_generate_like_the_default(tmp_path_factory, monkeypatch
         recorder = llm.engine.executor.sampler = LogitsRecorder(llm.engine.executor.sampler)
         return llm, [c.token_ids for c in llm.generate(prompts, params)], recorder.take()
 
-    _, tokens, logits = eager_run()
-    monkeypatch.setenv("INFERX_TRITON_DECODE", "prefetch,rotary")
+    monkeypatch.setenv("INFERX_TRITON_DECODE_ROTARY", "0")
+    separate, tokens, logits = eager_run()
+    assert not separate.engine.executor.attention.decode_rotary
+    monkeypatch.delenv("INFERX_TRITON_DECODE_ROTARY")
     llm, variant_tokens, variant_logits = eager_run()
     ex = llm.engine.executor
-    assert ex.attention.decode_prefetch and ex.attention.decode_rotary
+    assert ex.attention.decode_rotary
     assert variant_tokens == tokens
     for step, (a, b) in enumerate(zip(variant_logits, logits, strict=True)):
         assert rel_err(a.logits, b.logits) <= 1e-4, f"step {step}"

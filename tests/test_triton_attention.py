@@ -150,35 +150,15 @@ def test_split_k_decode(block_size: int, group: int, dtype: torch.dtype) -> None
     assert check_steps(backend, totals, steps) == [1, 3, 3]
 
 
-@interpreted
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize(
-    ("block_size", "dtype"), [(16, torch.float32), (4, torch.float16), (16, torch.bfloat16)]
-)
-def test_prefetched_decode_matches_dense(block_size: int, dtype: torch.dtype, split: bool) -> None:
-    """decode_prefetch (the decode kernel's whole tiles pipelined by hand) on contexts of up to
-    six 16-token tiles, whole and ragged, split along the context or not."""
-    torch.manual_seed(11 + block_size + int(split))
-    kwargs = {"min_split_len": 32, "target_programs": 10**6} if split else {}
-    backend = TritonAttention(
-        [KVLayerSpec(4, 2, 16)], block_size, dtype, torch.device("cpu"), **kwargs
-    )
-    backend.decode_prefetch = True
-    totals, steps = plan_steps([(60, 35), (40, 22), (20, 11), (10, 4), (0, 3)])
-    splits = check_steps(backend, totals, steps)
-    assert (max(splits) > 1) == split
-
-
-def test_decode_variants_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_rotary_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = [KVLayerSpec(4, 2, 16)]
     cpu = torch.device("cpu")
-    backend = TritonAttention(spec, 16, torch.float32, cpu)
-    assert not backend.decode_prefetch and not backend.decode_rotary
-    monkeypatch.setenv("INFERX_TRITON_DECODE", "rotary,prefetch")
-    backend = TritonAttention(spec, 16, torch.float32, cpu)
-    assert backend.decode_prefetch and backend.decode_rotary
-    monkeypatch.setenv("INFERX_TRITON_DECODE", "rotary,fast")
-    with pytest.raises(ValueError, match=r"INFERX_TRITON_DECODE: unknown option\(s\) \['fast'\]"):
+    monkeypatch.delenv("INFERX_TRITON_DECODE_ROTARY", raising=False)
+    assert TritonAttention(spec, 16, torch.float32, cpu).decode_rotary  # the default
+    monkeypatch.setenv("INFERX_TRITON_DECODE_ROTARY", "0")
+    assert not TritonAttention(spec, 16, torch.float32, cpu).decode_rotary
+    monkeypatch.setenv("INFERX_TRITON_DECODE_ROTARY", "yes")
+    with pytest.raises(ValueError, match="INFERX_TRITON_DECODE_ROTARY must be 0 or 1; got 'yes'"):
         TritonAttention(spec, 16, torch.float32, cpu)
 
 
@@ -246,20 +226,6 @@ def test_gpu_conformance_bf16(block_size: int, group: int, head_dim: int) -> Non
     totals, steps = plan_steps(GPU_PLAN)
     splits = check_steps(backend, totals, steps, against_torch=True)
     assert splits[0] == 1 and splits[2] > 1  # the decode-only steps take the split-K path
-
-
-@pytest.mark.gpu
-@on_gpu
-@pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_gpu_prefetched_decode_bf16(block_size: int, group: int) -> None:
-    """The conformance plan with decode_prefetch on: long decodes walk many whole tiles."""
-    torch.manual_seed(block_size * 100 + group)
-    layers = [KVLayerSpec(2 * group, 2, 128), KVLayerSpec(4 * group, 4, 64)]
-    backend = TritonAttention(layers, block_size, torch.bfloat16, torch.device("cuda"))
-    backend.decode_prefetch = True
-    totals, steps = plan_steps(GPU_PLAN)
-    check_steps(backend, totals, steps, against_torch=True)
 
 
 @pytest.mark.gpu
@@ -360,7 +326,7 @@ def check_fused_rotary(group: int, dtype: torch.dtype, device: torch.device) -> 
     head_dim, kv_heads, bs = 32, 2, 4
     layers = [KVLayerSpec(kv_heads * group, kv_heads, head_dim)] * 2
     backend = TritonAttention(layers, bs, dtype, device)
-    backend.decode_rotary = False  # the separate kernel, whatever INFERX_TRITON_DECODE says
+    backend.decode_rotary = False  # the separate kernel
     reference = TorchAttention(layers, bs, dtype, device)
     angles = torch.rand(64, head_dim // 2, device=device) * 6.3
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)

@@ -200,20 +200,14 @@ class TritonAttention(TorchAttention):
         self.decode_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
         self.reduce_launch: dict[str, int] = {"num_warps": 4}  # Triton's default
         self.prefill_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
-        # Two decode-kernel variants, off until an H200 run shows they pay; the environment
-        # turns them on for A/B runs (INFERX_TRITON_DECODE=prefetch,rotary):
-        # - prefetch: whole KV tiles software-pipelined by hand (_attend_prefetched);
-        # - rotary: decode-only steps rotate q and k and write the new k/v inside the decode
-        #   kernel (ROTARY) instead of a rotary_kv_write_kernel launch before it.
-        options = {o for o in os.environ.get("INFERX_TRITON_DECODE", "").split(",") if o}
-        unknown = sorted(options - {"prefetch", "rotary"})
-        if unknown:
-            raise ValueError(
-                f"INFERX_TRITON_DECODE: unknown option(s) {unknown}; expected a comma-separated "
-                "list of prefetch, rotary"
-            )
-        self.decode_prefetch = "prefetch" in options
-        self.decode_rotary = "rotary" in options
+        # decode_rotary: decode-only steps rotate q and k and write the new k/v inside the
+        # decode kernel (ROTARY) instead of a rotary_kv_write_kernel launch before it; 2%
+        # faster a 3B step on the H200 (BENCHMARKS.md, session 6). INFERX_TRITON_DECODE_ROTARY=0
+        # turns it off for A/B runs.
+        flag = os.environ.get("INFERX_TRITON_DECODE_ROTARY", "1")
+        if flag not in ("0", "1"):
+            raise ValueError(f"INFERX_TRITON_DECODE_ROTARY must be 0 or 1; got {flag!r}")
+        self.decode_rotary = flag == "1"
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         self._upcast = self.interpret and dtype == torch.bfloat16
         self._dot_precision = "ieee" if dtype == torch.float32 else "tf32"
@@ -586,7 +580,7 @@ class TritonAttention(TorchAttention):
             )
 
         # The decode kernel rotates and writes the new tokens itself (ROTARY) in decode-only
-        # steps when decode_rotary is on.
+        # steps when decode_rotary is on (then q is not rotated in place).
         in_decode = rotary is not None and self.decode_rotary and plan.num_decode == num_tokens
         if rotary is None:
             write_kv(k, v, k_cache, v_cache, plan.slot_mapping, spec)
@@ -674,7 +668,6 @@ class TritonAttention(TorchAttention):
                 ALL_DECODE=plan.all_decode,
                 UPCAST=self._upcast,
                 DOT_PRECISION=self._dot_precision,
-                PREFETCH=self.decode_prefetch,
                 **(new_tokens if in_decode else self._no_new_tokens(plan)),
                 **self.decode_launch,
             )

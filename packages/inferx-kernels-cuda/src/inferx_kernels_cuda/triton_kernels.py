@@ -190,87 +190,6 @@ def _softmax_step(s, v, m, row_sum, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _kv_tile(
-    k_cache_ptr,
-    v_cache_ptr,
-    block,
-    pos,
-    hi,
-    d,
-    head_off,
-    stride_cache_block,
-    stride_cache_token,
-    BLOCK_SIZE: tl.constexpr,
-):
-    """K (transposed, [HEAD_DIM, BLOCK_N]) and V ([BLOCK_N, HEAD_DIM]) of context positions
-    pos, which live in cache blocks `block`; positions from hi on load as zeros."""
-    off = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_token + head_off
-    valid = pos < hi
-    k_t = tl.load(k_cache_ptr + off[None, :] + d[:, None], mask=valid[None, :], other=0.0)
-    v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    return k_t, v
-
-
-@triton.jit
-def _attend_prefetched(
-    q,
-    m,
-    row_sum,
-    acc,
-    lo,
-    hi,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_table_ptr,
-    seq,
-    stride_table,
-    kv_head,
-    stride_cache_block,
-    stride_cache_token,
-    stride_cache_head,
-    scale_log2,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """_attend_range over whole, unmasked tiles [lo, hi), software-pipelined by hand: while
-    tile i is computed, tile i+1's K and V loads and tile i+2's block ids are in flight, so a
-    program walking many tiles waits on memory once rather than twice per tile (the block id,
-    then the rows it points to). Loads past hi are masked off and touch no memory."""
-    d = tl.arange(0, HEAD_DIM)
-    offs = tl.arange(0, BLOCK_N)
-    table = block_table_ptr + seq * stride_table
-    head_off = kv_head * stride_cache_head
-    pos = lo + offs
-    block = tl.load(table + pos // BLOCK_SIZE, mask=pos < hi, other=0).to(tl.int64)
-    k_t, v = _kv_tile(
-        k_cache_ptr, v_cache_ptr, block, pos, hi, d, head_off, stride_cache_block,
-        stride_cache_token, BLOCK_SIZE,
-    )  # fmt: skip
-    pos = lo + BLOCK_N + offs
-    block = tl.load(table + pos // BLOCK_SIZE, mask=pos < hi, other=0).to(tl.int64)
-    for start in range(lo, hi, BLOCK_N):
-        k_next, v_next = _kv_tile(
-            k_cache_ptr, v_cache_ptr, block, start + BLOCK_N + offs, hi, d, head_off,
-            stride_cache_block, stride_cache_token, BLOCK_SIZE,
-        )  # fmt: skip
-        after = start + 2 * BLOCK_N + offs
-        block = tl.load(table + after // BLOCK_SIZE, mask=after < hi, other=0).to(tl.int64)
-        k_cur = k_t
-        v_cur = v
-        if UPCAST:
-            k_cur = k_cur.to(tl.float32)
-            v_cur = v_cur.to(tl.float32)
-        s = tl.dot(q, k_cur, input_precision=DOT_PRECISION) * scale_log2
-        m, row_sum, acc = _softmax_step(s, v_cur, m, row_sum, acc, DOT_PRECISION)
-        k_t = k_next
-        v = v_next
-    return m, row_sum, acc
-
-
-@triton.jit
 def _seq_split_len(ctx, num_splits, min_len, BLOCK_N: tl.constexpr):
     """Context tokens per split for one sequence: its context over the grid's splits, at least
     min_len, whole tiles. A short context leaves the later splits empty."""
@@ -339,7 +258,6 @@ def decode_kernel(
     ALL_DECODE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr,
     k_new_ptr,
     v_new_ptr,
     slot_ptr,
@@ -358,7 +276,6 @@ def decode_kernel(
     ([seq, q_head, split, dim] and [seq, q_head, split]) for decode_reduce_kernel; without, the
     result goes straight to out. ALL_DECODE: every sequence of the batch is a decode, so
     sequence i is decode i and its query is row i (one dependent load fewer before the KV reads).
-    PREFETCH: whole tiles through _attend_prefetched.
 
     ROTARY (decode-only steps): q and the new token's k arrive unrotated, and k and v are not
     in the cache yet (rotary_kv_write_kernel did not run). Every program rotates its q heads
@@ -415,18 +332,11 @@ def decode_kernel(
         tl.debug_barrier()  # this program's reads below see the k and v it wrote
     # Whole tiles unmasked, then the ragged tail (if any) masked.
     full = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
-    if PREFETCH:
-        m, row_sum, acc = _attend_prefetched(
-            q, m, row_sum, acc, lo, full, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
-            stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
-            scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, UPCAST, DOT_PRECISION,
-        )  # fmt: skip
-    else:
-        m, row_sum, acc = _attend_range(
-            q, m, row_sum, acc, lo, full, 0, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
-            stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
-            scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION,
-        )  # fmt: skip
+    m, row_sum, acc = _attend_range(
+        q, m, row_sum, acc, lo, full, 0, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
+        stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
+        scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
     m, row_sum, acc = _attend_range(
         q, m, row_sum, acc, full, hi, 0, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
         stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
