@@ -279,9 +279,14 @@ def test_dummy_is_seeded_and_finite(name: str) -> None:
     model.load_weights(a.items())
     backend.begin_step(make_attention_batch([20], [20], [[2, 0]], 16))
     with torch.no_grad():
-        logits = model.compute_logits(model(torch.arange(20), torch.arange(20)))
-    assert logits.dtype == torch.float32
+        hidden = model(torch.arange(20), torch.arange(20))
+        logits = model.compute_logits(hidden)
+        into = torch.full((24, logits.shape[1]), float("nan"), dtype=logits.dtype)
+        written = model.compute_logits_into(hidden, into[:20])  # the graphs' static rows
+    assert logits.dtype == torch.bfloat16  # the model's; the sampler upcasts what it needs
     assert torch.isfinite(logits).all() and logits.abs().max() > 0
+    assert written.data_ptr() == into.data_ptr() and torch.equal(into[:20], logits)
+    assert into[20:].isnan().all()
 
 
 def test_dummy_reads_config_dir_and_rejects_unknown_names(tmp_path: Path) -> None:

@@ -70,6 +70,31 @@ def test_greedy_is_argmax():
     assert none is None  # not computed when nobody asked
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_greedy_on_half_logits_picks_what_float32_would(dtype: torch.dtype) -> None:
+    """All-greedy steps take the argmax of the logits as they come (no float32 copy): the same
+    tokens as the float32 path, ties to the first index included. A row with a penalty or
+    logprobs sends the step through float32, and logprobs come back in float32."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 300, generator=g).to(dtype)
+    logits[1, 10] = logits[1, 250] = logits[1].max() + 1  # a tie: the first index wins
+    sampler = Sampler(torch.device("cpu"))
+    tokens, top = sampler(logits, seqs([SamplingParams(temperature=0)] * 6))
+    assert top is None
+    assert tokens.tolist() == logits.float().argmax(1).tolist()
+    assert tokens[1].item() == 10
+    penalised = [SamplingParams(temperature=0)] * 5 + [
+        SamplingParams(temperature=0, repetition_penalty=1.5)
+    ]
+    history = [[1]] * 5 + [[int(logits[5].float().argmax())]]
+    want, _ = sampler(logits.float(), seqs(penalised, history))
+    got, _ = sampler(logits, seqs(penalised, history))
+    assert got.tolist() == want.tolist()
+    assert got[5].item() != history[5][0]  # the penalty moved row 5 off its argmax
+    _, top = sampler(logits, seqs([SamplingParams(temperature=0, logprobs=3)] * 6))
+    assert top is not None and top.values.dtype == torch.float32
+
+
 def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = probs.log().repeat(4000, 1)

@@ -133,7 +133,10 @@ class DecodeGraphRunner:
 
     def _forward(self, size: int) -> None:
         hidden = self.model(self.input_ids[:size], self.positions[:size])
-        self.logits = _into_static(self.logits, self.max_batch, self.model.compute_logits(hidden))
+        if self.logits is None:  # the first (largest, eager) run makes the static output
+            self.logits = _into_static(None, self.max_batch, self.model.compute_logits(hidden))
+        else:  # the lm_head GEMM writes it itself: no copy of the logits in the step
+            self.model.compute_logits_into(hidden, self.logits[:size])
 
     def run(
         self,

@@ -149,9 +149,13 @@ class Sampler:
         self, logits: torch.Tensor, seqs: Seq[Sequence]
     ) -> tuple[torch.Tensor, TopLogprobs | None]:
         """Returns (token ids [N], the requested logprobs of the unprocessed logits, or None
-        when no row asked), both on the logits' device."""
-        raw = logits.float()
+        when no row asked), both on the logits' device. Logits of any float dtype: all-greedy
+        steps without penalties or logprobs take the argmax of them as they are (upcasting is
+        exact, so it is the same token); everything else computes in float32."""
         params = [s.params for s in seqs]
+        if all(p.greedy and not p.needs_history and p.logprobs is None for p in params):
+            return logits.argmax(dim=1), None
+        raw = logits.float()
         logits = apply_penalties(raw.clone(), seqs) if any(p.needs_history for p in params) else raw
         tokens = self._draw(logits, seqs)
         ks = [p.logprobs for p in params if p.logprobs is not None]

@@ -201,9 +201,17 @@ class LlamaForCausalLM(ModelArch):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
+    def _head_weight(self) -> torch.Tensor:
+        return (self.model.embed_tokens if self.lm_head is None else self.lm_head).weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight).float()
+        return F.linear(hidden, self._head_weight())
+
+    def compute_logits_into(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        weight = self._head_weight()
+        if out.dtype != weight.dtype or hidden.dtype != weight.dtype:
+            return super().compute_logits_into(hidden, out)
+        return torch.mm(hidden, weight.t(), out=out)  # the GEMM F.linear runs, written in place
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

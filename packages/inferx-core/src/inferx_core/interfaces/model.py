@@ -59,7 +59,13 @@ class ModelArch(torch.nn.Module, ABC):
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32 logits."""
+        """[N, hidden] -> [N, vocab] logits, in the model's dtype or float32 (the sampler
+        upcasts them where it computes on them; greedy rows take the argmax as they are)."""
+
+    def compute_logits_into(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """compute_logits written into `out` ([N, vocab], of the dtype compute_logits returns):
+        the CUDA graphs' one static output. Override it so the GEMM writes there itself."""
+        return out.copy_(self.compute_logits(hidden))
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
