@@ -6,7 +6,7 @@
 #   cp -r ../shared/fixtures/tokenizers/{qwen,llama3} .carry/tok/tokenizers/
 #   tar -C .carry/tok -cJf .carry/tokxz/tok.tar.xz tokenizers
 # then carry [".whl", ".carry/tokxz"] (unpacked below into .carry/tok on the machine).
-# Usage: bash scripts/gpu_run.sh [tests] [flashinfer] [profile] [decode-variants] [breakdown] [gemv] [mixed] [tune] [split-gemm] [startup] [serve-ab] [bench] [demo]
+# Usage: bash scripts/gpu_run.sh [tests] [flashinfer] [profile] [profile-prefill] [decode-variants] [breakdown] [gemv] [mixed] [tune] [split-gemm] [startup] [serve-ab] [bench] [demo]
 #        [table | table-3b | table-8b]
 #   flashinfer: its conformance tests (FI_K: a pytest -k filter), then its compiled kernels packed into $OUT as
 #   fi-cache.tar.part-*: keep them in .carry/fi/ (31 MB) and carry .carry/fi in later runs
@@ -92,6 +92,11 @@ for step in "${steps[@]}"; do
           done
         done
       done ;;
+    profile-prefill)
+      # benchmarks/profile_prefill.py: the kernels of the offline run's prefill steps (8B:
+      # 16 prompts of 512 in one 8192-token step); PREFILL_ARGS for its options.
+      timeout 300 python3 benchmarks/profile_prefill.py --tokenizer $TOK ${PREFILL_ARGS:-} \
+        --json "$OUT/profile-prefill.json" 2>&1 | grep -v -i warn | tail -${PROFILE_TAIL:-40} ;;
     breakdown)
       # BREAKDOWN_SETS: ;-separated variants, each a space-separated list of --set KEY=VALUE.
       IFS=';' read -ra variants <<< "${BREAKDOWN_SETS:-engine.overlap=true;engine.overlap=false}"

@@ -10,6 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
 from profile_decode import gpu_records, idle_by_gap, idle_fraction, kernel_table  # noqa: E402
+from profile_prefill import gemm_tflops, group_table, kernel_group  # noqa: E402
 from step_breakdown import summarize  # noqa: E402
 
 
@@ -62,3 +63,29 @@ def test_server_startup_times_both_variants(tmp_path: Path) -> None:
     seconds = json.loads(out.read_text())["seconds"]
     assert set(seconds) == {"server.engine_process=true", "server.engine_process=false"}
     assert all(len(v) == 1 and 0 < v[0] < 240 for v in seconds.values())
+
+
+def test_prefill_profile_groups_kernels_by_name() -> None:
+    names = {
+        "nvjet_sm90_tst_256x128_64x4_2x1_v_bz_TNT": "GEMM",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n": "GEMM",
+        "prefill_kernel": "attention",
+        "void flashinfer::BatchPrefillWithPagedKVCacheKernel<...>": "attention",
+        "rms_norm_kernel": "norm",
+        "rotary_kv_write_kernel": "rotary + KV write",
+        "silu_and_mul_kernel": "SiLU-and-mul",
+        "Memcpy HtoD (Pinned -> Device)": "copies",
+        "void at::native::reduce_kernel<512, 1>": "other",
+    }
+    assert {n: kernel_group(n) for n in names} == names
+    rows = [
+        {"name": "rms_norm_kernel", "launches_per_step": 73.0, "us_per_step": 200.0},
+        {"name": "nvjet_a", "launches_per_step": 36.0, "us_per_step": 900.0},
+        {"name": "nvjet_b", "launches_per_step": 72.0, "us_per_step": 300.0},
+    ]
+    assert group_table(rows) == [
+        {"group": "GEMM", "launches_per_step": 108.0, "us_per_step": 1200.0},
+        {"group": "norm", "launches_per_step": 73.0, "us_per_step": 200.0},
+    ]
+    # 8B: 8.03e9 parameters, 8192 tokens in 0.24 s -> 2 * 8.03e9 * 8192 / 0.24 = 548 TFLOPS
+    assert abs(gemm_tflops(8_030_000_000, 8192, 0.24) - 548.2) < 0.1
