@@ -102,6 +102,21 @@ def kernel_table(recs: list[tuple[float, float, str]], steps: int) -> list[dict[
     return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
+def print_kernels(kernels: list[dict[str, Any]], top: int) -> None:
+    """The first `top` rows of a kernel_table."""
+    print(f"{'kernel':<72} {'launch/step':>11} {'us/step':>9} {'us each':>8}")
+    for k in kernels[:top]:
+        print(
+            f"{k['name'][:72]:<72} {k['launches_per_step']:>11.1f} "
+            f"{k['us_per_step']:>9.1f} {k['us_each']:>8.2f}"
+        )
+
+
+def with_sets(overrides: dict[str, Any], sets: list[str]) -> dict[str, Any]:
+    """overrides plus each --set KEY=VALUE (a later one wins)."""
+    return {**overrides, **dict(kv.split("=", 1) for kv in sets)}
+
+
 def profile_batch(
     llm: LLM, batch: int, steps: int, trace_dir: Path, prompt_len: int = 128
 ) -> dict[str, Any]:
@@ -177,10 +192,7 @@ def main() -> None:
     }
     if args.overlap != "default":
         overrides["engine.overlap"] = args.overlap == "on"
-    for kv in args.set:
-        key, value = kv.split("=", 1)
-        overrides[key] = value
-    llm = LLM(load_config(None, overrides))
+    llm = LLM(load_config(None, with_sets(overrides, args.set)))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for batch in [int(b) for b in args.batch.split(",")]:
@@ -193,12 +205,7 @@ def main() -> None:
                 f"window per step: idle {100 * r['gpu_idle_fraction']:.1f}%; idle µs/step by "
                 f"gap length {r['idle_us_per_step_by_gap']}"
             )
-            print(f"{'kernel':<72} {'launch/step':>11} {'us/step':>9} {'us each':>8}")
-            for k in r["kernels"][: args.top]:
-                print(
-                    f"{k['name'][:72]:<72} {k['launches_per_step']:>11.1f} "
-                    f"{k['us_per_step']:>9.1f} {k['us_each']:>8.2f}"
-                )
+            print_kernels(r["kernels"], args.top)
     doc = {"args": vars(args), "commit": commit_id(), "results": results}
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from commit_id import commit_id
-from profile_decode import gpu_records, idle_fraction, kernel_table
+from profile_decode import gpu_records, idle_fraction, kernel_table, print_kernels, with_sets
 from torch.profiler import ProfilerActivity, profile
 
 from inferx_core.config import load_config
@@ -145,10 +145,7 @@ def main() -> None:
         "scheduler.prefill_chunk": args.chunk,
         "scheduler.prefix_cache": False,  # the rounds repeat the prompts
     }
-    for kv in args.set:
-        key, value = kv.split("=", 1)
-        overrides[key] = value
-    llm = LLM(load_config(None, overrides))
+    llm = LLM(load_config(None, with_sets(overrides, args.set)))
     vocab = int(llm.engine.executor.hf_config["vocab_size"])
     prompts = [
         [(1000 + 7 * i + j) % vocab for j in range(args.prompt_len)] for i in range(args.prompts)
@@ -165,12 +162,8 @@ def main() -> None:
     print(f"{'group':<40} {'launch/step':>11} {'us/step':>10}")
     for g in r["groups"]:
         print(f"{g['group']:<40} {g['launches_per_step']:>11.1f} {g['us_per_step']:>10.1f}")
-    print(f"\n{'kernel':<72} {'launch/step':>11} {'us/step':>10} {'us each':>9}")
-    for k in r["kernels"][: args.top]:
-        print(
-            f"{k['name'][:72]:<72} {k['launches_per_step']:>11.1f} "
-            f"{k['us_per_step']:>10.1f} {k['us_each']:>9.2f}"
-        )
+    print()
+    print_kernels(r["kernels"], args.top)
     doc = {"args": vars(args), "commit": commit_id(), "result": r}
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
