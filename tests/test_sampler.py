@@ -95,6 +95,21 @@ def test_greedy_on_half_logits_picks_what_float32_would(dtype: torch.dtype) -> N
     assert top is not None and top.values.dtype == torch.float32
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_greedy_on_bf16_logits_picks_what_float32_would() -> None:
+    """The same on the GPU at a real vocabulary (Qwen2.5's 151,936) and batch 64, fresh logits,
+    a planted tie per row: CUDA's argmax over bf16 gives float32's token, the first index."""
+    vocab, rows = 151_936, 64
+    logits = torch.randn(rows, vocab, device="cuda").to(torch.bfloat16)
+    top = logits.float().max(1).values + 1
+    cols = torch.randint(0, vocab - 1, (rows,), device="cuda")
+    logits[torch.arange(rows, device="cuda"), cols] = top.to(torch.bfloat16)
+    logits[torch.arange(rows, device="cuda"), cols + 1] = top.to(torch.bfloat16)
+    tokens, _ = Sampler(torch.device("cuda"))(logits, seqs([SamplingParams(temperature=0)] * rows))
+    assert tokens.tolist() == logits.float().argmax(1).tolist() == cols.tolist()
+
+
 def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = probs.log().repeat(4000, 1)
