@@ -13,7 +13,8 @@ and prints µs per layer: the default's, the best's, and which that is. Outputs 
 against the default's on the way (a config that changes results is an error, not a winner).
 `--grid KEY=V1,V2` (repeatable) sweeps only the keys it names, the others at their default;
 decode_stages (the decode kernel's num_stages: Triton's software pipelining of its KV tile
-loads) and block_n (context tokens per tile) are swept only that way.
+loads), block_n (context tokens per tile) and reduce_heads (query heads per reduce program)
+are swept only that way.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ DEFAULT = {
     "target_x": 2,
     "decode_stages": 1,
     "block_n": 64,
+    "reduce_heads": 1,
 }
 GRID = {
     "decode_warps": (2, 4, 8),
@@ -85,6 +87,7 @@ def build(
     backend.decode_block_n = cfg["block_n"]
     backend.decode_launch = {"num_warps": cfg["decode_warps"], "num_stages": cfg["decode_stages"]}
     backend.reduce_launch = {"num_warps": cfg["reduce_warps"]}
+    backend.reduce_heads = cfg["reduce_heads"]
     blocks_per_seq = -(-context // BLOCK)
     backend.allocate(batch * blocks_per_seq + 1)
     gen = torch.Generator(device=device).manual_seed(0)

@@ -250,12 +250,15 @@ def test_model_runner_on_cpu_runs_eagerly(tmp_path_factory, caplog, overrides, r
         (16, 2, torch.bfloat16),
     ],
 )
-def test_static_decode_path_matches_eager(block_size: int, group: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("reduce_heads", [1, 2])
+def test_static_decode_path_matches_eager(
+    block_size: int, group: int, dtype: torch.dtype, reduce_heads: int
+) -> None:
     """One plan prepared for 4 rows serves a batch of 4 and then of 2 (rows that held real
     sequences turn into padding); each sequence splits its own context over the plan's two
     splits, in pieces of 16 or 32 tokens. Outputs equal the eager step's and TorchAttention's;
     padding rows (fed garbage queries and keys) write nothing, so every cache ends equal to the
-    eager backend's."""
+    eager backend's. reduce_heads 2: the static plan's reduce takes two query heads a program."""
     torch.manual_seed(block_size * 10 + group)
     layers = [KVLayerSpec(2 * group, 2, 16), KVLayerSpec(group, 1, 32)]
     max_ctx = 64
@@ -264,6 +267,7 @@ def test_static_decode_path_matches_eager(block_size: int, group: int, dtype: to
     # Two splits for 4 rows: a context over 32 tokens takes splits longer than the shortest.
     split = {"min_split_len": 16, "target_programs": 12}
     static, eager, reference = seeded_backends(layers, block_size, dtype, num_blocks, **split)
+    static.reduce_heads = reduce_heads
     static.init_graph_buffers(8, max_blocks)
     static.prepare_for_capture(4)
     assert static._plan is not None and static._plan.num_splits == 2

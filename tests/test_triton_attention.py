@@ -133,14 +133,19 @@ def test_steps_match_dense(block_size: int, group: int, head_dim: int, dtype: to
     ("block_size", "group", "dtype"),
     [(4, 1, torch.float32), (16, 2, torch.float32), (4, 4, torch.float16)],
 )
-def test_split_k_decode(block_size: int, group: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("reduce_heads", [1, 4])
+def test_split_k_decode(block_size: int, group: int, dtype: torch.dtype, reduce_heads: int) -> None:
     """Splits of one 16-token tile forced on: decodes of different lengths use different numbers
-    of the step's splits (the shortest, one), alone and beside a prefill."""
+    of the step's splits (the shortest, one), alone and beside a prefill. reduce_heads 4: the
+    reduce kernel's programs take 4 query heads each (2 where the layer has 2)."""
     torch.manual_seed(7 + block_size + group)
     layers = [KVLayerSpec(2 * group, 2, 16)]
     backend = TritonAttention(
         layers, block_size, dtype, torch.device("cpu"), min_split_len=1, target_programs=10**6
     )
+    backend.max_splits = 8  # eager steps pad the reduce to this many splits
+    backend.reduce_heads = reduce_heads
+    assert backend._reduce_heads(2 * group, 8) == min(reduce_heads, 2 * group)
     totals = [41, 23, 7, 36, 30]
     steps = [
         [(0, 39), (0, 21), (0, 5), (0, 34), (0, 0)],
@@ -160,6 +165,18 @@ def test_decode_rotary_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("INFERX_TRITON_DECODE_ROTARY", "yes")
     with pytest.raises(ValueError, match="INFERX_TRITON_DECODE_ROTARY must be 0 or 1; got 'yes'"):
         TritonAttention(spec, 16, torch.float32, cpu)
+
+
+def test_reduce_heads_fit_the_layer_and_the_tile() -> None:
+    backend = TritonAttention([KVLayerSpec(16, 2, 128)], 16, torch.float32, torch.device("cpu"))
+    backend.reduce_heads = 8
+    assert backend._reduce_heads(16, 4) == 8  # batch-64 graphs: 4 splits
+    assert backend._reduce_heads(16, 16) == 4  # no more than 64 (head, split) rows
+    assert backend._reduce_heads(16, 64) == 1  # eager steps pad to 64 splits
+    assert backend._reduce_heads(12, 4) == 4  # a divisor of the layer's heads
+    backend.reduce_heads = 3
+    with pytest.raises(ValueError, match="reduce_heads must be a power of two; got 3"):
+        backend._reduce_heads(16, 4)
 
 
 def test_split_policy() -> None:

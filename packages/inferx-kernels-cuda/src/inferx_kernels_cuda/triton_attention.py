@@ -199,6 +199,9 @@ class TritonAttention(TorchAttention):
         # Launch options (num_warps, num_stages) per kernel, for tuning.
         self.decode_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
         self.reduce_launch: dict[str, int] = {"num_warps": 4}  # Triton's default
+        # Query heads per decode_reduce_kernel program (a power of two): more, fewer programs
+        # (batch 64 launches 1024 of them for 1.5 MB). Capped by _reduce_heads.
+        self.reduce_heads = 1
         self.prefill_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
         # decode_rotary: decode-only steps rotate q and k and write the new k/v inside the
         # decode kernel (ROTARY) instead of a rotary_kv_write_kernel launch before it; 2%
@@ -297,6 +300,17 @@ class TritonAttention(TorchAttention):
         tile = self.decode_block_n
         split_len = _cdiv(_cdiv(max_ctx, splits), tile) * tile
         return _cdiv(max_ctx, split_len), split_len
+
+    def _reduce_heads(self, num_q_heads: int, splits_pad: int) -> int:
+        """reduce_heads, halved until it divides the layer's query heads and a program's tile
+        (heads x splits x head_dim) is no larger than one head's of an eager step at the default
+        max_splits (64 rows of head_dim)."""
+        heads = self.reduce_heads
+        if heads < 1 or heads & (heads - 1):
+            raise ValueError(f"{self.name}: reduce_heads must be a power of two; got {heads}")
+        while heads > 1 and (num_q_heads % heads or heads * splits_pad > 64):
+            heads //= 2
+        return heads
 
     # -- CUDA graphs: decode batches over static buffers -------------------------------------
     #
@@ -672,7 +686,12 @@ class TritonAttention(TorchAttention):
                 **self.decode_launch,
             )
             if split:
-                kernels.decode_reduce_kernel[(plan.num_decode, spec.num_q_heads)](
+                # Eager steps pad to the most splits there can be: one compiled variant.
+                splits_pad = triton.next_power_of_2(
+                    plan.num_splits if plan.seq_split else self.max_splits
+                )
+                heads = self._reduce_heads(spec.num_q_heads, splits_pad)
+                kernels.decode_reduce_kernel[(plan.num_decode, spec.num_q_heads // heads)](
                     plan.part_o,
                     plan.part_lse,
                     out,
@@ -684,10 +703,8 @@ class TritonAttention(TorchAttention):
                     out.stride(0),
                     out.stride(1),
                     HEAD_DIM=spec.head_dim,
-                    # Eager steps pad to the most splits there can be: one compiled variant.
-                    SPLITS_PAD=triton.next_power_of_2(
-                        plan.num_splits if plan.seq_split else self.max_splits
-                    ),
+                    SPLITS_PAD=splits_pad,
+                    HEADS=heads,
                     SEQ_SPLIT=plan.seq_split,
                     BLOCK_N=self.decode_block_n,
                     ALL_DECODE=plan.all_decode,

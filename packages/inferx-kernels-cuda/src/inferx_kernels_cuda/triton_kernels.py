@@ -374,31 +374,36 @@ def decode_reduce_kernel(
     stride_oh,
     HEAD_DIM: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    HEADS: tl.constexpr,
     SEQ_SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ALL_DECODE: tl.constexpr,
 ):
-    """Grid (decode sequences, query heads): weights each split's output by exp2 of its lse.
-    BLOCK_N is the decode kernel's tile, needed only with SEQ_SPLIT."""
+    """Grid (decode sequences, query heads / HEADS): weights each split's output by exp2 of its
+    lse, for HEADS consecutive query heads of one sequence. BLOCK_N is the decode kernel's
+    tile, needed only with SEQ_SPLIT."""
     i = tl.program_id(0)
-    head = tl.program_id(1)
-    num_q_heads = tl.num_programs(1)
+    num_q_heads = tl.num_programs(1) * HEADS
     seq, row, ctx = _decode_row(i, seq_ids_ptr, query_start_ptr, context_len_ptr, ALL_DECODE)
     if SEQ_SPLIT:
         split_len = _seq_split_len(ctx, num_splits, split_len, BLOCK_N)
     used = tl.cdiv(ctx, split_len)
 
+    head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
-    s_valid = s < used
-    part = (i * num_q_heads + head) * num_splits + s
+    s_valid = (s < used)[None, :]
+    part = (i * num_q_heads + head)[:, None] * num_splits + s[None, :]  # [HEADS, SPLITS_PAD]
     lse = tl.load(part_lse_ptr + part, mask=s_valid, other=float("-inf"))
     o = tl.load(
-        part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=s_valid[:, None], other=0.0
+        part_o_ptr + part[:, :, None] * HEAD_DIM + d[None, None, :],
+        mask=s_valid[:, :, None],
+        other=0.0,
     )
-    w = tl.exp2(lse - tl.max(lse, 0))
-    res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, res.to(out_ptr.dtype.element_ty))
+    w = tl.exp2(lse - tl.max(lse, 1)[:, None])
+    res = tl.sum(o * w[:, :, None], 1) / tl.sum(w, 1)[:, None]
+    dst = out_ptr + row * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(dst, res.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["stride_table"])
