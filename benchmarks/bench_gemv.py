@@ -2,12 +2,14 @@
 Llama-3.1-8B: one run gives the timings to tune inferx_kernels_cuda.gemv.pick_config from.
 
     python benchmarks/bench_gemv.py [--models qwen2.5-3b,llama-3.1-8b] [--m 1,2,4,8,16]
-        [--shapes qkv,o,gate_up,down,lm_head] [--grid small|full|none] [--no-graph]
+        [--shapes qkv,o,gate_up,down,lm_head,gate_up_silu] [--grid small|full|none] [--no-graph]
         [--budget-s 60] [--json OUT.json]
 
 For every linear layer shape (bf16 weights [N, K], x [M, K]) and every M it times
 torch.nn.functional.linear (cuBLAS) and skinny_linear under each candidate config (pick_config's
-first, then a grid around it; `--grid full` for a wider one) two ways:
+first, then a grid around it; `--grid full` for a wider one) two ways. gate_up_silu is gate_up
+followed by SiLU-and-mul: cuBLAS plus TritonOps.silu_and_mul (two launches, as the model runs
+it) against skinny_linear(gated=True) (one, with the activation in its epilogue).
 
 - bench: triton.testing.do_bench, median µs of single calls with L2 flushed before each;
 - graph: µs per call of 20 calls captured in one CUDA graph and replayed, cycling over enough
@@ -44,6 +46,7 @@ import triton.testing
 from commit_id import commit_id
 
 from inferx_kernels_cuda.gemv import GemvConfig, pick_config, skinny_linear, split_for
+from inferx_kernels_cuda.ops import TritonOps
 from inferx_models.presets import preset
 
 # Benchmark name -> the model preset (inferx_models.presets) whose exact shapes it uses.
@@ -64,13 +67,16 @@ class Shape:
     n: int
     k: int
     bias: bool
+    gated: bool = False  # silu(gate) * up of the product (skinny_linear's gated=True)
 
     def weight_bytes(self, elem: int = 2) -> int:
         return (self.n * self.k + (self.n if self.bias else 0)) * elem
 
 
 def linear_shapes(model: str) -> list[Shape]:
-    """The five GEMMs of a decoder step: fused QKV, o_proj, fused gate_up, down_proj, lm_head."""
+    """The five GEMMs of a decoder step: fused QKV, o_proj, fused gate_up, down_proj, lm_head;
+    and gate_up_silu, gate_up with SiLU-and-mul after it (cuBLAS + silu_and_mul against the
+    fused skinny_linear)."""
     c = preset(MODELS[model])
     h, i = c["hidden_size"], c["intermediate_size"]
     head_dim = c.get("head_dim") or h // c["num_attention_heads"]
@@ -82,6 +88,7 @@ def linear_shapes(model: str) -> list[Shape]:
         Shape(model, "gate_up", 2 * i, h, False),
         Shape(model, "down", h, i, False),
         Shape(model, "lm_head", c["vocab_size"], h, False),
+        Shape(model, "gate_up_silu", 2 * i, h, False, gated=True),
     ]
 
 
@@ -133,19 +140,20 @@ def compile_key(shape: Shape, m: int, cfg: GemvConfig) -> tuple[Any, ...]:
         cfg.prefetch,
         cfg.split_k > 1,
         shape.bias,
+        shape.gated,
     )
 
 
-def _compile_some(items: list[tuple[int, int, bool, int, GemvConfig]]) -> None:
-    """Pool worker: one call per (n, k, bias, m, config) on uninitialised tensors, which leaves
-    the compiled kernels in Triton's on-disk cache for the timing process."""
+def _compile_some(items: list[tuple[Shape, int, GemvConfig]]) -> None:
+    """Pool worker: one call per (shape, m, config) on uninitialised tensors, which leaves the
+    compiled kernels in Triton's on-disk cache for the timing process."""
     dev = torch.device("cuda")
-    for n, k, bias, m, cfg in items:
-        x = torch.empty(m, k, dtype=torch.bfloat16, device=dev)
-        w = torch.empty(n, k, dtype=torch.bfloat16, device=dev)
-        b = torch.empty(n, dtype=torch.bfloat16, device=dev) if bias else None
+    for shape, m, cfg in items:
+        x = torch.empty(m, shape.k, dtype=torch.bfloat16, device=dev)
+        w = torch.empty(shape.n, shape.k, dtype=torch.bfloat16, device=dev)
+        b = torch.empty(shape.n, dtype=torch.bfloat16, device=dev) if shape.bias else None
         with contextlib.suppress(Exception):  # run_pair reports what fails
-            skinny_linear(x, w, b, cfg)
+            skinny_linear(x, w, b, cfg, gated=shape.gated)
     torch.cuda.synchronize()
 
 
@@ -153,9 +161,9 @@ def precompile(jobs: list[tuple[Shape, int, GemvConfig]], workers: int) -> int:
     """Compile every kernel variant the jobs need in `workers` spawned processes at once (a
     compile takes ~0.5-1 s of one CPU core, and the small grid needs ~50 variants); returns
     how many variants there were."""
-    reps: dict[tuple[Any, ...], tuple[int, int, bool, int, GemvConfig]] = {}
+    reps: dict[tuple[Any, ...], tuple[Shape, int, GemvConfig]] = {}
     for shape, m, cfg in jobs:
-        reps.setdefault(compile_key(shape, m, cfg), (shape.n, shape.k, shape.bias, m, cfg))
+        reps.setdefault(compile_key(shape, m, cfg), (shape, m, cfg))
     items = list(reps.values())
     chunks = [items[i::workers] for i in range(workers) if items[i::workers]]
     with ProcessPoolExecutor(len(chunks), mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -225,23 +233,30 @@ def run_pair(
         for _ in range(copies)
     ]
     w0 = weights[0]
-    ref = F.linear(x, w0, bias)
+    ops = TritonOps()
+
+    def cublas(w: torch.Tensor) -> torch.Tensor:  # what the model runs today
+        y = F.linear(x, w, bias)
+        return ops.silu_and_mul(y) if shape.gated else y
+
+    def ours(w: torch.Tensor, cfg: GemvConfig) -> torch.Tensor:
+        return skinny_linear(x, w, bias, cfg, gated=shape.gated)
+
+    ref = cublas(w0)
     row: dict[str, Any] = {**asdict(shape), "m": m, "weight_bytes": nbytes, "copies": copies}
-    cublas_bench = bench_us(lambda: F.linear(x, w0, bias))
-    cublas_graph = graph_us(lambda w: F.linear(x, w, bias), weights) if use_graph else None
+    cublas_bench = bench_us(lambda: cublas(w0))
+    cublas_graph = graph_us(cublas, weights) if use_graph else None
     row["cublas"] = {"bench_us": cublas_bench, "graph_us": cublas_graph}
     results = []
     for cfg in candidate_configs(m, shape.n, shape.k, num_sms, grid):
         res: dict[str, Any] = {"config": str(cfg), **asdict(cfg)}
         try:
-            res["rel_err"] = err = rel_err(skinny_linear(x, w0, bias, cfg), ref)
+            res["rel_err"] = err = rel_err(ours(w0, cfg), ref)
             if not err <= MAX_REL_ERR:
                 raise AssertionError(f"max error {err:.2e} of max |y| against cuBLAS")
-            res["bench_us"] = bench_us(lambda cfg=cfg: skinny_linear(x, w0, bias, cfg))
+            res["bench_us"] = bench_us(lambda cfg=cfg: ours(w0, cfg))
             if use_graph:
-                res["graph_us"] = graph_us(
-                    lambda w, cfg=cfg: skinny_linear(x, w, bias, cfg), weights
-                )
+                res["graph_us"] = graph_us(lambda w, cfg=cfg: ours(w, cfg), weights)
         except Exception as e:  # a config that does not compile or is wrong: report, go on
             res["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             log(f"  {shape.model} {shape.name} M={m} {cfg}: {res['error']}")
@@ -290,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--m", default="1,2,4,8,16", help="rows of x, comma-separated, each <= 16")
-    ap.add_argument("--shapes", default="qkv,o,gate_up,down,lm_head")
+    ap.add_argument("--shapes", default="qkv,o,gate_up,down,lm_head,gate_up_silu")
     ap.add_argument("--grid", choices=["none", "small", "full"], default="small")
     ap.add_argument("--no-graph", action="store_true", help="time with do_bench only")
     ap.add_argument("--budget-s", type=float, default=60.0, help="grid search time budget")

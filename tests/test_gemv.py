@@ -99,6 +99,49 @@ def test_against_float64(dtype: torch.dtype, m: int, with_bias: bool, name: str)
     assert all(torch.equal(t, u) for t, u in zip((x, w, b), before, strict=True))
 
 
+def silu_mul_like_the_model(y: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul_kernel's arithmetic in torch on y = [gate | up] in its dtype: silu rounded
+    to the dtype before the product."""
+    half = y.shape[1] // 2
+    gate, up = y[:, :half].float(), y[:, half:].float()
+    act = (gate / (1 + torch.exp(-gate))).to(y.dtype).float()
+    return (act * up).to(y.dtype)
+
+
+# The fused epilogue and the unfused path may see fp32 sums a few fp32 ulps apart (other tile
+# shapes), which can flip the rounding of gate or up and so move the result by an ulp or two.
+GATED_TOL = {torch.float32: 1e-5, torch.float16: 4 * 2.0**-11, torch.bfloat16: 4 * 2.0**-8}
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("name", ["fma", "fma-split3", "dot", "dot-split3", "fma-prefetch"])
+def test_gated_is_silu_and_mul_of_the_product(
+    dtype: torch.dtype, m: int, with_bias: bool, name: str
+) -> None:
+    """gated=True (a fused gate_up weight): silu(gate) * up from the fp32 sums, rounded as
+    silu_and_mul rounds the unfused product (which test_against_float64 checks). 37 output
+    columns, ragged in a program's 8, and K = 100, ragged in its 32-wide blocks."""
+    x, w, b = inputs(m, 74, 100, dtype, CPU, seed=m * 10 + int(with_bias))
+    bias = b if with_bias else None
+    cfg = CONFIGS[name]
+    ours = skinny_linear(x, w, bias, cfg, gated=True)
+    want = silu_mul_like_the_model(skinny_linear(x, w, bias, cfg))
+    assert ours.shape == (m, 37) and ours.dtype == dtype
+    tol = GATED_TOL[dtype]
+    torch.testing.assert_close(ours, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_gated_refuses_odd_weights_and_one_row_tiles() -> None:
+    x, w, _ = inputs(1, 6, 32, torch.float32, CPU, seed=0)
+    with pytest.raises(ValueError, match="gated needs gate and up rows"):
+        skinny_linear(x, w[:5], gated=True)
+    with pytest.raises(ValueError, match="gated needs block_n >= 2"):
+        skinny_linear(x, w, config=GemvConfig(block_n=1, block_k=32), gated=True)
+
+
 @interpreted
 @pytest.mark.parametrize("use_dot", [False, True])
 def test_empty_splits_and_strided_rows(use_dot: bool) -> None:
@@ -196,7 +239,9 @@ def test_bench_shapes_are_the_models() -> None:
         "gate_up": (22016, 2048, False),
         "down": (2048, 11008, False),
         "lm_head": (151936, 2048, False),
+        "gate_up_silu": (22016, 2048, False),
     }
+    assert [s.name for s in linear_shapes("qwen2.5-3b") if s.gated] == ["gate_up_silu"]
     llama = {s.name: (s.n, s.k, s.bias) for s in linear_shapes("llama-3.1-8b")}
     assert llama["qkv"] == (6144, 4096, False) and llama["lm_head"] == (128256, 4096, False)
     assert llama["down"] == (4096, 14336, False) and llama["gate_up"] == (28672, 4096, False)
@@ -240,6 +285,13 @@ def test_bench_row_on_the_cpu(monkeypatch: pytest.MonkeyPatch, use_graph: bool) 
     assert row["copies"] == (20 if use_graph else 1)
     # cuBLAS took 100 (bench) and 51 (graph); the first config 2 and 52.
     assert bench_gemv.fmt_row(row).endswith("0.98x" if use_graph else "50.00x")
+    gated = bench_gemv.Shape("tiny", "gate_up_silu", 48, 64, False, gated=True)
+    calls.clear()
+    row = bench_gemv.run_pair(gated, 2, "small", use_graph, 132, pytest.fail, device=CPU)
+    assert [r["config"] for r in row["configs"]] == [
+        str(c) for c in candidate_configs(2, 48, 64, 132, "small")
+    ]
+    assert all(r["rel_err"] <= bench_gemv.MAX_REL_ERR for r in row["configs"])
 
 
 GPU_SHAPES = [
@@ -275,6 +327,26 @@ def test_gpu_bf16_real_shapes(shape: tuple[str, int, int, bool], m: int, name: s
     cublas = F.linear(x, w, bias)
     rel = ((ours.double() - cublas.double()).abs().max() / cublas.double().abs().max()).item()
     assert rel <= 1e-2, f"{rel:.2e} against cuBLAS"
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [("3b", 22016, 2048), ("8b", 28672, 4096)], ids=["3b", "8b"])
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("name", list(GPU_CONFIGS))
+def test_gpu_gated_real_gate_up(shape: tuple[str, int, int], m: int, name: str) -> None:
+    """The fused gate_up + SiLU-and-mul against the model's unfused path: cuBLAS, then
+    TritonOps.silu_and_mul."""
+    from inferx_kernels_cuda.ops import TritonOps
+
+    _, n, k = shape
+    x, w, _ = inputs(m, n, k, torch.bfloat16, torch.device("cuda"), seed=n + m)
+    w = w * 0.05
+    ours = skinny_linear(x, w, None, GPU_CONFIGS[name], gated=True)
+    want = TritonOps().silu_and_mul(F.linear(x, w))
+    assert ours.shape == want.shape
+    rel = ((ours.double() - want.double()).abs().max() / want.double().abs().max()).item()
+    assert rel <= 1e-2, f"{rel:.2e} against cuBLAS + silu_and_mul"
 
 
 @on_gpu

@@ -22,7 +22,12 @@ and casts: two launches, deterministic (no atomics), no host sync, all sizes giv
 so the call can be captured in a CUDA graph. Rounding matches F.linear's: one rounding of the
 fp32 sum plus fp32 bias to the output dtype.
 
-Not wired into the models: benchmarks/bench_gemv.py compares it with cuBLAS per shape first.
+gated=True takes a fused gate_up weight and returns silu(gate) * up: each program's weight rows
+are half gate rows and their up rows, and the activation runs in the epilogue (or in the split
+reduce), so the decode step's SiLU-and-mul launch and its [M, 2I] intermediate go away.
+
+Not wired into the models: benchmarks/bench_gemv.py compares it with cuBLAS per shape first
+(gate_up_silu: against cuBLAS plus the model's silu_and_mul).
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+
+from inferx_kernels_cuda.fused_kernels import _rounded
 
 MAX_ROWS = 16
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -150,15 +157,29 @@ def skinny_linear_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PREFETCH: tl.constexpr,
+    SPLIT: tl.constexpr,
+    GATED: tl.constexpr,
 ):
     """Grid (column blocks, splits): out[split] = x[:, ks] @ W[ns, ks].T (+ bias), columns
     ns = BLOCK_N of them, ks = this split's [k_start, k_start + k_per_split) clipped to k.
     k_per_split is a multiple of BLOCK_K, so only a K not a multiple of BLOCK_K leaves a partial
-    block, in the last split: whole blocks load unmasked, that one tail block masked."""
+    block, in the last split: whole blocks load unmasked, that one tail block masked.
+
+    GATED: W is gate rows then up rows (n of them in all) and the output is
+    silu(gate) * up, n / 2 columns. A program's BLOCK_N weight rows are BLOCK_N / 2 gate rows
+    and their up rows, interleaved, so the epilogue splits its tile into the two halves.
+    Split partials keep W's row order ([split, m, n]) for split_k_reduce_kernel's epilogue."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GATED:
+        local = tl.arange(0, BLOCK_N)
+        cols = pid_n * (BLOCK_N // 2) + local // 2  # output columns, each twice
+        offs_n = cols % (n // 2) + (local % 2) * (n // 2)  # gate row, then its up row
+        n_valid = cols < n // 2
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < n
     offs_k = tl.arange(0, BLOCK_K)
     # Rows past m and n read a real row again instead of being masked: whole-block loads stay
     # unmasked, and those rows' results are never stored.
@@ -207,10 +228,38 @@ def skinny_linear_kernel(
     if not USE_DOT:
         acc = tl.sum(acc, axis=2)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < n, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + pid_k * stride_out_split + offs_m[:, None] * stride_om + offs_n[None, :]
-    mask = (offs_m[:, None] < m) & (offs_n[None, :] < n)
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        acc += tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+    if GATED and not SPLIT:
+        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
+        half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        out = out_ptr + offs_m[:, None] * stride_om + half[None, :]
+        mask = (offs_m[:, None] < m) & (half[None, :] < n // 2)
+        tl.store(out, _silu_mul(gate, up, out_ptr.dtype.element_ty), mask=mask)
+    else:
+        out = out_ptr + pid_k * stride_out_split + offs_m[:, None] * stride_om + offs_n[None, :]
+        mask = (offs_m[:, None] < m) & n_valid[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul(gate, up, DTYPE: tl.constexpr):
+    """silu(gate) * up in DTYPE from fp32 sums, rounded as the unfused path rounds: the GEMM's
+    outputs to DTYPE, then silu_and_mul_kernel's silu to DTYPE before the product."""
+    gate = _rounded(gate, DTYPE)
+    up = _rounded(up, DTYPE)
+    act = _rounded(gate / (1.0 + tl.exp(-gate)), DTYPE)
+    return (act * up).to(DTYPE)
+
+
+@triton.jit
+def _split_sum(partial_ptr, bias_ptr, row, cols, mask, m, n, split_k, HAS_BIAS: tl.constexpr):
+    """Columns `cols` of partial row `row` summed over the splits in order (+ bias), fp32."""
+    acc = tl.zeros(cols.shape, tl.float32)
+    for s in range(0, split_k):
+        acc += tl.load(partial_ptr + (s * m + row) * n + cols, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return acc
 
 
 @triton.jit(do_not_specialize=["m", "split_k"])
@@ -224,18 +273,23 @@ def split_k_reduce_kernel(
     stride_om,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
+    GATED: tl.constexpr,
 ):
     """Grid (rows, column blocks): out[row] = sum over splits of partial[split, row] (+ bias),
-    summed in fp32 in split order, rounded once to out's dtype. partial is [split_k, m, n]."""
+    summed in fp32 in split order, rounded once to out's dtype. partial is [split_k, m, n].
+    GATED: out's n / 2 columns are silu(gate) * up of the sums' two halves."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(0, split_k):
-        acc += tl.load(partial_ptr + (s * m + row) * n + cols, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    dtype = out_ptr.dtype.element_ty
+    if GATED:
+        mask = cols < n // 2
+        gate = _split_sum(partial_ptr, bias_ptr, row, cols, mask, m, n, split_k, HAS_BIAS)
+        up = _split_sum(partial_ptr, bias_ptr, row, cols + n // 2, mask, m, n, split_k, HAS_BIAS)
+        tl.store(out_ptr + row * stride_om + cols, _silu_mul(gate, up, dtype), mask=mask)
+    else:
+        mask = cols < n
+        acc = _split_sum(partial_ptr, bias_ptr, row, cols, mask, m, n, split_k, HAS_BIAS)
+        tl.store(out_ptr + row * stride_om + cols, acc.to(dtype), mask=mask)
 
 
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -286,24 +340,35 @@ def skinny_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: GemvConfig | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [M, K] with M <= 16: [M, N] in x's dtype.
 
     weight is [N, K] as nn.Linear holds it; x and weight need a unit stride along K (row strides
     are free, so row slices of a fused weight work). config defaults to pick_config(M, N, K).
     One launch, or two with config.split_k > 1; no host sync.
+
+    gated: weight is a fused gate_up ([2I, K], gate rows first) and the result is
+    silu(gate) * up, [M, I], as `silu_and_mul(F.linear(x, weight, bias))` rounds it, with no
+    [M, 2I] tensor in between. config.block_n counts weight rows (gate and up) per program.
     """
     _check_inputs(x, weight, bias)
     m, k = x.shape
     n = weight.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if gated and n % 2:
+        raise ValueError(f"skinny_linear: gated needs gate and up rows (an even N), got {n}")
+    n_out = n // 2 if gated else n
+    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     cfg = config or pick_config(m, n, k, _num_sms(x.device))
     cfg.check()
+    if gated and cfg.block_n < 2:
+        raise ValueError(f"skinny_linear: gated needs block_n >= 2 (gate and up rows): {cfg}")
     block_m = MAX_ROWS if cfg.use_dot else triton.next_power_of_2(m)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    split = cfg.split_k > 1
     consts = {
         "BLOCK_M": block_m,
         "BLOCK_N": cfg.block_n,
@@ -313,13 +378,16 @@ def skinny_linear(
         "UPCAST": interpret and x.dtype == torch.bfloat16,
         "DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
         "PREFETCH": cfg.prefetch,
+        "SPLIT": split,
+        "GATED": gated,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
     }
+    # A gated program's block_n weight rows are block_n / 2 output columns: the same grid.
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     # The dummy pointer for an absent bias is never read: HAS_BIAS=False compiles it away.
     bias_arg = bias if bias is not None else weight
-    if cfg.split_k == 1:
+    if not split:
         skinny_linear_kernel[grid](
             x,
             weight,
@@ -354,7 +422,7 @@ def skinny_linear(
         HAS_BIAS=False,
         **consts,
     )
-    split_k_reduce_kernel[(m, triton.cdiv(n, _REDUCE_BLOCK))](
+    split_k_reduce_kernel[(m, triton.cdiv(n_out, _REDUCE_BLOCK))](
         partial,
         bias_arg,
         out,
@@ -364,6 +432,7 @@ def skinny_linear(
         out.stride(0),
         HAS_BIAS=bias is not None,
         BLOCK=_REDUCE_BLOCK,
+        GATED=gated,
         num_warps=2,
     )
     return out
