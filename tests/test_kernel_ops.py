@@ -322,6 +322,43 @@ def test_tiny_model_logits_match_torch_ops(name: str) -> None:
         assert err <= TOL[torch.float32], f"step {step}: {err:.2e}"
 
 
+@interpreted
+@pytest.mark.parametrize("name", ["llama3-scaled", "qwen2-tied"])
+def test_tiny_model_logits_with_the_gated_gemv(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TritonOps running gate_up and SiLU-and-mul as one skinny_linear(gated=True) in steps of
+    up to 8 rows: the 6-row second step does, the 27-row prefill does not; the logits stay
+    TorchOps'."""
+    calls: list[int] = []
+    real = triton_ops.skinny_linear
+
+    def counted(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(triton_ops, "skinny_linear", counted)
+    cfg = CONFIGS[name]
+    weights = model_weights(cfg, seed=len(name))
+    ops = TritonOps()
+    ops.gated_gemv_rows = 8
+    ours = run_model(cfg, ops, weights, torch.float32, CPU)
+    ref = run_model(cfg, TorchOps(), weights, torch.float32, CPU)
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        err = rel_err(a, b)
+        assert err <= TOL[torch.float32], f"step {step}: {err:.2e}"
+    assert calls == [6] * cfg["num_hidden_layers"]
+
+
+def test_gated_gemv_rows_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("INFERX_GATED_GEMV_ROWS", raising=False)
+    assert TritonOps().gated_gemv_rows == 0  # off by default
+    monkeypatch.setenv("INFERX_GATED_GEMV_ROWS", "8")
+    assert TritonOps().gated_gemv_rows == 8
+    for bad in ("17", "x", "-1"):
+        monkeypatch.setenv("INFERX_GATED_GEMV_ROWS", bad)
+        with pytest.raises(ValueError, match="INFERX_GATED_GEMV_ROWS must be 0..16"):
+            TritonOps()
+
+
 # --- GPU, compiled, bf16 at real sizes ---------------------------------------------------------
 
 GPU = torch.device("cuda")
@@ -422,14 +459,18 @@ def test_gpu_ops_replay_in_a_cuda_graph() -> None:
 
 @on_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("gated_rows", [0, 8])
 @pytest.mark.parametrize("name", ["qwen2.5-3b-instruct", "llama-3.1-8b-instruct"])
-def test_gpu_model_logits_match_torch_ops(name: str) -> None:
+def test_gpu_model_logits_match_torch_ops(name: str, gated_rows: int) -> None:
     """Two layers of the real shapes (vocabulary cut to 4096), bf16: TritonOps against TorchOps.
     Roundings that flip by an ulp inside a layer pass through the GEMMs, hence the wider
-    tolerance; greedy tokens must nearly all agree."""
+    tolerance; greedy tokens must nearly all agree. gated_rows 8: the 6-row step runs gate_up
+    and SiLU-and-mul as one skinny_linear(gated=True)."""
     cfg = preset(name) | {"num_hidden_layers": 2, "vocab_size": 4096}
     weights = model_weights(cfg, seed=3, scale=0.02)
-    ours = torch.cat(run_model(cfg, TritonOps(), weights, torch.bfloat16, GPU))
+    ops = TritonOps()
+    ops.gated_gemv_rows = gated_rows
+    ours = torch.cat(run_model(cfg, ops, weights, torch.bfloat16, GPU))
     ref = torch.cat(run_model(cfg, TorchOps(), weights, torch.bfloat16, GPU))
     err = rel_err(ours, ref)
     assert err <= 3e-2, f"{err:.2e}"

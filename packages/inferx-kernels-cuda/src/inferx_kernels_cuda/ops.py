@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
 from inferx_core.interfaces.ops import KernelOps, check_parts
+from inferx_core.quant_none import DenseLinear
 from inferx_kernels_cuda import fused_kernels as kernels
+from inferx_kernels_cuda.gemv import MAX_ROWS, skinny_linear
 
 # Elements of x1 (and of x2) one rotary loop iteration holds: enough for all query heads of
 # common models in one pass at head dim 128, small enough to stay in registers.
@@ -33,6 +37,16 @@ class TritonOps(KernelOps):
     values; this saves a copy of q and k), and positions are not range-checked against the
     cos/sin table (that would cost a device sync).
     """
+
+    def __init__(self) -> None:
+        # Decode steps of up to this many rows run an unquantized gate_up and its SiLU-and-mul
+        # as one skinny_linear(gated=True) launch. 0 (off) until an H200 run shows it pays;
+        # INFERX_GATED_GEMV_ROWS=N turns it on for A/B runs.
+        rows = os.environ.get("INFERX_GATED_GEMV_ROWS", "0")
+        if not rows.isdigit() or int(rows) > MAX_ROWS:
+            raise ValueError(f"INFERX_GATED_GEMV_ROWS must be 0..{MAX_ROWS}; got {rows!r}")
+        self.gated_gemv_rows = int(rows)
+        self._interpret = os.environ.get("TRITON_INTERPRET") == "1"
 
     def rms_norm(
         self,
@@ -109,6 +123,18 @@ class TritonOps(KernelOps):
                 x2, out2, x2.stride(0), out2.stride(0), half, BLOCK=block, num_warps=4
             )
         return out
+
+    def linear_silu_and_mul(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if (
+            isinstance(linear, DenseLinear)
+            and x.dim() == 2
+            and 0 < x.shape[0] <= self.gated_gemv_rows
+            and (x.is_cuda or self._interpret)
+            and x.dtype == linear.weight.dtype
+            and x.stride(1) == 1
+        ):
+            return skinny_linear(x, linear.weight, linear.bias, gated=True)
+        return self.silu_and_mul(linear(x))
 
     def rotary(
         self,

@@ -42,7 +42,7 @@ class MLP(nn.Module):
         self.ops = ctx.ops
 
     def forward(self, x: torch.Tensor, parts: bool = False) -> torch.Tensor:
-        h = self.ops.silu_and_mul(self.gate_up_proj(x))
+        h = self.ops.linear_silu_and_mul(self.gate_up_proj, x)
         return self.down_proj.forward_parts(h) if parts else self.down_proj(h)
 
 

@@ -31,6 +31,11 @@ class KernelOps(ABC):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """[..., 2I] holding gate then up -> silu(gate) * up, [..., I]."""
 
+    def linear_silu_and_mul(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """silu_and_mul(linear(x)) for a fused gate_up layer; a kernel package may run the two
+        as one (the activation in the GEMM's epilogue) where it knows the layer's weights."""
+        return self.silu_and_mul(linear(x))
+
     @abstractmethod
     def rotary(
         self,
