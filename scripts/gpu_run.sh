@@ -76,27 +76,25 @@ for step in "${steps[@]}"; do
         done
       done ;;
     decode-variants)
-      # The Triton decode kernel with and without rotary inside it (TritonAttention.decode_rotary:
-      # INFERX_TRITON_DECODE_ROTARY), alternating, each profiled at batch 1 and 64 in graphs with
-      # overlap: DECODE_VARIANTS (space-separated values of the variable) x DECODE_PROMPT_LENS
-      # (the context the decodes start from) x DECODE_ROUNDS.
+      # A/B of an environment switch (DECODE_ENV, default INFERX_TRITON_DECODE_ROTARY: rotary
+      # inside the decode kernel; INFERX_GATED_GEMV_ROWS: gate_up + SiLU-and-mul as one GEMV),
+      # alternating, each value profiled at batch 1 and 64 (PROFILE_ARGS="--batch 1,8" for
+      # others) in graphs with overlap: DECODE_VARIANTS (space-separated values) x
+      # DECODE_PROMPT_LENS (the context the decodes start from) x DECODE_ROUNDS.
+      env_name=${DECODE_ENV:-INFERX_TRITON_DECODE_ROTARY}
       for r in $(seq 1 ${DECODE_ROUNDS:-1}); do
         for len in ${DECODE_PROMPT_LENS:-128 640}; do
           for v in ${DECODE_VARIANTS:-1 0}; do
-            echo "== round $r, prompt $len: INFERX_TRITON_DECODE_ROTARY=$v"
-            INFERX_TRITON_DECODE_ROTARY=$v timeout 300 python3 benchmarks/profile_decode.py \
+            echo "== round $r, prompt $len: $env_name=$v"
+            env "$env_name=$v" timeout 300 python3 benchmarks/profile_decode.py \
               --tokenizer $TOK --backend triton --batch 1,64 --steps 64 --overlap on \
               --prompt-len $len ${PROFILE_ARGS:-} \
-              --json "$OUT/profile-decode-rotary$v-p$len-$r.json" 2>&1 \
-              | grep -E "^batch|decode_kernel|decode_reduce|rotary_kv" | cut -c1-160
+              --json "$OUT/profile-decode-$env_name-$v-p$len-$r.json" 2>&1 \
+              | grep -E "^batch|decode_kernel|decode_reduce|rotary_kv|silu|skinny|split_k" \
+              | cut -c1-160
           done
         done
       done ;;
-    profile-prefill)
-      # benchmarks/profile_prefill.py: the kernels of the offline run's prefill steps (8B:
-      # 16 prompts of 512 in one 8192-token step); PREFILL_ARGS for its options.
-      timeout 300 python3 benchmarks/profile_prefill.py --tokenizer $TOK ${PREFILL_ARGS:-} \
-        --json "$OUT/profile-prefill.json" 2>&1 | grep -v -i warn | tail -${PROFILE_TAIL:-40} ;;
     breakdown)
       # BREAKDOWN_SETS: ;-separated variants, each a space-separated list of --set KEY=VALUE.
       IFS=';' read -ra variants <<< "${BREAKDOWN_SETS:-engine.overlap=true;engine.overlap=false}"
