@@ -254,7 +254,7 @@ def _silu_mul(gate, up, DTYPE: tl.constexpr):
 @triton.jit
 def _split_sum(partial_ptr, bias_ptr, row, cols, mask, m, n, split_k, HAS_BIAS: tl.constexpr):
     """Columns `cols` of partial row `row` summed over the splits in order (+ bias), fp32."""
-    acc = tl.zeros(cols.shape, tl.float32)
+    acc = tl.zeros_like(cols).to(tl.float32)
     for s in range(0, split_k):
         acc += tl.load(partial_ptr + (s * m + row) * n + cols, mask=mask, other=0.0)
     if HAS_BIAS:
