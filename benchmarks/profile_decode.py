@@ -10,6 +10,8 @@ records (kernels, copies, memsets) it prints:
 - the wall time per step (host clock, engine.step() to engine.step()),
 - the GPU idle fraction: 1 - (union of GPU activity) / (first GPU start to last GPU end) over
   the profiled steps, the figure issue 4 wants under 5%,
+- the GPU time per step by kind of kernel (GEMM, attention, norm, rotary + KV write,
+  SiLU-and-mul, sampling, copies, other), then
 - each kernel's launches and GPU time per step, largest first: what one decode step runs.
 
 The profiler adds a little host overhead to every launch; graph replays are one launch each, so
@@ -102,6 +104,45 @@ def kernel_table(recs: list[tuple[float, float, str]], steps: int) -> list[dict[
     return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
+# (group, substrings of a kernel's name), first match wins.
+GROUPS = (
+    ("attention", ("prefill_kernel", "decode_kernel", "decode_reduce", "flashinfer")),
+    ("norm", ("rms_norm",)),
+    ("rotary + KV write", ("rotary", "kv_write")),
+    ("SiLU-and-mul", ("silu",)),
+    ("GEMM", ("nvjet", "gemm", "cutlass", "xmma", "sm90_", "sm80_", "skinny", "split_k")),
+    ("sampling", ("argmax",)),
+    ("copies", ("memcpy", "memset")),
+)
+
+
+def kernel_group(name: str) -> str:
+    low = name.lower()
+    for group, keys in GROUPS:
+        if any(k in low for k in keys):
+            return group
+    return "other"
+
+
+def group_table(kernels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """kernel_table rows summed by kernel_group, largest first."""
+    sums: dict[str, dict[str, float]] = {}
+    for k in kernels:
+        g = sums.setdefault(kernel_group(k["name"]), {"launches_per_step": 0.0, "us_per_step": 0.0})
+        g["launches_per_step"] += k["launches_per_step"]
+        g["us_per_step"] += k["us_per_step"]
+    rows = [{"group": name, **v} for name, v in sums.items()]
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
+def print_groups(groups: list[dict[str, Any]]) -> None:
+    """A group_table, then a blank line."""
+    print(f"{'group':<40} {'launch/step':>11} {'us/step':>10}")
+    for g in groups:
+        print(f"{g['group']:<40} {g['launches_per_step']:>11.1f} {g['us_per_step']:>10.1f}")
+    print()
+
+
 def print_kernels(kernels: list[dict[str, Any]], top: int) -> None:
     """The first `top` rows of a kernel_table."""
     print(f"{'kernel':<72} {'launch/step':>11} {'us/step':>9} {'us each':>8}")
@@ -164,6 +205,7 @@ def profile_batch(
         "gpu_busy_ms_per_step": window * (1 - idle) / steps / 1e3,
         "gpu_idle_fraction": idle,
         "idle_us_per_step_by_gap": idle_by_gap(recs, steps),
+        "groups": group_table(kernels),
         "kernels": kernels,
     }
 
@@ -205,6 +247,7 @@ def main() -> None:
                 f"window per step: idle {100 * r['gpu_idle_fraction']:.1f}%; idle µs/step by "
                 f"gap length {r['idle_us_per_step_by_gap']}"
             )
+            print_groups(r["groups"])
             print_kernels(r["kernels"], args.top)
     doc = {"args": vars(args), "commit": commit_id(), "results": results}
     if args.json:

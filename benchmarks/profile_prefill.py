@@ -24,41 +24,20 @@ from typing import Any
 
 import torch
 from commit_id import commit_id
-from profile_decode import gpu_records, idle_fraction, kernel_table, print_kernels, with_sets
+from profile_decode import (
+    gpu_records,
+    group_table,
+    idle_fraction,
+    kernel_table,
+    print_groups,
+    print_kernels,
+    with_sets,
+)
 from torch.profiler import ProfilerActivity, profile
 
 from inferx_core.config import load_config
 from inferx_core.engine import LLM
 from inferx_core.sequence import SamplingParams
-
-# (group, substrings of a kernel's name), first match wins.
-GROUPS = (
-    ("attention", ("prefill_kernel", "decode_kernel", "decode_reduce", "flashinfer")),
-    ("norm", ("rms_norm",)),
-    ("rotary + KV write", ("rotary", "kv_write")),
-    ("SiLU-and-mul", ("silu",)),
-    ("GEMM", ("nvjet", "gemm", "cutlass", "xmma", "sm90_", "sm80_")),
-    ("copies", ("memcpy", "memset")),
-)
-
-
-def kernel_group(name: str) -> str:
-    low = name.lower()
-    for group, keys in GROUPS:
-        if any(k in low for k in keys):
-            return group
-    return "other"
-
-
-def group_table(kernels: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """kernel_table rows summed by kernel_group, largest first."""
-    sums: dict[str, dict[str, float]] = {}
-    for k in kernels:
-        g = sums.setdefault(kernel_group(k["name"]), {"launches_per_step": 0.0, "us_per_step": 0.0})
-        g["launches_per_step"] += k["launches_per_step"]
-        g["us_per_step"] += k["us_per_step"]
-    rows = [{"group": name, **v} for name, v in sums.items()]
-    return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
 def gemm_tflops(params: int, tokens: int, seconds: float) -> float:
@@ -159,10 +138,7 @@ def main() -> None:
         f"GPU idle {100 * r['gpu_idle_fraction']:.1f}% of {r['gpu_window_ms_per_step']:.2f} "
         "ms a step"
     )
-    print(f"{'group':<40} {'launch/step':>11} {'us/step':>10}")
-    for g in r["groups"]:
-        print(f"{g['group']:<40} {g['launches_per_step']:>11.1f} {g['us_per_step']:>10.1f}")
-    print()
+    print_groups(r["groups"])
     print_kernels(r["kernels"], args.top)
     doc = {"args": vars(args), "commit": commit_id(), "result": r}
     if args.json:

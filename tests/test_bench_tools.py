@@ -9,8 +9,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
-from profile_decode import gpu_records, idle_by_gap, idle_fraction, kernel_table  # noqa: E402
-from profile_prefill import gemm_tflops, group_table, kernel_group  # noqa: E402
+from profile_decode import (  # noqa: E402  # noqa: E402
+    gpu_records,
+    group_table,
+    idle_by_gap,
+    idle_fraction,
+    kernel_group,
+    kernel_table,
+)
+from profile_prefill import gemm_tflops  # noqa: E402
 from step_breakdown import summarize  # noqa: E402
 
 
@@ -75,7 +82,10 @@ def test_prefill_profile_groups_kernels_by_name() -> None:
         "rotary_kv_write_kernel": "rotary + KV write",
         "silu_and_mul_kernel": "SiLU-and-mul",
         "Memcpy HtoD (Pinned -> Device)": "copies",
-        "void at::native::reduce_kernel<512, 1>": "other",
+        "skinny_linear_kernel": "GEMM",
+        "decode_reduce_kernel": "attention",
+        "void at::native::reduce_kernel<512, 1, ReduceOp<float, ArgMaxOps<float>>>": "sampling",
+        "void at::native::unrolled_elementwise_kernel<direct_copy>": "other",
     }
     assert {n: kernel_group(n) for n in names} == names
     rows = [
