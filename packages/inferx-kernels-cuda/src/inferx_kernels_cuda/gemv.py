@@ -353,11 +353,12 @@ def skinny_linear_kernel(
             acc = _accumulate(acc, x, w, USE_DOT, UPCAST, DOT_PRECISION)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-    if NORM_PARTS == 0 and full * BLOCK_K < k_len:
-        k_mask = (full * BLOCK_K + offs_k)[None, :] < k_len
-        x = tl.load(x_ptrs, mask=k_mask, other=0.0)
-        w = tl.load(w_ptrs, mask=k_mask, other=0.0)
-        acc = _accumulate(acc, x, w, USE_DOT, UPCAST, DOT_PRECISION)
+    if NORM_PARTS == 0:  # noqa: SIM102 (`and` of a constexpr and a tensor: not every Triton)
+        if full * BLOCK_K < k_len:
+            k_mask = (full * BLOCK_K + offs_k)[None, :] < k_len
+            x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask, other=0.0)
+            acc = _accumulate(acc, x, w, USE_DOT, UPCAST, DOT_PRECISION)
     if not USE_DOT:
         acc = tl.sum(acc, axis=2)
     if HAS_BIAS:
