@@ -199,17 +199,9 @@ def _prenormed_product(
         ks = k0 + offs_k
         mask = ks[None, :] < k
         h = _prenorm_rows(
-            x_ptr,
-            res_ptr,
-            rows_x,
-            ks,
-            mask,
-            stride_xm,
-            stride_part,
-            stride_res,
-            NORM_PARTS,
+            x_ptr, res_ptr, rows_x, ks, mask, stride_xm, stride_part, stride_res, NORM_PARTS,
             HAS_RES,
-        )
+        )  # fmt: skip
         sq += tl.sum(h * h, 1)
         # (mask & writer would be an int tensor under the interpreter, not a mask.)
         mine = row_ok & (ks[None, :] < tl.where(writer, k, 0))
@@ -225,17 +217,9 @@ def _prenormed_product(
         ks = k_start + k0 + offs_k
         mask = (k0 + offs_k)[None, :] < k_len
         h = _prenorm_rows(
-            x_ptr,
-            res_ptr,
-            rows_x,
-            ks,
-            mask,
-            stride_xm,
-            stride_part,
-            stride_res,
-            NORM_PARTS,
+            x_ptr, res_ptr, rows_x, ks, mask, stride_xm, stride_part, stride_res, NORM_PARTS,
             HAS_RES,
-        )
+        )  # fmt: skip
         nw = tl.load(norm_w_ptr + ks, mask=(k0 + offs_k) < k_len, other=0.0).to(tl.float32)
         x = (nw[None, :] * _rounded(h * rstd[:, None], dtype)).to(dtype)
         acc = _accumulate(acc, x, w, USE_DOT, UPCAST, DOT_PRECISION)
