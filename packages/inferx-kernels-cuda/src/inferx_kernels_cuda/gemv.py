@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from inferx_kernels_cuda.fused_kernels import _rounded
+from inferx_kernels_cuda.fused_kernels import _rounded, norm_input, normalized, silu_times
 
 MAX_ROWS = 16
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -151,34 +151,6 @@ def _accumulate(
 
 
 @triton.jit
-def _prenorm_rows(
-    x_ptr,
-    res_ptr,
-    rows,
-    ks,
-    mask,
-    stride_xm,
-    stride_part,
-    stride_res,
-    NORM_PARTS: tl.constexpr,
-    HAS_RES: tl.constexpr,
-):
-    """The RMSNorm input at rows x columns ks, fp32, rounded as rms_norm_kernel rounds it: the
-    parts summed in fp32 and rounded once, then the residual added and rounded."""
-    dtype = x_ptr.dtype.element_ty
-    off = rows[:, None] * stride_xm + ks[None, :]
-    h = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
-    if NORM_PARTS > 1:
-        for p in tl.static_range(1, NORM_PARTS):
-            h += tl.load(x_ptr + p * stride_part + off, mask=mask, other=0.0).to(tl.float32)
-        h = _rounded(h, dtype)
-    if HAS_RES:
-        r = tl.load(res_ptr + rows[:, None] * stride_res + ks[None, :], mask=mask, other=0.0)
-        h = _rounded(h + r.to(tl.float32), dtype)
-    return h
-
-
-@triton.jit
 def _prenormed_product(
     acc, x_ptr, w_ptr, res_ptr, norm_w_ptr, res_out_ptr, offs_m, rows_x, rows_w, offs_k, m, k,
     k_start, k_len, stride_xm, stride_part, stride_res, stride_res_out, stride_wn, eps, writer,
@@ -189,18 +161,18 @@ def _prenormed_product(
 
     First a pass over all of K for each row's sum of squares (every program needs the whole
     row's rstd; the writer also stores the summed rows, the next residual), then the K range,
-    each block normalised as rms_norm_kernel writes it (h * rstd rounded, times the norm
-    weight, rounded) just before its product. The next weight block is loaded before this
-    one's product; every load is masked."""
+    each block normalised as rms_norm_kernel writes it (fused_kernels.normalized, rounded)
+    just before its product. The next weight block is loaded before this one's product; every
+    load is masked."""
     dtype = x_ptr.dtype.element_ty
     row_ok = offs_m[:, None] < m
     sq = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + offs_k
         mask = ks[None, :] < k
-        h = _prenorm_rows(
-            x_ptr, res_ptr, rows_x, ks, mask, stride_xm, stride_part, stride_res, NORM_PARTS,
-            HAS_RES,
+        h = norm_input(
+            x_ptr, rows_x[:, None] * stride_xm + ks[None, :], stride_part, res_ptr,
+            rows_x[:, None] * stride_res + ks[None, :], mask, NORM_PARTS, HAS_RES,
         )  # fmt: skip
         sq += tl.sum(h * h, 1)
         # (mask & writer would be an int tensor under the interpreter, not a mask.)
@@ -216,12 +188,12 @@ def _prenormed_product(
         )
         ks = k_start + k0 + offs_k
         mask = (k0 + offs_k)[None, :] < k_len
-        h = _prenorm_rows(
-            x_ptr, res_ptr, rows_x, ks, mask, stride_xm, stride_part, stride_res, NORM_PARTS,
-            HAS_RES,
+        h = norm_input(
+            x_ptr, rows_x[:, None] * stride_xm + ks[None, :], stride_part, res_ptr,
+            rows_x[:, None] * stride_res + ks[None, :], mask, NORM_PARTS, HAS_RES,
         )  # fmt: skip
         nw = tl.load(norm_w_ptr + ks, mask=(k0 + offs_k) < k_len, other=0.0).to(tl.float32)
-        x = (nw[None, :] * _rounded(h * rstd[:, None], dtype)).to(dtype)
+        x = normalized(h, rstd[:, None], nw[None, :], dtype).to(dtype)
         acc = _accumulate(acc, x, w, USE_DOT, UPCAST, DOT_PRECISION)
         w = w_next
     return acc
@@ -362,11 +334,8 @@ def skinny_linear_kernel(
 @triton.jit
 def _silu_mul(gate, up, DTYPE: tl.constexpr):
     """silu(gate) * up in DTYPE from fp32 sums, rounded as the unfused path rounds: the GEMM's
-    outputs to DTYPE, then silu_and_mul_kernel's silu to DTYPE before the product."""
-    gate = _rounded(gate, DTYPE)
-    up = _rounded(up, DTYPE)
-    act = _rounded(gate / (1.0 + tl.exp(-gate)), DTYPE)
-    return (act * up).to(DTYPE)
+    outputs to DTYPE, then silu_and_mul_kernel's arithmetic."""
+    return silu_times(_rounded(gate, DTYPE), _rounded(up, DTYPE), DTYPE).to(DTYPE)
 
 
 @triton.jit
