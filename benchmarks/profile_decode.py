@@ -193,14 +193,22 @@ def profile_batch(
     plain_ms = (time.perf_counter() - t0) / steps * 1e3
     for i in ids:
         engine.abort(i)
-    recs = gpu_records(trace)
-    idle, window = idle_fraction(recs)
-    kernels = kernel_table(recs, steps)
     return {
         "batch": batch,
         "steps": steps,
         "step_ms_median_profiled": statistics.median(walls) * 1e3,
         "step_ms_mean_unprofiled": plain_ms,
+        **trace_summary(trace, steps),
+    }
+
+
+def trace_summary(trace: Path, steps: int) -> dict[str, Any]:
+    """What a profiled run of `steps` steps did on the GPU, per step: its window, busy time and
+    idle share (with the idle time by gap length), and its kernels, grouped and one by one."""
+    recs = gpu_records(trace)
+    idle, window = idle_fraction(recs)
+    kernels = kernel_table(recs, steps)
+    return {
         "gpu_window_ms_per_step": window / steps / 1e3,
         "gpu_busy_ms_per_step": window * (1 - idle) / steps / 1e3,
         "gpu_idle_fraction": idle,

@@ -24,15 +24,7 @@ from typing import Any
 
 import torch
 from commit_id import commit_id
-from profile_decode import (
-    gpu_records,
-    group_table,
-    idle_fraction,
-    kernel_table,
-    print_groups,
-    print_kernels,
-    with_sets,
-)
+from profile_decode import print_groups, print_kernels, trace_summary, with_sets
 from torch.profiler import ProfilerActivity, profile
 
 from inferx_core.config import load_config
@@ -80,9 +72,6 @@ def profile_prefill(llm: LLM, prompts: list[list[int]], trace_dir: Path) -> dict
         steps = run_prefill(llm, prompts)
         sync()
     prof.export_chrome_trace(str(trace))
-    recs = gpu_records(trace)
-    idle, window = idle_fraction(recs)
-    kernels = kernel_table(recs, steps)
     tokens = sum(len(p) for p in prompts)
     model_params = sum(p.numel() for p in llm.engine.executor.model.parameters())
     return {
@@ -93,10 +82,7 @@ def profile_prefill(llm: LLM, prompts: list[list[int]], trace_dir: Path) -> dict
         "prefill_tok_s": tokens / plain_s,
         "gemm_tflops": gemm_tflops(model_params, tokens, plain_s),
         "params": model_params,
-        "gpu_window_ms_per_step": window / steps / 1e3,
-        "gpu_idle_fraction": idle,
-        "groups": group_table(kernels),
-        "kernels": kernels,
+        **trace_summary(trace, steps),
     }
 
 
