@@ -433,8 +433,11 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _norm_args(x: torch.Tensor, norm: PreNorm | None) -> tuple[torch.Tensor, dict[str, Any]]:
     """(x's first part as [M, K], the kernel's norm arguments); dummies without a norm."""
     if norm is None:
-        none = {"stride_part": 0, "res_ptr": x, "stride_res": 0, "norm_w_ptr": x}
-        return x, none | {
+        return x, {
+            "stride_part": 0,
+            "res_ptr": x,
+            "stride_res": 0,
+            "norm_w_ptr": x,
             "res_out_ptr": x,
             "stride_res_out": 0,
             "eps": 0.0,
