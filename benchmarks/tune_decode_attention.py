@@ -41,7 +41,7 @@ DEFAULT = {
     "target_x": 2,
     "decode_stages": 1,
     "block_n": 64,
-    "reduce_heads": 1,
+    "reduce_heads": 2,
 }
 GRID = {
     "decode_warps": (2, 4, 8),

@@ -95,6 +95,11 @@ for step in "${steps[@]}"; do
           done
         done
       done ;;
+    profile-prefill)
+      # benchmarks/profile_prefill.py: the kernels of the offline run's prefill steps, grouped,
+      # and the dense-layer TFLOPS (PREFILL_ARGS: --preset, --tokenizer, --chunk ...).
+      timeout 240 python3 benchmarks/profile_prefill.py ${PREFILL_ARGS:---preset qwen2.5-3b-instruct --tokenizer $TOK} \
+        --json "$OUT/profile-prefill.json" 2>&1 | grep -v -i warn | tail -${PROFILE_TAIL:-40} ;;
     breakdown)
       # BREAKDOWN_SETS: ;-separated variants, each a space-separated list of --set KEY=VALUE.
       IFS=';' read -ra variants <<< "${BREAKDOWN_SETS:-engine.overlap=true;engine.overlap=false}"

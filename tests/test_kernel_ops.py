@@ -339,7 +339,7 @@ def test_tiny_model_logits_with_the_gated_gemv(name: str, monkeypatch: pytest.Mo
     cfg = CONFIGS[name]
     weights = model_weights(cfg, seed=len(name))
     ops = TritonOps()
-    ops.gated_gemv_rows = 8
+    ops.gated_gemv_rows = (1, 8)
     ours = run_model(cfg, ops, weights, torch.float32, CPU)
     ref = run_model(cfg, TorchOps(), weights, torch.float32, CPU)
     for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
@@ -350,12 +350,13 @@ def test_tiny_model_logits_with_the_gated_gemv(name: str, monkeypatch: pytest.Mo
 
 def test_gated_gemv_rows_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("INFERX_GATED_GEMV_ROWS", raising=False)
-    assert TritonOps().gated_gemv_rows == 0  # off by default
-    monkeypatch.setenv("INFERX_GATED_GEMV_ROWS", "8")
-    assert TritonOps().gated_gemv_rows == 8
-    for bad in ("17", "x", "-1"):
+    assert TritonOps().gated_gemv_rows == (5, 8)  # the default: batches graphs pad to 8
+    for value, rows in (("8", (1, 8)), ("2-16", (2, 16)), ("3-3", (3, 3)), ("0", (1, 0))):
+        monkeypatch.setenv("INFERX_GATED_GEMV_ROWS", value)
+        assert TritonOps().gated_gemv_rows == rows, value
+    for bad in ("17", "x", "-1", "0-4", "5-4", "2-17", "1-", ""):
         monkeypatch.setenv("INFERX_GATED_GEMV_ROWS", bad)
-        with pytest.raises(ValueError, match="INFERX_GATED_GEMV_ROWS must be 0..16"):
+        with pytest.raises(ValueError, match="INFERX_GATED_GEMV_ROWS must be LO-HI, N or 0"):
             TritonOps()
 
 
@@ -459,12 +460,12 @@ def test_gpu_ops_replay_in_a_cuda_graph() -> None:
 
 @on_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("gated_rows", [0, 8])
+@pytest.mark.parametrize("gated_rows", [(1, 0), (1, 8)])
 @pytest.mark.parametrize("name", ["qwen2.5-3b-instruct", "llama-3.1-8b-instruct"])
-def test_gpu_model_logits_match_torch_ops(name: str, gated_rows: int) -> None:
+def test_gpu_model_logits_match_torch_ops(name: str, gated_rows: tuple[int, int]) -> None:
     """Two layers of the real shapes (vocabulary cut to 4096), bf16: TritonOps against TorchOps.
     Roundings that flip by an ulp inside a layer pass through the GEMMs, hence the wider
-    tolerance; greedy tokens must nearly all agree. gated_rows 8: the 6-row step runs gate_up
+    tolerance; greedy tokens must nearly all agree. gated_rows (1, 8): the 6-row step runs gate_up
     and SiLU-and-mul as one skinny_linear(gated=True)."""
     cfg = preset(name) | {"num_hidden_layers": 2, "vocab_size": 4096}
     weights = model_weights(cfg, seed=3, scale=0.02)

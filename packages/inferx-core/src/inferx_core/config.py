@@ -46,7 +46,9 @@ class EngineSection(Section):
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (GPU and a capable backend)
     # Steps with prompt tokens of up to this many tokens also replay CUDA graphs (captured for a
     # ladder of token counts, when the attention backend supports it); 0: they run eagerly.
-    graph_max_tokens: int = Field(default=2048, ge=0, le=16384)
+    # 4096 over 2048: 3B serving at 8 clients, TTFT 72/57 against 84/83 ms, 2,752 against
+    # 2,682 tok/s (two rounds each on the H200, BENCHMARKS.md session 7).
+    graph_max_tokens: int = Field(default=4096, ge=0, le=16384)
     # ... and over at most this many sequences (more decodes beside a chunk: eager).
     graph_max_seqs: int = Field(default=128, ge=1)
     # Schedule and submit step N+1 while the device runs step N. auto: on, unless the executor

@@ -29,6 +29,20 @@ def _norm_warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
+def gated_rows(value: str) -> tuple[int, int]:
+    """INFERX_GATED_GEMV_ROWS as the (lo, hi) rows a step takes the gated GEMV at: "LO-HI",
+    "N" (1-N) or "0" (never: an empty range)."""
+    lo, sep, hi = value.partition("-")
+    if not sep:
+        lo, hi = "1", value  # "0": (1, 0), an empty range
+    valid = lo.isdigit() and hi.isdigit() and int(lo) >= 1 and int(hi) <= MAX_ROWS
+    if not valid or (sep and int(lo) > int(hi)):
+        raise ValueError(
+            f"INFERX_GATED_GEMV_ROWS must be LO-HI, N or 0 with rows 1..{MAX_ROWS}; got {value!r}"
+        )
+    return int(lo), int(hi)
+
+
 class TritonOps(KernelOps):
     """Fused Triton kernels with the torch reference's numerics (inferx_core.ops_torch).
 
@@ -39,13 +53,12 @@ class TritonOps(KernelOps):
     """
 
     def __init__(self) -> None:
-        # Decode steps of up to this many rows run an unquantized gate_up and its SiLU-and-mul
-        # as one skinny_linear(gated=True) launch. 0 (off) until an H200 run shows it pays;
-        # INFERX_GATED_GEMV_ROWS=N turns it on for A/B runs.
-        rows = os.environ.get("INFERX_GATED_GEMV_ROWS", "0")
-        if not rows.isdigit() or int(rows) > MAX_ROWS:
-            raise ValueError(f"INFERX_GATED_GEMV_ROWS must be 0..{MAX_ROWS}; got {rows!r}")
-        self.gated_gemv_rows = int(rows)
+        # Steps of lo..hi rows run an unquantized gate_up and its SiLU-and-mul as one
+        # skinny_linear(gated=True) launch. 5-8 (graphs pad them to 8): a 3B decode step at
+        # batch 8 2.600 -> 2.495 ms on the H200, where batch 1 gained nothing (2.544 ->
+        # 2.542) and bench_gemv had 8B's gate_up at one row 7 µs slower fused (BENCHMARKS.md,
+        # session 7). INFERX_GATED_GEMV_ROWS="LO-HI", "N" (1-N) or "0" (off) for A/B runs.
+        self.gated_gemv_rows = gated_rows(os.environ.get("INFERX_GATED_GEMV_ROWS", "5-8"))
         self._interpret = os.environ.get("TRITON_INTERPRET") == "1"
 
     def rms_norm(
@@ -128,7 +141,7 @@ class TritonOps(KernelOps):
         if (
             isinstance(linear, DenseLinear)
             and x.dim() == 2
-            and 0 < x.shape[0] <= self.gated_gemv_rows
+            and self.gated_gemv_rows[0] <= x.shape[0] <= self.gated_gemv_rows[1]
             and (x.is_cuda or self._interpret)
             and x.dtype == linear.weight.dtype
             and x.stride(1) == 1

@@ -200,8 +200,10 @@ class TritonAttention(TorchAttention):
         self.decode_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
         self.reduce_launch: dict[str, int] = {"num_warps": 4}  # Triton's default
         # Query heads per decode_reduce_kernel program (a power of two): more, fewer programs
-        # (batch 64 launches 1024 of them for 1.5 MB). Capped by _reduce_heads.
-        self.reduce_heads = 1
+        # (batch 64 launches 1024 of them at one head for 1.5 MB). Capped by _reduce_heads. 2:
+        # a 3B layer's decode at 64 x 640 tokens 22.2 -> 20.0 µs on the H200, no loss at
+        # batch 1 or 8 (tune_decode_attention, BENCHMARKS.md session 7).
+        self.reduce_heads = 2
         self.prefill_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
         # decode_rotary: decode-only steps rotate q and k and write the new k/v inside the
         # decode kernel (ROTARY) instead of a rotary_kv_write_kernel launch before it; 2%
