@@ -2,17 +2,14 @@
 Llama-3.1-8B: one run gives the timings to tune inferx_kernels_cuda.gemv.pick_config from.
 
     python benchmarks/bench_gemv.py [--models qwen2.5-3b,llama-3.1-8b] [--m 1,2,4,8,16]
-        [--shapes qkv,o,gate_up,down,lm_head,gate_up_silu,qkv_norm,gate_up_silu_norm]
-        [--grid small|full|none] [--no-graph]
+        [--shapes qkv,o,gate_up,down,lm_head,gate_up_silu] [--grid small|full|none] [--no-graph]
         [--budget-s 60] [--json OUT.json]
 
 For every linear layer shape (bf16 weights [N, K], x [M, K]) and every M it times
 torch.nn.functional.linear (cuBLAS) and skinny_linear under each candidate config (pick_config's
 first, then a grid around it; `--grid full` for a wider one) two ways. gate_up_silu is gate_up
 followed by SiLU-and-mul: cuBLAS plus TritonOps.silu_and_mul (two launches, as the model runs
-it) against skinny_linear(gated=True) (one, with the activation in its epilogue). qkv_norm and
-gate_up_silu_norm put the input RMSNorm (TritonOps.rms_norm over 4 parts and the residual)
-before them, against skinny_linear(norm=PreNorm(...)), which normalises as it loads x.
+it) against skinny_linear(gated=True) (one, with the activation in its epilogue).
 
 - bench: triton.testing.do_bench, median µs of single calls with L2 flushed before each;
 - graph: µs per call of 20 calls captured in one CUDA graph and replayed, cycling over enough
@@ -48,8 +45,7 @@ import triton
 import triton.testing
 from commit_id import commit_id
 
-from inferx_core.quant_none import SPLIT_PARTS
-from inferx_kernels_cuda.gemv import GemvConfig, PreNorm, pick_config, skinny_linear, split_for
+from inferx_kernels_cuda.gemv import GemvConfig, pick_config, skinny_linear, split_for
 from inferx_kernels_cuda.ops import TritonOps
 from inferx_models.presets import preset
 
@@ -60,7 +56,6 @@ GRAPH_CALLS = 20
 # 50 MB L2, so no call finds its weights cached.
 COLD_BYTES = 256 << 20
 MAX_REL_ERR = 1e-2
-NORM_EPS = 1e-6
 
 
 @dataclass(frozen=True)
@@ -73,7 +68,6 @@ class Shape:
     k: int
     bias: bool
     gated: bool = False  # silu(gate) * up of the product (skinny_linear's gated=True)
-    prenorm: bool = False  # x is the input norm's: 4 parts + a residual (skinny_linear's norm)
 
     def weight_bytes(self, elem: int = 2) -> int:
         return (self.n * self.k + (self.n if self.bias else 0)) * elem
@@ -82,8 +76,7 @@ class Shape:
 def linear_shapes(model: str) -> list[Shape]:
     """The five GEMMs of a decoder step: fused QKV, o_proj, fused gate_up, down_proj, lm_head;
     and gate_up_silu, gate_up with SiLU-and-mul after it (cuBLAS + silu_and_mul against the
-    fused skinny_linear); qkv_norm and gate_up_silu_norm, the same with the input RMSNorm
-    before them (over a split GEMM's 4 parts and the residual, as the decode step has it)."""
+    fused skinny_linear)."""
     c = preset(MODELS[model])
     h, i = c["hidden_size"], c["intermediate_size"]
     head_dim = c.get("head_dim") or h // c["num_attention_heads"]
@@ -96,8 +89,6 @@ def linear_shapes(model: str) -> list[Shape]:
         Shape(model, "down", h, i, False),
         Shape(model, "lm_head", c["vocab_size"], h, False),
         Shape(model, "gate_up_silu", 2 * i, h, False, gated=True),
-        Shape(model, "qkv_norm", q + 2 * kv, h, qkv_bias, prenorm=True),
-        Shape(model, "gate_up_silu_norm", 2 * i, h, False, gated=True, prenorm=True),
     ]
 
 
@@ -150,7 +141,6 @@ def compile_key(shape: Shape, m: int, cfg: GemvConfig) -> tuple[Any, ...]:
         cfg.split_k > 1,
         shape.bias,
         shape.gated,
-        shape.prenorm,
     )
 
 
@@ -159,25 +149,12 @@ def _compile_some(items: list[tuple[Shape, int, GemvConfig]]) -> None:
     compiled kernels in Triton's on-disk cache for the timing process."""
     dev = torch.device("cuda")
     for shape, m, cfg in items:
-        x, norm = norm_inputs(shape, m, dev, torch.Generator(device=dev))
+        x = torch.empty(m, shape.k, dtype=torch.bfloat16, device=dev)
         w = torch.empty(shape.n, shape.k, dtype=torch.bfloat16, device=dev)
         b = torch.empty(shape.n, dtype=torch.bfloat16, device=dev) if shape.bias else None
         with contextlib.suppress(Exception):  # run_pair reports what fails
-            skinny_linear(x, w, b, cfg, gated=shape.gated, norm=norm)
+            skinny_linear(x, w, b, cfg, gated=shape.gated)
     torch.cuda.synchronize()
-
-
-def norm_inputs(
-    shape: Shape, m: int, dev: torch.device, g: torch.Generator
-) -> tuple[torch.Tensor, PreNorm | None]:
-    """x for one call: [m, k] activations, or for a prenorm shape 4 partial results [4, m, k]
-    with the residual, norm weight and residual output of its RMSNorm."""
-    if not shape.prenorm:
-        return torch.randn(m, shape.k, device=dev, generator=g).to(torch.bfloat16), None
-    parts = torch.randn(SPLIT_PARTS, m, shape.k, device=dev, generator=g).to(torch.bfloat16)
-    res = torch.randn(m, shape.k, device=dev, generator=g).to(torch.bfloat16)
-    weight = (1 + 0.1 * torch.randn(shape.k, device=dev, generator=g)).to(torch.bfloat16)
-    return parts, PreNorm(weight, NORM_EPS, res, torch.empty_like(res))
 
 
 def precompile(jobs: list[tuple[Shape, int, GemvConfig]], workers: int) -> int:
@@ -246,7 +223,7 @@ def run_pair(
     """Time cuBLAS and every candidate config on one (shape, M); the row for the JSON."""
     dev = device or torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(m * 7919 + shape.n)
-    x, norm = norm_inputs(shape, m, dev, g)
+    x = torch.randn(m, shape.k, device=dev, generator=g).to(torch.bfloat16)
     bias = (torch.randn(shape.n, device=dev, generator=g) * 0.1).to(torch.bfloat16)
     bias = bias if shape.bias else None
     nbytes = shape.weight_bytes()
@@ -259,14 +236,11 @@ def run_pair(
     ops = TritonOps()
 
     def cublas(w: torch.Tensor) -> torch.Tensor:  # what the model runs today
-        h = x
-        if norm is not None:
-            h = ops.rms_norm(x, norm.weight, norm.eps, norm.residual, parts=True)[0]
-        y = F.linear(h, w, bias)
+        y = F.linear(x, w, bias)
         return ops.silu_and_mul(y) if shape.gated else y
 
     def ours(w: torch.Tensor, cfg: GemvConfig) -> torch.Tensor:
-        return skinny_linear(x, w, bias, cfg, gated=shape.gated, norm=norm)
+        return skinny_linear(x, w, bias, cfg, gated=shape.gated)
 
     ref = cublas(w0)
     row: dict[str, Any] = {**asdict(shape), "m": m, "weight_bytes": nbytes, "copies": copies}
@@ -331,9 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--m", default="1,2,4,8,16", help="rows of x, comma-separated, each <= 16")
-    ap.add_argument(
-        "--shapes", default="qkv,o,gate_up,down,lm_head,gate_up_silu,qkv_norm,gate_up_silu_norm"
-    )
+    ap.add_argument("--shapes", default="qkv,o,gate_up,down,lm_head,gate_up_silu")
     ap.add_argument("--grid", choices=["none", "small", "full"], default="small")
     ap.add_argument("--no-graph", action="store_true", help="time with do_bench only")
     ap.add_argument("--budget-s", type=float, default=60.0, help="grid search time budget")

@@ -17,7 +17,6 @@ from conftest import interpreted, on_gpu  # noqa: E402
 from inferx_kernels_cuda.gemv import (  # noqa: E402
     MAX_ROWS,
     GemvConfig,
-    PreNorm,
     pick_config,
     skinny_linear,
     split_for,
@@ -135,59 +134,6 @@ def test_gated_is_silu_and_mul_of_the_product(
     torch.testing.assert_close(ours, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
-def prenorm_inputs(
-    m: int, k: int, parts: int, with_residual: bool, dtype: torch.dtype, seed: int
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """An RMSNorm's input as `parts` partial results [parts, m, k], a residual, a norm weight."""
-    g = torch.Generator().manual_seed(seed)
-    xs = torch.randn(parts, m, k, generator=g).to(dtype)
-    res = torch.randn(m, k, generator=g).to(dtype) if with_residual else None
-    return xs, res, (1 + 0.2 * torch.randn(k, generator=g)).to(dtype)
-
-
-@interpreted
-@pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize(("parts", "with_residual"), [(1, False), (1, True), (4, True)])
-@pytest.mark.parametrize("name", ["fma", "fma-split3", "dot", "dot-split3"])
-def test_prenorm_is_rms_norm_then_the_product(
-    gated: bool, dtype: torch.dtype, m: int, parts: int, with_residual: bool, name: str
-) -> None:
-    """norm=PreNorm(...): the product with TritonOps.rms_norm's output (never written), and
-    residual_out holding the summed rows exactly as rms_norm returns them. K = 100: ragged in
-    the 32-wide blocks, and the rstd pass crosses blocks and splits."""
-    from inferx_kernels_cuda.ops import TritonOps
-
-    k, eps = 100, 1e-6
-    xs, res, norm_w = prenorm_inputs(m, k, parts, with_residual, dtype, seed=m * 7 + parts)
-    _, w, b = inputs(m, 74, k, dtype, CPU, seed=m + 100 * parts)
-    x_in = xs if parts > 1 else xs[0]
-    if with_residual:
-        normed, summed = TritonOps().rms_norm(x_in, norm_w, eps, res, parts=parts > 1)
-    else:
-        normed, summed = TritonOps().rms_norm(x_in, norm_w, eps), None
-    cfg = CONFIGS[name]
-    want = skinny_linear(normed, w, b, cfg, gated=gated)
-    res_out = torch.full((m, k), float("nan"), dtype=dtype) if with_residual else None
-    ours = skinny_linear(x_in, w, b, cfg, gated=gated, norm=PreNorm(norm_w, eps, res, res_out))
-    tol = GATED_TOL[dtype]
-    torch.testing.assert_close(ours, want, rtol=tol, atol=tol * want.abs().max().item())
-    if with_residual:
-        assert torch.equal(res_out, summed)
-
-
-def test_prenorm_refuses_bad_inputs() -> None:
-    xs, res, norm_w = prenorm_inputs(2, 32, 2, True, torch.float32, seed=0)
-    _, w, _ = inputs(2, 8, 32, torch.float32, CPU, seed=0)
-    with pytest.raises(ValueError, match=r"the norm weight must be a contiguous \(32,\)"):
-        skinny_linear(xs, w, norm=PreNorm(norm_w[:16], 1e-6, res))
-    with pytest.raises(ValueError, match="norm residual must be"):
-        skinny_linear(xs, w, norm=PreNorm(norm_w, 1e-6, res[:1]))
-    with pytest.raises(ValueError, match="must not overlap"):
-        skinny_linear(xs, w, norm=PreNorm(norm_w, 1e-6, res, res))
-
-
 def test_gated_refuses_odd_weights_and_one_row_tiles() -> None:
     x, w, _ = inputs(1, 6, 32, torch.float32, CPU, seed=0)
     with pytest.raises(ValueError, match="gated needs gate and up rows"):
@@ -294,12 +240,8 @@ def test_bench_shapes_are_the_models() -> None:
         "down": (2048, 11008, False),
         "lm_head": (151936, 2048, False),
         "gate_up_silu": (22016, 2048, False),
-        "qkv_norm": (2560, 2048, True),
-        "gate_up_silu_norm": (22016, 2048, False),
     }
-    shapes = linear_shapes("qwen2.5-3b")
-    assert [s.name for s in shapes if s.gated] == ["gate_up_silu", "gate_up_silu_norm"]
-    assert [s.name for s in shapes if s.prenorm] == ["qkv_norm", "gate_up_silu_norm"]
+    assert [s.name for s in linear_shapes("qwen2.5-3b") if s.gated] == ["gate_up_silu"]
     llama = {s.name: (s.n, s.k, s.bias) for s in linear_shapes("llama-3.1-8b")}
     assert llama["qkv"] == (6144, 4096, False) and llama["lm_head"] == (128256, 4096, False)
     assert llama["down"] == (4096, 14336, False) and llama["gate_up"] == (28672, 4096, False)
@@ -344,17 +286,14 @@ def test_bench_row_on_the_cpu(monkeypatch: pytest.MonkeyPatch, use_graph: bool) 
     # cuBLAS took 100 (bench) and 51 (graph); the first config 2 and 52.
     assert bench_gemv.fmt_row(row).endswith("0.98x" if use_graph else "50.00x")
     if use_graph:
-        return  # the fused rows below once are enough (20 weight copies a config are slow here)
-    for fused in (
-        bench_gemv.Shape("tiny", "gate_up_silu", 48, 64, False, gated=True),
-        bench_gemv.Shape("tiny", "gate_up_silu_norm", 48, 64, False, gated=True, prenorm=True),
-    ):
-        calls.clear()
-        row = bench_gemv.run_pair(fused, 2, "small", use_graph, 132, pytest.fail, device=CPU)
-        assert [r["config"] for r in row["configs"]] == [
-            str(c) for c in candidate_configs(2, 48, 64, 132, "small")
-        ]
-        assert all(r["rel_err"] <= bench_gemv.MAX_REL_ERR for r in row["configs"])
+        return  # the gated row below once is enough (20 weight copies a config are slow here)
+    gated = bench_gemv.Shape("tiny", "gate_up_silu", 48, 64, False, gated=True)
+    calls.clear()
+    row = bench_gemv.run_pair(gated, 2, "small", use_graph, 132, pytest.fail, device=CPU)
+    assert [r["config"] for r in row["configs"]] == [
+        str(c) for c in candidate_configs(2, 48, 64, 132, "small")
+    ]
+    assert all(r["rel_err"] <= bench_gemv.MAX_REL_ERR for r in row["configs"])
 
 
 GPU_SHAPES = [
@@ -410,42 +349,6 @@ def test_gpu_gated_real_gate_up(shape: tuple[str, int, int], m: int, name: str) 
     assert ours.shape == want.shape
     rel = ((ours.double() - want.double()).abs().max() / want.double().abs().max()).item()
     assert rel <= 1e-2, f"{rel:.2e} against cuBLAS + silu_and_mul"
-
-
-PRENORM_SHAPES = [
-    ("3b-qkv", 2560, 2048, True, False),
-    ("3b-gate_up", 22016, 2048, False, True),
-    ("8b-qkv", 6144, 4096, False, False),
-]
-
-
-@on_gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", PRENORM_SHAPES, ids=[s[0] for s in PRENORM_SHAPES])
-@pytest.mark.parametrize("m", [1, 4, 16])
-@pytest.mark.parametrize("name", list(GPU_CONFIGS))
-def test_gpu_prenorm_real_shapes(
-    shape: tuple[str, int, int, bool, bool], m: int, name: str
-) -> None:
-    """The input RMSNorm (4 parts and a residual, as the decode step has it) folded into the
-    GEMV, against the model's path: TritonOps.rms_norm, then cuBLAS (and silu_and_mul)."""
-    from inferx_kernels_cuda.ops import TritonOps
-
-    _, n, k, with_bias, gated = shape
-    dev = torch.device("cuda")
-    xs, res, norm_w = (t.to(dev) for t in prenorm_inputs(m, k, 4, True, torch.bfloat16, seed=m))
-    _, w, b = inputs(m, n, k, torch.bfloat16, dev, seed=n + m)
-    w, bias = w * 0.05, (b if with_bias else None)
-    ops = TritonOps()
-    normed, summed = ops.rms_norm(xs, norm_w, 1e-6, res, parts=True)
-    want = F.linear(normed, w, bias)
-    want = ops.silu_and_mul(want) if gated else want
-    res_out = torch.empty_like(res)
-    norm = PreNorm(norm_w, 1e-6, res, res_out)
-    ours = skinny_linear(xs, w, bias, GPU_CONFIGS[name], gated=gated, norm=norm)
-    rel = ((ours.double() - want.double()).abs().max() / want.double().abs().max()).item()
-    assert rel <= 1e-2, f"{rel:.2e} against rms_norm + cuBLAS"
-    assert torch.equal(res_out, summed)
 
 
 @on_gpu

@@ -27,7 +27,7 @@ def norm_input(
 ):  # fmt: skip
     """An RMSNorm's input h at x_offs, fp32: PARTS partial results stride_part apart summed in
     fp32 and rounded once (to what one GEMM would have written), then the residual at res_offs
-    added and rounded (x's dtype throughout). Shared with gemv's folded norm."""
+    added and rounded (x's dtype throughout)."""
     dtype = x_ptr.dtype.element_ty
     h = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
     if PARTS > 1:

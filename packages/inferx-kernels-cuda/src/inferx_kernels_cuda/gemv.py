@@ -35,13 +35,12 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from inferx_kernels_cuda.fused_kernels import _rounded, norm_input, normalized, silu_times
+from inferx_kernels_cuda.fused_kernels import _rounded, silu_times
 
 MAX_ROWS = 16
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -80,20 +79,6 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig.{name} must be a power of two >= {least}, got {v}")
         if self.split_k < 1 or self.num_warps < 1 or self.num_stages < 1:
             raise ValueError(f"GemvConfig: split_k, num_warps, num_stages must be >= 1: {self}")
-
-
-@dataclass(frozen=True)
-class PreNorm:
-    """skinny_linear(norm=...): x is the input of an RMSNorm, [M, K] or partial results
-    [P, M, K], and the product is taken with the normalised rows, rounded as
-    TritonOps.rms_norm(x, weight, eps, residual, parts=P > 1) writes them. With `residual`
-    the parts' sum plus it is what is normalised; `residual_out` ([M, K], apart from x and
-    residual) receives that sum, the next layer's residual."""
-
-    weight: torch.Tensor
-    eps: float
-    residual: torch.Tensor | None = None
-    residual_out: torch.Tensor | None = None
 
 
 def split_for(blocks_n: int, k: int, block_k: int, num_sms: int = _H200_SMS) -> int:
@@ -150,55 +135,6 @@ def _accumulate(
     return acc
 
 
-@triton.jit
-def _prenormed_product(
-    acc, x_ptr, w_ptr, res_ptr, norm_w_ptr, res_out_ptr, offs_m, rows_x, rows_w, offs_k, m, k,
-    k_start, k_len, stride_xm, stride_part, stride_res, stride_res_out, stride_wn, eps, writer,
-    NORM_PARTS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_DOT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """acc plus the product of this program's weight rows with RMSNorm(x) over its K range.
-
-    First a pass over all of K for each row's sum of squares (every program needs the whole
-    row's rstd; the writer also stores the summed rows, the next residual), then the K range,
-    each block normalised as rms_norm_kernel writes it (fused_kernels.normalized, rounded)
-    just before its product. The next weight block is loaded before this one's product; every
-    load is masked."""
-    dtype = x_ptr.dtype.element_ty
-    row_ok = offs_m[:, None] < m
-    sq = tl.zeros([BLOCK_M], tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        ks = k0 + offs_k
-        mask = ks[None, :] < k
-        h = norm_input(
-            x_ptr, rows_x[:, None] * stride_xm + ks[None, :], stride_part, res_ptr,
-            rows_x[:, None] * stride_res + ks[None, :], mask, NORM_PARTS, HAS_RES,
-        )  # fmt: skip
-        sq += tl.sum(h * h, 1)
-        # (mask & writer would be an int tensor under the interpreter, not a mask.)
-        mine = row_ok & (ks[None, :] < tl.where(writer, k, 0))
-        out = res_out_ptr + offs_m[:, None] * stride_res_out + ks[None, :]
-        tl.store(out, h.to(res_out_ptr.dtype.element_ty), mask=mine)
-    rstd = tl.rsqrt(sq / k + eps)
-    w_ptrs = w_ptr + rows_w[:, None] * stride_wn + (k_start + offs_k)[None, :]
-    w = tl.load(w_ptrs, mask=offs_k[None, :] < k_len, other=0.0)
-    for k0 in range(0, k_len, BLOCK_K):
-        w_next = tl.load(
-            w_ptrs + k0 + BLOCK_K, mask=(k0 + BLOCK_K + offs_k)[None, :] < k_len, other=0.0
-        )
-        ks = k_start + k0 + offs_k
-        mask = (k0 + offs_k)[None, :] < k_len
-        h = norm_input(
-            x_ptr, rows_x[:, None] * stride_xm + ks[None, :], stride_part, res_ptr,
-            rows_x[:, None] * stride_res + ks[None, :], mask, NORM_PARTS, HAS_RES,
-        )  # fmt: skip
-        nw = tl.load(norm_w_ptr + ks, mask=(k0 + offs_k) < k_len, other=0.0).to(tl.float32)
-        x = normalized(h, rstd[:, None], nw[None, :], dtype).to(dtype)
-        acc = _accumulate(acc, x, w, USE_DOT, UPCAST, DOT_PRECISION)
-        w = w_next
-    return acc
-
-
 @triton.jit(do_not_specialize=["m"])
 def skinny_linear_kernel(
     x_ptr,
@@ -223,16 +159,6 @@ def skinny_linear_kernel(
     PREFETCH: tl.constexpr,
     SPLIT: tl.constexpr,
     GATED: tl.constexpr,
-    stride_part,
-    res_ptr,
-    stride_res,
-    norm_w_ptr,
-    res_out_ptr,
-    stride_res_out,
-    eps,
-    NORM_PARTS: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    WRITE_RES: tl.constexpr,
 ):
     """Grid (column blocks, splits): out[split] = x[:, ks] @ W[ns, ks].T (+ bias), columns
     ns = BLOCK_N of them, ks = this split's [k_start, k_start + k_per_split) clipped to k.
@@ -242,11 +168,7 @@ def skinny_linear_kernel(
     GATED: W is gate rows then up rows (n of them in all) and the output is
     silu(gate) * up, n / 2 columns. A program's BLOCK_N weight rows are BLOCK_N / 2 gate rows
     and their up rows, interleaved, so the epilogue splits its tile into the two halves.
-    Split partials keep W's row order ([split, m, n]) for split_k_reduce_kernel's epilogue.
-
-    NORM_PARTS > 0: x is the input of an RMSNorm, NORM_PARTS partial results stride_part apart
-    (plus the residual with HAS_RES), and the product is taken with the normalised rows
-    (_prenormed_product); with WRITE_RES program (0, 0) writes the summed rows to res_out."""
+    Split partials keep W's row order ([split, m, n]) for split_k_reduce_kernel's epilogue."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -273,18 +195,7 @@ def skinny_linear_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     full = k_len // BLOCK_K
-    if NORM_PARTS > 0:
-        if WRITE_RES:  # noqa: SIM108 (a Triton constexpr branch)
-            writer = (pid_n == 0) & (pid_k == 0)
-        else:
-            writer = pid_n < 0  # nobody
-        acc = _prenormed_product(
-            acc, x_ptr, w_ptr, res_ptr, norm_w_ptr, res_out_ptr, offs_m, rows_x, rows_w,
-            offs_k, m, k, k_start, k_len, stride_xm, stride_part, stride_res, stride_res_out,
-            stride_wn, eps, writer, NORM_PARTS, HAS_RES, BLOCK_M, BLOCK_K, USE_DOT, UPCAST,
-            DOT_PRECISION,
-        )  # fmt: skip
-    elif PREFETCH:
+    if PREFETCH:
         # Block j + 1 is loaded before block j's products. Block 0 loads as zeros when there
         # is no whole block, and the last whole block is accumulated after the loop.
         # (A scalar `full > 0` mask is an int under the interpreter, not a mask.)
@@ -309,12 +220,11 @@ def skinny_linear_kernel(
             acc = _accumulate(acc, x, w, USE_DOT, UPCAST, DOT_PRECISION)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-    if NORM_PARTS == 0:  # noqa: SIM102 (`and` of a constexpr and a tensor: not every Triton)
-        if full * BLOCK_K < k_len:
-            k_mask = (full * BLOCK_K + offs_k)[None, :] < k_len
-            x = tl.load(x_ptrs, mask=k_mask, other=0.0)
-            w = tl.load(w_ptrs, mask=k_mask, other=0.0)
-            acc = _accumulate(acc, x, w, USE_DOT, UPCAST, DOT_PRECISION)
+    if full * BLOCK_K < k_len:
+        k_mask = (full * BLOCK_K + offs_k)[None, :] < k_len
+        x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask, other=0.0)
+        acc = _accumulate(acc, x, w, USE_DOT, UPCAST, DOT_PRECISION)
     if not USE_DOT:
         acc = tl.sum(acc, axis=2)
     if HAS_BIAS:
@@ -422,74 +332,12 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         )
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors' spans of memory overlap."""
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    a1 = a0 + (a.numel() and (a.shape[0] - 1) * a.stride(0) + a.shape[-1]) * a.element_size()
-    b1 = b0 + (b.numel() and (b.shape[0] - 1) * b.stride(0) + b.shape[-1]) * b.element_size()
-    return a0 < b1 and b0 < a1
-
-
-def _norm_args(x: torch.Tensor, norm: PreNorm | None) -> tuple[torch.Tensor, dict[str, Any]]:
-    """(x's first part as [M, K], the kernel's norm arguments); dummies without a norm."""
-    if norm is None:
-        return x, {
-            "stride_part": 0,
-            "res_ptr": x,
-            "stride_res": 0,
-            "norm_w_ptr": x,
-            "res_out_ptr": x,
-            "stride_res_out": 0,
-            "eps": 0.0,
-            "NORM_PARTS": 0,
-            "HAS_RES": False,
-            "WRITE_RES": False,
-        }
-    parts = x.shape[0] if x.dim() == 3 else 1
-    stride_part = x.stride(0) if x.dim() == 3 else 0
-    x0 = x[0] if x.dim() == 3 else x
-    if x.dim() not in (2, 3) or (x.dim() == 3 and any(p.stride() != x0.stride() for p in x)):
-        raise ValueError(f"skinny_linear: norm input must be [M, K] or [P, M, K], got {x.shape}")
-    m, k = x0.shape
-    if norm.weight.shape != (k,) or norm.weight.dtype != x.dtype or norm.weight.stride(0) != 1:
-        raise ValueError(
-            f"skinny_linear: the norm weight must be a contiguous ({k},) {x.dtype} tensor, got "
-            f"{tuple(norm.weight.shape)} {norm.weight.dtype}"
-        )
-    for name in ("residual", "residual_out"):
-        t = getattr(norm, name)
-        if t is not None and (t.shape != (m, k) or t.dtype != x.dtype or t.stride(1) != 1):
-            raise ValueError(
-                f"skinny_linear: norm {name} must be ({m}, {k}) {x.dtype} with a unit stride "
-                f"along K, got {tuple(t.shape)} {t.dtype} with strides {t.stride()}"
-            )
-    res, res_out = norm.residual, norm.residual_out
-    if res_out is not None and any(
-        _overlap(res_out, t) for t in [*([x0] if parts == 1 else list(x)), res] if t is not None
-    ):
-        raise ValueError("skinny_linear: norm residual_out must not overlap x or residual")
-    args = {
-        "stride_part": stride_part,
-        "res_ptr": res if res is not None else x0,
-        "stride_res": res.stride(0) if res is not None else 0,
-        "norm_w_ptr": norm.weight,
-        "res_out_ptr": res_out if res_out is not None else x0,
-        "stride_res_out": res_out.stride(0) if res_out is not None else 0,
-        "eps": float(norm.eps),
-        "NORM_PARTS": parts,
-        "HAS_RES": res is not None,
-        "WRITE_RES": res_out is not None,
-    }
-    return x0, args
-
-
 def skinny_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     gated: bool = False,
-    norm: PreNorm | None = None,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [M, K] with M <= 16: [M, N] in x's dtype.
 
@@ -500,12 +348,7 @@ def skinny_linear(
     gated: weight is a fused gate_up ([2I, K], gate rows first) and the result is
     silu(gate) * up, [M, I], as `silu_and_mul(F.linear(x, weight, bias))` rounds it, with no
     [M, 2I] tensor in between. config.block_n counts weight rows (gate and up) per program.
-
-    norm: x is an RMSNorm's input (see PreNorm) and the product is taken with its output,
-    which is never written; `prefetch` is then always on for the weights, and every program
-    reads the whole of x's rows once more for their rstd.
     """
-    x, norm_args = _norm_args(x, norm)
     _check_inputs(x, weight, bias)
     m, k = x.shape
     n = weight.shape[0]
@@ -534,7 +377,6 @@ def skinny_linear(
         "PREFETCH": cfg.prefetch,
         "SPLIT": split,
         "GATED": gated,
-        **norm_args,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
     }
