@@ -168,6 +168,6 @@ for step in "${steps[@]}"; do
         table-8b) models=llama-3.1-8b-instruct; name=h200-table-8b ;;
       esac
       python3 benchmarks/h200_table.py --models $models --tokenizers .carry/tok/tokenizers \
-        --budget-s 450 --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" ;;
+        --budget-s ${TABLE_BUDGET:-450} --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" ;;
   esac
 done
