@@ -1,15 +1,17 @@
 """Sweep the Triton decode attention's launch options inside CUDA graphs, per batch and context.
 
     python benchmarks/tune_decode_attention.py [--batches 1,8,64,256] [--contexts 192,1024,4096]
-        [--layers 8] [--grid KEY=V1,V2 ...] [--json OUT.json]
+        [--layers 8] [--heads 16,2] [--grid KEY=V1,V2 ...] [--json OUT.json]
 
 The decode step's attention is a decode kernel plus (when the context is split) a reduce
 kernel per layer; at batch 1 they cost ~6 us a layer on an H200, at batch 64 ~11 us (profile
 in docs/BENCHMARKS.md), mostly latency. For each (batch, context) this captures `--layers`
 layers of attention (one cache each, the shapes of Qwen2.5-3B: 16 query heads, 2 KV heads,
-head dim 128, bf16, block size 16) as the decode graphs do, for every combination of the
-decode kernel's num_warps, the reduce kernel's num_warps, min_split_len and target_programs,
-and prints µs per layer: the default's, the best's, and which that is. Outputs are checked
+head dim 128, bf16, block size 16; `--heads 32,8` for Llama-3.1-8B's) as the decode graphs
+do, for every combination of the decode kernel's num_warps, the reduce kernel's num_warps,
+min_split_len and target_programs,
+and prints µs per layer: the default's (and the KV bytes it reads per second), the best's,
+and which that is. Outputs are checked
 against the default's on the way (a config that changes results is an error, not a winner).
 `--grid KEY=V1,V2` (repeatable) sweeps only the keys it names, the others at their default;
 decode_stages (the decode kernel's num_stages: Triton's software pipelining of its KV tile
@@ -32,7 +34,6 @@ from inferx_core.batch import make_attention_batch
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda.triton_attention import TritonAttention
 
-SPEC = KVLayerSpec(16, 2, 128)  # Qwen2.5-3B
 BLOCK = 16
 DEFAULT = {
     "decode_warps": 4,
@@ -66,6 +67,7 @@ def parse_grid(items: list[str]) -> dict[str, tuple[int, ...]]:
 
 def build(
     cfg: dict[str, int],
+    spec: KVLayerSpec,
     layers: int,
     batch: int,
     context: int,
@@ -77,7 +79,7 @@ def build(
     device = device or torch.device("cuda")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backend = TritonAttention(
-        [SPEC] * layers,
+        [spec] * layers,
         BLOCK,
         dtype,
         device,
@@ -103,14 +105,16 @@ def build(
     return backend
 
 
-def measure(backend: TritonAttention, batch: int, layers: int) -> tuple[float, torch.Tensor]:
+def measure(
+    backend: TritonAttention, spec: KVLayerSpec, batch: int, layers: int
+) -> tuple[float, torch.Tensor]:
     """µs per layer of a captured step, and the last layer's output."""
     gen = torch.Generator(device="cuda").manual_seed(1)
-    q = torch.randn(batch, SPEC.num_q_heads, SPEC.head_dim, generator=gen, device="cuda")
-    k = torch.randn(batch, SPEC.num_kv_heads, SPEC.head_dim, generator=gen, device="cuda")
+    q = torch.randn(batch, spec.num_q_heads, spec.head_dim, generator=gen, device="cuda")
+    k = torch.randn(batch, spec.num_kv_heads, spec.head_dim, generator=gen, device="cuda")
     q, k = q.bfloat16(), k.bfloat16()
     v = k.clone()
-    scale = SPEC.head_dim**-0.5
+    scale = spec.head_dim**-0.5
     outs: list[torch.Tensor] = []
 
     def step() -> None:
@@ -140,28 +144,34 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--contexts", default="192,1024,4096")
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", default="16,2", help="query heads,KV heads (head dim 128)")
     ap.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("tune_decode_attention.py times CUDA graphs: it needs a GPU")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    q_heads, kv_heads = (int(h) for h in args.heads.split(","))
+    spec = KVLayerSpec(q_heads, kv_heads, 128)
     grid = parse_grid(args.grid)
     names = list(grid)
     configs = [
         dict(zip(names, values, strict=True)) for values in itertools.product(*grid.values())
     ]
     rows = []
-    print(f"{'batch':>5} {'ctx':>5} | {'default us':>10} | {'best us':>8}  best config")
+    print(f"{'batch':>5} {'ctx':>5} | {'default us':>10} {'TB/s':>5} | {'best us':>8}  best config")
     for batch, context in itertools.product(
         [int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")]
     ):
         base_us, base_out = measure(
-            build(DEFAULT, args.layers, batch, context, sms), batch, args.layers
+            build(DEFAULT, spec, args.layers, batch, context, sms), spec, batch, args.layers
         )
+        # K and V of every context token, bf16: what a layer must read at least.
+        kv_bytes = batch * context * spec.num_kv_heads * spec.head_dim * 2 * 2
         results = []
         for cfg in configs:
-            us, out = measure(build(cfg, args.layers, batch, context, sms), batch, args.layers)
+            backend = build(cfg, spec, args.layers, batch, context, sms)
+            us, out = measure(backend, spec, batch, args.layers)
             err = (out - base_out).abs().max().item() / max(base_out.abs().max().item(), 1e-6)
             if err > 2e-2:
                 raise SystemExit(
@@ -175,17 +185,20 @@ def main() -> None:
                 "batch": batch,
                 "context": context,
                 "default_us": base_us,
+                "default_tb_s": kv_bytes / base_us / 1e6,
                 "best_us": best_us,
                 "best": best,
                 "all": [{"us": u, **c} for u, c in results],
             }
         )
-        print(f"{batch:>5} {context:>5} | {base_us:10.2f} | {best_us:8.2f}  {best}")
+        tb_s = kv_bytes / base_us / 1e6
+        print(f"{batch:>5} {context:>5} | {base_us:10.2f} {tb_s:5.2f} | {best_us:8.2f}  {best}")
     if args.json:
         meta = {
             "commit": commit_id(),
             "device": torch.cuda.get_device_name(),
             "layers": args.layers,
+            "heads": [q_heads, kv_heads],
         }
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 

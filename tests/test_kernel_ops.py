@@ -350,7 +350,7 @@ def test_tiny_model_logits_with_the_gated_gemv(name: str, monkeypatch: pytest.Mo
 
 def test_gated_gemv_rows_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("INFERX_GATED_GEMV_ROWS", raising=False)
-    assert TritonOps().gated_gemv_rows == (5, 8)  # the default: batches graphs pad to 8
+    assert TritonOps().gated_gemv_rows == (5, 16)  # the default: graphs pad these to 8, 16
     for value, rows in (("8", (1, 8)), ("2-16", (2, 16)), ("3-3", (3, 3)), ("0", (1, 0))):
         monkeypatch.setenv("INFERX_GATED_GEMV_ROWS", value)
         assert TritonOps().gated_gemv_rows == rows, value
