@@ -163,7 +163,11 @@ def profile_batch(
 ) -> dict[str, Any]:
     engine = llm.engine
     prompts = [list(range(1000 + i, 1000 + prompt_len + i)) for i in range(batch)]
-    params = SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True)
+    # The batch's prefill takes up to one step per max_batched_tokens prompt tokens, and the
+    # first sequences decode meanwhile: their budget covers that, so none finishes before the
+    # profiled steps (256 x 640 tokens took ~80 steps and lost sequences at steps + 16).
+    prefill_steps = -(-batch * prompt_len // engine.config.scheduler.max_batched_tokens)
+    params = SamplingParams(max_tokens=steps + 16 + prefill_steps, temperature=0, ignore_eos=True)
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm
     ids = [engine.add_request(p, params) for p in prompts]
     while any(engine.requests[i].seq.num_output == 0 for i in ids):  # prefill, first tokens
