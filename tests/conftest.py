@@ -20,6 +20,18 @@ on_gpu = pytest.mark.skipif(
     INTERPRET or not torch.cuda.is_available(), reason="needs CUDA and compiled Triton kernels"
 )
 
+
+@pytest.fixture(autouse=True)
+def _no_heap_freeze(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines freeze the heap once started (engine.gc_freeze): in one test process of hundreds
+    of engines that would keep every finished test's cyclic garbage to the end. Tests marked
+    real_gc_freeze keep it."""
+    if "real_gc_freeze" not in request.keywords:
+        import inferx_core.engine
+
+        monkeypatch.setattr(inferx_core.engine, "freeze_heap", lambda: None)
+
+
 # The steering repo's shared/ sits beside the checkout, in a session and in CI alike.
 FIXTURES = Path(
     os.environ.get("INFERX_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures")

@@ -56,6 +56,10 @@ class EngineSection(Section):
     # every output back one step (the demo model's first token: 57-61 -> 89-97 ms).
     overlap: bool | Literal["auto"] = "auto"
     threads: int | None = Field(default=None, ge=1)  # torch CPU threads
+    # Once started, collect and gc.freeze() the heap so that Python's full collections skip the
+    # ~190k objects start-up leaves (torch, triton, the model): one walked them all inside an
+    # 8B offline decode step on the H200 machine, a 157 ms stall (BENCHMARKS.md, session 7).
+    gc_freeze: bool = True
 
     @field_validator("device")
     @classmethod

@@ -12,6 +12,8 @@ host to sample the next one (penalties) is collected before the next is schedule
 
 from __future__ import annotations
 
+import atexit
+import gc
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +31,21 @@ from inferx_core.interfaces import (
 )
 from inferx_core.plugins import Plugins, plugins
 from inferx_core.sequence import SamplingParams, Sequence
+
+_unfreeze_at_exit = False
+
+
+def freeze_heap() -> None:
+    """Collect the garbage, then move every live object to the collector's permanent generation
+    (gc.freeze), which its collections skip. What is frozen is never collected while frozen (a
+    cycle that becomes garbage stays), so a process does this once its long-lived state is built;
+    at exit the heap is unfrozen so that finalization frees it as usual."""
+    global _unfreeze_at_exit
+    gc.collect()
+    gc.freeze()
+    if not _unfreeze_at_exit:
+        atexit.register(gc.unfreeze)
+        _unfreeze_at_exit = True
 
 
 @dataclass
@@ -106,6 +123,8 @@ class Engine:
             overlap = getattr(getattr(executor, "device", None), "type", None) != "cpu"
         self.overlap = overlap and getattr(executor, "supports_overlap", False)
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
+        if config.engine.gc_freeze:
+            freeze_heap()
 
     # -- requests ------------------------------------------------------------------------------
 
