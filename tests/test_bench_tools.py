@@ -99,3 +99,19 @@ def test_prefill_profile_groups_kernels_by_name() -> None:
     ]
     # 8B: 8.03e9 parameters, 8192 tokens in 0.24 s -> 2 * 8.03e9 * 8192 / 0.24 = 548 TFLOPS
     assert abs(gemm_tflops(8_030_000_000, 8192, 0.24) - 548.2) < 0.1
+
+
+def test_engine_gc_pauses_runs_both_settings(tmp_path: Path, monkeypatch) -> None:
+    """benchmarks/engine_gc_pauses.py at a small size: one child per setting, the frozen one
+    with the start-up heap frozen and nothing tracked, the other with nothing frozen."""
+    import engine_gc_pauses
+
+    out = tmp_path / "gc.json"
+    argv = ["engine_gc_pauses.py", "--prompts", "4", "--input-len", "32", "--output-len", "4"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--rounds", "1", "--json", str(out)])
+    engine_gc_pauses.main()
+    off, on = json.loads(out.read_text())["results"]
+    assert (off["freeze"], on["freeze"]) == (False, True)
+    assert off["frozen"] == 0 and off["tracked_after_start"] > 10_000
+    assert on["frozen"] > 10_000 and on["tracked_after_start"] < 1_000
+    assert off["steps"] == on["steps"] >= 4
