@@ -30,6 +30,7 @@ def _no_heap_freeze(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPa
         import inferx_core.engine
 
         monkeypatch.setattr(inferx_core.engine, "freeze_heap", lambda: None)
+        monkeypatch.setattr(inferx_core.engine, "thaw_heap", lambda: None)
 
 
 # The steering repo's shared/ sits beside the checkout, in a session and in CI alike.

@@ -4,6 +4,7 @@ full collection in a step does not stall it; a step's own garbage is still colle
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -45,3 +46,24 @@ def test_a_started_engine_freezes_the_heap() -> None:
 def test_gc_freeze_off_freezes_nothing() -> None:
     Engine(load_config(None, {"engine.gc_freeze": False}), executor=FakeExecutor(64, 16))
     assert gc.get_freeze_count() == 0
+
+
+class _Weights:
+    """Stands for a model's weights: something a dropped engine must not keep alive."""
+
+
+def test_a_new_engine_frees_what_a_dropped_frozen_one_held() -> None:
+    """An engine dropped while frozen, held only by a reference cycle (as CUDA-graph runners
+    holding bound methods make), is freed when the next engine starts, before it allocates."""
+    first = Engine(load_config(None, {}), executor=FakeExecutor(64, 16))
+    weights = _Weights()
+    first.weights = weights  # type: ignore[attr-defined]
+    first.cycle = first  # type: ignore[attr-defined]
+    gc.collect()
+    gc.freeze()  # as if the engine had frozen after taking its weights
+    alive = weakref.ref(weights)
+    del first, weights
+    gc.collect()
+    assert alive() is not None  # frozen: the collector does not see the dead cycle
+    Engine(load_config(None, {}), executor=FakeExecutor(64, 16))
+    assert alive() is None

@@ -35,11 +35,19 @@ from inferx_core.sequence import SamplingParams, Sequence
 _unfreeze_at_exit = False
 
 
+def thaw_heap() -> None:
+    """Undo freeze_heap and collect: what an earlier engine froze and has since been dropped
+    (its weights, held by a reference cycle) is garbage the collector cannot free while frozen.
+    A new engine calls this before it allocates anything."""
+    gc.unfreeze()
+    gc.collect()
+
+
 def freeze_heap() -> None:
     """Collect the garbage, then move every live object to the collector's permanent generation
     (gc.freeze), which its collections skip. What is frozen is never collected while frozen (a
-    cycle that becomes garbage stays), so a process does this once its long-lived state is built;
-    at exit the heap is unfrozen so that finalization frees it as usual."""
+    cycle that becomes garbage stays until thaw_heap), so a process does this once its
+    long-lived state is built; at exit the heap is unfrozen so that finalization frees it."""
     global _unfreeze_at_exit
     gc.collect()
     gc.freeze()
@@ -97,6 +105,8 @@ class Engine:
     ) -> None:
         reg = reg or plugins()
         self.config = config
+        if config.engine.gc_freeze:
+            thaw_heap()
         if executor is None:
             from inferx_core.executor import ModelRunner
 

@@ -57,8 +57,9 @@ class TritonOps(KernelOps):
         # skinny_linear(gated=True) launch: 5-16 (graphs pad them to 8 or 16). 3B decode steps
         # on the H200, unfused -> fused: batch 8 2.600 -> 2.495 ms, batch 16 2.639 -> 2.546;
         # batch 1 2.544 -> 2.542, and the FMA path of 2 and 4 rows loses (2.556 -> 2.718,
-        # 2.566 -> 3.102 ms). bench_gemv had 8B's fused gate_up level with cuBLAS at 8 rows and 7 µs slower at
-        # one (BENCHMARKS.md, session 7). INFERX_GATED_GEMV_ROWS="LO-HI", "N" (1-N) or "0" (off).
+        # 2.566 -> 3.102 ms). bench_gemv had 8B's fused gate_up level with cuBLAS at 8 rows
+        # and 7 µs slower at one (BENCHMARKS.md, session 7). INFERX_GATED_GEMV_ROWS="LO-HI",
+        # "N" (1-N) or "0" (off).
         self.gated_gemv_rows = gated_rows(os.environ.get("INFERX_GATED_GEMV_ROWS", "5-16"))
         self._interpret = os.environ.get("TRITON_INTERPRET") == "1"
 
