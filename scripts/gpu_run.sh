@@ -6,7 +6,7 @@
 #   cp -r ../shared/fixtures/tokenizers/{qwen,llama3} .carry/tok/tokenizers/
 #   tar -C .carry/tok -cJf .carry/tokxz/tok.tar.xz tokenizers
 # then carry [".whl", ".carry/tokxz"] (unpacked below into .carry/tok on the machine).
-# Usage: bash scripts/gpu_run.sh [tests] [flashinfer] [profile] [profile-prefill] [decode-variants] [breakdown] [gemv] [mixed] [tune] [split-gemm] [startup] [serve-ab] [bench] [demo]
+# Usage: bash scripts/gpu_run.sh [setup] [tests] [flashinfer] [profile] [profile-prefill] [decode-variants] [breakdown] [gemv] [mixed] [tune] [split-gemm] [startup] [serve-ab] [bench] [demo]
 #        [table | table-3b | table-8b]
 #   flashinfer: its conformance tests (FI_K: a pytest -k filter), then its compiled kernels packed into $OUT as
 #   fi-cache.tar.part-*: keep them in .carry/fi/ (31 MB) and carry .carry/fi in later runs
@@ -44,6 +44,7 @@ steps=("$@")
 TOK=.carry/tok/tokenizers/qwen
 for step in "${steps[@]}"; do
   case $step in
+    setup) ;;  # set-up only (done above), e.g. before benchmarks run by hand in the same call
     tests)
       files=${TESTS_FILES:-tests/test_kv_sizing.py tests/test_gpu_correctness.py \
         tests/test_cuda_graphs.py tests/test_triton_attention.py}
@@ -169,5 +170,6 @@ for step in "${steps[@]}"; do
       esac
       python3 benchmarks/h200_table.py --models $models --tokenizers .carry/tok/tokenizers \
         --budget-s ${TABLE_BUDGET:-450} --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" ;;
+    *) echo "gpu_run.sh: unknown step $step" >&2; exit 2 ;;
   esac
 done
