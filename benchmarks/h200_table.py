@@ -203,6 +203,7 @@ def fig_throughput(llm: Any, s: Sizes) -> dict[str, Any]:
     warm = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     llm.generate(prompts[:16], warm)
     params = SamplingParams(max_tokens=s.tput_out, temperature=0, ignore_eos=True)
+    kernels = triton_kernels()
     t0 = time.perf_counter()
     done = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
@@ -214,6 +215,7 @@ def fig_throughput(llm: Any, s: Sizes) -> dict[str, Any]:
         "elapsed_s": elapsed,
         "output_tok_s": out_tokens / elapsed,
         "total_tok_s": (out_tokens + s.tput_prompts * s.tput_in) / elapsed,
+        "triton_compiled": sorted(triton_kernels() - kernels),  # mid-run compiles stall steps
     }
 
 

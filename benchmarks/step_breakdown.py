@@ -5,15 +5,18 @@
 
 Runs LLM.generate over random prompts and times, for every engine.step() call, its parts on the
 host clock: schedule() and submit() of the next step, waiting for the step's result, and
-applying it (update, detokenize). Steps are grouped by what they ran: decode-only steps (CUDA
-graphs) and steps with prompt tokens (eager). Then torch.profiler over a window of decode steps
-at the largest batch gives the GPU's busy and idle time per step there (profile_decode.py's
-measure). Prints a table; --json keeps it.
+applying it (update, detokenize), and the time Python's garbage collector ran inside it (and
+whether a full, generation-2, collection did). Steps are grouped by what they ran: decode-only
+steps (CUDA graphs) and steps with prompt tokens; the slowest steps are listed with their parts,
+and the Triton kernels compiled during the run (a mid-run compile stalls a step). Then
+torch.profiler over a window of decode steps at the largest batch gives the GPU's busy and idle
+time per step there (profile_decode.py's measure). Prints a table; --json keeps it.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -28,6 +31,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
+from h200_table import triton_kernels  # noqa: E402
 from profile_decode import gpu_records, idle_fraction  # noqa: E402
 
 from inferx_core.bench_offline import random_prompt  # noqa: E402
@@ -80,6 +84,20 @@ class StepTimer:
             return got
 
         eng._submit, eng._apply, eng.step = submit_then_mark, apply, step
+        self._gc_t0 = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        """Collector time inside the current step, and full collections (generation 2)."""
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+            return
+        self.cur["gc_ms"] = self.cur.get("gc_ms", 0.0) + (time.perf_counter() - self._gc_t0) * 1e3
+        if info["generation"] == 2:
+            self.cur["gc_full"] = self.cur.get("gc_full", 0) + 1
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_gc)
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -99,10 +117,17 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "mean_tokens": sum(r["tokens"] for r in rs) / n,
             **{
                 f"mean_{k}": sum(r.get(k, 0.0) for r in rs) / n
-                for k in ("step_ms", "submit_ms", "wait_ms", "apply_ms")
+                for k in ("step_ms", "submit_ms", "wait_ms", "apply_ms", "gc_ms")
             },
+            "gc_full": sum(r.get("gc_full", 0) for r in rs),
         }
     return out
+
+
+def slowest(rows: list[dict[str, Any]], n: int = 5) -> list[dict[str, Any]]:
+    """The n slowest steps, each with its index in the run, slowest first."""
+    timed = [{"index": i, **r} for i, r in enumerate(rows) if "step_ms" in r]
+    return sorted(timed, key=lambda r: -r["step_ms"])[:n]
 
 
 def main() -> None:
@@ -134,10 +159,13 @@ def main() -> None:
     prompts = [random_prompt(vocab, args.input_len, rng) for _ in range(args.num_prompts)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     llm.generate(prompts[:16], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    kernels = triton_kernels()
     timer = StepTimer(llm.engine)
     t0 = time.perf_counter()
     done = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
+    timer.close()
+    compiled = sorted(triton_kernels() - kernels)
     out_tokens = sum(len(d.token_ids) for d in done)
     summary = summarize(timer.rows)
     print(
@@ -146,20 +174,31 @@ def main() -> None:
     )
     print(
         f"{'steps':<20} {'n':>5} {'total s':>8} {'seqs':>6} {'tokens':>7} {'step ms':>8} "
-        f"{'submit':>7} {'wait':>7} {'apply':>7}"
+        f"{'submit':>7} {'wait':>7} {'apply':>7} {'gc':>6} {'gc full':>7}"
     )
     for kind, s in summary.items():
         print(
             f"{kind:<20} {s['steps']:>5} {s['total_s']:>8.2f} {s['mean_seqs']:>6.0f} "
             f"{s['mean_tokens']:>7.0f} {s['mean_step_ms']:>8.2f} {s['mean_submit_ms']:>7.2f} "
-            f"{s['mean_wait_ms']:>7.2f} {s['mean_apply_ms']:>7.2f}"
+            f"{s['mean_wait_ms']:>7.2f} {s['mean_apply_ms']:>7.2f} {s['mean_gc_ms']:>6.2f} "
+            f"{s['gc_full']:>7}"
         )
+    print("slowest steps: index, tokens, ms (submit / wait / apply; gc, full collections)")
+    for r in slowest(timer.rows):
+        print(
+            f"  {r['index']:>4} {r.get('tokens', 0):>6} {r['step_ms']:>8.1f} "
+            f"({r.get('submit_ms', 0):.1f} / {r.get('wait_ms', 0):.1f} / "
+            f"{r.get('apply_ms', 0):.1f}; {r.get('gc_ms', 0):.1f}, {r.get('gc_full', 0)})"
+        )
+    print(f"Triton kernels compiled during the run: {compiled or 'none'}")
     doc = {
         "commit": os.environ.get("INFERX_COMMIT", "?"),
         "args": vars(args),
         "elapsed_s": elapsed,
         "output_tok_s": out_tokens / elapsed,
         "summary": summary,
+        "slowest": slowest(timer.rows),
+        "triton_compiled": compiled,
         "rows": timer.rows,
     }
     if torch.cuda.is_available():

@@ -18,7 +18,7 @@ from profile_decode import (  # noqa: E402  # noqa: E402
     kernel_table,
 )
 from profile_prefill import gemm_tflops  # noqa: E402
-from step_breakdown import summarize  # noqa: E402
+from step_breakdown import StepTimer, slowest, summarize  # noqa: E402
 
 
 def test_idle_counts_gaps_once_and_overlaps_as_busy(tmp_path: Path) -> None:
@@ -55,6 +55,49 @@ def test_step_breakdown_groups_decode_and_prompt_steps() -> None:
     assert s["decode"]["mean_wait_ms"] == 1.5 and s["decode"]["total_s"] == 0.006
     assert s["with prompt tokens"]["steps"] == 1
     assert s["with prompt tokens"]["mean_wait_ms"] == 0.0
+    assert s["decode"]["mean_gc_ms"] == 0.0 and s["decode"]["gc_full"] == 0
+    rows[1].update(gc_ms=3.0, gc_full=1)
+    s = summarize(rows)
+    assert s["decode"]["mean_gc_ms"] == 1.5 and s["decode"]["gc_full"] == 1
+    assert [r["index"] for r in slowest(rows, 2)] == [2, 1]
+
+
+def test_step_timer_charges_a_collection_to_its_step() -> None:
+    """StepTimer's collector hook: a full collection inside the second step's apply shows in
+    that step's row (gc_ms, gc_full), not in the others'."""
+    import gc
+
+    class Chunk:
+        num_tokens = 1
+
+    class Out:
+        chunks = [Chunk()]
+
+    class Engine:
+        calls = 0
+
+        def _submit(self, idle_ok: bool):
+            return (Out(), None)
+
+        def _apply(self, out, result):
+            self.calls += 1
+            if self.calls == 2:
+                gc.collect()
+
+        def step(self):
+            got = self._submit(True)
+            self._apply(got[0], None)
+
+    engine = Engine()
+    timer = StepTimer(engine)
+    try:
+        for _ in range(3):
+            engine.step()
+    finally:
+        timer.close()
+    assert [r.get("gc_full", 0) for r in timer.rows] == [0, 1, 0]
+    assert timer.rows[1]["gc_ms"] > 0
+    assert gc.callbacks.count(timer._on_gc) == 0
 
 
 def test_server_startup_times_both_variants(tmp_path: Path) -> None:
