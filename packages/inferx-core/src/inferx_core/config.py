@@ -57,8 +57,9 @@ class EngineSection(Section):
     overlap: bool | Literal["auto"] = "auto"
     threads: int | None = Field(default=None, ge=1)  # torch CPU threads
     # Once started, collect and gc.freeze() the heap so that Python's full collections skip the
-    # ~190k objects start-up leaves (torch, triton, the model): one walked them all inside an
-    # 8B offline decode step on the H200 machine, a 157 ms stall (BENCHMARKS.md, session 7).
+    # ~190k objects start-up leaves (torch, triton, the model): one pass over them took 63 ms of
+    # a step on the CPU VM, the likely cause of a 157 ms stall in an 8B offline decode step on
+    # the H200 machine (BENCHMARKS.md, session 7).
     gc_freeze: bool = True
 
     @field_validator("device")
