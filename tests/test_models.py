@@ -304,3 +304,22 @@ def test_plugin_registers_archs_and_formats() -> None:
     assert plugins().get("checkpoint_format", "safetensors") is SafetensorsFormat
     assert plugins().get("checkpoint_format", "dummy") is DummyFormat
     assert plugins().entry("checkpoint_format", "gguf").target == "inferx_models.gguf:GGUFFormat"
+
+
+def test_building_an_engine_does_not_import_torch_dynamo() -> None:
+    """Start-up never pays for torch._dynamo's import (1.2-1.3 s on the CPU VM, more on the H200
+    machine's slower cores): nothing here compiles. nn.utils.skip_init(nn.Embedding) did import
+    it, through a decomposition of normal_ on the meta device. A fresh interpreter, since
+    another test may have imported it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from inferx_core.config import load_config\n"
+        "from inferx_core.engine import LLM\n"
+        "LLM(load_config(None, {'model.preset': 'tiny-qwen2', 'model.dtype': 'float32'}))\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "False"

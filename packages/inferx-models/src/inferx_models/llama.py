@@ -94,9 +94,11 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         hidden, _, _, head_dim = _dims(cfg)
-        self.embed_tokens = nn.utils.skip_init(
-            nn.Embedding, cfg["vocab_size"], hidden, dtype=ctx.dtype, device=ctx.device
-        )
+        # Left uninitialised (the checkpoint fills it). Not skip_init: nn.Embedding's init on the
+        # meta device goes through a torch decomposition that imports torch._dynamo, 1.2-1.3 s
+        # of every start-up.
+        weight = torch.empty(cfg["vocab_size"], hidden, dtype=ctx.dtype, device=ctx.device)
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], hidden, _weight=weight, _freeze=True)
         rotary = RotaryEmbedding(
             head_dim, cfg.get("max_position_embeddings", 2048), rope_parameters(cfg), ctx.device
         )
