@@ -2,7 +2,10 @@
 trivial executor, so the number is what the CPU spends beside the GPU at a given batch.
 
     python benchmarks/bench_engine_host.py --tokenizer ../shared/fixtures/tokenizers/qwen \
-        [--batch 256] [--steps 100] [--runs 3]
+        [--batch 256] [--steps 100] [--runs 3] [--text incremental|final]
+
+--text final: the requests' text is decoded once when they finish (LLM.generate's way), not
+streamed token by token (a server's).
 
 With overlap this work runs while the GPU computes a step; it must stay under the GPU's step
 time (5.3 ms at batch 256 for Qwen2.5-3B shapes on an H200) or the GPU waits.
@@ -33,7 +36,7 @@ class InstantExecutor(Executor):
         return StepResult([self.rng.randrange(1000, 30000) for c in out.chunks if c.sample])
 
 
-def run_once(tok: Tokenizer, batch: int, steps: int) -> float:
+def run_once(tok: Tokenizer, batch: int, steps: int, stream_text: bool = True) -> float:
     config = load_config(
         None,
         {
@@ -47,7 +50,8 @@ def run_once(tok: Tokenizer, batch: int, steps: int) -> float:
     rng = random.Random(0)
     params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0)
     for _ in range(batch):
-        engine.add_request([rng.randrange(1000, 50000) for _ in range(512)], params)
+        prompt = [rng.randrange(1000, 50000) for _ in range(512)]
+        engine.add_request(prompt, params, stream_text=stream_text)
     while any(r.seq.num_output == 0 for r in engine.requests.values()):
         engine.step()
     t0 = time.perf_counter()
@@ -62,11 +66,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--text", choices=["incremental", "final"], default="incremental")
     args = ap.parse_args()
     tok = Tokenizer.from_dir(args.tokenizer)
-    times = [run_once(tok, args.batch, args.steps) for _ in range(args.runs)]
+    stream_text = args.text == "incremental"
+    times = [run_once(tok, args.batch, args.steps, stream_text) for _ in range(args.runs)]
     print(
-        f"engine host work at batch {args.batch}: median {statistics.median(times):.2f} ms/step "
+        f"engine host work at batch {args.batch}, {args.text} text: median "
+        f"{statistics.median(times):.2f} ms/step "
         f"over {args.runs} runs of {args.steps} steps ({', '.join(f'{t:.2f}' for t in times)})"
     )
 

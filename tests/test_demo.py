@@ -63,6 +63,51 @@ def test_chat_answer_is_sensible(llm):
     assert out.finish_reason == "stop"  # ends with <|im_end|>, not at max_tokens
 
 
+def test_generate_text_is_the_streamed_text(llm, monkeypatch):
+    """LLM.generate decodes a request's text once at the end (FinalDetokenizer), the stream
+    delta by delta: the same text, the decode of the same tokens. With a stop string generate
+    streams internally (the stop is found in the text) and cuts there."""
+    prompt = llm.chat_prompt(QUESTION)
+    texts = {}
+    for skip in (True, False):
+        params = SamplingParams(max_tokens=24, temperature=0, skip_special_tokens=skip)
+        done = llm.generate(prompt, params)[0]
+        streamed = "".join(o.text for o in llm.stream(prompt, params))
+        assert done.text == streamed == llm.tokenizer.decode(done.token_ids, skip)
+        texts[skip] = done.text
+    assert "Paris" in texts[True]
+    stop = SamplingParams(max_tokens=24, temperature=0, stop=["Paris"])
+    cut = llm.generate(prompt, stop)[0]
+    assert cut.finish_reason == "stop" and texts[True].startswith(cut.text + "Paris")
+    # Which detokenizer each request gets.
+    engine = llm.engine
+    kinds = {}
+    for name, params, stream_text in (
+        ("final", SamplingParams(max_tokens=4), False),
+        ("stop", stop, False),
+        ("stream", SamplingParams(max_tokens=4), True),
+    ):
+        rid = engine.add_request(prompt, params, stream_text=stream_text)
+        kinds[name] = type(engine.requests[rid].detok).__name__
+        engine.abort(rid)
+    assert kinds == {
+        "final": "FinalDetokenizer",
+        "stop": "IncrementalDetokenizer",
+        "stream": "IncrementalDetokenizer",
+    }
+    # ... and generate asks for the final text only.
+    asked = []
+    real = engine.add_request
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("stream_text", True))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", spy)
+    llm.generate([prompt, prompt], SamplingParams(max_tokens=2))
+    assert asked == [False, False]
+
+
 def test_cli_generate_json_answers():
     done = subprocess.run(
         [

@@ -12,7 +12,12 @@ from conftest import FIXTURES
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from inferx_core.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer  # noqa: E402
+from inferx_core.tokenizer import (  # noqa: E402
+    FinalDetokenizer,
+    IncrementalDetokenizer,
+    StopChecker,
+    Tokenizer,
+)
 
 NAMES = ["qwen", "llama3", "gpt-oss", "gguf"]
 
@@ -193,6 +198,22 @@ def test_stream_of_random_ids_equals_one_shot_decode(pair):
                 ids.append(rng.randrange(ours.vocab_size))
         for skip in (True, False):
             assert "".join(stream(ours, ids, skip)) == ours.decode(ids, skip), ids
+
+
+def test_final_text_equals_the_stream(pair):
+    """FinalDetokenizer (offline generation): nothing per token, then the stream's whole text,
+    on text and on random ids (broken UTF-8 and special tokens among them)."""
+    _, ours, _ = pair
+    rng = random.Random(1)
+    cases = [ours.encode(t) for t in CORPUS]
+    cases += [
+        [rng.randrange(ours.vocab_size) for _ in range(rng.randrange(1, 30))] for _ in range(50)
+    ]
+    for ids in cases:
+        for skip in (True, False):
+            final = FinalDetokenizer(ours, skip)
+            assert [final.push(i) for i in ids] == [""] * len(ids)
+            assert final.flush() == "".join(stream(ours, ids, skip)), ids
 
 
 def test_stream_cost_does_not_grow_with_the_output():

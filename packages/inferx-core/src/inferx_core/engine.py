@@ -87,7 +87,7 @@ class Completion:
 @dataclass
 class _Request:
     seq: Sequence
-    detok: Any  # IncrementalDetokenizer, or None without a tokenizer
+    detok: Any  # IncrementalDetokenizer or FinalDetokenizer, or None without a tokenizer
     stop: Any  # StopChecker, or None without stop strings
     sent: int = 0  # output tokens already reported
     logprobs: list = field(default_factory=list)
@@ -150,9 +150,12 @@ class Engine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        stream_text: bool = True,
     ) -> str:
         """Queue a request; raises ValueError for a prompt that cannot run, QueueFullError when
-        the waiting queue is full."""
+        the waiting queue is full. stream_text=False: the caller reads only the finished
+        output's text, so a request without stop strings is decoded once at the end (its
+        earlier outputs carry token ids and empty text)."""
         params = params or SamplingParams()
         ids = self.encode(prompt)
         if not ids:
@@ -174,11 +177,14 @@ class Engine:
             seq.request_id = request_id
         detok = stop = None
         if self.tokenizer is not None:
-            from inferx_core.tokenizer import IncrementalDetokenizer, StopChecker
+            from inferx_core.tokenizer import FinalDetokenizer, IncrementalDetokenizer, StopChecker
 
-            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             if params.stop:
                 stop = StopChecker(params.stop, params.include_stop_str_in_output)
+            if stream_text or stop is not None:  # stop strings are found in the streamed text
+                detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            else:
+                detok = FinalDetokenizer(self.tokenizer, params.skip_special_tokens)
         self.scheduler.add(seq)
         self.requests[seq.request_id] = _Request(seq, detok, stop)
         return seq.request_id
@@ -304,7 +310,10 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        ids = [
+            self.engine.add_request(p, sp, stream_text=False)
+            for p, sp in zip(prompts, plist, strict=True)
+        ]
         prompt_ids = {i: self.engine.requests[i].seq.prompt_ids for i in ids}
         done: dict[str, Completion] = {}
         parts: dict[str, list[RequestOutput]] = {i: [] for i in ids}
