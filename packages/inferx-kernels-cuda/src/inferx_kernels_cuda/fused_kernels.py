@@ -21,33 +21,6 @@ def _rounded(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def norm_input(
-    x_ptr, x_offs, stride_part, res_ptr, res_offs, mask, PARTS: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-):  # fmt: skip
-    """An RMSNorm's input h at x_offs, fp32: PARTS partial results stride_part apart summed in
-    fp32 and rounded once (to what one GEMM would have written), then the residual at res_offs
-    added and rounded (x's dtype throughout)."""
-    dtype = x_ptr.dtype.element_ty
-    h = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
-    if PARTS > 1:
-        for p in tl.static_range(1, PARTS):
-            h += tl.load(x_ptr + p * stride_part + x_offs, mask=mask, other=0.0).to(tl.float32)
-        h = _rounded(h, dtype)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + res_offs, mask=mask, other=0.0)
-        h = _rounded(h + r.to(tl.float32), dtype)
-    return h
-
-
-@triton.jit
-def normalized(h, rstd, weight, DTYPE: tl.constexpr):
-    """RMSNorm's output from its input h (fp32), rstd and weight (fp32), before the cast to the
-    output dtype: h * rstd rounded to DTYPE (as torch normalises), times the weight."""
-    return weight * _rounded(h * rstd, DTYPE)
-
-
-@triton.jit
 def silu_times(gate, up, DTYPE: tl.constexpr):
     """silu(gate) * up in fp32 from gate and up in fp32, silu rounded to DTYPE before the
     product as torch rounds it. Shared with gemv's gated epilogue."""
@@ -81,18 +54,23 @@ def rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     dtype = x_ptr.dtype.element_ty
-    h = norm_input(
-        x_ptr, row * stride_x + cols, stride_part, residual_ptr, row * stride_residual + cols,
-        mask, PARTS, HAS_RESIDUAL,
-    )  # fmt: skip
+    h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if PARTS > 1:
+        for p in tl.static_range(1, PARTS):
+            part = tl.load(x_ptr + p * stride_part + row * stride_x + cols, mask=mask, other=0.0)
+            h += part.to(tl.float32)
+        h = _rounded(h, dtype)
     if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        h = _rounded(h + r.to(tl.float32), dtype)
         tl.store(residual_out_ptr + row * stride_residual_out + cols, h.to(dtype), mask=mask)
     # Masked columns load as 0 and add nothing to the sum of squares.
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
+    normed = _rounded(h * rstd, dtype)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(
         out_ptr + row * stride_out + cols,
-        normalized(h, rstd, w, dtype).to(out_ptr.dtype.element_ty),
+        (w * normed).to(out_ptr.dtype.element_ty),
         mask=mask,
     )
 
