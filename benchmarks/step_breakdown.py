@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import random
 import sys
 import tempfile
@@ -31,8 +30,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
+from commit_id import commit_id  # noqa: E402
 from h200_table import triton_kernels  # noqa: E402
-from profile_decode import gpu_records, idle_fraction  # noqa: E402
+from profile_decode import gpu_records, idle_fraction, with_sets  # noqa: E402
 
 from inferx_core.bench_offline import random_prompt  # noqa: E402
 from inferx_core.config import load_config  # noqa: E402
@@ -150,10 +150,7 @@ def main() -> None:
         "scheduler.prefill_chunk": 8192,
         "scheduler.prefix_cache": False,
     }
-    for kv in args.set:
-        key, value = kv.split("=", 1)
-        overrides[key] = value
-    llm = LLM(load_config(None, overrides))
+    llm = LLM(load_config(None, with_sets(overrides, args.set)))
     vocab = int(llm.engine.executor.hf_config["vocab_size"])
     rng = random.Random(2)
     prompts = [random_prompt(vocab, args.input_len, rng) for _ in range(args.num_prompts)]
@@ -192,7 +189,7 @@ def main() -> None:
         )
     print(f"Triton kernels compiled during the run: {compiled or 'none'}")
     doc = {
-        "commit": os.environ.get("INFERX_COMMIT", "?"),
+        "commit": commit_id(),
         "args": vars(args),
         "elapsed_s": elapsed,
         "output_tok_s": out_tokens / elapsed,
