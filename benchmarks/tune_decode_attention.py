@@ -9,10 +9,9 @@ in docs/BENCHMARKS.md), mostly latency. For each (batch, context) this captures 
 layers of attention (one cache each, the shapes of Qwen2.5-3B: 16 query heads, 2 KV heads,
 head dim 128, bf16, block size 16; `--heads 32,8` for Llama-3.1-8B's) as the decode graphs
 do, for every combination of the decode kernel's num_warps, the reduce kernel's num_warps,
-min_split_len and target_programs,
-and prints µs per layer: the default's (and the KV bytes it reads per second), the best's,
-and which that is. Outputs are checked
-against the default's on the way (a config that changes results is an error, not a winner).
+min_split_len and target_programs, and prints µs per layer: the default's (and the KV bytes it
+reads per second), the best's, and which that is. Outputs are checked against the default's on
+the way (a config that changes results is an error, not a winner).
 `--grid KEY=V1,V2` (repeatable) sweeps only the keys it names, the others at their default;
 decode_stages (the decode kernel's num_stages: Triton's software pipelining of its KV tile
 loads), block_n (context tokens per tile) and reduce_heads (query heads per reduce program)
@@ -168,6 +167,7 @@ def main() -> None:
         )
         # K and V of every context token, bf16: what a layer must read at least.
         kv_bytes = batch * context * spec.num_kv_heads * spec.head_dim * 2 * 2
+        tb_s = kv_bytes / base_us / 1e6
         results = []
         for cfg in configs:
             backend = build(cfg, spec, args.layers, batch, context, sms)
@@ -185,13 +185,12 @@ def main() -> None:
                 "batch": batch,
                 "context": context,
                 "default_us": base_us,
-                "default_tb_s": kv_bytes / base_us / 1e6,
+                "default_tb_s": tb_s,
                 "best_us": best_us,
                 "best": best,
                 "all": [{"us": u, **c} for u, c in results],
             }
         )
-        tb_s = kv_bytes / base_us / 1e6
         print(f"{batch:>5} {context:>5} | {base_us:10.2f} {tb_s:5.2f} | {best_us:8.2f}  {best}")
     if args.json:
         meta = {
