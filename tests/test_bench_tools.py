@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
-from profile_decode import (  # noqa: E402  # noqa: E402
+from profile_decode import (  # noqa: E402
     gpu_records,
     group_table,
     idle_by_gap,

@@ -21,6 +21,7 @@ from inferx_kernels_cuda.gemv import (  # noqa: E402
     skinny_linear,
     split_for,
 )
+from inferx_kernels_cuda.ops import TritonOps  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 from bench_gemv import candidate_configs, linear_shapes  # noqa: E402
@@ -99,15 +100,6 @@ def test_against_float64(dtype: torch.dtype, m: int, with_bias: bool, name: str)
     assert all(torch.equal(t, u) for t, u in zip((x, w, b), before, strict=True))
 
 
-def silu_mul_like_the_model(y: torch.Tensor) -> torch.Tensor:
-    """silu_and_mul_kernel's arithmetic in torch on y = [gate | up] in its dtype: silu rounded
-    to the dtype before the product."""
-    half = y.shape[1] // 2
-    gate, up = y[:, :half].float(), y[:, half:].float()
-    act = (gate / (1 + torch.exp(-gate))).to(y.dtype).float()
-    return (act * up).to(y.dtype)
-
-
 # The fused epilogue and the unfused path may see fp32 sums a few fp32 ulps apart (other tile
 # shapes), which can flip the rounding of gate or up and so move the result by an ulp or two.
 GATED_TOL = {torch.float32: 1e-5, torch.float16: 4 * 2.0**-11, torch.bfloat16: 4 * 2.0**-8}
@@ -128,7 +120,7 @@ def test_gated_is_silu_and_mul_of_the_product(
     bias = b if with_bias else None
     cfg = CONFIGS[name]
     ours = skinny_linear(x, w, bias, cfg, gated=True)
-    want = silu_mul_like_the_model(skinny_linear(x, w, bias, cfg))
+    want = TritonOps().silu_and_mul(skinny_linear(x, w, bias, cfg))
     assert ours.shape == (m, 37) and ours.dtype == dtype
     tol = GATED_TOL[dtype]
     torch.testing.assert_close(ours, want, rtol=tol, atol=tol * want.abs().max().item())
@@ -339,7 +331,6 @@ def test_gpu_bf16_real_shapes(shape: tuple[str, int, int, bool], m: int, name: s
 def test_gpu_gated_real_gate_up(shape: tuple[str, int, int], m: int, name: str) -> None:
     """The fused gate_up + SiLU-and-mul against the model's unfused path: cuBLAS, then
     TritonOps.silu_and_mul."""
-    from inferx_kernels_cuda.ops import TritonOps
 
     _, n, k = shape
     x, w, _ = inputs(m, n, k, torch.bfloat16, torch.device("cuda"), seed=n + m)
