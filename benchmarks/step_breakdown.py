@@ -10,7 +10,11 @@ whether a full, generation-2, collection did). Steps are grouped by what they ra
 steps (CUDA graphs) and steps with prompt tokens; the slowest steps are listed with their parts,
 and the Triton kernels compiled during the run (a mid-run compile stalls a step). Then
 torch.profiler over a window of decode steps at the largest batch gives the GPU's busy and idle
-time per step there (profile_decode.py's measure). Prints a table; --json keeps it.
+time per step there (profile_decode.py's measure), and, over a smaller run under
+torch.profiler, the CUDA runtime calls the host spent longest in (a cudaStreamSynchronize or
+cudaFree there is a step waiting on the GPU). The caching allocator's retries (a failed
+cudaMalloc, then every cached block freed, which waits for the device) are counted per step.
+Prints a table; --json keeps it.
 """
 
 from __future__ import annotations
@@ -74,6 +78,9 @@ class StepTimer:
             self.t_wait = t0
             out = real_step()
             self.cur["step_ms"] = (time.perf_counter() - t0) * 1e3
+            retries = alloc_retries()
+            self.cur["alloc_retries"] = retries - self.retries
+            self.retries = retries
             self.rows.append(self.cur)
             return out
 
@@ -84,6 +91,7 @@ class StepTimer:
             return got
 
         eng._submit, eng._apply, eng.step = submit_then_mark, apply, step
+        self.retries = alloc_retries()
         self._gc_t0 = 0.0
         gc.callbacks.append(self._on_gc)
 
@@ -98,6 +106,14 @@ class StepTimer:
 
     def close(self) -> None:
         gc.callbacks.remove(self._on_gc)
+
+
+def alloc_retries() -> int:
+    """The caching allocator's cudaMalloc retries so far (each frees every cached block first,
+    which waits for the device); 0 without CUDA."""
+    if not torch.cuda.is_available():
+        return 0
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -120,6 +136,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 for k in ("step_ms", "submit_ms", "wait_ms", "apply_ms", "gc_ms")
             },
             "gc_full": sum(r.get("gc_full", 0) for r in rs),
+            "alloc_retries": sum(r.get("alloc_retries", 0) for r in rs),
         }
     return out
 
@@ -139,6 +156,9 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--set", action="append", default=[], help="extra config KEY=VALUE")
+    ap.add_argument(
+        "--api-prompts", type=int, default=64, help="prompts of the profiled run of CUDA calls"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     overrides = {
@@ -171,21 +191,25 @@ def main() -> None:
     )
     print(
         f"{'steps':<20} {'n':>5} {'total s':>8} {'seqs':>6} {'tokens':>7} {'step ms':>8} "
-        f"{'submit':>7} {'wait':>7} {'apply':>7} {'gc':>6} {'gc full':>7}"
+        f"{'submit':>7} {'wait':>7} {'apply':>7} {'gc':>6} {'gc full':>7} {'retries':>7}"
     )
     for kind, s in summary.items():
         print(
             f"{kind:<20} {s['steps']:>5} {s['total_s']:>8.2f} {s['mean_seqs']:>6.0f} "
             f"{s['mean_tokens']:>7.0f} {s['mean_step_ms']:>8.2f} {s['mean_submit_ms']:>7.2f} "
             f"{s['mean_wait_ms']:>7.2f} {s['mean_apply_ms']:>7.2f} {s['mean_gc_ms']:>6.2f} "
-            f"{s['gc_full']:>7}"
+            f"{s['gc_full']:>7} {s['alloc_retries']:>7}"
         )
-    print("slowest steps: index, tokens, ms (submit / wait / apply; gc, full collections)")
+    print(
+        "slowest steps: index, tokens, ms (submit / wait / apply; gc, full collections; "
+        "allocator retries)"
+    )
     for r in slowest(timer.rows):
         print(
             f"  {r['index']:>4} {r.get('tokens', 0):>6} {r['step_ms']:>8.1f} "
             f"({r.get('submit_ms', 0):.1f} / {r.get('wait_ms', 0):.1f} / "
-            f"{r.get('apply_ms', 0):.1f}; {r.get('gc_ms', 0):.1f}, {r.get('gc_full', 0)})"
+            f"{r.get('apply_ms', 0):.1f}; {r.get('gc_ms', 0):.1f}, {r.get('gc_full', 0)}; "
+            f"{r.get('alloc_retries', 0)})"
         )
     print(f"Triton kernels compiled during the run: {compiled or 'none'}")
     doc = {
@@ -200,6 +224,7 @@ def main() -> None:
     }
     if torch.cuda.is_available():
         doc["decode_full_batch"] = gpu_idle(llm, prompts, params)
+        doc["runtime_calls"] = runtime_calls(llm, prompts[: args.api_prompts], params)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
 
@@ -230,6 +255,25 @@ def gpu_idle(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict
         f"ms per step (idle {100 * idle:.1f}%)"
     )
     return {"gpu_busy_ms": busy_ms, "window_ms": window / steps / 1e3, "idle": idle}
+
+
+def runtime_calls(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, top: int = 8
+) -> list[dict[str, Any]]:
+    """The CUDA runtime and driver calls the host spent longest in over one generate run."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params)
+        torch.cuda.synchronize()
+    calls = [
+        {"name": e.key, "count": e.count, "host_ms": e.cpu_time_total / 1e3}
+        for e in prof.key_averages()
+        if e.key.startswith("cu") and not e.key.startswith("cutlass")
+    ]
+    calls.sort(key=lambda c: -c["host_ms"])
+    print(f"CUDA calls the host waited in, {len(prompts)} prompts (ms, count):")
+    for c in calls[:top]:
+        print(f"  {c['name']:<36} {c['host_ms']:>9.1f} {c['count']:>7}")
+    return calls[:top]
 
 
 if __name__ == "__main__":
