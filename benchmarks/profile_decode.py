@@ -158,6 +158,12 @@ def with_sets(overrides: dict[str, Any], sets: list[str]) -> dict[str, Any]:
     return {**overrides, **dict(kv.split("=", 1) for kv in sets)}
 
 
+def not_started(engine: Any, ids: list[str]) -> bool:
+    """Whether a request of ids is still waiting for its first token (one that finished or
+    was dropped is not: it is gone from engine.requests)."""
+    return any(engine.requests[i].seq.num_output == 0 for i in ids if i in engine.requests)
+
+
 def profile_batch(
     llm: LLM, batch: int, steps: int, trace_dir: Path, prompt_len: int = 128
 ) -> dict[str, Any]:
@@ -170,7 +176,7 @@ def profile_batch(
     params = SamplingParams(max_tokens=steps + 16 + prefill_steps, temperature=0, ignore_eos=True)
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm
     ids = [engine.add_request(p, params) for p in prompts]
-    while any(engine.requests[i].seq.num_output == 0 for i in ids):  # prefill, first tokens
+    while not_started(engine, ids):  # prefill, first tokens
         engine.step()
     for _ in range(4):
         engine.step()
@@ -187,7 +193,7 @@ def profile_batch(
         engine.abort(i)
     # Unprofiled wall time per step, for comparison with the profiled one.
     ids = [engine.add_request(p, params) for p in prompts]
-    while any(engine.requests[i].seq.num_output == 0 for i in ids):
+    while not_started(engine, ids):
         engine.step()
     torch.cuda.synchronize()
     t0 = time.perf_counter()

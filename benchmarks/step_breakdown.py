@@ -26,6 +26,7 @@ import random
 import sys
 import tempfile
 import time
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).parent))
 from commit_id import commit_id  # noqa: E402
 from h200_table import triton_kernels  # noqa: E402
-from profile_decode import gpu_records, idle_fraction, with_sets  # noqa: E402
+from profile_decode import gpu_records, idle_fraction, not_started, with_sets  # noqa: E402
 
 from inferx_core.bench_offline import random_prompt  # noqa: E402
 from inferx_core.config import load_config  # noqa: E402
@@ -157,7 +158,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--set", action="append", default=[], help="extra config KEY=VALUE")
     ap.add_argument(
-        "--api-prompts", type=int, default=64, help="prompts of the profiled run of CUDA calls"
+        "--api-prompts", type=int, default=256, help="prompts of the profiled run of CUDA calls"
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -233,7 +234,7 @@ def gpu_idle(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict
     """GPU busy and idle time per decode step with every prompt running."""
     engine = llm.engine
     ids = [engine.add_request(p, params) for p in prompts]
-    while any(engine.requests[i].seq.num_output == 0 for i in ids if i in engine.requests):
+    while not_started(engine, ids):
         engine.step()
     for _ in range(4):
         engine.step()
@@ -259,21 +260,50 @@ def gpu_idle(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict
 
 def runtime_calls(
     llm: LLM, prompts: list[list[int]], params: SamplingParams, top: int = 8
-) -> list[dict[str, Any]]:
-    """The CUDA runtime and driver calls the host spent longest in over one generate run."""
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+) -> dict[str, Any]:
+    """Over one generate run under torch.profiler (with Python stacks): the CUDA runtime and
+    driver calls the host spent longest in, in total and the longest single calls with the
+    torch op and our code that made them. Then the same run under torch's sync debug mode: the
+    torch ops that made the host wait for the device, where our code called them."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         llm.generate(prompts, params)
         torch.cuda.synchronize()
-    calls = [
+    totals = [
         {"name": e.key, "count": e.count, "host_ms": e.cpu_time_total / 1e3}
         for e in prof.key_averages()
         if e.key.startswith("cu") and not e.key.startswith("cutlass")
     ]
-    calls.sort(key=lambda c: -c["host_ms"])
-    print(f"CUDA calls the host waited in, {len(prompts)} prompts (ms, count):")
-    for c in calls[:top]:
+    totals.sort(key=lambda c: -c["host_ms"])
+    print(f"CUDA calls the host spent longest in, {len(prompts)} prompts (ms, count):")
+    for c in totals[:top]:
         print(f"  {c['name']:<36} {c['host_ms']:>9.1f} {c['count']:>7}")
-    return calls[:top]
+    calls = [e for e in prof.events() if e.name.startswith("cu") and e.device_type.name == "CPU"]
+    calls.sort(key=lambda e: -e.cpu_time_total)
+    longest = []
+    print("longest single calls (ms; the op that made it; where in our code):")
+    for e in calls[:top]:
+        parent = e.cpu_parent
+        while parent is not None and not parent.stack and parent.cpu_parent is not None:
+            parent = parent.cpu_parent
+        ours = [f for f in (parent.stack if parent is not None else []) if "inferx" in f][:3]
+        op = parent.name if parent is not None else "-"
+        longest.append({"name": e.name, "ms": e.cpu_time_total / 1e3, "op": op, "stack": ours})
+        print(f"  {e.name:<28} {e.cpu_time_total / 1e3:>8.1f}  {op:<28} {' < '.join(ours)}")
+    syncs: dict[str, int] = defaultdict(int)
+    torch.cuda.set_sync_debug_mode(1)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            llm.generate(prompts, params)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            syncs[f"{w.filename}:{w.lineno}: {str(w.message)[:80]}"] += 1
+    print(f"torch ops that synchronized ({sum(syncs.values())}):")
+    for where, n in sorted(syncs.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {n:>6}  {where}")
+    return {"totals": totals[:top], "longest": longest, "syncs": dict(syncs)}
 
 
 if __name__ == "__main__":
