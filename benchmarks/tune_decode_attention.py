@@ -42,7 +42,6 @@ DEFAULT = {
     "decode_stages": 1,
     "block_n": 64,
     "reduce_heads": 2,
-    "prefetch_ids": 0,
 }
 GRID = {
     "decode_warps": (2, 4, 8),
@@ -90,7 +89,6 @@ def build(
     backend.decode_launch = {"num_warps": cfg["decode_warps"], "num_stages": cfg["decode_stages"]}
     backend.reduce_launch = {"num_warps": cfg["reduce_warps"]}
     backend.reduce_heads = cfg["reduce_heads"]
-    backend.decode_prefetch_ids = bool(cfg["prefetch_ids"])
     blocks_per_seq = -(-context // BLOCK)
     backend.allocate(batch * blocks_per_seq + 1)
     gen = torch.Generator(device=device).manual_seed(0)

@@ -155,41 +155,6 @@ def test_split_k_decode(block_size: int, group: int, dtype: torch.dtype, reduce_
     assert check_steps(backend, totals, steps) == [1, 3, 3]
 
 
-@interpreted
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize(("block_size", "group"), [(4, 1), (16, 4), (3, 2)])
-def test_decode_prefetching_block_ids(block_size: int, group: int, split: bool) -> None:
-    """PREFETCH_IDS: the decode kernel's whole tiles load the next tile's block ids ahead.
-    Decodes of 2-7 tiles of 16 tokens (one split, or splits of 2-3 tiles), ragged tails."""
-    torch.manual_seed(11 + block_size + group)
-    layers = [KVLayerSpec(2 * group, 2, 16)]
-    backend = TritonAttention(
-        layers, block_size, torch.float32, torch.device("cpu"),
-        min_split_len=32 if split else 4096, target_programs=10**6 if split else 1,
-    )  # fmt: skip
-    backend.decode_prefetch_ids = True
-    totals = [97, 40, 33, 64]
-    steps = [
-        [(0, 95), (0, 38), (0, 31), (0, 62)],
-        [(95, 96), (38, 39), (31, 32), (62, 63)],
-        [(96, 97), (39, 40), (32, 33), (63, 64)],
-    ]
-    splits = check_steps(backend, totals, steps, against_torch=True)
-    assert splits == ([1, 3, 3] if split else [1, 1, 1])  # 97 tokens: 3 splits of 2-3 tiles
-
-
-def test_decode_prefetch_ids_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = [KVLayerSpec(4, 2, 16)]
-    cpu = torch.device("cpu")
-    monkeypatch.delenv("INFERX_TRITON_DECODE_PREFETCH_IDS", raising=False)
-    assert not TritonAttention(spec, 16, torch.float32, cpu).decode_prefetch_ids
-    monkeypatch.setenv("INFERX_TRITON_DECODE_PREFETCH_IDS", "1")
-    assert TritonAttention(spec, 16, torch.float32, cpu).decode_prefetch_ids
-    monkeypatch.setenv("INFERX_TRITON_DECODE_PREFETCH_IDS", "2")
-    with pytest.raises(ValueError, match="INFERX_TRITON_DECODE_PREFETCH_IDS must be 0 or 1"):
-        TritonAttention(spec, 16, torch.float32, cpu)
-
-
 def test_decode_rotary_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = [KVLayerSpec(4, 2, 16)]
     cpu = torch.device("cpu")
@@ -278,21 +243,6 @@ def test_gpu_conformance_bf16(block_size: int, group: int, head_dim: int) -> Non
     totals, steps = plan_steps(GPU_PLAN)
     splits = check_steps(backend, totals, steps, against_torch=True)
     assert splits[0] == 1 and splits[2] > 1  # the decode-only steps take the split-K path
-
-
-@pytest.mark.gpu
-@on_gpu
-@pytest.mark.parametrize("group", [1, 8])
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_gpu_conformance_bf16_prefetching_block_ids(block_size: int, group: int) -> None:
-    """test_gpu_conformance_bf16 with the decode kernel's PREFETCH_IDS on."""
-    torch.manual_seed(block_size * 1000 + group * 10 + 7)
-    layers = [KVLayerSpec(2 * group, 2, 128), KVLayerSpec(4 * group, 4, 64)]
-    backend = TritonAttention(layers, block_size, torch.bfloat16, torch.device("cuda"))
-    backend.decode_prefetch_ids = True
-    totals, steps = plan_steps(GPU_PLAN)
-    splits = check_steps(backend, totals, steps, against_torch=True)
-    assert splits[0] == 1 and splits[2] > 1
 
 
 @pytest.mark.gpu

@@ -136,30 +136,19 @@ def _attend_range(
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH_IDS: tl.constexpr = False,
 ):
     """Online softmax of the rows of q over context positions [lo, hi) of one sequence, read
     from its blocks in BLOCK_N-token tiles; returns the updated (max, sum, unnormalised output).
 
     Without MASKED every tile must be whole and visible to every row: callers run their full
     tiles that way and only the ragged or diagonal rest with masks. CAUSAL (with MASKED) hides
-    positions past each row's q_pos. PREFETCH_IDS (without MASKED): each tile loads the next
-    tile's block ids before its own K and V, so that their latency is not one more wait in
-    every tile's chain of dependent loads.
+    positions past each row's q_pos.
     """
     d = tl.arange(0, HEAD_DIM)
-    row_ptr = block_table_ptr + seq * stride_table
-    if PREFETCH_IDS:
-        first = lo + tl.arange(0, BLOCK_N)
-        next_block = tl.load(row_ptr + first // BLOCK_SIZE, mask=first < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        table = row_ptr + pos // BLOCK_SIZE
-        if PREFETCH_IDS:
-            block = next_block
-            ahead = pos + BLOCK_N
-            next_block = tl.load(row_ptr + ahead // BLOCK_SIZE, mask=ahead < hi, other=0)
-        elif MASKED:
+        table = block_table_ptr + seq * stride_table + pos // BLOCK_SIZE
+        if MASKED:
             valid = pos < hi
             block = tl.load(table, mask=valid, other=0)
         else:
@@ -269,7 +258,6 @@ def decode_kernel(
     ALL_DECODE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH_IDS: tl.constexpr,
     k_new_ptr,
     v_new_ptr,
     slot_ptr,
@@ -294,8 +282,6 @@ def decode_kernel(
     in registers; the one program per (sequence, KV head) whose split holds the new position
     rotates k, writes k and v to the token's slot (none for a negative slot: padding), and
     syncs its threads before reading the cache. One launch a layer fewer.
-
-    PREFETCH_IDS: the whole tiles load the next tile's block ids ahead (_attend_range).
     """
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -350,7 +336,6 @@ def decode_kernel(
         q, m, row_sum, acc, lo, full, 0, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
         stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
         scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION,
-        PREFETCH_IDS,
     )  # fmt: skip
     m, row_sum, acc = _attend_range(
         q, m, row_sum, acc, full, hi, 0, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
