@@ -180,6 +180,9 @@ def profile_batch(
         engine.step()
     for _ in range(4):
         engine.step()
+    running = len(engine.scheduler.running)
+    if running < batch:  # the KV cache (kv_cache.memory) holds fewer: the rest wait
+        print(f"batch {batch}: only {running} sequences fit and run (raise kv_cache.memory)")
     walls = []
     trace = trace_dir / f"decode-{batch}.json"
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -205,6 +208,7 @@ def profile_batch(
         engine.abort(i)
     return {
         "batch": batch,
+        "running": running,
         "steps": steps,
         "step_ms_median_profiled": statistics.median(walls) * 1e3,
         "step_ms_mean_unprofiled": plain_ms,
