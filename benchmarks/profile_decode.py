@@ -88,6 +88,25 @@ def idle_by_gap(recs: list[tuple[float, float, str]], steps: int) -> dict[str, f
     return {k: v / steps for k, v in buckets.items()}
 
 
+def long_gaps(
+    recs: list[tuple[float, float, str]], steps: int, top: int = 6
+) -> list[dict[str, Any]]:
+    """The gaps of 50 µs or more, by the GPU activity before and after them: what the GPU
+    finished and what it then waited to start (per step: how often, and µs)."""
+    per: dict[tuple[str, str], list[float]] = defaultdict(list)
+    end, last = (recs[0][1], recs[0][2]) if recs else (0.0, "")
+    for start, stop, name in recs[1:]:
+        if start - end >= GAP_EDGES_US[1]:
+            per[(last[:60], name[:60])].append(start - end)
+        if stop >= end:
+            end, last = stop, name
+    rows = [
+        {"before": b, "after": a, "per_step": len(g) / steps, "us_per_step": sum(g) / steps}
+        for (b, a), g in per.items()
+    ]
+    return sorted(rows, key=lambda r: -r["us_per_step"])[:top]
+
+
 def kernel_table(recs: list[tuple[float, float, str]], steps: int) -> list[dict[str, Any]]:
     per: dict[str, list[float]] = defaultdict(list)
     for start, end, name in recs:
@@ -227,6 +246,7 @@ def trace_summary(trace: Path, steps: int) -> dict[str, Any]:
         "gpu_busy_ms_per_step": window * (1 - idle) / steps / 1e3,
         "gpu_idle_fraction": idle,
         "idle_us_per_step_by_gap": idle_by_gap(recs, steps),
+        "long_gaps": long_gaps(recs, steps),
         "groups": group_table(kernels),
         "kernels": kernels,
     }
@@ -269,6 +289,11 @@ def main() -> None:
                 f"window per step: idle {100 * r['gpu_idle_fraction']:.1f}%; idle µs/step by "
                 f"gap length {r['idle_us_per_step_by_gap']}"
             )
+            for g in r["long_gaps"]:
+                print(
+                    f"gap >= 50 µs: {g['per_step']:.2f}/step, {g['us_per_step']:.1f} µs/step, "
+                    f"after {g['before']!r}, before {g['after']!r}"
+                )
             print_groups(r["groups"])
             print_kernels(r["kernels"], args.top)
     doc = {"args": vars(args), "commit": commit_id(), "results": results}

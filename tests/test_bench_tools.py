@@ -16,6 +16,7 @@ from profile_decode import (  # noqa: E402
     idle_fraction,
     kernel_group,
     kernel_table,
+    long_gaps,
 )
 from profile_prefill import gemm_tflops  # noqa: E402
 from step_breakdown import StepTimer, slowest, summarize  # noqa: E402
@@ -41,6 +42,10 @@ def test_idle_counts_gaps_once_and_overlaps_as_busy(tmp_path: Path) -> None:
     assert idle_by_gap(recs, steps=2) == {"<5us": 0.5, "5-50us": 5.0, ">50us": 30.0}
     table = {row["name"]: row for row in kernel_table(recs, steps=2)}
     assert table["a"]["launches_per_step"] == 1 and table["a"]["us_per_step"] == 10
+    # The one gap of 50 µs or more: after the copy (ended at 40), before "a" (at 100).
+    assert long_gaps(recs, steps=2) == [
+        {"before": "copy", "after": "a", "per_step": 0.5, "us_per_step": 30.0}
+    ]
 
 
 def test_step_breakdown_groups_decode_and_prompt_steps() -> None:
