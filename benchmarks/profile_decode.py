@@ -265,7 +265,13 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--json", default=None)
     ap.add_argument("--set", action="append", default=[], help="extra config KEY=VALUE")
+    ap.add_argument(
+        "--blas", choices=["default", "cublas", "cublaslt"], default="default",
+        help="torch.backends.cuda.preferred_blas_library for the GEMMs",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.blas != "default":
+        torch.backends.cuda.preferred_blas_library(args.blas)
     overrides = {
         "model.preset": args.preset,
         "model.tokenizer": args.tokenizer,
