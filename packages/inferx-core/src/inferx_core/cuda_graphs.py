@@ -167,15 +167,20 @@ class DecodeGraphRunner:
         positions[n:size] = 0
         context_len[:n] = positions[:n] + 1
         slot_mapping[:n] = [t[p // bs] * bs + p % bs for t, p in zip(tables, starts, strict=True)]
+        width = 1
         for i, t in enumerate(tables):
             table[i, : len(t)] = t
+            width = max(width, len(t))
+        # Only the columns some sequence of this step uses travel to the device: the whole
+        # [n, max_model_len / block_size] table was 8.4 MB a step at 256 x Llama 3.1's 128k
+        # context (160 µs of every 8B decode step at batch 256 on the H200).
         batch = AttentionBatch(
             query_lens=[1] * n,
             context_lens=[p + 1 for p in starts],
             block_tables=tables,
             slot_mapping=self._slot_mapping[:n],
             query_start=self._query_start[: n + 1],
-            block_table=self._block_table[:n],
+            block_table=self._block_table[:n, :width],
             context_len=self._context_len[:n],
         )
         graph = self.graphs.get(size)
