@@ -4,8 +4,12 @@ on hand-made traces: the GPU-idle figures that issue 4 reports must be right."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
@@ -163,3 +167,31 @@ def test_engine_gc_pauses_runs_both_settings(tmp_path: Path, monkeypatch) -> Non
     assert off["frozen"] == 0 and off["tracked_after_start"] > 10_000
     assert on["frozen"] > 10_000 and on["tracked_after_start"] < 1_000
     assert off["steps"] == on["steps"] >= 4
+
+
+def test_programs_per_sm_from_registers() -> None:
+    from kernel_registers import programs_per_sm
+
+    assert programs_per_sm(255, 4) == 2  # 256 x 128 threads = 32,768 registers a program
+    assert programs_per_sm(120, 4) == 4  # 120 rounds to 120: 15,360 a program
+    assert programs_per_sm(129, 4) == 3  # 129 rounds up to 136: 17,408 a program
+    assert programs_per_sm(16, 1) == 32  # capped by the programs an SM can hold
+
+
+def test_kernel_registers_compiles_the_decode_kernel_for_sm90(tmp_path: Path) -> None:
+    """No GPU needed: Triton's ptxas builds the sm_90 cubin and cuobjdump reads it. In a child
+    without TRITON_INTERPRET (under it, kernels are not compiled)."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip("this triton build has no bundled cuobjdump")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).parent.parent / "benchmarks" / "kernel_registers.py"
+    out = tmp_path / "regs.json"
+    args = ["--head-dim", "64", "--warps", "4", "--block-n", "16", "--json", str(out)]
+    done = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert 16 <= row["registers"] <= 255 and row["stack_bytes"] >= 0
+    assert row["programs_per_sm"] * row["warps"] == row["warps_per_sm"] >= 4

@@ -1,0 +1,154 @@
+"""Registers, spills and occupancy of the Triton decode kernel per launch option, compiled for
+an sm_90 GPU (the H200) on any machine: no GPU needed, Triton's bundled ptxas and cuobjdump do
+the work.
+
+    python benchmarks/kernel_registers.py [--group 8] [--head-dim 128] [--warps 2,4]
+        [--block-n 16,32,64] [--json OUT.json]
+
+A program that takes many registers leaves room for few others on an SM (65,536 registers,
+allocated per warp in units of 8 a thread), so few tiles of K and V are in flight at once. At
+batch 64 the decode kernel is bound by that latency, not by bandwidth (BENCHMARKS.md, session
+8). The figures come from this machine's Triton, which may be newer than the GPU box's: they
+rank options, the H200 decides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).parent))
+from commit_id import commit_id  # noqa: E402
+
+from inferx_kernels_cuda import triton_kernels  # noqa: E402
+
+SM_REGISTERS = 65_536
+MAX_PROGRAMS_PER_SM = 32
+# The decode kernel's pointer arguments that are not the model dtype (bf16).
+POINTER_TYPES = {
+    "part_o_ptr": "*fp32",
+    "part_lse_ptr": "*fp32",
+    "cos_sin_ptr": "*fp32",
+    "block_table_ptr": "*i32",
+    "context_len_ptr": "*i32",
+    "query_start_ptr": "*i32",
+    "seq_ids_ptr": "*i32",
+    "slot_ptr": "*i64",
+    "positions_ptr": "*i64",
+}
+
+
+def decode_signature(constexprs: dict[str, Any]) -> dict[str, str]:
+    """Triton's signature of decode_kernel: every argument's type, "constexpr" for those given."""
+    sig = {}
+    for name in inspect.signature(triton_kernels.decode_kernel.fn).parameters:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = POINTER_TYPES.get(name, "*bf16")
+        else:
+            sig[name] = "fp32" if name == "scale_log2" else "i32"
+    return sig
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    """REG, STACK and SHARED of the one kernel in a cubin, as cuobjdump reports them."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        Path(path).write_bytes(cubin)
+        out = subprocess.run([str(tool), "-res-usage", path], capture_output=True, text=True)
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", out.stdout)
+    if found is None:
+        raise RuntimeError(f"cuobjdump gave no resource usage: {out.stdout}{out.stderr}")
+    regs, stack, shared = (int(v) for v in found.groups())
+    return {"registers": regs, "stack_bytes": stack, "shared_bytes": shared}
+
+
+def programs_per_sm(registers: int, warps: int) -> int:
+    """Programs an SM holds at once, by registers alone (allocated in units of 8 a thread)."""
+    per_program = -(-registers // 8) * 8 * 32 * warps
+    return min(MAX_PROGRAMS_PER_SM, SM_REGISTERS // per_program)
+
+
+def decode_kernel_resources(
+    group: int, head_dim: int, warps: int, block_n: int, rotary: bool = True
+) -> dict[str, Any]:
+    """Compile decode_kernel for sm_90 as a decode-only graph step launches it (split context,
+    all decodes, rotary inside) and report what one program takes."""
+    constexprs = {
+        "GROUP": group,
+        "GROUP_PAD": max(16, triton.next_power_of_2(group)),
+        "HEAD_DIM": head_dim,
+        "BLOCK_SIZE": 16,
+        "BLOCK_N": block_n,
+        "SPLIT": True,
+        "SEQ_SPLIT": True,
+        "ALL_DECODE": True,
+        "UPCAST": False,
+        "DOT_PRECISION": "tf32",
+        "ROTARY": rotary,
+    }
+    src = ASTSource(
+        fn=triton_kernels.decode_kernel,
+        signature=decode_signature(constexprs),
+        constexprs=constexprs,
+    )
+    options = {"num_warps": warps, "num_stages": 1}
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    res = resources(kernel.asm["cubin"])
+    programs = programs_per_sm(res["registers"], warps)
+    return {
+        "group": group,
+        "head_dim": head_dim,
+        "warps": warps,
+        "block_n": block_n,
+        **res,
+        "programs_per_sm": programs,
+        "warps_per_sm": programs * warps,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--group", type=int, default=8, help="query heads per KV head")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--warps", default="2,4")
+    ap.add_argument("--block-n", default="16,32,64")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit(
+            "kernel_registers: unset TRITON_INTERPRET (interpreted kernels do not compile)"
+        )
+    rows = []
+    print(f"decode_kernel on sm_90, triton {triton.__version__}, group {args.group}, "
+          f"head dim {args.head_dim}")  # fmt: skip
+    print(f"{'warps':>5} {'block_n':>7} {'regs':>5} {'stack B':>7} {'programs/SM':>11} "
+          f"{'warps/SM':>8}")  # fmt: skip
+    for warps in (int(w) for w in args.warps.split(",")):
+        for block_n in (int(b) for b in args.block_n.split(",")):
+            r = decode_kernel_resources(args.group, args.head_dim, warps, block_n)
+            rows.append(r)
+            print(f"{warps:>5} {block_n:>7} {r['registers']:>5} {r['stack_bytes']:>7} "
+                  f"{r['programs_per_sm']:>11} {r['warps_per_sm']:>8}")  # fmt: skip
+    if args.json:
+        doc = {"commit": commit_id(), "triton": triton.__version__, "args": vars(args)}
+        doc["rows"] = rows
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
