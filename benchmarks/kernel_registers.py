@@ -6,10 +6,11 @@ the work.
         [--block-n 16,32,64] [--json OUT.json]
 
 A program that takes many registers leaves room for few others on an SM (65,536 registers,
-allocated per warp in units of 8 a thread), so few tiles of K and V are in flight at once. At
-batch 64 the decode kernel is bound by that latency, not by bandwidth (BENCHMARKS.md, session
-8). The figures come from this machine's Triton, which may be newer than the GPU box's: they
-rank options, the H200 decides.
+allocated per warp in units of 8 a thread), so few tiles of K and V are in flight at once. The
+arguments carry the divisibility a GPU launch specialises on (aligned pointers, strides that
+are multiples of 16): without it Triton loads K and V one element at a time and the counts
+double. The figures come from this machine's Triton, which may be newer than the GPU box's:
+they rank options, the H200 decides.
 """
 
 from __future__ import annotations
@@ -63,6 +64,18 @@ def decode_signature(constexprs: dict[str, Any]) -> dict[str, str]:
     return sig
 
 
+def aligned_args(signature: dict[str, str]) -> dict[tuple[int, ...], list]:
+    """The divisibility a launch on the GPU specialises on: pointers 16-byte aligned and int
+    arguments multiples of 16 (the model's strides are), except those not specialised on.
+    Without it Triton cannot vectorise the K/V loads, and the count here would be wrong."""
+    skip = set(triton_kernels.decode_kernel.do_not_specialize)
+    attrs = {}
+    for i, (name, kind) in enumerate(signature.items()):
+        if kind.startswith("*") or (kind == "i32" and name not in skip):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
 def resources(cubin: bytes) -> dict[str, int]:
     """REG, STACK and SHARED of the one kernel in a cubin, as cuobjdump reports them."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -101,10 +114,12 @@ def decode_kernel_resources(
         "DOT_PRECISION": "tf32",
         "ROTARY": rotary,
     }
+    signature = decode_signature(constexprs)
     src = ASTSource(
         fn=triton_kernels.decode_kernel,
-        signature=decode_signature(constexprs),
+        signature=signature,
         constexprs=constexprs,
+        attrs=aligned_args(signature),
     )
     options = {"num_warps": warps, "num_stages": 1}
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
