@@ -5,12 +5,12 @@ the work.
     python benchmarks/kernel_registers.py [--group 8] [--head-dim 128] [--warps 2,4]
         [--block-n 16,32,64] [--json OUT.json]
 
-A program that takes many registers leaves room for few others on an SM (65,536 registers,
-allocated per warp in units of 8 a thread), so few tiles of K and V are in flight at once. The
-arguments carry the divisibility a GPU launch specialises on (aligned pointers, strides that
-are multiples of 16): without it Triton loads K and V one element at a time and the counts
-double. The figures come from this machine's Triton, which may be newer than the GPU box's:
-they rank options, the H200 decides.
+A program that takes many registers or much shared memory leaves room for few others on an SM
+(65,536 registers, allocated per warp in units of 8 a thread; 228 KB), so few tiles of K and V
+are in flight at once. The arguments carry the divisibility a GPU launch specialises on
+(aligned pointers, strides that are multiples of 16): without it Triton loads K and V one
+element at a time and the counts double. The figures come from this machine's Triton, which
+may be newer than the GPU box's: they rank options, the H200 decides.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from commit_id import commit_id  # noqa: E402
 from inferx_kernels_cuda import triton_kernels  # noqa: E402
 
 SM_REGISTERS = 65_536
+SM_SHARED_BYTES = 228 * 1024
 MAX_PROGRAMS_PER_SM = 32
 # The decode kernel's pointer arguments that are not the model dtype (bf16).
 POINTER_TYPES = {
@@ -90,10 +91,12 @@ def resources(cubin: bytes) -> dict[str, int]:
     return {"registers": regs, "stack_bytes": stack, "shared_bytes": shared}
 
 
-def programs_per_sm(registers: int, warps: int) -> int:
-    """Programs an SM holds at once, by registers alone (allocated in units of 8 a thread)."""
+def programs_per_sm(registers: int, warps: int, shared_bytes: int = 0) -> int:
+    """Programs an SM holds at once, by registers (allocated in units of 8 a thread) and by
+    shared memory (each program also reserves 1 KB)."""
     per_program = -(-registers // 8) * 8 * 32 * warps
-    return min(MAX_PROGRAMS_PER_SM, SM_REGISTERS // per_program)
+    by_shared = SM_SHARED_BYTES // (shared_bytes + 1024)
+    return min(MAX_PROGRAMS_PER_SM, SM_REGISTERS // per_program, by_shared)
 
 
 def decode_kernel_resources(
@@ -124,7 +127,8 @@ def decode_kernel_resources(
     options = {"num_warps": warps, "num_stages": 1}
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     res = resources(kernel.asm["cubin"])
-    programs = programs_per_sm(res["registers"], warps)
+    res["shared_bytes"] = max(res["shared_bytes"], int(kernel.metadata.shared))  # dynamic
+    programs = programs_per_sm(res["registers"], warps, res["shared_bytes"])
     return {
         "group": group,
         "head_dim": head_dim,
@@ -151,14 +155,15 @@ def main() -> None:
     rows = []
     print(f"decode_kernel on sm_90, triton {triton.__version__}, group {args.group}, "
           f"head dim {args.head_dim}")  # fmt: skip
-    print(f"{'warps':>5} {'block_n':>7} {'regs':>5} {'stack B':>7} {'programs/SM':>11} "
-          f"{'warps/SM':>8}")  # fmt: skip
+    print(f"{'warps':>5} {'block_n':>7} {'regs':>5} {'stack B':>7} {'shared B':>8} "
+          f"{'programs/SM':>11} {'warps/SM':>8}")  # fmt: skip
     for warps in (int(w) for w in args.warps.split(",")):
         for block_n in (int(b) for b in args.block_n.split(",")):
             r = decode_kernel_resources(args.group, args.head_dim, warps, block_n)
             rows.append(r)
             print(f"{warps:>5} {block_n:>7} {r['registers']:>5} {r['stack_bytes']:>7} "
-                  f"{r['programs_per_sm']:>11} {r['warps_per_sm']:>8}")  # fmt: skip
+                  f"{r['shared_bytes']:>8} {r['programs_per_sm']:>11} "
+                  f"{r['warps_per_sm']:>8}")  # fmt: skip
     if args.json:
         doc = {"commit": commit_id(), "triton": triton.__version__, "args": vars(args)}
         doc["rows"] = rows

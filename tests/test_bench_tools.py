@@ -176,6 +176,7 @@ def test_programs_per_sm_from_registers() -> None:
     assert programs_per_sm(120, 4) == 4  # 120 rounds to 120: 15,360 a program
     assert programs_per_sm(129, 4) == 3  # 129 rounds up to 136: 17,408 a program
     assert programs_per_sm(16, 1) == 32  # capped by the programs an SM can hold
+    assert programs_per_sm(64, 4, shared_bytes=56 * 1024) == 4  # 228 KB / 57 KB
 
 
 def test_kernel_registers_compiles_the_decode_kernel_for_sm90(tmp_path: Path) -> None:
