@@ -6,7 +6,7 @@
 #   cp -r ../shared/fixtures/tokenizers/{qwen,llama3} .carry/tok/tokenizers/
 #   tar -C .carry/tok -cJf .carry/tokxz/tok.tar.xz tokenizers
 # then carry [".whl", ".carry/tokxz"] (unpacked below into .carry/tok on the machine).
-# Usage: bash scripts/gpu_run.sh [setup] [tests] [flashinfer] [profile] [profile-prefill] [decode-variants] [breakdown] [gemv] [mixed] [tune] [split-gemm] [startup] [serve-ab] [bench] [demo]
+# Usage: bash scripts/gpu_run.sh [setup] [tests] [flashinfer] [profile] [profile-prefill] [decode-variants] [breakdown] [gemv] [mixed] [regs] [tune] [split-gemm] [startup] [serve-ab] [bench] [demo]
 #        [table | table-3b | table-8b]
 #   flashinfer: its conformance tests (FI_K: a pytest -k filter), then its compiled kernels packed into $OUT as
 #   fi-cache.tar.part-*: keep them in .carry/fi/ (31 MB) and carry .carry/fi in later runs
@@ -15,6 +15,8 @@
 #   profile: benchmarks/profile_decode.py (idle GPU time and kernels of a decode step, batch 1, 64).
 #   serve-ab: 3B serving only, variants of config (SERVE_AB_SETS) in SERVE_AB_REPEATS rounds.
 #   tune: benchmarks/tune_decode_attention.py (decode attention launch options, in graphs).
+#   regs: benchmarks/kernel_registers.py (the decode kernel's registers, shared memory and
+#   programs an SM, compiled by the machine's Triton).
 #   mixed: benchmarks/mixed_step.py (host vs GPU time of eager steps with prompt tokens).
 #   gemv: tests/test_gemv.py -m gpu, then benchmarks/bench_gemv.py (skinny_linear against
 #   cuBLAS per decode GEMM shape; GEMV_ARGS for its options) into $OUT/gemv.json.
@@ -142,6 +144,10 @@ for step in "${steps[@]}"; do
       timeout 300 python3 benchmarks/server_startup.py --rounds ${STARTUP_ROUNDS:-2} \
         --set model.preset=qwen2.5-3b-instruct --set model.tokenizer=$TOK \
         --set model.dtype=bfloat16 --json "$OUT/server-startup.json" 2>&1 | grep -v -i warn ;;
+    regs)
+      # benchmarks/kernel_registers.py with this machine's Triton (REGS_ARGS: --group, --warps ...).
+      timeout 200 python3 benchmarks/kernel_registers.py ${REGS_ARGS:---warps 2,4,8 --block-n 16,32,64} \
+        --json "$OUT/kernel-registers.json" 2>&1 | grep -v -i warn ;;
     tune)
       timeout 300 python3 benchmarks/tune_decode_attention.py ${TUNE_ARGS:-} \
         --json "$OUT/tune-decode.json" 2>&1 | grep -v -i warn | tail -20 ;;
