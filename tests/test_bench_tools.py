@@ -196,3 +196,19 @@ def test_kernel_registers_compiles_the_decode_kernel_for_sm90(tmp_path: Path) ->
     (row,) = json.loads(out.read_text())["rows"]
     assert 16 <= row["registers"] <= 255 and row["stack_bytes"] >= 0
     assert row["programs_per_sm"] * row["warps"] == row["warps_per_sm"] >= 4
+
+
+def test_sim_serving_charges_modeled_steps() -> None:
+    from sim_serving import STEP_MODEL_3B, simulate, step_ms
+
+    model = STEP_MODEL_3B
+    assert step_ms(0, 1, model) == model["fixed_ms"]  # under the knee: the fixed cost only
+    assert step_ms(640, 1, model) == model["fixed_ms"] + model["decode_ms_per_640"]
+    knee = int(model["knee"])
+    assert step_ms(0, knee + 100, model) == model["fixed_ms"] + 100 * model["token_ms"]
+    budget = {"scheduler.max_batched_tokens": 8192, "scheduler.prefill_chunk": 8192}
+    r = simulate(2, 4, budget, input_len=64, output_len=16)
+    # Two rounds of 2 clients: each round one prompt step, then 15 decode steps.
+    assert r["steps"] == 2 * 16
+    assert r["output_tok_s"] <= 2 * 1000 / model["fixed_ms"]  # a token a client a step at best
+    assert r["ttft_ms"] >= model["fixed_ms"]

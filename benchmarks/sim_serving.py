@@ -1,0 +1,140 @@
+"""Closed-loop serving with the real engine and scheduler over a modeled GPU: what a scheduling
+policy does to throughput and time to first token, on a CPU, in seconds.
+
+    python benchmarks/sim_serving.py [--concurrency 8,64,256] [--requests 2] \
+        [--variant NAME:KEY=VALUE,KEY=VALUE ...] [--json OUT.json]
+
+Each of `concurrency` clients sends a 512-token prompt for 256 tokens (ignore_eos) and sends the
+next as soon as one finishes, until `requests` x concurrency requests are done: the shape of
+`inferx-bench serve` in issue 4's table. The executor returns at once and charges a virtual
+clock what the step would cost on the H200 for Qwen2.5-3B's shapes (STEP_MODEL_3B). This is a
+model, not a measurement: it ranks scheduler settings before any GPU time is spent on them,
+and the H200 decides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from commit_id import commit_id  # noqa: E402
+
+from inferx_core.config import load_config  # noqa: E402
+from inferx_core.engine import Engine  # noqa: E402
+from inferx_core.interfaces import Executor, SchedulerOutput, StepResult  # noqa: E402
+from inferx_core.sequence import SamplingParams  # noqa: E402
+
+# ms a step for Qwen2.5-3B on the H200 (bf16, CUDA graphs), fitted to session 6-8 figures:
+# a decode step is 2.54 ms at batch 1 and 3.25 at batch 64 with 640-token contexts; the
+# attention's share grows with the context each decode reads; past ~192 tokens a step's GEMMs
+# are compute-bound, ~7.8 µs a token (8192-token prefill steps: ~110k tok/s).
+STEP_MODEL_3B = {"fixed_ms": 2.5, "decode_ms_per_640": 0.0113, "knee": 192, "token_ms": 0.0078}
+
+
+def step_ms(decodes_context: int, tokens: int, model: dict[str, float]) -> float:
+    """Modeled GPU time of a step: decodes_context is the sum of its decodes' context lengths,
+    tokens all the tokens it runs."""
+    attention = model["decode_ms_per_640"] * decodes_context / 640
+    compute = model["token_ms"] * max(0, tokens - model["knee"])
+    return model["fixed_ms"] + attention + compute
+
+
+class ModeledExecutor(Executor):
+    """Samples token 1000 for every sampling chunk at once and advances a virtual clock."""
+
+    def __init__(self, model: dict[str, float]) -> None:
+        self.num_kv_blocks, self.block_size = 200_000, 16
+        self.model = model
+        self.clock_ms = 0.0
+        self.steps = 0
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        decodes = sum(c.start + 1 for c in out.chunks if c.num_tokens == 1)
+        tokens = sum(c.num_tokens for c in out.chunks)
+        self.clock_ms += step_ms(decodes, tokens, self.model)
+        self.steps += 1
+        return StepResult([1000 for c in out.chunks if c.sample])
+
+
+def simulate(
+    concurrency: int,
+    num_requests: int,
+    overrides: dict[str, Any],
+    model: dict[str, float] = STEP_MODEL_3B,
+    input_len: int = 512,
+    output_len: int = 256,
+) -> dict[str, float]:
+    """Output tok/s and mean TTFT (modeled ms) of a closed loop of `concurrency` clients."""
+    config = load_config(None, {"scheduler.prefix_cache": False, **overrides})
+    executor = ModeledExecutor(model)
+    engine = Engine(config, executor=executor, tokenizer=None)
+    engine.overlap = False  # one step at a time: the clock charges each step once
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
+    arrived: dict[str, float] = {}
+    first: dict[str, float] = {}
+
+    def send() -> None:
+        prompt = [rng.randrange(1000, 30000) for _ in range(input_len)]
+        arrived[engine.add_request(prompt, params)] = executor.clock_ms
+
+    for _ in range(min(concurrency, num_requests)):
+        send()
+    while engine.has_work():
+        for out in engine.step():
+            if out.request_id not in first and out.num_output_tokens:
+                first[out.request_id] = executor.clock_ms
+            if out.finished and len(arrived) < num_requests:
+                send()
+    seconds = executor.clock_ms / 1e3
+    return {
+        "output_tok_s": num_requests * output_len / seconds,
+        "ttft_ms": sum(first[r] - arrived[r] for r in first) / len(first),
+        "steps": executor.steps,
+        "seconds": seconds,
+    }
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """NAME:KEY=VALUE,KEY=VALUE -> (NAME, overrides)."""
+    name, _, sets = text.partition(":")
+    return name, dict(kv.split("=", 1) for kv in sets.split(",") if kv)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--concurrency", default="8,64,256")
+    ap.add_argument("--requests", type=int, default=2, help="requests per client")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME:KEY=VALUE,... (default: 8192-, 2048- and 512-token steps)",
+    )
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    variants = [parse_variant(v) for v in args.variant] or [
+        (f"{n} tokens", {"scheduler.max_batched_tokens": n, "scheduler.prefill_chunk": n})
+        for n in (8192, 2048, 512)
+    ]
+    rows = []
+    print(f"{'clients':>7} {'requests':>8}  {'variant':<16} {'tok/s':>8} {'TTFT ms':>8} "
+          f"{'steps':>6}")  # fmt: skip
+    for c in (int(x) for x in args.concurrency.split(",")):
+        for name, overrides in variants:
+            r = simulate(c, c * args.requests, overrides)
+            rows.append({"concurrency": c, "variant": name, "overrides": overrides, **r})
+            print(f"{c:>7} {c * args.requests:>8}  {name:<16} {r['output_tok_s']:>8,.0f} "
+                  f"{r['ttft_ms']:>8.1f} {r['steps']:>6}")  # fmt: skip
+    if args.json:
+        doc = {"commit": commit_id(), "model": STEP_MODEL_3B, "args": vars(args), "rows": rows}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
