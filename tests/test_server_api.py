@@ -496,3 +496,33 @@ def test_sigterm_drains_and_exits_zero(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_long_prompts_are_encoded_off_the_loop_alike(client: openai.OpenAI, server: Any) -> None:
+    """Prompts past requests._OFF_LOOP_CHARS are encoded by Tokenizer.encode_batch on a worker
+    thread: the same ids as encode(), in the order of the prompts, beside short text and token
+    id prompts in one request."""
+    from inferx_core.tokenizer import Tokenizer
+    from inferx_server.requests import _OFF_LOOP_CHARS
+
+    tok = Tokenizer.from_dir(QWEN)
+    long_a = " the cat sat on a mat." * 60
+    long_b = " and a dog ran on the mat." * 45
+    assert min(len(long_a), len(long_b)) > _OFF_LOOP_CHARS
+    for text, special in ((long_a, True), (long_b, False)):
+        r = httpx.post(
+            server.url + "/tokenize", json={"prompt": text, "add_special_tokens": special}
+        )
+        assert r.json()["tokens"] == tok.encode(text, add_special_tokens=special)
+    prompts: list[Any] = [long_a, "hi", WORDS[:5], long_b]
+    both = client.completions.create(model=MODEL, prompt=prompts, max_tokens=4)
+    assert both.usage.prompt_tokens == sum(
+        len(tok.encode(p)) if isinstance(p, str) else len(p) for p in prompts
+    )
+    for i, p in enumerate(prompts):  # each choice continues its own prompt
+        alone = client.completions.create(model=MODEL, prompt=p, max_tokens=4)
+        assert both.choices[i].text == alone.choices[0].text, i
+    chat = [{"role": "user", "content": long_a}]
+    r = httpx.post(server.url + "/tokenize", json={"messages": chat})
+    text = tok.apply_chat_template(chat, add_generation_prompt=True)
+    assert r.json()["tokens"] == tok.encode(text, add_special_tokens=False)

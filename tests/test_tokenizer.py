@@ -127,6 +127,18 @@ def test_encode_matches_transformers(pair):
             assert ours.encode(text, add_special_tokens=special) == expected, (text, special)
 
 
+def test_encode_batch_is_encode_of_each(pair):
+    """encode_batch (the server's off-loop path for long prompts) gives encode()'s ids, in
+    order, for the corpus and for long random texts."""
+    _, ours, _ = pair
+    rng = random.Random(5)
+    long = ["".join(rng.choice(CORPUS) for _ in range(30)) for _ in range(3)]
+    texts = [*CORPUS, *long]
+    for special in (True, False):
+        expected = [ours.encode(t, add_special_tokens=special) for t in texts]
+        assert ours.encode_batch(texts, add_special_tokens=special) == expected, special
+
+
 def test_decode_matches_transformers(pair):
     _, ours, ref = pair
     rng = random.Random(1)

@@ -50,6 +50,7 @@ from inferx_server.requests import (
     _check_ids,
     _check_model,
     _check_stream_options,
+    _encode,
     _max_tokens,
     _sampling,
     _start,
@@ -141,9 +142,11 @@ def create_app(srv: ServerState) -> Litestar:
                 param="prompt",
             )
         _check_stream_options(data)
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(await _encode(srv, texts)) if texts else iter(())
         items = []
         for p in prompts:
-            ids = srv.tokenizer.encode(p) if isinstance(p, str) else p
+            ids = next(encoded) if isinstance(p, str) else p
             _check_ids(srv, ids, "prompt")
             max_tokens = _max_tokens(srv, data.max_tokens, 16, len(ids), "max_tokens", "prompt")
             items += [(ids, sp) for sp in _sampling(data, max_tokens, data.logprobs)]
@@ -231,7 +234,7 @@ def create_app(srv: ServerState) -> Litestar:
             raise OpenAIError(
                 400, "max_tokens and max_completion_tokens differ; give one", param="max_tokens"
             )
-        ids = _chat_ids(srv, data.messages, add_generation_prompt=True)
+        ids = await _chat_ids(srv, data.messages, add_generation_prompt=True)
         _check_ids(srv, ids, "messages")
         max_tokens = _max_tokens(srv, requested, None, len(ids), param, "messages")
         top_n = data.top_logprobs or 0
@@ -310,9 +313,9 @@ def create_app(srv: ServerState) -> Litestar:
         if (data.prompt is None) == (data.messages is None):
             raise OpenAIError(400, "give either prompt or messages", param="prompt")
         if data.messages is not None:
-            ids = _chat_ids(srv, data.messages, data.add_generation_prompt)
+            ids = await _chat_ids(srv, data.messages, data.add_generation_prompt)
         else:
-            ids = srv.tokenizer.encode(data.prompt, add_special_tokens=data.add_special_tokens)
+            ids = (await _encode(srv, [data.prompt], data.add_special_tokens))[0]
         return TokenizeResponse(ids, len(ids), srv.max_model_len)
 
     @post(

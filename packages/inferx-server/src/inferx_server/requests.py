@@ -6,6 +6,7 @@ chat messages, one SamplingParams per choice, and submission to the EngineLoop.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 import jinja2
@@ -153,7 +154,24 @@ def _sampling(
         raise OpenAIError(400, f"{param}: {err['msg']}", param=param) from None
 
 
-def _chat_ids(
+# Texts shorter than this are encoded on the event loop: a thread hop costs more than they do.
+_OFF_LOOP_CHARS = 1024
+
+
+async def _encode(
+    srv: ServerState, texts: list[str], add_special_tokens: bool = True
+) -> list[list[int]]:
+    """Token ids of texts. Long ones are encoded in one encode_batch call on a worker thread,
+    which tokenizers runs outside the GIL: the event loop keeps streaming meanwhile, and the
+    prompts of a burst of requests are encoded on several cores at once instead of one after
+    another on the loop (64 prompts of 512 tokens: ~100 ms of the loop on the CPU VM)."""
+    tok = srv.tokenizer
+    if sum(map(len, texts)) < _OFF_LOOP_CHARS or not hasattr(tok, "encode_batch"):
+        return [tok.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+    return await asyncio.to_thread(tok.encode_batch, texts, add_special_tokens)
+
+
+async def _chat_ids(
     srv: ServerState, messages: list[ChatMessage], add_generation_prompt: bool
 ) -> list[int]:
     chat = []
@@ -174,7 +192,7 @@ def _chat_ids(
             400, f"the chat template refused the messages: {exc}", param="messages"
         ) from None
     # The template writes the special tokens itself.
-    return srv.tokenizer.encode(text, add_special_tokens=False)
+    return (await _encode(srv, [text], add_special_tokens=False))[0]
 
 
 async def _start(
