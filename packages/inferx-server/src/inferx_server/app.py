@@ -1,7 +1,8 @@
 """The litestar app: OpenAI's completions and chat endpoints, models, tokenize, health, metrics.
 
-Handlers validate and tokenize on the event loop (requests.py), hand token ids to the EngineLoop
-and turn its outputs into OpenAI's JSON or server-sent events (responses.py). Every error leaves
+Handlers validate on the event loop and tokenize there or, for long prompts, on a worker thread
+(requests.py), hand token ids to the EngineLoop and turn its outputs into OpenAI's JSON or
+server-sent events (responses.py). Every error leaves
 as OpenAI's error body; client mistakes are 4xx, never 500.
 """
 
