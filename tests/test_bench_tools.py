@@ -212,3 +212,23 @@ def test_sim_serving_charges_modeled_steps() -> None:
     assert r["steps"] == 2 * 16
     assert r["output_tok_s"] <= 2 * 1000 / model["fixed_ms"]  # a token a client a step at best
     assert r["ttft_ms"] >= model["fixed_ms"]
+
+
+def test_server_intake_times_text_and_id_prompts(tmp_path: Path) -> None:
+    from conftest import FIXTURES
+
+    qwen = FIXTURES / "tokenizers" / "qwen"
+    if not (qwen / "tokenizer.json").is_file():
+        pytest.skip(f"no Qwen tokenizer fixture at {qwen}")
+    script = Path(__file__).parent.parent / "benchmarks" / "server_intake.py"
+    out = tmp_path / "intake.json"
+    args = ["--tokenizer", str(qwen), "--clients", "3", "--input-len", "64", "--rounds", "1"]
+    done = subprocess.run(
+        [sys.executable, str(script), *args, "--step-ms", "1", "--json", str(out)],
+        capture_output=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["prompts"] for r in rows] == ["text", "ids"]
+    assert all(0 < r["ttft_mean_ms"] <= r["ttft_max_ms"] for r in rows)
