@@ -10,11 +10,12 @@ whether a full, generation-2, collection did). Steps are grouped by what they ra
 steps (CUDA graphs) and steps with prompt tokens; the slowest steps are listed with their parts,
 and the Triton kernels compiled during the run (a mid-run compile stalls a step). Then
 torch.profiler over a window of decode steps at the largest batch gives the GPU's busy and idle
-time per step there (profile_decode.py's measure), and, over a smaller run under
-torch.profiler, the CUDA runtime calls the host spent longest in (a cudaStreamSynchronize or
-cudaFree there is a step waiting on the GPU). The caching allocator's retries (a failed
-cudaMalloc, then every cached block freed, which waits for the device) are counted per step.
-Prints a table; --json keeps it.
+time per step there (profile_decode.py's measure). A second run (--api-prompts) under
+torch.profiler gives the CUDA runtime calls the host spent longest in (a cudaStreamSynchronize
+or cudaFree there is a step waiting on the GPU), and a third under torch's sync debug mode the
+torch ops that synchronised. The caching allocator's retries (a failed cudaMalloc, then every
+cached block freed, which waits for the device) are counted per step of the timed run. Prints
+a table; --json keeps it.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class StepTimer:
             self.t_wait = time.perf_counter()
             return got
 
+        self._engine, self._real = eng, (real_submit, real_apply, real_step)
         eng._submit, eng._apply, eng.step = submit_then_mark, apply, step
         self.retries = alloc_retries()
         self._gc_t0 = 0.0
@@ -106,7 +108,10 @@ class StepTimer:
             self.cur["gc_full"] = self.cur.get("gc_full", 0) + 1
 
     def close(self) -> None:
+        """Stop timing: the engine's own methods back, so later runs add no rows."""
         gc.callbacks.remove(self._on_gc)
+        eng = self._engine
+        eng._submit, eng._apply, eng.step = self._real
 
 
 def alloc_retries() -> int:

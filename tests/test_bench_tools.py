@@ -107,6 +107,8 @@ def test_step_timer_charges_a_collection_to_its_step() -> None:
     assert [r.get("gc_full", 0) for r in timer.rows] == [0, 1, 0]
     assert timer.rows[1]["gc_ms"] > 0
     assert gc.callbacks.count(timer._on_gc) == 0
+    engine.step()  # closed: the engine's own step again, no row
+    assert len(timer.rows) == 3 and engine.calls == 4
 
 
 def test_server_startup_times_both_variants(tmp_path: Path) -> None:
