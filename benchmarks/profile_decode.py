@@ -26,6 +26,7 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,20 +72,27 @@ def idle_fraction(recs: list[tuple[float, float, str]]) -> tuple[float, float]:
 GAP_EDGES_US = (5.0, 50.0)  # gaps inside a graph are ~1-3 µs; between steps, tens or more
 
 
+def gaps(recs: list[tuple[float, float, str]]) -> Iterator[tuple[float, str, str]]:
+    """(idle µs, the activity that ended last before it, the one after) for every stretch in
+    which the GPU ran nothing; overlapping activities count as one busy stretch."""
+    if not recs:
+        return
+    end, last = recs[0][1], recs[0][2]
+    for start, stop, name in recs[1:]:
+        if start > end:
+            yield start - end, last, name
+        if stop >= end:
+            end, last = stop, name
+
+
 def idle_by_gap(recs: list[tuple[float, float, str]], steps: int) -> dict[str, float]:
     """Idle µs per step in the gaps between GPU activities, by gap length: short gaps are the
     launch latency between kernels inside a graph, long ones the host keeping the GPU waiting
     (between steps)."""
     buckets = {"<5us": 0.0, "5-50us": 0.0, ">50us": 0.0}
-    end = recs[0][1] if recs else 0.0
-    for start, stop, _ in recs[1:]:
-        gap = start - end
-        if gap > 0:
-            key = (
-                "<5us" if gap < GAP_EDGES_US[0] else "5-50us" if gap < GAP_EDGES_US[1] else ">50us"
-            )
-            buckets[key] += gap
-        end = max(end, stop)
+    for gap, _, _ in gaps(recs):
+        key = "<5us" if gap < GAP_EDGES_US[0] else "5-50us" if gap < GAP_EDGES_US[1] else ">50us"
+        buckets[key] += gap
     return {k: v / steps for k, v in buckets.items()}
 
 
@@ -94,12 +102,9 @@ def long_gaps(
     """The gaps of 50 µs or more, by the GPU activity before and after them: what the GPU
     finished and what it then waited to start (per step: how often, and µs)."""
     per: dict[tuple[str, str], list[float]] = defaultdict(list)
-    end, last = (recs[0][1], recs[0][2]) if recs else (0.0, "")
-    for start, stop, name in recs[1:]:
-        if start - end >= GAP_EDGES_US[1]:
-            per[(last[:60], name[:60])].append(start - end)
-        if stop >= end:
-            end, last = stop, name
+    for gap, before, after in gaps(recs):
+        if gap >= GAP_EDGES_US[1]:
+            per[(before[:60], after[:60])].append(gap)
     rows = [
         {"before": b, "after": a, "per_step": len(g) / steps, "us_per_step": sum(g) / steps}
         for (b, a), g in per.items()
