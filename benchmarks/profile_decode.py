@@ -52,26 +52,6 @@ def gpu_records(trace_path: Path) -> list[tuple[float, float, str]]:
     return sorted(recs)
 
 
-def idle_fraction(recs: list[tuple[float, float, str]]) -> tuple[float, float]:
-    """(idle fraction, window µs): the GPU's idle share between its first start and last end."""
-    if not recs:
-        return float("nan"), 0.0
-    busy = 0.0
-    cur_start, cur_end = recs[0][0], recs[0][1]
-    for start, end, _ in recs[1:]:
-        if start > cur_end:
-            busy += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    busy += cur_end - cur_start
-    window = max(e for _, e, _ in recs) - recs[0][0]
-    return (1.0 - busy / window if window > 0 else 0.0), window
-
-
-GAP_EDGES_US = (5.0, 50.0)  # gaps inside a graph are ~1-3 µs; between steps, tens or more
-
-
 def gaps(recs: list[tuple[float, float, str]]) -> Iterator[tuple[float, str, str]]:
     """(idle µs, the activity that ended last before it, the one after) for every stretch in
     which the GPU ran nothing; overlapping activities count as one busy stretch."""
@@ -83,6 +63,18 @@ def gaps(recs: list[tuple[float, float, str]]) -> Iterator[tuple[float, str, str
             yield start - end, last, name
         if stop >= end:
             end, last = stop, name
+
+
+def idle_fraction(recs: list[tuple[float, float, str]]) -> tuple[float, float]:
+    """(idle fraction, window µs): the GPU's idle share between its first start and last end."""
+    if not recs:
+        return float("nan"), 0.0
+    window = max(e for _, e, _ in recs) - recs[0][0]
+    idle = sum(gap for gap, _, _ in gaps(recs))
+    return (idle / window if window > 0 else 0.0), window
+
+
+GAP_EDGES_US = (5.0, 50.0)  # gaps inside a graph are ~1-3 µs; between steps, tens or more
 
 
 def idle_by_gap(recs: list[tuple[float, float, str]], steps: int) -> dict[str, float]:
