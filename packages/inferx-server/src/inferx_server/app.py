@@ -2,8 +2,8 @@
 
 Handlers validate on the event loop and tokenize there or, for long prompts, on a worker thread
 (requests.py), hand token ids to the EngineLoop and turn its outputs into OpenAI's JSON or
-server-sent events (responses.py). Every error leaves
-as OpenAI's error body; client mistakes are 4xx, never 500.
+server-sent events (responses.py). Every error leaves as OpenAI's error body; client mistakes
+are 4xx, never 500.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def create_app(srv: ServerState) -> Litestar:
             )
         _check_stream_options(data)
         texts = [p for p in prompts if isinstance(p, str)]
-        encoded = iter(await _encode(srv, texts)) if texts else iter(())
+        encoded = iter(await _encode(srv, texts))  # no texts: [] on the loop, no thread
         items = []
         for p in prompts:
             ids = next(encoded) if isinstance(p, str) else p
