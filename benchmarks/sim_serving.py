@@ -45,7 +45,8 @@ def step_ms(decodes_context: int, tokens: int, model: dict[str, float]) -> float
 
 
 class ModeledExecutor(Executor):
-    """Samples token 1000 for every sampling chunk at once and advances a virtual clock."""
+    """Samples token 1000 for every sampling chunk at once and advances a virtual clock. It
+    has no supports_overlap, so the engine runs one step at a time and each is charged once."""
 
     def __init__(self, model: dict[str, float]) -> None:
         self.num_kv_blocks, self.block_size = 200_000, 16
@@ -73,7 +74,6 @@ def simulate(
     config = load_config(None, {"scheduler.prefix_cache": False, **overrides})
     executor = ModeledExecutor(model)
     engine = Engine(config, executor=executor, tokenizer=None)
-    engine.overlap = False  # one step at a time: the clock charges each step once
     rng = random.Random(0)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
     arrived: dict[str, float] = {}
