@@ -3,6 +3,7 @@ step's plumbing on the CPU (torch.cuda's memory counters faked), and on a GPU a 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -115,6 +116,43 @@ def test_profiling_pass_runs_both_steps_and_drops_its_cache(
     assert steps == [([48, 48, 4], 8, True, (8, vocab)), ([1] * 8, 8, False, (8, vocab))]
     assert runner.attention.caches[0].shape[1] == 1  # the temporary cache is gone
     logits_bytes = 8 * vocab * 4
+    assert profile == MemoryProfile(2000, 1000 - 120, 100, 50, 50 + logits_bytes)
+    assert fake.calls.count("reset_peak_memory_stats") == 2
+
+
+def test_profiling_compiles_in_a_dry_run_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With engine.compile_threads > 1 the profiling steps first run dry (Triton kernels
+    compile on threads, nothing samples) inside compiles_in_background, then for real; the
+    measured profile is the same as without."""
+    runner = tiny_runner()
+    runner.compile_threads = 2
+    steps: list[tuple[list[int], bool, bool]] = []
+    dry: list[bool] = []
+    real_step = runner._profile_step
+
+    def step(query_lens: list[int], tables: list[list[int]], rows: int, sample: bool):
+        steps.append((query_lens, sample, bool(dry)))
+        return real_step(query_lens, tables, rows, sample)
+
+    @contextlib.contextmanager
+    def background(threads: int):
+        assert threads == 2
+        dry.append(True)
+        yield
+        dry.clear()
+
+    monkeypatch.setattr(runner, "_profile_step", step)
+    monkeypatch.setattr(executor_mod, "compiles_in_background", background)
+    monkeypatch.setattr(executor_mod, "eager_reason", lambda *a: None)
+    fake = FakeCudaMemory(monkeypatch)
+    profile = runner._profile_memory()
+    assert steps == [
+        ([48, 48, 4], False, True),
+        ([1] * 8, False, True),
+        ([48, 48, 4], True, False),
+        ([1] * 8, False, False),
+    ]
+    logits_bytes = 8 * runner.vocab_size * 4
     assert profile == MemoryProfile(2000, 1000 - 120, 100, 50, 50 + logits_bytes)
     assert fake.calls.count("reset_peak_memory_stats") == 2
 

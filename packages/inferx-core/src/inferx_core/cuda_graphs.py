@@ -25,6 +25,7 @@ import torch
 from inferx_core.interfaces.attention import AttentionBackend, AttentionBatch
 from inferx_core.interfaces.model import ModelArch
 from inferx_core.interfaces.scheduler import ScheduledChunk
+from inferx_core.jit_compile import compiles_in_background
 
 log = logging.getLogger("inferx.cuda_graphs")
 
@@ -117,10 +118,11 @@ class DecodeGraphRunner:
         return len(chunks) <= self.max_batch and all(c.num_tokens == 1 for c in chunks)
 
     @torch.inference_mode()
-    def capture(self, pool: object = None) -> object:
+    def capture(self, pool: object = None, compile_threads: int = 0) -> object:
         """Capture every size, largest first so that smaller graphs reuse its memory pool (or
         `pool`, another runner's), each after one eager run of the same size (kernels compile
-        and libraries set up outside). Returns the pool."""
+        and libraries set up outside; with compile_threads > 1, first in a dry run of every
+        size, side by side). Returns the pool."""
         return _capture_ladder(
             self.sizes,
             self.graphs,
@@ -129,6 +131,7 @@ class DecodeGraphRunner:
             self.device,
             pool,
             "the decode CUDA graph of batch size {size}",
+            compile_threads,
         )
 
     def _forward(self, size: int) -> None:
@@ -230,7 +233,14 @@ def _capture_ladder(
     device: torch.device,
     pool: object,
     what: str,
+    compile_threads: int = 0,
 ) -> object:
+    if compile_threads > 1:  # a dry run of every size first: their kernels compile side by side
+        with compiles_in_background(compile_threads):
+            for size in reversed(sizes):
+                prepare(size)
+                forward(size)
+        torch.cuda.synchronize(device)
     gc.collect()
     gc.freeze()  # a collection during each capture would walk every live object again
     try:
@@ -294,7 +304,7 @@ class MixedGraphRunner:
         return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs
 
     @torch.inference_mode()
-    def capture(self, pool: object = None) -> object:
+    def capture(self, pool: object = None, compile_threads: int = 0) -> object:
         """As DecodeGraphRunner.capture; capture this runner first (its steps are larger)."""
         return _capture_ladder(
             self.sizes,
@@ -304,6 +314,7 @@ class MixedGraphRunner:
             self.device,
             pool,
             "the CUDA graph of steps with prompt tokens at {size} tokens",
+            compile_threads,
         )
 
     def _forward(self, size: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from inferx_core.interfaces import (
     SchedulerOutput,
     StepResult,
 )
+from inferx_core.jit_compile import compiles_in_background
 from inferx_core.plugins import PluginError, Plugins, plugins
 from inferx_core.sampler import Sampler, TopLogprobs
 from inferx_core.sequence import PENDING, SamplingParams, Sequence
@@ -260,6 +262,10 @@ class ModelRunner(Executor):
         arch: type[ModelArch] = reg.get("model_arch", archs[0])  # type: ignore[assignment]
         self.kv_layout = arch.kv_layout(ckpt.hf_config)
         self.block_size = config.kv_cache.block_size
+        # Threads that compile Triton kernels in each start-up phase's dry run (jit_compile).
+        self.compile_threads = 0
+        if self.device.type == "cuda":
+            self.compile_threads = min(config.engine.compile_threads, os.cpu_count() or 1)
         backend_name = pick_attention_backend(config.engine.attention_backend, self.device, reg)
         backend_cls = reg.get("attention_backend", backend_name)
         self.attention: AttentionBackend = backend_cls(  # type: ignore[operator]
@@ -309,7 +315,7 @@ class ModelRunner(Executor):
                     self.max_model_len,
                     self.block_size,
                 )
-                pool = self.mixed.capture()
+                pool = self.mixed.capture(compile_threads=self.compile_threads)
             self.graphs = DecodeGraphRunner(
                 self.model,
                 self.attention,
@@ -318,7 +324,7 @@ class ModelRunner(Executor):
                 self.max_model_len,
                 self.block_size,
             )
-            self.graphs.capture(pool)
+            self.graphs.capture(pool, compile_threads=self.compile_threads)
             self.report.seconds["cuda_graphs"] = time.perf_counter() - t0
             log.info(
                 "captured CUDA graphs in %.2f s: decode at %d batch sizes (1 to %d); steps "
@@ -442,10 +448,17 @@ class ModelRunner(Executor):
         bs = self.block_size
         long = max(2, min(1024, self.max_model_len - 1, (self.num_kv_blocks - 1) // 3 * bs))
         cases = [([1], [long]), ([1, 1], [1, 2]), ([1, 17], [long, 17]), ([1, 16], [1, 16])]
-        for query_lens, context_lens in cases:
-            tables, next_block = fresh_tables(context_lens, bs)
-            if next_block <= self.num_kv_blocks:
-                self._profile_step(query_lens, tables, 1, False, context_lens)
+
+        def run_cases() -> None:
+            for query_lens, context_lens in cases:
+                tables, next_block = fresh_tables(context_lens, bs)
+                if next_block <= self.num_kv_blocks:
+                    self._profile_step(query_lens, tables, 1, False, context_lens)
+
+        if self.compile_threads > 1:  # dry first: the kernels compile side by side
+            with compiles_in_background(self.compile_threads):
+                run_cases()
+        run_cases()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -462,8 +475,19 @@ class ModelRunner(Executor):
         weights = torch.cuda.memory_allocated(dev)
         self.attention.allocate(num_blocks)
         temporary = torch.cuda.memory_allocated(dev) - weights
-        torch.cuda.reset_peak_memory_stats(dev)
         rows = min(self.config.scheduler.max_running, sum(lens))
+        if self.compile_threads > 1:  # the steps below, dry: their kernels compile side by side
+            with compiles_in_background(self.compile_threads):
+                self._profile_step(lens, tables, rows, sample=False)
+                if graph_batch:
+                    self._profile_step([1] * graph_batch, [[1 + i] for i in range(graph_batch)],
+                                       graph_batch, False)  # fmt: skip
+                if mixed := self._mixed_graph_tokens():
+                    mixed_lens = first_tokens(lens, mixed)
+                    self._profile_step(mixed_lens, tables[: len(mixed_lens)], 1, False)
+            gc.collect()
+            torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
         try:
             self._profile_step(lens, tables, rows, sample=True)
             torch.cuda.synchronize(dev)

@@ -1,0 +1,103 @@
+"""Engine start-up on a cold (or warm) Triton cache, per config variant, in fresh processes.
+
+    python benchmarks/cold_start.py --tokenizer DIR [--preset qwen2.5-3b-instruct]
+        [--variants "engine.compile_threads=0;engine.compile_threads=8"] [--rounds 2]
+        [--warm] [--json OUT.json]
+
+Each round starts one child per variant (alternating), each with an empty TRITON_CACHE_DIR of
+its own unless --warm (then one shared directory, filled by a first unmeasured start), builds
+the offline engine (bf16, CUDA graphs, the default config otherwise) and reports spawn to ready
+and the engine's own parts (open, weights, profile, kv_cache, warm_up, cuda_graphs). On a fresh
+machine every Triton kernel variant compiles during start-up: this is issue 4's "start to
+ready" on a machine that has not run InferX before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from commit_id import commit_id
+
+CHILD = """
+import json, sys, time
+t0 = time.time()
+from inferx_core.config import load_config
+from inferx_core.engine import LLM
+imported = time.time()
+llm = LLM(load_config(None, json.loads(sys.argv[1])))
+ex = llm.engine.executor
+print("RESULT " + json.dumps({"imports_s": imported - t0, "engine_s": time.time() - imported,
+                              "parts_s": dict(ex.report.seconds)}), flush=True)
+"""
+
+
+def start(overrides: dict[str, object], cache_dir: str) -> dict[str, object]:
+    env = {**os.environ, "TRITON_CACHE_DIR": cache_dir}
+    t0 = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(overrides)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    wall = time.time() - t0
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"start-up failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return {"spawn_to_ready_s": wall, **json.loads(lines[-1].removeprefix("RESULT "))}
+
+
+def parse_variant(text: str) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for item in text.split():
+        key, _, value = item.partition("=")
+        out[key] = json.loads(value) if value[:1].isdigit() or value in ("true", "false") else value
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--preset", default="qwen2.5-3b-instruct")
+    ap.add_argument("--variants", default="engine.compile_threads=0;engine.compile_threads=8")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--warm", action="store_true", help="a shared, pre-filled Triton cache")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    base = {
+        "model.preset": args.preset,
+        "model.tokenizer": args.tokenizer,
+        "model.dtype": "bfloat16",
+        "engine.attention_backend": "triton",
+    }
+    variants = [v.strip() for v in args.variants.split(";") if v.strip()]
+    shared = tempfile.mkdtemp(prefix="triton-warm-") if args.warm else None
+    if shared:
+        start(base, shared)
+    rows = []
+    cols = ("profile", "warm_up", "cuda_graphs")
+    print(f"{'round':>5}  {'variant':40} {'ready s':>8} " + " ".join(f"{c:>11}" for c in cols))
+    for r in range(args.rounds):
+        for v in variants:
+            cache = shared or tempfile.mkdtemp(prefix="triton-cold-")
+            res = start({**base, **parse_variant(v)}, cache)
+            parts = res["parts_s"]
+            assert isinstance(parts, dict)
+            cells = " ".join(f"{parts.get(c, 0):11.2f}" for c in cols)
+            print(f"{r:>5}  {v:40} {res['spawn_to_ready_s']:8.2f} {cells}", flush=True)
+            rows.append({"round": r, "variant": v, **res})
+    if args.json:
+        meta = {"commit": commit_id(), "preset": args.preset, "warm": args.warm}
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Compile Triton kernels on worker threads while start-up walks its step shapes.
+
+On a fresh machine (empty Triton cache) start-up spent ~14 of its 23.5 s compiling Triton
+kernel variants one after another, each where a warm-up forward first launched it (H200, 3B,
+BENCHMARKS.md session 9). Triton's compiler releases the GIL for much of its work, and ptxas
+runs as a process of its own, so variants compile side by side on threads.
+
+`compiles_in_background(threads)` is a dry run: inside it, launching any Triton kernel (any
+`triton.jit` function, ours or a plugin's) submits the compile of that variant to a thread
+pool and launches nothing, so the outputs of a forward pass run inside are garbage. Leaving
+it waits for every compile (and raises the first error). The real forward passes that follow
+find the variants in Triton's caches. A variant the dry run missed still compiles, at its
+first launch, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+
+def _spec(value: Any) -> Any:
+    """What Triton specialises a launch argument on, or finer: dtype and 16-byte alignment of
+    a tensor, an int's being 1 or a multiple of 16 (and its value, to stay on the safe side of
+    constexprs passed positionally), anything else as itself."""
+    if hasattr(value, "data_ptr") and hasattr(value, "dtype"):
+        return ("tensor", str(value.dtype), value.data_ptr() % 16 == 0)
+    if isinstance(value, bool | int | float | str) or value is None:
+        return (type(value).__name__, value)
+    return ("other", repr(value))
+
+
+@contextlib.contextmanager
+def compiles_in_background(threads: int) -> Iterator[None]:
+    """Dry-run Triton launches: compile each distinct variant on one of `threads` workers and
+    launch nothing; wait for them on exit. A no-op without Triton or with threads < 2."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        JITFunction = None  # noqa: N806
+    if JITFunction is None or threads < 2:
+        yield
+        return
+    original = JITFunction.run
+    init: Any = None
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        device = torch.cuda.current_device()  # workers compile for the caller's device
+
+        def init() -> None:
+            torch.cuda.set_device(device)
+
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="triton-compile", initializer=init)
+    futures: list[Future] = []
+    seen: set[Any] = set()
+    lock = threading.Lock()
+
+    def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        key = (id(self), tuple(_spec(a) for a in args), tuple(sorted(
+            (k, _spec(v)) for k, v in kwargs.items())))  # fmt: skip
+        with lock:
+            if key in seen:
+                return None
+            seen.add(key)
+        futures.append(pool.submit(original, self, *args, grid=grid, warmup=True, **kwargs))
+        return None
+
+    JITFunction.run = run
+    try:
+        yield
+    finally:
+        JITFunction.run = original
+        try:
+            for future in futures:
+                future.result()
+        finally:
+            pool.shutdown(wait=True)

@@ -1,0 +1,81 @@
+"""compiles_in_background: Triton launches inside it compile on worker threads and launch
+nothing; each distinct variant is submitted once; errors surface on exit; outside, launches
+are launches again. Triton's JITFunction.run is replaced by a recorder (no GPU here)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from inferx_core.jit_compile import compiles_in_background
+
+triton = pytest.importorskip("triton")
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+
+def kernel(x_ptr, n, BLOCK):  # noqa: N803  (a Triton kernel's signature; never compiled here)
+    pass
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    recorded: list[dict[str, Any]] = []
+
+    def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> str:
+        if kwargs.get("BLOCK") == 13:
+            raise ValueError("no such tile")
+        recorded.append(
+            {"thread": threading.current_thread().name, "warmup": warmup, "args": args, **kwargs}
+        )
+        return "launched"
+
+    monkeypatch.setattr(JITFunction, "run", run)
+    return recorded
+
+
+def test_launches_inside_only_compile_each_variant_once(calls: list[dict[str, Any]]) -> None:
+    k = JITFunction(kernel)
+    x, y = torch.zeros(8), torch.zeros(16)
+    with compiles_in_background(4):
+        assert k[(1,)](x, 3, BLOCK=4) is None  # nothing launched, nothing returned
+        k[(2,)](y, 3, BLOCK=4)  # same dtype and alignment, same int class: the same variant
+        k[(1,)](x, 16, BLOCK=4)  # an int that is a multiple of 16: another variant
+        k[(1,)](x, 3, BLOCK=8)  # another constexpr
+        k[(1,)](x.half(), 3, BLOCK=4)  # another dtype
+    assert len(calls) == 4
+    assert all(c["warmup"] and c["thread"].startswith("triton-compile") for c in calls)
+    assert sorted((c["args"][1], c["BLOCK"], str(c["args"][0].dtype)) for c in calls) == [
+        (3, 4, "torch.float16"),
+        (3, 4, "torch.float32"),
+        (3, 8, "torch.float32"),
+        (16, 4, "torch.float32"),
+    ]
+    assert k[(1,)](x, 3, BLOCK=4) == "launched"  # outside: a launch again
+    assert calls[-1]["warmup"] is False and calls[-1]["thread"] == threading.current_thread().name
+
+
+def test_a_failed_compile_raises_on_exit(calls: list[dict[str, Any]]) -> None:
+    k = JITFunction(kernel)
+    with pytest.raises(ValueError, match="no such tile"), compiles_in_background(2):
+        k[(1,)](torch.zeros(4), 3, BLOCK=13)
+        k[(1,)](torch.zeros(4), 3, BLOCK=4)
+    assert k[(1,)](torch.zeros(4), 3, BLOCK=4) == "launched"  # restored after the error
+
+
+def test_one_thread_or_none_changes_nothing(calls: list[dict[str, Any]]) -> None:
+    k = JITFunction(kernel)
+    for threads in (0, 1):
+        with compiles_in_background(threads):
+            assert k[(1,)](torch.zeros(4), 3, BLOCK=4) == "launched"
+    assert [c["warmup"] for c in calls] == [False, False]
+
+
+def test_compile_threads_is_validated() -> None:
+    from inferx_core.config import ConfigError, load_config
+
+    assert load_config(None, {"engine.compile_threads": 0}).engine.compile_threads == 0
+    with pytest.raises(ConfigError, match="engine.compile_threads"):
+        load_config(None, {"engine.compile_threads": -1})
