@@ -6,7 +6,7 @@
 #   cp -r ../shared/fixtures/tokenizers/{qwen,llama3} .carry/tok/tokenizers/
 #   tar -C .carry/tok -cJf .carry/tokxz/tok.tar.xz tokenizers
 # then carry [".whl", ".carry/tokxz"] (unpacked below into .carry/tok on the machine).
-# Usage: bash scripts/gpu_run.sh [setup] [tests] [flashinfer] [profile] [profile-prefill] [decode-variants] [breakdown] [gemv] [mixed] [regs] [tune] [split-gemm] [startup] [serve-ab] [bench] [demo]
+# Usage: bash scripts/gpu_run.sh [setup] [tests] [flashinfer] [profile] [profile-prefill] [decode-variants] [breakdown] [gemv] [mixed] [regs] [tune] [split-gemm] [startup] [cold-start] [serve-ab] [bench] [demo]
 #        [table | table-3b | table-8b]
 #   flashinfer: its conformance tests (FI_K: a pytest -k filter), then its compiled kernels packed into $OUT as
 #   fi-cache.tar.part-*: keep them in .carry/fi/ (31 MB) and carry .carry/fi in later runs
@@ -20,6 +20,8 @@
 #   mixed: benchmarks/mixed_step.py (host vs GPU time of eager steps with prompt tokens).
 #   gemv: tests/test_gemv.py -m gpu, then benchmarks/bench_gemv.py (skinny_linear against
 #   cuBLAS per decode GEMM shape; GEMV_ARGS for its options) into $OUT/gemv.json.
+#   tests: test_gpu_correctness runs FlashInfer too; without .carry/fi carried, FlashInfer
+#   compiles its kernels inside it (minutes on a fresh machine).
 #   (default: tests bench). table: issue 4's whole table, both models (benchmarks/h200_table.py,
 #   bounded to ~7.5 min after set-up); table-3b / table-8b: one model each, for two calls.
 # demo: the real demo model on the GPU. Its GGUF (98 MB) cannot travel in one call (64 MiB):
@@ -144,6 +146,11 @@ for step in "${steps[@]}"; do
       timeout 300 python3 benchmarks/server_startup.py --rounds ${STARTUP_ROUNDS:-2} \
         --set model.preset=qwen2.5-3b-instruct --set model.tokenizer=$TOK \
         --set model.dtype=bfloat16 --json "$OUT/server-startup.json" 2>&1 | grep -v -i warn ;;
+    cold-start)
+      # benchmarks/cold_start.py: 3B start-up on an empty Triton cache, engine.compile_threads
+      # 0 against 8 (COLD_ARGS: --variants, --preset, --warm ...).
+      timeout 300 python3 benchmarks/cold_start.py --tokenizer $TOK --rounds ${COLD_ROUNDS:-2} \
+        ${COLD_ARGS:-} --json "$OUT/cold-start.json" 2>&1 | grep -v -i warn ;;
     regs)
       # benchmarks/kernel_registers.py with this machine's Triton (REGS_ARGS: --group, --warps ...).
       timeout 200 python3 benchmarks/kernel_registers.py ${REGS_ARGS:---warps 2,4,8 --block-n 16,32,64} \

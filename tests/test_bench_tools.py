@@ -234,3 +234,14 @@ def test_server_intake_times_text_and_id_prompts(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert [r["prompts"] for r in rows] == ["text", "ids"]
     assert all(0 < r["ttft_mean_ms"] <= r["ttft_max_ms"] for r in rows)
+
+
+def test_cold_start_variants_parse_into_config_overrides() -> None:
+    from cold_start import parse_variant
+
+    got = parse_variant("engine.compile_threads=8 engine.cuda_graphs=false model.dtype=bfloat16")
+    assert got == {
+        "engine.compile_threads": 8,
+        "engine.cuda_graphs": False,
+        "model.dtype": "bfloat16",
+    }
