@@ -157,8 +157,12 @@ def test_profiling_compiles_in_a_dry_run_first(monkeypatch: pytest.MonkeyPatch) 
     assert fake.calls.count("reset_peak_memory_stats") == 2
 
 
-def test_profiling_out_of_memory_names_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("compile_threads", [0, 2])  # 2: the dry run is where it runs out
+def test_profiling_out_of_memory_names_the_key(
+    monkeypatch: pytest.MonkeyPatch, compile_threads: int
+) -> None:
     runner = tiny_runner()
+    runner.compile_threads = compile_threads
     FakeCudaMemory(monkeypatch)
 
     def step(*args: object, **kwargs: object) -> None:

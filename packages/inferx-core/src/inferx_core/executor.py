@@ -476,19 +476,21 @@ class ModelRunner(Executor):
         self.attention.allocate(num_blocks)
         temporary = torch.cuda.memory_allocated(dev) - weights
         rows = min(self.config.scheduler.max_running, sum(lens))
-        if self.compile_threads > 1:  # the steps below, dry: their kernels compile side by side
-            with compiles_in_background(self.compile_threads):
-                self._profile_step(lens, tables, rows, sample=False)
-                if graph_batch:
-                    self._profile_step([1] * graph_batch, [[1 + i] for i in range(graph_batch)],
-                                       graph_batch, False)  # fmt: skip
-                if mixed := self._mixed_graph_tokens():
-                    mixed_lens = first_tokens(lens, mixed)
-                    self._profile_step(mixed_lens, tables[: len(mixed_lens)], 1, False)
-            gc.collect()
-            torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
+        decode_tables = [[1 + i] for i in range(graph_batch)]
+        # the graphs share one pool: the larger of the decode and the mixed step's needs
+        mixed = self._mixed_graph_tokens() if graph_batch else 0
+        mixed_lens = first_tokens(lens, mixed) if mixed else []
         try:
+            if self.compile_threads > 1:  # the steps below, dry: kernels compile side by side
+                with compiles_in_background(self.compile_threads):
+                    self._profile_step(lens, tables, rows, sample=False)
+                    if graph_batch:
+                        self._profile_step([1] * graph_batch, decode_tables, graph_batch, False)
+                    if mixed:
+                        self._profile_step(mixed_lens, tables[: len(mixed_lens)], 1, False)
+                gc.collect()
+                torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
             self._profile_step(lens, tables, rows, sample=True)
             torch.cuda.synchronize(dev)
             activations = max(0, torch.cuda.max_memory_allocated(dev) - weights - temporary)
@@ -496,18 +498,15 @@ class ModelRunner(Executor):
             if graph_batch:
                 before = torch.cuda.memory_allocated(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
-                decode_tables = [[1 + i] for i in range(graph_batch)]
                 logits = self._profile_step([1] * graph_batch, decode_tables, graph_batch, False)
                 torch.cuda.synchronize(dev)
                 # The pool holds one step's intermediates; the runners keep their outputs outside.
                 pool = torch.cuda.max_memory_allocated(dev) - before
                 outputs = logits.numel() * logits.element_size()
                 del logits
-                mixed = self._mixed_graph_tokens()
-                if mixed:  # the graphs share one pool: the larger of the two steps' needs
+                if mixed:
                     before = torch.cuda.memory_allocated(dev)
                     torch.cuda.reset_peak_memory_stats(dev)
-                    mixed_lens = first_tokens(lens, mixed)
                     logits = self._profile_step(mixed_lens, tables[: len(mixed_lens)], 1, False)
                     torch.cuda.synchronize(dev)
                     pool = max(pool, torch.cuda.max_memory_allocated(dev) - before)

@@ -21,11 +21,13 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 
 def _spec(value: Any) -> Any:
-    """What Triton specialises a launch argument on, or finer: dtype and 16-byte alignment of
-    a tensor, an int's being 1 or a multiple of 16 (and its value, to stay on the safe side of
-    constexprs passed positionally), anything else as itself."""
+    """What Triton specialises a launch argument on, or finer: a tensor's dtype and 16-byte
+    alignment; a scalar's value (finer than Triton's "1 or a multiple of 16" for ints, and
+    exact for constexprs passed positionally); anything else by its repr."""
     if hasattr(value, "data_ptr") and hasattr(value, "dtype"):
         return ("tensor", str(value.dtype), value.data_ptr() % 16 == 0)
     if isinstance(value, bool | int | float | str) or value is None:
@@ -46,8 +48,6 @@ def compiles_in_background(threads: int) -> Iterator[None]:
         return
     original = JITFunction.run
     init: Any = None
-    import torch
-
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         device = torch.cuda.current_device()  # workers compile for the caller's device
 
@@ -55,18 +55,15 @@ def compiles_in_background(threads: int) -> Iterator[None]:
             torch.cuda.set_device(device)
 
     pool = ThreadPoolExecutor(threads, thread_name_prefix="triton-compile", initializer=init)
-    futures: list[Future] = []
-    seen: set[Any] = set()
+    futures: dict[Any, Future] = {}  # by variant: each distinct one is submitted once
     lock = threading.Lock()
 
     def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
         key = (id(self), tuple(_spec(a) for a in args), tuple(sorted(
             (k, _spec(v)) for k, v in kwargs.items())))  # fmt: skip
         with lock:
-            if key in seen:
-                return None
-            seen.add(key)
-        futures.append(pool.submit(original, self, *args, grid=grid, warmup=True, **kwargs))
+            if key not in futures:
+                futures[key] = pool.submit(original, self, *args, grid=grid, warmup=True, **kwargs)
         return None
 
     JITFunction.run = run
@@ -75,7 +72,7 @@ def compiles_in_background(threads: int) -> Iterator[None]:
     finally:
         JITFunction.run = original
         try:
-            for future in futures:
+            for future in futures.values():
                 future.result()
         finally:
             pool.shutdown(wait=True)
