@@ -135,7 +135,10 @@ def _load_tile(
     pos = start + tl.arange(0, BLOCK_N)
     table = block_table_ptr + seq * stride_table + pos // BLOCK_SIZE
     valid = pos < hi
-    block = tl.load(table, mask=valid, other=0) if MASKED else tl.load(table)
+    if MASKED:
+        block = tl.load(table, mask=valid, other=0)
+    else:
+        block = tl.load(table)
     off = (
         block.to(tl.int64) * stride_cache_block
         + (pos % BLOCK_SIZE) * stride_cache_token
