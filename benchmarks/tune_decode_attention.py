@@ -14,9 +14,8 @@ reads per second), the best's, and which that is. Outputs are checked against th
 the way (a config that changes results is an error, not a winner).
 `--grid KEY=V1,V2` (repeatable) sweeps only the keys it names, the others at their default;
 decode_stages (the decode kernel's num_stages: Triton's software pipelining of its KV tile
-loads), block_n (context tokens per tile), reduce_heads (query heads per reduce program) and
-decode_early (1: each split's first tile loaded ahead of the rest of the prologue) are swept
-only that way.
+loads), block_n (context tokens per tile) and reduce_heads (query heads per reduce program)
+are swept only that way.
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ DEFAULT = {
     "decode_stages": 1,
     "block_n": 64,
     "reduce_heads": 2,
-    "decode_early": 0,
 }
 GRID = {
     "decode_warps": (2, 4, 8),
@@ -91,7 +89,6 @@ def build(
     backend.decode_launch = {"num_warps": cfg["decode_warps"], "num_stages": cfg["decode_stages"]}
     backend.reduce_launch = {"num_warps": cfg["reduce_warps"]}
     backend.reduce_heads = cfg["reduce_heads"]
-    backend.decode_early = bool(cfg["decode_early"])
     blocks_per_seq = -(-context // BLOCK)
     backend.allocate(batch * blocks_per_seq + 1)
     gen = torch.Generator(device=device).manual_seed(0)

@@ -134,14 +134,10 @@ def test_steps_match_dense(block_size: int, group: int, head_dim: int, dtype: to
     [(4, 1, torch.float32), (16, 2, torch.float32), (4, 4, torch.float16)],
 )
 @pytest.mark.parametrize("reduce_heads", [1, 4])
-@pytest.mark.parametrize("early", [False, True])
-def test_split_k_decode(
-    block_size: int, group: int, dtype: torch.dtype, reduce_heads: int, early: bool
-) -> None:
+def test_split_k_decode(block_size: int, group: int, dtype: torch.dtype, reduce_heads: int) -> None:
     """Splits of one 16-token tile forced on: decodes of different lengths use different numbers
     of the step's splits (the shortest, one), alone and beside a prefill. reduce_heads 4: the
-    reduce kernel's programs take 4 query heads each (2 where the layer has 2). early: the
-    decode kernel loads each split's first tile ahead (decode_early)."""
+    reduce kernel's programs take 4 query heads each (2 where the layer has 2)."""
     torch.manual_seed(7 + block_size + group)
     layers = [KVLayerSpec(2 * group, 2, 16)]
     backend = TritonAttention(
@@ -149,7 +145,6 @@ def test_split_k_decode(
     )
     backend.max_splits = 8  # eager steps pad the reduce to this many splits
     backend.reduce_heads = reduce_heads
-    backend.decode_early = early
     assert backend._reduce_heads(2 * group, 8) == min(reduce_heads, 2 * group)
     totals = [41, 23, 7, 36, 30]
     steps = [
@@ -279,41 +274,31 @@ ROTARY_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 
 @interpreted
-@pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("group", [1, 4])
-def test_rotary_in_the_decode_kernel(
-    group: int, dtype: torch.dtype, split: bool, early: bool
-) -> None:
-    check_decode_rotary(group, dtype, torch.device("cpu"), split, early)
+def test_rotary_in_the_decode_kernel(group: int, dtype: torch.dtype, split: bool) -> None:
+    check_decode_rotary(group, dtype, torch.device("cpu"), split)
 
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
-def test_gpu_rotary_in_the_decode_kernel_bf16(group: int, split: bool, early: bool) -> None:
-    check_decode_rotary(group, torch.bfloat16, torch.device("cuda"), split, early)
+def test_gpu_rotary_in_the_decode_kernel_bf16(group: int, split: bool) -> None:
+    check_decode_rotary(group, torch.bfloat16, torch.device("cuda"), split)
 
 
-def check_decode_rotary(
-    group: int, dtype: torch.dtype, device: torch.device, split: bool, early: bool = False
-) -> None:
+def check_decode_rotary(group: int, dtype: torch.dtype, device: torch.device, split: bool) -> None:
     """decode_rotary: in a decode-only step the decode kernel rotates q and k and writes the new
     k and v itself. Against the torch reference ops' rotary followed by TorchAttention.forward
     on fresh random inputs: the same outputs and the same cache, with the context split or
-    not (the split holding the new token writes it); a padding row (slot -1) writes nothing.
-    early (decode_early): each split's first tile is read before the new token is written, so
-    a new token in that tile (contexts of 1 and 6, and every split's token when split) comes
-    from registers, one in a later tile (37, 10, 16 unsplit) from the cache."""
+    not (the split holding the new token writes it); a padding row (slot -1) writes nothing."""
     head_dim, kv_heads, bs = 32, 2, 4
     layers = [KVLayerSpec(kv_heads * group, kv_heads, head_dim)] * 2
     kwargs = {"min_split_len": 1, "target_programs": 10**6} if split else {}
     backend = TritonAttention(layers, bs, dtype, device, **kwargs)
     backend.decode_rotary = True
-    backend.decode_early = early
     if split:
         backend.decode_block_n = 16  # contexts here are short of two of the GPU's 64-token tiles
     reference = TorchAttention(layers, bs, dtype, device)

@@ -213,12 +213,6 @@ class TritonAttention(TorchAttention):
         if flag not in ("0", "1"):
             raise ValueError(f"INFERX_TRITON_DECODE_ROTARY must be 0 or 1; got {flag!r}")
         self.decode_rotary = flag == "1"
-        # decode_early: the decode kernel issues its first tile's block ids and K/V before the
-        # rotary work, so those round trips overlap (EARLY). INFERX_TRITON_DECODE_EARLY=1.
-        flag = os.environ.get("INFERX_TRITON_DECODE_EARLY", "0")
-        if flag not in ("0", "1"):
-            raise ValueError(f"INFERX_TRITON_DECODE_EARLY must be 0 or 1; got {flag!r}")
-        self.decode_early = flag == "1"
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         self._upcast = self.interpret and dtype == torch.bfloat16
         self._dot_precision = "ieee" if dtype == torch.float32 else "tf32"
@@ -690,7 +684,6 @@ class TritonAttention(TorchAttention):
                 ALL_DECODE=plan.all_decode,
                 UPCAST=self._upcast,
                 DOT_PRECISION=self._dot_precision,
-                EARLY=self.decode_early,
                 **(new_tokens if in_decode else self._no_new_tokens(plan)),
                 **self.decode_launch,
             )

@@ -111,79 +111,6 @@ def rotary_kv_write_kernel(
 
 
 @triton.jit
-def _load_tile(
-    start,
-    hi,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_table_ptr,
-    seq,
-    stride_table,
-    kv_head,
-    stride_cache_block,
-    stride_cache_token,
-    stride_cache_head,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    """Context positions [start, start + BLOCK_N) of one sequence and KV head: (positions,
-    valid, K transposed [HEAD_DIM, BLOCK_N], V [BLOCK_N, HEAD_DIM]). With MASKED, positions
-    at or past hi read as zeros (valid is False there); without, all must be below hi."""
-    d = tl.arange(0, HEAD_DIM)
-    pos = start + tl.arange(0, BLOCK_N)
-    table = block_table_ptr + seq * stride_table + pos // BLOCK_SIZE
-    valid = pos < hi
-    if MASKED:
-        block = tl.load(table, mask=valid, other=0)
-    else:
-        block = tl.load(table)
-    off = (
-        block.to(tl.int64) * stride_cache_block
-        + (pos % BLOCK_SIZE) * stride_cache_token
-        + kv_head * stride_cache_head
-    )
-    if MASKED:
-        k_t = tl.load(k_cache_ptr + off[None, :] + d[:, None], mask=valid[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    else:
-        k_t = tl.load(k_cache_ptr + off[None, :] + d[:, None])
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :])
-    return pos, valid, k_t, v
-
-
-@triton.jit
-def _attend_tile(
-    q,
-    m,
-    row_sum,
-    acc,
-    pos,
-    valid,
-    k_t,
-    v,
-    q_pos,
-    scale_log2,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One loaded tile (see _load_tile) folded into the online softmax of the rows of q."""
-    if UPCAST:
-        k_t = k_t.to(tl.float32)
-        v = v.to(tl.float32)
-    s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
-    if MASKED:
-        if CAUSAL:
-            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        else:
-            s = tl.where(valid[None, :], s, float("-inf"))
-    return _softmax_step(s, v, m, row_sum, acc, DOT_PRECISION)
-
-
-@triton.jit
 def _attend_range(
     q,
     m,
@@ -217,16 +144,36 @@ def _attend_range(
     tiles that way and only the ragged or diagonal rest with masks. CAUSAL (with MASKED) hides
     positions past each row's q_pos.
     """
+    d = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
-        pos, valid, k_t, v = _load_tile(
-            start, hi, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_table, kv_head,
-            stride_cache_block, stride_cache_token, stride_cache_head, HEAD_DIM, BLOCK_SIZE,
-            BLOCK_N, MASKED,
-        )  # fmt: skip
-        m, row_sum, acc = _attend_tile(
-            q, m, row_sum, acc, pos, valid, k_t, v, q_pos, scale_log2, MASKED, CAUSAL, UPCAST,
-            DOT_PRECISION,
-        )  # fmt: skip
+        pos = start + tl.arange(0, BLOCK_N)
+        table = block_table_ptr + seq * stride_table + pos // BLOCK_SIZE
+        if MASKED:
+            valid = pos < hi
+            block = tl.load(table, mask=valid, other=0)
+        else:
+            block = tl.load(table)
+        off = (
+            block.to(tl.int64) * stride_cache_block
+            + (pos % BLOCK_SIZE) * stride_cache_token
+            + kv_head * stride_cache_head
+        )
+        if MASKED:
+            k_t = tl.load(k_cache_ptr + off[None, :] + d[:, None], mask=valid[None, :], other=0.0)
+            v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        else:
+            k_t = tl.load(k_cache_ptr + off[None, :] + d[:, None])
+            v = tl.load(v_cache_ptr + off[:, None] + d[None, :])
+        if UPCAST:
+            k_t = k_t.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
+        if MASKED:
+            if CAUSAL:
+                s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            else:
+                s = tl.where(valid[None, :], s, float("-inf"))
+        m, row_sum, acc = _softmax_step(s, v, m, row_sum, acc, DOT_PRECISION)
     return m, row_sum, acc
 
 
@@ -266,22 +213,15 @@ def _decode_row(i, seq_ids_ptr, query_start_ptr, context_len_ptr, ALL_DECODE: tl
 
 
 @triton.jit
-def _rotate(x, xp, cos, sin, sign, DTYPE: tl.constexpr):
-    """x rotated (rotate-half) as fused_kernels.rotate_into rounds it, from x and each
-    element's rotate-half partner xp (both fp32), in DTYPE. cos and sin are per element (the
-    table's halves repeated), sign is -1 on the first half and +1 on the second."""
-    return (_rounded(x * cos, DTYPE) + sign * _rounded(xp * sin, DTYPE)).to(DTYPE)
-
-
-@triton.jit
 def _rotated(ptr, offs, cos, sin, sign, partner_offs, mask):
     """The rows at ptr + offs rotated (rotate-half) as fused_kernels.rotate_into rounds them,
     in ptr's dtype. partner_offs point at each element's rotate-half partner; cos and sin are
     per element (the table's halves repeated), sign is -1 on the first half and +1 on the
     second."""
+    dtype = ptr.dtype.element_ty
     x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(ptr + partner_offs, mask=mask, other=0.0).to(tl.float32)
-    return _rotate(x, xp, cos, sin, sign, ptr.dtype.element_ty)
+    return (_rounded(x * cos, dtype) + sign * _rounded(xp * sin, dtype)).to(dtype)
 
 
 # Ints that change from step to step are not specialised on (Triton would compile a variant for
@@ -329,7 +269,6 @@ def decode_kernel(
     stride_vh,
     stride_cos_sin,
     ROTARY: tl.constexpr,
-    EARLY: tl.constexpr = False,
 ):
     """Grid (decode sequences, KV heads, splits): the one query token of a sequence, all query
     heads of one KV group (rows of one tl.dot, padded to GROUP_PAD), over one split of the
@@ -353,56 +292,21 @@ def decode_kernel(
     d = tl.arange(0, HEAD_DIM)
     head = kv_head * GROUP + g
     g_valid = g < GROUP
-    q_offs = row * stride_qt + head[:, None] * stride_qh + d[None, :]
-    if SEQ_SPLIT:
-        split_len = _seq_split_len(ctx, tl.num_programs(2), split_len, BLOCK_N)
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, ctx)
-    # Every load that waits on nothing but the program ids first, then the ones a round trip
-    # behind them: a warp issues in order and stalls at the first use of a pending load, so
-    # the source order is the order the round trips overlap in.
+    q_offs = row * stride_qt + head[:, None] * stride_qh
     if ROTARY:
         half_d = d % (HEAD_DIM // 2)
         partner = (d + HEAD_DIM // 2) % HEAD_DIM
-        partner_offs = q_offs - d[None, :] + partner[None, :]
-        k_offs = row * stride_kt + kv_head * stride_kh
-        position = tl.load(positions_ptr + row).to(tl.int64)
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-        if EARLY:
-            # Unmasked: the new token's row is always there (padding rows too); only the
-            # cache write below is masked.
-            q_x = tl.load(q_ptr + q_offs, mask=g_valid[:, None], other=0.0).to(tl.float32)
-            q_p = tl.load(q_ptr + partner_offs, mask=g_valid[:, None], other=0.0).to(tl.float32)
-            k_x = tl.load(k_new_ptr + k_offs + d).to(tl.float32)
-            k_p = tl.load(k_new_ptr + k_offs + partner).to(tl.float32)
-            v_new = tl.load(v_new_ptr + row * stride_vt + kv_head * stride_vh + d)
-    elif EARLY:
-        q = tl.load(q_ptr + q_offs, mask=g_valid[:, None])
-    if EARLY:
-        # The split's first tile, masked (it may be its only one, or empty).
-        pos0, valid0, k0, v0 = _load_tile(
-            lo, hi, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_table, kv_head,
-            stride_cache_block, stride_cache_token, stride_cache_head, HEAD_DIM, BLOCK_SIZE,
-            BLOCK_N, True,
-        )  # fmt: skip
-    if ROTARY:
-        # After the tile's loads: the layout shuffles of cos and sin wait for them.
-        cs = cos_sin_ptr + position * stride_cos_sin
-        cos_raw = tl.load(cs + half_d)
-        sin_raw = tl.load(cs + HEAD_DIM // 2 + half_d)
         sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
+        cs = cos_sin_ptr + tl.load(positions_ptr + row).to(tl.int64) * stride_cos_sin
         rot_dtype = q_ptr.dtype.element_ty
-        cos = _rounded(cos_raw, rot_dtype)
-        sin = _rounded(sin_raw, rot_dtype)
-        if EARLY:
-            q = _rotate(q_x, q_p, cos[None, :], sin[None, :], sign[None, :], rot_dtype)
-        else:
-            q = _rotated(
-                q_ptr, q_offs, cos[None, :], sin[None, :], sign[None, :], partner_offs,
-                g_valid[:, None],
-            )  # fmt: skip
-    elif not EARLY:
-        q = tl.load(q_ptr + q_offs, mask=g_valid[:, None])
+        cos = _rounded(tl.load(cs + half_d), rot_dtype)
+        sin = _rounded(tl.load(cs + HEAD_DIM // 2 + half_d), rot_dtype)
+        q = _rotated(
+            q_ptr, q_offs + d[None, :], cos[None, :], sin[None, :], sign[None, :],
+            q_offs + partner[None, :], g_valid[:, None],
+        )  # fmt: skip
+    else:
+        q = tl.load(q_ptr + q_offs + d[None, :], mask=g_valid[:, None])
     q = q.to(k_cache_ptr.dtype.element_ty)
     if UPCAST:
         q = q.to(tl.float32)
@@ -410,38 +314,26 @@ def decode_kernel(
     m = tl.full([GROUP_PAD], _NO_MAX, tl.float32)
     row_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    if SEQ_SPLIT:
+        split_len = _seq_split_len(ctx, tl.num_programs(2), split_len, BLOCK_N)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, ctx)
     if ROTARY:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
         owner = (slot >= 0) & (lo <= ctx - 1) & (ctx - 1 < hi)
         # (d < HEAD_DIM) & owner would be an int tensor under the interpreter, not a mask.
         mine = d < tl.where(owner, HEAD_DIM, 0)
-        if EARLY:
-            k = _rotate(k_x, k_p, cos, sin, sign, rot_dtype)
-            v = v_new
-        else:
-            k = _rotated(k_new_ptr, k_offs + d, cos, sin, sign, k_offs + partner, mine)
-            v = tl.load(v_new_ptr + row * stride_vt + kv_head * stride_vh + d, mask=mine)
-        k = k.to(k_cache_ptr.dtype.element_ty)
-        v = v.to(v_cache_ptr.dtype.element_ty)
+        k_offs = row * stride_kt + kv_head * stride_kh
+        k = _rotated(k_new_ptr, k_offs + d, cos, sin, sign, k_offs + partner, mine)
+        v = tl.load(v_new_ptr + row * stride_vt + kv_head * stride_vh + d, mask=mine)
         dst = slot * stride_cache_token + kv_head * stride_cache_head + d
-        tl.store(k_cache_ptr + dst, k, mask=mine)
-        tl.store(v_cache_ptr + dst, v, mask=mine)
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mine)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mine)
         tl.debug_barrier()  # this program's reads below see the k and v it wrote
-        if EARLY:
-            # The first tile was read before that write: its new token comes from registers.
-            newest = pos0 == tl.where(owner, ctx - 1, -1)
-            k0 = tl.where(newest[None, :], k[:, None], k0)
-            v0 = tl.where(newest[:, None], v[None, :], v0)
-    start = lo
-    if EARLY:
-        m, row_sum, acc = _attend_tile(
-            q, m, row_sum, acc, pos0, valid0, k0, v0, 0, scale_log2, True, False, UPCAST,
-            DOT_PRECISION,
-        )  # fmt: skip
-        start = lo + BLOCK_N
     # Whole tiles unmasked, then the ragged tail (if any) masked.
-    full = tl.maximum(start, lo + (hi - lo) // BLOCK_N * BLOCK_N)
+    full = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
     m, row_sum, acc = _attend_range(
-        q, m, row_sum, acc, start, full, 0, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
+        q, m, row_sum, acc, lo, full, 0, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
         stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
         scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION,
     )  # fmt: skip
