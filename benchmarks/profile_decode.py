@@ -7,9 +7,11 @@ Per batch size: `batch` requests of a `--prompt-len`-token prompt (128) are pref
 `--steps` decode steps run under torch.profiler (CPU and CUDA activity). From the trace's GPU
 records (kernels, copies, memsets) it prints:
 
-- the wall time per step (host clock, engine.step() to engine.step()),
+- the wall time per step (host clock, engine.step() to engine.step()), the steps over 1.2 x
+  the median, and the garbage collector's passes during the profiled steps,
 - the GPU idle fraction: 1 - (union of GPU activity) / (first GPU start to last GPU end) over
-  the profiled steps, the figure issue 4 wants under 5%,
+  the profiled steps, the figure issue 4 wants under 5%; the gaps of 50 µs or more by the GPU
+  activities around them, and the host events (torch ops, CUDA calls) they overlap,
 - the GPU time per step by kind of kernel (GEMM, attention, norm, rotary + KV write,
   SiLU-and-mul, sampling, copies, other), then
 - each kernel's launches and GPU time per step, largest first: what one decode step runs.
@@ -21,6 +23,7 @@ with CUDA graphs the idle figure is close to the unprofiled one. Eager steps are
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import tempfile
@@ -101,6 +104,40 @@ def long_gaps(
         {"before": b, "after": a, "per_step": len(g) / steps, "us_per_step": sum(g) / steps}
         for (b, a), g in per.items()
     ]
+    return sorted(rows, key=lambda r: -r["us_per_step"])[:top]
+
+
+HOST_CATEGORIES = {"cpu_op", "cuda_runtime", "cuda_driver", "python_function", "user_annotation"}
+
+
+def host_in_long_gaps(trace_path: Path, steps: int, top: int = 10) -> list[dict[str, Any]]:
+    """What the host was inside while the GPU sat idle 50 µs or more: per host event name
+    (torch ops, CUDA runtime calls), the µs per step of its overlap with those gaps. A
+    cudaEventSynchronize there is the host waiting on the device; a Python or torch op, host
+    work the step's launch waited behind."""
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    recs = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), str(e.get("name", "?")))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES
+    )
+    windows = []
+    if recs:
+        end = recs[0][1]
+        for start, stop, _ in recs[1:]:
+            if start - end >= GAP_EDGES_US[1]:
+                windows.append((end, start))
+            end = max(end, stop)
+    per: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in HOST_CATEGORIES:
+            continue
+        t0, t1 = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))
+        for w0, w1 in windows:
+            overlap = min(t1, w1) - max(t0, w0)
+            if overlap > 0:
+                per[str(e.get("name", "?"))[:60]] += overlap
+    rows = [{"host": name, "us_per_step": us / steps} for name, us in per.items()]
     return sorted(rows, key=lambda r: -r["us_per_step"])[:top]
 
 
@@ -201,12 +238,23 @@ def profile_batch(
         print(f"batch {batch}: only {running} sequences fit and run (raise kv_cache.memory)")
     walls = []
     trace = trace_dir / f"decode-{batch}.json"
+    collections: list[tuple[int, float]] = []  # (generation, seconds) of each gc pass
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            collections.append((info["generation"], time.perf_counter() - started.pop()))
+
+    gc.callbacks.append(on_gc)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             t0 = time.perf_counter()
             engine.step()
             walls.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
+    gc.callbacks.remove(on_gc)
     prof.export_chrome_trace(str(trace))
     for i in ids:
         engine.abort(i)
@@ -228,6 +276,8 @@ def profile_batch(
         "steps": steps,
         "step_ms_median_profiled": statistics.median(walls) * 1e3,
         "step_ms_mean_unprofiled": plain_ms,
+        "step_ms_profiled": [round(w * 1e3, 3) for w in walls],
+        "gc_passes": [{"generation": g, "ms": round(t * 1e3, 3)} for g, t in collections],
         **trace_summary(trace, steps),
     }
 
@@ -244,6 +294,7 @@ def trace_summary(trace: Path, steps: int) -> dict[str, Any]:
         "gpu_idle_fraction": idle,
         "idle_us_per_step_by_gap": idle_by_gap(recs, steps),
         "long_gaps": long_gaps(recs, steps),
+        "host_in_long_gaps": host_in_long_gaps(trace, steps),
         "groups": group_table(kernels),
         "kernels": kernels,
     }
@@ -297,6 +348,14 @@ def main() -> None:
                     f"gap >= 50 µs: {g['per_step']:.2f}/step, {g['us_per_step']:.1f} µs/step, "
                     f"after {g['before']!r}, before {g['after']!r}"
                 )
+            for h in r["host_in_long_gaps"]:
+                print(f"host in those gaps: {h['us_per_step']:.1f} µs/step in {h['host']!r}")
+            slow = [
+                i
+                for i, w in enumerate(r["step_ms_profiled"])
+                if w > 1.2 * r["step_ms_median_profiled"]
+            ]
+            print(f"steps over 1.2 x the median: {slow}; gc passes: {r['gc_passes']}")
             print_groups(r["groups"])
             print_kernels(r["kernels"], args.top)
     doc = {"args": vars(args), "commit": commit_id(), "results": results}

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 from profile_decode import (  # noqa: E402
     gpu_records,
     group_table,
+    host_in_long_gaps,
     idle_by_gap,
     idle_fraction,
     kernel_group,
@@ -49,6 +50,16 @@ def test_idle_counts_gaps_once_and_overlaps_as_busy(tmp_path: Path) -> None:
     # The one gap of 50 µs or more: after the copy (ended at 40), before "a" (at 100).
     assert long_gaps(recs, steps=2) == [
         {"before": "copy", "after": "a", "per_step": 0.5, "us_per_step": 30.0}
+    ]
+    # The host event overlaps that gap by its whole 60 µs; one inside the short gaps counts not.
+    trace["traceEvents"] += [
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaEventSynchronize", "ts": 90, "dur": 20},
+        {"ph": "X", "cat": "cpu_op", "name": "short", "ts": 20, "dur": 5},
+    ]
+    path.write_text(json.dumps(trace))
+    assert host_in_long_gaps(path, steps=2) == [
+        {"host": "host work", "us_per_step": 30.0},
+        {"host": "cudaEventSynchronize", "us_per_step": 5.0},
     ]
 
 
