@@ -1,5 +1,5 @@
-"""Greedy sampling's argmax over the vocabulary: torch's one-pass argmax against row_argmax (two
-reductions), µs per call inside a CUDA graph, per rows and vocabulary.
+"""Greedy sampling's argmax over the vocabulary: torch's argmax against the triton KernelOps'
+(two launches), µs per call inside a CUDA graph, per rows and vocabulary.
 
     python benchmarks/bench_argmax.py [--rows 1,8,64,256] [--vocabs 151936,128256] [--json OUT]
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from commit_id import commit_id
 
-from inferx_core.sampler import row_argmax
+from inferx_kernels_cuda.ops import TritonOps
 
 
 def graph_us(fn: Callable[[], torch.Tensor], reps: int = 200) -> float:
@@ -45,17 +45,18 @@ def main() -> None:
     ap.add_argument("--vocabs", default="151936,128256")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    ops = TritonOps()
     rows_out = []
-    print(f"{'vocab':>7} {'rows':>5} {'argmax us':>10} {'row_argmax us':>14}")
+    print(f"{'vocab':>7} {'rows':>5} {'torch us':>9} {'triton us':>10}")
     for vocab in (int(v) for v in args.vocabs.split(",")):
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, vocab, device="cuda").to(torch.bfloat16)
-            if not torch.equal(row_argmax(x), x.argmax(dim=1)):
-                raise SystemExit(f"row_argmax differs from argmax at {rows} x {vocab}")
+            if not torch.equal(ops.argmax(x), x.argmax(dim=1)):
+                raise SystemExit(f"TritonOps.argmax differs from torch's at {rows} x {vocab}")
             one = graph_us(lambda x=x: x.argmax(dim=1))
-            two = graph_us(lambda x=x: row_argmax(x))
-            rows_out.append({"vocab": vocab, "rows": rows, "argmax_us": one, "row_argmax_us": two})
-            print(f"{vocab:>7} {rows:>5} {one:>10.2f} {two:>14.2f}")
+            two = graph_us(lambda x=x: ops.argmax(x))
+            rows_out.append({"vocab": vocab, "rows": rows, "torch_us": one, "triton_us": two})
+            print(f"{vocab:>7} {rows:>5} {one:>9.2f} {two:>10.2f}")
     if args.json:
         doc = {"commit": commit_id(), "gpu": torch.cuda.get_device_name(), "rows": rows_out}
         Path(args.json).write_text(json.dumps(doc, indent=1))

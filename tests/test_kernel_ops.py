@@ -252,6 +252,34 @@ def test_empty_batches() -> None:
     assert q.shape == (0, 2, 8) and k.shape == (0, 1, 8)
 
 
+def check_argmax(ops: KernelOps, rows: int, vocab: int, dtype: torch.dtype, device) -> None:
+    """ops.argmax against torch's on fresh logits, with ties planted: inside a segment of
+    ops.argmax_segment columns, across two segments (the earlier wins), at the row's two ends,
+    and in every row (cycling through those) when there are more."""
+    x = torch.randn(rows, vocab, device=device).to(dtype)
+    top = x.float().max() + 1
+    seg = getattr(ops, "argmax_segment", vocab)
+    edge = seg if seg < vocab else vocab // 2  # a segment boundary, or the middle
+    pairs = [(7, 9), (edge - 1, edge), (edge + 5, vocab - 1), (0, vocab - 1)]
+    for row in range(rows):
+        a, b = pairs[row % len(pairs)]
+        x[row, a] = x[row, b] = top
+    got, want = ops.argmax(x), x.argmax(dim=1)
+    assert got.dtype == torch.int64 and got.tolist() == want.tolist()
+    assert want.tolist() == [pairs[r % len(pairs)][0] for r in range(rows)]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 300), (5, 1000), (3, 64), (2, 40)])
+def test_argmax_is_torchs_ties_included(rows: int, vocab: int, dtype: torch.dtype) -> None:
+    """Segments of 64 columns: 300 is four and a masked tail, 64 exactly one, 40 one masked."""
+    ops = TritonOps()
+    ops.argmax_segment = 64
+    check_argmax(ops, rows, vocab, dtype, CPU)
+    check_argmax(TorchOps(), rows, vocab, dtype, CPU)  # the interface's default
+
+
 def test_registered_as_triton() -> None:
     reg = plugins()
     assert reg.entry("kernel_ops", "triton").target == "inferx_kernels_cuda.ops:TritonOps"
@@ -404,6 +432,15 @@ def test_gpu_rotary(
     dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int, tokens: int
 ) -> None:
     check_rotary(tokens, q_heads, kv_heads, head_dim, dtype, GPU, max_positions=32768)
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", [151_936, 128_256, 32_000])
+@pytest.mark.parametrize("rows", [1, 64, 256])
+def test_gpu_argmax_is_torchs_ties_included(rows: int, vocab: int, dtype: torch.dtype) -> None:
+    check_argmax(TritonOps(), rows, vocab, dtype, GPU)
 
 
 @on_gpu

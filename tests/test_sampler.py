@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inferx_core.sampler import Sampler, apply_penalties, filter_logits, row_argmax
+from inferx_core.sampler import Sampler, apply_penalties, filter_logits
 from inferx_core.sequence import PENDING, SamplingParams, Sequence
 
 
@@ -95,41 +95,25 @@ def test_greedy_on_half_logits_picks_what_float32_would(dtype: torch.dtype) -> N
     assert top is not None and top.values.dtype == torch.float32
 
 
-@pytest.mark.parametrize("vocab", [151_936, 128_256, 4_096, 32_001, 300])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_row_argmax_is_argmax_ties_included(vocab: int, dtype: torch.dtype) -> None:
-    """row_argmax (two reductions for vocabularies that split into 4,096-or-shorter segments:
-    Qwen2.5's into 128 of 1,187, Llama 3's into 32 of 4,008; one otherwise) against argmax on
-    fresh logits, with planted ties: inside a segment, across two segments (the earlier
-    segment's index wins), and at a row's two ends."""
-    g = torch.Generator().manual_seed(vocab)
-    x = torch.randn(6, vocab, generator=g).to(dtype)
-    top = x.float().max() + 1
-    seg = vocab
-    while seg > 4096 and seg % 2 == 0:
-        seg //= 2
-    edge = seg if seg < vocab else vocab // 2  # a segment boundary, or the middle
-    ties = [(1, 7, 9), (2, edge - 1, edge), (3, edge + 5, vocab - 1), (4, 0, vocab - 1)]
-    for row, a, b in ties:
-        x[row, a] = x[row, b] = top
-    want = x.argmax(dim=1)
-    assert row_argmax(x).tolist() == want.tolist()
-    assert [int(want[row]) for row, _, _ in ties] == [a for _, a, _ in ties]
+def test_every_argmax_goes_through_the_injected_one() -> None:
+    """The executor hands the sampler its KernelOps.argmax: greedy rows, the exponential race of
+    sampled rows and a mixed step's greedy rows all take their argmax there."""
+    calls: list[torch.dtype] = []
 
+    def argmax(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.dtype)
+        return x.argmax(dim=1)
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_row_argmax_is_argmax_ties_included() -> None:
-    """The same on the GPU at Qwen2.5's and Llama 3's vocabularies, 1-256 rows, fresh logits,
-    ties planted across a segment boundary in every row."""
-    for vocab, seg in [(151_936, 1_187), (128_256, 4_008)]:
-        for rows in (1, 64, 256):
-            x = torch.randn(rows, vocab, device="cuda").to(torch.bfloat16)
-            top = (x.float().max(1).values + 1).to(torch.bfloat16)
-            cols = torch.randint(1, vocab // seg, (rows,), device="cuda") * seg
-            r = torch.arange(rows, device="cuda")
-            x[r, cols - 1] = x[r, cols] = top
-            assert row_argmax(x).tolist() == x.argmax(1).tolist() == (cols - 1).tolist()
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50, generator=g).to(torch.bfloat16)
+    sampler = Sampler(torch.device("cpu"), argmax=argmax)
+    tokens, _ = sampler(logits, seqs([SamplingParams(temperature=0)] * 4))
+    assert calls == [torch.bfloat16] and tokens.tolist() == logits.argmax(1).tolist()
+    calls.clear()
+    mixed = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=1)] * 2
+    tokens, _ = sampler(logits, seqs(mixed))
+    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+    assert calls == [torch.float32, torch.float32]  # the race, then the greedy rows
 
 
 @pytest.mark.gpu

@@ -288,7 +288,7 @@ class ModelRunner(Executor):
         )
         self.num_kv_blocks = self._size_cache()
         self.attention.allocate(self.num_kv_blocks)
-        self.sampler = Sampler(self.device, seed=config.model.seed)
+        self.sampler = Sampler(self.device, seed=config.model.seed, argmax=ctx.ops.argmax)
         # What the last submitted step sampled, on the device, and each sequence's row in it.
         self._last_sampled: tuple[torch.Tensor | None, dict[int, int]] = (None, {})
         profiled = self.report.seconds.get("profile", 0.0)  # sizing's own part, reported apart
@@ -454,6 +454,11 @@ class ModelRunner(Executor):
                 tables, next_block = fresh_tables(context_lens, bs)
                 if next_block <= self.num_kv_blocks:
                     self._profile_step(query_lens, tables, 1, False, context_lens)
+            # The sampler's argmax over logits of the model's dtype (greedy steps) and float32
+            # (the race of sampled rows): the steps above sample nothing.
+            for dtype in {self.dtype, torch.float32}:
+                logits = torch.zeros(2, self.vocab_size, dtype=dtype, device=self.device)
+                self.sampler.argmax(logits)
 
         if self.compile_threads > 1:  # dry first: the kernels compile side by side
             with compiles_in_background(self.compile_threads):

@@ -12,6 +12,7 @@ non-blocking on CUDA), and the results stay on the device until the caller copie
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -128,27 +129,6 @@ def filter_logits(
     return logits
 
 
-# Longest row segment row_argmax reduces in its first pass.
-_ARGMAX_SEGMENT = 4096
-
-
-def row_argmax(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(1) of a 2-D tensor (the first index among equal maxima, as argmax gives it),
-    in two reductions where the row splits into equal power-of-two-fold segments of at most
-    4,096: the maximum and its index per segment, then the first best segment. torch's argmax
-    reduces each row in one block of threads, which leaves most of the GPU idle: at 64 rows of
-    Qwen2.5's 151,936 logits it took 21.6 µs on the H200 (BENCHMARKS.md, session 10)."""
-    n, v = x.shape
-    seg = v
-    while seg > _ARGMAX_SEGMENT and seg % 2 == 0:
-        seg //= 2
-    if seg == v or seg > _ARGMAX_SEGMENT or not x.is_contiguous():
-        return x.argmax(dim=1)
-    values, index = x.view(n, v // seg, seg).max(dim=2)
-    best = values.argmax(dim=1, keepdim=True)
-    return (index.gather(1, best) + best * seg).squeeze(1)
-
-
 def top_logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int) -> TopLogprobs:
     """The sampled tokens' logprobs and the k most likely tokens of each row of `raw` (float32
     logits [N, V], unprocessed), as logits minus their logsumexp: no [N, V] log-softmax."""
@@ -158,11 +138,23 @@ def top_logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int) -> TopLogprobs
     return TopLogprobs(sampled.squeeze(1), best.indices, best.values - lse)
 
 
+def _torch_argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=1)
+
+
 class Sampler:
     """Samples one token per row. Rows are the sequences in `seqs`, in the same order."""
 
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        seed: int = 0,
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """argmax: [rows, vocab] -> the first index of each row's maximum (KernelOps.argmax);
+        torch's argmax by default."""
         self.device = device
+        self.argmax = argmax or _torch_argmax
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -175,7 +167,7 @@ class Sampler:
         exact, so it is the same token); everything else computes in float32."""
         params = [s.params for s in seqs]
         if all(p.greedy and not p.needs_history and p.logprobs is None for p in params):
-            return row_argmax(logits), None
+            return self.argmax(logits), None
         raw = logits.float()
         logits = apply_penalties(raw.clone(), seqs) if any(p.needs_history for p in params) else raw
         tokens = self._draw(logits, seqs)
@@ -187,7 +179,7 @@ class Sampler:
         distribution for the rest."""
         params = [s.params for s in seqs]
         if all(p.greedy for p in params):
-            return row_argmax(logits)
+            return self.argmax(logits)
         n, dev = len(params), logits.device
         seeded = [i for i, p in enumerate(params) if p.seed is not None]
         floats = torch.tensor(
@@ -225,10 +217,10 @@ class Sampler:
             s = len(seeded)
             rows, seeds, steps = ints[2 * n :].view(3, s).unbind()
             noise[rows] = seeded_exponential(seeds, steps, probs.shape[1])
-        sampled = row_argmax(probs / noise)
+        sampled = self.argmax(probs / noise)
         if len(drawn) == n:
             return sampled
-        return torch.where(greedy, row_argmax(logits), sampled)
+        return torch.where(greedy, self.argmax(logits), sampled)
 
 
 _MASK64 = (1 << 64) - 1

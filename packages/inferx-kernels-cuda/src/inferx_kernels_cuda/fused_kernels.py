@@ -160,3 +160,37 @@ def rotary_kernel(
                 HEADS_BLOCK)  # fmt: skip
     rotate_into(k_row, stride_kh, k_row, stride_kh, num_k_heads, cos, sin, HALF, HALF_PAD,
                 HEADS_BLOCK)  # fmt: skip
+
+
+@triton.jit
+def segment_argmax_kernel(
+    x_ptr,
+    seg_max_ptr,
+    seg_arg_ptr,
+    stride_x,
+    n,
+    BLOCK: tl.constexpr,
+):
+    """Grid (rows, segments of BLOCK columns): each segment's maximum (fp32) and the first
+    column holding it, into [rows, segments] buffers for argmax_kernel."""
+    r = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    cols = s * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + r * stride_x + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
+    best = tl.max(x, 0)
+    first = tl.min(tl.where(x == best, cols, n), 0)
+    out = r * tl.num_programs(1) + s
+    tl.store(seg_max_ptr + out, best)
+    tl.store(seg_arg_ptr + out, first)
+
+
+@triton.jit
+def argmax_kernel(seg_max_ptr, seg_arg_ptr, out_ptr, segments, SEGMENTS_PAD: tl.constexpr):
+    """One program per row: the first of its segments holding the row's maximum, and that
+    segment's column (so the row's first maximum, as torch's argmax picks it)."""
+    r = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, SEGMENTS_PAD)
+    m = tl.load(seg_max_ptr + r * segments + s, mask=s < segments, other=float("-inf"))
+    best = tl.max(m, 0)
+    first = tl.min(tl.where(m == best, s, SEGMENTS_PAD), 0)
+    tl.store(out_ptr + r, tl.load(seg_arg_ptr + r * segments + first).to(tl.int64))

@@ -1,4 +1,5 @@
-"""The `triton` KernelOps: one launch each for add + RMSNorm, SiLU-and-mul and q/k rotary."""
+"""The `triton` KernelOps: one launch each for add + RMSNorm, SiLU-and-mul and q/k rotary; the
+greedy argmax in two."""
 
 from __future__ import annotations
 
@@ -62,6 +63,8 @@ class TritonOps(KernelOps):
         # "N" (1-N) or "0" (off).
         self.gated_gemv_rows = gated_rows(os.environ.get("INFERX_GATED_GEMV_ROWS", "5-16"))
         self._interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        # Columns per program of argmax's first pass (a power of two).
+        self.argmax_segment = 4096
 
     def rms_norm(
         self,
@@ -150,6 +153,33 @@ class TritonOps(KernelOps):
         ):
             return skinny_linear(x, linear.weight, linear.bias, gated=True)
         return self.silu_and_mul(linear(x))
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Two launches: each row's maximum and first index per segment of argmax_segment
+        columns, then per row the first segment holding the row's maximum. torch's argmax runs
+        one block of threads a row: 8.4 µs at 1 row and 21.7 at 64 of Qwen2.5's 151,936 bf16
+        logits, 26.5 at 1 row of Llama 3's 128,256 on the H200 (bench_argmax, session 10).
+        NaN logits give an unspecified token (torch's would be the NaN's)."""
+        if x.dim() != 2:
+            raise ValueError(f"argmax: logits must be [rows, vocab], got {tuple(x.shape)}")
+        rows, n = x.shape
+        if not (x.is_cuda or self._interpret) or not rows or not n:
+            return x.argmax(dim=1)
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        block = min(self.argmax_segment, triton.next_power_of_2(n))
+        segments = triton.cdiv(n, block)
+        seg_max = torch.empty(rows, segments, dtype=torch.float32, device=x.device)
+        seg_arg = torch.empty(rows, segments, dtype=torch.int32, device=x.device)
+        out = torch.empty(rows, dtype=torch.int64, device=x.device)
+        kernels.segment_argmax_kernel[(rows, segments)](
+            x, seg_max, seg_arg, x.stride(0), n, BLOCK=block, num_warps=4
+        )
+        kernels.argmax_kernel[(rows,)](
+            seg_max, seg_arg, out, segments, SEGMENTS_PAD=triton.next_power_of_2(segments),
+            num_warps=1,
+        )  # fmt: skip
+        return out
 
     def rotary(
         self,

@@ -36,6 +36,12 @@ class KernelOps(ABC):
         as one (the activation in the GEMM's epilogue) where it knows the layer's weights."""
         return self.silu_and_mul(linear(x))
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """x.argmax(1) of [rows, vocab] logits (int64 [rows]): greedy sampling's token per row,
+        the first index among equal maxima. A kernel package may reduce a row in more programs
+        than torch's one block of threads a row."""
+        return x.argmax(dim=1)
+
     @abstractmethod
     def rotary(
         self,
