@@ -1,7 +1,7 @@
 """skinny_linear (the split-K Triton GEMV) against cuBLAS on the decode shapes of Qwen2.5-3B and
 Llama-3.1-8B: one run gives the timings to tune inferx_kernels_cuda.gemv.pick_config from.
 
-    python benchmarks/bench_gemv.py [--models qwen2.5-3b,llama-3.1-8b] [--m 1,2,4,8,16]
+    python benchmarks/bench_gemv.py [--models qwen2.5-3b,llama-3.1-8b] [--m 1,2,4,8,16,64]
         [--shapes qkv,o,gate_up,down,lm_head,gate_up_silu] [--grid small|full|none] [--no-graph]
         [--budget-s 60] [--json OUT.json]
 
@@ -129,7 +129,8 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int, grid: str) -> list[G
 def compile_key(shape: Shape, m: int, cfg: GemvConfig) -> tuple[Any, ...]:
     """What Triton compiles a separate variant of skinny_linear's kernels for, given that every
     benchmarked N and K is a multiple of 16 (m is not specialised on)."""
-    block_m = 16 if cfg.use_dot else 1 << max(m - 1, 0).bit_length()
+    rows = 1 << max(m - 1, 0).bit_length()
+    block_m = max(16, rows) if cfg.use_dot else rows
     return (
         block_m,
         cfg.block_n,
@@ -304,7 +305,7 @@ HEADER = (
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--m", default="1,2,4,8,16", help="rows of x, comma-separated, each <= 16")
+    ap.add_argument("--m", default="1,2,4,8,16", help="rows of x, comma-separated, each <= 64")
     ap.add_argument("--shapes", default="qkv,o,gate_up,down,lm_head,gate_up_silu")
     ap.add_argument("--grid", choices=["none", "small", "full"], default="small")
     ap.add_argument("--no-graph", action="store_true", help="time with do_bench only")

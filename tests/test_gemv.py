@@ -126,6 +126,27 @@ def test_gated_is_silu_and_mul_of_the_product(
     torch.testing.assert_close(ours, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+@interpreted
+@pytest.mark.parametrize("m", [17, 40, 64])
+@pytest.mark.parametrize("name", ["dot", "dot-split3"])
+def test_dot_path_past_16_rows(m: int, name: str) -> None:
+    """17-64 rows on the tensor-core path, x padded to 32 or 64 rows: plain against float64,
+    gated against silu_and_mul of the plain product (N and K ragged as above)."""
+    x, w, b = inputs(m, 74, 100, torch.float16, CPU, seed=m)
+    cfg = CONFIGS[name]
+    check(skinny_linear(x, w, b, cfg), x, w, b)
+    ours = skinny_linear(x, w, b, cfg, gated=True)
+    want = TritonOps().silu_and_mul(skinny_linear(x, w, b, cfg))
+    tol = GATED_TOL[torch.float16]
+    torch.testing.assert_close(ours, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_fma_path_refuses_past_16_rows() -> None:
+    x, w, _ = inputs(17, 32, 64, torch.float32, CPU, seed=0)
+    with pytest.raises(ValueError, match="FMA path takes at most 16 rows"):
+        skinny_linear(x, w, None, GemvConfig(block_n=16, block_k=32))
+
+
 def test_gated_refuses_odd_weights_and_one_row_tiles() -> None:
     x, w, _ = inputs(1, 6, 32, torch.float32, CPU, seed=0)
     with pytest.raises(ValueError, match="gated needs gate and up rows"):
@@ -171,7 +192,7 @@ def test_empty_output_launches_nothing() -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (((17, 64), (32, 64)), "at most 16"),
+        (((65, 64), (32, 64)), "at most 64"),
         (((2, 64), (32, 48)), "last dims"),
         (((2, 64, 1), (32, 64)), "must be \\[M, K\\]"),
         (((2, 64), (32, 64), (31,)), "bias must be"),
@@ -340,6 +361,23 @@ def test_gpu_gated_real_gate_up(shape: tuple[str, int, int], m: int, name: str) 
     assert ours.shape == want.shape
     rel = ((ours.double() - want.double()).abs().max() / want.double().abs().max()).item()
     assert rel <= 1e-2, f"{rel:.2e} against cuBLAS + silu_and_mul"
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [("3b", 22016, 2048), ("8b", 28672, 4096)], ids=["3b", "8b"])
+@pytest.mark.parametrize("m", [24, 33, 64])
+@pytest.mark.parametrize("name", ["default", "dot-split4"])
+def test_gpu_gated_past_16_rows(shape: tuple[str, int, int], m: int, name: str) -> None:
+    """The tensor-core path at 17-64 rows (x padded to 32 or 64), gated gate_up against cuBLAS
+    then TritonOps.silu_and_mul."""
+    _, n, k = shape
+    x, w, _ = inputs(m, n, k, torch.bfloat16, torch.device("cuda"), seed=n + m)
+    w = w * 0.05
+    ours = skinny_linear(x, w, None, GPU_CONFIGS[name], gated=True)
+    want = TritonOps().silu_and_mul(F.linear(x, w))
+    rel = ((ours.double() - want.double()).abs().max() / want.double().abs().max()).item()
+    assert ours.shape == want.shape and rel <= 1e-2, f"{rel:.2e} against cuBLAS + silu_and_mul"
 
 
 @on_gpu

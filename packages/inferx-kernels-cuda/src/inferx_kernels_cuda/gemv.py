@@ -1,4 +1,4 @@
-"""Skinny GEMM for decode: y = x @ W.T + b with 1..16 rows of x, streaming each weight byte once.
+"""Skinny GEMM for decode: y = x @ W.T + b with 1..64 rows of x, streaming each weight byte once.
 
 At batch-1 decode cuBLAS runs the small projections (QKV, o_proj: 8-10 MB of weights) at
 1.5-1.7 TB/s of an H200's ~4.3. `skinny_linear` is a split-K / wide-N Triton GEMV: a program
@@ -9,8 +9,9 @@ BLOCK_K columns at a time, with every row of x against it. Accumulation is fp32 
 - the FMA path (use_dot=False) multiplies the [BLOCK_M, 1, BLOCK_K] x tile into a
   [BLOCK_M, BLOCK_N, BLOCK_K] accumulator and reduces over K once at the end (no cross-thread
   reduction per step: the classic GEMV), BLOCK_M = the next power of two of M;
-- the dot path (use_dot=True) pads x to 16 rows and runs tl.dot on tensor cores; the padding
-  costs nothing a memory-bound kernel would notice.
+- the dot path (use_dot=True) pads x to 16 rows (or the next power of two past 16, up to 64)
+  and runs tl.dot on tensor cores; the padding costs nothing a memory-bound kernel would
+  notice. The FMA path takes at most 16 rows (MAX_FMA_ROWS), the dot path 64 (MAX_ROWS).
 
 prefetch=True issues the next K block's loads before the current block's products, so each
 program keeps two blocks of W in flight. Triton pipelines only loads that feed tl.dot
@@ -43,7 +44,8 @@ import triton.language as tl
 
 from inferx_kernels_cuda.fused_kernels import _rounded, silu_times
 
-MAX_ROWS = 16
+MAX_ROWS = 64
+MAX_FMA_ROWS = 16
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Columns per program of the split reduce: small, so that a 2048-wide output still spreads over
 # several SMs (the reduce reads only SPLIT_K * M * N * 4 bytes).
@@ -340,7 +342,8 @@ def skinny_linear(
     config: GemvConfig | None = None,
     gated: bool = False,
 ) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [M, K] with M <= 16: [M, N] in x's dtype.
+    """F.linear(x, weight, bias) for x [M, K] with M <= 64 (16 on the FMA path): [M, N] in
+    x's dtype.
 
     weight is [N, K] as nn.Linear holds it; x and weight need a unit stride along K (row strides
     are free, so row slices of a fused weight work). config defaults to pick_config(M, N, K).
@@ -361,9 +364,13 @@ def skinny_linear(
         return out
     cfg = config or pick_config(m, n, k, _num_sms(x.device))
     cfg.check()
+    if not cfg.use_dot and m > MAX_FMA_ROWS:
+        raise ValueError(
+            f"skinny_linear: the FMA path takes at most {MAX_FMA_ROWS} rows, x has {m}: {cfg}"
+        )
     if gated and cfg.block_n < 2:
         raise ValueError(f"skinny_linear: gated needs block_n >= 2 (gate and up rows): {cfg}")
-    block_m = MAX_ROWS if cfg.use_dot else triton.next_power_of_2(m)
+    block_m = max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     split = cfg.split_k > 1
