@@ -45,7 +45,7 @@ import triton
 import triton.testing
 from commit_id import commit_id
 
-from inferx_kernels_cuda.gemv import GemvConfig, pick_config, skinny_linear, split_for
+from inferx_kernels_cuda.gemv import MAX_ROWS, GemvConfig, pick_config, skinny_linear, split_for
 from inferx_kernels_cuda.ops import TritonOps
 from inferx_models.presets import preset
 
@@ -328,8 +328,8 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         ap.error(f"unknown models {sorted(unknown)}; known: {', '.join(MODELS)}")
     ms = [int(v) for v in args.m.split(",")]
-    if not all(1 <= m <= 16 for m in ms):
-        ap.error(f"--m values must be 1..16, got {ms}")
+    if not all(1 <= m <= MAX_ROWS for m in ms):
+        ap.error(f"--m values must be 1..{MAX_ROWS}, got {ms}")
     names = args.shapes.split(",")
     shapes = [
         s for model in args.models.split(",") for s in linear_shapes(model) if s.name in names
