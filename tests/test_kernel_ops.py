@@ -18,7 +18,7 @@ from inferx_core.interfaces.model import BuildContext  # noqa: E402
 from inferx_core.interfaces.ops import KernelOps  # noqa: E402
 from inferx_core.ops_torch import TorchOps  # noqa: E402
 from inferx_core.plugins import plugins  # noqa: E402
-from inferx_core.quant_none import Unquantized  # noqa: E402
+from inferx_core.quant_none import DenseLinear, Unquantized  # noqa: E402
 from inferx_kernels_cuda import ops as triton_ops  # noqa: E402
 from inferx_kernels_cuda.ops import TritonOps  # noqa: E402
 from inferx_models.layers import RotaryEmbedding, rope_parameters  # noqa: E402
@@ -376,13 +376,38 @@ def test_tiny_model_logits_with_the_gated_gemv(name: str, monkeypatch: pytest.Mo
     assert calls == [6] * cfg["num_hidden_layers"]
 
 
+@interpreted
+def test_gated_gemv_only_up_to_max_k(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused gate_up runs where the hidden size (K) is at most gated_gemv_max_k; past it,
+    the GEMM and silu_and_mul as two, with the same result."""
+    calls: list[int] = []
+    real = triton_ops.skinny_linear
+
+    def counted(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(x.shape[1])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(triton_ops, "skinny_linear", counted)
+    torch.manual_seed(0)
+    linear = DenseLinear(64, [48], False, torch.float32, CPU)
+    linear.weight.data.normal_()
+    x = torch.randn(6, 64)
+    ops = TritonOps()
+    ops.gated_gemv_rows = (1, 8)
+    fused = ops.linear_silu_and_mul(linear, x)
+    ops.gated_gemv_max_k = 32
+    unfused = ops.linear_silu_and_mul(linear, x)
+    assert calls == [64]
+    torch.testing.assert_close(fused, unfused, rtol=1e-4, atol=1e-4 * unfused.abs().max().item())
+
+
 def test_gated_gemv_rows_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("INFERX_GATED_GEMV_ROWS", raising=False)
-    assert TritonOps().gated_gemv_rows == (5, 16)  # the default: graphs pad these to 8, 16
+    assert TritonOps().gated_gemv_rows == (5, 32)  # the default: graphs pad these to 8, 16, 32
     for value, rows in (("8", (1, 8)), ("2-16", (2, 16)), ("3-3", (3, 3)), ("0", (1, 0))):
         monkeypatch.setenv("INFERX_GATED_GEMV_ROWS", value)
         assert TritonOps().gated_gemv_rows == rows, value
-    for bad in ("17", "x", "-1", "0-4", "5-4", "2-17", "1-", ""):
+    for bad in ("65", "x", "-1", "0-4", "5-4", "2-65", "1-", ""):
         monkeypatch.setenv("INFERX_GATED_GEMV_ROWS", bad)
         with pytest.raises(ValueError, match="INFERX_GATED_GEMV_ROWS must be LO-HI, N or 0"):
             TritonOps()
@@ -503,11 +528,12 @@ def test_gpu_model_logits_match_torch_ops(name: str, gated_rows: tuple[int, int]
     """Two layers of the real shapes (vocabulary cut to 4096), bf16: TritonOps against TorchOps.
     Roundings that flip by an ulp inside a layer pass through the GEMMs, hence the wider
     tolerance; greedy tokens must nearly all agree. gated_rows (1, 8): the 6-row step runs gate_up
-    and SiLU-and-mul as one skinny_linear(gated=True)."""
+    and SiLU-and-mul as one skinny_linear(gated=True), for 8B's hidden size too."""
     cfg = preset(name) | {"num_hidden_layers": 2, "vocab_size": 4096}
     weights = model_weights(cfg, seed=3, scale=0.02)
     ops = TritonOps()
     ops.gated_gemv_rows = gated_rows
+    ops.gated_gemv_max_k = cfg["hidden_size"]
     ours = torch.cat(run_model(cfg, ops, weights, torch.bfloat16, GPU))
     ref = torch.cat(run_model(cfg, TorchOps(), weights, torch.bfloat16, GPU))
     err = rel_err(ours, ref)

@@ -55,13 +55,17 @@ class TritonOps(KernelOps):
 
     def __init__(self) -> None:
         # Steps of lo..hi rows run an unquantized gate_up and its SiLU-and-mul as one
-        # skinny_linear(gated=True) launch: 5-16 (graphs pad them to 8 or 16). 3B decode steps
-        # on the H200, unfused -> fused: batch 8 2.600 -> 2.495 ms, batch 16 2.639 -> 2.546;
-        # batch 1 2.544 -> 2.542, and the FMA path of 2 and 4 rows loses (2.556 -> 2.718,
-        # 2.566 -> 3.102 ms). bench_gemv had 8B's fused gate_up level with cuBLAS at 8 rows
-        # and 7 µs slower at one (BENCHMARKS.md, session 7). INFERX_GATED_GEMV_ROWS="LO-HI",
-        # "N" (1-N) or "0" (off).
-        self.gated_gemv_rows = gated_rows(os.environ.get("INFERX_GATED_GEMV_ROWS", "5-16"))
+        # skinny_linear(gated=True) launch: 5-32 (graphs pad them to 8, 16 or 32), and only
+        # where the GEMM's K (the hidden size) is at most gated_gemv_max_k. 3B decode steps on
+        # the H200, unfused -> fused: batch 8 2.600 -> 2.495 ms, 16 2.639 -> 2.546 (session 7);
+        # 24 (padded to 32) 2.652 -> 2.587, 32 2.665 -> 2.599; 64 3.211 -> 3.229, a loss
+        # (session 10). At 1 row it ties, and the FMA path of 2 and 4 rows loses (2.556 ->
+        # 2.718, 2.566 -> 3.102 ms). Llama-3.1-8B's gate_up (K 4096) gains nothing: level with
+        # cuBLAS at 8 rows in bench_gemv, 4.787 -> 4.835 ms at batch 32 in the model
+        # (BENCHMARKS.md, session 10).
+        # INFERX_GATED_GEMV_ROWS="LO-HI", "N" (1-N) or "0" (off).
+        self.gated_gemv_rows = gated_rows(os.environ.get("INFERX_GATED_GEMV_ROWS", "5-32"))
+        self.gated_gemv_max_k = 2048
         self._interpret = os.environ.get("TRITON_INTERPRET") == "1"
         # Columns per program of argmax's first pass (a power of two).
         self.argmax_segment = 4096
@@ -147,6 +151,7 @@ class TritonOps(KernelOps):
             isinstance(linear, DenseLinear)
             and x.dim() == 2
             and self.gated_gemv_rows[0] <= x.shape[0] <= self.gated_gemv_rows[1]
+            and x.shape[1] <= self.gated_gemv_max_k
             and (x.is_cuda or self._interpret)
             and x.dtype == linear.weight.dtype
             and x.stride(1) == 1
