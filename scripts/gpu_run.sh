@@ -85,7 +85,8 @@ for step in "${steps[@]}"; do
       # inside the decode kernel; INFERX_GATED_GEMV_ROWS: gate_up + SiLU-and-mul as one GEMV),
       # alternating, each value profiled at batch 1 and 64 (PROFILE_ARGS="--batch 1,8" for
       # others) in graphs with overlap: DECODE_VARIANTS (space-separated values) x
-      # DECODE_PROMPT_LENS (the context the decodes start from) x DECODE_ROUNDS.
+      # DECODE_PROMPT_LENS (the context the decodes start from) x DECODE_ROUNDS; DECODE_TAG names
+      # the JSON files apart when one call runs this step twice.
       env_name=${DECODE_ENV:-INFERX_TRITON_DECODE_ROTARY}
       for r in $(seq 1 ${DECODE_ROUNDS:-1}); do
         for len in ${DECODE_PROMPT_LENS:-128 640}; do
@@ -94,7 +95,7 @@ for step in "${steps[@]}"; do
             env "$env_name=$v" timeout 300 python3 benchmarks/profile_decode.py \
               --tokenizer $TOK --backend triton --batch 1,64 --steps 64 --overlap on \
               --prompt-len $len ${PROFILE_ARGS:-} \
-              --json "$OUT/profile-decode-$env_name-$v-p$len-$r.json" 2>&1 \
+              --json "$OUT/profile-decode-$env_name-$v-p$len-$r${DECODE_TAG:+-$DECODE_TAG}.json" 2>&1 \
               | grep -E "^batch|decode_kernel|decode_reduce|rotary_kv|silu|skinny|split_k" \
               | cut -c1-160
           done
