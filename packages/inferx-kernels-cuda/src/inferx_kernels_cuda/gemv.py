@@ -27,9 +27,10 @@ gated=True takes a fused gate_up weight and returns silu(gate) * up: each progra
 are half gate rows and their up rows, and the activation runs in the epilogue (or in the split
 reduce), so the decode step's SiLU-and-mul launch and its [M, 2I] intermediate go away.
 
-Only the gated form is wired in (TritonOps.linear_silu_and_mul, steps of 5-16 rows), where
-the H200 measured it faster than cuBLAS plus silu_and_mul; plain projections stay on cuBLAS,
-which this kernel does not beat (benchmarks/bench_gemv.py, BENCHMARKS.md sessions 6 and 7).
+Only the gated form is wired in (TritonOps.linear_silu_and_mul, steps of 5-32 rows, hidden size
+at most 2048), where the H200 measured it faster than cuBLAS plus silu_and_mul; plain
+projections stay on cuBLAS, which this kernel does not beat (benchmarks/bench_gemv.py,
+BENCHMARKS.md sessions 6, 7 and 10).
 """
 
 from __future__ import annotations
