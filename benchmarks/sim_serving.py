@@ -2,14 +2,15 @@
 policy does to throughput and time to first token, on a CPU, in seconds.
 
     python benchmarks/sim_serving.py [--concurrency 8,64,256] [--requests 2] \
-        [--variant NAME:KEY=VALUE,KEY=VALUE ...] [--json OUT.json]
+        [--variant NAME:KEY=VALUE,KEY=VALUE ...] [--model KEY=VALUE ...] [--json OUT.json]
 
 Each of `concurrency` clients sends a 512-token prompt for 256 tokens (ignore_eos) and sends the
 next as soon as one finishes, until `requests` x concurrency requests are done: the shape of
 `inferx-bench serve` in issue 4's table. The executor returns at once and charges a virtual
 clock what the step would cost on the H200 for Qwen2.5-3B's shapes (STEP_MODEL_3B). This is a
 model, not a measurement: it ranks scheduler settings before any GPU time is spent on them,
-and the H200 decides.
+and the H200 decides. --model changes the step model (e.g. decode_ms_per_640=0.0056: the decode
+attention twice as fast) to ask what a kernel change would be worth.
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ from inferx_core.engine import Engine  # noqa: E402
 from inferx_core.interfaces import Executor, SchedulerOutput, StepResult  # noqa: E402
 from inferx_core.sequence import SamplingParams  # noqa: E402
 
-# ms a step for Qwen2.5-3B on the H200 (bf16, CUDA graphs), fitted to session 6-8 figures:
-# a decode step is 2.54 ms at batch 1 and 3.25 at batch 64 with 640-token contexts; the
+# ms a step for Qwen2.5-3B on the H200 (bf16, CUDA graphs), fitted to sessions 6-10's figures:
+# a decode step is 2.51 ms at batch 1 and 3.21-3.25 at batch 64 with 640-token contexts; the
 # attention's share grows with the context each decode reads; past ~192 tokens a step's GEMMs
-# are compute-bound, ~7.8 µs a token (8192-token prefill steps: ~110k tok/s).
-STEP_MODEL_3B = {"fixed_ms": 2.5, "decode_ms_per_640": 0.0113, "knee": 192, "token_ms": 0.0078}
+# are compute-bound, ~9.3 µs a token (profile_prefill: 38.3 ms of GPU a 4096-token step of
+# 512-token prompts; a 2048-token prompt's TTFT 21.5 ms). Sessions 8-9 had 7.8 µs here, which put
+# c=64 at 15.2k tok/s against the 14.1k measured; 9.3 gives 14.5k.
+STEP_MODEL_3B = {"fixed_ms": 2.5, "decode_ms_per_640": 0.0113, "knee": 192, "token_ms": 0.0093}
 
 
 def step_ms(decodes_context: int, tokens: int, model: dict[str, float]) -> float:
@@ -116,8 +119,21 @@ def main() -> None:
         default=[],
         help="NAME:KEY=VALUE,... (default: 8192-, 2048- and 512-token steps)",
     )
+    ap.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"a what-if change to the step model, one of {sorted(STEP_MODEL_3B)}",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    model = dict(STEP_MODEL_3B)
+    for kv in args.model:
+        key, _, value = kv.partition("=")
+        if key not in model:
+            ap.error(f"--model {kv!r}: KEY must be one of {sorted(model)}")
+        model[key] = float(value)
     variants = [parse_variant(v) for v in args.variant] or [
         (f"{n} tokens", {"scheduler.max_batched_tokens": n, "scheduler.prefill_chunk": n})
         for n in (8192, 2048, 512)
@@ -127,12 +143,12 @@ def main() -> None:
           f"{'steps':>6}")  # fmt: skip
     for c in (int(x) for x in args.concurrency.split(",")):
         for name, overrides in variants:
-            r = simulate(c, c * args.requests, overrides)
+            r = simulate(c, c * args.requests, overrides, model)
             rows.append({"concurrency": c, "variant": name, "overrides": overrides, **r})
             print(f"{c:>7} {c * args.requests:>8}  {name:<16} {r['output_tok_s']:>8,.0f} "
                   f"{r['ttft_ms']:>8.1f} {r['steps']:>6}")  # fmt: skip
     if args.json:
-        doc = {"commit": commit_id(), "model": STEP_MODEL_3B, "args": vars(args), "rows": rows}
+        doc = {"commit": commit_id(), "model": model, "args": vars(args), "rows": rows}
         Path(args.json).write_text(json.dumps(doc, indent=1))
 
 
