@@ -350,20 +350,26 @@ def test_tiny_model_logits_match_torch_ops(name: str) -> None:
         assert err <= TOL[torch.float32], f"step {step}: {err:.2e}"
 
 
+def count_skinny_linear(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The shapes of x that TritonOps hands skinny_linear from now on, one entry a call."""
+    calls: list[tuple[int, ...]] = []
+    real = triton_ops.skinny_linear
+
+    def counted(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(tuple(x.shape))
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(triton_ops, "skinny_linear", counted)
+    return calls
+
+
 @interpreted
 @pytest.mark.parametrize("name", ["llama3-scaled", "qwen2-tied"])
 def test_tiny_model_logits_with_the_gated_gemv(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """TritonOps running gate_up and SiLU-and-mul as one skinny_linear(gated=True) in steps of
     up to 8 rows: the 6-row second step does, the 27-row prefill does not; the logits stay
     TorchOps'."""
-    calls: list[int] = []
-    real = triton_ops.skinny_linear
-
-    def counted(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return real(x, *args, **kwargs)
-
-    monkeypatch.setattr(triton_ops, "skinny_linear", counted)
+    calls = count_skinny_linear(monkeypatch)
     cfg = CONFIGS[name]
     weights = model_weights(cfg, seed=len(name))
     ops = TritonOps()
@@ -373,21 +379,14 @@ def test_tiny_model_logits_with_the_gated_gemv(name: str, monkeypatch: pytest.Mo
     for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
         err = rel_err(a, b)
         assert err <= TOL[torch.float32], f"step {step}: {err:.2e}"
-    assert calls == [6] * cfg["num_hidden_layers"]
+    assert calls == [(6, 64)] * cfg["num_hidden_layers"]
 
 
 @interpreted
 def test_gated_gemv_only_up_to_max_k(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused gate_up runs where the hidden size (K) is at most gated_gemv_max_k; past it,
     the GEMM and silu_and_mul as two, with the same result."""
-    calls: list[int] = []
-    real = triton_ops.skinny_linear
-
-    def counted(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(x.shape[1])
-        return real(x, *args, **kwargs)
-
-    monkeypatch.setattr(triton_ops, "skinny_linear", counted)
+    calls = count_skinny_linear(monkeypatch)
     torch.manual_seed(0)
     linear = DenseLinear(64, [48], False, torch.float32, CPU)
     linear.weight.data.normal_()
@@ -397,7 +396,7 @@ def test_gated_gemv_only_up_to_max_k(monkeypatch: pytest.MonkeyPatch) -> None:
     fused = ops.linear_silu_and_mul(linear, x)
     ops.gated_gemv_max_k = 32
     unfused = ops.linear_silu_and_mul(linear, x)
-    assert calls == [64]
+    assert calls == [(6, 64)]
     torch.testing.assert_close(fused, unfused, rtol=1e-4, atol=1e-4 * unfused.abs().max().item())
 
 
