@@ -44,26 +44,37 @@ from inferx_core.sequence import SamplingParams
 GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 
 
-def gpu_records(trace_path: Path) -> list[tuple[float, float, str]]:
-    """(start µs, end µs, name) of every GPU activity in a chrome trace, sorted by start."""
-    events = json.loads(trace_path.read_text())["traceEvents"]
+def trace_events(trace_path: Path) -> list[dict[str, Any]]:
+    """The events of a chrome trace that torch.profiler exported."""
+    return json.loads(trace_path.read_text())["traceEvents"]
+
+
+def records(
+    events: list[dict[str, Any]], categories: set[str] = GPU_CATEGORIES
+) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, name) of every complete event of those categories, sorted by start."""
     recs = [
         (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), str(e.get("name", "?")))
         for e in events
-        if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES
+        if e.get("ph") == "X" and e.get("cat") in categories
     ]
     return sorted(recs)
 
 
-def gaps(recs: list[tuple[float, float, str]]) -> Iterator[tuple[float, str, str]]:
-    """(idle µs, the activity that ended last before it, the one after) for every stretch in
-    which the GPU ran nothing; overlapping activities count as one busy stretch."""
+def gpu_records(trace_path: Path) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, name) of every GPU activity in a chrome trace, sorted by start."""
+    return records(trace_events(trace_path))
+
+
+def gaps(recs: list[tuple[float, float, str]]) -> Iterator[tuple[float, float, str, str]]:
+    """(start µs, end µs, the activity that ended last before it, the one after) of every
+    stretch in which the GPU ran nothing; overlapping activities count as one busy stretch."""
     if not recs:
         return
     end, last = recs[0][1], recs[0][2]
     for start, stop, name in recs[1:]:
         if start > end:
-            yield start - end, last, name
+            yield end, start, last, name
         if stop >= end:
             end, last = stop, name
 
@@ -73,7 +84,7 @@ def idle_fraction(recs: list[tuple[float, float, str]]) -> tuple[float, float]:
     if not recs:
         return float("nan"), 0.0
     window = max(e for _, e, _ in recs) - recs[0][0]
-    idle = sum(gap for gap, _, _ in gaps(recs))
+    idle = sum(stop - start for start, stop, _, _ in gaps(recs))
     return (idle / window if window > 0 else 0.0), window
 
 
@@ -85,7 +96,8 @@ def idle_by_gap(recs: list[tuple[float, float, str]], steps: int) -> dict[str, f
     launch latency between kernels inside a graph, long ones the host keeping the GPU waiting
     (between steps)."""
     buckets = {"<5us": 0.0, "5-50us": 0.0, ">50us": 0.0}
-    for gap, _, _ in gaps(recs):
+    for start, stop, _, _ in gaps(recs):
+        gap = stop - start
         key = "<5us" if gap < GAP_EDGES_US[0] else "5-50us" if gap < GAP_EDGES_US[1] else ">50us"
         buckets[key] += gap
     return {k: v / steps for k, v in buckets.items()}
@@ -97,9 +109,9 @@ def long_gaps(
     """The gaps of 50 µs or more, by the GPU activity before and after them: what the GPU
     finished and what it then waited to start (per step: how often, and µs)."""
     per: dict[tuple[str, str], list[float]] = defaultdict(list)
-    for gap, before, after in gaps(recs):
-        if gap >= GAP_EDGES_US[1]:
-            per[(before[:60], after[:60])].append(gap)
+    for start, stop, before, after in gaps(recs):
+        if stop - start >= GAP_EDGES_US[1]:
+            per[(before[:60], after[:60])].append(stop - start)
     rows = [
         {"before": b, "after": a, "per_step": len(g) / steps, "us_per_step": sum(g) / steps}
         for (b, a), g in per.items()
@@ -110,33 +122,20 @@ def long_gaps(
 HOST_CATEGORIES = {"cpu_op", "cuda_runtime", "cuda_driver", "python_function", "user_annotation"}
 
 
-def host_in_long_gaps(trace_path: Path, steps: int, top: int = 10) -> list[dict[str, Any]]:
-    """What the host was inside while the GPU sat idle 50 µs or more: per host event name
-    (torch ops, CUDA runtime calls), the µs per step of its overlap with those gaps. A
-    cudaEventSynchronize there is the host waiting on the device; a Python or torch op, host
-    work the step's launch waited behind."""
-    events = json.loads(trace_path.read_text())["traceEvents"]
-    recs = sorted(
-        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), str(e.get("name", "?")))
-        for e in events
-        if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES
-    )
-    windows = []
-    if recs:
-        end = recs[0][1]
-        for start, stop, _ in recs[1:]:
-            if start - end >= GAP_EDGES_US[1]:
-                windows.append((end, start))
-            end = max(end, stop)
+def host_in_long_gaps(
+    events: list[dict[str, Any]], recs: list[tuple[float, float, str]], steps: int, top: int = 10
+) -> list[dict[str, Any]]:
+    """What the host was inside while the GPU (recs, from the same events) sat idle 50 µs or
+    more: per host event name (torch ops, CUDA runtime calls), the µs per step of its overlap
+    with those gaps. A cudaEventSynchronize there is the host waiting on the device; a Python or
+    torch op, host work the step's launch waited behind."""
+    windows = [(a, b) for a, b, _, _ in gaps(recs) if b - a >= GAP_EDGES_US[1]]
     per: dict[str, float] = defaultdict(float)
-    for e in events:
-        if e.get("ph") != "X" or e.get("cat") not in HOST_CATEGORIES:
-            continue
-        t0, t1 = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))
+    for t0, t1, name in records(events, HOST_CATEGORIES):
         for w0, w1 in windows:
             overlap = min(t1, w1) - max(t0, w0)
             if overlap > 0:
-                per[str(e.get("name", "?"))[:60]] += overlap
+                per[name[:60]] += overlap
     rows = [{"host": name, "us_per_step": us / steps} for name, us in per.items()]
     return sorted(rows, key=lambda r: -r["us_per_step"])[:top]
 
@@ -285,7 +284,8 @@ def profile_batch(
 def trace_summary(trace: Path, steps: int) -> dict[str, Any]:
     """What a profiled run of `steps` steps did on the GPU, per step: its window, busy time and
     idle share (with the idle time by gap length), and its kernels, grouped and one by one."""
-    recs = gpu_records(trace)
+    events = trace_events(trace)
+    recs = records(events)
     idle, window = idle_fraction(recs)
     kernels = kernel_table(recs, steps)
     return {
@@ -294,7 +294,7 @@ def trace_summary(trace: Path, steps: int) -> dict[str, Any]:
         "gpu_idle_fraction": idle,
         "idle_us_per_step_by_gap": idle_by_gap(recs, steps),
         "long_gaps": long_gaps(recs, steps),
-        "host_in_long_gaps": host_in_long_gaps(trace, steps),
+        "host_in_long_gaps": host_in_long_gaps(events, recs, steps),
         "groups": group_table(kernels),
         "kernels": kernels,
     }

@@ -22,6 +22,7 @@ from profile_decode import (  # noqa: E402
     kernel_group,
     kernel_table,
     long_gaps,
+    trace_events,
 )
 from profile_prefill import gemm_tflops  # noqa: E402
 from step_breakdown import StepTimer, slowest, summarize  # noqa: E402
@@ -57,7 +58,7 @@ def test_idle_counts_gaps_once_and_overlaps_as_busy(tmp_path: Path) -> None:
         {"ph": "X", "cat": "cpu_op", "name": "short", "ts": 20, "dur": 5},
     ]
     path.write_text(json.dumps(trace))
-    assert host_in_long_gaps(path, steps=2) == [
+    assert host_in_long_gaps(trace_events(path), recs, steps=2) == [
         {"host": "host work", "us_per_step": 30.0},
         {"host": "cudaEventSynchronize", "us_per_step": 5.0},
     ]
