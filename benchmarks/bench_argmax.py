@@ -1,5 +1,5 @@
 """Greedy sampling's argmax over the vocabulary: torch's argmax against the triton KernelOps'
-(two launches), µs per call inside a CUDA graph, per rows and vocabulary.
+(two launches), µs per call inside a CUDA graph (bench_gemv.graph_us), per rows and vocabulary.
 
     python benchmarks/bench_argmax.py [--rows 1,8,64,256] [--vocabs 151936,128256] [--json OUT]
 
@@ -12,31 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bench_gemv import graph_us
 from commit_id import commit_id
 
 from inferx_kernels_cuda.ops import TritonOps
-
-
-def graph_us(fn: Callable[[], torch.Tensor], reps: int = 200) -> float:
-    """µs per call of fn, captured 20 times in one graph and replayed."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(20):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * 20)
 
 
 def main() -> None:
@@ -53,8 +35,8 @@ def main() -> None:
             x = torch.randn(rows, vocab, device="cuda").to(torch.bfloat16)
             if not torch.equal(ops.argmax(x), x.argmax(dim=1)):
                 raise SystemExit(f"TritonOps.argmax differs from torch's at {rows} x {vocab}")
-            one = graph_us(lambda x=x: x.argmax(dim=1))
-            two = graph_us(lambda x=x: ops.argmax(x))
+            one = graph_us(lambda logits: logits.argmax(dim=1), [x])
+            two = graph_us(ops.argmax, [x])
             rows_out.append({"vocab": vocab, "rows": rows, "torch_us": one, "triton_us": two})
             print(f"{vocab:>7} {rows:>5} {one:>9.2f} {two:>10.2f}")
     if args.json:
