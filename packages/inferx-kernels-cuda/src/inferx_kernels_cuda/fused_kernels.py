@@ -54,6 +54,9 @@ def rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     dtype = x_ptr.dtype.element_ty
+    # The weight is loaded first: after the residual's store the compiler could not move its
+    # load up (the pointers might alias), and it would start only after the row's sum.
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if PARTS > 1:
         for p in tl.static_range(1, PARTS):
@@ -67,7 +70,6 @@ def rms_norm_kernel(
     # Masked columns load as 0 and add nothing to the sum of squares.
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
     normed = _rounded(h * rstd, dtype)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(
         out_ptr + row * stride_out + cols,
         (w * normed).to(out_ptr.dtype.element_ty),
