@@ -158,14 +158,12 @@ def _attend_range(
             + (pos % BLOCK_SIZE) * stride_cache_token
             + kv_head * stride_cache_head
         )
-        # V's loads are issued before K's: K goes to shared memory for the dot as soon as it
-        # arrives, and loads written after that store would wait for K's whole round trip.
         if MASKED:
-            v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
             k_t = tl.load(k_cache_ptr + off[None, :] + d[:, None], mask=valid[None, :], other=0.0)
+            v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         else:
-            v = tl.load(v_cache_ptr + off[:, None] + d[None, :])
             k_t = tl.load(k_cache_ptr + off[None, :] + d[:, None])
+            v = tl.load(v_cache_ptr + off[:, None] + d[None, :])
         if UPCAST:
             k_t = k_t.to(tl.float32)
             v = v.to(tl.float32)
