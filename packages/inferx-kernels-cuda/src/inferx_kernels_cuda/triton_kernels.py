@@ -136,30 +136,23 @@ def _attend_range(
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    first_start=-1,
-    first_block=0,
-    FIRST: tl.constexpr = False,
 ):
     """Online softmax of the rows of q over context positions [lo, hi) of one sequence, read
     from its blocks in BLOCK_N-token tiles; returns the updated (max, sum, unnormalised output).
 
     Without MASKED every tile must be whole and visible to every row: callers run their full
     tiles that way and only the ragged or diagonal rest with masks. CAUSAL (with MASKED) hides
-    positions past each row's q_pos. FIRST: the tile at first_start takes the block ids the
-    caller loaded already (first_block) instead of loading them.
+    positions past each row's q_pos.
     """
     d = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         table = block_table_ptr + seq * stride_table + pos // BLOCK_SIZE
-        valid = pos < hi
-        if FIRST:
-            if start == first_start:
-                block = first_block
-            else:
-                block = _tile_blocks(table, valid, MASKED)
+        if MASKED:
+            valid = pos < hi
+            block = tl.load(table, mask=valid, other=0)
         else:
-            block = _tile_blocks(table, valid, MASKED)
+            block = tl.load(table)
         off = (
             block.to(tl.int64) * stride_cache_block
             + (pos % BLOCK_SIZE) * stride_cache_token
@@ -182,16 +175,6 @@ def _attend_range(
                 s = tl.where(valid[None, :], s, float("-inf"))
         m, row_sum, acc = _softmax_step(s, v, m, row_sum, acc, DOT_PRECISION)
     return m, row_sum, acc
-
-
-@triton.jit
-def _tile_blocks(table, valid, MASKED: tl.constexpr):
-    """A tile's block ids (0 where not valid, with MASKED)."""
-    if MASKED:
-        block = tl.load(table, mask=valid, other=0)
-    else:
-        block = tl.load(table)
-    return block
 
 
 @triton.jit
@@ -335,12 +318,6 @@ def decode_kernel(
         split_len = _seq_split_len(ctx, tl.num_programs(2), split_len, BLOCK_N)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, ctx)
-    # The first tile's block ids, loaded before the new token's k and v are stored: a load
-    # written after those stores could not be moved up (the pointers might alias) and would add
-    # a round trip before the first K/V loads.
-    pos = lo + tl.arange(0, BLOCK_N)
-    table = block_table_ptr + seq * stride_table + pos // BLOCK_SIZE
-    first_block = tl.load(table, mask=pos < hi, other=0)
     if ROTARY:
         slot = tl.load(slot_ptr + row).to(tl.int64)
         owner = (slot >= 0) & (lo <= ctx - 1) & (ctx - 1 < hi)
@@ -359,13 +336,11 @@ def decode_kernel(
         q, m, row_sum, acc, lo, full, 0, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
         stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
         scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION,
-        lo, first_block, True,
     )  # fmt: skip
     m, row_sum, acc = _attend_range(
         q, m, row_sum, acc, full, hi, 0, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
         stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
         scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, UPCAST, DOT_PRECISION,
-        lo, first_block, True,
     )  # fmt: skip
 
     # An empty split (past this sequence's context) has no keys: it reports lse -inf and a
