@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -12,8 +13,10 @@ pytest.importorskip("triton", reason="the triton package is not installed")
 from conftest import interpreted, on_gpu  # noqa: E402
 from test_models import CONFIGS, rel_err  # noqa: E402
 
+from inferx_core import quant_none  # noqa: E402
 from inferx_core.attention_torch import TorchAttention  # noqa: E402
 from inferx_core.batch import make_attention_batch  # noqa: E402
+from inferx_core.interfaces.attention import AttentionBackend  # noqa: E402
 from inferx_core.interfaces.model import BuildContext  # noqa: E402
 from inferx_core.interfaces.ops import KernelOps  # noqa: E402
 from inferx_core.ops_torch import TorchOps  # noqa: E402
@@ -21,6 +24,7 @@ from inferx_core.plugins import plugins  # noqa: E402
 from inferx_core.quant_none import DenseLinear, Unquantized  # noqa: E402
 from inferx_kernels_cuda import ops as triton_ops  # noqa: E402
 from inferx_kernels_cuda.ops import TritonOps  # noqa: E402
+from inferx_kernels_cuda.triton_attention import TritonAttention  # noqa: E402
 from inferx_models.layers import RotaryEmbedding, rope_parameters  # noqa: E402
 from inferx_models.presets import preset  # noqa: E402
 
@@ -304,11 +308,13 @@ def run_model(
     weights: dict[str, torch.Tensor],
     dtype: torch.dtype,
     device: torch.device,
+    attention: Callable[..., AttentionBackend] = TorchAttention,
 ) -> list[torch.Tensor]:
-    """Logits of two steps: a packed prefill of three prompts, then a step mixing a decode of
-    each with a new prompt (positions out of order across sequences)."""
+    """Logits of three steps: a packed prefill of three prompts, a step mixing a decode of
+    each with a new prompt (positions out of order across sequences), then a decode of all
+    four. `attention` builds the backend from (layer specs, block size, dtype, device)."""
     arch = plugins().get("model_arch", cfg["architectures"][0])
-    backend = TorchAttention(arch.kv_layout(cfg), 4, dtype, device)
+    backend = attention(arch.kv_layout(cfg), 4, dtype, device)
     backend.allocate(32)
     model = arch(cfg, BuildContext(dtype, device, backend, Unquantized(), ops))
     model.load_weights((n, t.to(device, dtype)) for n, t in weights.items())
@@ -319,6 +325,7 @@ def run_model(
         # (query lens, context lens, sequences taking part)
         ([9, 5, 13], [9, 5, 13], [0, 1, 2]),
         ([1, 1, 1, 3], [10, 6, 14, 3], [0, 1, 2, 3]),
+        ([1, 1, 1, 1], [11, 7, 15, 4], [0, 1, 2, 3]),
     ]
     out = []
     for query_lens, context_lens, seqs in steps:
@@ -350,6 +357,43 @@ def test_tiny_model_logits_match_torch_ops(name: str) -> None:
         assert err <= TOL[torch.float32], f"step {step}: {err:.2e}"
 
 
+def triton_with_qkv_parts(*args: Any) -> TritonAttention:
+    backend = TritonAttention(*args)
+    backend.qkv_parts = True
+    return backend
+
+
+def count_forward_split(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of parts each DenseLinear.forward_split returns from now on."""
+    calls: list[int] = []
+    real = DenseLinear.forward_split
+
+    def counted(self: DenseLinear, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        out = real(self, x)
+        calls.append(out[0].shape[0])
+        return out
+
+    monkeypatch.setattr(DenseLinear, "forward_split", counted)
+    return calls
+
+
+@interpreted
+def test_tiny_model_logits_with_qkv_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen2 (q/k/v biases) on the triton backend with qkv_parts: the decode-only third step
+    hands q, k, v through forward_split (one part on the CPU, where nothing splits) to the
+    decode kernel; every step's logits stay the torch reference's. (The Llama config's head
+    dim of 24 is not one the triton backend takes.)"""
+    calls = count_forward_split(monkeypatch)
+    cfg = CONFIGS["qwen2-tied"]
+    weights = model_weights(cfg, seed=7)
+    ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, triton_with_qkv_parts)
+    assert calls == [1] * cfg["num_hidden_layers"]  # the decode-only step's layers only
+    ref = run_model(cfg, TorchOps(), weights, torch.float32, CPU)
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        err = rel_err(a, b)
+        assert err <= TOL[torch.float32], f"step {step}: {err:.2e}"
+
+
 def count_skinny_linear(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     """The shapes of x that TritonOps hands skinny_linear from now on, one entry a call."""
     calls: list[tuple[int, ...]] = []
@@ -367,8 +411,8 @@ def count_skinny_linear(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]
 @pytest.mark.parametrize("name", ["llama3-scaled", "qwen2-tied"])
 def test_tiny_model_logits_with_the_gated_gemv(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """TritonOps running gate_up and SiLU-and-mul as one skinny_linear(gated=True) in steps of
-    up to 8 rows: the 6-row second step does, the 27-row prefill does not; the logits stay
-    TorchOps'."""
+    up to 8 rows: the 6-row second step and the 4-row third do, the 27-row prefill does not;
+    the logits stay TorchOps'."""
     calls = count_skinny_linear(monkeypatch)
     cfg = CONFIGS[name]
     weights = model_weights(cfg, seed=len(name))
@@ -379,7 +423,8 @@ def test_tiny_model_logits_with_the_gated_gemv(name: str, monkeypatch: pytest.Mo
     for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
         err = rel_err(a, b)
         assert err <= TOL[torch.float32], f"step {step}: {err:.2e}"
-    assert calls == [(6, 64)] * cfg["num_hidden_layers"]
+    layers = cfg["num_hidden_layers"]
+    assert calls == [(6, 64)] * layers + [(4, 64)] * layers
 
 
 @interpreted
@@ -526,14 +571,34 @@ def test_gpu_ops_replay_in_a_cuda_graph() -> None:
 def test_gpu_model_logits_match_torch_ops(name: str, gated_rows: tuple[int, int]) -> None:
     """Two layers of the real shapes (vocabulary cut to 4096), bf16: TritonOps against TorchOps.
     Roundings that flip by an ulp inside a layer pass through the GEMMs, hence the wider
-    tolerance; greedy tokens must nearly all agree. gated_rows (1, 8): the 6-row step runs gate_up
-    and SiLU-and-mul as one skinny_linear(gated=True), for 8B's hidden size too."""
+    tolerance; greedy tokens must nearly all agree. gated_rows (1, 8): the 6- and 4-row steps
+    run gate_up and SiLU-and-mul as one skinny_linear(gated=True), for 8B's hidden size too."""
     cfg = preset(name) | {"num_hidden_layers": 2, "vocab_size": 4096}
     weights = model_weights(cfg, seed=3, scale=0.02)
     ops = TritonOps()
     ops.gated_gemv_rows = gated_rows
     ops.gated_gemv_max_k = cfg["hidden_size"]
     ours = torch.cat(run_model(cfg, ops, weights, torch.bfloat16, GPU))
+    ref = torch.cat(run_model(cfg, TorchOps(), weights, torch.bfloat16, GPU))
+    err = rel_err(ours, ref)
+    assert err <= 3e-2, f"{err:.2e}"
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree >= 0.9, f"greedy tokens agree on {agree:.0%} of {len(ours)} rows"
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen2.5-3b-instruct", "llama-3.1-8b-instruct"])
+def test_gpu_model_logits_with_qkv_parts(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two layers of the real shapes, bf16, the triton backend with qkv_parts: in the
+    decode-only step the QKV GEMM runs as SPLIT_PARTS K-slices whose sum (and Qwen's bias) the
+    decode kernel adds; the logits stay TorchOps + TorchAttention's as in the test above."""
+    calls = count_forward_split(monkeypatch)
+    cfg = preset(name) | {"num_hidden_layers": 2, "vocab_size": 4096}
+    weights = model_weights(cfg, seed=3, scale=0.02)
+    ours = run_model(cfg, TritonOps(), weights, torch.bfloat16, GPU, triton_with_qkv_parts)
+    assert calls == [quant_none.SPLIT_PARTS] * 2
+    ours = torch.cat(ours)
     ref = torch.cat(run_model(cfg, TorchOps(), weights, torch.bfloat16, GPU))
     err = rel_err(ours, ref)
     assert err <= 3e-2, f"{err:.2e}"

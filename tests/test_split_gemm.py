@@ -65,3 +65,37 @@ def test_gpu_forward_parts_splits_small_batches(m: int, bias: bool) -> None:
     assert err <= 1e-2, err
     if not split:
         assert torch.equal(got[0], ref)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_on_the_cpu_forward_split_is_the_product_with_its_bias(bias: bool) -> None:
+    """forward_split off the GPU: one part, the bias already in it, none left to add."""
+    layer = dense(16, 64, bias, CPU, torch.float32)
+    x = torch.randn(3, 64)
+    got, rest = layer.forward_split(x)
+    assert got.shape == (1, 3, 16) and rest is None
+    assert torch.equal(got[0], layer(x))
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("m", [1, 64, 65])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gpu_forward_split_leaves_the_bias_apart(m: int, bias: bool) -> None:
+    """Up to SPLIT_MAX_ROWS rows: SPLIT_PARTS parts without the bias, and the bias to add (even
+    where forward_parts would not split, a layer with a bias); more rows: the product with its
+    bias, one part, nothing left to add."""
+    gpu = torch.device("cuda")
+    layer = dense(2560, 2048, bias, gpu, torch.bfloat16)
+    x = torch.randn(m, 2048, device=gpu, dtype=torch.bfloat16)
+    got, rest = layer.forward_split(x)
+    ref = layer(x)
+    split = m <= quant_none.SPLIT_MAX_ROWS
+    assert got.shape == ((quant_none.SPLIT_PARTS if split else 1), m, 2560)
+    if not split:
+        assert rest is None and torch.equal(got[0], ref)
+        return
+    assert (rest is None) == (not bias)
+    total = got.float().sum(0) + (rest.float() if bias else 0.0)
+    err = ((total - ref.float()).abs().max() / ref.float().abs().max()).item()
+    assert err <= 1e-2, err

@@ -289,16 +289,61 @@ def test_gpu_rotary_in_the_decode_kernel_bf16(group: int, split: bool) -> None:
     check_decode_rotary(group, torch.bfloat16, torch.device("cuda"), split)
 
 
-def check_decode_rotary(group: int, dtype: torch.dtype, device: torch.device, split: bool) -> None:
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 4])
+def test_decode_kernel_sums_qkv_parts(group: int, dtype: torch.dtype) -> None:
+    check_decode_rotary(group, dtype, torch.device("cpu"), True, parts=True)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("group", [1, 8])
+def test_gpu_decode_kernel_sums_qkv_parts_bf16(group: int, split: bool) -> None:
+    check_decode_rotary(group, torch.bfloat16, torch.device("cuda"), split, parts=True)
+
+
+def test_qkv_parts_only_in_decode_only_steps() -> None:
+    """takes_qkv_parts(): with qkv_parts and decode_rotary on, in decode-only steps only; partial
+    sums anywhere else are refused with a ValueError, not run wrong."""
+    spec = KVLayerSpec(4, 2, 16)
+    backend = TritonAttention([spec], 4, torch.float32, torch.device("cpu"))
+    backend.qkv_parts = True
+    backend.allocate(8)
+    assert not backend.takes_qkv_parts()  # no step yet
+    backend.begin_step(make_attention_batch([1, 1], [3, 5], [[1], [2, 3]], 4))
+    assert backend.takes_qkv_parts()
+    backend.decode_rotary = False
+    assert not backend.takes_qkv_parts()
+    backend.decode_rotary = True
+    backend.qkv_parts = False
+    assert not backend.takes_qkv_parts()
+    backend.qkv_parts = True
+    backend.begin_step(make_attention_batch([1, 2], [3, 5], [[1], [2, 3]], 4))
+    assert not backend.takes_qkv_parts()
+    q, k = torch.zeros(4, 3, 4, 16), torch.zeros(4, 3, 2, 16)
+    cos_sin = torch.zeros(8, 16)
+    with pytest.raises(ValueError, match="takes_qkv_parts"):
+        backend.forward_with_rotary(0, q, k, k.clone(), 1.0, torch.zeros(3, dtype=torch.long),
+                                    cos_sin)  # fmt: skip
+
+
+def check_decode_rotary(
+    group: int, dtype: torch.dtype, device: torch.device, split: bool, parts: bool = False
+) -> None:
     """decode_rotary: in a decode-only step the decode kernel rotates q and k and writes the new
     k and v itself. Against the torch reference ops' rotary followed by TorchAttention.forward
     on fresh random inputs: the same outputs and the same cache, with the context split or
-    not (the split holding the new token writes it); a padding row (slot -1) writes nothing."""
+    not (the split holding the new token writes it); a padding row (slot -1) writes nothing.
+    parts: q, k and v arrive as 4 partial sums plus a bias (qkv_parts), which the kernel adds
+    up; the reference gets their fp32 sum rounded once, as the unsplit GEMM would write it."""
     head_dim, kv_heads, bs = 32, 2, 4
     layers = [KVLayerSpec(kv_heads * group, kv_heads, head_dim)] * 2
     kwargs = {"min_split_len": 1, "target_programs": 10**6} if split else {}
     backend = TritonAttention(layers, bs, dtype, device, **kwargs)
     backend.decode_rotary = True
+    backend.qkv_parts = parts
     if split:
         backend.decode_block_n = 16  # contexts here are short of two of the GPU's 64-token tiles
     reference = TorchAttention(layers, bs, dtype, device)
@@ -319,9 +364,27 @@ def check_decode_rotary(group: int, dtype: torch.dtype, device: torch.device, sp
         b.begin_step(batch)
     for layer, spec in enumerate(layers):
         heads = (spec.num_q_heads, kv_heads, kv_heads)
-        q, k, v = (torch.randn(len(ends), h, head_dim, device=device).to(dtype) for h in heads)
-        fq, fk, fv = fused_views(q.clone(), k.clone(), v.clone())
-        got = backend.forward_with_rotary(layer, fq, fk, fv, head_dim**-0.5, positions, cos_sin)
+        if parts:
+            assert backend.takes_qkv_parts()
+            sizes = [h * head_dim for h in heads]
+            pieces = torch.randn(4, len(ends), sum(sizes), device=device).to(dtype)
+            bias = torch.randn(sum(sizes), device=device).to(dtype)
+            f = [p.float() for p in pieces]
+            whole = (f[0] + f[1] + f[2] + f[3] + bias.float()).to(dtype)
+            q, k, v = (
+                t.unflatten(-1, (h, head_dim))
+                for t, h in zip(whole.split(sizes, -1), heads, strict=True)
+            )
+            pq, pk, pv = (
+                t.unflatten(-1, (h, head_dim))
+                for t, h in zip(pieces.split(sizes, -1), heads, strict=True)
+            )
+            got = backend.forward_with_rotary(layer, pq, pk, pv, head_dim**-0.5, positions, cos_sin,
+                                              bias=tuple(bias.split(sizes)))  # fmt: skip
+        else:
+            q, k, v = (torch.randn(len(ends), h, head_dim, device=device).to(dtype) for h in heads)
+            fq, fk, fv = fused_views(q.clone(), k.clone(), v.clone())
+            got = backend.forward_with_rotary(layer, fq, fk, fv, head_dim**-0.5, positions, cos_sin)
         splits.append(backend._plan.num_splits)
         rq, rk = ops.rotary(positions, q.clone(), k.clone(), cos_sin)
         want = reference.forward(layer, rq, rk, v, head_dim**-0.5)

@@ -66,16 +66,25 @@ class DenseLinear(QuantLinear):
         few thread blocks to reach memory bandwidth (one 8 MB o_proj: 6.2 µs, 1.4 TB/s on an
         H200) or splits K with a reduce kernel of its own; four slices take 4.9 µs, and the
         caller's fused add + RMSNorm does the reduce (docs/BENCHMARKS.md, bench_split_gemm)."""
-        k = self.weight.shape[1]
-        if (
-            not x.is_cuda
-            or self.bias is not None
-            or x.dim() != 2
-            or x.shape[0] > SPLIT_MAX_ROWS
-            or k % SPLIT_PARTS
-        ):
+        if self.bias is not None or not self._splits(x):
             return super().forward_parts(x)
         return split_k_bmm(x, self.weight, SPLIT_PARTS)
+
+    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward_parts' split with the bias left to the caller: the fused QKV of a decode
+        step (3B on the H200: 6.4 -> 5.4 µs at one row, bench_split_gemm), whose parts and bias
+        the attention backend's decode kernel sums."""
+        if not self._splits(x):
+            return super().forward_split(x)
+        return split_k_bmm(x, self.weight, SPLIT_PARTS), self.bias
+
+    def _splits(self, x: torch.Tensor) -> bool:
+        return (
+            x.is_cuda
+            and x.dim() == 2
+            and x.shape[0] <= SPLIT_MAX_ROWS
+            and self.weight.shape[1] % SPLIT_PARTS == 0
+        )
 
 
 class Unquantized(QuantScheme):

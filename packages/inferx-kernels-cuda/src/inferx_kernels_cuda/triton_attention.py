@@ -213,6 +213,13 @@ class TritonAttention(TorchAttention):
         if flag not in ("0", "1"):
             raise ValueError(f"INFERX_TRITON_DECODE_ROTARY must be 0 or 1; got {flag!r}")
         self.decode_rotary = flag == "1"
+        # qkv_parts: in those steps the model hands q, k and v as the QKV GEMM's K-split partial
+        # results (QuantLinear.forward_split: thinner GEMMs that read the weight faster) and the
+        # decode kernel sums them with the bias. INFERX_TRITON_QKV_PARTS=1 turns it on.
+        flag = os.environ.get("INFERX_TRITON_QKV_PARTS", "0")
+        if flag not in ("0", "1"):
+            raise ValueError(f"INFERX_TRITON_QKV_PARTS must be 0 or 1; got {flag!r}")
+        self.qkv_parts = flag == "1"
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         self._upcast = self.interpret and dtype == torch.bfloat16
         self._dot_precision = "ieee" if dtype == torch.float32 else "tf32"
@@ -544,6 +551,17 @@ class TritonAttention(TorchAttention):
     ) -> torch.Tensor:
         return self._forward(layer, q, k, v, scale, None)
 
+    def takes_qkv_parts(self) -> bool:
+        """Decode-only steps with the rotary in the decode kernel, when qkv_parts is on."""
+        plan = self._plan
+        return (
+            self.qkv_parts
+            and self.decode_rotary
+            and plan is not None
+            and plan.all_decode
+            and plan.num_decode > 0
+        )
+
     def forward_with_rotary(
         self,
         layer: int,
@@ -553,6 +571,7 @@ class TritonAttention(TorchAttention):
         scale: float,
         positions: torch.Tensor,
         cos_sin: torch.Tensor,
+        bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         dim = q.shape[-1]
         if dim % 2 or q.dtype != k.dtype:
@@ -565,7 +584,53 @@ class TritonAttention(TorchAttention):
                 f"triton attention: cos_sin must be [positions, {dim}] float32, got "
                 f"{tuple(cos_sin.shape)} {cos_sin.dtype}"
             )
+        if q.dim() == 4 or bias is not None:
+            return self._forward_parts(layer, q, k, v, scale, positions, cos_sin, bias)
         return self._forward(layer, q, k, v, scale, (positions, cos_sin))
+
+    def _forward_parts(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """forward_with_rotary of q, k, v as [parts, T, heads, dim] partial sums (+ bias)."""
+        if not self.takes_qkv_parts():
+            raise ValueError(
+                "triton attention: q, k, v as partial sums (or with a bias) are taken only in "
+                "steps where takes_qkv_parts() is true"
+            )
+        parts = q.shape[0] if q.dim() == 4 else 1
+        views = [x if x.dim() == 4 else x.unsqueeze(0) for x in (q, k, v)]
+        if any(x.shape[0] != parts or x.stride(-1) != 1 for x in views):
+            raise ValueError(
+                f"triton attention: q, k, v must be [{parts}, tokens, heads, dim] with the head "
+                f"dim contiguous; got {[tuple(x.shape) for x in views]}"
+            )
+        spec = self.layers[layer]
+        if bias is not None:
+            sizes = (spec.num_q_heads * spec.head_dim, *(spec.num_kv_heads * spec.head_dim,) * 2)
+            if any(b.shape != (n,) or b.stride(0) != 1 for b, n in zip(bias, sizes, strict=True)):
+                raise ValueError(
+                    f"triton attention: the q, k, v biases must be contiguous vectors of "
+                    f"{sizes}; got {[tuple(b.shape) for b in bias]}"
+                )
+        extra = {
+            "stride_qp": views[0].stride(0),
+            "stride_kp": views[1].stride(0),
+            "stride_vp": views[2].stride(0),
+            "PARTS": parts,
+            "HAS_BIAS": bias is not None,
+        }
+        if bias is not None:
+            extra |= {"q_bias_ptr": bias[0], "k_bias_ptr": bias[1], "v_bias_ptr": bias[2]}
+        q0, k0, v0 = (x[0] for x in views)
+        return self._forward(layer, q0, k0, v0, scale, (positions, cos_sin), extra)
 
     def _forward(
         self,
@@ -575,6 +640,7 @@ class TritonAttention(TorchAttention):
         v: torch.Tensor,
         scale: float,
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        parts: dict[str, Any] | None = None,
     ) -> torch.Tensor:
         plan = self._plan
         if plan is None:
@@ -598,6 +664,8 @@ class TritonAttention(TorchAttention):
         # The decode kernel rotates and writes the new tokens itself (ROTARY) in decode-only
         # steps when decode_rotary is on (then q is not rotated in place).
         in_decode = rotary is not None and self.decode_rotary and plan.num_decode == num_tokens
+        if parts is not None and not in_decode:
+            raise ValueError("triton attention: partial sums of q, k, v need a decode-only step")
         if rotary is None:
             write_kv(k, v, k_cache, v_cache, plan.slot_mapping, spec)
         elif in_decode:
@@ -685,6 +753,7 @@ class TritonAttention(TorchAttention):
                 UPCAST=self._upcast,
                 DOT_PRECISION=self._dot_precision,
                 **(new_tokens if in_decode else self._no_new_tokens(plan)),
+                **(parts or {}),
                 **self.decode_launch,
             )
             if split:

@@ -213,14 +213,33 @@ def _decode_row(i, seq_ids_ptr, query_start_ptr, context_len_ptr, ALL_DECODE: tl
 
 
 @triton.jit
-def _rotated(ptr, offs, cos, sin, sign, partner_offs, mask):
-    """The rows at ptr + offs rotated (rotate-half) as fused_kernels.rotate_into rounds them,
-    in ptr's dtype. partner_offs point at each element's rotate-half partner; cos and sin are
-    per element (the table's halves repeated), sign is -1 on the first half and +1 on the
-    second."""
-    dtype = ptr.dtype.element_ty
+def _summed(ptr, offs, mask, part_stride, bias_ptr, bias_offs, PARTS: tl.constexpr,
+            HAS_BIAS: tl.constexpr):  # fmt: skip
+    """The projection's output at ptr + offs in fp32: with PARTS > 1 the sum of that many
+    partial results part_stride apart (QuantLinear.forward_split), with HAS_BIAS plus the bias
+    at bias_ptr + bias_offs, summed in fp32 and rounded once to ptr's dtype, as the unsplit
+    GEMM would have written it."""
     x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(ptr + partner_offs, mask=mask, other=0.0).to(tl.float32)
+    for p in tl.static_range(1, PARTS):
+        x += tl.load(ptr + p * part_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        x += tl.load(bias_ptr + bias_offs, mask=mask, other=0.0).to(tl.float32)
+    if PARTS > 1 or HAS_BIAS:
+        x = _rounded(x, ptr.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _rotated(ptr, offs, cos, sin, sign, partner_offs, mask, part_stride, bias_ptr, bias_offs,
+             bias_partner_offs, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """The rows at ptr + offs (summed as _summed does) rotated (rotate-half) as
+    fused_kernels.rotate_into rounds them, in ptr's dtype. partner_offs point at each element's
+    rotate-half partner; cos and sin are per element (the table's halves repeated), sign is -1
+    on the first half and +1 on the second."""
+    dtype = ptr.dtype.element_ty
+    x = _summed(ptr, offs, mask, part_stride, bias_ptr, bias_offs, PARTS, HAS_BIAS)
+    xp = _summed(ptr, partner_offs, mask, part_stride, bias_ptr, bias_partner_offs, PARTS,
+                 HAS_BIAS)  # fmt: skip
     return (_rounded(x * cos, dtype) + sign * _rounded(xp * sin, dtype)).to(dtype)
 
 
@@ -269,6 +288,14 @@ def decode_kernel(
     stride_vh,
     stride_cos_sin,
     ROTARY: tl.constexpr,
+    stride_qp=0,
+    stride_kp=0,
+    stride_vp=0,
+    q_bias_ptr=None,
+    k_bias_ptr=None,
+    v_bias_ptr=None,
+    PARTS: tl.constexpr = 1,
+    HAS_BIAS: tl.constexpr = False,
 ):
     """Grid (decode sequences, KV heads, splits): the one query token of a sequence, all query
     heads of one KV group (rows of one tl.dot, padded to GROUP_PAD), over one split of the
@@ -282,6 +309,11 @@ def decode_kernel(
     in registers; the one program per (sequence, KV head) whose split holds the new position
     rotates k, writes k and v to the token's slot (none for a negative slot: padding), and
     syncs its threads before reading the cache. One launch a layer fewer.
+
+    With ROTARY, q, k and v may also arrive as PARTS partial results of the QKV GEMM split
+    along K (stride_qp, stride_kp, stride_vp apart) and without their bias (HAS_BIAS: the
+    q/k/v_bias_ptr vectors, [heads * HEAD_DIM] each): they are summed and rounded once before
+    the rotation, as the unsplit GEMM would have written them.
     """
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -301,9 +333,11 @@ def decode_kernel(
         rot_dtype = q_ptr.dtype.element_ty
         cos = _rounded(tl.load(cs + half_d), rot_dtype)
         sin = _rounded(tl.load(cs + HEAD_DIM // 2 + half_d), rot_dtype)
+        q_bias_offs = head[:, None] * HEAD_DIM
         q = _rotated(
             q_ptr, q_offs + d[None, :], cos[None, :], sin[None, :], sign[None, :],
-            q_offs + partner[None, :], g_valid[:, None],
+            q_offs + partner[None, :], g_valid[:, None], stride_qp, q_bias_ptr,
+            q_bias_offs + d[None, :], q_bias_offs + partner[None, :], PARTS, HAS_BIAS,
         )  # fmt: skip
     else:
         q = tl.load(q_ptr + q_offs + d[None, :], mask=g_valid[:, None])
@@ -324,8 +358,15 @@ def decode_kernel(
         # (d < HEAD_DIM) & owner would be an int tensor under the interpreter, not a mask.
         mine = d < tl.where(owner, HEAD_DIM, 0)
         k_offs = row * stride_kt + kv_head * stride_kh
-        k = _rotated(k_new_ptr, k_offs + d, cos, sin, sign, k_offs + partner, mine)
-        v = tl.load(v_new_ptr + row * stride_vt + kv_head * stride_vh + d, mask=mine)
+        kv_bias_offs = kv_head * HEAD_DIM
+        k = _rotated(
+            k_new_ptr, k_offs + d, cos, sin, sign, k_offs + partner, mine, stride_kp,
+            k_bias_ptr, kv_bias_offs + d, kv_bias_offs + partner, PARTS, HAS_BIAS,
+        )  # fmt: skip
+        v = _summed(
+            v_new_ptr, row * stride_vt + kv_head * stride_vh + d, mine, stride_vp, v_bias_ptr,
+            kv_bias_offs + d, PARTS, HAS_BIAS,
+        )  # fmt: skip
         dst = slot * stride_cache_token + kv_head * stride_cache_head + d
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mine)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mine)

@@ -111,11 +111,24 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """The layer's output, or with `parts` its partial results (QuantLinear.forward_parts)
         for a norm that adds them up."""
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.backend.fuses_rotary:
+        sizes = [self.q_size, self.kv_size, self.kv_size]
+        # A backend may take the QKV GEMM's K-split partial results and add them up (and the
+        # bias) itself, where the thinner GEMMs read the weight faster (decode steps).
+        parted = self.backend.fuses_rotary and self.backend.takes_qkv_parts()
+        if parted:
+            qkv, bias = self.qkv_proj.forward_split(x)  # [S, T, q + 2 kv], bias apart
+        else:
+            qkv, bias = self.qkv_proj(x), None
+        q, k, v = qkv.split(sizes, dim=-1)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if parted:
+            out = self.backend.forward_with_rotary(
+                self.layer, q, k, v, self.scale, positions, self.rotary.cos_sin,
+                bias=None if bias is None else tuple(bias.split(sizes)),
+            )  # fmt: skip
+        elif self.backend.fuses_rotary:
             out = self.backend.forward_with_rotary(
                 self.layer, q, k, v, self.scale, positions, self.rotary.cos_sin
             )

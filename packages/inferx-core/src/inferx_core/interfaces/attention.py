@@ -56,7 +56,9 @@ class AttentionBackend(ABC):
 
     A backend that sets `fuses_rotary` also offers forward_with_rotary(): the model then hands it
     q and k before the rotary embedding, and the backend rotates them as it writes the cache
-    (one kernel instead of two per layer).
+    (one kernel instead of two per layer). Where takes_qkv_parts() says so for the current step,
+    q, k and v may come as partial results of the QKV GEMM split along K, with its bias apart
+    (QuantLinear.forward_split), and the backend sums them.
     """
 
     supports_cuda_graphs: bool = False
@@ -106,10 +108,20 @@ class AttentionBackend(ABC):
         scale: float,
         positions: torch.Tensor,
         cos_sin: torch.Tensor,
+        bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """forward() of q and k not yet rotated: rotate them by `positions` ("rotate half"
-        layout, cos_sin as KernelOps.rotary takes it) first. q may be rotated in place."""
+        layout, cos_sin as KernelOps.rotary takes it) first. q may be rotated in place.
+
+        Only when takes_qkv_parts() is true: q, k, v may be [S, T, heads, dim], S partial
+        results that add up to the projection's output, and `bias` the (q, k, v) bias vectors
+        still to add."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse the rotary embedding")
+
+    def takes_qkv_parts(self) -> bool:
+        """Whether forward_with_rotary() in the current step takes q, k, v as partial sums of
+        the QKV GEMM (and its bias apart). Asked by the model before each layer's QKV GEMM."""
+        return False
 
     def init_graph_buffers(self, max_batch: int, max_blocks_per_seq: int) -> None:
         """Allocate static metadata for decode batches of up to `max_batch` sequences whose

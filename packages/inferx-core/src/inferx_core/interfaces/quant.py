@@ -26,6 +26,11 @@ class QuantLinear(torch.nn.Module, ABC):
         where thinner GEMMs read the weights faster; the default is y itself, S = 1."""
         return self(x).unsqueeze(0)
 
+    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(parts, bias): forward_parts without the bias, and the bias the caller must still
+        add (None when there is none to add). The default is (y itself as one part, None)."""
+        return self(x).unsqueeze(0), None
+
 
 class QuantScheme(ABC):
     """Chosen by name in config ([quantization] scheme). "none" is the unquantized default."""
