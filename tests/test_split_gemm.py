@@ -79,19 +79,21 @@ def test_on_the_cpu_forward_split_is_the_product_with_its_bias(bias: bool) -> No
 
 @pytest.mark.gpu
 @on_gpu
+@pytest.mark.parametrize(("n", "k"), [(2560, 2048), (6144, 4096)])
 @pytest.mark.parametrize("m", [1, 64, 65])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gpu_forward_split_leaves_the_bias_apart(m: int, bias: bool) -> None:
-    """Up to SPLIT_MAX_ROWS rows: SPLIT_PARTS parts without the bias, and the bias to add (even
-    where forward_parts would not split, a layer with a bias); more rows: the product with its
-    bias, one part, nothing left to add."""
+def test_gpu_forward_split_leaves_the_bias_apart(m: int, bias: bool, n: int, k: int) -> None:
+    """Up to SPLIT_MAX_ROWS rows and a weight of at most SPLIT_QKV_MAX_BYTES (3B's QKV, not
+    8B's): SPLIT_PARTS parts without the bias, and the bias to add (even where forward_parts
+    would not split, a layer with a bias); otherwise the product with its bias, one part,
+    nothing left to add."""
     gpu = torch.device("cuda")
-    layer = dense(2560, 2048, bias, gpu, torch.bfloat16)
-    x = torch.randn(m, 2048, device=gpu, dtype=torch.bfloat16)
+    layer = dense(n, k, bias, gpu, torch.bfloat16)
+    x = torch.randn(m, k, device=gpu, dtype=torch.bfloat16)
     got, rest = layer.forward_split(x)
     ref = layer(x)
-    split = m <= quant_none.SPLIT_MAX_ROWS
-    assert got.shape == ((quant_none.SPLIT_PARTS if split else 1), m, 2560)
+    split = m <= quant_none.SPLIT_MAX_ROWS and n * k * 2 <= quant_none.SPLIT_QKV_MAX_BYTES
+    assert got.shape == ((quant_none.SPLIT_PARTS if split else 1), m, n)
     if not split:
         assert rest is None and torch.equal(got[0], ref)
         return

@@ -155,15 +155,21 @@ def test_split_k_decode(block_size: int, group: int, dtype: torch.dtype, reduce_
     assert check_steps(backend, totals, steps) == [1, 3, 3]
 
 
-def test_decode_rotary_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("name", "attr"),
+    [("INFERX_TRITON_DECODE_ROTARY", "decode_rotary"), ("INFERX_TRITON_QKV_PARTS", "qkv_parts")],
+)
+def test_switches_from_the_environment(
+    name: str, attr: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     spec = [KVLayerSpec(4, 2, 16)]
     cpu = torch.device("cpu")
-    monkeypatch.delenv("INFERX_TRITON_DECODE_ROTARY", raising=False)
-    assert TritonAttention(spec, 16, torch.float32, cpu).decode_rotary  # the default
-    monkeypatch.setenv("INFERX_TRITON_DECODE_ROTARY", "0")
-    assert not TritonAttention(spec, 16, torch.float32, cpu).decode_rotary
-    monkeypatch.setenv("INFERX_TRITON_DECODE_ROTARY", "yes")
-    with pytest.raises(ValueError, match="INFERX_TRITON_DECODE_ROTARY must be 0 or 1; got 'yes'"):
+    monkeypatch.delenv(name, raising=False)
+    assert getattr(TritonAttention(spec, 16, torch.float32, cpu), attr)  # on by default
+    monkeypatch.setenv(name, "0")
+    assert not getattr(TritonAttention(spec, 16, torch.float32, cpu), attr)
+    monkeypatch.setenv(name, "yes")
+    with pytest.raises(ValueError, match=f"{name} must be 0 or 1; got 'yes'"):
         TritonAttention(spec, 16, torch.float32, cpu)
 
 

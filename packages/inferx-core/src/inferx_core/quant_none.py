@@ -9,6 +9,10 @@ from inferx_core.interfaces.quant import QuantLinear, QuantScheme
 
 SPLIT_PARTS = 4
 SPLIT_MAX_ROWS = 64
+# forward_split splits only weights up to this size: on the H200 cuBLAS leaves a 3B QKV (10 MiB)
+# short of bandwidth (6.4 -> 5.4 µs split at one row) but reads an 8B one (48 MiB) as fast
+# as the split does (15.5 / 15.2 µs at one row, 16.3 / 16.5 at 64; bench_split_gemm).
+SPLIT_QKV_MAX_BYTES = 16 << 20
 
 
 def split_k_bmm(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
@@ -71,10 +75,11 @@ class DenseLinear(QuantLinear):
         return split_k_bmm(x, self.weight, SPLIT_PARTS)
 
     def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """forward_parts' split with the bias left to the caller: the fused QKV of a decode
-        step (3B on the H200: 6.4 -> 5.4 µs at one row, bench_split_gemm), whose parts and bias
-        the attention backend's decode kernel sums."""
-        if not self._splits(x):
+        """forward_parts' split with the bias left to the caller, for weights of at most
+        SPLIT_QKV_MAX_BYTES: the fused QKV of a decode step, whose parts and bias the attention
+        backend's decode kernel sums."""
+        nbytes = self.weight.numel() * self.weight.element_size()
+        if nbytes > SPLIT_QKV_MAX_BYTES or not self._splits(x):
             return super().forward_split(x)
         return split_k_bmm(x, self.weight, SPLIT_PARTS), self.bias
 

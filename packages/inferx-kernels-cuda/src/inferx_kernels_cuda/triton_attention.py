@@ -215,8 +215,10 @@ class TritonAttention(TorchAttention):
         self.decode_rotary = flag == "1"
         # qkv_parts: in those steps the model hands q, k and v as the QKV GEMM's K-split partial
         # results (QuantLinear.forward_split: thinner GEMMs that read the weight faster) and the
-        # decode kernel sums them with the bias. INFERX_TRITON_QKV_PARTS=1 turns it on.
-        flag = os.environ.get("INFERX_TRITON_QKV_PARTS", "0")
+        # decode kernel sums them with the bias. H200, 3B: step 2.530 -> 2.498 ms at batch 1,
+        # 3.235 -> 3.217 at 64 x 640 (BENCHMARKS.md, session 11). INFERX_TRITON_QKV_PARTS=0
+        # turns it off for A/B runs.
+        flag = os.environ.get("INFERX_TRITON_QKV_PARTS", "1")
         if flag not in ("0", "1"):
             raise ValueError(f"INFERX_TRITON_QKV_PARTS must be 0 or 1; got {flag!r}")
         self.qkv_parts = flag == "1"
