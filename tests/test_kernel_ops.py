@@ -379,15 +379,21 @@ def count_forward_split(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 @interpreted
 def test_tiny_model_logits_with_qkv_parts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Qwen2 (q/k/v biases) on the triton backend with qkv_parts: the decode-only third step
-    hands q, k, v through forward_split (one part on the CPU, where nothing splits) to the
-    decode kernel; every step's logits stay the torch reference's. (The Llama config's head
-    dim of 24 is not one the triton backend takes.)"""
+    """Qwen2 (q/k/v biases) on the triton backend with qkv_parts, DenseLinear splitting on the
+    CPU too (as it does on a GPU): the decode-only third step hands q, k, v to the decode kernel
+    as SPLIT_PARTS partial sums and the bias; every step's logits stay the torch reference's.
+    (The Llama config's head dim of 24 is not one the triton backend takes.)"""
+
+    def splits(self: DenseLinear, x: torch.Tensor) -> bool:
+        return x.dim() == 2 and x.shape[0] <= quant_none.SPLIT_MAX_ROWS
+
+    monkeypatch.setattr(DenseLinear, "_splits", splits)
     calls = count_forward_split(monkeypatch)
     cfg = CONFIGS["qwen2-tied"]
     weights = model_weights(cfg, seed=7)
     ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, triton_with_qkv_parts)
-    assert calls == [1] * cfg["num_hidden_layers"]  # the decode-only step's layers only
+    # the decode-only step's layers only
+    assert calls == [quant_none.SPLIT_PARTS] * cfg["num_hidden_layers"]
     ref = run_model(cfg, TorchOps(), weights, torch.float32, CPU)
     for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
         err = rel_err(a, b)

@@ -245,7 +245,7 @@ def _rotated(ptr, offs, cos, sin, sign, partner_offs, mask, part_stride, bias_pt
 
 # Ints that change from step to step are not specialised on (Triton would compile a variant for
 # values of 1 and multiples of 16): every variant a step can need is compiled at start-up.
-@triton.jit(do_not_specialize=["split_len", "stride_table"])
+@triton.jit(do_not_specialize=["split_len", "stride_table", "stride_qp", "stride_kp", "stride_vp"])
 def decode_kernel(
     q_ptr,
     k_cache_ptr,

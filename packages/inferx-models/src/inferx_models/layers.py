@@ -117,6 +117,8 @@ class Attention(nn.Module):
         parted = self.backend.fuses_rotary and self.backend.takes_qkv_parts()
         if parted:
             qkv, bias = self.qkv_proj.forward_split(x)  # [S, T, q + 2 kv], bias apart
+            if qkv.shape[0] == 1 and bias is None:  # not split: the plain path, as before
+                qkv, parted = qkv[0], False
         else:
             qkv, bias = self.qkv_proj(x), None
         q, k, v = qkv.split(sizes, dim=-1)
