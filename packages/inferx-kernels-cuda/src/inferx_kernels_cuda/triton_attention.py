@@ -587,28 +587,26 @@ class TritonAttention(TorchAttention):
                 f"{tuple(cos_sin.shape)} {cos_sin.dtype}"
             )
         if q.dim() == 4 or bias is not None:
-            return self._forward_parts(layer, q, k, v, scale, positions, cos_sin, bias)
+            return self._forward_parts(layer, (q, k, v), scale, (positions, cos_sin), bias)
         return self._forward(layer, q, k, v, scale, (positions, cos_sin))
 
     def _forward_parts(
         self,
         layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         scale: float,
-        positions: torch.Tensor,
-        cos_sin: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
         bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         """forward_with_rotary of q, k, v as [parts, T, heads, dim] partial sums (+ bias)."""
+        q = qkv[0]
         if not self.takes_qkv_parts():
             raise ValueError(
                 "triton attention: q, k, v as partial sums (or with a bias) are taken only in "
                 "steps where takes_qkv_parts() is true"
             )
         parts = q.shape[0] if q.dim() == 4 else 1
-        views = [x if x.dim() == 4 else x.unsqueeze(0) for x in (q, k, v)]
+        views = [x if x.dim() == 4 else x.unsqueeze(0) for x in qkv]
         if any(x.shape[0] != parts or x.stride(-1) != 1 for x in views):
             raise ValueError(
                 f"triton attention: q, k, v must be [{parts}, tokens, heads, dim] with the head "
@@ -632,7 +630,7 @@ class TritonAttention(TorchAttention):
         if bias is not None:
             extra |= {"q_bias_ptr": bias[0], "k_bias_ptr": bias[1], "v_bias_ptr": bias[2]}
         q0, k0, v0 = (x[0] for x in views)
-        return self._forward(layer, q0, k0, v0, scale, (positions, cos_sin), extra)
+        return self._forward(layer, q0, k0, v0, scale, rotary, extra)
 
     def _forward(
         self,
