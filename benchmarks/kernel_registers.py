@@ -3,7 +3,10 @@ an sm_90 GPU (the H200) on any machine: no GPU needed, Triton's bundled ptxas an
 the work.
 
     python benchmarks/kernel_registers.py [--group 8] [--head-dim 128] [--warps 2,4]
-        [--block-n 16,32,64] [--json OUT.json]
+        [--block-n 16,32,64] [--qkv-parts 4] [--json OUT.json]
+
+--qkv-parts: the QKV GEMM's partial results the kernel sums, with a bias (4: a 3B decode-only
+step; 1: the unsplit path, an 8B one).
 
 A program that takes many registers or much shared memory leaves room for few others on an SM
 (65,536 registers, allocated per warp in units of 8 a thread; 228 KB), so few tiles of K and V
@@ -100,10 +103,11 @@ def programs_per_sm(registers: int, warps: int, shared_bytes: int = 0) -> int:
 
 
 def decode_kernel_resources(
-    group: int, head_dim: int, warps: int, block_n: int, rotary: bool = True
+    group: int, head_dim: int, warps: int, block_n: int, rotary: bool = True, qkv_parts: int = 4
 ) -> dict[str, Any]:
     """Compile decode_kernel for sm_90 as a decode-only graph step launches it (split context,
-    all decodes, rotary inside) and report what one program takes."""
+    all decodes, rotary inside, q/k/v as qkv_parts partial sums plus a bias unless 1) and report
+    what one program takes."""
     constexprs = {
         "GROUP": group,
         "GROUP_PAD": max(16, triton.next_power_of_2(group)),
@@ -116,6 +120,8 @@ def decode_kernel_resources(
         "UPCAST": False,
         "DOT_PRECISION": "tf32",
         "ROTARY": rotary,
+        "PARTS": qkv_parts,
+        "HAS_BIAS": qkv_parts > 1,
     }
     signature = decode_signature(constexprs)
     src = ASTSource(
@@ -146,6 +152,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--warps", default="2,4")
     ap.add_argument("--block-n", default="16,32,64")
+    ap.add_argument("--qkv-parts", type=int, default=4)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -159,7 +166,9 @@ def main() -> None:
           f"{'programs/SM':>11} {'warps/SM':>8}")  # fmt: skip
     for warps in (int(w) for w in args.warps.split(",")):
         for block_n in (int(b) for b in args.block_n.split(",")):
-            r = decode_kernel_resources(args.group, args.head_dim, warps, block_n)
+            r = decode_kernel_resources(
+                args.group, args.head_dim, warps, block_n, qkv_parts=args.qkv_parts
+            )
             rows.append(r)
             print(f"{warps:>5} {block_n:>7} {r['registers']:>5} {r['stack_bytes']:>7} "
                   f"{r['shared_bytes']:>8} {r['programs_per_sm']:>11} "

@@ -440,7 +440,7 @@ def test_health_fails_when_the_loop_is_stuck_or_dead() -> None:
     class Stuck(FakeExecutor):
         def execute(self, out: SchedulerOutput) -> StepResult:
             if out.chunks[0].seq.prompt_ids[-1] == 13:  # a prompt ending in "." hangs
-                time.sleep(1.5)
+                time.sleep(3.0)
             if out.chunks[0].seq.prompt_ids[-1] == 0:  # "!" kills the loop
                 raise RuntimeError("device lost")
             return super().execute(out)
@@ -451,8 +451,12 @@ def test_health_fails_when_the_loop_is_stuck_or_dead() -> None:
             fut = threading.Thread(target=c.post, args=(t.url + "/v1/completions",),
                                    kwargs={"json": {"prompt": "x.", "max_tokens": 1}})  # fmt: skip
             fut.start()
-            time.sleep(1.0)
+            # Polled: on a loaded machine the request may reach the stuck step late.
+            deadline = time.monotonic() + 2.5
             stuck = c.get(t.url + "/health")
+            while stuck.status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.1)
+                stuck = c.get(t.url + "/health")
             fut.join()
             assert stuck.status_code == 503 and "not finished a step" in stuck.json()["detail"]
             assert c.get(t.url + "/health").status_code == 200
