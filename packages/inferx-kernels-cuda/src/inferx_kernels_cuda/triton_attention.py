@@ -664,8 +664,6 @@ class TritonAttention(TorchAttention):
         # The decode kernel rotates and writes the new tokens itself (ROTARY) in decode-only
         # steps when decode_rotary is on (then q is not rotated in place).
         in_decode = rotary is not None and self.decode_rotary and plan.num_decode == num_tokens
-        if parts is not None and not in_decode:
-            raise ValueError("triton attention: partial sums of q, k, v need a decode-only step")
         if rotary is None:
             write_kv(k, v, k_cache, v_cache, plan.slot_mapping, spec)
         elif in_decode:

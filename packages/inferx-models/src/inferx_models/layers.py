@@ -125,14 +125,11 @@ class Attention(nn.Module):
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        if parted:
+        if self.backend.fuses_rotary:
+            # bias= only with parts: a backend that never takes them need not know the keyword
+            extra = {"bias": None if bias is None else tuple(bias.split(sizes))} if parted else {}
             out = self.backend.forward_with_rotary(
-                self.layer, q, k, v, self.scale, positions, self.rotary.cos_sin,
-                bias=None if bias is None else tuple(bias.split(sizes)),
-            )  # fmt: skip
-        elif self.backend.fuses_rotary:
-            out = self.backend.forward_with_rotary(
-                self.layer, q, k, v, self.scale, positions, self.rotary.cos_sin
+                self.layer, q, k, v, self.scale, positions, self.rotary.cos_sin, **extra
             )
         else:
             q, k = self.ops.rotary(positions, q, k, self.rotary.cos_sin)
