@@ -214,12 +214,9 @@ def fused_mlp(
     w_up: torch.Tensor,
     w_down: torch.Tensor,
     config: MlpConfig | None = None,
-    two_launches: bool = False,
 ) -> torch.Tensor:
     """down(silu(x @ gate.T) * (x @ up.T)) for x [M <= MAX_ROWS, hidden], w_up [2 * inter,
-    hidden] (gate rows then up rows), w_down [hidden, inter]; one launch on a GPU.
-    two_launches: the two phases as two launches, no barrier (what the interpreter runs; on
-    a GPU, for benchmarks to tell the barrier's cost)."""
+    hidden] (gate rows then up rows), w_down [hidden, inter]; one launch on a GPU."""
     cfg = config or MlpConfig()
     m, hidden = x.shape
     inter = w_up.shape[0] // 2
@@ -253,15 +250,12 @@ def fused_mlp(
 
     if interpret or x.device.type != "cuda":
         programs = 3  # a few programs, several tiles each: ranges, partial tiles and tails
-        two_launches = True
-    else:
-        programs = _fused_programs(x, w_up, w_down, act, out, m, hidden, inter, cfg, args)
-    counter = _counter(x.device, programs)
-    if two_launches:
+        counter = torch.zeros(1, dtype=torch.int64, device=x.device)
         launch(programs, 1, counter)
         launch(programs, 2, counter)
-    else:
-        launch(programs, 3, counter)
+        return out
+    programs = _fused_programs(x, w_up, w_down, act, out, m, hidden, inter, cfg, args)
+    launch(programs, 3, _counter(x.device, programs))
     return out
 
 
