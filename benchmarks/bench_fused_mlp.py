@@ -6,7 +6,7 @@ step runs now, on the MLP shapes of Qwen2.5-3B and Llama-3.1-8B:
 - unfused-linear: the same with down_proj as one F.linear;
 - fused: fused_mlp under each config of a grid (tiles, warps, programs per SM).
 
-    python benchmarks/bench_fused_mlp.py [--models qwen2.5-3b,llama-3.1-8b] [--m 1,4,16]
+    python benchmarks/bench_fused_mlp.py [--models qwen2.5-3b,llama-3.1-8b] [--m 1,2,4]
         [--grid small|full] [--json OUT.json]
 
 µs per call of 20 calls captured in one CUDA graph and replayed, cycling over enough weight
@@ -35,19 +35,18 @@ from inferx_models.presets import preset
 
 def configs(grid: str) -> list[MlpConfig]:
     if grid == "small":
-        axes = dict(rows_up=[32, 64], rows_down=[16], block_k=[128], block_k_down=[256, 512],
-                    num_warps=[4, 8], num_stages=[3], programs_per_sm=[1, 2, 3])  # fmt: skip
-    else:
-        axes = dict(rows_up=[32, 64, 128], rows_down=[16, 32], block_k=[64, 128],
-                    block_k_down=[256, 512], num_warps=[4, 8], num_stages=[2, 3, 4],
+        axes = dict(rows_up=[8, 16], rows_down=[8], block_k=[256], num_warps=[4, 8],
                     programs_per_sm=[1, 2, 3])  # fmt: skip
+    else:
+        axes = dict(rows_up=[8, 16], rows_down=[4, 8], block_k=[256, 512], num_warps=[4, 8],
+                    programs_per_sm=[1, 2, 3, 4])  # fmt: skip
     return [MlpConfig(**dict(zip(axes, v, strict=True))) for v in itertools.product(*axes.values())]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="qwen2.5-3b,llama-3.1-8b")
-    ap.add_argument("--m", default="1,4,16")
+    ap.add_argument("--m", default="1,2,4")
     ap.add_argument("--grid", default="small", choices=["small", "full"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

@@ -18,7 +18,7 @@ from inferx_kernels_cuda.fused_mlp import MAX_ROWS, MlpConfig, fused_mlp  # noqa
 
 # Small tiles: the CPU sizes below still give each program several tiles, partial tiles and a
 # K tail in both phases.
-SMALL = MlpConfig(rows_up=16, rows_down=16, block_k=16, block_k_down=32)
+SMALL = MlpConfig(rows_up=4, rows_down=4, block_k=32)
 
 
 def weights(
@@ -46,7 +46,7 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @interpreted
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 3, 4])
 @pytest.mark.parametrize(("hidden", "inter"), [(64, 96), (72, 200)])
 def test_float32_against_float64(m: int, hidden: int, inter: int) -> None:
     x, w_up, w_down = weights(m, hidden, inter, torch.float32, "cpu", seed=m + hidden)
@@ -76,7 +76,7 @@ def test_default_tiles_on_a_shape_their_size() -> None:
 @pytest.mark.parametrize(
     ("shapes", "message"),
     [
-        (((17, 64), (192, 64), (64, 96)), "rows"),
+        (((5, 64), (192, 64), (64, 96)), "rows"),
         (((1, 64), (191, 64), (64, 96)), "do not make an MLP"),
         (((1, 64), (192, 64), (64, 95)), "do not make an MLP"),
     ],
@@ -102,7 +102,7 @@ REAL = {"qwen2.5-3b": (2048, 11008), "llama-3.1-8b": (4096, 14336)}
 @on_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", list(REAL))
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, MAX_ROWS])
+@pytest.mark.parametrize("m", list(range(1, MAX_ROWS + 1)))
 def test_gpu_bf16_real_shapes(model: str, m: int) -> None:
     hidden, inter = REAL[model]
     x, w_up, w_down = weights(m, hidden, inter, torch.bfloat16, "cuda", seed=m)
@@ -113,7 +113,7 @@ def test_gpu_bf16_real_shapes(model: str, m: int) -> None:
 
 @on_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [MlpConfig(), MlpConfig(programs_per_sm=1, num_warps=8)], ids=str)
+@pytest.mark.parametrize("cfg", [MlpConfig(), MlpConfig(programs_per_sm=1, num_warps=8)])
 def test_gpu_graph_replays_many_launches(cfg: MlpConfig) -> None:
     """Forty launches a replay, five replays with new inputs: the barrier's counter carries
     over between launches and replays, and every launch still waits for its own phase 1."""

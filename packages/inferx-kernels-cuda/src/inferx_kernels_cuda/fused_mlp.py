@@ -1,6 +1,6 @@
 """A decode step's whole MLP (gate_up, SiLU-and-mul, down_proj) in one persistent launch.
 
-At a few rows the MLP is three launches: cuBLAS's gate_up, silu_and_mul_kernel, and
+At one to four rows the MLP is three launches: cuBLAS's gate_up, silu_and_mul_kernel, and
 down_proj's GEMM. Each boundary costs a launch gap, the small kernel itself and the next GEMM's
 ramp (its first DRAM round trips, while its thread blocks start). `fused_mlp` runs them as two
 phases of one kernel whose programs all stay resident (a persistent grid, at most what fits
@@ -10,7 +10,8 @@ on the GPU at once):
    rows once and writes silu(gate) * up into a small [M, I] scratch;
 2. a grid barrier (an arrival counter in global memory) waits for every program's range;
 3. each program takes a contiguous range of down_proj rows and reads them once against the
-   whole intermediate.
+   whole intermediate. The first K block of those rows is loaded before the barrier, so
+   phase 2's first DRAM round trip overlaps the wait.
 
 Ranges are split at row granularity (program p gets rows [p * R // P, (p + 1) * R // P)), so
 the programs' shares differ by at most one row. Rounding matches the unfused path's:
@@ -41,27 +42,25 @@ import triton.language as tl
 
 from inferx_kernels_cuda.fused_kernels import _rounded, silu_times
 
-MAX_ROWS = 16  # x is padded to 16 columns of the tensor-core tiles anyway
+MAX_ROWS = 4
 _MAX_SPIN = 1 << 24
 
 
 @dataclass(frozen=True)
 class MlpConfig:
-    """Tiles of the two phases (weight rows x K columns per loop step), warps, Triton's
-    pipeline depth, and programs per SM (capped by what the compiled kernel leaves room for)."""
+    """Tiles of the two phases (weight rows x K columns per loop step), warps, and programs per
+    SM (capped by what the compiled kernel leaves room for)."""
 
-    rows_up: int = 64  # gate rows (and as many up rows) a phase-1 tile holds
-    rows_down: int = 16  # down_proj rows a phase-2 tile holds
-    block_k: int = 128  # phase 1's K step (over hidden)
-    block_k_down: int = 256  # phase 2's K step (over the intermediate)
+    rows_up: int = 16  # gate rows (and as many up rows) a phase-1 tile holds
+    rows_down: int = 8  # down_proj rows a phase-2 tile holds
+    block_k: int = 256
     num_warps: int = 4
-    num_stages: int = 3
     programs_per_sm: int = 2
 
     def __str__(self) -> str:
         return (
-            f"up{self.rows_up} down{self.rows_down} k{self.block_k}/{self.block_k_down} "
-            f"w{self.num_warps} st{self.num_stages} p{self.programs_per_sm}"
+            f"up{self.rows_up} down{self.rows_down} k{self.block_k} w{self.num_warps} "
+            f"p{self.programs_per_sm}"
         )
 
 
@@ -77,16 +76,6 @@ def _grid_barrier(counter_ptr, num_programs, MAX_SPIN: tl.constexpr):
         seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
         spins += 1
     tl.debug_barrier()
-
-
-@triton.jit
-def _dot(w, xt, acc, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc + w [R, K] @ xt [K, M] in fp32 (upcast first under the interpreter, whose bf16 dot
-    would round its inputs' products to bf16)."""
-    if UPCAST:
-        w = w.to(tl.float32)
-        xt = xt.to(tl.float32)
-    return tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize=["m"])
@@ -109,80 +98,87 @@ def fused_mlp_kernel(
     ROWS_UP: tl.constexpr,
     ROWS_DOWN: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_K_DOWN: tl.constexpr,
     PHASE: tl.constexpr,
     MAX_SPIN: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
 ):
     """x [m, hidden] -> out [m, hidden] = down(silu(gate(x)) * up(x)). w_up is [2 * inter,
     hidden] (gate rows, then up rows), w_down [hidden, inter]; act is an [m, inter] scratch.
-    PHASE 1: gate_up into act; 2: down_proj from act; 3: both, with the grid barrier.
-
-    Both phases multiply weight tiles by the transposed activations on tensor cores (x padded
-    to BLOCK_M >= 16 columns, masked loads, so the padding reads nothing), so that Triton
-    pipelines the weight loads num_stages deep: the FMA form of this kernel, one round trip
-    per K step, ran at half the bandwidth (BENCHMARKS.md, session 12)."""
+    PHASE 1: gate_up into act; 2: down_proj from act; 3: both, with the grid barrier."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     dtype = act_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < m
+    rows_x = offs_m % m  # rows past m repeat a real row; their results are not stored
+    offs_k = tl.arange(0, BLOCK_K)
 
     if PHASE != 2:
         # Phase 1: intermediate columns [i0, i1), ROWS_UP at a time.
         i0 = pid * inter // num_programs
         i1 = (pid + 1) * inter // num_programs
-        offs_k = tl.arange(0, BLOCK_K)
         for r0 in range(i0, i1, ROWS_UP):
             rows = r0 + tl.arange(0, ROWS_UP)
             valid = rows < i1
-            g_ptrs = w_up_ptr + rows.to(tl.int64)[:, None] * stride_up + offs_k[None, :]
+            gate_rows = tl.where(valid, rows, i0).to(tl.int64)  # masked rows reread row i0
+            g_ptrs = w_up_ptr + gate_rows[:, None] * stride_up + offs_k[None, :]
             u_ptrs = g_ptrs + inter * stride_up
-            xt_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, M]
-            acc_g = tl.zeros([ROWS_UP, BLOCK_M], tl.float32)
-            acc_u = tl.zeros([ROWS_UP, BLOCK_M], tl.float32)
+            x_ptrs = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :]
+            acc_g = tl.zeros([BLOCK_M, ROWS_UP, BLOCK_K], tl.float32)
+            acc_u = tl.zeros([BLOCK_M, ROWS_UP, BLOCK_K], tl.float32)
             for k0 in range(0, hidden, BLOCK_K):
-                k_ok = (k0 + offs_k) < hidden
-                w_mask = valid[:, None] & k_ok[None, :]
-                xt = tl.load(xt_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-                g = tl.load(g_ptrs, mask=w_mask, other=0.0)
-                u = tl.load(u_ptrs, mask=w_mask, other=0.0)
-                acc_g = _dot(g, xt, acc_g, UPCAST, DOT_PRECISION)
-                acc_u = _dot(u, xt, acc_u, UPCAST, DOT_PRECISION)
-                xt_ptrs += BLOCK_K
+                kmask = (k0 + offs_k) < hidden
+                x = tl.load(x_ptrs, mask=kmask[None, :], other=0.0).to(tl.float32)
+                g = tl.load(g_ptrs, mask=kmask[None, :], other=0.0).to(tl.float32)
+                u = tl.load(u_ptrs, mask=kmask[None, :], other=0.0).to(tl.float32)
+                acc_g += x[:, None, :] * g[None, :, :]
+                acc_u += x[:, None, :] * u[None, :, :]
+                x_ptrs += BLOCK_K
                 g_ptrs += BLOCK_K
                 u_ptrs += BLOCK_K
-            a = silu_times(_rounded(acc_g, dtype), _rounded(acc_u, dtype), dtype).to(dtype)
-            a_ptrs = act_ptr + offs_m[None, :] * stride_act + rows[:, None]  # [ROWS_UP, M]
-            tl.store(a_ptrs, a, mask=valid[:, None] & m_ok[None, :])
-
-    if PHASE == 3:
-        _grid_barrier(counter_ptr, num_programs, MAX_SPIN)
+            gate = _rounded(tl.sum(acc_g, axis=2), dtype)
+            up = _rounded(tl.sum(acc_u, axis=2), dtype)
+            a = silu_times(gate, up, dtype).to(dtype)
+            a_ptrs = act_ptr + offs_m[:, None] * stride_act + rows[None, :]
+            tl.store(a_ptrs, a, mask=(offs_m[:, None] < m) & valid[None, :])
 
     if PHASE != 1:
         # Phase 2: down_proj rows [n0, n1), ROWS_DOWN at a time, each over all of inter.
         n0 = pid * hidden // num_programs
         n1 = (pid + 1) * hidden // num_programs
-        offs_k = tl.arange(0, BLOCK_K_DOWN)
+        k_in = (offs_k < inter)[None, :]
+        d_rows = tl.where(n0 + tl.arange(0, ROWS_DOWN) < n1, n0 + tl.arange(0, ROWS_DOWN), n0)
+        first_ptrs = w_down_ptr + d_rows.to(tl.int64)[:, None] * stride_down + offs_k[None, :]
+        # The first tile's first K block is loaded before the barrier (the weights do not
+        # depend on phase 1); each tile loads the next tile's first block after its loop.
+        w = tl.load(first_ptrs, mask=k_in, other=0.0)
+        if PHASE == 3:
+            _grid_barrier(counter_ptr, num_programs, MAX_SPIN)
         for r0 in range(n0, n1, ROWS_DOWN):
             rows = r0 + tl.arange(0, ROWS_DOWN)
             valid = rows < n1
-            w_ptrs = w_down_ptr + rows.to(tl.int64)[:, None] * stride_down + offs_k[None, :]
-            at_ptrs = act_ptr + offs_m[None, :] * stride_act + offs_k[:, None]  # [K, M]
-            acc = tl.zeros([ROWS_DOWN, BLOCK_M], tl.float32)
-            for k0 in range(0, inter, BLOCK_K_DOWN):
-                k_ok = (k0 + offs_k) < inter
-                w = tl.load(w_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            d_idx = tl.where(valid, rows, n0).to(tl.int64)  # masked rows reread row n0
+            w_ptrs = w_down_ptr + d_idx[:, None] * stride_down + offs_k[None, :]
+            a_ptrs = act_ptr + rows_x[:, None] * stride_act + offs_k[None, :]
+            acc = tl.zeros([BLOCK_M, ROWS_DOWN, BLOCK_K], tl.float32)
+            for k0 in range(0, inter, BLOCK_K):
+                # The next block's weights are loaded before this block's products.
+                nmask = (k0 + BLOCK_K + offs_k) < inter
+                w_next = tl.load(w_ptrs + BLOCK_K, mask=nmask[None, :], other=0.0)
+                kmask = (k0 + offs_k) < inter
                 # .cg: act was written by other programs; read it from L2, not a stale L1.
-                at = tl.load(
-                    at_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0, cache_modifier=".cg"
-                )
-                acc = _dot(w, at, acc, UPCAST, DOT_PRECISION)
-                w_ptrs += BLOCK_K_DOWN
-                at_ptrs += BLOCK_K_DOWN
-            o_ptrs = out_ptr + offs_m[None, :] * stride_om + rows[:, None]  # [ROWS_DOWN, M]
-            tl.store(o_ptrs, acc.to(dtype), mask=valid[:, None] & m_ok[None, :])
+                a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0, cache_modifier=".cg")
+                acc += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+                w = w_next
+                w_ptrs += BLOCK_K
+                a_ptrs += BLOCK_K
+            out = tl.sum(acc, axis=2)
+            o_ptrs = out_ptr + offs_m[:, None] * stride_om + rows[None, :]
+            tl.store(o_ptrs, out.to(dtype), mask=(offs_m[:, None] < m) & valid[None, :])
+            nxt = r0 + ROWS_DOWN + tl.arange(0, ROWS_DOWN)
+            n_idx = tl.where(nxt < n1, nxt, n0).to(tl.int64)
+            # (a tensor mask: a scalar comparison is a plain bool under the interpreter)
+            more = (offs_k < inter) & (offs_k * 0 + r0 + ROWS_DOWN < n1)
+            n_ptrs = w_down_ptr + n_idx[:, None] * stride_down + offs_k[None, :]
+            w = tl.load(n_ptrs, mask=more[None, :], other=0.0)
 
 
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -232,15 +228,10 @@ def fused_mlp(
     if x.stride(1) != 1 or w_up.stride(1) != 1 or w_down.stride(1) != 1:
         raise ValueError("fused_mlp: x and the weights need a contiguous last dim")
     act = torch.empty(m, inter, dtype=x.dtype, device=x.device)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
     out = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
-    args = dict(
-        BLOCK_M=max(16, triton.next_power_of_2(m)), ROWS_UP=cfg.rows_up,
-        ROWS_DOWN=cfg.rows_down, BLOCK_K=cfg.block_k, BLOCK_K_DOWN=cfg.block_k_down,
-        MAX_SPIN=_MAX_SPIN, UPCAST=interpret and x.dtype == torch.bfloat16,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    args = dict(BLOCK_M=triton.next_power_of_2(m), ROWS_UP=cfg.rows_up, ROWS_DOWN=cfg.rows_down,
+                BLOCK_K=cfg.block_k, MAX_SPIN=_MAX_SPIN, num_warps=cfg.num_warps)  # fmt: skip
 
     def launch(programs: int, phase: int, counter: torch.Tensor) -> None:
         fused_mlp_kernel[(programs,)](
@@ -249,7 +240,7 @@ def fused_mlp(
         )  # fmt: skip
 
     if interpret or x.device.type != "cuda":
-        programs = 3  # a few programs, several tiles each: ranges, partial tiles and tails
+        programs = min(hidden, 8)  # a few programs, several rows each: ranges and tails
         counter = torch.zeros(1, dtype=torch.int64, device=x.device)
         launch(programs, 1, counter)
         launch(programs, 2, counter)
