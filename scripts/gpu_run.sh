@@ -6,7 +6,7 @@
 #   cp -r ../shared/fixtures/tokenizers/{qwen,llama3} .carry/tok/tokenizers/
 #   tar -C .carry/tok -cJf .carry/tokxz/tok.tar.xz tokenizers
 # then carry [".whl", ".carry/tokxz"] (unpacked below into .carry/tok on the machine).
-# Usage: bash scripts/gpu_run.sh [setup] [tests] [flashinfer] [profile] [profile-prefill] [decode-variants] [breakdown] [gemv] [mixed] [regs] [tune] [split-gemm] [startup] [cold-start] [serve-ab] [bench] [demo]
+# Usage: bash scripts/gpu_run.sh [setup] [tests] [flashinfer] [profile] [profile-prefill] [decode-variants] [breakdown] [gemv] [tma-gemv] [mixed] [regs] [tune] [split-gemm] [startup] [cold-start] [serve-ab] [bench] [demo]
 #        [table | table-3b | table-8b]
 #   flashinfer: its conformance tests (FI_K: a pytest -k filter), then its compiled kernels packed into $OUT as
 #   fi-cache.tar.part-*: keep them in .carry/fi/ (31 MB) and carry .carry/fi in later runs
@@ -128,6 +128,12 @@ for step in "${steps[@]}"; do
         | tail -8
       timeout 300 python3 benchmarks/bench_gemv.py ${GEMV_ARGS:-} --json "$OUT/gemv.json" 2>&1 \
         | tee "$OUT/gemv.log" ;;
+    tma-gemv)
+      # tests/test_tma_gemv.py -m gpu, then benchmarks/bench_tma_gemv.py (the TMA GEMV against
+      # cuBLAS and the split bmm per decode GEMM shape; TMA_ARGS for its options).
+      timeout 200 python3 -m pytest tests/test_tma_gemv.py -m gpu -q 2>&1 | tail -8
+      timeout 300 python3 benchmarks/bench_tma_gemv.py ${TMA_ARGS:-} --json "$OUT/tma-gemv.json" \
+        2>&1 | grep -v "^  " | tee "$OUT/tma-gemv.log" ;;
     serve-ab)
       # SERVE_AB_SETS: ;-separated variants, each a space-separated list of KEY=VALUE (default:
       # the engine on a thread vs in its own process), SERVE_AB_REPEATS rounds of all of them
