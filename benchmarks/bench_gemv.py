@@ -204,6 +204,13 @@ def graph_us(call: Callable[[torch.Tensor], Any], weights: list[torch.Tensor]) -
     return sorted(times)[len(times) // 2]
 
 
+def cold_weights(n: int, k: int) -> list[torch.Tensor]:
+    """Copies of a random bf16 [n, k] weight (at least two) adding up to COLD_BYTES or more, for
+    graph_us to cycle over so that no call finds its weight in L2."""
+    copies = max(2, -(-COLD_BYTES // (n * k * 2)))
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+
+
 def tbps(nbytes: int, us: float | None) -> float | None:
     return None if us is None or not us > 0 else nbytes / (us * 1e-6) / 1e12
 

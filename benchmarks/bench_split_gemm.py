@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_gemv import COLD_BYTES, MAX_REL_ERR, linear_shapes, rel_err, tbps
+from bench_gemv import MAX_REL_ERR, cold_weights, linear_shapes, rel_err, tbps
 from bench_gemv import graph_us as graph_us_of
 from commit_id import commit_id
 
@@ -46,11 +46,7 @@ def main() -> None:
         for shape in linear_shapes(model):
             if shape.name not in args.shapes.split(","):
                 continue
-            copies = max(2, -(-COLD_BYTES // shape.weight_bytes()))
-            weights = [
-                torch.randn(shape.n, shape.k, device="cuda", dtype=torch.bfloat16) * 0.02
-                for _ in range(copies)
-            ]
+            weights = cold_weights(shape.n, shape.k)
             for m in (int(v) for v in args.m.split(",")):
                 x = torch.randn(m, shape.k, device="cuda", dtype=torch.bfloat16)
                 ref = F.linear(x, weights[0])

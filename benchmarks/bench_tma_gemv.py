@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_gemv import COLD_BYTES, MAX_REL_ERR, graph_us, linear_shapes, rel_err, tbps
+from bench_gemv import MAX_REL_ERR, cold_weights, graph_us, linear_shapes, rel_err, tbps
 from commit_id import commit_id
 
 from inferx_core.quant_none import SPLIT_PARTS, split_k_bmm
@@ -62,11 +62,7 @@ def main() -> None:
             if shape.name not in args.shapes.split(",") or shape.gated:
                 continue
             nbytes = shape.n * shape.k * 2
-            copies = max(2, -(-COLD_BYTES // nbytes))
-            weights = [
-                torch.randn(shape.n, shape.k, device="cuda", dtype=torch.bfloat16) * 0.02
-                for _ in range(copies)
-            ]
+            weights = cold_weights(shape.n, shape.k)
             for m in (int(v) for v in args.m.split(",")):
                 x = torch.randn(m, shape.k, device="cuda", dtype=torch.bfloat16)
                 ref = F.linear(x, weights[0])
