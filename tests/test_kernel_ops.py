@@ -463,6 +463,55 @@ def test_gated_gemv_rows_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
             TritonOps()
 
 
+def test_tma_gemv_switch_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("INFERX_TMA_GEMV", raising=False)
+    assert not TritonOps().tma_gemv  # off until measured on the H200
+    monkeypatch.setenv("INFERX_TMA_GEMV", "1")
+    assert TritonOps().tma_gemv
+    monkeypatch.setenv("INFERX_TMA_GEMV", "yes")
+    with pytest.raises(ValueError, match="INFERX_TMA_GEMV must be 0 or 1; got 'yes'"):
+        TritonOps()
+
+
+def count_tma(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], int]]:
+    """(x's shape, parts) of every tma_linear_parts call TritonOps makes from now on."""
+    calls: list[tuple[tuple[int, ...], int]] = []
+    real = triton_ops.tma_linear_parts
+
+    def counted(x: torch.Tensor, weight: torch.Tensor, parts: int = 1) -> torch.Tensor:
+        calls.append((tuple(x.shape), parts))
+        return real(x, weight, parts)
+
+    monkeypatch.setattr(triton_ops, "tma_linear_parts", counted)
+    return calls
+
+
+@interpreted
+@pytest.mark.parametrize("name", ["llama3-scaled", "qwen2-tied"])
+def test_tiny_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """INFERX_TMA_GEMV=1: o_proj and down_proj as SPLIT_PARTS parts for the norm, gate_up whole
+    (outside the gated GEMV's rows), and (qwen2, on the triton backend with qkv_parts) the
+    decode-only step's QKV as parts plus the bias for the decode kernel, all by
+    tma_linear_parts; logits stay the torch reference's."""
+    monkeypatch.setenv("INFERX_TMA_GEMV", "1")
+    cfg = CONFIGS[name]
+    weights = model_weights(cfg, seed=11)
+    calls = count_tma(monkeypatch)
+    attention = triton_with_qkv_parts if name == "qwen2-tied" else TorchAttention
+    ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, attention)
+    layers = cfg["num_hidden_layers"]
+    parted = [c for c in calls if c[1] == quant_none.SPLIT_PARTS]
+    whole = [c for c in calls if c[1] == 1]
+    # Every step: o_proj and down_proj in parts; qwen2's decode step: QKV too. gate_up whole in
+    # the 4-row step only: the 27- and 8-row steps take the gated GEMV (5-32 rows) first.
+    qkv = layers if name == "qwen2-tied" else 0
+    assert len(parted) == 3 * 2 * layers + qkv and whole == [((4, cfg["hidden_size"]), 1)] * layers
+    ref = run_model(cfg, TorchOps(), weights, torch.float32, CPU)
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        err = rel_err(a, b)
+        assert err <= TOL[torch.float32], f"step {step}: {err:.2e}"
+
+
 # --- GPU, compiled, bf16 at real sizes ---------------------------------------------------------
 
 GPU = torch.device("cuda")
@@ -605,6 +654,27 @@ def test_gpu_model_logits_with_qkv_parts(name: str, monkeypatch: pytest.MonkeyPa
     weights = model_weights(cfg, seed=3, scale=0.02)
     ours = run_model(cfg, TritonOps(), weights, torch.bfloat16, GPU, triton_with_qkv_parts)
     assert calls == [quant_none.SPLIT_PARTS if "qwen" in name else 1] * 2
+    ours = torch.cat(ours)
+    ref = torch.cat(run_model(cfg, TorchOps(), weights, torch.bfloat16, GPU))
+    err = rel_err(ours, ref)
+    assert err <= 3e-2, f"{err:.2e}"
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree >= 0.9, f"greedy tokens agree on {agree:.0%} of {len(ours)} rows"
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen2.5-3b-instruct", "llama-3.1-8b-instruct"])
+def test_gpu_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """INFERX_TMA_GEMV=1, two layers of the real shapes, bf16, the triton backend with
+    qkv_parts: o_proj, down_proj, gate_up (outside the gated GEMV's rows) and the decode step's
+    QKV (both models) on tma_linear_parts; the logits stay TorchOps + TorchAttention's."""
+    monkeypatch.setenv("INFERX_TMA_GEMV", "1")
+    calls = count_tma(monkeypatch)
+    cfg = preset(name) | {"num_hidden_layers": 2, "vocab_size": 4096}
+    weights = model_weights(cfg, seed=3, scale=0.02)
+    ours = run_model(cfg, TritonOps(), weights, torch.bfloat16, GPU, triton_with_qkv_parts)
+    assert len([c for c in calls if c[1] == quant_none.SPLIT_PARTS]) == 3 * 2 * 2 + 2
     ours = torch.cat(ours)
     ref = torch.cat(run_model(cfg, TorchOps(), weights, torch.bfloat16, GPU))
     err = rel_err(ours, ref)

@@ -68,8 +68,8 @@ def test_refuses_what_tma_cannot_read() -> None:
         tma_linear_parts(x, w[:, :32])
     with pytest.raises(ValueError, match="1 to 64 rows"):
         tma_linear_parts(torch.zeros(MAX_ROWS + 1, 64, dtype=torch.float16), w)
-    with pytest.raises(ValueError, match="float16 or bfloat16"):
-        tma_linear_parts(x.float(), w.float())
+    with pytest.raises(ValueError, match="must share float16, bfloat16 or float32"):
+        tma_linear_parts(x.float(), w)
     with pytest.raises(ValueError, match="16-byte aligned rows"):
         odd = torch.zeros(40, 68, dtype=torch.float16)[:, :60]  # rows 136 bytes apart
         tma_linear_parts(torch.zeros(1, 60, dtype=torch.float16), odd)

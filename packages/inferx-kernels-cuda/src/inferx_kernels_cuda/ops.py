@@ -9,9 +9,11 @@ import torch
 import triton
 
 from inferx_core.interfaces.ops import KernelOps, check_parts
-from inferx_core.quant_none import DenseLinear
+from inferx_core.quant_none import SPLIT_PARTS, DenseLinear
 from inferx_kernels_cuda import fused_kernels as kernels
 from inferx_kernels_cuda.gemv import MAX_ROWS, skinny_linear
+from inferx_kernels_cuda.tma_gemv import MAX_ROWS as TMA_MAX_ROWS
+from inferx_kernels_cuda.tma_gemv import tma_linear_parts
 
 # Elements of x1 (and of x2) one rotary loop iteration holds: enough for all query heads of
 # common models in one pass at head dim 128, small enough to stay in registers.
@@ -73,6 +75,15 @@ class TritonOps(KernelOps):
         self._interpret = os.environ.get("TRITON_INTERPRET") == "1"
         # Columns per program of argmax's first pass (a power of two).
         self.argmax_segment = 4096
+        # tma_gemv: unquantized decode GEMMs of at most tma_gemv.MAX_ROWS rows (o_proj,
+        # down_proj, a decode step's QKV as K-slice parts; gate_up whole) on tma_linear_parts
+        # instead of cuBLAS / torch.bmm. Off until the H200 has measured it (bench_tma_gemv.py,
+        # DECODE_ENV=INFERX_TMA_GEMV gpu_run.sh decode-variants). Descriptors are built on the
+        # host per call, so it is meant for CUDA-graph steps.
+        flag = os.environ.get("INFERX_TMA_GEMV", "0")
+        if flag not in ("0", "1"):
+            raise ValueError(f"INFERX_TMA_GEMV must be 0 or 1; got {flag!r}")
+        self.tma_gemv = flag == "1"
 
     def rms_norm(
         self,
@@ -161,7 +172,37 @@ class TritonOps(KernelOps):
             and x.stride(1) == 1
         ):
             return skinny_linear(x, linear.weight, linear.bias, gated=True)
+        if linear.bias is None and self._takes_tma(linear, x):
+            return self.silu_and_mul(tma_linear_parts(x, linear.weight)[0])
         return self.silu_and_mul(linear(x))
+
+    def _takes_tma(self, linear: torch.nn.Module, x: torch.Tensor) -> bool:
+        """Whether tma_linear_parts runs this layer's GEMM: switched on, an unquantized layer,
+        [rows <= MAX_ROWS, K] on a GPU (or under the interpreter), rows TMA can address."""
+        if not (self.tma_gemv and isinstance(linear, DenseLinear) and x.dim() == 2):
+            return False
+        w = linear.weight
+        return (
+            (x.is_cuda or self._interpret)
+            and 1 <= x.shape[0] <= TMA_MAX_ROWS
+            and x.dtype == w.dtype
+            and x.stride(1) == 1
+            and (x.stride(0) * x.element_size()) % 16 == 0
+            and x.data_ptr() % 16 == 0
+            and (w.shape[1] * w.element_size()) % 16 == 0
+        )
+
+    def linear_parts(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if linear.bias is None and self._takes_tma(linear, x):
+            return tma_linear_parts(x, linear.weight, SPLIT_PARTS)
+        return linear.forward_parts(x)
+
+    def linear_split(
+        self, linear: torch.nn.Module, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._takes_tma(linear, x):
+            return tma_linear_parts(x, linear.weight, SPLIT_PARTS), linear.bias
+        return linear.forward_split(x)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Two launches: each row's maximum and first index per segment of argmax_segment

@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 MAX_ROWS = 64
-_DTYPES = (torch.float16, torch.bfloat16)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ def tma_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Grid (row blocks, splits): out[s, :, rows] = x[:, ks] @ W[rows, ks].T, ks = split s's
     k_per_split columns (a multiple of BLOCK_K; the last split's run past K reads zeros)."""
@@ -70,7 +71,7 @@ def tma_gemv_kernel(
         if UPCAST:  # the interpreter's bf16 dot would round the products to bf16
             w = w.to(tl.float32)
             x = x.to(tl.float32)
-        acc = tl.dot(w, tl.trans(x), acc)
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
     rows = n0 + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_M)
     out = out_ptr + pid_s * stride_os + cols[None, :] * stride_om + rows[:, None]
@@ -97,8 +98,8 @@ def tma_linear_parts(
         )
     if x.dtype not in _DTYPES or weight.dtype != x.dtype:
         raise ValueError(
-            f"tma_linear_parts: x and weight must share float16 or bfloat16, got {x.dtype} and "
-            f"{weight.dtype}"
+            "tma_linear_parts: x and weight must share float16, bfloat16 or float32, got "
+            f"{x.dtype} and {weight.dtype}"
         )
     # TMA: 16-byte aligned base and row strides, unit stride along K.
     for name, t in (("x", x), ("weight", weight)):
@@ -117,6 +118,7 @@ def tma_linear_parts(
         x_desc, w_desc, out, m, n, k_per_split, out.stride(0), out.stride(1),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         UPCAST=interpret and x.dtype == torch.bfloat16,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

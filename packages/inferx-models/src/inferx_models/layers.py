@@ -116,7 +116,7 @@ class Attention(nn.Module):
         # bias) itself, where the thinner GEMMs read the weight faster (decode steps).
         parted = self.backend.fuses_rotary and self.backend.takes_qkv_parts()
         if parted:
-            qkv, bias = self.qkv_proj.forward_split(x)  # [S, T, q + 2 kv], bias apart
+            qkv, bias = self.ops.linear_split(self.qkv_proj, x)  # [S, T, q + 2 kv], bias apart
             if qkv.shape[0] == 1 and bias is None:  # not split: the plain path, as before
                 qkv, parted = qkv[0], False
         else:
@@ -135,4 +135,4 @@ class Attention(nn.Module):
             q, k = self.ops.rotary(positions, q, k, self.rotary.cos_sin)
             out = self.backend.forward(self.layer, q, k, v, self.scale)
         out = out.reshape(-1, self.q_size)
-        return self.o_proj.forward_parts(out) if parts else self.o_proj(out)
+        return self.ops.linear_parts(self.o_proj, out) if parts else self.o_proj(out)

@@ -43,7 +43,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, parts: bool = False) -> torch.Tensor:
         h = self.ops.linear_silu_and_mul(self.gate_up_proj, x)
-        return self.down_proj.forward_parts(h) if parts else self.down_proj(h)
+        return self.ops.linear_parts(self.down_proj, h) if parts else self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):

@@ -36,6 +36,19 @@ class KernelOps(ABC):
         as one (the activation in the GEMM's epilogue) where it knows the layer's weights."""
         return self.silu_and_mul(linear(x))
 
+    def linear_parts(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """linear.forward_parts(x) (QuantLinear): the layer's output as partial results for a
+        norm that sums them; a kernel package may run the GEMM itself where it knows the
+        layer's weights."""
+        return linear.forward_parts(x)
+
+    def linear_split(
+        self, linear: torch.nn.Module, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """linear.forward_split(x): (parts, bias) for a consumer that sums them (the QKV GEMM
+        of a decode step, summed by the attention backend); overridable as linear_parts."""
+        return linear.forward_split(x)
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """x.argmax(1) of [rows, vocab] logits (int64 [rows]): greedy sampling's token per row,
         the first index among equal maxima. A kernel package may reduce a row in more programs
