@@ -129,9 +129,10 @@ for step in "${steps[@]}"; do
       timeout 300 python3 benchmarks/bench_gemv.py ${GEMV_ARGS:-} --json "$OUT/gemv.json" 2>&1 \
         | tee "$OUT/gemv.log" ;;
     tma-gemv)
-      # tests/test_tma_gemv.py -m gpu, then benchmarks/bench_tma_gemv.py (the TMA GEMV against
+      # the TMA GEMV's GPU tests (alone and in the model), then benchmarks/bench_tma_gemv.py (the TMA GEMV against
       # cuBLAS and the split bmm per decode GEMM shape; TMA_ARGS for its options).
-      timeout 200 python3 -m pytest tests/test_tma_gemv.py -m gpu -q 2>&1 | tail -8
+      timeout 200 python3 -m pytest tests/test_tma_gemv.py tests/test_kernel_ops.py -m gpu -q \
+        -k "tma" 2>&1 | tail -8
       timeout 300 python3 benchmarks/bench_tma_gemv.py ${TMA_ARGS:-} --json "$OUT/tma-gemv.json" \
         2>&1 | grep -v "^  " | tee "$OUT/tma-gemv.log" ;;
     serve-ab)
