@@ -129,8 +129,8 @@ for step in "${steps[@]}"; do
       timeout 300 python3 benchmarks/bench_gemv.py ${GEMV_ARGS:-} --json "$OUT/gemv.json" 2>&1 \
         | tee "$OUT/gemv.log" ;;
     tma-gemv)
-      # the TMA GEMV's GPU tests (alone and in the model), then benchmarks/bench_tma_gemv.py (the TMA GEMV against
-      # cuBLAS and the split bmm per decode GEMM shape; TMA_ARGS for its options).
+      # the TMA GEMV's GPU tests (alone and in the model), then benchmarks/bench_tma_gemv.py
+      # (against cuBLAS and the split bmm per decode GEMM shape; TMA_ARGS for its options).
       timeout 200 python3 -m pytest tests/test_tma_gemv.py tests/test_kernel_ops.py -m gpu -q \
         -k "tma" 2>&1 | tail -8
       timeout 300 python3 benchmarks/bench_tma_gemv.py ${TMA_ARGS:-} --json "$OUT/tma-gemv.json" \
