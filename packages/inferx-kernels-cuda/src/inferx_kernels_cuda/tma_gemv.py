@@ -7,7 +7,9 @@ loads) reads at 3.4-4.1. Every fusion that needs our own GEMV (the MLP in one la
 folded in) lost that way. `tma_linear_parts` is the same product with the weight and x read
 through tensor descriptors: one thread issues each tile's bulk copy, the hardware zero-fills
 what lies past the tensor's edges (no masks), and Triton pipelines the copies num_stages deep.
-Not wired into the model: benchmarks/bench_tma_gemv.py times it against cuBLAS first.
+The model runs it only under INFERX_TMA_GEMV=1 (TritonOps.linear_parts / linear_split /
+linear_silu_and_mul), until benchmarks/bench_tma_gemv.py and an A/B in the model have timed it
+against cuBLAS on the H200.
 
 The output is QuantLinear.forward_parts' form, [S, M, N] partial products over S equal slices
 of K, each rounded to x's dtype (S = 1: F.linear without bias). A program owns BLOCK_N weight
