@@ -619,6 +619,15 @@ def test_gpu_ops_replay_in_a_cuda_graph() -> None:
         assert rel_err(k_ours, k_ref) <= TOL[dtype]
 
 
+def assert_bf16_logits_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """Two layers of real shapes in bf16 against TorchOps: roundings that flip by an ulp inside
+    a layer pass through the GEMMs, hence 3e-2; greedy tokens must nearly all agree."""
+    err = rel_err(ours, ref)
+    assert err <= 3e-2, f"{err:.2e}"
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree >= 0.9, f"greedy tokens agree on {agree:.0%} of {len(ours)} rows"
+
+
 @on_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("gated_rows", [(1, 0), (1, 8)])
@@ -635,10 +644,7 @@ def test_gpu_model_logits_match_torch_ops(name: str, gated_rows: tuple[int, int]
     ops.gated_gemv_max_k = cfg["hidden_size"]
     ours = torch.cat(run_model(cfg, ops, weights, torch.bfloat16, GPU))
     ref = torch.cat(run_model(cfg, TorchOps(), weights, torch.bfloat16, GPU))
-    err = rel_err(ours, ref)
-    assert err <= 3e-2, f"{err:.2e}"
-    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    assert agree >= 0.9, f"greedy tokens agree on {agree:.0%} of {len(ours)} rows"
+    assert_bf16_logits_close(ours, ref)
 
 
 @on_gpu
@@ -656,10 +662,7 @@ def test_gpu_model_logits_with_qkv_parts(name: str, monkeypatch: pytest.MonkeyPa
     assert calls == [quant_none.SPLIT_PARTS if "qwen" in name else 1] * 2
     ours = torch.cat(ours)
     ref = torch.cat(run_model(cfg, TorchOps(), weights, torch.bfloat16, GPU))
-    err = rel_err(ours, ref)
-    assert err <= 3e-2, f"{err:.2e}"
-    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    assert agree >= 0.9, f"greedy tokens agree on {agree:.0%} of {len(ours)} rows"
+    assert_bf16_logits_close(ours, ref)
 
 
 @on_gpu
@@ -677,7 +680,4 @@ def test_gpu_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPat
     assert len([c for c in calls if c[1] == quant_none.SPLIT_PARTS]) == 3 * 2 * 2 + 2
     ours = torch.cat(ours)
     ref = torch.cat(run_model(cfg, TorchOps(), weights, torch.bfloat16, GPU))
-    err = rel_err(ours, ref)
-    assert err <= 3e-2, f"{err:.2e}"
-    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    assert agree >= 0.9, f"greedy tokens agree on {agree:.0%} of {len(ours)} rows"
+    assert_bf16_logits_close(ours, ref)
