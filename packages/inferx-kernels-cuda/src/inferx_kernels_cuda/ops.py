@@ -36,6 +36,15 @@ def _norm_warps(block: int) -> int:
     return 4 if block <= 1024 else 16
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """An on/off environment variable ("1" or "0"; unset: default), for A/B runs of a kernel
+    variant; anything else is refused with the variable's name."""
+    flag = os.environ.get(name, "1" if default else "0")
+    if flag not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1; got {flag!r}")
+    return flag == "1"
+
+
 def gated_rows(value: str) -> tuple[int, int]:
     """INFERX_GATED_GEMV_ROWS as the (lo, hi) rows a step takes the gated GEMV at: "LO-HI",
     "N" (1-N) or "0" (never: an empty range)."""
@@ -80,10 +89,7 @@ class TritonOps(KernelOps):
         # instead of cuBLAS / torch.bmm. Off until the H200 has measured it (bench_tma_gemv.py,
         # DECODE_ENV=INFERX_TMA_GEMV gpu_run.sh decode-variants). Descriptors are built on the
         # host per call, so it is meant for CUDA-graph steps.
-        flag = os.environ.get("INFERX_TMA_GEMV", "0")
-        if flag not in ("0", "1"):
-            raise ValueError(f"INFERX_TMA_GEMV must be 0 or 1; got {flag!r}")
-        self.tma_gemv = flag == "1"
+        self.tma_gemv = env_switch("INFERX_TMA_GEMV", default=False)
 
     def rms_norm(
         self,

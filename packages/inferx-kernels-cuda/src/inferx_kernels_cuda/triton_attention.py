@@ -14,7 +14,7 @@ from inferx_core.batch import pack_aligned, to_device
 from inferx_core.interfaces.attention import AttentionBatch
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda import triton_kernels as kernels
-from inferx_kernels_cuda.ops import _ROTARY_TILE
+from inferx_kernels_cuda.ops import _ROTARY_TILE, env_switch
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -209,19 +209,13 @@ class TritonAttention(TorchAttention):
         # decode kernel (ROTARY) instead of a rotary_kv_write_kernel launch before it; 2%
         # faster a 3B step on the H200 (BENCHMARKS.md, session 6). INFERX_TRITON_DECODE_ROTARY=0
         # turns it off for A/B runs.
-        flag = os.environ.get("INFERX_TRITON_DECODE_ROTARY", "1")
-        if flag not in ("0", "1"):
-            raise ValueError(f"INFERX_TRITON_DECODE_ROTARY must be 0 or 1; got {flag!r}")
-        self.decode_rotary = flag == "1"
+        self.decode_rotary = env_switch("INFERX_TRITON_DECODE_ROTARY", default=True)
         # qkv_parts: in those steps the model hands q, k and v as the QKV GEMM's K-split partial
         # results (QuantLinear.forward_split: thinner GEMMs that read the weight faster) and the
         # decode kernel sums them with the bias. H200, 3B: step 2.530 -> 2.498 ms at batch 1,
         # 3.235 -> 3.217 at 64 x 640 (BENCHMARKS.md, session 11). INFERX_TRITON_QKV_PARTS=0
         # turns it off for A/B runs.
-        flag = os.environ.get("INFERX_TRITON_QKV_PARTS", "1")
-        if flag not in ("0", "1"):
-            raise ValueError(f"INFERX_TRITON_QKV_PARTS must be 0 or 1; got {flag!r}")
-        self.qkv_parts = flag == "1"
+        self.qkv_parts = env_switch("INFERX_TRITON_QKV_PARTS", default=True)
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         self._upcast = self.interpret and dtype == torch.bfloat16
         self._dot_precision = "ieee" if dtype == torch.float32 else "tf32"
