@@ -12,7 +12,7 @@ from inferx_core.interfaces.ops import KernelOps, check_parts
 from inferx_core.quant_none import SPLIT_PARTS, DenseLinear
 from inferx_kernels_cuda import fused_kernels as kernels
 from inferx_kernels_cuda.gemv import MAX_ROWS, skinny_linear
-from inferx_kernels_cuda.tma_gemv import MAX_ROWS as TMA_MAX_ROWS
+from inferx_kernels_cuda.tma_gemv import input_problem as tma_input_problem
 from inferx_kernels_cuda.tma_gemv import tma_linear_parts
 
 # Elements of x1 (and of x2) one rotary loop iteration holds: enough for all query heads of
@@ -185,17 +185,11 @@ class TritonOps(KernelOps):
     def _takes_tma(self, linear: torch.nn.Module, x: torch.Tensor) -> bool:
         """Whether tma_linear_parts runs this layer's GEMM: switched on, an unquantized layer,
         [rows <= MAX_ROWS, K] on a GPU (or under the interpreter), rows TMA can address."""
-        if not (self.tma_gemv and isinstance(linear, DenseLinear) and x.dim() == 2):
-            return False
-        w = linear.weight
         return (
-            (x.is_cuda or self._interpret)
-            and 1 <= x.shape[0] <= TMA_MAX_ROWS
-            and x.dtype == w.dtype
-            and x.stride(1) == 1
-            and (x.stride(0) * x.element_size()) % 16 == 0
-            and x.data_ptr() % 16 == 0
-            and (w.shape[1] * w.element_size()) % 16 == 0
+            self.tma_gemv
+            and isinstance(linear, DenseLinear)
+            and (x.is_cuda or self._interpret)
+            and tma_input_problem(x, linear.weight) is None
         )
 
     def linear_parts(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

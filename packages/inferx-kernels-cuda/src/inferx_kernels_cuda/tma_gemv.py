@@ -81,35 +81,44 @@ def tma_gemv_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def tma_linear_parts(
-    x: torch.Tensor, weight: torch.Tensor, parts: int = 1, config: TmaGemvConfig | None = None
-) -> torch.Tensor:
-    """[parts, M, N] partial products of x [M <= MAX_ROWS, K] and weight [N, K] over equal
-    slices of K (their sum is F.linear(x, weight) up to rounding), in x's dtype."""
-    cfg = config or TmaGemvConfig()
+def input_problem(x: torch.Tensor, weight: torch.Tensor, parts: int = 1) -> str | None:
+    """Why tma_linear_parts cannot take these inputs, or None when it can."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(
+        return (
             f"tma_linear_parts: x [M, K] and weight [N, K] must agree on K, got "
             f"{tuple(x.shape)} and {tuple(weight.shape)}"
         )
-    m, k = x.shape
-    n = weight.shape[0]
-    if not 1 <= m <= MAX_ROWS or parts < 1:
-        raise ValueError(
-            f"tma_linear_parts: takes 1 to {MAX_ROWS} rows and parts >= 1, got {m}, {parts}"
+    if not 1 <= x.shape[0] <= MAX_ROWS or parts < 1:
+        return (
+            f"tma_linear_parts: takes 1 to {MAX_ROWS} rows and parts >= 1, got {x.shape[0]}, "
+            f"{parts}"
         )
     if x.dtype not in _DTYPES or weight.dtype != x.dtype:
-        raise ValueError(
+        return (
             "tma_linear_parts: x and weight must share float16, bfloat16 or float32, got "
             f"{x.dtype} and {weight.dtype}"
         )
     # TMA: 16-byte aligned base and row strides, unit stride along K.
     for name, t in (("x", x), ("weight", weight)):
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
-            raise ValueError(
+            return (
                 f"tma_linear_parts: {name} needs a unit K stride and 16-byte aligned rows "
                 f"(strides {t.stride()}, address {t.data_ptr()})"
             )
+    return None
+
+
+def tma_linear_parts(
+    x: torch.Tensor, weight: torch.Tensor, parts: int = 1, config: TmaGemvConfig | None = None
+) -> torch.Tensor:
+    """[parts, M, N] partial products of x [M <= MAX_ROWS, K] and weight [N, K] over equal
+    slices of K (their sum is F.linear(x, weight) up to rounding), in x's dtype."""
+    cfg = config or TmaGemvConfig()
+    problem = input_problem(x, weight, parts)
+    if problem:
+        raise ValueError(problem)
+    m, k = x.shape
+    n = weight.shape[0]
     block_m = max(16, triton.next_power_of_2(m))
     k_per_split = triton.cdiv(triton.cdiv(k, parts), cfg.block_k) * cfg.block_k
     out = torch.empty((parts, m, n), dtype=x.dtype, device=x.device)
