@@ -619,9 +619,16 @@ def test_gpu_ops_replay_in_a_cuda_graph() -> None:
         assert rel_err(k_ours, k_ref) <= TOL[dtype]
 
 
-def assert_bf16_logits_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    """Two layers of real shapes in bf16 against TorchOps: roundings that flip by an ulp inside
-    a layer pass through the GEMMs, hence 3e-2; greedy tokens must nearly all agree."""
+def assert_two_layers_match_torch_ops(
+    name: str, ops: KernelOps, attention: Callable[..., AttentionBackend] = TorchAttention
+) -> None:
+    """Two layers of a preset's real shapes (vocabulary cut to 4096) in bf16, `ops` and
+    `attention` against TorchOps + TorchAttention. Roundings that flip by an ulp inside a layer
+    pass through the GEMMs, hence 3e-2; greedy tokens must nearly all agree."""
+    cfg = preset(name) | {"num_hidden_layers": 2, "vocab_size": 4096}
+    weights = model_weights(cfg, seed=3, scale=0.02)
+    ours = torch.cat(run_model(cfg, ops, weights, torch.bfloat16, GPU, attention))
+    ref = torch.cat(run_model(cfg, TorchOps(), weights, torch.bfloat16, GPU))
     err = rel_err(ours, ref)
     assert err <= 3e-2, f"{err:.2e}"
     agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
@@ -633,18 +640,13 @@ def assert_bf16_logits_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
 @pytest.mark.parametrize("gated_rows", [(1, 0), (1, 8)])
 @pytest.mark.parametrize("name", ["qwen2.5-3b-instruct", "llama-3.1-8b-instruct"])
 def test_gpu_model_logits_match_torch_ops(name: str, gated_rows: tuple[int, int]) -> None:
-    """Two layers of the real shapes (vocabulary cut to 4096), bf16: TritonOps against TorchOps.
-    Roundings that flip by an ulp inside a layer pass through the GEMMs, hence the wider
-    tolerance; greedy tokens must nearly all agree. gated_rows (1, 8): the 6- and 4-row steps
-    run gate_up and SiLU-and-mul as one skinny_linear(gated=True), for 8B's hidden size too."""
-    cfg = preset(name) | {"num_hidden_layers": 2, "vocab_size": 4096}
-    weights = model_weights(cfg, seed=3, scale=0.02)
+    """Two layers of the real shapes, bf16: TritonOps against TorchOps. gated_rows (1, 8): the
+    6- and 4-row steps run gate_up and SiLU-and-mul as one skinny_linear(gated=True), for 8B's
+    hidden size too."""
     ops = TritonOps()
     ops.gated_gemv_rows = gated_rows
-    ops.gated_gemv_max_k = cfg["hidden_size"]
-    ours = torch.cat(run_model(cfg, ops, weights, torch.bfloat16, GPU))
-    ref = torch.cat(run_model(cfg, TorchOps(), weights, torch.bfloat16, GPU))
-    assert_bf16_logits_close(ours, ref)
+    ops.gated_gemv_max_k = preset(name)["hidden_size"]
+    assert_two_layers_match_torch_ops(name, ops)
 
 
 @on_gpu
@@ -656,13 +658,9 @@ def test_gpu_model_logits_with_qkv_parts(name: str, monkeypatch: pytest.MonkeyPa
     kernel adds (8B's weight is over SPLIT_QKV_MAX_BYTES: one part, bias included); the logits
     stay TorchOps + TorchAttention's as in the test above."""
     calls = count_forward_split(monkeypatch)
-    cfg = preset(name) | {"num_hidden_layers": 2, "vocab_size": 4096}
-    weights = model_weights(cfg, seed=3, scale=0.02)
-    ours = run_model(cfg, TritonOps(), weights, torch.bfloat16, GPU, triton_with_qkv_parts)
+    assert_two_layers_match_torch_ops(name, TritonOps(), triton_with_qkv_parts)
+    # (the TorchAttention reference takes no parts: these are all the triton run's)
     assert calls == [quant_none.SPLIT_PARTS if "qwen" in name else 1] * 2
-    ours = torch.cat(ours)
-    ref = torch.cat(run_model(cfg, TorchOps(), weights, torch.bfloat16, GPU))
-    assert_bf16_logits_close(ours, ref)
 
 
 @on_gpu
@@ -674,10 +672,6 @@ def test_gpu_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPat
     QKV (both models) on tma_linear_parts; the logits stay TorchOps + TorchAttention's."""
     monkeypatch.setenv("INFERX_TMA_GEMV", "1")
     calls = count_tma(monkeypatch)
-    cfg = preset(name) | {"num_hidden_layers": 2, "vocab_size": 4096}
-    weights = model_weights(cfg, seed=3, scale=0.02)
-    ours = run_model(cfg, TritonOps(), weights, torch.bfloat16, GPU, triton_with_qkv_parts)
+    assert_two_layers_match_torch_ops(name, TritonOps(), triton_with_qkv_parts)
+    # (TorchOps never calls tma_linear_parts: these are all the triton run's)
     assert len([c for c in calls if c[1] == quant_none.SPLIT_PARTS]) == 3 * 2 * 2 + 2
-    ours = torch.cat(ours)
-    ref = torch.cat(run_model(cfg, TorchOps(), weights, torch.bfloat16, GPU))
-    assert_bf16_logits_close(ours, ref)
