@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -30,7 +31,8 @@ from bench_gemv import MAX_REL_ERR, cold_weights, graph_us, linear_shapes, rel_e
 from commit_id import commit_id
 
 from inferx_core.quant_none import SPLIT_PARTS, split_k_bmm
-from inferx_kernels_cuda.tma_gemv import TmaGemvConfig, tma_linear_parts
+from inferx_kernels_cuda.ops import TritonOps
+from inferx_kernels_cuda.tma_gemv import TmaGemvConfig, tma_linear_parts, tma_norm_linear
 
 
 def configs(grid: str) -> list[TmaGemvConfig]:
@@ -44,6 +46,74 @@ def configs(grid: str) -> list[TmaGemvConfig]:
     ]
 
 
+def norm_configs(gated: bool) -> list[TmaGemvConfig]:
+    axes = dict(block_n=[32, 64, 128] if gated else [64, 128], block_k=[64, 128], num_warps=[4],
+                num_stages=[3, 4, 6])  # fmt: skip
+    return [
+        TmaGemvConfig(**dict(zip(axes, v, strict=True))) for v in itertools.product(*axes.values())
+    ]
+
+
+def norm_rows(args: argparse.Namespace) -> list[dict]:
+    """--norm: the input norm of QKV (4 parts out) and the post-attention norm of gate_up (SiLU
+    after), each after a 4-part GEMM (x: 4 parts + residual), run three ways: rms_norm_kernel +
+    cuBLAS (bmm4 / F.linear + silu_and_mul), rms_norm_kernel + tma_linear_parts (+ silu), and
+    tma_norm_linear (one launch) under each config of norm_configs."""
+    ops, eps, rows = TritonOps(), 1e-6, []
+
+    def unfused(w, x, res, nw, gated, tma_cfg):
+        h = ops.rms_norm(x, nw, eps, res, parts=True)[0]
+        if tma_cfg is None:  # what the model runs by default
+            return ops.silu_and_mul(F.linear(h, w)) if gated else split_k_bmm(h, w, SPLIT_PARTS)
+        if gated:
+            return ops.silu_and_mul(tma_linear_parts(h, w, 1, tma_cfg)[0])
+        return tma_linear_parts(h, w, SPLIT_PARTS, tma_cfg)
+
+    def fused(w, x, res, nw, gated, cfg):
+        out = tma_norm_linear(x, res, nw, eps, w, 1 if gated else SPLIT_PARTS, gated, cfg)[0]
+        return out if gated else out.sum(0)
+
+    for model in args.models.split(","):
+        for shape in linear_shapes(model):
+            if shape.name not in ("qkv", "gate_up"):
+                continue
+            gated = shape.name == "gate_up"
+            weights = cold_weights(shape.n, shape.k)
+            nw = 1 + 0.1 * torch.randn(shape.k, device="cuda", dtype=torch.bfloat16)
+            tma_cfg = TmaGemvConfig(128, 64) if gated else TmaGemvConfig(64, 128)
+            for m in (int(v) for v in args.m.split(",")):
+                x = torch.randn(SPLIT_PARTS, m, shape.k, device="cuda", dtype=torch.bfloat16)
+                res = torch.randn(m, shape.k, device="cuda", dtype=torch.bfloat16)
+                inputs = dict(x=x, res=res, nw=nw, gated=gated)
+                ref = unfused(weights[0], tma_cfg=None, **inputs)
+                if not gated:
+                    ref = ref.sum(0)
+                cublas_us = graph_us(partial(unfused, tma_cfg=None, **inputs), weights)
+                tma_us = graph_us(partial(unfused, tma_cfg=tma_cfg, **inputs), weights)
+                row = {"model": model, "name": shape.name, "n": shape.n, "k": shape.k, "m": m,
+                       "norm_cublas_us": cublas_us, "norm_tma_us": tma_us, "fused": []}  # fmt: skip
+                for cfg in norm_configs(gated):
+                    call = partial(fused, cfg=cfg, **inputs)
+                    try:
+                        err = rel_err(call(weights[0]), ref)
+                    except Exception as e:  # e.g. more shared memory than an SM has
+                        print(f"  {model} {shape.name} M={m} {cfg}: {e}"[:160])
+                        continue
+                    us = graph_us(call, weights) if err <= MAX_REL_ERR else None
+                    row["fused"].append({"config": str(cfg), "rel_err": err, "us": us})
+                timed = [r for r in row["fused"] if r["us"]]
+                row["best"] = best = min(timed, key=lambda r: r["us"]) if timed else None
+                line = (
+                    f"{model:<13}{shape.name:<8}M={m:<3} norm+cublas {row['norm_cublas_us']:6.2f}  "
+                    f"norm+tma {row['norm_tma_us']:6.2f}"
+                )
+                if best:
+                    line += f"  fused {best['us']:6.2f} [{best['config']}] {best['rel_err']:.1e}"
+                print(line, flush=True)
+                rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="qwen2.5-3b,llama-3.1-8b")
@@ -51,13 +121,14 @@ def main() -> None:
     ap.add_argument("--shapes", default="qkv,o,gate_up,down")
     ap.add_argument("--parts", default="1,2,4")
     ap.add_argument("--grid", default="small", choices=["small", "full"])
+    ap.add_argument("--norm", action="store_true", help="time tma_norm_linear instead")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_tma_gemv needs a CUDA GPU")
     torch.manual_seed(0)
-    rows = []
-    for model in args.models.split(","):
+    rows = norm_rows(args) if args.norm else []
+    for model in [] if args.norm else args.models.split(","):
         for shape in linear_shapes(model):
             if shape.name not in args.shapes.split(",") or shape.gated:
                 continue

@@ -102,7 +102,7 @@ for step in "${steps[@]}"; do
               --tokenizer $TOK --backend triton --batch 1,64 --steps 64 --overlap on \
               --prompt-len $len ${PROFILE_ARGS:-} \
               --json "$OUT/profile-decode-$env_name-$v-p$len-$r${DECODE_TAG:+-$DECODE_TAG}.json" 2>&1 \
-              | grep -E "^batch|decode_kernel|decode_reduce|rotary_kv|silu|skinny|split_k|rms_norm|tma_gemv" \
+              | grep -E "^batch|decode_kernel|decode_reduce|rotary_kv|silu|skinny|split_k|rms_norm|tma_gemv|norm_gemv" \
               | cut -c1-160
           done
         done

@@ -512,6 +512,52 @@ def test_tiny_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPa
         assert err <= TOL[torch.float32], f"step {step}: {err:.2e}"
 
 
+def count_tma_norm(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:
+    """(rows, parts, gated) of every tma_norm_linear call TritonOps makes from now on."""
+    calls: list[tuple[int, int, bool]] = []
+    real = triton_ops.tma_norm_linear
+
+    def counted(x: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        out = real(x, *args)
+        calls.append((x.shape[1], args[4], args[5]))
+        return out
+
+    monkeypatch.setattr(triton_ops, "tma_norm_linear", counted)
+    return calls
+
+
+@interpreted
+@pytest.mark.parametrize("name", ["llama3-scaled", "qwen2-tied"])
+def test_tiny_model_logits_with_tma_norm(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """INFERX_TMA_NORM=1: in steps of up to tma_norm_max_rows rows (the 6-row second and the
+    4-row third, not the 27-row prefill) every post-attention norm runs inside gate_up (SiLU
+    after), and (qwen2, on the triton backend with qkv_parts, in the decode-only step) every
+    input norm but the first layer's inside the QKV GEMM; logits stay TorchOps'."""
+    monkeypatch.setenv("INFERX_TMA_NORM", "1")
+    cfg = CONFIGS[name]
+    weights = model_weights(cfg, seed=13)
+    calls = count_tma_norm(monkeypatch)
+    attention = triton_with_qkv_parts if name == "qwen2-tied" else TorchAttention
+    ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, attention)
+    layers = cfg["num_hidden_layers"]
+    qkv = [(4, quant_none.SPLIT_PARTS, False)] * (layers - 1) if name == "qwen2-tied" else []
+    assert sorted(calls) == sorted([(6, 1, True)] * layers + [(4, 1, True)] * layers + qkv)
+    ref = run_model(cfg, TorchOps(), weights, torch.float32, CPU)
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        err = rel_err(a, b)
+        assert err <= TOL[torch.float32], f"step {step}: {err:.2e}"
+
+
+def test_tma_norm_switch_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("INFERX_TMA_NORM", raising=False)
+    assert not TritonOps().tma_norm  # off until measured on the H200
+    monkeypatch.setenv("INFERX_TMA_NORM", "1")
+    assert TritonOps().tma_norm
+    monkeypatch.setenv("INFERX_TMA_NORM", "2")
+    with pytest.raises(ValueError, match="INFERX_TMA_NORM must be 0 or 1; got '2'"):
+        TritonOps()
+
+
 # --- GPU, compiled, bf16 at real sizes ---------------------------------------------------------
 
 GPU = torch.device("cuda")
@@ -675,3 +721,21 @@ def test_gpu_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPat
     assert_two_layers_match_torch_ops(name, TritonOps(), triton_with_qkv_parts)
     # (TorchOps never calls tma_linear_parts: these are all the triton run's)
     assert len([c for c in calls if c[1] == quant_none.SPLIT_PARTS]) == 3 * 2 * 2 + 2
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen2.5-3b-instruct", "llama-3.1-8b-instruct"])
+def test_gpu_model_logits_with_tma_norm(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """INFERX_TMA_NORM=1 and INFERX_TMA_GEMV=1, two layers of the real shapes, bf16, the triton
+    backend with qkv_parts: the norms inside the GEMMs after them in the 6- and 4-row steps;
+    the logits stay TorchOps + TorchAttention's."""
+    monkeypatch.setenv("INFERX_TMA_NORM", "1")
+    monkeypatch.setenv("INFERX_TMA_GEMV", "1")
+    calls = count_tma_norm(monkeypatch)
+    assert_two_layers_match_torch_ops(name, TritonOps(), triton_with_qkv_parts)
+    # post-attention norms: 2 layers x 2 steps; the input norm of layer 2 in the decode step
+    assert (
+        sorted(calls)
+        == [(4, 1, True)] * 2 + [(4, quant_none.SPLIT_PARTS, False)] + [(6, 1, True)] * 2
+    )

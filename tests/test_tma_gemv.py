@@ -12,7 +12,14 @@ pytest.importorskip("triton", reason="the triton package is not installed")
 
 from conftest import interpreted, on_gpu  # noqa: E402
 
-from inferx_kernels_cuda.tma_gemv import MAX_ROWS, TmaGemvConfig, tma_linear_parts  # noqa: E402
+from inferx_core.ops_torch import TorchOps  # noqa: E402
+from inferx_kernels_cuda.tma_gemv import (  # noqa: E402
+    MAX_ROWS,
+    TmaGemvConfig,
+    norm_config,
+    tma_linear_parts,
+    tma_norm_linear,
+)
 
 SMALL = TmaGemvConfig(block_n=32, block_k=32, num_stages=2)
 
@@ -75,6 +82,82 @@ def test_refuses_what_tma_cannot_read() -> None:
         tma_linear_parts(torch.zeros(1, 60, dtype=torch.float16), odd)
 
 
+def norm_inputs(
+    s_in: int, m: int, k: int, rows: int, dtype: torch.dtype, device: str, seed: int
+) -> tuple[torch.Tensor, ...]:
+    """Parts [s_in, m, k], residual, norm weight (near 1) and a weight [rows, k] (scaled so
+    the products stay near 1)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(s_in, m, k, generator=g)
+    res = torch.randn(m, k, generator=g)
+    nw = 1 + 0.1 * torch.randn(k, generator=g)
+    w = torch.randn(rows, k, generator=g) / k**0.5
+    return tuple(t.to(device, dtype) for t in (x, res, nw, w))
+
+
+def norm_then_product(
+    x: torch.Tensor, res: torch.Tensor, nw: torch.Tensor, w: torch.Tensor, gated: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused reference: TorchOps' add + RMSNorm, then the product in float64 (and
+    silu(gate) * up), with the new residual."""
+    normed, summed = TorchOps().rms_norm(x, nw, 1e-6, res, parts=True)
+    y = normed.double() @ w.double().T
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y, summed
+
+
+@interpreted
+@pytest.mark.parametrize(
+    ("s_in", "m", "k", "n", "parts", "gated"),
+    [(4, 1, 128, 96, 4, False), (3, 5, 104, 70, 2, False), (2, 2, 136, 40, 4, False),
+     (1, 3, 96, 80, 1, True), (4, 17, 136, 64, 1, True), (4, 1, 64, 40, 1, False)],
+)  # fmt: skip
+def test_norm_linear_matches_rms_norm_then_the_product(
+    s_in: int, m: int, k: int, n: int, parts: int, gated: bool
+) -> None:
+    """float16 (bf16 on the GPU below): ragged K across the splits (the last ones run past K),
+    rows not a power of two, more rows than 16 (the dot's minimum), 1, 2 and 4 splits. The new
+    residual is rms_norm's to the bit; the products differ by where 1 / rms is applied (after
+    the sum here, before the rounding of the normed rows there): a few fp16 ulps."""
+    x, res, nw, w = norm_inputs(s_in, m, k, 2 * n if gated else n, torch.float16, "cpu", seed=k)
+    out, summed = tma_norm_linear(x, res, nw, 1e-6, w, parts, gated, TmaGemvConfig(32, 32, 4, 2))
+    ref, ref_summed = norm_then_product(x, res, nw, w, gated)
+    assert torch.equal(summed, ref_summed)
+    assert out.shape == ((m, n) if gated else (parts, m, n)) and out.dtype == torch.float16
+    assert rel_err(out if gated else out.sum(0), ref) < (parts + 3) * 2**-11
+
+
+@interpreted
+def test_norm_linear_float32_and_the_residual_untouched() -> None:
+    x, res, nw, w = norm_inputs(4, 3, 128, 48, torch.float32, "cpu", seed=9)
+    before = res.clone()
+    out, summed = tma_norm_linear(x, res, nw, 1e-6, w, 4, config=TmaGemvConfig(32, 32, 4, 2))
+    ref, ref_summed = norm_then_product(x, res, nw, w, gated=False)
+    assert torch.equal(res, before) and summed.data_ptr() != res.data_ptr()
+    torch.testing.assert_close(summed, ref_summed, rtol=1e-6, atol=1e-6)
+    assert rel_err(out.sum(0), ref) < 1e-5
+
+
+def test_norm_linear_refuses_mismatched_inputs() -> None:
+    x, res, nw, w = norm_inputs(4, 2, 64, 40, torch.float16, "cpu", seed=4)
+    with pytest.raises(ValueError, match=r"needs residual \[M, K\] and norm weight \[K\]"):
+        tma_norm_linear(x, res[:1], nw, 1e-6, w)
+    with pytest.raises(ValueError, match="tma_norm_linear: x \\[M, K\\] and weight"):
+        tma_norm_linear(x, res, nw, 1e-6, w[:, :32])
+    with pytest.raises(ValueError, match="must share a dtype"):
+        tma_norm_linear(x, res, nw.float(), 1e-6, w)
+    with pytest.raises(ValueError, match="gated takes parts=1"):
+        tma_norm_linear(x, res, nw, 1e-6, w, parts=4, gated=True)
+
+
+def test_norm_config_narrows_k_as_rows_grow() -> None:
+    assert norm_config(1, 4, gated=False).block_k == 128
+    assert norm_config(8, 4, gated=False).block_k == 64
+    assert norm_config(8, 1, gated=True).block_k == 128
+
+
 # (n, k) of the decode GEMMs: Qwen2.5-3B QKV, o_proj, gate_up, down_proj, then Llama-3.1-8B's.
 REAL = {
     "3b-qkv": (2560, 2048), "3b-o": (2048, 2048), "3b-gate_up": (22016, 2048),
@@ -110,6 +193,24 @@ def test_gpu_graph_replays_new_inputs() -> None:
         static_x.copy_(inputs(1, n, k, torch.bfloat16, "cuda", seed=50 + seed)[0])
         graph.replay()
         assert rel_err(out.float().sum(0), F.linear(static_x, w)) < 4 * 2**-7
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["3b", "8b"])
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("gated", [False, True])
+def test_gpu_norm_linear_bf16_real_shapes(model: str, m: int, gated: bool) -> None:
+    """The input norm + QKV (4 parts) and the post-attention norm + gate_up + SiLU-and-mul, at
+    the real shapes, with TritonOps' configs (norm_config)."""
+    n, k = REAL[f"{model}-{'gate_up' if gated else 'qkv'}"]
+    parts = 1 if gated else 4
+    x, res, nw, w = norm_inputs(4, m, k, n, torch.bfloat16, "cuda", seed=m + n)
+    out, summed = tma_norm_linear(x, res, nw, 1e-6, w, parts, gated, norm_config(m, parts, gated))
+    ref, ref_summed = norm_then_product(x, res, nw, w, gated)
+    # the new residual: the same roundings as TorchOps, the four parts summed in another order
+    torch.testing.assert_close(summed, ref_summed, rtol=2**-8, atol=0)
+    assert rel_err(out if gated else out.float().sum(0), ref) < (parts + 3) * 2**-8
 
 
 def test_bench_grid_and_gpu_check(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,7 @@ from inferx_core.quant_none import SPLIT_PARTS, DenseLinear
 from inferx_kernels_cuda import fused_kernels as kernels
 from inferx_kernels_cuda.gemv import MAX_ROWS, skinny_linear
 from inferx_kernels_cuda.tma_gemv import input_problem as tma_input_problem
-from inferx_kernels_cuda.tma_gemv import tma_linear_parts
+from inferx_kernels_cuda.tma_gemv import norm_config, tma_linear_parts, tma_norm_linear
 
 # Elements of x1 (and of x2) one rotary loop iteration holds: enough for all query heads of
 # common models in one pass at head dim 128, small enough to stay in registers.
@@ -90,6 +90,12 @@ class TritonOps(KernelOps):
         # DECODE_ENV=INFERX_TMA_GEMV gpu_run.sh decode-variants). Descriptors are built on the
         # host per call, so it is meant for CUDA-graph steps.
         self.tma_gemv = env_switch("INFERX_TMA_GEMV", default=False)
+        # tma_norm_linear: a decode layer's two norms inside the GEMMs after them (the input
+        # norm in the QKV GEMM, the post-attention norm in gate_up with SiLU-and-mul after),
+        # at 1..tma_norm_max_rows rows. Off until measured on the H200 (bench_tma_gemv.py
+        # --norm, DECODE_ENV=INFERX_TMA_NORM gpu_run.sh decode-variants).
+        self.tma_norm = env_switch("INFERX_TMA_NORM", default=False)
+        self.tma_norm_max_rows = 8
 
     def rms_norm(
         self,
@@ -191,6 +197,50 @@ class TritonOps(KernelOps):
             and (x.is_cuda or self._interpret)
             and tma_input_problem(x, linear.weight) is None
         )
+
+    def _fuses_norm(self, linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether tma_norm_linear runs this norm and GEMM: switched on, an unquantized layer,
+        x [S, rows <= tma_norm_max_rows, K] parts on a GPU (or under the interpreter)."""
+        return (
+            self.tma_norm
+            and isinstance(linear, DenseLinear)
+            and (x.is_cuda or self._interpret)
+            and x.dim() == 3
+            and x.shape[1] <= self.tma_norm_max_rows
+            and x.dtype == linear.weight.dtype
+            and tma_input_problem(residual, linear.weight) is None
+        )
+
+    def rms_norm_linear_split(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor,
+        linear: torch.nn.Module,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        if not self._fuses_norm(linear, x, residual):
+            return super().rms_norm_linear_split(x, weight, eps, residual, linear)
+        check_parts(x, residual)
+        cfg = norm_config(x.shape[1], SPLIT_PARTS, gated=False)
+        out, residual = tma_norm_linear(
+            x, residual, weight, eps, linear.weight, SPLIT_PARTS, False, cfg
+        )
+        return out, linear.bias, residual
+
+    def rms_norm_linear_silu_and_mul(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor,
+        linear: torch.nn.Module,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if linear.bias is not None or not self._fuses_norm(linear, x, residual):
+            return super().rms_norm_linear_silu_and_mul(x, weight, eps, residual, linear)
+        check_parts(x, residual)
+        cfg = norm_config(x.shape[1], 1, gated=True)
+        return tma_norm_linear(x, residual, weight, eps, linear.weight, 1, True, cfg)
 
     def linear_parts(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         if linear.bias is None and self._takes_tma(linear, x):

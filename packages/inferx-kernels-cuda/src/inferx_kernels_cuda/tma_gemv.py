@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from inferx_kernels_cuda.fused_kernels import _rounded, silu_times
+
 MAX_ROWS = 64
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -133,3 +135,181 @@ def tma_linear_parts(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
+
+
+# --- The norm before a decode GEMM, in the GEMM ------------------------------------------------
+#
+# A decode layer runs add + RMSNorm (rms_norm_kernel: the K-slice parts of the GEMM before, summed,
+# plus the residual) and then a GEMM on the normed rows. tma_norm_linear does both in the GEMM's
+# launch: each program builds its x tiles from the parts and the residual (a few KB, from L2)
+# while TMA streams its weight tiles, keeps the rows' sums of squares, and scales its products
+# by 1 / rms at the end, so a layer loses two launches and the gaps beside them. Every program
+# reads the whole row of every part for the sums of squares (all S_OUT slices at the offset of
+# its own); column block 0 of each slice writes that slice of the new residual.
+#
+# Rounding differs from rms_norm + GEMM in one place: the reference rounds h / rms * weight to
+# the dtype before the product, here h * weight is rounded and 1 / rms applied to the fp32 sum.
+
+
+@triton.jit
+def _repeat_rows(x, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, COLS: tl.constexpr):
+    """[ROWS, COLS] -> [BLOCK_M, COLS] (BLOCK_M a multiple of ROWS), row j = x[j % ROWS]: the dot
+    wants at least 16 rows, and the copies past ROWS only fill output columns never stored."""
+    if ROWS < BLOCK_M:
+        copies = tl.broadcast_to(x[None, :, :], (BLOCK_M // ROWS, ROWS, COLS))
+        x = tl.reshape(copies, (BLOCK_M, COLS))
+    return x
+
+
+@triton.jit
+def tma_norm_gemv_kernel(
+    parts_ptr,
+    residual_ptr,
+    norm_w_ptr,
+    residual_out_ptr,
+    w_desc,
+    out_ptr,
+    m,
+    n,
+    k,
+    k_per_split,
+    up_row,
+    stride_in_part,
+    stride_os,
+    stride_om,
+    eps,
+    ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    S_IN: tl.constexpr,
+    S_OUT: tl.constexpr,
+    GATED: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (row blocks, S_OUT splits). h = sum of the S_IN parts [S_IN, m, k] (rounded once)
+    + residual [m, k] (rounded), as rms_norm_kernel; x = h * norm weight; out[s, :, rows] =
+    (x[:, ks] @ W[rows, ks].T) / rms(h) for split s's columns ks. GATED (S_OUT 1): W holds gate
+    rows then up rows from up_row, out [m, n] = silu(gate) * up for gate rows n. Rows are
+    loaded ROWS (>= m, a power of two) at a time, repeated to BLOCK_M (>= 16) for the dot."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    k0 = pid_s * k_per_split
+    dtype = parts_ptr.dtype.element_ty
+    rows = tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_K)
+    slices = tl.arange(0, S_OUT)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    sumsq = tl.zeros([ROWS], tl.float32)
+    store_rows = tl.where(pid_n == 0, m, 0)  # column block 0 writes the new residual
+    for kk in range(0, k_per_split, BLOCK_K):
+        # [S_OUT, ROWS, BLOCK_K]: this tile's columns in every split, for the sums of squares
+        kcols = slices[:, None, None] * k_per_split + kk + cols[None, None, :]
+        mask = (rows[None, :, None] < m) & (kcols < k)
+        offs = rows[None, :, None] * k + kcols
+        h = tl.load(parts_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        for p in tl.static_range(1, S_IN):
+            part = tl.load(parts_ptr + p * stride_in_part + offs, mask=mask, other=0.0)
+            h += part.to(tl.float32)
+        if S_IN > 1:
+            h = _rounded(h, dtype)
+        r = tl.load(residual_ptr + offs, mask=mask, other=0.0)
+        h = _rounded(h + r.to(tl.float32), dtype)
+        sumsq += tl.sum(tl.sum(h * h, axis=2), axis=0)
+        own = tl.sum(tl.where(slices[:, None, None] == pid_s, h, 0.0), axis=0)  # [ROWS, BLOCK_K]
+        own_cols = k0 + kk + cols
+        tl.store(
+            residual_out_ptr + rows[:, None] * k + own_cols[None, :],
+            own.to(dtype),
+            mask=(rows[:, None] < store_rows) & (own_cols[None, :] < k),
+        )
+        nw = tl.load(norm_w_ptr + own_cols, mask=own_cols < k, other=0.0).to(tl.float32)
+        x = _repeat_rows((own * nw[None, :]).to(dtype), ROWS, BLOCK_M, BLOCK_K)
+        w = w_desc.load([n0, k0 + kk])  # [BLOCK_N, BLOCK_K]
+        if UPCAST:  # the interpreter's bf16 dot would round the products to bf16
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        if GATED:
+            wu = w_desc.load([up_row + n0, k0 + kk])
+            if UPCAST:
+                wu = wu.to(tl.float32)
+            acc_up = tl.dot(wu, tl.trans(x), acc_up, input_precision=DOT_PRECISION)
+    inv_rms = tl.rsqrt(sumsq / k + eps)[:, None]
+    inv_rms = tl.reshape(_repeat_rows(inv_rms, ROWS, BLOCK_M, 1), (BLOCK_M,))
+    cols_m = tl.arange(0, BLOCK_M)
+    out_rows = n0 + tl.arange(0, BLOCK_N)
+    mask = (out_rows[:, None] < n) & (cols_m[None, :] < m)
+    out = out_ptr + pid_s * stride_os + cols_m[None, :] * stride_om + out_rows[:, None]
+    y = acc * inv_rms[None, :]
+    if GATED:
+        gate = _rounded(y, dtype)
+        up = _rounded(acc_up * inv_rms[None, :], dtype)
+        y = silu_times(gate, up, dtype)
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def norm_config(rows: int, parts: int, gated: bool) -> TmaGemvConfig:
+    """tma_norm_linear's tiles for `rows` rows: every program holds each tile's columns in all
+    `parts` splits of every part and the residual, num_stages deep, so K narrows as rows *
+    parts grow to keep that in shared memory."""
+    block_k = 128 if rows * parts <= 8 else 64
+    return TmaGemvConfig(block_n=64, block_k=block_k, num_warps=4, num_stages=4)
+
+
+def tma_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    parts: int = 1,
+    gated: bool = False,
+    config: TmaGemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm(x, norm_weight, eps, residual, parts=True) then the GEMM with weight [N, K], in
+    one launch: (out, new residual). x: [S_in, M, K] partial results summed into the residual
+    [M, K]. out: [parts, M, N] K-slice parts (tma_linear_parts' form), or with `gated` (weight
+    [2I, K], gate rows then up rows; parts 1) silu(gate) * up as [M, I]."""
+    cfg = config or TmaGemvConfig()
+    if x.dim() != 3 or residual.shape != x.shape[1:] or norm_weight.shape != x.shape[2:]:
+        raise ValueError(
+            f"tma_norm_linear: x [S, M, K] needs residual [M, K] and norm weight [K], got "
+            f"{tuple(x.shape)}, {tuple(residual.shape)} and {tuple(norm_weight.shape)}"
+        )
+    problem = input_problem(residual, weight, parts)
+    if problem:
+        raise ValueError(problem.replace("tma_linear_parts", "tma_norm_linear"))
+    if x.dtype != weight.dtype or norm_weight.dtype != weight.dtype:
+        raise ValueError(
+            f"tma_norm_linear: x, norm weight and weight must share a dtype, got {x.dtype}, "
+            f"{norm_weight.dtype} and {weight.dtype}"
+        )
+    if gated and (parts != 1 or weight.shape[0] % 2):
+        raise ValueError(
+            f"tma_norm_linear: gated takes parts=1 and an even weight row count (gate then up), "
+            f"got parts={parts} and {weight.shape[0]} rows"
+        )
+    s_in, m, k = x.shape
+    x, residual = x.contiguous(), residual.contiguous()
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    rows = triton.next_power_of_2(m)
+    k_per_split = triton.cdiv(triton.cdiv(k, parts), cfg.block_k) * cfg.block_k
+    out_shape = (m, n) if gated else (parts, m, n)
+    out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+    new_residual = torch.empty_like(residual)
+    w_desc = TensorDescriptor.from_tensor(weight, block_shape=[cfg.block_n, cfg.block_k])
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    tma_norm_gemv_kernel[(triton.cdiv(n, cfg.block_n), parts)](
+        x, residual, norm_weight.contiguous(), new_residual, w_desc, out, m, n, k, k_per_split,
+        n, x.stride(0), 0 if gated else out.stride(0), out.stride(-2), eps,
+        ROWS=rows, BLOCK_M=max(16, rows), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        S_IN=s_in, S_OUT=parts,
+        GATED=gated, UPCAST=interpret and x.dtype == torch.bfloat16,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out, new_residual

@@ -106,21 +106,44 @@ class Attention(nn.Module):
         self.backend = ctx.attention
         self.ops = ctx.ops
 
+    def _takes_parts(self) -> bool:
+        # A backend may take the QKV GEMM's K-split partial results and add them up (and the
+        # bias) itself, where the thinner GEMMs read the weight faster (decode steps).
+        return self.backend.fuses_rotary and self.backend.takes_qkv_parts()
+
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, parts: bool = False
     ) -> torch.Tensor:
         """The layer's output, or with `parts` its partial results (QuantLinear.forward_parts)
         for a norm that adds them up."""
-        sizes = [self.q_size, self.kv_size, self.kv_size]
-        # A backend may take the QKV GEMM's K-split partial results and add them up (and the
-        # bias) itself, where the thinner GEMMs read the weight faster (decode steps).
-        parted = self.backend.fuses_rotary and self.backend.takes_qkv_parts()
-        if parted:
+        if self._takes_parts():
             qkv, bias = self.ops.linear_split(self.qkv_proj, x)  # [S, T, q + 2 kv], bias apart
-            if qkv.shape[0] == 1 and bias is None:  # not split: the plain path, as before
-                qkv, parted = qkv[0], False
-        else:
-            qkv, bias = self.qkv_proj(x), None
+            return self._attend(positions, qkv, bias, parts)
+        return self._attend(positions, self.qkv_proj(x)[None], None, parts)
+
+    def forward_normed(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(norm(x, residual, parts=True), parts=True) and the norm's new residual: x
+        is the partial results of the sublayer before. Where the backend takes QKV parts, the
+        norm and the QKV GEMM are one ops call (ops.rms_norm_linear_split)."""
+        if self._takes_parts():
+            qkv, bias, residual = self.ops.rms_norm_linear_split(
+                x, norm.weight, norm.eps, residual, self.qkv_proj
+            )
+            return self._attend(positions, qkv, bias, True), residual
+        h, residual = norm(x, residual, parts=True)
+        return self._attend(positions, self.qkv_proj(h)[None], None, True), residual
+
+    def _attend(
+        self, positions: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | None, parts: bool
+    ) -> torch.Tensor:
+        """Attention from QKV as [S, T, q + 2 kv] K-slice parts (S = 1: the whole product) and
+        the bias they lack, through o_proj."""
+        parted = not (qkv.shape[0] == 1 and bias is None)
+        if not parted:
+            qkv = qkv[0]
+        sizes = [self.q_size, self.kv_size, self.kv_size]
         q, k, v = qkv.split(sizes, dim=-1)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))

@@ -45,6 +45,16 @@ class MLP(nn.Module):
         h = self.ops.linear_silu_and_mul(self.gate_up_proj, x)
         return self.ops.linear_parts(self.down_proj, h) if parts else self.down_proj(h)
 
+    def forward_normed(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(norm(x, residual, parts=True), parts=True) and the norm's new residual, the
+        norm and gate_up as one ops call (ops.rms_norm_linear_silu_and_mul)."""
+        h, residual = self.ops.rms_norm_linear_silu_and_mul(
+            x, norm.weight, norm.eps, residual, self.gate_up_proj
+        )
+        return self.ops.linear_parts(self.down_proj, h), residual
+
 
 class DecoderLayer(nn.Module):
     """One block in the fused-residual form: the stream `residual` is carried beside `h`, the
@@ -78,12 +88,12 @@ class DecoderLayer(nn.Module):
         """-> (this layer's MLP output as parts, the residual stream before it was added)."""
         if residual is None:
             residual = h
-            h = self.input_layernorm(h)
+            h = self.self_attn(positions, self.input_layernorm(h), parts=True)
         else:
-            h, residual = self.input_layernorm(h, residual, parts=True)
-        h = self.self_attn(positions, h, parts=True)
-        h, residual = self.post_attention_layernorm(h, residual, parts=True)
-        return self.mlp(h, parts=True), residual
+            h, residual = self.self_attn.forward_normed(
+                positions, h, residual, self.input_layernorm
+            )
+        return self.mlp.forward_normed(h, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):

@@ -49,6 +49,32 @@ class KernelOps(ABC):
         of a decode step, summed by the attention backend); overridable as linear_parts."""
         return linear.forward_split(x)
 
+    def rms_norm_linear_split(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor,
+        linear: torch.nn.Module,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """rms_norm(x, weight, eps, residual, parts=True), then linear_split of the normed rows:
+        (parts, bias, the new residual). A kernel package may run the norm inside the GEMM."""
+        h, residual = self.rms_norm(x, weight, eps, residual, parts=True)
+        return (*self.linear_split(linear, h), residual)
+
+    def rms_norm_linear_silu_and_mul(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor,
+        linear: torch.nn.Module,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """rms_norm(x, weight, eps, residual, parts=True), then linear_silu_and_mul of the normed
+        rows: (activation, the new residual); fusable as rms_norm_linear_split."""
+        h, residual = self.rms_norm(x, weight, eps, residual, parts=True)
+        return self.linear_silu_and_mul(linear, h), residual
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """x.argmax(1) of [rows, vocab] logits (int64 [rows]): greedy sampling's token per row,
         the first index among equal maxima. A kernel package may reduce a row in more programs
