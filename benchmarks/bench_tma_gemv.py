@@ -7,7 +7,7 @@ runs, on the decode GEMM shapes of Qwen2.5-3B and Llama-3.1-8B:
 - tma sS: tma_linear_parts with S parts, under each config of a grid; the best per S.
 
     python benchmarks/bench_tma_gemv.py [--models qwen2.5-3b,llama-3.1-8b] [--m 1,8]
-        [--shapes qkv,o,gate_up,down] [--parts 1,2,4] [--grid small|full] [--json OUT.json]
+        [--shapes qkv,o,gate_up,down] [--parts 1,2,4] [--grid small|medium|full] [--json OUT.json]
 
 µs per call of 20 calls captured in one CUDA graph and replayed, cycling over enough weight
 copies that every call reads its weights from HBM (bench_gemv's graph_us). TB/s = weight bytes
@@ -32,12 +32,20 @@ from commit_id import commit_id
 
 from inferx_core.quant_none import SPLIT_PARTS, split_k_bmm
 from inferx_kernels_cuda.ops import TritonOps
-from inferx_kernels_cuda.tma_gemv import TmaGemvConfig, tma_linear_parts, tma_norm_linear
+from inferx_kernels_cuda.tma_gemv import (
+    TmaGemvConfig,
+    TmaNormConfig,
+    tma_linear_parts,
+    tma_norm_linear,
+)
 
 
 def configs(grid: str) -> list[TmaGemvConfig]:
     if grid == "small":
         axes = dict(block_n=[64, 128], block_k=[64, 128], num_warps=[4], num_stages=[4, 6])
+    elif grid == "medium":
+        axes = dict(block_n=[32, 64, 128], block_k=[64, 128, 256], num_warps=[4],
+                    num_stages=[3, 4, 6])  # fmt: skip
     else:
         axes = dict(block_n=[32, 64, 128, 256], block_k=[64, 128, 256], num_warps=[4, 8],
                     num_stages=[3, 4, 6, 8])  # fmt: skip
@@ -46,11 +54,11 @@ def configs(grid: str) -> list[TmaGemvConfig]:
     ]
 
 
-def norm_configs(gated: bool) -> list[TmaGemvConfig]:
+def norm_configs(gated: bool) -> list[TmaNormConfig]:
     axes = dict(block_n=[32, 64, 128] if gated else [64, 128], block_k=[64, 128], num_warps=[4],
-                num_stages=[3, 4, 6])  # fmt: skip
+                num_stages=[3, 4], select_own=[False, True], prefetch=[False, True])  # fmt: skip
     return [
-        TmaGemvConfig(**dict(zip(axes, v, strict=True))) for v in itertools.product(*axes.values())
+        TmaNormConfig(**dict(zip(axes, v, strict=True))) for v in itertools.product(*axes.values())
     ]
 
 
@@ -120,7 +128,7 @@ def main() -> None:
     ap.add_argument("--m", default="1,8")
     ap.add_argument("--shapes", default="qkv,o,gate_up,down")
     ap.add_argument("--parts", default="1,2,4")
-    ap.add_argument("--grid", default="small", choices=["small", "full"])
+    ap.add_argument("--grid", default="small", choices=["small", "medium", "full"])
     ap.add_argument("--norm", action="store_true", help="time tma_norm_linear instead")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

@@ -16,6 +16,7 @@ from inferx_core.ops_torch import TorchOps  # noqa: E402
 from inferx_kernels_cuda.tma_gemv import (  # noqa: E402
     MAX_ROWS,
     TmaGemvConfig,
+    TmaNormConfig,
     norm_config,
     tma_linear_parts,
     tma_norm_linear,
@@ -110,19 +111,24 @@ def norm_then_product(
 
 @interpreted
 @pytest.mark.parametrize(
+    "tiles",
+    [TmaNormConfig(32, 32, 4, 2), TmaNormConfig(32, 32, 4, 2, select_own=True, prefetch=False)],
+    ids=str,
+)
+@pytest.mark.parametrize(
     ("s_in", "m", "k", "n", "parts", "gated"),
     [(4, 1, 128, 96, 4, False), (3, 5, 104, 70, 2, False), (2, 2, 136, 40, 4, False),
      (1, 3, 96, 80, 1, True), (4, 17, 136, 64, 1, True), (4, 1, 64, 40, 1, False)],
 )  # fmt: skip
 def test_norm_linear_matches_rms_norm_then_the_product(
-    s_in: int, m: int, k: int, n: int, parts: int, gated: bool
+    s_in: int, m: int, k: int, n: int, parts: int, gated: bool, tiles: TmaNormConfig
 ) -> None:
     """float16 (bf16 on the GPU below): ragged K across the splits (the last ones run past K),
     rows not a power of two, more rows than 16 (the dot's minimum), 1, 2 and 4 splits. The new
     residual is rms_norm's to the bit; the products differ by where 1 / rms is applied (after
     the sum here, before the rounding of the normed rows there): a few fp16 ulps."""
     x, res, nw, w = norm_inputs(s_in, m, k, 2 * n if gated else n, torch.float16, "cpu", seed=k)
-    out, summed = tma_norm_linear(x, res, nw, 1e-6, w, parts, gated, TmaGemvConfig(32, 32, 4, 2))
+    out, summed = tma_norm_linear(x, res, nw, 1e-6, w, parts, gated, tiles)
     ref, ref_summed = norm_then_product(x, res, nw, w, gated)
     assert torch.equal(summed, ref_summed)
     assert out.shape == ((m, n) if gated else (parts, m, n)) and out.dtype == torch.float16
@@ -133,7 +139,7 @@ def test_norm_linear_matches_rms_norm_then_the_product(
 def test_norm_linear_float32_and_the_residual_untouched() -> None:
     x, res, nw, w = norm_inputs(4, 3, 128, 48, torch.float32, "cpu", seed=9)
     before = res.clone()
-    out, summed = tma_norm_linear(x, res, nw, 1e-6, w, 4, config=TmaGemvConfig(32, 32, 4, 2))
+    out, summed = tma_norm_linear(x, res, nw, 1e-6, w, 4, config=TmaNormConfig(32, 32, 4, 2))
     ref, ref_summed = norm_then_product(x, res, nw, w, gated=False)
     assert torch.equal(res, before) and summed.data_ptr() != res.data_ptr()
     torch.testing.assert_close(summed, ref_summed, rtol=1e-6, atol=1e-6)

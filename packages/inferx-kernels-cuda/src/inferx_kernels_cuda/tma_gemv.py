@@ -155,10 +155,64 @@ def tma_linear_parts(
 def _repeat_rows(x, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, COLS: tl.constexpr):
     """[ROWS, COLS] -> [BLOCK_M, COLS] (BLOCK_M a multiple of ROWS), row j = x[j % ROWS]: the dot
     wants at least 16 rows, and the copies past ROWS only fill output columns never stored."""
-    if ROWS < BLOCK_M:
+    if ROWS == 1:
+        x = tl.broadcast_to(x, (BLOCK_M, COLS))
+    elif ROWS < BLOCK_M:
         copies = tl.broadcast_to(x[None, :, :], (BLOCK_M // ROWS, ROWS, COLS))
         x = tl.reshape(copies, (BLOCK_M, COLS))
     return x
+
+
+@dataclass(frozen=True)
+class TmaNormConfig(TmaGemvConfig):
+    """TmaGemvConfig plus how the x tiles are built: select_own takes this split's columns out
+    of the all-splits tile (else they are loaded again, from L2); prefetch loads the next
+    iteration's x tiles before this one's products (else Triton's pipeliner decides)."""
+
+    select_own: bool = False
+    prefetch: bool = True
+
+    def __str__(self) -> str:
+        flags = (" sel" if self.select_own else "") + (" pf" if self.prefetch else "")
+        return super().__str__() + flags
+
+
+@triton.jit
+def _summed_rows(parts_ptr, residual_ptr, offs, mask, stride_in_part, S_IN: tl.constexpr, dtype):
+    """rms_norm_kernel's h at offs: the S_IN parts summed in fp32 and rounded once, plus the
+    residual, rounded."""
+    h = tl.load(parts_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for p in tl.static_range(1, S_IN):
+        h += tl.load(parts_ptr + p * stride_in_part + offs, mask=mask, other=0.0).to(tl.float32)
+    if S_IN > 1:
+        h = _rounded(h, dtype)
+    r = tl.load(residual_ptr + offs, mask=mask, other=0.0)
+    return _rounded(h + r.to(tl.float32), dtype)
+
+
+@triton.jit
+def _norm_tiles(
+    parts_ptr, residual_ptr, norm_w_ptr, rows, cols, slices, m, k, k0, kk, k_per_split,
+    stride_in_part, pid_s, S_IN: tl.constexpr, SELECT_OWN: tl.constexpr, dtype,
+):  # fmt: skip
+    """h at columns kk.. of every split [S_OUT, ROWS, BLOCK_K] and of this program's own
+    [ROWS, BLOCK_K], and the norm weight there; zeros where kk is past the split's end (a
+    prefetch past the last tile)."""
+    k_end = tl.where(kk < k_per_split, k, 0)  # nothing past the last tile
+    kcols = slices[:, None, None] * k_per_split + kk + cols[None, None, :]
+    mask = (rows[None, :, None] < m) & (kcols < k_end)
+    h = _summed_rows(parts_ptr, residual_ptr, rows[None, :, None] * k + kcols, mask,
+                     stride_in_part, S_IN, dtype)  # fmt: skip
+    own_cols = k0 + kk + cols
+    in_split = own_cols < k_end
+    if SELECT_OWN:
+        own = tl.sum(tl.where(slices[:, None, None] == pid_s, h, 0.0), axis=0)
+    else:
+        own_mask = (rows[:, None] < m) & in_split[None, :]
+        own = _summed_rows(parts_ptr, residual_ptr, rows[:, None] * k + own_cols[None, :],
+                           own_mask, stride_in_part, S_IN, dtype)  # fmt: skip
+    nw = tl.load(norm_w_ptr + own_cols, mask=in_split, other=0.0).to(tl.float32)
+    return h, own, nw
 
 
 @triton.jit
@@ -185,6 +239,8 @@ def tma_norm_gemv_kernel(
     S_IN: tl.constexpr,
     S_OUT: tl.constexpr,
     GATED: tl.constexpr,
+    SELECT_OWN: tl.constexpr,
+    PREFETCH: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -203,30 +259,34 @@ def tma_norm_gemv_kernel(
     slices = tl.arange(0, S_OUT)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    sumsq = tl.zeros([ROWS], tl.float32)
+    # squares summed element-wise in the loop, across threads once after it
+    squares = tl.zeros([S_OUT, ROWS, BLOCK_K], tl.float32)
     store_rows = tl.where(pid_n == 0, m, 0)  # column block 0 writes the new residual
+    if PREFETCH:
+        h_next, own_next, nw_next = _norm_tiles(
+            parts_ptr, residual_ptr, norm_w_ptr, rows, cols, slices, m, k, k0, 0, k_per_split,
+            stride_in_part, pid_s, S_IN, SELECT_OWN, dtype,
+        )  # fmt: skip
     for kk in range(0, k_per_split, BLOCK_K):
-        # [S_OUT, ROWS, BLOCK_K]: this tile's columns in every split, for the sums of squares
-        kcols = slices[:, None, None] * k_per_split + kk + cols[None, None, :]
-        mask = (rows[None, :, None] < m) & (kcols < k)
-        offs = rows[None, :, None] * k + kcols
-        h = tl.load(parts_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        for p in tl.static_range(1, S_IN):
-            part = tl.load(parts_ptr + p * stride_in_part + offs, mask=mask, other=0.0)
-            h += part.to(tl.float32)
-        if S_IN > 1:
-            h = _rounded(h, dtype)
-        r = tl.load(residual_ptr + offs, mask=mask, other=0.0)
-        h = _rounded(h + r.to(tl.float32), dtype)
-        sumsq += tl.sum(tl.sum(h * h, axis=2), axis=0)
-        own = tl.sum(tl.where(slices[:, None, None] == pid_s, h, 0.0), axis=0)  # [ROWS, BLOCK_K]
+        if PREFETCH:
+            h, own, nw = h_next, own_next, nw_next
+            h_next, own_next, nw_next = _norm_tiles(
+                parts_ptr, residual_ptr, norm_w_ptr, rows, cols, slices, m, k, k0, kk + BLOCK_K,
+                k_per_split, stride_in_part, pid_s, S_IN, SELECT_OWN, dtype,
+            )  # fmt: skip
+        else:
+            h, own, nw = _norm_tiles(
+                parts_ptr, residual_ptr, norm_w_ptr, rows, cols, slices, m, k, k0, kk,
+                k_per_split, stride_in_part, pid_s, S_IN, SELECT_OWN, dtype,
+            )  # fmt: skip
+        squares += h * h
         own_cols = k0 + kk + cols
+        own_mask = (rows[:, None] < m) & (own_cols[None, :] < k)
         tl.store(
             residual_out_ptr + rows[:, None] * k + own_cols[None, :],
             own.to(dtype),
-            mask=(rows[:, None] < store_rows) & (own_cols[None, :] < k),
+            mask=own_mask & (rows[:, None] < store_rows),
         )
-        nw = tl.load(norm_w_ptr + own_cols, mask=own_cols < k, other=0.0).to(tl.float32)
         x = _repeat_rows((own * nw[None, :]).to(dtype), ROWS, BLOCK_M, BLOCK_K)
         w = w_desc.load([n0, k0 + kk])  # [BLOCK_N, BLOCK_K]
         if UPCAST:  # the interpreter's bf16 dot would round the products to bf16
@@ -238,6 +298,7 @@ def tma_norm_gemv_kernel(
             if UPCAST:
                 wu = wu.to(tl.float32)
             acc_up = tl.dot(wu, tl.trans(x), acc_up, input_precision=DOT_PRECISION)
+    sumsq = tl.sum(tl.sum(squares, axis=2), axis=0)
     inv_rms = tl.rsqrt(sumsq / k + eps)[:, None]
     inv_rms = tl.reshape(_repeat_rows(inv_rms, ROWS, BLOCK_M, 1), (BLOCK_M,))
     cols_m = tl.arange(0, BLOCK_M)
@@ -252,12 +313,12 @@ def tma_norm_gemv_kernel(
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def norm_config(rows: int, parts: int, gated: bool) -> TmaGemvConfig:
+def norm_config(rows: int, parts: int, gated: bool) -> TmaNormConfig:
     """tma_norm_linear's tiles for `rows` rows: every program holds each tile's columns in all
     `parts` splits of every part and the residual, num_stages deep, so K narrows as rows *
     parts grow to keep that in shared memory."""
     block_k = 128 if rows * parts <= 8 else 64
-    return TmaGemvConfig(block_n=64, block_k=block_k, num_warps=4, num_stages=4)
+    return TmaNormConfig(block_n=64, block_k=block_k, num_warps=4, num_stages=4)
 
 
 def tma_norm_linear(
@@ -268,13 +329,13 @@ def tma_norm_linear(
     weight: torch.Tensor,
     parts: int = 1,
     gated: bool = False,
-    config: TmaGemvConfig | None = None,
+    config: TmaNormConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rms_norm(x, norm_weight, eps, residual, parts=True) then the GEMM with weight [N, K], in
     one launch: (out, new residual). x: [S_in, M, K] partial results summed into the residual
     [M, K]. out: [parts, M, N] K-slice parts (tma_linear_parts' form), or with `gated` (weight
     [2I, K], gate rows then up rows; parts 1) silu(gate) * up as [M, I]."""
-    cfg = config or TmaGemvConfig()
+    cfg = config or TmaNormConfig()
     if x.dim() != 3 or residual.shape != x.shape[1:] or norm_weight.shape != x.shape[2:]:
         raise ValueError(
             f"tma_norm_linear: x [S, M, K] needs residual [M, K] and norm weight [K], got "
@@ -308,7 +369,8 @@ def tma_norm_linear(
         n, x.stride(0), 0 if gated else out.stride(0), out.stride(-2), eps,
         ROWS=rows, BLOCK_M=max(16, rows), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         S_IN=s_in, S_OUT=parts,
-        GATED=gated, UPCAST=interpret and x.dtype == torch.bfloat16,
+        GATED=gated, SELECT_OWN=cfg.select_own, PREFETCH=cfg.prefetch,
+        UPCAST=interpret and x.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
