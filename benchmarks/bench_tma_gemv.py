@@ -6,15 +6,18 @@ runs, on the decode GEMM shapes of Qwen2.5-3B and Llama-3.1-8B:
   and a 3B QKV run at decode sizes;
 - tma sS: tma_linear_parts with S parts, under each config of a grid; the best per S.
 
+With --norm instead: the norm before QKV and gate_up, unfused (rms_norm_kernel, then cuBLAS or
+tma_linear_parts) against tma_norm_linear (one launch; norm_rows below).
+
     python benchmarks/bench_tma_gemv.py [--models qwen2.5-3b,llama-3.1-8b] [--m 1,8]
-        [--shapes qkv,o,gate_up,down] [--parts 1,2,4] [--grid small|medium|full] [--json OUT.json]
+        [--shapes qkv,o,gate_up,down] [--parts 1,2,4] [--grid small|medium|full]
+        [--norm [--norm-qkv-parts 1,4]] [--json OUT.json]
 
 µs per call of 20 calls captured in one CUDA graph and replayed, cycling over enough weight
 copies that every call reads its weights from HBM (bench_gemv's graph_us). TB/s = weight bytes
 / time. Each result is checked against F.linear first (the parts' sum, max error over max |y|
-<= 1e-2). If tma beats linear and bmm4 here, the fusions that need a GEMV of our own (the MLP in
-one launch, the norm folded into the next GEMM) are worth another try (BENCHMARKS.md, session
-12).
+<= 1e-2). Session 13 (BENCHMARKS.md) found tma ahead of both and chose the configs TritonOps
+runs (tma_gemv.plain_config, norm_config) from these tables.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from inferx_kernels_cuda.ops import TritonOps
 from inferx_kernels_cuda.tma_gemv import (
     TmaGemvConfig,
     TmaNormConfig,
+    plain_config,
     tma_linear_parts,
     tma_norm_linear,
 )
@@ -77,8 +81,8 @@ def norm_rows(args: argparse.Namespace) -> list[dict]:
             return ops.silu_and_mul(tma_linear_parts(h, w, 1, tma_cfg)[0])
         return tma_linear_parts(h, w, SPLIT_PARTS, tma_cfg)
 
-    def fused(w, x, res, nw, gated, cfg):
-        out = tma_norm_linear(x, res, nw, eps, w, 1 if gated else SPLIT_PARTS, gated, cfg)[0]
+    def fused(w, x, res, nw, gated, parts, cfg):
+        out = tma_norm_linear(x, res, nw, eps, w, parts, gated, cfg)[0]
         return out if gated else out.sum(0)
 
     for model in args.models.split(","):
@@ -88,7 +92,8 @@ def norm_rows(args: argparse.Namespace) -> list[dict]:
             gated = shape.name == "gate_up"
             weights = cold_weights(shape.n, shape.k)
             nw = 1 + 0.1 * torch.randn(shape.k, device="cuda", dtype=torch.bfloat16)
-            tma_cfg = TmaGemvConfig(128, 64) if gated else TmaGemvConfig(64, 128)
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            tma_cfg = plain_config(shape.n, 1 if gated else SPLIT_PARTS, sms)
             for m in (int(v) for v in args.m.split(",")):
                 x = torch.randn(SPLIT_PARTS, m, shape.k, device="cuda", dtype=torch.bfloat16)
                 res = torch.randn(m, shape.k, device="cuda", dtype=torch.bfloat16)
@@ -100,23 +105,29 @@ def norm_rows(args: argparse.Namespace) -> list[dict]:
                 tma_us = graph_us(partial(unfused, tma_cfg=tma_cfg, **inputs), weights)
                 row = {"model": model, "name": shape.name, "n": shape.n, "k": shape.k, "m": m,
                        "norm_cublas_us": cublas_us, "norm_tma_us": tma_us, "fused": []}  # fmt: skip
-                for cfg in norm_configs(gated):
-                    call = partial(fused, cfg=cfg, **inputs)
+                out_parts = [1] if gated else [int(p) for p in args.norm_qkv_parts.split(",")]
+                for parts, cfg in itertools.product(out_parts, norm_configs(gated)):
+                    call = partial(fused, parts=parts, cfg=cfg, **inputs)
                     try:
                         err = rel_err(call(weights[0]), ref)
                     except Exception as e:  # e.g. more shared memory than an SM has
                         print(f"  {model} {shape.name} M={m} {cfg}: {e}"[:160])
                         continue
                     us = graph_us(call, weights) if err <= MAX_REL_ERR else None
-                    row["fused"].append({"config": str(cfg), "rel_err": err, "us": us})
-                timed = [r for r in row["fused"] if r["us"]]
-                row["best"] = best = min(timed, key=lambda r: r["us"]) if timed else None
+                    row["fused"].append(
+                        {"parts": parts, "config": str(cfg), "rel_err": err, "us": us}
+                    )
+                row["best"] = {}
+                for parts in out_parts:
+                    timed = [r for r in row["fused"] if r["us"] and r["parts"] == parts]
+                    if timed:
+                        row["best"][parts] = min(timed, key=lambda r: r["us"])
                 line = (
                     f"{model:<13}{shape.name:<8}M={m:<3} norm+cublas {row['norm_cublas_us']:6.2f}  "
                     f"norm+tma {row['norm_tma_us']:6.2f}"
                 )
-                if best:
-                    line += f"  fused {best['us']:6.2f} [{best['config']}] {best['rel_err']:.1e}"
+                for parts, best in row["best"].items():
+                    line += f"  fused s{parts} {best['us']:6.2f} [{best['config']}]"
                 print(line, flush=True)
                 rows.append(row)
     return rows
@@ -130,6 +141,7 @@ def main() -> None:
     ap.add_argument("--parts", default="1,2,4")
     ap.add_argument("--grid", default="small", choices=["small", "medium", "full"])
     ap.add_argument("--norm", action="store_true", help="time tma_norm_linear instead")
+    ap.add_argument("--norm-qkv-parts", default="4", help="--norm: the fused QKV's splits")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():

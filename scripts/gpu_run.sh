@@ -92,16 +92,18 @@ for step in "${steps[@]}"; do
       # alternating, each value profiled at batch 1 and 64 (PROFILE_ARGS="--batch 1,8" for
       # others) in graphs with overlap: DECODE_VARIANTS (space-separated values) x
       # DECODE_PROMPT_LENS (the context the decodes start from) x DECODE_ROUNDS; DECODE_TAG names
-      # the JSON files apart when one call runs this step twice.
+      # the JSON files apart when one call runs this step twice. DECODE_ENV may name several
+      # variables (space-separated): each value sets them all.
       env_name=${DECODE_ENV:-INFERX_TRITON_DECODE_ROTARY}
       for r in $(seq 1 ${DECODE_ROUNDS:-1}); do
         for len in ${DECODE_PROMPT_LENS:-128 640}; do
           for v in ${DECODE_VARIANTS:-1 0}; do
             echo "== round $r, prompt $len: $env_name=$v"
-            env "$env_name=$v" timeout 300 python3 benchmarks/profile_decode.py \
+            env $(for n in $env_name; do printf '%s=%s ' "$n" "$v"; done) \
+              timeout 300 python3 benchmarks/profile_decode.py \
               --tokenizer $TOK --backend triton --batch 1,64 --steps 64 --overlap on \
               --prompt-len $len ${PROFILE_ARGS:-} \
-              --json "$OUT/profile-decode-$env_name-$v-p$len-$r${DECODE_TAG:+-$DECODE_TAG}.json" 2>&1 \
+              --json "$OUT/profile-decode-${env_name// /+}-$v-p$len-$r${DECODE_TAG:+-$DECODE_TAG}.json" 2>&1 \
               | grep -E "^batch|decode_kernel|decode_reduce|rotary_kv|silu|skinny|split_k|rms_norm|tma_gemv|norm_gemv" \
               | cut -c1-160
           done

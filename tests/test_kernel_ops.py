@@ -478,9 +478,9 @@ def count_tma(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], in
     calls: list[tuple[tuple[int, ...], int]] = []
     real = triton_ops.tma_linear_parts
 
-    def counted(x: torch.Tensor, weight: torch.Tensor, parts: int = 1) -> torch.Tensor:
+    def counted(x: torch.Tensor, weight: torch.Tensor, parts: int = 1, *args: Any) -> torch.Tensor:
         calls.append((tuple(x.shape), parts))
-        return real(x, weight, parts)
+        return real(x, weight, parts, *args)
 
     monkeypatch.setattr(triton_ops, "tma_linear_parts", counted)
     return calls
@@ -502,10 +502,11 @@ def test_tiny_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPa
     layers = cfg["num_hidden_layers"]
     parted = [c for c in calls if c[1] == quant_none.SPLIT_PARTS]
     whole = [c for c in calls if c[1] == 1]
-    # Every step: o_proj and down_proj in parts; qwen2's decode step: QKV too. gate_up whole in
-    # the 4-row step only: the 27- and 8-row steps take the gated GEMV (5-32 rows) first.
+    # The 6- and 4-row steps (the 27-row prefill is past tma_gemv_max_rows): o_proj and
+    # down_proj in parts; qwen2's decode step: QKV too. gate_up whole in the 4-row step only:
+    # the 6-row one takes the gated GEMV (5-32 rows) first.
     qkv = layers if name == "qwen2-tied" else 0
-    assert len(parted) == 3 * 2 * layers + qkv and whole == [((4, cfg["hidden_size"]), 1)] * layers
+    assert len(parted) == 2 * 2 * layers + qkv and whole == [((4, cfg["hidden_size"]), 1)] * layers
     ref = run_model(cfg, TorchOps(), weights, torch.float32, CPU)
     for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
         err = rel_err(a, b)
@@ -529,11 +530,13 @@ def count_tma_norm(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool
 @interpreted
 @pytest.mark.parametrize("name", ["llama3-scaled", "qwen2-tied"])
 def test_tiny_model_logits_with_tma_norm(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """INFERX_TMA_NORM=1: in steps of up to tma_norm_max_rows rows (the 6-row second and the
-    4-row third, not the 27-row prefill) every post-attention norm runs inside gate_up (SiLU
-    after), and (qwen2, on the triton backend with qkv_parts, in the decode-only step) every
-    input norm but the first layer's inside the QKV GEMM; logits stay TorchOps'."""
+    """INFERX_TMA_NORM=1 and INFERX_TMA_NORM_QKV=1: in steps of up to tma_norm_max_rows rows
+    (the 6-row second and the 4-row third, not the 27-row prefill) every post-attention norm
+    runs inside gate_up (SiLU after), and (qwen2, on the triton backend with qkv_parts, in the
+    decode-only step) every input norm but the first layer's inside the QKV GEMM; logits stay
+    TorchOps'."""
     monkeypatch.setenv("INFERX_TMA_NORM", "1")
+    monkeypatch.setenv("INFERX_TMA_NORM_QKV", "1")
     cfg = CONFIGS[name]
     weights = model_weights(cfg, seed=13)
     calls = count_tma_norm(monkeypatch)
@@ -548,11 +551,14 @@ def test_tiny_model_logits_with_tma_norm(name: str, monkeypatch: pytest.MonkeyPa
         assert err <= TOL[torch.float32], f"step {step}: {err:.2e}"
 
 
-def test_tma_norm_switch_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("INFERX_TMA_NORM", raising=False)
-    assert not TritonOps().tma_norm  # off until measured on the H200
-    monkeypatch.setenv("INFERX_TMA_NORM", "1")
-    assert TritonOps().tma_norm
+def test_tma_norm_switches_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("INFERX_TMA_NORM", "INFERX_TMA_NORM_QKV"):
+        monkeypatch.delenv(name, raising=False)
+    ops = TritonOps()
+    assert not ops.tma_norm and not ops.tma_norm_qkv
+    monkeypatch.setenv("INFERX_TMA_NORM_QKV", "1")
+    ops = TritonOps()
+    assert ops.tma_norm_qkv and not ops.tma_norm
     monkeypatch.setenv("INFERX_TMA_NORM", "2")
     with pytest.raises(ValueError, match="INFERX_TMA_NORM must be 0 or 1; got '2'"):
         TritonOps()
@@ -720,7 +726,7 @@ def test_gpu_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPat
     calls = count_tma(monkeypatch)
     assert_two_layers_match_torch_ops(name, TritonOps(), triton_with_qkv_parts)
     # (TorchOps never calls tma_linear_parts: these are all the triton run's)
-    assert len([c for c in calls if c[1] == quant_none.SPLIT_PARTS]) == 3 * 2 * 2 + 2
+    assert len([c for c in calls if c[1] == quant_none.SPLIT_PARTS]) == 2 * 2 * 2 + 2
 
 
 @on_gpu
@@ -731,6 +737,7 @@ def test_gpu_model_logits_with_tma_norm(name: str, monkeypatch: pytest.MonkeyPat
     backend with qkv_parts: the norms inside the GEMMs after them in the 6- and 4-row steps;
     the logits stay TorchOps + TorchAttention's."""
     monkeypatch.setenv("INFERX_TMA_NORM", "1")
+    monkeypatch.setenv("INFERX_TMA_NORM_QKV", "1")
     monkeypatch.setenv("INFERX_TMA_GEMV", "1")
     calls = count_tma_norm(monkeypatch)
     assert_two_layers_match_torch_ops(name, TritonOps(), triton_with_qkv_parts)

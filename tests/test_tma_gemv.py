@@ -18,6 +18,7 @@ from inferx_kernels_cuda.tma_gemv import (  # noqa: E402
     TmaGemvConfig,
     TmaNormConfig,
     norm_config,
+    plain_config,
     tma_linear_parts,
     tma_norm_linear,
 )
@@ -158,10 +159,15 @@ def test_norm_linear_refuses_mismatched_inputs() -> None:
         tma_norm_linear(x, res, nw, 1e-6, w, parts=4, gated=True)
 
 
-def test_norm_config_narrows_k_as_rows_grow() -> None:
+def test_configs_by_rows_and_programs() -> None:
     assert norm_config(1, 4, gated=False).block_k == 128
-    assert norm_config(8, 4, gated=False).block_k == 64
-    assert norm_config(8, 1, gated=True).block_k == 128
+    assert norm_config(8, 4, gated=False).block_k == 64  # 4 splits x 8 rows in shared memory
+    assert norm_config(4, 1, gated=True) == TmaNormConfig(64, 128, 4, 3, True, False)
+    assert norm_config(8, 1, gated=True) == TmaNormConfig(64, 64, 4, 4, True, False)
+    # 3B's QKV (2560 rows) in 4 parts: 160 programs, 4 deep; 8B's (6144): 384, 3 deep
+    assert plain_config(2560, 4, num_sms=132) == TmaGemvConfig(64, 128, 4, 4)
+    assert plain_config(6144, 4, num_sms=132) == TmaGemvConfig(64, 128, 4, 3)
+    assert plain_config(22016, 1, num_sms=132) == TmaGemvConfig(128, 128, 4, 3)
 
 
 # (n, k) of the decode GEMMs: Qwen2.5-3B QKV, o_proj, gate_up, down_proj, then Llama-3.1-8B's.

@@ -3,6 +3,7 @@ greedy argmax in two."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -13,7 +14,12 @@ from inferx_core.quant_none import SPLIT_PARTS, DenseLinear
 from inferx_kernels_cuda import fused_kernels as kernels
 from inferx_kernels_cuda.gemv import MAX_ROWS, skinny_linear
 from inferx_kernels_cuda.tma_gemv import input_problem as tma_input_problem
-from inferx_kernels_cuda.tma_gemv import norm_config, tma_linear_parts, tma_norm_linear
+from inferx_kernels_cuda.tma_gemv import (
+    norm_config,
+    plain_config,
+    tma_linear_parts,
+    tma_norm_linear,
+)
 
 # Elements of x1 (and of x2) one rotary loop iteration holds: enough for all query heads of
 # common models in one pass at head dim 128, small enough to stay in registers.
@@ -34,6 +40,11 @@ def _norm_warps(block: int) -> int:
     2.50 -> 2.48 ms and 2.90 -> 2.87); an 8B one (4096) 2.85 -> 2.80 and 2.96 -> 3.01, steps
     level (BENCHMARKS.md, session 12)."""
     return 4 if block <= 1024 else 16
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def env_switch(name: str, default: bool) -> bool:
@@ -84,17 +95,17 @@ class TritonOps(KernelOps):
         self._interpret = os.environ.get("TRITON_INTERPRET") == "1"
         # Columns per program of argmax's first pass (a power of two).
         self.argmax_segment = 4096
-        # tma_gemv: unquantized decode GEMMs of at most tma_gemv.MAX_ROWS rows (o_proj,
-        # down_proj, a decode step's QKV as K-slice parts; gate_up whole) on tma_linear_parts
-        # instead of cuBLAS / torch.bmm. Off until the H200 has measured it (bench_tma_gemv.py,
-        # DECODE_ENV=INFERX_TMA_GEMV gpu_run.sh decode-variants). Descriptors are built on the
-        # host per call, so it is meant for CUDA-graph steps.
+        # tma_gemv: unquantized decode GEMMs of 1..tma_gemv_max_rows rows (o_proj, down_proj,
+        # a decode step's QKV as K-slice parts; gate_up whole) on tma_linear_parts instead of
+        # cuBLAS / torch.bmm. Descriptors are built on the host per call, so it is meant for
+        # CUDA-graph steps. INFERX_TMA_GEMV=0 turns it off.
         self.tma_gemv = env_switch("INFERX_TMA_GEMV", default=False)
-        # tma_norm_linear: a decode layer's two norms inside the GEMMs after them (the input
-        # norm in the QKV GEMM, the post-attention norm in gate_up with SiLU-and-mul after),
-        # at 1..tma_norm_max_rows rows. Off until measured on the H200 (bench_tma_gemv.py
-        # --norm, DECODE_ENV=INFERX_TMA_NORM gpu_run.sh decode-variants).
+        self.tma_gemv_max_rows = 16
+        # tma_norm_linear: the post-attention norm inside gate_up (SiLU-and-mul after) at
+        # 1..tma_norm_max_rows rows (INFERX_TMA_NORM); the input norm inside the QKV GEMM as
+        # SPLIT_PARTS parts only under INFERX_TMA_NORM_QKV=1 (slower on the H200, session 13).
         self.tma_norm = env_switch("INFERX_TMA_NORM", default=False)
+        self.tma_norm_qkv = env_switch("INFERX_TMA_NORM_QKV", default=False)
         self.tma_norm_max_rows = 8
 
     def rms_norm(
@@ -185,25 +196,31 @@ class TritonOps(KernelOps):
         ):
             return skinny_linear(x, linear.weight, linear.bias, gated=True)
         if linear.bias is None and self._takes_tma(linear, x):
-            return self.silu_and_mul(tma_linear_parts(x, linear.weight)[0])
+            return self.silu_and_mul(self._tma(x, linear.weight, 1)[0])
         return self.silu_and_mul(linear(x))
 
     def _takes_tma(self, linear: torch.nn.Module, x: torch.Tensor) -> bool:
         """Whether tma_linear_parts runs this layer's GEMM: switched on, an unquantized layer,
-        [rows <= MAX_ROWS, K] on a GPU (or under the interpreter), rows TMA can address."""
+        [rows <= tma_gemv_max_rows, K] on a GPU (or under the interpreter), rows TMA can
+        address."""
         return (
             self.tma_gemv
             and isinstance(linear, DenseLinear)
             and (x.is_cuda or self._interpret)
+            and x.dim() == 2
+            and x.shape[0] <= self.tma_gemv_max_rows
             and tma_input_problem(x, linear.weight) is None
         )
 
+    def _tma(self, x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+        sms = 132 if self._interpret else _num_sms(x.device)
+        return tma_linear_parts(x, weight, parts, plain_config(weight.shape[0], parts, sms))
+
     def _fuses_norm(self, linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> bool:
-        """Whether tma_norm_linear runs this norm and GEMM: switched on, an unquantized layer,
-        x [S, rows <= tma_norm_max_rows, K] parts on a GPU (or under the interpreter)."""
+        """Whether tma_norm_linear can run this norm and GEMM: an unquantized layer, x
+        [S, rows <= tma_norm_max_rows, K] parts on a GPU (or under the interpreter)."""
         return (
-            self.tma_norm
-            and isinstance(linear, DenseLinear)
+            isinstance(linear, DenseLinear)
             and (x.is_cuda or self._interpret)
             and x.dim() == 3
             and x.shape[1] <= self.tma_norm_max_rows
@@ -219,7 +236,7 @@ class TritonOps(KernelOps):
         residual: torch.Tensor,
         linear: torch.nn.Module,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        if not self._fuses_norm(linear, x, residual):
+        if not (self.tma_norm_qkv and self._fuses_norm(linear, x, residual)):
             return super().rms_norm_linear_split(x, weight, eps, residual, linear)
         check_parts(x, residual)
         cfg = norm_config(x.shape[1], SPLIT_PARTS, gated=False)
@@ -236,7 +253,7 @@ class TritonOps(KernelOps):
         residual: torch.Tensor,
         linear: torch.nn.Module,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if linear.bias is not None or not self._fuses_norm(linear, x, residual):
+        if not (self.tma_norm and linear.bias is None and self._fuses_norm(linear, x, residual)):
             return super().rms_norm_linear_silu_and_mul(x, weight, eps, residual, linear)
         check_parts(x, residual)
         cfg = norm_config(x.shape[1], 1, gated=True)
@@ -244,14 +261,14 @@ class TritonOps(KernelOps):
 
     def linear_parts(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         if linear.bias is None and self._takes_tma(linear, x):
-            return tma_linear_parts(x, linear.weight, SPLIT_PARTS)
+            return self._tma(x, linear.weight, SPLIT_PARTS)
         return linear.forward_parts(x)
 
     def linear_split(
         self, linear: torch.nn.Module, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._takes_tma(linear, x):
-            return tma_linear_parts(x, linear.weight, SPLIT_PARTS), linear.bias
+            return self._tma(x, linear.weight, SPLIT_PARTS), linear.bias
         return linear.forward_split(x)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:

@@ -314,11 +314,29 @@ def tma_norm_gemv_kernel(
 
 
 def norm_config(rows: int, parts: int, gated: bool) -> TmaNormConfig:
-    """tma_norm_linear's tiles for `rows` rows: every program holds each tile's columns in all
-    `parts` splits of every part and the residual, num_stages deep, so K narrows as rows *
-    parts grow to keep that in shared memory."""
-    block_k = 128 if rows * parts <= 8 else 64
-    return TmaNormConfig(block_n=64, block_k=block_k, num_warps=4, num_stages=4)
+    """tma_norm_linear's tiles for `rows` rows, the fastest of bench_tma_gemv.py --norm on the
+    H200 (BENCHMARKS.md, session 13). Gated (gate_up, one split): 64 x 128 tiles 3 deep at up
+    to 4 rows, 64 x 64 4 deep past that; x from the all-splits tile, no prefetch by hand.
+    Otherwise (K-split parts: QKV) every program holds each tile's columns in all `parts`
+    splits of every part and the residual, num_stages deep, so K narrows as rows * parts grow
+    to keep that in shared memory."""
+    if gated:
+        if rows <= 4:
+            return TmaNormConfig(64, 128, 4, 3, select_own=True, prefetch=False)
+        return TmaNormConfig(64, 64, 4, 4, select_own=True, prefetch=False)
+    return TmaNormConfig(64, 128 if rows * parts <= 8 else 64, 4, 3)
+
+
+def plain_config(n: int, parts: int, num_sms: int) -> TmaGemvConfig:
+    """tma_linear_parts' tiles for a weight of n rows in `parts` K-slices, from
+    bench_tma_gemv.py --grid medium on the H200 (BENCHMARKS.md, session 13). Split GEMMs
+    (o_proj, down_proj, QKV): 64 x 128 tiles, 4 deep while every program fits on the SMs at
+    once (two an SM at that depth), else 3 deep (three an SM): 8B's QKV, 384 programs, took
+    15.07 µs 4 deep and 13.85 3 deep. Whole (gate_up): 128 x 128, 3 deep."""
+    if parts == 1:
+        return TmaGemvConfig(128, 128, 4, 3)
+    programs = triton.cdiv(n, 64) * parts
+    return TmaGemvConfig(64, 128, 4, 4 if programs <= 2 * num_sms else 3)
 
 
 def tma_norm_linear(
