@@ -103,7 +103,7 @@ for step in "${steps[@]}"; do
               timeout 300 python3 benchmarks/profile_decode.py \
               --tokenizer $TOK --backend triton --batch 1,64 --steps 64 --overlap on \
               --prompt-len $len ${PROFILE_ARGS:-} \
-              --json "$OUT/profile-decode-${env_name// /+}-$v-p$len-$r${DECODE_TAG:+-$DECODE_TAG}.json" 2>&1 \
+              --json "$OUT/profile-decode-${env_name// /_}-$v-p$len-$r${DECODE_TAG:+-$DECODE_TAG}.json" 2>&1 \
               | grep -E "^batch|decode_kernel|decode_reduce|rotary_kv|silu|skinny|split_k|rms_norm|tma_gemv|norm_gemv" \
               | cut -c1-160
           done

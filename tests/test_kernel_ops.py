@@ -357,6 +357,14 @@ def test_tiny_model_logits_match_torch_ops(name: str) -> None:
         assert err <= TOL[torch.float32], f"step {step}: {err:.2e}"
 
 
+def cublas_ops() -> TritonOps:
+    """TritonOps with the TMA GEMMs and the norm inside gate_up off (both on by default since
+    session 13): the cuBLAS, torch.bmm and skinny_linear paths the tests below count."""
+    ops = TritonOps()
+    ops.tma_gemv = ops.tma_norm = False
+    return ops
+
+
 def triton_with_qkv_parts(*args: Any) -> TritonAttention:
     backend = TritonAttention(*args)
     backend.qkv_parts = True
@@ -391,7 +399,7 @@ def test_tiny_model_logits_with_qkv_parts(monkeypatch: pytest.MonkeyPatch) -> No
     calls = count_forward_split(monkeypatch)
     cfg = CONFIGS["qwen2-tied"]
     weights = model_weights(cfg, seed=7)
-    ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, triton_with_qkv_parts)
+    ours = run_model(cfg, cublas_ops(), weights, torch.float32, CPU, triton_with_qkv_parts)
     # the decode-only step's layers only
     assert calls == [quant_none.SPLIT_PARTS] * cfg["num_hidden_layers"]
     ref = run_model(cfg, TorchOps(), weights, torch.float32, CPU)
@@ -422,7 +430,7 @@ def test_tiny_model_logits_with_the_gated_gemv(name: str, monkeypatch: pytest.Mo
     calls = count_skinny_linear(monkeypatch)
     cfg = CONFIGS[name]
     weights = model_weights(cfg, seed=len(name))
-    ops = TritonOps()
+    ops = cublas_ops()
     ops.gated_gemv_rows = (1, 8)
     ours = run_model(cfg, ops, weights, torch.float32, CPU)
     ref = run_model(cfg, TorchOps(), weights, torch.float32, CPU)
@@ -465,7 +473,9 @@ def test_gated_gemv_rows_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
 
 def test_tma_gemv_switch_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("INFERX_TMA_GEMV", raising=False)
-    assert not TritonOps().tma_gemv  # off until measured on the H200
+    assert TritonOps().tma_gemv  # on by default (BENCHMARKS.md, session 13)
+    monkeypatch.setenv("INFERX_TMA_GEMV", "0")
+    assert not TritonOps().tma_gemv
     monkeypatch.setenv("INFERX_TMA_GEMV", "1")
     assert TritonOps().tma_gemv
     monkeypatch.setenv("INFERX_TMA_GEMV", "yes")
@@ -489,11 +499,12 @@ def count_tma(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], in
 @interpreted
 @pytest.mark.parametrize("name", ["llama3-scaled", "qwen2-tied"])
 def test_tiny_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """INFERX_TMA_GEMV=1: o_proj and down_proj as SPLIT_PARTS parts for the norm, gate_up whole
-    (outside the gated GEMV's rows), and (qwen2, on the triton backend with qkv_parts) the
-    decode-only step's QKV as parts plus the bias for the decode kernel, all by
-    tma_linear_parts; logits stay the torch reference's."""
+    """INFERX_TMA_GEMV=1, the norm fusion off: o_proj and down_proj as SPLIT_PARTS parts for
+    the norm, gate_up whole (outside the gated GEMV's rows), and (qwen2, on the triton backend
+    with qkv_parts) the decode-only step's QKV as parts plus the bias for the decode kernel,
+    all by tma_linear_parts; logits stay the torch reference's."""
     monkeypatch.setenv("INFERX_TMA_GEMV", "1")
+    monkeypatch.setenv("INFERX_TMA_NORM", "0")
     cfg = CONFIGS[name]
     weights = model_weights(cfg, seed=11)
     calls = count_tma(monkeypatch)
@@ -555,7 +566,8 @@ def test_tma_norm_switches_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     for name in ("INFERX_TMA_NORM", "INFERX_TMA_NORM_QKV"):
         monkeypatch.delenv(name, raising=False)
     ops = TritonOps()
-    assert not ops.tma_norm and not ops.tma_norm_qkv
+    assert ops.tma_norm and not ops.tma_norm_qkv  # gate_up's on, QKV's off (session 13)
+    monkeypatch.setenv("INFERX_TMA_NORM", "0")
     monkeypatch.setenv("INFERX_TMA_NORM_QKV", "1")
     ops = TritonOps()
     assert ops.tma_norm_qkv and not ops.tma_norm
@@ -694,8 +706,8 @@ def assert_two_layers_match_torch_ops(
 def test_gpu_model_logits_match_torch_ops(name: str, gated_rows: tuple[int, int]) -> None:
     """Two layers of the real shapes, bf16: TritonOps against TorchOps. gated_rows (1, 8): the
     6- and 4-row steps run gate_up and SiLU-and-mul as one skinny_linear(gated=True), for 8B's
-    hidden size too."""
-    ops = TritonOps()
+    hidden size too. (The TMA paths, on by default: test_gpu_model_logits_with_tma_norm.)"""
+    ops = cublas_ops()
     ops.gated_gemv_rows = gated_rows
     ops.gated_gemv_max_k = preset(name)["hidden_size"]
     assert_two_layers_match_torch_ops(name, ops)
@@ -710,7 +722,7 @@ def test_gpu_model_logits_with_qkv_parts(name: str, monkeypatch: pytest.MonkeyPa
     kernel adds (8B's weight is over SPLIT_QKV_MAX_BYTES: one part, bias included); the logits
     stay TorchOps + TorchAttention's as in the test above."""
     calls = count_forward_split(monkeypatch)
-    assert_two_layers_match_torch_ops(name, TritonOps(), triton_with_qkv_parts)
+    assert_two_layers_match_torch_ops(name, cublas_ops(), triton_with_qkv_parts)
     # (the TorchAttention reference takes no parts: these are all the triton run's)
     assert calls == [quant_none.SPLIT_PARTS if "qwen" in name else 1] * 2
 
@@ -719,10 +731,12 @@ def test_gpu_model_logits_with_qkv_parts(name: str, monkeypatch: pytest.MonkeyPa
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["qwen2.5-3b-instruct", "llama-3.1-8b-instruct"])
 def test_gpu_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """INFERX_TMA_GEMV=1, two layers of the real shapes, bf16, the triton backend with
-    qkv_parts: o_proj, down_proj, gate_up (outside the gated GEMV's rows) and the decode step's
-    QKV (both models) on tma_linear_parts; the logits stay TorchOps + TorchAttention's."""
+    """INFERX_TMA_GEMV=1 (INFERX_TMA_NORM=0), two layers of the real shapes, bf16, the triton
+    backend with qkv_parts: o_proj, down_proj, gate_up (outside the gated GEMV's rows) and the
+    decode step's QKV (both models) on tma_linear_parts; the logits stay TorchOps +
+    TorchAttention's."""
     monkeypatch.setenv("INFERX_TMA_GEMV", "1")
+    monkeypatch.setenv("INFERX_TMA_NORM", "0")
     calls = count_tma(monkeypatch)
     assert_two_layers_match_torch_ops(name, TritonOps(), triton_with_qkv_parts)
     # (TorchOps never calls tma_linear_parts: these are all the triton run's)

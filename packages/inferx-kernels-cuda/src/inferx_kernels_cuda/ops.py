@@ -98,13 +98,15 @@ class TritonOps(KernelOps):
         # tma_gemv: unquantized decode GEMMs of 1..tma_gemv_max_rows rows (o_proj, down_proj,
         # a decode step's QKV as K-slice parts; gate_up whole) on tma_linear_parts instead of
         # cuBLAS / torch.bmm. Descriptors are built on the host per call, so it is meant for
-        # CUDA-graph steps. INFERX_TMA_GEMV=0 turns it off.
-        self.tma_gemv = env_switch("INFERX_TMA_GEMV", default=False)
+        # CUDA-graph steps. tma_norm_linear: the post-attention norm inside gate_up (SiLU-and-mul
+        # after) at 1..tma_norm_max_rows rows; the input norm inside the QKV GEMM only under
+        # INFERX_TMA_NORM_QKV=1 (9.5 µs against 7.0 unfused at 3B, 20.1 against 17.4 at 8B).
+        # Both on, H200 decode steps (profile_decode, session 13), off -> on: 3B batch 1 2.502
+        # -> 2.254 ms, batch 8 2.437 -> 2.372; 8B batch 1 4.462 -> 4.119, batch 8 4.549 ->
+        # 4.317. INFERX_TMA_GEMV=0 / INFERX_TMA_NORM=0 turn them off.
+        self.tma_gemv = env_switch("INFERX_TMA_GEMV", default=True)
         self.tma_gemv_max_rows = 16
-        # tma_norm_linear: the post-attention norm inside gate_up (SiLU-and-mul after) at
-        # 1..tma_norm_max_rows rows (INFERX_TMA_NORM); the input norm inside the QKV GEMM as
-        # SPLIT_PARTS parts only under INFERX_TMA_NORM_QKV=1 (slower on the H200, session 13).
-        self.tma_norm = env_switch("INFERX_TMA_NORM", default=False)
+        self.tma_norm = env_switch("INFERX_TMA_NORM", default=True)
         self.tma_norm_qkv = env_switch("INFERX_TMA_NORM_QKV", default=False)
         self.tma_norm_max_rows = 8
 
