@@ -162,7 +162,7 @@ GROUPS = (
     ("norm", ("rms_norm",)),
     ("rotary + KV write", ("rotary", "kv_write")),
     ("SiLU-and-mul", ("silu",)),
-    ("GEMM", ("nvjet", "gemm", "cutlass", "xmma", "sm90_", "sm80_", "skinny", "split_k")),
+    ("GEMM", ("nvjet", "gemm", "gemv", "cutlass", "xmma", "sm90_", "sm80_", "skinny", "split_k")),
     ("sampling", ("argmax",)),
     ("copies", ("memcpy", "memset")),
 )

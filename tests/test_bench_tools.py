@@ -149,6 +149,8 @@ def test_prefill_profile_groups_kernels_by_name() -> None:
         "silu_and_mul_kernel": "SiLU-and-mul",
         "Memcpy HtoD (Pinned -> Device)": "copies",
         "skinny_linear_kernel": "GEMM",
+        "tma_gemv_kernel": "GEMM",
+        "tma_norm_gemv_kernel": "GEMM",  # the norm and SiLU-and-mul inside
         "decode_reduce_kernel": "attention",
         "void at::native::reduce_kernel<512, 1, ReduceOp<float, ArgMaxOps<float>>>": "sampling",
         "void at::native::unrolled_elementwise_kernel<direct_copy>": "other",
