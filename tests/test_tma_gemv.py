@@ -113,7 +113,7 @@ def norm_then_product(
 @interpreted
 @pytest.mark.parametrize(
     "tiles",
-    [TmaNormConfig(32, 32, 4, 2), TmaNormConfig(32, 32, 4, 2, select_own=True, prefetch=False)],
+    [TmaNormConfig(32, 32, 4, 2), TmaNormConfig(32, 32, 4, 2, select_own=True)],
     ids=str,
 )
 @pytest.mark.parametrize(
@@ -162,8 +162,8 @@ def test_norm_linear_refuses_mismatched_inputs() -> None:
 def test_configs_by_rows_and_programs() -> None:
     assert norm_config(1, 4, gated=False).block_k == 128
     assert norm_config(8, 4, gated=False).block_k == 64  # 4 splits x 8 rows in shared memory
-    assert norm_config(4, 1, gated=True) == TmaNormConfig(64, 128, 4, 3, True, False)
-    assert norm_config(8, 1, gated=True) == TmaNormConfig(64, 64, 4, 4, True, False)
+    assert norm_config(4, 1, gated=True) == TmaNormConfig(64, 128, 4, 3, select_own=True)
+    assert norm_config(8, 1, gated=True) == TmaNormConfig(64, 64, 4, 4, select_own=True)
     # 3B's QKV (2560 rows) in 4 parts: 160 programs, 4 deep; 8B's (6144): 384, 3 deep
     assert plain_config(2560, 4, num_sms=132) == TmaGemvConfig(64, 128, 4, 4)
     assert plain_config(6144, 4, num_sms=132) == TmaGemvConfig(64, 128, 4, 3)

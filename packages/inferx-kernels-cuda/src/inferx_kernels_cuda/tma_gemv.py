@@ -7,9 +7,10 @@ loads) reads at 3.4-4.1. Every fusion that needs our own GEMV (the MLP in one la
 folded in) lost that way. `tma_linear_parts` is the same product with the weight and x read
 through tensor descriptors: one thread issues each tile's bulk copy, the hardware zero-fills
 what lies past the tensor's edges (no masks), and Triton pipelines the copies num_stages deep.
-The model runs it only under INFERX_TMA_GEMV=1 (TritonOps.linear_parts / linear_split /
-linear_silu_and_mul), until benchmarks/bench_tma_gemv.py and an A/B in the model have timed it
-against cuBLAS on the H200.
+On the H200 that reads the decode projections 0.4-1.3 µs faster each than cuBLAS or the split
+bmm (session 13), and it makes a fusion pay: `tma_norm_linear` (below) runs the norm before
+gate_up, gate_up and SiLU-and-mul in one launch. TritonOps runs both by default at decode sizes
+(linear_parts / linear_split / linear_silu_and_mul / rms_norm_linear_silu_and_mul).
 
 The output is QuantLinear.forward_parts' form, [S, M, N] partial products over S equal slices
 of K, each rounded to x's dtype (S = 1: F.linear without bias). A program owns BLOCK_N weight
@@ -165,16 +166,15 @@ def _repeat_rows(x, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, COLS: tl.constexp
 
 @dataclass(frozen=True)
 class TmaNormConfig(TmaGemvConfig):
-    """TmaGemvConfig plus how the x tiles are built: select_own takes this split's columns out
-    of the all-splits tile (else they are loaded again, from L2); prefetch loads the next
-    iteration's x tiles before this one's products (else Triton's pipeliner decides)."""
+    """TmaGemvConfig plus how a program gets its own split's x columns: select_own takes them
+    out of the all-splits tile it loads for the squares, else it loads them again (from L2).
+    (A third knob, loading the next K step's x tiles by hand before this step's products, was
+    never the fastest: session 13, e4a1cb8.)"""
 
     select_own: bool = False
-    prefetch: bool = True
 
     def __str__(self) -> str:
-        flags = (" sel" if self.select_own else "") + (" pf" if self.prefetch else "")
-        return super().__str__() + flags
+        return super().__str__() + (" sel" if self.select_own else "")
 
 
 @triton.jit
@@ -196,15 +196,13 @@ def _norm_tiles(
     stride_in_part, pid_s, S_IN: tl.constexpr, SELECT_OWN: tl.constexpr, dtype,
 ):  # fmt: skip
     """h at columns kk.. of every split [S_OUT, ROWS, BLOCK_K] and of this program's own
-    [ROWS, BLOCK_K], and the norm weight there; zeros where kk is past the split's end (a
-    prefetch past the last tile)."""
-    k_end = tl.where(kk < k_per_split, k, 0)  # nothing past the last tile
+    [ROWS, BLOCK_K], and the norm weight there."""
     kcols = slices[:, None, None] * k_per_split + kk + cols[None, None, :]
-    mask = (rows[None, :, None] < m) & (kcols < k_end)
+    mask = (rows[None, :, None] < m) & (kcols < k)
     h = _summed_rows(parts_ptr, residual_ptr, rows[None, :, None] * k + kcols, mask,
                      stride_in_part, S_IN, dtype)  # fmt: skip
     own_cols = k0 + kk + cols
-    in_split = own_cols < k_end
+    in_split = own_cols < k
     if SELECT_OWN:
         own = tl.sum(tl.where(slices[:, None, None] == pid_s, h, 0.0), axis=0)
     else:
@@ -240,7 +238,6 @@ def tma_norm_gemv_kernel(
     S_OUT: tl.constexpr,
     GATED: tl.constexpr,
     SELECT_OWN: tl.constexpr,
-    PREFETCH: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -262,23 +259,11 @@ def tma_norm_gemv_kernel(
     # squares summed element-wise in the loop, across threads once after it
     squares = tl.zeros([S_OUT, ROWS, BLOCK_K], tl.float32)
     store_rows = tl.where(pid_n == 0, m, 0)  # column block 0 writes the new residual
-    if PREFETCH:
-        h_next, own_next, nw_next = _norm_tiles(
-            parts_ptr, residual_ptr, norm_w_ptr, rows, cols, slices, m, k, k0, 0, k_per_split,
+    for kk in range(0, k_per_split, BLOCK_K):
+        h, own, nw = _norm_tiles(
+            parts_ptr, residual_ptr, norm_w_ptr, rows, cols, slices, m, k, k0, kk, k_per_split,
             stride_in_part, pid_s, S_IN, SELECT_OWN, dtype,
         )  # fmt: skip
-    for kk in range(0, k_per_split, BLOCK_K):
-        if PREFETCH:
-            h, own, nw = h_next, own_next, nw_next
-            h_next, own_next, nw_next = _norm_tiles(
-                parts_ptr, residual_ptr, norm_w_ptr, rows, cols, slices, m, k, k0, kk + BLOCK_K,
-                k_per_split, stride_in_part, pid_s, S_IN, SELECT_OWN, dtype,
-            )  # fmt: skip
-        else:
-            h, own, nw = _norm_tiles(
-                parts_ptr, residual_ptr, norm_w_ptr, rows, cols, slices, m, k, k0, kk,
-                k_per_split, stride_in_part, pid_s, S_IN, SELECT_OWN, dtype,
-            )  # fmt: skip
         squares += h * h
         own_cols = k0 + kk + cols
         own_mask = (rows[:, None] < m) & (own_cols[None, :] < k)
@@ -316,14 +301,14 @@ def tma_norm_gemv_kernel(
 def norm_config(rows: int, parts: int, gated: bool) -> TmaNormConfig:
     """tma_norm_linear's tiles for `rows` rows, the fastest of bench_tma_gemv.py --norm on the
     H200 (BENCHMARKS.md, session 13). Gated (gate_up, one split): 64 x 128 tiles 3 deep at up
-    to 4 rows, 64 x 64 4 deep past that; x from the all-splits tile, no prefetch by hand.
+    to 4 rows, 64 x 64 4 deep past that; x from the all-splits tile (select_own).
     Otherwise (K-split parts: QKV) every program holds each tile's columns in all `parts`
     splits of every part and the residual, num_stages deep, so K narrows as rows * parts grow
     to keep that in shared memory."""
     if gated:
         if rows <= 4:
-            return TmaNormConfig(64, 128, 4, 3, select_own=True, prefetch=False)
-        return TmaNormConfig(64, 64, 4, 4, select_own=True, prefetch=False)
+            return TmaNormConfig(64, 128, 4, 3, select_own=True)
+        return TmaNormConfig(64, 64, 4, 4, select_own=True)
     return TmaNormConfig(64, 128 if rows * parts <= 8 else 64, 4, 3)
 
 
@@ -387,7 +372,7 @@ def tma_norm_linear(
         n, x.stride(0), 0 if gated else out.stride(0), out.stride(-2), eps,
         ROWS=rows, BLOCK_M=max(16, rows), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         S_IN=s_in, S_OUT=parts,
-        GATED=gated, SELECT_OWN=cfg.select_own, PREFETCH=cfg.prefetch,
+        GATED=gated, SELECT_OWN=cfg.select_own,
         UPCAST=interpret and x.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
