@@ -59,8 +59,8 @@ def configs(grid: str) -> list[TmaGemvConfig]:
 
 
 def norm_configs(gated: bool) -> list[TmaNormConfig]:
-    axes = dict(block_n=[32, 64, 128] if gated else [64, 128], block_k=[64, 128], num_warps=[4],
-                num_stages=[3, 4], select_own=[False, True])  # fmt: skip
+    axes = dict(block_n=[32, 64, 128], block_k=[64, 128], num_warps=[4], num_stages=[3, 4],
+                select_own=[False, True])  # fmt: skip
     return [
         TmaNormConfig(**dict(zip(axes, v, strict=True))) for v in itertools.product(*axes.values())
     ]

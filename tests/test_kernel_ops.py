@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -481,6 +482,20 @@ def test_tma_gemv_switch_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("INFERX_TMA_GEMV", "yes")
     with pytest.raises(ValueError, match="INFERX_TMA_GEMV must be 0 or 1; got 'yes'"):
         TritonOps()
+
+
+def test_tma_paths_only_on_hopper_or_newer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU before sm_90 (no TMA, no wgmma) keeps the cuBLAS paths with the switches on."""
+    ops = TritonOps()
+    ops._interpret = False
+    x = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    try:
+        for major, expected in ((8, False), (9, True), (10, True)):
+            triton_ops._has_tma.cache_clear()
+            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, v=major: (v, 0))
+            assert ops._tma_device(x) is expected, major
+    finally:
+        triton_ops._has_tma.cache_clear()
 
 
 def count_tma(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], int]]:

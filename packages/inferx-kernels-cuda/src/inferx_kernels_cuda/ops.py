@@ -47,6 +47,13 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    """Hopper or newer: the TMA kernels' tensor descriptors and wgmma were written and measured
+    for sm_90 (older GPUs keep the cuBLAS paths)."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def env_switch(name: str, default: bool) -> bool:
     """An on/off environment variable ("1" or "0"; unset: default), for A/B runs of a kernel
     variant; anything else is refused with the variable's name."""
@@ -203,16 +210,19 @@ class TritonOps(KernelOps):
 
     def _takes_tma(self, linear: torch.nn.Module, x: torch.Tensor) -> bool:
         """Whether tma_linear_parts runs this layer's GEMM: switched on, an unquantized layer,
-        [rows <= tma_gemv_max_rows, K] on a GPU (or under the interpreter), rows TMA can
-        address."""
+        [rows <= tma_gemv_max_rows, K] on a Hopper or newer GPU (or under the interpreter), rows
+        TMA can address."""
         return (
             self.tma_gemv
             and isinstance(linear, DenseLinear)
-            and (x.is_cuda or self._interpret)
+            and self._tma_device(x)
             and x.dim() == 2
             and x.shape[0] <= self.tma_gemv_max_rows
             and tma_input_problem(x, linear.weight) is None
         )
+
+    def _tma_device(self, x: torch.Tensor) -> bool:
+        return self._interpret or (x.is_cuda and _has_tma(x.device))
 
     def _tma(self, x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
         sms = 132 if self._interpret else _num_sms(x.device)
@@ -220,10 +230,11 @@ class TritonOps(KernelOps):
 
     def _fuses_norm(self, linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> bool:
         """Whether tma_norm_linear can run this norm and GEMM: an unquantized layer, x
-        [S, rows <= tma_norm_max_rows, K] parts on a GPU (or under the interpreter)."""
+        [S, rows <= tma_norm_max_rows, K] parts on a Hopper or newer GPU (or under the
+        interpreter)."""
         return (
             isinstance(linear, DenseLinear)
-            and (x.is_cuda or self._interpret)
+            and self._tma_device(x)
             and x.dim() == 3
             and x.shape[1] <= self.tma_norm_max_rows
             and x.dtype == linear.weight.dtype
