@@ -59,8 +59,9 @@ def configs(grid: str) -> list[TmaGemvConfig]:
 
 
 def norm_configs(gated: bool) -> list[TmaNormConfig]:
-    axes = dict(block_n=[32, 64, 128], block_k=[64, 128], num_warps=[4], num_stages=[3, 4],
-                select_own=[False, True])  # fmt: skip
+    # gated (one split): a program's own columns are the whole tile, select_own always
+    axes = dict(block_n=[32, 64, 128], block_k=[64, 128], num_warps=[4, 8], num_stages=[3, 4],
+                select_own=[True] if gated else [False, True])  # fmt: skip
     return [
         TmaNormConfig(**dict(zip(axes, v, strict=True))) for v in itertools.product(*axes.values())
     ]

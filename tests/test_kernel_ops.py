@@ -484,6 +484,21 @@ def test_tma_gemv_switch_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
         TritonOps()
 
 
+def test_tma_row_limits_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("INFERX_TMA_GEMV_MAX_ROWS", "INFERX_TMA_NORM_MAX_ROWS"):
+        monkeypatch.delenv(name, raising=False)
+    ops = TritonOps()
+    assert (ops.tma_gemv_max_rows, ops.tma_norm_max_rows) == (16, 8)
+    monkeypatch.setenv("INFERX_TMA_GEMV_MAX_ROWS", "64")
+    monkeypatch.setenv("INFERX_TMA_NORM_MAX_ROWS", "0")
+    ops = TritonOps()
+    assert (ops.tma_gemv_max_rows, ops.tma_norm_max_rows) == (64, 0)
+    for bad in ("65", "-1", "x", ""):
+        monkeypatch.setenv("INFERX_TMA_NORM_MAX_ROWS", bad)
+        with pytest.raises(ValueError, match="INFERX_TMA_NORM_MAX_ROWS must be a row count"):
+            TritonOps()
+
+
 def test_tma_paths_only_on_hopper_or_newer(monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPU before sm_90 (no TMA, no wgmma) keeps the cuBLAS paths with the switches on."""
     ops = TritonOps()

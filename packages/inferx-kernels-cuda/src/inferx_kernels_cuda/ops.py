@@ -63,6 +63,14 @@ def env_switch(name: str, default: bool) -> bool:
     return flag == "1"
 
 
+def env_rows(name: str, default: int) -> int:
+    """A row limit from the environment (0..MAX_ROWS; unset: default), for A/B runs."""
+    value = os.environ.get(name, str(default))
+    if not value.isdigit() or int(value) > MAX_ROWS:
+        raise ValueError(f"{name} must be a row count 0..{MAX_ROWS}; got {value!r}")
+    return int(value)
+
+
 def gated_rows(value: str) -> tuple[int, int]:
     """INFERX_GATED_GEMV_ROWS as the (lo, hi) rows a step takes the gated GEMV at: "LO-HI",
     "N" (1-N) or "0" (never: an empty range)."""
@@ -110,12 +118,14 @@ class TritonOps(KernelOps):
         # INFERX_TMA_NORM_QKV=1 (9.5 µs against 7.0 unfused at 3B, 20.1 against 17.4 at 8B).
         # Both on, H200 decode steps (profile_decode, session 13), off -> on: 3B batch 1 2.502
         # -> 2.254 ms, batch 8 2.437 -> 2.372; 8B batch 1 4.462 -> 4.119, batch 8 4.549 ->
-        # 4.317. INFERX_TMA_GEMV=0 / INFERX_TMA_NORM=0 turn them off.
+        # 4.317. INFERX_TMA_GEMV=0 / INFERX_TMA_NORM=0 turn them off; the row limits
+        # (INFERX_TMA_GEMV_MAX_ROWS, INFERX_TMA_NORM_MAX_ROWS) are what has been measured: at
+        # 64 rows the plain TMA GEMMs were 22 µs a 3B step slower than cuBLAS.
         self.tma_gemv = env_switch("INFERX_TMA_GEMV", default=True)
-        self.tma_gemv_max_rows = 16
+        self.tma_gemv_max_rows = env_rows("INFERX_TMA_GEMV_MAX_ROWS", 16)
         self.tma_norm = env_switch("INFERX_TMA_NORM", default=True)
         self.tma_norm_qkv = env_switch("INFERX_TMA_NORM_QKV", default=False)
-        self.tma_norm_max_rows = 8
+        self.tma_norm_max_rows = env_rows("INFERX_TMA_NORM_MAX_ROWS", 8)
 
     def rms_norm(
         self,
