@@ -344,6 +344,16 @@ def run_model(
     return out
 
 
+def assert_steps_match_torch_ops(
+    cfg: dict[str, Any], weights: dict[str, torch.Tensor], ours: list[torch.Tensor]
+) -> None:
+    """run_model's fp32 logits, step by step, against TorchOps' on the CPU."""
+    ref = run_model(cfg, TorchOps(), weights, torch.float32, CPU)
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        err = rel_err(a, b)
+        assert err <= TOL[torch.float32], f"step {step}: {err:.2e}"
+
+
 @interpreted
 @pytest.mark.parametrize("name", ["llama3-scaled", "qwen2-tied"])
 def test_tiny_model_logits_match_torch_ops(name: str) -> None:
@@ -352,10 +362,7 @@ def test_tiny_model_logits_match_torch_ops(name: str) -> None:
     cfg = CONFIGS[name]
     weights = model_weights(cfg, seed=len(name))
     ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU)
-    ref = run_model(cfg, TorchOps(), weights, torch.float32, CPU)
-    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
-        err = rel_err(a, b)
-        assert err <= TOL[torch.float32], f"step {step}: {err:.2e}"
+    assert_steps_match_torch_ops(cfg, weights, ours)
 
 
 def cublas_ops() -> TritonOps:
@@ -403,10 +410,7 @@ def test_tiny_model_logits_with_qkv_parts(monkeypatch: pytest.MonkeyPatch) -> No
     ours = run_model(cfg, cublas_ops(), weights, torch.float32, CPU, triton_with_qkv_parts)
     # the decode-only step's layers only
     assert calls == [quant_none.SPLIT_PARTS] * cfg["num_hidden_layers"]
-    ref = run_model(cfg, TorchOps(), weights, torch.float32, CPU)
-    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
-        err = rel_err(a, b)
-        assert err <= TOL[torch.float32], f"step {step}: {err:.2e}"
+    assert_steps_match_torch_ops(cfg, weights, ours)
 
 
 def count_skinny_linear(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
@@ -434,10 +438,7 @@ def test_tiny_model_logits_with_the_gated_gemv(name: str, monkeypatch: pytest.Mo
     ops = cublas_ops()
     ops.gated_gemv_rows = (1, 8)
     ours = run_model(cfg, ops, weights, torch.float32, CPU)
-    ref = run_model(cfg, TorchOps(), weights, torch.float32, CPU)
-    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
-        err = rel_err(a, b)
-        assert err <= TOL[torch.float32], f"step {step}: {err:.2e}"
+    assert_steps_match_torch_ops(cfg, weights, ours)
     layers = cfg["num_hidden_layers"]
     assert calls == [(6, 64)] * layers + [(4, 64)] * layers
 
@@ -548,10 +549,7 @@ def test_tiny_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPa
     # the 6-row one takes the gated GEMV (5-32 rows) first.
     qkv = layers if name == "qwen2-tied" else 0
     assert len(parted) == 2 * 2 * layers + qkv and whole == [((4, cfg["hidden_size"]), 1)] * layers
-    ref = run_model(cfg, TorchOps(), weights, torch.float32, CPU)
-    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
-        err = rel_err(a, b)
-        assert err <= TOL[torch.float32], f"step {step}: {err:.2e}"
+    assert_steps_match_torch_ops(cfg, weights, ours)
 
 
 def count_tma_norm(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:
@@ -586,10 +584,7 @@ def test_tiny_model_logits_with_tma_norm(name: str, monkeypatch: pytest.MonkeyPa
     layers = cfg["num_hidden_layers"]
     qkv = [(4, quant_none.SPLIT_PARTS, False)] * (layers - 1) if name == "qwen2-tied" else []
     assert sorted(calls) == sorted([(6, 1, True)] * layers + [(4, 1, True)] * layers + qkv)
-    ref = run_model(cfg, TorchOps(), weights, torch.float32, CPU)
-    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
-        err = rel_err(a, b)
-        assert err <= TOL[torch.float32], f"step {step}: {err:.2e}"
+    assert_steps_match_torch_ops(cfg, weights, ours)
 
 
 def test_tma_norm_switches_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
