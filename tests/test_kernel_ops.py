@@ -496,8 +496,28 @@ def test_tma_row_limits_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
     assert (ops.tma_gemv_max_rows, ops.tma_norm_max_rows) == (64, 0)
     for bad in ("65", "-1", "x", ""):
         monkeypatch.setenv("INFERX_TMA_NORM_MAX_ROWS", bad)
-        with pytest.raises(ValueError, match="INFERX_TMA_NORM_MAX_ROWS must be a row count"):
+        with pytest.raises(ValueError, match="INFERX_TMA_NORM_MAX_ROWS must be an integer 0..64"):
             TritonOps()
+
+
+@interpreted
+def test_tma_parts_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """INFERX_TMA_PARTS: the K-slices of o_proj / down_proj / QKV on tma_linear_parts (an
+    uneven 3 too); the tiny model's logits stay TorchOps'."""
+    monkeypatch.delenv("INFERX_TMA_PARTS", raising=False)
+    assert TritonOps().tma_parts == quant_none.SPLIT_PARTS
+    for bad in ("0", "9", "two"):
+        monkeypatch.setenv("INFERX_TMA_PARTS", bad)
+        with pytest.raises(ValueError, match=r"INFERX_TMA_PARTS must be an integer 1\.\.8"):
+            TritonOps()
+    monkeypatch.setenv("INFERX_TMA_PARTS", "3")
+    monkeypatch.setenv("INFERX_TMA_NORM", "0")
+    cfg = CONFIGS["qwen2-tied"]
+    weights = model_weights(cfg, seed=17)
+    calls = count_tma(monkeypatch)
+    ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, triton_with_qkv_parts)
+    assert {parts for _, parts in calls} == {1, 3}  # gate_up whole, the rest in 3
+    assert_steps_match_torch_ops(cfg, weights, ours)
 
 
 def test_tma_paths_only_on_hopper_or_newer(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -63,11 +63,12 @@ def env_switch(name: str, default: bool) -> bool:
     return flag == "1"
 
 
-def env_rows(name: str, default: int) -> int:
-    """A row limit from the environment (0..MAX_ROWS; unset: default), for A/B runs."""
+def env_int(name: str, default: int, lo: int, hi: int) -> int:
+    """An integer lo..hi from the environment (unset: default), for A/B runs of a kernel
+    setting; anything else is refused with the variable's name."""
     value = os.environ.get(name, str(default))
-    if not value.isdigit() or int(value) > MAX_ROWS:
-        raise ValueError(f"{name} must be a row count 0..{MAX_ROWS}; got {value!r}")
+    if not value.isdigit() or not lo <= int(value) <= hi:
+        raise ValueError(f"{name} must be an integer {lo}..{hi}; got {value!r}")
     return int(value)
 
 
@@ -122,10 +123,13 @@ class TritonOps(KernelOps):
         # (INFERX_TMA_GEMV_MAX_ROWS, INFERX_TMA_NORM_MAX_ROWS) are what has been measured: at
         # 64 rows the plain TMA GEMMs were 22 µs a 3B step slower than cuBLAS.
         self.tma_gemv = env_switch("INFERX_TMA_GEMV", default=True)
-        self.tma_gemv_max_rows = env_rows("INFERX_TMA_GEMV_MAX_ROWS", 16)
+        self.tma_gemv_max_rows = env_int("INFERX_TMA_GEMV_MAX_ROWS", 16, 0, MAX_ROWS)
         self.tma_norm = env_switch("INFERX_TMA_NORM", default=True)
         self.tma_norm_qkv = env_switch("INFERX_TMA_NORM_QKV", default=False)
-        self.tma_norm_max_rows = env_rows("INFERX_TMA_NORM_MAX_ROWS", 8)
+        self.tma_norm_max_rows = env_int("INFERX_TMA_NORM_MAX_ROWS", 8, 0, MAX_ROWS)
+        # K-slices of the split TMA GEMMs (o_proj, down_proj, QKV; INFERX_TMA_PARTS, 1-8 for
+        # A/B): 4 as DenseLinear's split, the only count measured in the model so far.
+        self.tma_parts = env_int("INFERX_TMA_PARTS", SPLIT_PARTS, 1, 8)
 
     def rms_norm(
         self,
@@ -284,14 +288,14 @@ class TritonOps(KernelOps):
 
     def linear_parts(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         if linear.bias is None and self._takes_tma(linear, x):
-            return self._tma(x, linear.weight, SPLIT_PARTS)
+            return self._tma(x, linear.weight, self.tma_parts)
         return linear.forward_parts(x)
 
     def linear_split(
         self, linear: torch.nn.Module, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._takes_tma(linear, x):
-            return self._tma(x, linear.weight, SPLIT_PARTS), linear.bias
+            return self._tma(x, linear.weight, self.tma_parts), linear.bias
         return linear.forward_split(x)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
