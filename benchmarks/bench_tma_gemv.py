@@ -67,6 +67,15 @@ def norm_configs(gated: bool) -> list[TmaNormConfig]:
     ]
 
 
+def best_per_parts(entries: list[dict]) -> dict[int, dict]:
+    """The fastest timed entry ({"parts", "config", "us", ...}) for each split count."""
+    best: dict[int, dict] = {}
+    for r in entries:
+        if r["us"] and (r["parts"] not in best or r["us"] < best[r["parts"]]["us"]):
+            best[r["parts"]] = r
+    return best
+
+
 def norm_rows(args: argparse.Namespace) -> list[dict]:
     """--norm: the input norm of QKV (4 parts out) and the post-attention norm of gate_up (SiLU
     after), each after a 4-part GEMM (x: 4 parts + residual), run three ways: rms_norm_kernel +
@@ -118,11 +127,7 @@ def norm_rows(args: argparse.Namespace) -> list[dict]:
                     row["fused"].append(
                         {"parts": parts, "config": str(cfg), "rel_err": err, "us": us}
                     )
-                row["best"] = {}
-                for parts in out_parts:
-                    timed = [r for r in row["fused"] if r["us"] and r["parts"] == parts]
-                    if timed:
-                        row["best"][parts] = min(timed, key=lambda r: r["us"])
+                row["best"] = best_per_parts(row["fused"])
                 line = (
                     f"{model:<13}{shape.name:<8}M={m:<3} norm+cublas {row['norm_cublas_us']:6.2f}  "
                     f"norm+tma {row['norm_tma_us']:6.2f}"
@@ -134,22 +139,10 @@ def norm_rows(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="qwen2.5-3b,llama-3.1-8b")
-    ap.add_argument("--m", default="1,8")
-    ap.add_argument("--shapes", default="qkv,o,gate_up,down")
-    ap.add_argument("--parts", default="1,2,4")
-    ap.add_argument("--grid", default="small", choices=["small", "medium", "full"])
-    ap.add_argument("--norm", action="store_true", help="time tma_norm_linear instead")
-    ap.add_argument("--norm-qkv-parts", default="4", help="--norm: the fused QKV's splits")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_tma_gemv needs a CUDA GPU")
-    torch.manual_seed(0)
-    rows = norm_rows(args) if args.norm else []
-    for model in [] if args.norm else args.models.split(","):
+def plain_rows(args: argparse.Namespace) -> list[dict]:
+    """F.linear and the 4-part bmm against tma_linear_parts at each split count and config."""
+    rows = []
+    for model in args.models.split(","):
         for shape in linear_shapes(model):
             if shape.name not in args.shapes.split(",") or shape.gated:
                 continue
@@ -181,11 +174,7 @@ def main() -> None:
                     row["tma"].append(
                         {"parts": parts, "config": str(cfg), "rel_err": err, "us": us}
                     )
-                best = {}
-                for r in row["tma"]:
-                    if r["us"] and (r["parts"] not in best or r["us"] < best[r["parts"]]["us"]):
-                        best[r["parts"]] = r
-                row["best"] = best
+                row["best"] = best = best_per_parts(row["tma"])
                 line = (
                     f"{model:<13}{shape.name:<8}M={m:<3} linear {row['linear_us']:6.2f} "
                     f"({tbps(nbytes, row['linear_us']):.2f} TB/s)  bmm4 {row['bmm4_us']:6.2f}"
@@ -196,6 +185,24 @@ def main() -> None:
                     )
                 print(line, flush=True)
                 rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="qwen2.5-3b,llama-3.1-8b")
+    ap.add_argument("--m", default="1,8")
+    ap.add_argument("--shapes", default="qkv,o,gate_up,down")
+    ap.add_argument("--parts", default="1,2,4")
+    ap.add_argument("--grid", default="small", choices=["small", "medium", "full"])
+    ap.add_argument("--norm", action="store_true", help="time tma_norm_linear instead")
+    ap.add_argument("--norm-qkv-parts", default="4", help="--norm: the fused QKV's splits")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_tma_gemv needs a CUDA GPU")
+    torch.manual_seed(0)
+    rows = norm_rows(args) if args.norm else plain_rows(args)
     if args.json:
         meta = {"commit": commit_id(), "device": torch.cuda.get_device_name(),
                 "torch": torch.__version__, "args": vars(args)}  # fmt: skip

@@ -234,6 +234,9 @@ def test_bench_grid_and_gpu_check(monkeypatch: pytest.MonkeyPatch) -> None:
 
     small, full = bench_tma_gemv.configs("small"), bench_tma_gemv.configs("full")
     assert len(set(small)) == len(small) == 8 and set(small) <= set(full)
+    entries = [{"parts": 4, "us": 5.0}, {"parts": 4, "us": 4.5}, {"parts": 1, "us": None},
+               {"parts": 1, "us": 6.0}, {"parts": 2, "us": None}]  # fmt: skip
+    assert bench_tma_gemv.best_per_parts(entries) == {4: entries[1], 1: entries[3]}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(sys, "argv", ["bench_tma_gemv.py"])
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):

@@ -266,9 +266,9 @@ class TritonOps(KernelOps):
         if not (self.tma_norm_qkv and self._fuses_norm(linear, x, residual)):
             return super().rms_norm_linear_split(x, weight, eps, residual, linear)
         check_parts(x, residual)
-        cfg = norm_config(x.shape[1], SPLIT_PARTS, gated=False)
+        cfg = norm_config(x.shape[1], self.tma_parts, gated=False)
         out, residual = tma_norm_linear(
-            x, residual, weight, eps, linear.weight, SPLIT_PARTS, False, cfg
+            x, residual, weight, eps, linear.weight, self.tma_parts, False, cfg
         )
         return out, linear.bias, residual
 

@@ -84,28 +84,28 @@ def tma_gemv_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def input_problem(x: torch.Tensor, weight: torch.Tensor, parts: int = 1) -> str | None:
-    """Why tma_linear_parts cannot take these inputs, or None when it can."""
+def input_problem(
+    x: torch.Tensor, weight: torch.Tensor, parts: int = 1, name: str = "tma_linear_parts"
+) -> str | None:
+    """Why `name` (tma_linear_parts, or tma_norm_linear of x's rows) cannot take these inputs,
+    or None when it can."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         return (
-            f"tma_linear_parts: x [M, K] and weight [N, K] must agree on K, got "
+            f"{name}: x [M, K] and weight [N, K] must agree on K, got "
             f"{tuple(x.shape)} and {tuple(weight.shape)}"
         )
     if not 1 <= x.shape[0] <= MAX_ROWS or parts < 1:
-        return (
-            f"tma_linear_parts: takes 1 to {MAX_ROWS} rows and parts >= 1, got {x.shape[0]}, "
-            f"{parts}"
-        )
+        return f"{name}: takes 1 to {MAX_ROWS} rows and parts >= 1, got {x.shape[0]}, {parts}"
     if x.dtype not in _DTYPES or weight.dtype != x.dtype:
         return (
-            "tma_linear_parts: x and weight must share float16, bfloat16 or float32, got "
+            f"{name}: x and weight must share float16, bfloat16 or float32, got "
             f"{x.dtype} and {weight.dtype}"
         )
     # TMA: 16-byte aligned base and row strides, unit stride along K.
-    for name, t in (("x", x), ("weight", weight)):
+    for arg, t in (("x", x), ("weight", weight)):
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             return (
-                f"tma_linear_parts: {name} needs a unit K stride and 16-byte aligned rows "
+                f"{name}: {arg} needs a unit K stride and 16-byte aligned rows "
                 f"(strides {t.stride()}, address {t.data_ptr()})"
             )
     return None
@@ -344,9 +344,9 @@ def tma_norm_linear(
             f"tma_norm_linear: x [S, M, K] needs residual [M, K] and norm weight [K], got "
             f"{tuple(x.shape)}, {tuple(residual.shape)} and {tuple(norm_weight.shape)}"
         )
-    problem = input_problem(residual, weight, parts)
+    problem = input_problem(residual, weight, parts, "tma_norm_linear")
     if problem:
-        raise ValueError(problem.replace("tma_linear_parts", "tma_norm_linear"))
+        raise ValueError(problem)
     if x.dtype != weight.dtype or norm_weight.dtype != weight.dtype:
         raise ValueError(
             f"tma_norm_linear: x, norm weight and weight must share a dtype, got {x.dtype}, "

@@ -133,7 +133,7 @@ class Attention(nn.Module):
             )
             return self._attend(positions, qkv, bias, True), residual
         h, residual = norm(x, residual, parts=True)
-        return self._attend(positions, self.qkv_proj(h)[None], None, True), residual
+        return self.forward(positions, h, parts=True), residual
 
     def _attend(
         self, positions: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | None, parts: bool

@@ -41,15 +41,13 @@ class MLP(nn.Module):
         self.down_proj = ctx.quant.linear(intermediate, [hidden], bias, ctx.dtype, ctx.device)
         self.ops = ctx.ops
 
-    def forward(self, x: torch.Tensor, parts: bool = False) -> torch.Tensor:
-        h = self.ops.linear_silu_and_mul(self.gate_up_proj, x)
-        return self.ops.linear_parts(self.down_proj, h) if parts else self.down_proj(h)
-
     def forward_normed(
         self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward(norm(x, residual, parts=True), parts=True) and the norm's new residual, the
-        norm and gate_up as one ops call (ops.rms_norm_linear_silu_and_mul)."""
+        """The MLP of norm(x, residual, parts=True) as down_proj's partial results
+        (QuantLinear.forward_parts) for the next norm, and that norm's new residual; the norm,
+        gate_up and SiLU-and-mul are one ops call (ops.rms_norm_linear_silu_and_mul). x is the
+        partial results of the attention before."""
         h, residual = self.ops.rms_norm_linear_silu_and_mul(
             x, norm.weight, norm.eps, residual, self.gate_up_proj
         )
