@@ -140,8 +140,9 @@ def norm_rows(args: argparse.Namespace) -> list[dict]:
 
 
 def plain_rows(args: argparse.Namespace) -> list[dict]:
-    """F.linear and the 4-part bmm against tma_linear_parts at each split count and config."""
-    rows = []
+    """F.linear and the 4-part bmm against tma_linear_parts at each split count and config, and
+    at plain_config's tiles for the rows (rule)."""
+    rows, sms = [], torch.cuda.get_device_properties(0).multi_processor_count
     for model in args.models.split(","):
         for shape in linear_shapes(model):
             if shape.name not in args.shapes.split(",") or shape.gated:
@@ -175,6 +176,11 @@ def plain_rows(args: argparse.Namespace) -> list[dict]:
                         {"parts": parts, "config": str(cfg), "rel_err": err, "us": us}
                     )
                 row["best"] = best = best_per_parts(row["tma"])
+                row["rule"] = {}  # what TritonOps runs: plain_config's tiles for these rows
+                for p in {int(v) for v in args.parts.split(",")}:
+                    cfg = plain_config(shape.n, p, sms, m)
+                    us = graph_us(lambda w, x=x, p=p, c=cfg: tma_linear_parts(x, w, p, c), weights)
+                    row["rule"][p] = {"config": str(cfg), "us": us}
                 line = (
                     f"{model:<13}{shape.name:<8}M={m:<3} linear {row['linear_us']:6.2f} "
                     f"({tbps(nbytes, row['linear_us']):.2f} TB/s)  bmm4 {row['bmm4_us']:6.2f}"
@@ -183,6 +189,8 @@ def plain_rows(args: argparse.Namespace) -> list[dict]:
                     line += (
                         f"  tma s{p} {r['us']:6.2f} ({tbps(nbytes, r['us']):.2f}) [{r['config']}]"
                     )
+                for p, r in sorted(row["rule"].items()):
+                    line += f"  rule s{p} {r['us']:6.2f} [{r['config']}]"
                 print(line, flush=True)
                 rows.append(row)
     return rows

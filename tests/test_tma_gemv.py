@@ -168,6 +168,10 @@ def test_configs_by_rows_and_programs() -> None:
     assert plain_config(2560, 4, num_sms=132) == TmaGemvConfig(64, 128, 4, 4)
     assert plain_config(6144, 4, num_sms=132) == TmaGemvConfig(64, 128, 4, 3)
     assert plain_config(22016, 1, num_sms=132) == TmaGemvConfig(128, 128, 4, 3)
+    # 64 rows of x: 3B's QKV 3 deep (two 96 KB programs an SM), gate_up in 64 x 64 tiles
+    assert plain_config(2560, 4, num_sms=132, rows=64) == TmaGemvConfig(64, 128, 4, 3)
+    assert plain_config(2048, 4, num_sms=132, rows=64) == TmaGemvConfig(64, 128, 4, 4)
+    assert plain_config(22016, 1, num_sms=132, rows=33) == TmaGemvConfig(64, 64, 4, 4)
 
 
 # (n, k) of the decode GEMMs: Qwen2.5-3B QKV, o_proj, gate_up, down_proj, then Llama-3.1-8B's.

@@ -240,7 +240,8 @@ class TritonOps(KernelOps):
 
     def _tma(self, x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
         sms = 132 if self._interpret else _num_sms(x.device)
-        return tma_linear_parts(x, weight, parts, plain_config(weight.shape[0], parts, sms))
+        cfg = plain_config(weight.shape[0], parts, sms, x.shape[0])
+        return tma_linear_parts(x, weight, parts, cfg)
 
     def _fuses_norm(self, linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> bool:
         """Whether tma_norm_linear can run this norm and GEMM: an unquantized layer, x

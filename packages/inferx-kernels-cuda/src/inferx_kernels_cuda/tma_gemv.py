@@ -31,6 +31,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from inferx_kernels_cuda.fused_kernels import _rounded, silu_times
 
 MAX_ROWS = 64
+# Shared memory an SM has on Hopper (and on sm_100): 228 KB.
+SM_SHARED_BYTES = 228 * 1024
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -312,16 +314,23 @@ def norm_config(rows: int, parts: int, gated: bool) -> TmaNormConfig:
     return TmaNormConfig(64, 128 if rows * parts <= 8 else 64, 4, 3)
 
 
-def plain_config(n: int, parts: int, num_sms: int) -> TmaGemvConfig:
-    """tma_linear_parts' tiles for a weight of n rows in `parts` K-slices, from
-    bench_tma_gemv.py --grid medium on the H200 (BENCHMARKS.md, session 13). Split GEMMs
-    (o_proj, down_proj, QKV): 64 x 128 tiles, 4 deep while every program fits on the SMs at
-    once (two an SM at that depth), else 3 deep (three an SM): 8B's QKV, 384 programs, took
-    15.07 µs 4 deep and 13.85 3 deep. Whole (gate_up): 128 x 128, 3 deep."""
-    if parts == 1:
-        return TmaGemvConfig(128, 128, 4, 3)
-    programs = triton.cdiv(n, 64) * parts
-    return TmaGemvConfig(64, 128, 4, 4 if programs <= 2 * num_sms else 3)
+def plain_config(n: int, parts: int, num_sms: int, rows: int = 1) -> TmaGemvConfig:
+    """tma_linear_parts' tiles for `rows` rows of x and a weight of n rows in `parts` K-slices:
+    the deepest pipeline (up to 4 stages, 128 K columns a tile, else 64) that keeps every
+    program resident at once, each SM's shared memory split between the programs it must hold.
+    64-row weight tiles, 128 for a whole gate_up at up to 16 rows of x. From bench_tma_gemv.py
+    on the H200 (BENCHMARKS.md, sessions 13-14): a second wave costs more than a shallower
+    pipeline (8B's QKV, 384 programs, 15.07 µs 4 deep, 13.85 3 deep; 3B's QKV at 64 rows,
+    160 programs of 128 KB, 7.19 µs against 5.64 at 64 K columns 6 deep)."""
+    block_m = max(16, triton.next_power_of_2(rows))
+    block_n = 128 if parts == 1 and block_m == 16 else 64
+    programs_per_sm = triton.cdiv(triton.cdiv(n, block_n) * parts, num_sms)
+    budget = SM_SHARED_BYTES // programs_per_sm - 1024  # the driver keeps 1 KB a program
+    for block_k in (128, 64):
+        stages = min(4, budget // ((block_n + block_m) * block_k * 2))
+        if stages >= 3:
+            return TmaGemvConfig(block_n, block_k, 4, stages)
+    return TmaGemvConfig(block_n, 64, 4, 2)
 
 
 def tma_norm_linear(
