@@ -489,11 +489,11 @@ def test_tma_row_limits_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
     for name in ("INFERX_TMA_GEMV_MAX_ROWS", "INFERX_TMA_NORM_MAX_ROWS"):
         monkeypatch.delenv(name, raising=False)
     ops = TritonOps()
-    assert (ops.tma_gemv_max_rows, ops.tma_norm_max_rows) == (16, 8)
-    monkeypatch.setenv("INFERX_TMA_GEMV_MAX_ROWS", "64")
+    assert (ops.tma_gemv_max_rows, ops.tma_norm_max_rows) == (64, 8)
+    monkeypatch.setenv("INFERX_TMA_GEMV_MAX_ROWS", "16")
     monkeypatch.setenv("INFERX_TMA_NORM_MAX_ROWS", "0")
     ops = TritonOps()
-    assert (ops.tma_gemv_max_rows, ops.tma_norm_max_rows) == (64, 0)
+    assert (ops.tma_gemv_max_rows, ops.tma_norm_max_rows) == (16, 0)
     for bad in ("65", "-1", "x", ""):
         monkeypatch.setenv("INFERX_TMA_NORM_MAX_ROWS", bad)
         with pytest.raises(ValueError, match="INFERX_TMA_NORM_MAX_ROWS must be an integer 0..64"):
@@ -564,11 +564,12 @@ def test_tiny_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPa
     layers = cfg["num_hidden_layers"]
     parted = [c for c in calls if c[1] == quant_none.SPLIT_PARTS]
     whole = [c for c in calls if c[1] == 1]
-    # The 6- and 4-row steps (the 27-row prefill is past tma_gemv_max_rows): o_proj and
-    # down_proj in parts; qwen2's decode step: QKV too. gate_up whole in the 4-row step only:
-    # the 6-row one takes the gated GEMV (5-32 rows) first.
+    # The 27-row prefill, the 6- and 4-row steps: o_proj and down_proj in parts; qwen2's
+    # decode step: QKV too. gate_up whole in the 4-row step only: the 27- and 6-row ones take
+    # the gated GEMV (5-32 rows) first.
     qkv = layers if name == "qwen2-tied" else 0
-    assert len(parted) == 2 * 2 * layers + qkv and whole == [((4, cfg["hidden_size"]), 1)] * layers
+    assert len(parted) == 3 * 2 * layers + qkv and whole == [((4, cfg["hidden_size"]), 1)] * layers
+    assert {c[0][0] for c in parted} == {27, 6, 4}
     assert_steps_match_torch_ops(cfg, weights, ours)
 
 

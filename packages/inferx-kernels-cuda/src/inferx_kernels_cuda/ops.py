@@ -120,10 +120,12 @@ class TritonOps(KernelOps):
         # Both on, H200 decode steps (profile_decode, session 13), off -> on: 3B batch 1 2.502
         # -> 2.254 ms, batch 8 2.437 -> 2.372; 8B batch 1 4.462 -> 4.119, batch 8 4.549 ->
         # 4.317. INFERX_TMA_GEMV=0 / INFERX_TMA_NORM=0 turn them off; the row limits
-        # (INFERX_TMA_GEMV_MAX_ROWS, INFERX_TMA_NORM_MAX_ROWS) are what has been measured: at
-        # 64 rows the plain TMA GEMMs were 22 µs a 3B step slower than cuBLAS.
+        # (INFERX_TMA_GEMV_MAX_ROWS, INFERX_TMA_NORM_MAX_ROWS) are what has been measured.
+        # tma_gemv to 64 rows (plain_config's tiles by rows), 16 -> 64 at 640 tokens (session
+        # 14): 3B batch 32 2.764 -> 2.705 ms, 64 3.169 -> 3.033; 8B batch 32 5.282 -> 5.202,
+        # 64 6.066 -> 5.981. The norm fusion past 8 rows loses (3B batch 32 2.786 -> 3.479).
         self.tma_gemv = env_switch("INFERX_TMA_GEMV", default=True)
-        self.tma_gemv_max_rows = env_int("INFERX_TMA_GEMV_MAX_ROWS", 16, 0, MAX_ROWS)
+        self.tma_gemv_max_rows = env_int("INFERX_TMA_GEMV_MAX_ROWS", MAX_ROWS, 0, MAX_ROWS)
         self.tma_norm = env_switch("INFERX_TMA_NORM", default=True)
         self.tma_norm_qkv = env_switch("INFERX_TMA_NORM_QKV", default=False)
         self.tma_norm_max_rows = env_int("INFERX_TMA_NORM_MAX_ROWS", 8, 0, MAX_ROWS)
