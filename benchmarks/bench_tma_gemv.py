@@ -7,11 +7,13 @@ runs, on the decode GEMM shapes of Qwen2.5-3B and Llama-3.1-8B:
 - tma sS: tma_linear_parts with S parts, under each config of a grid; the best per S.
 
 With --norm instead: the norm before QKV and gate_up, unfused (rms_norm_kernel, then cuBLAS or
-tma_linear_parts) against tma_norm_linear (one launch; norm_rows below).
+tma_linear_parts) against tma_norm_linear (one launch; norm_rows below). With --gated: gate_up
+and SiLU-and-mul, cuBLAS + silu_and_mul, the gated GEMV (skinny_linear), tma_linear_parts +
+silu_and_mul and tma_linear_silu_and_mul (one launch; gated_rows below).
 
     python benchmarks/bench_tma_gemv.py [--models qwen2.5-3b,llama-3.1-8b] [--m 1,8]
         [--shapes qkv,o,gate_up,down] [--parts 1,2,4] [--grid small|medium|full]
-        [--norm [--norm-qkv-parts 1,4]] [--json OUT.json]
+        [--norm [--norm-qkv-parts 1,4] | --gated] [--json OUT.json]
 
 µs per call of 20 calls captured in one CUDA graph and replayed, cycling over enough weight
 copies that every call reads its weights from HBM (bench_gemv's graph_us). TB/s = weight bytes
@@ -34,12 +36,14 @@ from bench_gemv import MAX_REL_ERR, cold_weights, graph_us, linear_shapes, rel_e
 from commit_id import commit_id
 
 from inferx_core.quant_none import SPLIT_PARTS, split_k_bmm
+from inferx_kernels_cuda.gemv import skinny_linear
 from inferx_kernels_cuda.ops import TritonOps
 from inferx_kernels_cuda.tma_gemv import (
     TmaGemvConfig,
     TmaNormConfig,
     plain_config,
     tma_linear_parts,
+    tma_linear_silu_and_mul,
     tma_norm_linear,
 )
 
@@ -196,6 +200,55 @@ def plain_rows(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def gated_rows(args: argparse.Namespace) -> list[dict]:
+    """--gated: silu(gate) * up of x @ gate_up.T four ways (cuBLAS + silu_and_mul, the gated
+    GEMV, tma_linear_parts + silu_and_mul, tma_linear_silu_and_mul at plain_config's tiles for
+    the rows (rule) and under each config of the grid, the best of them)."""
+    ops, sms, rows = TritonOps(), torch.cuda.get_device_properties(0).multi_processor_count, []
+    for model in args.models.split(","):
+        shape = next(s for s in linear_shapes(model) if s.name == "gate_up")
+        weights = cold_weights(shape.n, shape.k)
+        half = shape.n // 2
+        for m in (int(v) for v in args.m.split(",")):
+            x = torch.randn(m, shape.k, device="cuda", dtype=torch.bfloat16)
+            ref = ops.silu_and_mul(F.linear(x, weights[0]))
+            plain = plain_config(shape.n, 1, sms, m)
+            rule = plain_config(half, 1, sms, m, gated=True)
+            row = {
+                "model": model, "n": shape.n, "k": shape.k, "m": m,
+                "cublas_us": graph_us(lambda w, x=x: ops.silu_and_mul(F.linear(x, w)), weights),
+                "gemv_us": graph_us(lambda w, x=x: skinny_linear(x, w, None, gated=True), weights),
+                "tma_silu_us": graph_us(
+                    lambda w, x=x, c=plain: ops.silu_and_mul(tma_linear_parts(x, w, 1, c)[0]),
+                    weights,
+                ),
+                "rule": {"config": str(rule), "us": graph_us(
+                    lambda w, x=x, c=rule: tma_linear_silu_and_mul(x, w, c), weights)},
+                "gated": [],
+            }  # fmt: skip
+            for cfg in configs(args.grid):
+                try:
+                    err = rel_err(tma_linear_silu_and_mul(x, weights[0], cfg), ref)
+                except Exception as e:  # e.g. more shared memory than an SM has
+                    print(f"  {model} M={m} {cfg}: {e}"[:160])
+                    continue
+                us = None
+                if err <= MAX_REL_ERR:
+                    us = graph_us(lambda w, x=x, c=cfg: tma_linear_silu_and_mul(x, w, c), weights)
+                row["gated"].append({"parts": 1, "config": str(cfg), "rel_err": err, "us": us})
+            best = best_per_parts(row["gated"]).get(1)
+            row["best"] = best
+            print(
+                f"{model:<13}M={m:<3} cublas+silu {row['cublas_us']:6.2f}  gemv "
+                f"{row['gemv_us']:6.2f}  tma+silu {row['tma_silu_us']:6.2f}  gated rule "
+                f"{row['rule']['us']:6.2f} [{rule}]"
+                + (f"  gated best {best['us']:6.2f} [{best['config']}]" if best else ""),
+                flush=True,
+            )
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="qwen2.5-3b,llama-3.1-8b")
@@ -205,12 +258,13 @@ def main() -> None:
     ap.add_argument("--grid", default="small", choices=["small", "medium", "full"])
     ap.add_argument("--norm", action="store_true", help="time tma_norm_linear instead")
     ap.add_argument("--norm-qkv-parts", default="4", help="--norm: the fused QKV's splits")
+    ap.add_argument("--gated", action="store_true", help="time gate_up + SiLU-and-mul instead")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_tma_gemv needs a CUDA GPU")
     torch.manual_seed(0)
-    rows = norm_rows(args) if args.norm else plain_rows(args)
+    rows = norm_rows(args) if args.norm else gated_rows(args) if args.gated else plain_rows(args)
     if args.json:
         meta = {"commit": commit_id(), "device": torch.cuda.get_device_name(),
                 "torch": torch.__version__, "args": vars(args)}  # fmt: skip

@@ -573,6 +573,29 @@ def test_tiny_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPa
     assert_steps_match_torch_ops(cfg, weights, ours)
 
 
+@interpreted
+@pytest.mark.parametrize("name", ["llama3-scaled", "qwen2-tied"])
+def test_tiny_model_logits_with_tma_gated(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """INFERX_TMA_GATED=1, the norm fusion off: every gate_up of up to 64 rows (the 27-row
+    prefill, the 6- and 4-row steps) with its SiLU-and-mul in one tma_linear_silu_and_mul
+    launch, ahead of the gated GEMV; logits stay the torch reference's."""
+    monkeypatch.setenv("INFERX_TMA_GATED", "1")
+    monkeypatch.setenv("INFERX_TMA_NORM", "0")
+    cfg = CONFIGS[name]
+    weights = model_weights(cfg, seed=17)
+    calls: list[int] = []
+    real = triton_ops.tma_linear_silu_and_mul
+
+    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(triton_ops, "tma_linear_silu_and_mul", counted)
+    ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, TorchAttention)
+    assert sorted(calls) == sorted([27, 6, 4] * cfg["num_hidden_layers"])
+    assert_steps_match_torch_ops(cfg, weights, ours)
+
+
 def count_tma_norm(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:
     """(rows, parts, gated) of every tma_norm_linear call TritonOps makes from now on."""
     calls: list[tuple[int, int, bool]] = []

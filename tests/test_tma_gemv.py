@@ -1,5 +1,6 @@
 """tma_linear_parts (inferx_kernels_cuda.tma_gemv): partial products over K slices, read through
-TMA tensor descriptors, against float64 and F.linear; on the CPU under the interpreter (which
+TMA tensor descriptors, against float64 and F.linear; its gated form (SiLU-and-mul after) and
+the norm fused in front (tma_norm_linear); on the CPU under the interpreter (which
 runs tensor descriptors, zero fill past the edges included), bf16 at the real shapes on a GPU."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from inferx_kernels_cuda.tma_gemv import (  # noqa: E402
     norm_config,
     plain_config,
     tma_linear_parts,
+    tma_linear_silu_and_mul,
     tma_norm_linear,
 )
 
@@ -71,6 +73,25 @@ def test_more_parts_than_k_blocks_gives_zero_parts() -> None:
     assert rel_err(out.sum(0), x.double() @ w.double().T) < 2**-9
 
 
+def silu_and_mul_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    gate, up = (x.double() @ w.double().T).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@interpreted
+@pytest.mark.parametrize("m", [1, 5, 40])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float16, 2**-8), (torch.float32, 1e-5)])
+def test_silu_and_mul_in_the_epilogue(m: int, dtype: torch.dtype, tol: float) -> None:
+    """gate rows 0..49, up rows 50..99: the last 32-row tile of gate rows (32..63) reaches into
+    the up rows, whose outputs are never stored; K ragged (96 over 32-column tiles is even, 80
+    is not). fp16 rounds gate, up and silu (a few ulps); fp32 against float64."""
+    for k in (96, 80):
+        x, w = inputs(m, 100, k, dtype, "cpu", seed=m + k)
+        out = tma_linear_silu_and_mul(x, w, SMALL)
+        assert out.shape == (m, 50) and out.dtype == dtype
+        assert rel_err(out, silu_and_mul_reference(x, w)) < tol
+
+
 def test_refuses_what_tma_cannot_read() -> None:
     x, w = inputs(1, 40, 64, torch.float16, "cpu", seed=3)
     with pytest.raises(ValueError, match="must agree on K"):
@@ -79,6 +100,10 @@ def test_refuses_what_tma_cannot_read() -> None:
         tma_linear_parts(torch.zeros(MAX_ROWS + 1, 64, dtype=torch.float16), w)
     with pytest.raises(ValueError, match="must share float16, bfloat16 or float32"):
         tma_linear_parts(x.float(), w)
+    with pytest.raises(ValueError, match="gate then up rows"):
+        tma_linear_silu_and_mul(x, w[:39])
+    with pytest.raises(ValueError, match="tma_linear_silu_and_mul: takes 1 to 64 rows"):
+        tma_linear_silu_and_mul(torch.zeros(MAX_ROWS + 1, 64, dtype=torch.float16), w)
     with pytest.raises(ValueError, match="16-byte aligned rows"):
         odd = torch.zeros(40, 68, dtype=torch.float16)[:, :60]  # rows 136 bytes apart
         tma_linear_parts(torch.zeros(1, 60, dtype=torch.float16), odd)
@@ -172,6 +197,9 @@ def test_configs_by_rows_and_programs() -> None:
     assert plain_config(2560, 4, num_sms=132, rows=64) == TmaGemvConfig(64, 128, 4, 3)
     assert plain_config(2048, 4, num_sms=132, rows=64) == TmaGemvConfig(64, 128, 4, 4)
     assert plain_config(22016, 1, num_sms=132, rows=33) == TmaGemvConfig(64, 64, 4, 4)
+    # gated (gate and up tiles a stage): 3B's 11008 outputs, 172 programs, two an SM
+    assert plain_config(11008, 1, num_sms=132, rows=16, gated=True) == TmaGemvConfig(64, 128, 4, 3)
+    assert plain_config(11008, 1, num_sms=132, rows=64, gated=True) == TmaGemvConfig(64, 64, 4, 4)
 
 
 # (n, k) of the decode GEMMs: Qwen2.5-3B QKV, o_proj, gate_up, down_proj, then Llama-3.1-8B's.
@@ -195,6 +223,20 @@ def test_gpu_bf16_real_shapes(shape: str, m: int, parts: int) -> None:
     out = tma_linear_parts(x, w * 0.02, parts, plain_config(n, parts, sms, m))
     # F.linear rounds once; the parts' sum rounds each part (a bf16 ulp, 2**-8, each).
     assert rel_err(out.float().sum(0), F.linear(x, w * 0.02)) < parts * 2**-7
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["3b", "8b"])
+@pytest.mark.parametrize("m", [1, 9, 32, 64])
+def test_gpu_silu_and_mul_bf16_real_shapes(model: str, m: int) -> None:
+    """gate_up + SiLU-and-mul at TritonOps' tiles (plain_config, gated)."""
+    n, k = REAL[f"{model}-gate_up"]
+    x, w = inputs(m, n, k, torch.bfloat16, "cuda", seed=m + 1)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = tma_linear_silu_and_mul(x, w * 0.02, plain_config(n // 2, 1, sms, m, gated=True))
+    # gate, up and silu each rounded to bf16 (2**-8 relative) before the product
+    assert rel_err(out, silu_and_mul_reference(x, w * 0.02)) < 4 * 2**-8
 
 
 @on_gpu

@@ -18,6 +18,7 @@ from inferx_kernels_cuda.tma_gemv import (
     norm_config,
     plain_config,
     tma_linear_parts,
+    tma_linear_silu_and_mul,
     tma_norm_linear,
 )
 
@@ -126,6 +127,9 @@ class TritonOps(KernelOps):
         # 64 6.066 -> 5.981. The norm fusion past 8 rows loses (3B batch 32 2.786 -> 3.479).
         self.tma_gemv = env_switch("INFERX_TMA_GEMV", default=True)
         self.tma_gemv_max_rows = env_int("INFERX_TMA_GEMV_MAX_ROWS", MAX_ROWS, 0, MAX_ROWS)
+        # tma_gated: gate_up and SiLU-and-mul as one tma_linear_silu_and_mul launch where the
+        # norm is not fused (9..tma_gemv_max_rows rows), ahead of the gated GEMV.
+        self.tma_gated = env_switch("INFERX_TMA_GATED", default=False)
         self.tma_norm = env_switch("INFERX_TMA_NORM", default=True)
         self.tma_norm_qkv = env_switch("INFERX_TMA_NORM_QKV", default=False)
         self.tma_norm_max_rows = env_int("INFERX_TMA_NORM_MAX_ROWS", 8, 0, MAX_ROWS)
@@ -210,6 +214,10 @@ class TritonOps(KernelOps):
         return out
 
     def linear_silu_and_mul(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.tma_gated and linear.bias is None and self._takes_tma(linear, x):
+            sms = 132 if self._interpret else _num_sms(x.device)
+            cfg = plain_config(linear.weight.shape[0] // 2, 1, sms, x.shape[0], gated=True)
+            return tma_linear_silu_and_mul(x, linear.weight, cfg)
         if (
             isinstance(linear, DenseLinear)
             and x.dim() == 2

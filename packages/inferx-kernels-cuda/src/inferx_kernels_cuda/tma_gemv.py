@@ -57,21 +57,26 @@ def tma_gemv_kernel(
     m,
     n,
     k_per_split,
+    up_row,
     stride_os,
     stride_om,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Grid (row blocks, splits): out[s, :, rows] = x[:, ks] @ W[rows, ks].T, ks = split s's
-    k_per_split columns (a multiple of BLOCK_K; the last split's run past K reads zeros)."""
+    k_per_split columns (a multiple of BLOCK_K; the last split's run past K reads zeros).
+    GATED (one split): W holds gate rows, then up rows from up_row; out [m, n] = silu(gate) *
+    up for gate rows n, each rounded as silu_and_mul after the GEMM rounds them."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     n0 = pid_n * BLOCK_N
     k0 = pid_s * k_per_split
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for kk in range(0, k_per_split, BLOCK_K):
         w = w_desc.load([n0, k0 + kk])  # [BLOCK_N, BLOCK_K]
         x = x_desc.load([0, k0 + kk])  # [BLOCK_M, BLOCK_K], rows past m zero
@@ -79,10 +84,18 @@ def tma_gemv_kernel(
             w = w.to(tl.float32)
             x = x.to(tl.float32)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        if GATED:
+            wu = w_desc.load([up_row + n0, k0 + kk])
+            if UPCAST:
+                wu = wu.to(tl.float32)
+            acc_up = tl.dot(wu, tl.trans(x), acc_up, input_precision=DOT_PRECISION)
     rows = n0 + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_M)
     out = out_ptr + pid_s * stride_os + cols[None, :] * stride_om + rows[:, None]
     mask = (rows[:, None] < n) & (cols[None, :] < m)
+    if GATED:
+        dtype = out_ptr.dtype.element_ty
+        acc = silu_times(_rounded(acc, dtype), _rounded(acc_up, dtype), dtype)
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -118,21 +131,42 @@ def tma_linear_parts(
 ) -> torch.Tensor:
     """[parts, M, N] partial products of x [M <= MAX_ROWS, K] and weight [N, K] over equal
     slices of K (their sum is F.linear(x, weight) up to rounding), in x's dtype."""
-    cfg = config or TmaGemvConfig()
-    problem = input_problem(x, weight, parts)
+    return _launch(x, weight, parts, False, config or TmaGemvConfig())
+
+
+def tma_linear_silu_and_mul(
+    x: torch.Tensor, weight: torch.Tensor, config: TmaGemvConfig | None = None
+) -> torch.Tensor:
+    """silu(gate) * up as [M, I] for x [M <= MAX_ROWS, K] and weight [2I, K] (gate rows, then
+    up rows): silu_and_mul(F.linear(x, weight)) in one launch. Each program reads BLOCK_N gate
+    rows and the BLOCK_N up rows I further on."""
+    if weight.dim() == 2 and weight.shape[0] % 2:
+        raise ValueError(
+            f"tma_linear_silu_and_mul: weight needs gate then up rows (an even count), got "
+            f"{weight.shape[0]}"
+        )
+    return _launch(x, weight, 1, True, config or TmaGemvConfig(64, 128, 4, 3))
+
+
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, parts: int, gated: bool, cfg: TmaGemvConfig
+) -> torch.Tensor:
+    name = "tma_linear_silu_and_mul" if gated else "tma_linear_parts"
+    problem = input_problem(x, weight, parts, name)
     if problem:
         raise ValueError(problem)
     m, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
     block_m = max(16, triton.next_power_of_2(m))
     k_per_split = triton.cdiv(triton.cdiv(k, parts), cfg.block_k) * cfg.block_k
-    out = torch.empty((parts, m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n) if gated else (parts, m, n), dtype=x.dtype, device=x.device)
     x_desc = TensorDescriptor.from_tensor(x, block_shape=[block_m, cfg.block_k])
     w_desc = TensorDescriptor.from_tensor(weight, block_shape=[cfg.block_n, cfg.block_k])
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     tma_gemv_kernel[(triton.cdiv(n, cfg.block_n), parts)](
-        x_desc, w_desc, out, m, n, k_per_split, out.stride(0), out.stride(1),
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        x_desc, w_desc, out, m, n, k_per_split, n, 0 if gated else out.stride(0),
+        out.stride(-2),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated,
         UPCAST=interpret and x.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -314,8 +348,11 @@ def norm_config(rows: int, parts: int, gated: bool) -> TmaNormConfig:
     return TmaNormConfig(64, 128 if rows * parts <= 8 else 64, 4, 3)
 
 
-def plain_config(n: int, parts: int, num_sms: int, rows: int = 1) -> TmaGemvConfig:
-    """tma_linear_parts' tiles for `rows` rows of x and a weight of n rows in `parts` K-slices:
+def plain_config(
+    n: int, parts: int, num_sms: int, rows: int = 1, gated: bool = False
+) -> TmaGemvConfig:
+    """tma_linear_parts' tiles for `rows` rows of x and a weight of n rows in `parts` K-slices
+    (gated: tma_linear_silu_and_mul's for n output rows, a gate and an up tile a program):
     the deepest pipeline (up to 4 stages, 128 K columns a tile, else 64) that keeps every
     program resident at once, each SM's shared memory split between the programs it must hold.
     64-row weight tiles, 128 for a whole gate_up at up to 16 rows of x. From bench_tma_gemv.py
@@ -323,11 +360,12 @@ def plain_config(n: int, parts: int, num_sms: int, rows: int = 1) -> TmaGemvConf
     pipeline (8B's QKV, 384 programs, 15.07 µs 4 deep, 13.85 3 deep; 3B's QKV at 64 rows,
     160 programs of 128 KB, 7.19 µs against 5.64 at 64 K columns 6 deep)."""
     block_m = max(16, triton.next_power_of_2(rows))
-    block_n = 128 if parts == 1 and block_m == 16 else 64
+    block_n = 128 if parts == 1 and block_m == 16 and not gated else 64
+    tile_rows = (2 if gated else 1) * block_n + block_m  # weight and x rows a stage holds
     programs_per_sm = triton.cdiv(triton.cdiv(n, block_n) * parts, num_sms)
     budget = SM_SHARED_BYTES // programs_per_sm - 1024  # the driver keeps 1 KB a program
     for block_k in (128, 64):
-        stages = min(4, budget // ((block_n + block_m) * block_k * 2))
+        stages = min(4, budget // (tile_rows * block_k * 2))
         if stages >= 3:
             return TmaGemvConfig(block_n, block_k, 4, stages)
     return TmaGemvConfig(block_n, 64, 4, 2)
