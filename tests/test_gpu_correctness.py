@@ -5,6 +5,8 @@ eagerly and (where the backend supports them) with CUDA graphs for decode."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import FIXTURES
@@ -29,12 +31,15 @@ PROMPTS = [
 
 def backends() -> list[tuple[str, bool]]:
     """(attention backend, cuda_graphs): each installed backend eagerly, and with CUDA graphs
-    too where it supports them."""
+    too where it supports them. INFERX_TEST_BACKENDS (comma-separated names) narrows the list,
+    e.g. to skip FlashInfer's minutes of JIT compiles on a fresh machine."""
     reg = plugins()
     names = reg.names("attention_backend")
+    only = os.environ.get("INFERX_TEST_BACKENDS")
+    wanted = only.split(",") if only else ["torch", "triton", "flashinfer"]
     runs = []
     for name in ("torch", "triton", "flashinfer"):
-        if name in names:
+        if name in names and name in wanted:
             graphs = getattr(reg.get("attention_backend", name), "supports_cuda_graphs", False)
             runs += [(name, False), (name, True)] if graphs else [(name, False)]
     return runs

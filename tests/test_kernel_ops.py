@@ -453,7 +453,7 @@ def test_gated_gemv_only_up_to_max_k(monkeypatch: pytest.MonkeyPatch) -> None:
     linear.weight.data.normal_()
     x = torch.randn(6, 64)
     ops = TritonOps()
-    ops.gated_gemv_rows = (1, 8)
+    ops.gated_gemv_rows, ops.tma_gated = (1, 8), False
     fused = ops.linear_silu_and_mul(linear, x)
     ops.gated_gemv_max_k = 32
     unfused = ops.linear_silu_and_mul(linear, x)
@@ -516,7 +516,7 @@ def test_tma_parts_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
     weights = model_weights(cfg, seed=17)
     calls = count_tma(monkeypatch)
     ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, triton_with_qkv_parts)
-    assert {parts for _, parts in calls} == {1, 3}  # gate_up whole, the rest in 3
+    assert {parts for _, parts in calls} == {3}  # gate_up: tma_linear_silu_and_mul
     assert_steps_match_torch_ops(cfg, weights, ours)
 
 
@@ -550,12 +550,13 @@ def count_tma(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], in
 @interpreted
 @pytest.mark.parametrize("name", ["llama3-scaled", "qwen2-tied"])
 def test_tiny_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """INFERX_TMA_GEMV=1, the norm fusion off: o_proj and down_proj as SPLIT_PARTS parts for
-    the norm, gate_up whole (outside the gated GEMV's rows), and (qwen2, on the triton backend
-    with qkv_parts) the decode-only step's QKV as parts plus the bias for the decode kernel,
-    all by tma_linear_parts; logits stay the torch reference's."""
+    """INFERX_TMA_GEMV=1, the norm fusion and the gated form off: o_proj and down_proj as
+    SPLIT_PARTS parts for the norm, gate_up whole (outside the gated GEMV's rows), and (qwen2,
+    on the triton backend with qkv_parts) the decode-only step's QKV as parts plus the bias for
+    the decode kernel, all by tma_linear_parts; logits stay the torch reference's."""
     monkeypatch.setenv("INFERX_TMA_GEMV", "1")
     monkeypatch.setenv("INFERX_TMA_NORM", "0")
+    monkeypatch.setenv("INFERX_TMA_GATED", "0")
     cfg = CONFIGS[name]
     weights = model_weights(cfg, seed=11)
     calls = count_tma(monkeypatch)

@@ -106,6 +106,7 @@ class TritonOps(KernelOps):
         # 2.718, 2.566 -> 3.102 ms). Llama-3.1-8B's gate_up (K 4096) gains nothing: level with
         # cuBLAS at 8 rows in bench_gemv, 4.787 -> 4.835 ms at batch 32 in the model
         # (BENCHMARKS.md, session 10).
+        # On a Hopper or newer GPU the TMA form (tma_gated below) takes these rows first.
         # INFERX_GATED_GEMV_ROWS="LO-HI", "N" (1-N) or "0" (off).
         self.gated_gemv_rows = gated_rows(os.environ.get("INFERX_GATED_GEMV_ROWS", "5-32"))
         self.gated_gemv_max_k = 2048
@@ -128,8 +129,10 @@ class TritonOps(KernelOps):
         self.tma_gemv = env_switch("INFERX_TMA_GEMV", default=True)
         self.tma_gemv_max_rows = env_int("INFERX_TMA_GEMV_MAX_ROWS", MAX_ROWS, 0, MAX_ROWS)
         # tma_gated: gate_up and SiLU-and-mul as one tma_linear_silu_and_mul launch where the
-        # norm is not fused (9..tma_gemv_max_rows rows), ahead of the gated GEMV.
-        self.tma_gated = env_switch("INFERX_TMA_GATED", default=False)
+        # norm is not fused (9..tma_gemv_max_rows rows), ahead of the gated GEMV. H200 steps at
+        # 640 tokens, off -> on (session 14): 3B batch 16 2.554 -> 2.524 ms, 32 2.733 -> 2.694,
+        # 64 3.063 -> 2.984; 8B batch 16 4.773 -> 4.718, 32 5.266 -> 5.203, 64 6.055 -> 5.953.
+        self.tma_gated = env_switch("INFERX_TMA_GATED", default=True)
         self.tma_norm = env_switch("INFERX_TMA_NORM", default=True)
         self.tma_norm_qkv = env_switch("INFERX_TMA_NORM_QKV", default=False)
         self.tma_norm_max_rows = env_int("INFERX_TMA_NORM_MAX_ROWS", 8, 0, MAX_ROWS)
