@@ -802,15 +802,15 @@ def test_gpu_model_logits_with_qkv_parts(name: str, monkeypatch: pytest.MonkeyPa
 @pytest.mark.parametrize("name", ["qwen2.5-3b-instruct", "llama-3.1-8b-instruct"])
 def test_gpu_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """INFERX_TMA_GEMV=1 (INFERX_TMA_NORM=0), two layers of the real shapes, bf16, the triton
-    backend with qkv_parts: o_proj, down_proj, gate_up (outside the gated GEMV's rows) and the
-    decode step's QKV (both models) on tma_linear_parts; the logits stay TorchOps +
-    TorchAttention's."""
+    backend with qkv_parts: o_proj and down_proj (in the 27-row prefill and the 6- and 4-row
+    steps) and the decode step's QKV (both models) on tma_linear_parts, gate_up on
+    tma_linear_silu_and_mul; the logits stay TorchOps + TorchAttention's."""
     monkeypatch.setenv("INFERX_TMA_GEMV", "1")
     monkeypatch.setenv("INFERX_TMA_NORM", "0")
     calls = count_tma(monkeypatch)
     assert_two_layers_match_torch_ops(name, TritonOps(), triton_with_qkv_parts)
     # (TorchOps never calls tma_linear_parts: these are all the triton run's)
-    assert len([c for c in calls if c[1] == quant_none.SPLIT_PARTS]) == 2 * 2 * 2 + 2
+    assert len([c for c in calls if c[1] == quant_none.SPLIT_PARTS]) == 3 * 2 * 2 + 2
 
 
 @on_gpu

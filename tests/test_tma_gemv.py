@@ -200,6 +200,10 @@ def test_configs_by_rows_and_programs() -> None:
     # gated (gate and up tiles a stage): 3B's 11008 outputs, 172 programs, two an SM
     assert plain_config(11008, 1, num_sms=132, rows=16, gated=True) == TmaGemvConfig(64, 128, 4, 3)
     assert plain_config(11008, 1, num_sms=132, rows=64, gated=True) == TmaGemvConfig(64, 64, 4, 4)
+    # float32 (the GPU tests' tiny models): half the stages fit; 64 rows of o_proj 3 deep, not 4
+    # (a 64 x 128 float32 tile pair 4 deep was 229 KB in Triton's sm_90 compile)
+    assert plain_config(2048, 4, num_sms=132, rows=64, elem_bytes=4) == TmaGemvConfig(64, 128, 4, 3)
+    assert plain_config(11008, 1, 132, 64, gated=True, elem_bytes=4) == TmaGemvConfig(64, 64, 4, 2)
 
 
 # (n, k) of the decode GEMMs: Qwen2.5-3B QKV, o_proj, gate_up, down_proj, then Llama-3.1-8B's.

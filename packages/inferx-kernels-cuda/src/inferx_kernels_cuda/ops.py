@@ -219,7 +219,8 @@ class TritonOps(KernelOps):
     def linear_silu_and_mul(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.tma_gated and linear.bias is None and self._takes_tma(linear, x):
             sms = 132 if self._interpret else _num_sms(x.device)
-            cfg = plain_config(linear.weight.shape[0] // 2, 1, sms, x.shape[0], gated=True)
+            half = linear.weight.shape[0] // 2
+            cfg = plain_config(half, 1, sms, x.shape[0], True, x.element_size())
             return tma_linear_silu_and_mul(x, linear.weight, cfg)
         if (
             isinstance(linear, DenseLinear)
@@ -253,7 +254,7 @@ class TritonOps(KernelOps):
 
     def _tma(self, x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
         sms = 132 if self._interpret else _num_sms(x.device)
-        cfg = plain_config(weight.shape[0], parts, sms, x.shape[0])
+        cfg = plain_config(weight.shape[0], parts, sms, x.shape[0], False, x.element_size())
         return tma_linear_parts(x, weight, parts, cfg)
 
     def _fuses_norm(self, linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> bool:

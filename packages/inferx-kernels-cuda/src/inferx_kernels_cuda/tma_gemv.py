@@ -349,10 +349,11 @@ def norm_config(rows: int, parts: int, gated: bool) -> TmaNormConfig:
 
 
 def plain_config(
-    n: int, parts: int, num_sms: int, rows: int = 1, gated: bool = False
+    n: int, parts: int, num_sms: int, rows: int = 1, gated: bool = False, elem_bytes: int = 2
 ) -> TmaGemvConfig:
     """tma_linear_parts' tiles for `rows` rows of x and a weight of n rows in `parts` K-slices
-    (gated: tma_linear_silu_and_mul's for n output rows, a gate and an up tile a program):
+    (gated: tma_linear_silu_and_mul's for n output rows, a gate and an up tile a program) of
+    elem_bytes elements (float32's 4 halve the stages that fit):
     the deepest pipeline (up to 4 stages, 128 K columns a tile, else 64) that keeps every
     program resident at once, each SM's shared memory split between the programs it must hold.
     64-row weight tiles, 128 for a whole gate_up at up to 16 rows of x. From bench_tma_gemv.py
@@ -365,10 +366,10 @@ def plain_config(
     programs_per_sm = triton.cdiv(triton.cdiv(n, block_n) * parts, num_sms)
     budget = SM_SHARED_BYTES // programs_per_sm - 1024  # the driver keeps 1 KB a program
     for block_k in (128, 64):
-        stages = min(4, budget // (tile_rows * block_k * 2))
+        stages = min(4, budget // (tile_rows * block_k * elem_bytes))
         if stages >= 3:
             return TmaGemvConfig(block_n, block_k, 4, stages)
-    return TmaGemvConfig(block_n, 64, 4, 2)
+    return TmaGemvConfig(block_n, 64, 4, 2)  # fits alone: 192 x 64 x 4 bytes x 2 = 96 KB
 
 
 def tma_norm_linear(
