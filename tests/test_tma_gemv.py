@@ -201,7 +201,7 @@ def test_configs_by_rows_and_programs() -> None:
     assert plain_config(11008, 1, num_sms=132, rows=16, gated=True) == TmaGemvConfig(64, 128, 4, 3)
     assert plain_config(11008, 1, num_sms=132, rows=64, gated=True) == TmaGemvConfig(64, 64, 4, 4)
     # float32 (the GPU tests' tiny models): half the stages fit; 64 rows of o_proj 3 deep, not 4
-    # (a 64 x 128 float32 tile pair 4 deep was 229 KB in Triton's sm_90 compile)
+    # (the gated tiles at 64 rows 4 deep were 320 KB in Triton's sm_90 compile, 227 allowed)
     assert plain_config(2048, 4, num_sms=132, rows=64, elem_bytes=4) == TmaGemvConfig(64, 128, 4, 3)
     assert plain_config(11008, 1, 132, 64, gated=True, elem_bytes=4) == TmaGemvConfig(64, 64, 4, 2)
 
