@@ -490,10 +490,14 @@ def test_tma_row_limits_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
         monkeypatch.delenv(name, raising=False)
     ops = TritonOps()
     assert (ops.tma_gemv_max_rows, ops.tma_norm_max_rows) == (64, 8)
-    monkeypatch.setenv("INFERX_TMA_GEMV_MAX_ROWS", "16")
+    monkeypatch.setenv("INFERX_TMA_GEMV_MAX_ROWS", "128")  # past 64 only for A/B runs
     monkeypatch.setenv("INFERX_TMA_NORM_MAX_ROWS", "0")
     ops = TritonOps()
-    assert (ops.tma_gemv_max_rows, ops.tma_norm_max_rows) == (16, 0)
+    assert (ops.tma_gemv_max_rows, ops.tma_norm_max_rows) == (128, 0)
+    monkeypatch.setenv("INFERX_TMA_GEMV_MAX_ROWS", "129")
+    with pytest.raises(ValueError, match="INFERX_TMA_GEMV_MAX_ROWS must be an integer 0..128"):
+        TritonOps()
+    monkeypatch.setenv("INFERX_TMA_GEMV_MAX_ROWS", "16")
     for bad in ("65", "-1", "x", ""):
         monkeypatch.setenv("INFERX_TMA_NORM_MAX_ROWS", bad)
         with pytest.raises(ValueError, match="INFERX_TMA_NORM_MAX_ROWS must be an integer 0..64"):

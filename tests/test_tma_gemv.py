@@ -43,7 +43,7 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @interpreted
-@pytest.mark.parametrize("m", [1, 3, 16, 40])
+@pytest.mark.parametrize("m", [1, 3, 16, 40, 100])
 @pytest.mark.parametrize(("n", "k", "parts"), [(100, 96, 1), (70, 200, 3), (33, 64, 2)])
 def test_half_parts_sum_to_the_product(m: int, n: int, k: int, parts: int) -> None:
     """float16 (the interpreter rounds fp32 to bf16 by truncation; bf16 runs on the GPU below).
@@ -96,13 +96,13 @@ def test_refuses_what_tma_cannot_read() -> None:
     x, w = inputs(1, 40, 64, torch.float16, "cpu", seed=3)
     with pytest.raises(ValueError, match="must agree on K"):
         tma_linear_parts(x, w[:, :32])
-    with pytest.raises(ValueError, match="1 to 64 rows"):
+    with pytest.raises(ValueError, match="1 to 128 rows"):
         tma_linear_parts(torch.zeros(MAX_ROWS + 1, 64, dtype=torch.float16), w)
     with pytest.raises(ValueError, match="must share float16, bfloat16 or float32"):
         tma_linear_parts(x.float(), w)
     with pytest.raises(ValueError, match="gate then up rows"):
         tma_linear_silu_and_mul(x, w[:39])
-    with pytest.raises(ValueError, match="tma_linear_silu_and_mul: takes 1 to 64 rows"):
+    with pytest.raises(ValueError, match="tma_linear_silu_and_mul: takes 1 to 128 rows"):
         tma_linear_silu_and_mul(torch.zeros(MAX_ROWS + 1, 64, dtype=torch.float16), w)
     with pytest.raises(ValueError, match="16-byte aligned rows"):
         odd = torch.zeros(40, 68, dtype=torch.float16)[:, :60]  # rows 136 bytes apart
@@ -196,6 +196,7 @@ def test_configs_by_rows_and_programs() -> None:
     # 64 rows of x: 3B's QKV 3 deep (two 96 KB programs an SM), gate_up in 64 x 64 tiles
     assert plain_config(2560, 4, num_sms=132, rows=64) == TmaGemvConfig(64, 128, 4, 3)
     assert plain_config(2048, 4, num_sms=132, rows=64) == TmaGemvConfig(64, 128, 4, 4)
+    assert plain_config(2560, 4, num_sms=132, rows=128) == TmaGemvConfig(64, 64, 4, 4)
     assert plain_config(22016, 1, num_sms=132, rows=33) == TmaGemvConfig(64, 64, 4, 4)
     # gated (gate and up tiles a stage): 3B's 11008 outputs, 172 programs, two an SM
     assert plain_config(11008, 1, num_sms=132, rows=16, gated=True) == TmaGemvConfig(64, 128, 4, 3)

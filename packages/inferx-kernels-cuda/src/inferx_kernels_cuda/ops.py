@@ -13,6 +13,7 @@ from inferx_core.interfaces.ops import KernelOps, check_parts
 from inferx_core.quant_none import SPLIT_PARTS, DenseLinear
 from inferx_kernels_cuda import fused_kernels as kernels
 from inferx_kernels_cuda.gemv import MAX_ROWS, skinny_linear
+from inferx_kernels_cuda.tma_gemv import MAX_ROWS as TMA_MAX_ROWS
 from inferx_kernels_cuda.tma_gemv import input_problem as tma_input_problem
 from inferx_kernels_cuda.tma_gemv import (
     norm_config,
@@ -127,7 +128,8 @@ class TritonOps(KernelOps):
         # 14): 3B batch 32 2.764 -> 2.705 ms, 64 3.169 -> 3.033; 8B batch 32 5.282 -> 5.202,
         # 64 6.066 -> 5.981. The norm fusion past 8 rows loses (3B batch 32 2.786 -> 3.479).
         self.tma_gemv = env_switch("INFERX_TMA_GEMV", default=True)
-        self.tma_gemv_max_rows = env_int("INFERX_TMA_GEMV_MAX_ROWS", MAX_ROWS, 0, MAX_ROWS)
+        # (65-128 rows only for A/B runs: unmeasured.)
+        self.tma_gemv_max_rows = env_int("INFERX_TMA_GEMV_MAX_ROWS", 64, 0, TMA_MAX_ROWS)
         # tma_gated: gate_up and SiLU-and-mul as one tma_linear_silu_and_mul launch where the
         # norm is not fused (9..tma_gemv_max_rows rows), ahead of the gated GEMV. H200 steps at
         # 640 tokens, off -> on (session 14): 3B batch 16 2.554 -> 2.524 ms, 32 2.733 -> 2.694,

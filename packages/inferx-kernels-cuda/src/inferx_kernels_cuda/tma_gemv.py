@@ -30,7 +30,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from inferx_kernels_cuda.fused_kernels import _rounded, silu_times
 
-MAX_ROWS = 64
+# Rows of x a launch takes (TritonOps runs them to tma_gemv_max_rows, 64 by default; 65-128 are
+# for A/B runs until measured).
+MAX_ROWS = 128
 # Shared memory an SM has on Hopper (and on sm_100): 228 KB.
 SM_SHARED_BYTES = 228 * 1024
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -49,7 +51,9 @@ class TmaGemvConfig:
         return f"n{self.block_n} k{self.block_k} w{self.num_warps} st{self.num_stages}"
 
 
-@triton.jit
+# m only masks the stores: not specialised on (m == 1, m % 16), so one compile serves every
+# row count of a BLOCK_M (the graph ladder's 1, 2-8 and 16 share one).
+@triton.jit(do_not_specialize=["m"])
 def tma_gemv_kernel(
     x_desc,
     w_desc,
@@ -249,7 +253,7 @@ def _norm_tiles(
     return h, own, nw
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m"])
 def tma_norm_gemv_kernel(
     parts_ptr,
     residual_ptr,
