@@ -5,6 +5,8 @@ runs tensor descriptors, zero fill past the edges included), bf16 at the real sh
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -205,6 +207,39 @@ def test_configs_by_rows_and_programs() -> None:
     # (the gated tiles at 64 rows 4 deep were 320 KB in Triton's sm_90 compile, 227 allowed)
     assert plain_config(2048, 4, num_sms=132, rows=64, elem_bytes=4) == TmaGemvConfig(64, 128, 4, 3)
     assert plain_config(11008, 1, 132, 64, gated=True, elem_bytes=4) == TmaGemvConfig(64, 64, 4, 2)
+
+
+# Dynamic shared memory one program may have on sm_90 (227 KB).
+SM90_MAX_SHARED_PER_PROGRAM = 232_448
+
+
+def test_configs_fit_shared_memory_in_the_sm90_compile() -> None:
+    """plain_config's picks for 3B's o_proj (few programs: the deepest pipelines), 8B's QKV
+    and 3B's gate_up (gated), at 1, 64 and 128 rows, bf16 and float32 (the GPU tests' tiny
+    models; sized as bf16, the gated tiles at 64 rows took 320 KB), compile for sm_90 within a
+    program's shared memory. Compiled by Triton without a GPU, in a process of its own: this
+    one runs Triton under the interpreter."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cases = []
+    for dtype, elem_bytes in (("bf16", 2), ("fp32", 4)):
+        for rows in (1, 64, 128):
+            for n, parts, gated in ((2048, 4, False), (6144, 4, False), (11008, 1, True)):
+                cfg = plain_config(n, parts, 132, rows, gated, elem_bytes)
+                cases.append([dtype, rows, list(vars(cfg).values()), gated])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).parent / "sm90_shared.py"
+    out = subprocess.run(
+        [sys.executable, str(script), json.dumps(cases)], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    shared = json.loads(out.stdout.splitlines()[-1])
+    assert len(shared) == len(cases)
+    for case, nbytes in zip(cases, shared, strict=True):
+        assert 0 < nbytes <= SM90_MAX_SHARED_PER_PROGRAM, (case, nbytes)
 
 
 # (n, k) of the decode GEMMs: Qwen2.5-3B QKV, o_proj, gate_up, down_proj, then Llama-3.1-8B's.
