@@ -25,10 +25,13 @@
 #   (default: tests bench). table: issue 4's whole table, both models (benchmarks/h200_table.py,
 #   bounded to ~7.5 min after set-up); table-3b / table-8b: one model each, for two calls.
 # demo: the real demo model on the GPU. Its GGUF (98 MB) cannot travel in one call (64 MiB):
-#   here: split -n 4 -d FILE .carry/gpart- ; put part 00 in .carry/g1, 01-02 in .carry/g2, 03 in
-#   .carry/g3; then three back-to-back calls (a warm machine keeps ignored files; it is released
-#   after 30 s idle): carry [".whl", ".carry/tokxz", ".carry/g1"], then [".carry/g2"], then
-#   [".carry/g3"] with `cat .carry/g*/gpart-* > /tmp/demo.gguf && bash scripts/gpu_run.sh demo`.
+#   here: split -b 36M -d FILE .carry/gpart- ; put part 00 in .carry/g1 (with .whl, 24 MB, and
+#   the tokenizers that makes ~63 MB) and part 01 (62 MB) in .carry/g2; then two back-to-back
+#   calls (a warm machine keeps ignored files; it is released after 30 s idle): carry
+#   [".whl", ".carry/tokxz", ".carry/g1"] running `bash scripts/gpu_run.sh setup`, then
+#   [".carry/g2"] with `cat .carry/g*/gpart-* > /tmp/demo.gguf && SKIP_SETUP=1 bash
+#   scripts/gpu_run.sh demo`. Without FlashInfer's cache (.carry/fi) set
+#   INFERX_TEST_BACKENDS=torch,triton, or FlashInfer compiles its kernels first (minutes).
 set -uo pipefail
 [ -f /tmp/demo.gguf ] && export INFERX_DEMO_GGUF=/tmp/demo.gguf
 OUT=${OUT:-/tmp/out}
