@@ -57,6 +57,32 @@ def test_launches_inside_only_compile_each_variant_once(calls: list[dict[str, An
     assert calls[-1]["warmup"] is False and calls[-1]["thread"] == threading.current_thread().name
 
 
+class Descriptor:
+    """A host tensor descriptor's fields (triton.tools.tensor_descriptor.TensorDescriptor);
+    its repr would print the tensor, so the key must not take it."""
+
+    def __init__(self, base: torch.Tensor, block_shape: list[int]) -> None:
+        self.base, self.block_shape = base, block_shape
+        self.shape, self.strides = list(base.shape), list(base.stride())
+
+    def __repr__(self) -> str:
+        raise AssertionError("the variant key took the descriptor's repr")
+
+
+def test_descriptors_and_unspecialised_ints_share_a_variant(calls: list[dict[str, Any]]) -> None:
+    """Every layer's weight of one shape is one variant (not one per tensor); an int the
+    kernel does not specialise on (do_not_specialize) is one variant at any value."""
+    k = JITFunction(kernel, do_not_specialize=["n"])
+    layers = [torch.zeros(64, 32) for _ in range(3)]
+    with compiles_in_background(2):
+        for w in layers:
+            for n in (1, 3, 16):
+                k[(1,)](Descriptor(w, [16, 32]), n, BLOCK=4)
+        k[(1,)](Descriptor(layers[0], [32, 32]), 3, BLOCK=4)  # another block: another variant
+        k[(1,)](Descriptor(torch.zeros(48, 32), [16, 32]), 3, BLOCK=4)  # another shape
+    assert len(calls) == 3
+
+
 def test_a_failed_compile_raises_on_exit(calls: list[dict[str, Any]]) -> None:
     k = JITFunction(kernel)
     with pytest.raises(ValueError, match="no such tile"), compiles_in_background(2):

@@ -24,15 +24,29 @@ from typing import Any
 import torch
 
 
-def _spec(value: Any) -> Any:
+def _spec(value: Any, specialised: bool = True) -> Any:
     """What Triton specialises a launch argument on, or finer: a tensor's dtype and 16-byte
-    alignment; a scalar's value (finer than Triton's "1 or a multiple of 16" for ints, and
-    exact for constexprs passed positionally); anything else by its repr."""
+    alignment; a host tensor descriptor's dtype, block, shape, strides and alignment (never
+    its repr, which would print the tensor); a scalar's value (finer than Triton's "1 or a
+    multiple of 16" for ints, and exact for constexprs passed positionally) unless the kernel
+    does not specialise on it (`specialised` False: any int is one variant); anything else by
+    its repr."""
     if hasattr(value, "data_ptr") and hasattr(value, "dtype"):
         return ("tensor", str(value.dtype), value.data_ptr() % 16 == 0)
+    if hasattr(value, "base") and hasattr(value, "block_shape"):  # TensorDescriptor
+        base = value.base
+        return ("desc", str(base.dtype), tuple(value.block_shape), tuple(value.shape),
+                tuple(value.strides), base.data_ptr() % 16 == 0)  # fmt: skip
+    if isinstance(value, int) and not isinstance(value, bool) and not specialised:
+        return ("int",)
     if isinstance(value, bool | int | float | str) or value is None:
         return (type(value).__name__, value)
     return ("other", repr(value))
+
+
+def _unspecialised(fn: Any) -> set[str]:
+    """Names of the arguments a triton.jit function does not specialise on (do_not_specialize)."""
+    return {p.name for p in getattr(fn, "params", ()) if getattr(p, "do_not_specialize", False)}
 
 
 @contextlib.contextmanager
@@ -59,8 +73,13 @@ def compiles_in_background(threads: int) -> Iterator[None]:
     lock = threading.Lock()
 
     def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
-        key = (id(self), tuple(_spec(a) for a in args), tuple(sorted(
-            (k, _spec(v)) for k, v in kwargs.items())))  # fmt: skip
+        loose = _unspecialised(self)
+        names = [p.name for p in getattr(self, "params", ())]
+        positional = tuple(
+            _spec(a, i >= len(names) or names[i] not in loose) for i, a in enumerate(args)
+        )
+        key = (id(self), positional, tuple(sorted(
+            (k, _spec(v, k not in loose)) for k, v in kwargs.items())))  # fmt: skip
         with lock:
             if key not in futures:
                 futures[key] = pool.submit(original, self, *args, grid=grid, warmup=True, **kwargs)
