@@ -373,7 +373,7 @@ def plain_config(
         stages = min(4, budget // (tile_rows * block_k * elem_bytes))
         if stages >= 3:
             return TmaGemvConfig(block_n, block_k, 4, stages)
-    return TmaGemvConfig(block_n, 64, 4, 2)  # fits alone: 192 x 64 x 4 bytes x 2 = 96 KB
+    return TmaGemvConfig(block_n, 64, 4, 2)  # alone it fits: (2 x 64 + 128) x 64 x 4 B x 2 = 128 KB
 
 
 def tma_norm_linear(
