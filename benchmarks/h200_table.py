@@ -247,9 +247,11 @@ def offline_child(spec_path: str) -> int:
         from inferx_core.engine import LLM
 
         imported = time.time()
+        cached = triton_kernels()
         t0 = time.perf_counter()
         llm = LLM(load_config(None, spec["overrides"]))
         engine_s = time.perf_counter() - t0
+        compiled = len(triton_kernels() - cached)  # kernels start-up compiled (cache misses)
     except Exception as exc:
         result["startup"] = error_of(exc)
         write_json(out, result)
@@ -263,6 +265,7 @@ def offline_child(spec_path: str) -> int:
         "imports_s": imported - spec["spawned_at"],
         "engine_s": engine_s,
         "parts_s": dict(report.seconds),
+        "triton_compiled": compiled,
         "memory_gib": {k: v / GiB for k, v in getattr(report, "memory", {}).items()},
         "num_kv_blocks": ex.num_kv_blocks,
         "attention_backend": type(ex.attention).__name__,
@@ -656,6 +659,8 @@ def _startup(st: dict[str, Any]) -> str:
     text = f"{st['spawn_to_ready_s']:.1f}"
     if "imports_s" in st:
         text += f" (imports {st['imports_s']:.1f}; {parts})"
+        if "triton_compiled" in st:
+            text += f", {st['triton_compiled']} Triton kernels compiled"
     elif st.get("loaded_in_s") is not None:
         text += f" (engine and transport {st['loaded_in_s']:.1f})"
     if "first_attempt" in st:

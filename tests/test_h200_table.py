@@ -57,6 +57,7 @@ def test_every_figure_is_measured(quick: tuple[dict[str, Any], str]) -> None:
         assert r["output_throughput"] > 0 and r["ttft_ms"]["mean"] > 0 and r["itl_ms"]["p99"] > 0
     off, server = res["startup"]["offline"], res["startup"]["server"]
     assert off["spawn_to_ready_s"] > off["engine_s"] > 0 and "weights" in off["parts_s"]
+    assert isinstance(off["triton_compiled"], int) and off["triton_compiled"] >= 0
     assert off["overrides"]["scheduler.prefix_cache"] == "false"
     assert server["spawn_to_ready_s"] > 0 and server["exit_code"] == 0  # drained on SIGTERM
     assert doc["peers"]["qwen2.5-3b-instruct"]["decode"][0].startswith("2.975")
@@ -70,6 +71,7 @@ def test_the_table_prints(quick: tuple[dict[str, Any], str]) -> None:
     assert len(rows) == 9  # decode, 2 TTFT, offline, 2 online, 2 start-ups, KV cache
     assert all(row.split(" | ")[1].strip() for row in rows), rows  # every figure has a value
     assert "error" not in stdout and "unreadable" not in stdout
+    assert "Triton kernels compiled" in stdout  # the offline engine's start-up compiles
 
 
 def test_peers_and_errors_render(monkeypatch: pytest.MonkeyPatch) -> None:
