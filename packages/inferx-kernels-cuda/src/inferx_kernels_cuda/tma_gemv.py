@@ -29,10 +29,15 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from inferx_kernels_cuda.fused_kernels import _rounded, silu_times
+from inferx_kernels_cuda.triton_kernels import _seq_split_len
 
 # Rows of x a launch takes (TritonOps runs them to tma_gemv_max_rows, 64 by default; 65-128 are
 # for A/B runs until measured).
 MAX_ROWS = 128
+# Rows tma_reduce_linear takes, and the fp32 values of one chunk of splits it combines at once:
+# its x tiles are built in registers (rows x a K-slice's heads x head_dim).
+MAX_REDUCE_ROWS = 8
+REDUCE_TILE = 8192
 # Shared memory an SM has on Hopper (and on sm_100): 228 KB.
 SM_SHARED_BYTES = 228 * 1024
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -430,3 +435,170 @@ def tma_norm_linear(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, new_residual
+
+
+# --- The decode attention's split reduce, in o_proj -----------------------------------------
+#
+# With its context split, the decode kernel leaves each (row, head) as `splits` partial outputs
+# and their log2-sum-exp2s (fp32), and decode_reduce_kernel combines them before o_proj reads
+# the heads. At a few rows that reduce is a launch of ~2 µs and a gap for little work (BENCHMARKS
+# session 14). tma_reduce_linear does it in o_proj's x tiles instead: a K step of HEAD_DIM
+# columns is one head, so each program combines the splits of its own heads (from L2, only the
+# splits the rows' contexts use) while TMA streams its weight tiles.
+
+
+@dataclass(frozen=True)
+class DecodeSplits:
+    """A decode-only step's attention output before its reduce, as TritonAttention leaves it:
+    part_o [rows * heads * splits, head_dim] and part_lse [rows * heads * splits] (fp32, part
+    index (row * heads + head) * splits + split), each row's context (context_len, int32) and
+    how it was split: split_len tokens a split, or with seq_split each row's context over the
+    splits (at least split_len, whole decode tiles of `tile` tokens)."""
+
+    part_o: torch.Tensor
+    part_lse: torch.Tensor
+    context_len: torch.Tensor
+    rows: int
+    heads: int
+    head_dim: int
+    splits: int
+    split_len: int
+    seq_split: bool
+    tile: int
+
+
+@triton.jit(do_not_specialize=["m"])
+def tma_reduce_gemv_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    context_len_ptr,
+    w_desc,
+    out_ptr,
+    m,
+    n,
+    heads,
+    num_splits,
+    split_len,
+    stride_os,
+    stride_om,
+    ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SLICE_HEADS: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+    SEQ_SPLIT: tl.constexpr,
+    TILE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (row blocks, K-slices of SLICE_HEADS heads): out[s, :, rows] = x[:, ks] @ W[rows,
+    ks].T with x the reduced attention output (decode_reduce_kernel's: the splits weighted by
+    exp2 of their lse, rounded to out's dtype). First the slice's heads are reduced, SPLIT_CHUNK
+    splits at a time up to the most any of the m rows uses (a loop left unpipelined); then the
+    K loop, one head a step, has only the weight's TMA loads to pipeline."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    h0 = pid_s * SLICE_HEADS
+    dtype = out_ptr.dtype.element_ty
+    r = tl.arange(0, ROWS)
+    j = tl.arange(0, SLICE_HEADS)
+    d = tl.arange(0, HEAD_DIM)
+    c = tl.arange(0, SPLIT_CHUNK)
+    ctx = tl.load(context_len_ptr + r, mask=r < m, other=0)
+    if SEQ_SPLIT:
+        split_len = _seq_split_len(ctx, num_splits, split_len, TILE)
+    used = tl.cdiv(ctx, split_len)  # [ROWS]; 0 past m
+    first = ((r[:, None] * heads + h0 + j[None, :]) * num_splits)[:, :, None]  # [R, H, 1]
+    top = tl.full([ROWS, SLICE_HEADS], -1.0e30, tl.float32)
+    total = tl.zeros([ROWS, SLICE_HEADS], tl.float32)
+    summed = tl.zeros([ROWS, SLICE_HEADS, HEAD_DIM], tl.float32)
+    for s0 in tl.range(0, tl.max(used, 0), SPLIT_CHUNK, num_stages=1):
+        s = s0 + c[None, None, :]
+        ok = (s < used[:, None, None]) & (j[None, :, None] < SLICE_HEADS)  # [R, H, C]
+        lse = tl.load(part_lse_ptr + first + s, mask=ok, other=float("-inf"))
+        o = tl.load(part_o_ptr + (first + s)[:, :, :, None] * HEAD_DIM + d[None, None, None, :],
+                    mask=ok[:, :, :, None], other=0.0)  # fmt: skip
+        new_top = tl.maximum(top, tl.max(lse, 2))
+        scale = tl.exp2(top - new_top)
+        w = tl.exp2(lse - new_top[:, :, None])
+        total = total * scale + tl.sum(w, 2)
+        summed = summed * scale[:, :, None] + tl.sum(o * w[:, :, :, None], 2)
+        top = new_top
+    # rounded as decode_reduce_kernel stores it; unused rows 0
+    x_all = _rounded(summed / tl.where(total > 0, total, 1.0)[:, :, None], dtype)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for jj in range(0, SLICE_HEADS):
+        x = tl.sum(tl.where(j[None, :, None] == jj, x_all, 0.0), 1).to(dtype)  # head h0 + jj
+        x = _repeat_rows(x, ROWS, BLOCK_M, HEAD_DIM)
+        w_tile = w_desc.load([n0, (h0 + jj) * HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
+        if UPCAST:  # the interpreter's bf16 dot would round the products to bf16
+            w_tile = w_tile.to(tl.float32)
+            x = x.to(tl.float32)
+        acc = tl.dot(w_tile, tl.trans(x), acc, input_precision=DOT_PRECISION)
+    rows = n0 + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_M)
+    out = out_ptr + pid_s * stride_os + cols[None, :] * stride_om + rows[:, None]
+    mask = (rows[:, None] < n) & (cols[None, :] < m)
+    tl.store(out, acc.to(dtype), mask=mask)
+
+
+def tma_reduce_linear(
+    splits: DecodeSplits,
+    weight: torch.Tensor,
+    parts: int = 1,
+    config: TmaGemvConfig | None = None,
+    split_chunk: int | None = None,
+) -> torch.Tensor:
+    """[parts, rows, N] K-slice parts of reduce(splits) @ weight.T, weight [N, heads *
+    head_dim] in the output dtype: decode_reduce_kernel then tma_linear_parts, in one launch.
+    Rows 1..MAX_REDUCE_ROWS; each K-slice a whole number of heads. config's block_k is ignored
+    (a K step is one head). split_chunk (a power of two): splits combined at a time, by default
+    as many as keep the chunk within REDUCE_TILE values."""
+    cfg = config or TmaGemvConfig(64, splits.head_dim, 4, 3)
+    m, heads, dim = splits.rows, splits.heads, splits.head_dim
+    k = heads * dim
+    if weight.dim() != 2 or weight.shape[1] != k:
+        raise ValueError(
+            f"tma_reduce_linear: weight must be [N, {heads} heads x {dim}], got "
+            f"{tuple(weight.shape)}"
+        )
+    slice_heads = heads // parts if parts >= 1 else 0
+    if (
+        not 1 <= m <= MAX_REDUCE_ROWS
+        or parts < 1
+        or heads % parts
+        or slice_heads & (slice_heads - 1)
+        or dim & (dim - 1)
+    ):
+        raise ValueError(
+            f"tma_reduce_linear: takes 1 to {MAX_REDUCE_ROWS} rows, a power-of-two head dim "
+            f"and K-slices of a power-of-two count of whole heads; got {m} rows, head dim "
+            f"{dim}, {heads} heads in {parts} slices"
+        )
+    want = (m * heads * splits.splits, dim)
+    if splits.part_o.numel() < want[0] * dim or splits.part_lse.numel() < want[0]:
+        raise ValueError(f"tma_reduce_linear: part_o / part_lse hold fewer than {want} values")
+    problem = input_problem(weight[:1], weight, 1, "tma_reduce_linear")  # the weight's layout
+    if problem:
+        raise ValueError(problem)
+    rows = triton.next_power_of_2(m)
+    slice_heads = heads // parts
+    # [rows, slice heads, chunk, head_dim] fp32 values a chunk: at most REDUCE_TILE
+    chunk = split_chunk or max(1, REDUCE_TILE // (rows * slice_heads * dim))
+    chunk = min(chunk, triton.next_power_of_2(splits.splits))
+    out = torch.empty((parts, m, weight.shape[0]), dtype=weight.dtype, device=weight.device)
+    w_desc = TensorDescriptor.from_tensor(weight, block_shape=[cfg.block_n, dim])
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    n = weight.shape[0]
+    tma_reduce_gemv_kernel[(triton.cdiv(n, cfg.block_n), parts)](
+        splits.part_o, splits.part_lse, splits.context_len, w_desc, out, m, n, heads,
+        splits.splits, splits.split_len, out.stride(0), out.stride(1),
+        ROWS=rows, BLOCK_M=max(16, rows), BLOCK_N=cfg.block_n, HEAD_DIM=dim,
+        SLICE_HEADS=slice_heads, SPLIT_CHUNK=chunk, SEQ_SPLIT=splits.seq_split, TILE=splits.tile,
+        UPCAST=interpret and weight.dtype == torch.bfloat16,
+        DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
