@@ -56,6 +56,18 @@ class TmaGemvConfig:
         return f"n{self.block_n} k{self.block_k} w{self.num_warps} st{self.num_stages}"
 
 
+@triton.jit
+def _store_part(out_ptr, y, pid_s, n0, m, n, stride_os, stride_om, BLOCK_N: tl.constexpr,
+                BLOCK_M: tl.constexpr):  # fmt: skip
+    """y [BLOCK_N weight rows from n0, BLOCK_M rows of x] into out[pid_s] [m, n] (rows of x
+    stride_om apart), those past m and n left out."""
+    rows = n0 + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_M)
+    out = out_ptr + pid_s * stride_os + cols[None, :] * stride_om + rows[:, None]
+    mask = (rows[:, None] < n) & (cols[None, :] < m)
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 # m only masks the stores: not specialised on (m == 1, m % 16), so one compile serves every
 # row count of a BLOCK_M (the graph ladder's 1, 2-8 and 16 share one).
 @triton.jit(do_not_specialize=["m"])
@@ -98,14 +110,10 @@ def tma_gemv_kernel(
             if UPCAST:
                 wu = wu.to(tl.float32)
             acc_up = tl.dot(wu, tl.trans(x), acc_up, input_precision=DOT_PRECISION)
-    rows = n0 + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, BLOCK_M)
-    out = out_ptr + pid_s * stride_os + cols[None, :] * stride_om + rows[:, None]
-    mask = (rows[:, None] < n) & (cols[None, :] < m)
     if GATED:
         dtype = out_ptr.dtype.element_ty
         acc = silu_times(_rounded(acc, dtype), _rounded(acc_up, dtype), dtype)
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_part(out_ptr, acc, pid_s, n0, m, n, stride_os, stride_om, BLOCK_N, BLOCK_M)
 
 
 def input_problem(
@@ -331,16 +339,12 @@ def tma_norm_gemv_kernel(
     sumsq = tl.sum(tl.sum(squares, axis=2), axis=0)
     inv_rms = tl.rsqrt(sumsq / k + eps)[:, None]
     inv_rms = tl.reshape(_repeat_rows(inv_rms, ROWS, BLOCK_M, 1), (BLOCK_M,))
-    cols_m = tl.arange(0, BLOCK_M)
-    out_rows = n0 + tl.arange(0, BLOCK_N)
-    mask = (out_rows[:, None] < n) & (cols_m[None, :] < m)
-    out = out_ptr + pid_s * stride_os + cols_m[None, :] * stride_om + out_rows[:, None]
     y = acc * inv_rms[None, :]
     if GATED:
         gate = _rounded(y, dtype)
         up = _rounded(acc_up * inv_rms[None, :], dtype)
         y = silu_times(gate, up, dtype)
-    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_part(out_ptr, y, pid_s, n0, m, n, stride_os, stride_om, BLOCK_N, BLOCK_M)
 
 
 def norm_config(rows: int, parts: int, gated: bool) -> TmaNormConfig:
@@ -537,11 +541,7 @@ def tma_reduce_gemv_kernel(
             w_tile = w_tile.to(tl.float32)
             x = x.to(tl.float32)
         acc = tl.dot(w_tile, tl.trans(x), acc, input_precision=DOT_PRECISION)
-    rows = n0 + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, BLOCK_M)
-    out = out_ptr + pid_s * stride_os + cols[None, :] * stride_om + rows[:, None]
-    mask = (rows[:, None] < n) & (cols[None, :] < m)
-    tl.store(out, acc.to(dtype), mask=mask)
+    _store_part(out_ptr, acc, pid_s, n0, m, n, stride_os, stride_om, BLOCK_N, BLOCK_M)
 
 
 def tma_reduce_linear(
