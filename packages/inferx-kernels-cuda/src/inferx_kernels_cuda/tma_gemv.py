@@ -68,6 +68,24 @@ def _store_part(out_ptr, y, pid_s, n0, m, n, stride_os, stride_om, BLOCK_N: tl.c
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _products(w_desc, x, acc, acc_up, n0, col, up_row, GATED: tl.constexpr, UPCAST: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """One K step: acc += W[n0:, col:] @ x.T for the weight tile TMA loads at (n0, col), and
+    with GATED acc_up += the up rows' tile (up_row further on) @ x.T. x [BLOCK_M, BLOCK_K]."""
+    w = w_desc.load([n0, col])  # [BLOCK_N, BLOCK_K]
+    if UPCAST:  # the interpreter's bf16 dot would round the products to bf16
+        w = w.to(tl.float32)
+        x = x.to(tl.float32)
+    acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+    if GATED:
+        wu = w_desc.load([up_row + n0, col])
+        if UPCAST:
+            wu = wu.to(tl.float32)
+        acc_up = tl.dot(wu, tl.trans(x), acc_up, input_precision=DOT_PRECISION)
+    return acc, acc_up
+
+
 # m only masks the stores: not specialised on (m == 1, m % 16), so one compile serves every
 # row count of a BLOCK_M (the graph ladder's 1, 2-8 and 16 share one).
 @triton.jit(do_not_specialize=["m"])
@@ -99,17 +117,9 @@ def tma_gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for kk in range(0, k_per_split, BLOCK_K):
-        w = w_desc.load([n0, k0 + kk])  # [BLOCK_N, BLOCK_K]
         x = x_desc.load([0, k0 + kk])  # [BLOCK_M, BLOCK_K], rows past m zero
-        if UPCAST:  # the interpreter's bf16 dot would round the products to bf16
-            w = w.to(tl.float32)
-            x = x.to(tl.float32)
-        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
-        if GATED:
-            wu = w_desc.load([up_row + n0, k0 + kk])
-            if UPCAST:
-                wu = wu.to(tl.float32)
-            acc_up = tl.dot(wu, tl.trans(x), acc_up, input_precision=DOT_PRECISION)
+        acc, acc_up = _products(w_desc, x, acc, acc_up, n0, k0 + kk, up_row, GATED, UPCAST,
+                                DOT_PRECISION)  # fmt: skip
     if GATED:
         dtype = out_ptr.dtype.element_ty
         acc = silu_times(_rounded(acc, dtype), _rounded(acc_up, dtype), dtype)
@@ -326,16 +336,8 @@ def tma_norm_gemv_kernel(
             mask=own_mask & (rows[:, None] < store_rows),
         )
         x = _repeat_rows((own * nw[None, :]).to(dtype), ROWS, BLOCK_M, BLOCK_K)
-        w = w_desc.load([n0, k0 + kk])  # [BLOCK_N, BLOCK_K]
-        if UPCAST:  # the interpreter's bf16 dot would round the products to bf16
-            w = w.to(tl.float32)
-            x = x.to(tl.float32)
-        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
-        if GATED:
-            wu = w_desc.load([up_row + n0, k0 + kk])
-            if UPCAST:
-                wu = wu.to(tl.float32)
-            acc_up = tl.dot(wu, tl.trans(x), acc_up, input_precision=DOT_PRECISION)
+        acc, acc_up = _products(w_desc, x, acc, acc_up, n0, k0 + kk, up_row, GATED, UPCAST,
+                                DOT_PRECISION)  # fmt: skip
     sumsq = tl.sum(tl.sum(squares, axis=2), axis=0)
     inv_rms = tl.rsqrt(sumsq / k + eps)[:, None]
     inv_rms = tl.reshape(_repeat_rows(inv_rms, ROWS, BLOCK_M, 1), (BLOCK_M,))
@@ -536,11 +538,8 @@ def tma_reduce_gemv_kernel(
     for jj in range(0, SLICE_HEADS):
         x = tl.sum(tl.where(j[None, :, None] == jj, x_all, 0.0), 1).to(dtype)  # head h0 + jj
         x = _repeat_rows(x, ROWS, BLOCK_M, HEAD_DIM)
-        w_tile = w_desc.load([n0, (h0 + jj) * HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
-        if UPCAST:  # the interpreter's bf16 dot would round the products to bf16
-            w_tile = w_tile.to(tl.float32)
-            x = x.to(tl.float32)
-        acc = tl.dot(w_tile, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        acc, _ = _products(w_desc, x, acc, acc, n0, (h0 + jj) * HEAD_DIM, 0, False, UPCAST,
+                           DOT_PRECISION)  # fmt: skip
     _store_part(out_ptr, acc, pid_s, n0, m, n, stride_os, stride_om, BLOCK_N, BLOCK_M)
 
 
