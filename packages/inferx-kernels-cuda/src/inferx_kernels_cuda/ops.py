@@ -14,14 +14,15 @@ from inferx_core.quant_none import SPLIT_PARTS, DenseLinear
 from inferx_kernels_cuda import fused_kernels as kernels
 from inferx_kernels_cuda.gemv import MAX_ROWS, skinny_linear
 from inferx_kernels_cuda.tma_gemv import MAX_ROWS as TMA_MAX_ROWS
-from inferx_kernels_cuda.tma_gemv import input_problem as tma_input_problem
 from inferx_kernels_cuda.tma_gemv import (
+    TmaGemvConfig,
     norm_config,
     plain_config,
     tma_linear_parts,
     tma_linear_silu_and_mul,
     tma_norm_linear,
 )
+from inferx_kernels_cuda.tma_gemv import input_problem as tma_input_problem
 
 # Elements of x1 (and of x2) one rotary loop iteration holds: enough for all query heads of
 # common models in one pass at head dim 128, small enough to stay in registers.
@@ -220,9 +221,7 @@ class TritonOps(KernelOps):
 
     def linear_silu_and_mul(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.tma_gated and linear.bias is None and self._takes_tma(linear, x):
-            sms = 132 if self._interpret else _num_sms(x.device)
-            half = linear.weight.shape[0] // 2
-            cfg = plain_config(half, 1, sms, x.shape[0], True, x.element_size())
+            cfg = self._tma_config(x, linear.weight.shape[0] // 2, 1, gated=True)
             return tma_linear_silu_and_mul(x, linear.weight, cfg)
         if (
             isinstance(linear, DenseLinear)
@@ -255,9 +254,15 @@ class TritonOps(KernelOps):
         return self._interpret or (x.is_cuda and _has_tma(x.device))
 
     def _tma(self, x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+        return tma_linear_parts(x, weight, parts, self._tma_config(x, weight.shape[0], parts))
+
+    def _tma_config(
+        self, x: torch.Tensor, n: int, parts: int, gated: bool = False
+    ) -> TmaGemvConfig:
+        """plain_config for x's rows and element size and this GPU's SMs (an H200's 132 under
+        the interpreter)."""
         sms = 132 if self._interpret else _num_sms(x.device)
-        cfg = plain_config(weight.shape[0], parts, sms, x.shape[0], False, x.element_size())
-        return tma_linear_parts(x, weight, parts, cfg)
+        return plain_config(n, parts, sms, x.shape[0], gated, x.element_size())
 
     def _fuses_norm(self, linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> bool:
         """Whether tma_norm_linear can run this norm and GEMM: an unquantized layer, x
