@@ -267,6 +267,8 @@ def reduce_rows(args: argparse.Namespace) -> list[dict]:
     (TritonAttention's split policy at that batch, each row's context of --context tokens split
     per sequence): decode_reduce_kernel then tma_linear_parts (4 parts, plain_config) against
     tma_reduce_linear at 3 and 4 stages."""
+    from inferx_core.interfaces.kv import KVLayerSpec
+    from inferx_kernels_cuda.triton_attention import TritonAttention
     from inferx_kernels_cuda.triton_kernels import decode_reduce_kernel
     from inferx_models.presets import preset
 
@@ -277,18 +279,22 @@ def reduce_rows(args: argparse.Namespace) -> list[dict]:
         heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
         dim = c.get("head_dim") or c["hidden_size"] // heads
         weights = cold_weights(c["hidden_size"], heads * dim)
+        # the backend's own policy: a graph's splits are those of the longest context it holds
+        attn = TritonAttention(
+            [KVLayerSpec(heads, kv_heads, dim)], 16, torch.bfloat16, torch.device("cuda")
+        )
         for m in (int(v) for v in args.m.split(",")):
-            splits = min(-(-2 * sms // (m * kv_heads)), 64)  # target 2 programs an SM, max 64
+            splits = attn._plan_splits(m, c["max_position_embeddings"])[0]
             n_parts = m * heads * splits
             sp = DecodeSplits(
                 part_o=torch.randn(n_parts, dim, device="cuda"),
                 part_lse=4 * torch.randn(n_parts, device="cuda"),
                 context_len=torch.full((m,), args.context, dtype=torch.int32, device="cuda"),
-                rows=m, heads=heads, head_dim=dim, splits=splits, split_len=64,
-                seq_split=True, tile=64,
+                rows=m, heads=heads, head_dim=dim, splits=splits, split_len=attn.min_split_len,
+                seq_split=True, tile=attn.decode_block_n,
             )  # fmt: skip
             pad = triton.next_power_of_2(splits)
-            reduce_heads = 2 if 2 * pad <= 64 and heads % 2 == 0 else 1
+            reduce_heads = attn._reduce_heads(heads, pad)
             cfg = plain_config(c["hidden_size"], SPLIT_PARTS, sms, m)
 
             def unfused(w, sp=sp, pad=pad, rh=reduce_heads, cfg=cfg):
