@@ -58,12 +58,9 @@ POINTER_TYPES = {
 def decode_signature(constexprs: dict[str, Any]) -> dict[str, str]:
     """Triton's signature of decode_kernel: every argument's type, "constexpr" for those given."""
     sig = {}
-    desc = f"tensordesc<bf16[{constexprs['BLOCK_SIZE']}, {constexprs['HEAD_DIM']}]>"
     for name in inspect.signature(triton_kernels.decode_kernel.fn).parameters:
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name.endswith("_desc"):
-            sig[name] = desc if constexprs.get("KV_TMA") else "constexpr"
         elif name.endswith("_ptr"):
             sig[name] = POINTER_TYPES.get(name, "*bf16")
         else:
@@ -106,23 +103,16 @@ def programs_per_sm(registers: int, warps: int, shared_bytes: int = 0) -> int:
 
 
 def decode_kernel_resources(
-    group: int,
-    head_dim: int,
-    warps: int,
-    block_n: int,
-    rotary: bool = True,
-    qkv_parts: int = 4,
-    tma_stages: int = 0,
+    group: int, head_dim: int, warps: int, block_n: int, rotary: bool = True, qkv_parts: int = 4
 ) -> dict[str, Any]:
     """Compile decode_kernel for sm_90 as a decode-only graph step launches it (split context,
     all decodes, rotary inside, q/k/v as qkv_parts partial sums plus a bias unless 1) and report
-    what one program takes. tma_stages > 0: K and V through tensor descriptors, one block_n-token
-    cache block a tile, that deep (decode_tma)."""
+    what one program takes."""
     constexprs = {
         "GROUP": group,
         "GROUP_PAD": max(16, triton.next_power_of_2(group)),
         "HEAD_DIM": head_dim,
-        "BLOCK_SIZE": block_n if tma_stages else 16,
+        "BLOCK_SIZE": 16,
         "BLOCK_N": block_n,
         "SPLIT": True,
         "SEQ_SPLIT": True,
@@ -133,10 +123,6 @@ def decode_kernel_resources(
         "PARTS": qkv_parts,
         "HAS_BIAS": qkv_parts > 1,
     }
-    if tma_stages:
-        constexprs.update(KV_TMA=True, KV_STAGES=tma_stages)
-    else:
-        constexprs.update(k_desc=None, v_desc=None, KV_TMA=False, KV_STAGES=1)
     signature = decode_signature(constexprs)
     src = ASTSource(
         fn=triton_kernels.decode_kernel,
@@ -154,7 +140,6 @@ def decode_kernel_resources(
         "head_dim": head_dim,
         "warps": warps,
         "block_n": block_n,
-        "tma_stages": tma_stages,
         **res,
         "programs_per_sm": programs,
         "warps_per_sm": programs * warps,
@@ -168,7 +153,6 @@ def main() -> None:
     ap.add_argument("--warps", default="2,4")
     ap.add_argument("--block-n", default="16,32,64")
     ap.add_argument("--qkv-parts", type=int, default=4)
-    ap.add_argument("--tma-stages", default="0", help="0: pointer loads; N: decode_tma, N deep")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -178,19 +162,17 @@ def main() -> None:
     rows = []
     print(f"decode_kernel on sm_90, triton {triton.__version__}, group {args.group}, "
           f"head dim {args.head_dim}")  # fmt: skip
-    print(f"{'warps':>5} {'block_n':>7} {'tma':>3} {'regs':>5} {'stack B':>7} {'shared B':>8} "
+    print(f"{'warps':>5} {'block_n':>7} {'regs':>5} {'stack B':>7} {'shared B':>8} "
           f"{'programs/SM':>11} {'warps/SM':>8}")  # fmt: skip
     for warps in (int(w) for w in args.warps.split(",")):
         for block_n in (int(b) for b in args.block_n.split(",")):
-            for stages in (int(t) for t in args.tma_stages.split(",")):
-                r = decode_kernel_resources(
-                    args.group, args.head_dim, warps, block_n, qkv_parts=args.qkv_parts,
-                    tma_stages=stages,
-                )  # fmt: skip
-                rows.append(r)
-                print(f"{warps:>5} {block_n:>7} {stages:>3} {r['registers']:>5} "
-                      f"{r['stack_bytes']:>7} {r['shared_bytes']:>8} {r['programs_per_sm']:>11} "
-                      f"{r['warps_per_sm']:>8}")  # fmt: skip
+            r = decode_kernel_resources(
+                args.group, args.head_dim, warps, block_n, qkv_parts=args.qkv_parts
+            )
+            rows.append(r)
+            print(f"{warps:>5} {block_n:>7} {r['registers']:>5} {r['stack_bytes']:>7} "
+                  f"{r['shared_bytes']:>8} {r['programs_per_sm']:>11} "
+                  f"{r['warps_per_sm']:>8}")  # fmt: skip
     if args.json:
         doc = {"commit": commit_id(), "triton": triton.__version__, "args": vars(args)}
         doc["rows"] = rows

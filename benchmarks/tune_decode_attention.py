@@ -14,9 +14,8 @@ reads per second), the best's, and which that is. Outputs are checked against th
 the way (a config that changes results is an error, not a winner).
 `--grid KEY=V1,V2` (repeatable) sweeps only the keys it names, the others at their default;
 decode_stages (the decode kernel's num_stages: Triton's software pipelining of its KV tile
-loads), block_n (context tokens per tile), reduce_heads (query heads per reduce program),
-kv_tma (1: K and V one cache block a tile through tensor descriptors, decode_tma; block_n is
-then the block) and kv_stages (that loop's pipeline depth) are swept only that way.
+loads), block_n (context tokens per tile) and reduce_heads (query heads per reduce program)
+are swept only that way.
 """
 
 from __future__ import annotations
@@ -43,8 +42,6 @@ DEFAULT = {
     "decode_stages": 1,
     "block_n": 64,
     "reduce_heads": 2,
-    "kv_tma": 0,
-    "kv_stages": 5,
 }
 GRID = {
     "decode_warps": (2, 4, 8),
@@ -89,10 +86,6 @@ def build(
         target_programs=cfg["target_x"] * sms,
     )
     backend.decode_block_n = cfg["block_n"]
-    if cfg["kv_tma"]:
-        backend.decode_tma = True
-        backend.decode_tma_stages = cfg["kv_stages"]
-        backend.decode_block_n = BLOCK
     backend.decode_launch = {"num_warps": cfg["decode_warps"], "num_stages": cfg["decode_stages"]}
     backend.reduce_launch = {"num_warps": cfg["reduce_warps"]}
     backend.reduce_heads = cfg["reduce_heads"]

@@ -155,80 +155,19 @@ def test_split_k_decode(block_size: int, group: int, dtype: torch.dtype, reduce_
     assert check_steps(backend, totals, steps) == [1, 3, 3]
 
 
-def tma_backend(layers: list[KVLayerSpec], block_size: int, dtype: torch.dtype,
-                device: torch.device, **kwargs: int) -> TritonAttention:  # fmt: skip
-    """A TritonAttention whose decode kernel reads K and V through tensor descriptors."""
-    backend = TritonAttention(layers, block_size, dtype, device, **kwargs)
-    backend.decode_tma = True
-    backend.decode_block_n = block_size
-    return backend
-
-
-@interpreted
 @pytest.mark.parametrize(
-    ("block_size", "group", "head_dim", "dtype"),
-    [(16, 1, 16, torch.float32), (16, 4, 32, torch.float16), (32, 2, 16, torch.bfloat16)],
-)
-def test_decode_tma_matches_dense(
-    block_size: int, group: int, head_dim: int, dtype: torch.dtype
-) -> None:
-    """decode_tma: the mixed and decode-only steps of test_steps_match_dense, then decodes over
-    contexts split into one-block splits (ragged last blocks, empty splits), every decode
-    through the descriptors."""
-    torch.manual_seed(block_size + group * 10 + head_dim)
-    layers = [KVLayerSpec(2 * group, 2, head_dim), KVLayerSpec(group, 1, head_dim)]
-    backend = tma_backend(layers, block_size, dtype, torch.device("cpu"))
-    totals, steps = plan_steps(SMALL_PLAN)
-    assert check_steps(backend, totals, steps, against_torch=True) == [1, 1, 1, 1]
-    assert sorted(backend._kv_descs) == [0, 1]
-    split = tma_backend(layers, block_size, dtype, torch.device("cpu"), min_split_len=1,
-                        target_programs=10**6)  # fmt: skip
-    split.max_splits = 8
-    totals = [71, 23, 7, 36, 30]
-    steps = [
-        [(0, 69), (0, 21), (0, 5), (0, 34), (0, 0)],
-        [(69, 70), (21, 22), (5, 6), (34, 35), (0, 28)],
-        [(70, 71), (22, 23), (6, 7), (35, 36), (28, 29)],
-    ]
-    want = -(-70 // block_size)
-    assert check_steps(split, totals, steps) == [1, want, -(-71 // block_size)]
-    assert sorted(split._kv_descs) == [0, 1]
-
-
-def test_decode_tma_needs_whole_blocks_of_16() -> None:
-    """No descriptors for blocks a tile cannot be (under 16 tokens, not a power of two), nor
-    while the decode tile is not one block."""
-    layers = [KVLayerSpec(4, 2, 16)]
-    for block_size in (4, 24):
-        backend = tma_backend(layers, block_size, torch.float32, torch.device("cpu"))
-        backend.allocate(2)
-        assert backend._kv_tma(0, *backend.caches[0]) == {}
-    backend = tma_backend(layers, 16, torch.float32, torch.device("cpu"))
-    backend.allocate(2)
-    assert backend._kv_tma(0, *backend.caches[0])["KV_TMA"] == backend._tma_ok
-    backend.decode_block_n = 64
-    assert backend._kv_tma(0, *backend.caches[0]) == {}
-
-
-@pytest.mark.parametrize(
-    ("name", "attr", "default"),
-    [
-        ("INFERX_TRITON_DECODE_ROTARY", "decode_rotary", True),
-        ("INFERX_TRITON_QKV_PARTS", "qkv_parts", True),
-        ("INFERX_TRITON_DECODE_TMA", "decode_tma", False),
-    ],
+    ("name", "attr"),
+    [("INFERX_TRITON_DECODE_ROTARY", "decode_rotary"), ("INFERX_TRITON_QKV_PARTS", "qkv_parts")],
 )
 def test_switches_from_the_environment(
-    name: str, attr: str, default: bool, monkeypatch: pytest.MonkeyPatch
+    name: str, attr: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spec = [KVLayerSpec(4, 2, 16)]
     cpu = torch.device("cpu")
     monkeypatch.delenv(name, raising=False)
-    assert getattr(TritonAttention(spec, 16, torch.float32, cpu), attr) == default
+    assert getattr(TritonAttention(spec, 16, torch.float32, cpu), attr)  # on by default
     monkeypatch.setenv(name, "0")
     assert not getattr(TritonAttention(spec, 16, torch.float32, cpu), attr)
-    monkeypatch.setenv(name, "1")
-    assert getattr(TritonAttention(spec, 16, torch.float32, cpu), attr)
     monkeypatch.setenv(name, "yes")
     with pytest.raises(ValueError, match=f"{name} must be 0 or 1; got 'yes'"):
         TritonAttention(spec, 16, torch.float32, cpu)
@@ -303,26 +242,22 @@ GPU_PLAN = [(0, 300), (100, 37), (1000, 1), (2047, 1), (5, 1), (0, 1), (64, 64),
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("tma", [False, True])
-def test_gpu_conformance_bf16(block_size: int, group: int, head_dim: int, tma: bool) -> None:
+def test_gpu_conformance_bf16(block_size: int, group: int, head_dim: int) -> None:
     torch.manual_seed(block_size * 1000 + group * 10 + head_dim)
     layers = [KVLayerSpec(2 * group, 2, head_dim), KVLayerSpec(4 * group, 4, head_dim)]
-    make = tma_backend if tma else TritonAttention
-    backend = make(layers, block_size, torch.bfloat16, torch.device("cuda"))
+    backend = TritonAttention(layers, block_size, torch.bfloat16, torch.device("cuda"))
     totals, steps = plan_steps(GPU_PLAN)
     splits = check_steps(backend, totals, steps, against_torch=True)
     assert splits[0] == 1 and splits[2] > 1  # the decode-only steps take the split-K path
-    assert bool(backend._kv_descs) == tma
 
 
 @pytest.mark.gpu
 @on_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("tma", [False, True])
-def test_gpu_other_dtypes(dtype: torch.dtype, tma: bool) -> None:
+def test_gpu_other_dtypes(dtype: torch.dtype) -> None:
     torch.manual_seed(1)
     layers = [KVLayerSpec(16, 2, 128)]
-    backend = (tma_backend if tma else TritonAttention)(layers, 16, dtype, torch.device("cuda"))
+    backend = TritonAttention(layers, 16, dtype, torch.device("cuda"))
     totals, steps = plan_steps(GPU_PLAN)
     check_steps(backend, totals, steps, against_torch=True)
 
@@ -356,19 +291,8 @@ def test_rotary_in_the_decode_kernel(group: int, dtype: torch.dtype, split: bool
 @on_gpu
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
-@pytest.mark.parametrize("tma", [False, True])
-def test_gpu_rotary_in_the_decode_kernel_bf16(group: int, split: bool, tma: bool) -> None:
-    check_decode_rotary(group, torch.bfloat16, torch.device("cuda"), split, tma=tma)
-
-
-@interpreted
-@pytest.mark.parametrize(("split", "parts"), [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize(("group", "dtype"), [(1, torch.float32), (4, torch.float16)])
-def test_rotary_in_the_decode_kernel_tma(
-    group: int, dtype: torch.dtype, split: bool, parts: bool
-) -> None:
-    """decode_tma: the program writing the new token attends to it from registers."""
-    check_decode_rotary(group, dtype, torch.device("cpu"), split, parts=parts, tma=True)
+def test_gpu_rotary_in_the_decode_kernel_bf16(group: int, split: bool) -> None:
+    check_decode_rotary(group, torch.bfloat16, torch.device("cuda"), split)
 
 
 @interpreted
@@ -382,9 +306,8 @@ def test_decode_kernel_sums_qkv_parts(group: int, dtype: torch.dtype) -> None:
 @on_gpu
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("group", [1, 8])
-@pytest.mark.parametrize("tma", [False, True])
-def test_gpu_decode_kernel_sums_qkv_parts_bf16(group: int, split: bool, tma: bool) -> None:
-    check_decode_rotary(group, torch.bfloat16, torch.device("cuda"), split, parts=True, tma=tma)
+def test_gpu_decode_kernel_sums_qkv_parts_bf16(group: int, split: bool) -> None:
+    check_decode_rotary(group, torch.bfloat16, torch.device("cuda"), split, parts=True)
 
 
 def test_qkv_parts_only_in_decode_only_steps() -> None:
@@ -413,36 +336,27 @@ def test_qkv_parts_only_in_decode_only_steps() -> None:
 
 
 def check_decode_rotary(
-    group: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    split: bool,
-    parts: bool = False,
-    tma: bool = False,
+    group: int, dtype: torch.dtype, device: torch.device, split: bool, parts: bool = False
 ) -> None:
     """decode_rotary: in a decode-only step the decode kernel rotates q and k and writes the new
     k and v itself. Against the torch reference ops' rotary followed by TorchAttention.forward
     on fresh random inputs: the same outputs and the same cache, with the context split or
     not (the split holding the new token writes it); a padding row (slot -1) writes nothing.
     parts: q, k and v arrive as 4 partial sums plus a bias (qkv_parts), which the kernel adds
-    up; the reference gets their fp32 sum rounded once, as the unsplit GEMM would write it.
-    tma: decode_tma with 16-token blocks (one block a tile)."""
-    head_dim, kv_heads, bs = 32, 2, 16 if tma else 4
+    up; the reference gets their fp32 sum rounded once, as the unsplit GEMM would write it."""
+    head_dim, kv_heads, bs = 32, 2, 4
     layers = [KVLayerSpec(kv_heads * group, kv_heads, head_dim)] * 2
     kwargs = {"min_split_len": 1, "target_programs": 10**6} if split else {}
-    backend = (tma_backend if tma else TritonAttention)(layers, bs, dtype, device, **kwargs)
+    backend = TritonAttention(layers, bs, dtype, device, **kwargs)
     backend.decode_rotary = True
     backend.qkv_parts = parts
-    if split and not tma:
+    if split:
         backend.decode_block_n = 16  # contexts here are short of two of the GPU's 64-token tiles
     reference = TorchAttention(layers, bs, dtype, device)
     angles = torch.rand(64, head_dim // 2, device=device) * 6.3
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
     ends = [6, 1, 37, 10, 16]  # context lengths; the new token is the last of each
     tables = [[3, 7], [4], [2, 5, 8, 11, 12, 15, 16, 17, 18, 19], [6, 13, 14], [1, 9, 10, 20]]
-    if tma:  # 16-token blocks: as many as each context needs
-        tables = [[12, 3], [4], [2, 19, 8], [6], [1, 9]]
-        ends = [18, 1, 37, 10, 16]
     backend.allocate(21)
     reference.allocate(21)
     for mine, theirs in zip(backend.caches, reference.caches, strict=True):
@@ -487,7 +401,6 @@ def check_decode_rotary(
         cache_tol = 2e-2 if dtype == torch.bfloat16 else ROTARY_TOL[dtype]
         assert rel_err(backend.caches[layer], reference.caches[layer]) <= cache_tol
     assert (max(splits) > 1) == split
-    assert bool(backend._kv_descs) == tma
     forward_padding_row(backend, cos_sin)
 
 

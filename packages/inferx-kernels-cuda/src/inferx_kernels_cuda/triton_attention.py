@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from inferx_core.attention_torch import TorchAttention
 from inferx_core.batch import pack_aligned, to_device
@@ -195,20 +194,6 @@ class TritonAttention(TorchAttention):
         # of several tiles on short test contexts.
         small = self.interpret
         self.decode_block_n = 16 if small else 64
-        # decode_tma: the decode kernel reads K and V one cache block a tile through tensor
-        # descriptors (TMA, sm_90+), decode_tma_stages deep, instead of pointer loads of
-        # decode_block_n-token tiles. Off by default until the H200 says otherwise;
-        # INFERX_TRITON_DECODE_TMA=1 turns it on.
-        self.decode_tma = env_switch("INFERX_TRITON_DECODE_TMA", default=False)
-        self.decode_tma_stages = 5
-        on_hopper = (
-            torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-        )
-        self._tma_ok = 16 <= block_size <= 256 and not block_size & (block_size - 1)
-        self._tma_ok = self._tma_ok and (on_hopper or self.interpret)
-        if self.decode_tma and self._tma_ok:
-            self.decode_block_n = block_size
-        self._kv_descs: dict[int, tuple[tuple[int, int], TensorDescriptor, TensorDescriptor]] = {}
         self.prefill_block_m = 16 if small else 64
         self.prefill_block_n = 16 if small else 64
         # Launch options (num_warps, num_stages) per kernel, for tuning.
@@ -554,30 +539,6 @@ class TritonAttention(TorchAttention):
             "ROTARY": False,
         }
 
-    def _kv_tma(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict[str, Any]:
-        """The decode kernel's KV_TMA arguments for a layer, or none when it reads K and V by
-        pointers: decode_tma off, no TMA here, or a decode tile other than one block."""
-        if not (self.decode_tma and self._tma_ok and self.decode_block_n == self.block_size):
-            return {}
-        found = self._kv_descs.get(layer)
-        where = (k_cache.data_ptr(), k_cache.shape[0])  # a new allocation may reuse the address
-        if found is None or found[0] != where:
-            spec = self.layers[layer]
-            block = [self.block_size, spec.head_dim]
-            # view, not reshape: a copy would be read in place of the cache.
-            k_desc, v_desc = (
-                TensorDescriptor.from_tensor(c.view(-1, spec.num_kv_heads * spec.head_dim), block)
-                for c in (k_cache, v_cache)
-            )
-            found = (where, k_desc, v_desc)
-            self._kv_descs[layer] = found
-        return {
-            "k_desc": found[1],
-            "v_desc": found[2],
-            "KV_TMA": True,
-            "KV_STAGES": self.decode_tma_stages,
-        }
-
     def _graph_buffers(self, batch_size: int) -> _GraphBuffers:
         return checked_graph_buffers(self, batch_size)
 
@@ -785,7 +746,6 @@ class TritonAttention(TorchAttention):
                 DOT_PRECISION=self._dot_precision,
                 **(new_tokens if in_decode else self._no_new_tokens(plan)),
                 **(parts or {}),
-                **self._kv_tma(layer, k_cache, v_cache),
                 **self.decode_launch,
             )
             if split:

@@ -178,62 +178,6 @@ def _attend_range(
 
 
 @triton.jit
-def _attend_pages(
-    q,
-    m,
-    row_sum,
-    acc,
-    lo,
-    hi,
-    k_desc,
-    v_desc,
-    block_table_ptr,
-    seq,
-    stride_table,
-    kv_head,
-    scale_log2,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    STAGES: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """_attend_range one cache block (page) a tile, its K and V rows copied into shared memory
-    by the tensor memory accelerator (k_desc / v_desc: the layer's cache as [blocks *
-    BLOCK_SIZE, kv_heads * HEAD_DIM]), STAGES-deep pipelined by Triton. lo is a page start;
-    positions from hi on are masked (their scores -inf, their V rows zero: the rest of a
-    partial page may hold anything)."""
-    col = kv_head * HEAD_DIM
-    for start in tl.range(lo, hi, BLOCK_SIZE, num_stages=STAGES):
-        block = tl.load(block_table_ptr + seq * stride_table + start // BLOCK_SIZE)
-        k = k_desc.load([block * BLOCK_SIZE, col])  # [BLOCK_SIZE, HEAD_DIM]
-        v = v_desc.load([block * BLOCK_SIZE, col])
-        valid = start + tl.arange(0, BLOCK_SIZE) < hi
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        v = tl.where(valid[:, None], v, 0.0)
-        m, row_sum, acc = _softmax_step(s, v, m, row_sum, acc, DOT_PRECISION)
-    return m, row_sum, acc
-
-
-@triton.jit
-def _attend_one(q, k, v, m, row_sum, acc, scale_log2, present):
-    """One more key for every row of q: k and v [HEAD_DIM] from registers, as rounded in the
-    cache. Nothing changes where present is false."""
-    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * scale_log2
-    s = tl.where(present, s, float("-inf"))
-    m_new = tl.maximum(m, s)
-    p = tl.exp2(s - m_new)
-    alpha = tl.exp2(m - m_new)
-    row_sum = row_sum * alpha + p
-    acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :]
-    return m_new, row_sum, acc
-
-
-@triton.jit
 def _softmax_step(s, v, m, row_sum, acc, DOT_PRECISION: tl.constexpr):
     """One tile of the online softmax: fold scores s (log2 domain, -inf where hidden) and the
     tile's values v into the running (max, sum, unnormalised output)."""
@@ -352,10 +296,6 @@ def decode_kernel(
     v_bias_ptr=None,
     PARTS: tl.constexpr = 1,
     HAS_BIAS: tl.constexpr = False,
-    k_desc=None,
-    v_desc=None,
-    KV_TMA: tl.constexpr = False,
-    KV_STAGES: tl.constexpr = 1,
 ):
     """Grid (decode sequences, KV heads, splits): the one query token of a sequence, all query
     heads of one KV group (rows of one tl.dot, padded to GROUP_PAD), over one split of the
@@ -374,11 +314,6 @@ def decode_kernel(
     along K (stride_qp, stride_kp, stride_vp apart) and without their bias (HAS_BIAS: the
     q/k/v_bias_ptr vectors, [heads * HEAD_DIM] each): they are summed and rounded once before
     the rotation, as the unsplit GEMM would have written them.
-
-    KV_TMA (sm_90+, BLOCK_N == BLOCK_SIZE): K and V come one page a tile through the tensor
-    descriptors k_desc / v_desc (_attend_pages), KV_STAGES deep. With ROTARY the program that
-    writes the new token takes its key and value from registers (_attend_one) rather than
-    reading back through TMA, whose copies need not see this program's stores.
     """
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -435,33 +370,19 @@ def decode_kernel(
         dst = slot * stride_cache_token + kv_head * stride_cache_head + d
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mine)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mine)
-        if not KV_TMA:
-            tl.debug_barrier()  # this program's reads below see the k and v it wrote
-    if KV_TMA:
-        last = hi
-        if ROTARY:
-            last = tl.where(owner, hi - 1, hi)  # the new token: from registers below
-        m, row_sum, acc = _attend_pages(
-            q, m, row_sum, acc, lo, last, k_desc, v_desc, block_table_ptr, seq, stride_table,
-            kv_head, scale_log2, HEAD_DIM, BLOCK_SIZE, KV_STAGES, UPCAST, DOT_PRECISION,
-        )  # fmt: skip
-        if ROTARY:
-            dtype = k_cache_ptr.dtype.element_ty
-            m, row_sum, acc = _attend_one(q, k.to(dtype), v.to(dtype), m, row_sum, acc,
-                                          scale_log2, owner)  # fmt: skip
-    else:
-        # Whole tiles unmasked, then the ragged tail (if any) masked.
-        full = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
-        m, row_sum, acc = _attend_range(
-            q, m, row_sum, acc, lo, full, 0, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
-            stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
-            scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION,
-        )  # fmt: skip
-        m, row_sum, acc = _attend_range(
-            q, m, row_sum, acc, full, hi, 0, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
-            stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
-            scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, UPCAST, DOT_PRECISION,
-        )  # fmt: skip
+        tl.debug_barrier()  # this program's reads below see the k and v it wrote
+    # Whole tiles unmasked, then the ragged tail (if any) masked.
+    full = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
+    m, row_sum, acc = _attend_range(
+        q, m, row_sum, acc, lo, full, 0, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
+        stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
+        scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
+    m, row_sum, acc = _attend_range(
+        q, m, row_sum, acc, full, hi, 0, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
+        stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
+        scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
 
     # An empty split (past this sequence's context) has no keys: it reports lse -inf and a
     # zero output, never 0/0.
