@@ -9,13 +9,12 @@ runs, on the decode GEMM shapes of Qwen2.5-3B and Llama-3.1-8B:
 With --norm instead: the norm before QKV and gate_up, unfused (rms_norm_kernel, then cuBLAS or
 tma_linear_parts) against tma_norm_linear (one launch; norm_rows below). With --gated: gate_up
 and SiLU-and-mul, cuBLAS + silu_and_mul, the gated GEMV (skinny_linear), tma_linear_parts +
-silu_and_mul and tma_linear_silu_and_mul (one launch; gated_rows below). With --reduce: the
-decode attention's split reduce and o_proj, decode_reduce_kernel + tma_linear_parts against
-tma_reduce_linear (one launch; reduce_rows below).
+silu_and_mul and tma_linear_silu_and_mul (one launch; gated_rows below). (A --reduce mode,
+the split reduce inside o_proj, was measured and dropped in session 15: BENCHMARKS.md.)
 
     python benchmarks/bench_tma_gemv.py [--models qwen2.5-3b,llama-3.1-8b] [--m 1,8]
         [--shapes qkv,o,gate_up,down] [--parts 1,2,4] [--grid small|medium|full]
-        [--norm [--norm-qkv-parts 1,4] | --gated | --reduce [--context 640]] [--json OUT.json]
+        [--norm [--norm-qkv-parts 1,4] | --gated] [--json OUT.json]
 
 µs per call of 20 calls captured in one CUDA graph and replayed, cycling over enough weight
 copies that every call reads its weights from HBM (bench_gemv's graph_us). TB/s = weight bytes
@@ -34,10 +33,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 from bench_gemv import (
     MAX_REL_ERR,
-    MODELS,
     cold_weights,
     graph_us,
     linear_shapes,
@@ -50,14 +47,12 @@ from inferx_core.quant_none import SPLIT_PARTS, split_k_bmm
 from inferx_kernels_cuda.gemv import skinny_linear
 from inferx_kernels_cuda.ops import TritonOps
 from inferx_kernels_cuda.tma_gemv import (
-    DecodeSplits,
     TmaGemvConfig,
     TmaNormConfig,
     plain_config,
     tma_linear_parts,
     tma_linear_silu_and_mul,
     tma_norm_linear,
-    tma_reduce_linear,
 )
 
 
@@ -262,72 +257,6 @@ def gated_rows(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def reduce_rows(args: argparse.Namespace) -> list[dict]:
-    """--reduce: o_proj after a decode-only step's split attention, as a CUDA-graph step has it
-    (TritonAttention's split policy at that batch, each row's context of --context tokens split
-    per sequence): decode_reduce_kernel then tma_linear_parts (4 parts, plain_config) against
-    tma_reduce_linear at 3 and 4 stages."""
-    from inferx_core.interfaces.kv import KVLayerSpec
-    from inferx_kernels_cuda.triton_attention import TritonAttention
-    from inferx_kernels_cuda.triton_kernels import decode_reduce_kernel
-    from inferx_models.presets import preset
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rows_out = []
-    for model in args.models.split(","):
-        c = preset(MODELS[model])
-        heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
-        dim = c.get("head_dim") or c["hidden_size"] // heads
-        weights = cold_weights(c["hidden_size"], heads * dim)
-        # the backend's own policy: a graph's splits are those of the longest context it holds
-        attn = TritonAttention(
-            [KVLayerSpec(heads, kv_heads, dim)], 16, torch.bfloat16, torch.device("cuda")
-        )
-        for m in (int(v) for v in args.m.split(",")):
-            splits = attn._plan_splits(m, c["max_position_embeddings"])[0]
-            n_parts = m * heads * splits
-            sp = DecodeSplits(
-                part_o=torch.randn(n_parts, dim, device="cuda"),
-                part_lse=4 * torch.randn(n_parts, device="cuda"),
-                context_len=torch.full((m,), args.context, dtype=torch.int32, device="cuda"),
-                rows=m, heads=heads, head_dim=dim, splits=splits, split_len=attn.min_split_len,
-                seq_split=True, tile=attn.decode_block_n,
-            )  # fmt: skip
-            pad = triton.next_power_of_2(splits)
-            reduce_heads = attn._reduce_heads(heads, pad)
-            cfg = plain_config(c["hidden_size"], SPLIT_PARTS, sms, m)
-
-            def unfused(w, sp=sp, pad=pad, rh=reduce_heads, cfg=cfg):
-                out = torch.empty(sp.rows, sp.heads, sp.head_dim, device="cuda",
-                                  dtype=torch.bfloat16)  # fmt: skip
-                ctx = sp.context_len
-                decode_reduce_kernel[(sp.rows, sp.heads // rh)](
-                    sp.part_o, sp.part_lse, out, ctx, ctx, ctx, sp.split_len, sp.splits,
-                    out.stride(0), out.stride(1), HEAD_DIM=sp.head_dim, SPLITS_PAD=pad,
-                    HEADS=rh, SEQ_SPLIT=True, BLOCK_N=sp.tile, ALL_DECODE=True,
-                )  # fmt: skip
-                return tma_linear_parts(out.view(sp.rows, -1), w, SPLIT_PARTS, cfg)
-
-            ref = unfused(weights[0]).float().sum(0)
-            row = {"model": model, "m": m, "splits": splits, "context": args.context,
-                   "unfused_us": graph_us(unfused, weights), "fused": []}  # fmt: skip
-            for stages in (3, 4):
-                fcfg = TmaGemvConfig(64, dim, 4, stages)
-                call = partial(tma_reduce_linear, sp, parts=SPLIT_PARTS, config=fcfg)
-                err = rel_err(call(weights[0]).float().sum(0), ref)
-                us = graph_us(lambda w, f=call: f(w), weights) if err <= MAX_REL_ERR else None
-                row["fused"].append({"config": str(fcfg), "rel_err": err, "us": us})
-            fused = "  ".join(
-                f"fused [{r['config']}] "
-                + (f"{r['us']:6.2f}" if r["us"] else f"err {r['rel_err']:.1e}")
-                for r in row["fused"]
-            )
-            print(f"{model:<13}M={m:<3} splits {splits:<3} reduce + tma "
-                  f"{row['unfused_us']:6.2f}  {fused}", flush=True)  # fmt: skip
-            rows_out.append(row)
-    return rows_out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="qwen2.5-3b,llama-3.1-8b")
@@ -338,8 +267,6 @@ def main() -> None:
     ap.add_argument("--norm", action="store_true", help="time tma_norm_linear instead")
     ap.add_argument("--norm-qkv-parts", default="4", help="--norm: the fused QKV's splits")
     ap.add_argument("--gated", action="store_true", help="time gate_up + SiLU-and-mul instead")
-    ap.add_argument("--reduce", action="store_true", help="time the split reduce + o_proj")
-    ap.add_argument("--context", type=int, default=640, help="--reduce: tokens a row")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -350,7 +277,7 @@ def main() -> None:
     elif args.gated:
         rows = gated_rows(args)
     else:
-        rows = reduce_rows(args) if args.reduce else plain_rows(args)
+        rows = plain_rows(args)
     if args.json:
         meta = {"commit": commit_id(), "device": torch.cuda.get_device_name(),
                 "torch": torch.__version__, "args": vars(args)}  # fmt: skip

@@ -14,7 +14,7 @@ from inferx_core.batch import pack_aligned, to_device
 from inferx_core.interfaces.attention import AttentionBatch
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda import triton_kernels as kernels
-from inferx_kernels_cuda.ops import _ROTARY_TILE, env_switch
+from inferx_kernels_cuda.ops import _ROTARY_TILE, env_int, env_switch
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -188,7 +188,9 @@ class TritonAttention(TorchAttention):
             target_programs = 1
             if torch.device(device).type == "cuda":
                 props = torch.cuda.get_device_properties(device)
-                target_programs = 2 * props.multi_processor_count
+                # INFERX_TRITON_DECODE_TARGET_X: programs an SM to aim for, for A/B runs.
+                per_sm = env_int("INFERX_TRITON_DECODE_TARGET_X", 2, 1, 8)
+                target_programs = per_sm * props.multi_processor_count
         self.target_programs = target_programs
         # Under the interpreter, small tiles keep numpy's work down and still exercise loops
         # of several tiles on short test contexts.
