@@ -156,24 +156,18 @@ def test_split_k_decode(block_size: int, group: int, dtype: torch.dtype, reduce_
 
 
 @pytest.mark.parametrize(
-    ("name", "attr", "default"),
-    [
-        ("INFERX_TRITON_DECODE_ROTARY", "decode_rotary", True),
-        ("INFERX_TRITON_QKV_PARTS", "qkv_parts", True),
-        ("INFERX_TRITON_DECODE_RESIDENT_SPLITS", "resident_splits", False),
-    ],
+    ("name", "attr"),
+    [("INFERX_TRITON_DECODE_ROTARY", "decode_rotary"), ("INFERX_TRITON_QKV_PARTS", "qkv_parts")],
 )
 def test_switches_from_the_environment(
-    name: str, attr: str, default: bool, monkeypatch: pytest.MonkeyPatch
+    name: str, attr: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spec = [KVLayerSpec(4, 2, 16)]
     cpu = torch.device("cpu")
     monkeypatch.delenv(name, raising=False)
-    assert getattr(TritonAttention(spec, 16, torch.float32, cpu), attr) == default
+    assert getattr(TritonAttention(spec, 16, torch.float32, cpu), attr)  # on by default
     monkeypatch.setenv(name, "0")
     assert not getattr(TritonAttention(spec, 16, torch.float32, cpu), attr)
-    monkeypatch.setenv(name, "1")
-    assert getattr(TritonAttention(spec, 16, torch.float32, cpu), attr)
     monkeypatch.setenv(name, "yes")
     with pytest.raises(ValueError, match=f"{name} must be 0 or 1; got 'yes'"):
         TritonAttention(spec, 16, torch.float32, cpu)
@@ -207,13 +201,6 @@ def test_split_policy() -> None:
     assert backend._plan_splits(8, 4096) == (16, 256)  # 16 programs: 17 splits wanted
     assert backend._plan_splits(256, 4096) == (1, 4096)  # 512 programs fill the GPU already
     assert backend._plan_splits(1, 1 << 17) == (TritonAttention.max_splits, 2048)
-    # resident_splits: as many programs as target_programs, never more
-    backend.resident_splits = True
-    backend.target_programs = 528
-    backend.min_split_len = 64
-    assert backend._plan_splits(64, 4096) == (4, 1024)  # 512 programs, where 3 would be 384
-    assert backend._plan_splits(96, 4096) == (2, 2048)  # 3 would be 576, past 528
-    assert backend._plan_splits(300, 4096) == (1, 4096)
 
 
 @pytest.mark.parametrize(

@@ -184,18 +184,12 @@ class TritonAttention(TorchAttention):
         super().__init__(layers, block_size, dtype, device)  # + the shared checks
         self.interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
         self.min_split_len = min_split_len
-        # resident_splits: split into as many programs as the SMs hold at once (4 an SM: the
-        # decode kernel's 126 registers at 4 warps, kernel_registers.py), never more, instead
-        # of the fewest splits that reach 2 programs an SM. For A/B runs until measured
-        # (INFERX_TRITON_DECODE_RESIDENT_SPLITS=1); INFERX_TRITON_DECODE_TARGET_X sets the
-        # programs an SM either way.
-        self.resident_splits = env_switch("INFERX_TRITON_DECODE_RESIDENT_SPLITS", default=False)
         if target_programs is None:
             target_programs = 1
             if torch.device(device).type == "cuda":
                 props = torch.cuda.get_device_properties(device)
-                default = 4 if self.resident_splits else 2
-                per_sm = env_int("INFERX_TRITON_DECODE_TARGET_X", default, 1, 8)
+                # INFERX_TRITON_DECODE_TARGET_X: programs an SM to aim for, for A/B runs.
+                per_sm = env_int("INFERX_TRITON_DECODE_TARGET_X", 2, 1, 8)
                 target_programs = per_sm * props.multi_processor_count
         self.target_programs = target_programs
         # Under the interpreter, small tiles keep numpy's work down and still exercise loops
@@ -304,16 +298,11 @@ class TritonAttention(TorchAttention):
     def _plan_splits(self, num_decode: int, max_ctx: int) -> tuple[int, int]:
         """(splits, tokens per split) for the longest decode context of the step.
 
-        Split only while (sequences x KV heads x splits) is short of target_programs (with
-        resident_splits: up to target_programs, never past it), keep every split at least
-        min_split_len long and a whole number of decode tiles.
+        Split only while (sequences x KV heads x splits) is short of target_programs, keep
+        every split at least min_split_len long and a whole number of decode tiles.
         """
         kv_heads = min(s.num_kv_heads for s in self.layers)
-        pairs = num_decode * kv_heads
-        if self.resident_splits:  # no second wave of programs
-            wanted = max(1, self.target_programs // pairs)
-        else:
-            wanted = _cdiv(self.target_programs, pairs)
+        wanted = _cdiv(self.target_programs, num_decode * kv_heads)
         splits = max(1, min(wanted, max_ctx // self.min_split_len, self.max_splits))
         tile = self.decode_block_n
         split_len = _cdiv(_cdiv(max_ctx, splits), tile) * tile
