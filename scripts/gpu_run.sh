@@ -24,13 +24,15 @@
 #   compiles its kernels inside it (minutes on a fresh machine).
 #   (default: tests bench). table: issue 4's whole table, both models (benchmarks/h200_table.py,
 #   bounded to ~7.5 min after set-up); table-3b / table-8b: one model each, for two calls.
-# demo: the real demo model on the GPU. Its GGUF (98 MB) cannot travel in one call (64 MiB):
-#   here: split -b 36M -d FILE .carry/gpart- ; put part 00 in .carry/g1 (with .whl, 24 MB, and
-#   the tokenizers that makes ~63 MB) and part 01 (62 MB) in .carry/g2; then two back-to-back
-#   calls (a warm machine keeps ignored files; it is released after 30 s idle): carry
-#   [".whl", ".carry/tokxz", ".carry/g1"] running `bash scripts/gpu_run.sh setup`, then
-#   [".carry/g2"] with `cat .carry/g*/gpart-* > /tmp/demo.gguf && SKIP_SETUP=1 bash
-#   scripts/gpu_run.sh demo`. Without FlashInfer's cache (.carry/fi) set
+# demo: the real demo model on the GPU. Its GGUF (98 MB) cannot travel in one call (64 MiB with
+#   the tracked tree, 5.7 MB): here, xz it (90.5 MB) and split it so that the first part fits
+#   beside .whl (24 MB) and the tokenizers (3 MB):
+#     xz -T2 -6 -c FILE > /tmp/demo.gguf.xz; split -b 33000000 -d /tmp/demo.gguf.xz .carry/gx-
+#     mkdir -p .carry/g1 .carry/g2; mv .carry/gx-00 .carry/g1/; mv .carry/gx-0* .carry/g2/
+#   then two back-to-back calls (a warm machine keeps ignored files; it is released after 30 s
+#   idle): carry [".whl", ".carry/tokxz", ".carry/g1"] running `bash scripts/gpu_run.sh setup`
+#   (or other work), then [".carry/g2"] with `cat .carry/g1/gx-* .carry/g2/gx-* | xz -d -T4 >
+#   /tmp/demo.gguf && SKIP_SETUP=1 bash scripts/gpu_run.sh demo`. Without FlashInfer's cache (.carry/fi) set
 #   INFERX_TEST_BACKENDS=torch,triton, or FlashInfer compiles its kernels first (minutes).
 set -uo pipefail
 [ -f /tmp/demo.gguf ] && export INFERX_DEMO_GGUF=/tmp/demo.gguf
