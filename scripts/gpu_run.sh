@@ -6,7 +6,7 @@
 #   cp -r ../shared/fixtures/tokenizers/{qwen,llama3} .carry/tok/tokenizers/
 #   tar -C .carry/tok -cJf .carry/tokxz/tok.tar.xz tokenizers
 # then carry [".whl", ".carry/tokxz"] (unpacked below into .carry/tok on the machine).
-# Usage: bash scripts/gpu_run.sh [setup] [tests] [flashinfer] [profile] [profile-prefill] [decode-variants] [breakdown] [gemv] [tma-gemv] [mixed] [regs] [tune] [split-gemm] [startup] [cold-start] [serve-ab] [bench] [demo]
+# Usage: bash scripts/gpu_run.sh [setup] [tests] [flashinfer] [profile] [profile-prefill] [decode-variants] [breakdown] [gemv] [tma-gemv] [mixed] [regs] [tune] [tune-prefill] [split-gemm] [startup] [cold-start] [serve-ab] [bench] [demo]
 #        [table | table-3b | table-8b]
 #   flashinfer: its conformance tests (FI_K: a pytest -k filter), then its compiled kernels packed into $OUT as
 #   fi-cache.tar.part-*: keep them in .carry/fi/ (31 MB) and carry .carry/fi in later runs
@@ -179,6 +179,12 @@ for step in "${steps[@]}"; do
     tune)
       timeout 300 python3 benchmarks/tune_decode_attention.py ${TUNE_ARGS:-} \
         --json "$OUT/tune-decode.json" 2>&1 | grep -v -i warn | tail -20 ;;
+    tune-prefill)
+      # benchmarks/tune_prefill_attention.py: the prefill kernel's tiles and stages per prompt
+      # shape (TUNE_PREFILL_ARGS, e.g. --grid block_m=64,128 --grid stages=1,2,3; --heads 32,8
+      # for 8B).
+      timeout 300 python3 benchmarks/tune_prefill_attention.py ${TUNE_PREFILL_ARGS:-} \
+        --json "$OUT/tune-prefill.json" 2>&1 | grep -v -i warn | tail -20 ;;
     mixed)
       timeout 300 python3 benchmarks/mixed_step.py --tokenizer $TOK ${MIXED_ARGS:-} \
         --json "$OUT/mixed-step.json" 2>&1 | grep -v -i warn | tail -45 ;;

@@ -259,3 +259,22 @@ def test_cold_start_variants_parse_into_config_overrides() -> None:
         "engine.cuda_graphs": False,
         "model.dtype": "bfloat16",
     }
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="runs the prefill kernel interpreted"
+)
+def test_tune_prefill_attention_sweeps_the_grid(tmp_path: Path) -> None:
+    """Toy sizes under the interpreter: every combination of the grid runs, is checked against
+    the default's output and lands in the JSON with its time."""
+    from tune_prefill_attention import main
+
+    out = tmp_path / "tune.json"
+    rows = main(["--shapes", "2x40", "--heads", "4,2", "--head-dim", "16", "--layers", "2",
+                 "--reps", "1", "--grid", "block_n=16,32", "--grid", "stages=1,2",
+                 "--json", str(out)])  # fmt: skip
+    assert len(rows) == 1 and rows[0]["tokens"] == 40
+    configs = {(r["block_n"], r["stages"]) for r in rows[0]["all"]}
+    assert configs == {(16, 1), (16, 2), (32, 1), (32, 2)}
+    assert all(r["us"] > 0 and r["tflops"] > 0 for r in rows[0]["all"])
+    assert json.loads(out.read_text())["rows"][0]["best"] in rows[0]["all"]
