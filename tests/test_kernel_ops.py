@@ -485,6 +485,22 @@ def test_tma_gemv_switch_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
         TritonOps()
 
 
+@pytest.mark.parametrize("index", [False, True])
+def test_embedding_rows_either_way(index: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """INFERX_EMBED_INDEX (off by default): the lookup as weight[ids]; the same rows as
+    F.embedding (TorchOps) either way, repeated and ragged ids included."""
+    monkeypatch.setenv("INFERX_EMBED_INDEX", "1" if index else "0")
+    ops = TritonOps()
+    assert ops.embed_index == index
+    weight = torch.randn(50, 24).to(torch.bfloat16)
+    ids = torch.tensor([3, 49, 0, 3, 17])
+    got = ops.embedding(weight, ids)
+    assert torch.equal(got, TorchOps().embedding(weight, ids))
+    assert torch.equal(got, weight[ids])
+    monkeypatch.delenv("INFERX_EMBED_INDEX")
+    assert not TritonOps().embed_index
+
+
 def test_tma_row_limits_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("INFERX_TMA_GEMV_MAX_ROWS", "INFERX_TMA_NORM_MAX_ROWS"):
         monkeypatch.delenv(name, raising=False)

@@ -142,6 +142,16 @@ class TritonOps(KernelOps):
         # K-slices of the split TMA GEMMs (o_proj, down_proj, QKV; INFERX_TMA_PARTS, 1-8 for
         # A/B): 4 as DenseLinear's split, the only count measured in the model so far.
         self.tma_parts = env_int("INFERX_TMA_PARTS", SPLIT_PARTS, 1, 8)
+        # embed_index: the embedding lookup as weight[ids] (torch's index kernel) instead of
+        # F.embedding (index_select). On the H200 index_select's small-index kernel took 7.6 and
+        # 13.1 µs at 8 and 16 ids, 2.4 at one (session 15's profiles). Off until an A/B in the
+        # model (INFERX_EMBED_INDEX=1).
+        self.embed_index = env_switch("INFERX_EMBED_INDEX", default=False)
+
+    def embedding(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_index:
+            return weight[ids]
+        return super().embedding(weight, ids)
 
     def rms_norm(
         self,

@@ -114,9 +114,10 @@ class LlamaModel(nn.Module):
             DecoderLayer(cfg, i, rotary, biases, ctx) for i in range(cfg["num_hidden_layers"])
         )
         self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6), ctx)
+        self.ops = ctx.ops
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+        h = self.ops.embedding(self.embed_tokens.weight, input_ids)
         residual = None
         for layer in self.layers:
             h, residual = layer(positions, h, residual)

@@ -75,6 +75,10 @@ class KernelOps(ABC):
         h, residual = self.rms_norm(x, weight, eps, residual, parts=True)
         return self.linear_silu_and_mul(linear, h), residual
 
+    def embedding(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of weight [vocab, hidden] at token ids: a model's input embeddings."""
+        return torch.nn.functional.embedding(ids, weight)
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """x.argmax(1) of [rows, vocab] logits (int64 [rows]): greedy sampling's token per row,
         the first index among equal maxima. A kernel package may reduce a row in more programs
