@@ -554,17 +554,25 @@ def test_tma_paths_only_on_hopper_or_newer(monkeypatch: pytest.MonkeyPatch) -> N
         triton_ops._has_tma.cache_clear()
 
 
+def spy_calls(monkeypatch: pytest.MonkeyPatch, name: str, record: Callable[..., Any]) -> list[Any]:
+    """record(*args) of every call TritonOps makes to triton_ops.<name> from now on; the calls
+    still run the real function."""
+    calls: list[Any] = []
+    real = getattr(triton_ops, name)
+
+    def counted(*args: Any) -> Any:
+        calls.append(record(*args))
+        return real(*args)
+
+    monkeypatch.setattr(triton_ops, name, counted)
+    return calls
+
+
 def count_tma(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], int]]:
     """(x's shape, parts) of every tma_linear_parts call TritonOps makes from now on."""
-    calls: list[tuple[tuple[int, ...], int]] = []
-    real = triton_ops.tma_linear_parts
-
-    def counted(x: torch.Tensor, weight: torch.Tensor, parts: int = 1, *args: Any) -> torch.Tensor:
-        calls.append((tuple(x.shape), parts))
-        return real(x, weight, parts, *args)
-
-    monkeypatch.setattr(triton_ops, "tma_linear_parts", counted)
-    return calls
+    return spy_calls(
+        monkeypatch, "tma_linear_parts", lambda x, w, parts=1, *_: (tuple(x.shape), parts)
+    )
 
 
 @interpreted
@@ -604,14 +612,7 @@ def test_tiny_model_logits_with_tma_gated(name: str, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("INFERX_TMA_NORM", "0")
     cfg = CONFIGS[name]
     weights = model_weights(cfg, seed=17)
-    calls: list[int] = []
-    real = triton_ops.tma_linear_silu_and_mul
-
-    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return real(x, *args)
-
-    monkeypatch.setattr(triton_ops, "tma_linear_silu_and_mul", counted)
+    calls = spy_calls(monkeypatch, "tma_linear_silu_and_mul", lambda x, *_: x.shape[0])
     ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, TorchAttention)
     assert sorted(calls) == sorted([27, 6, 4] * cfg["num_hidden_layers"])
     assert_steps_match_torch_ops(cfg, weights, ours)
@@ -619,16 +620,7 @@ def test_tiny_model_logits_with_tma_gated(name: str, monkeypatch: pytest.MonkeyP
 
 def count_tma_norm(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:
     """(rows, parts, gated) of every tma_norm_linear call TritonOps makes from now on."""
-    calls: list[tuple[int, int, bool]] = []
-    real = triton_ops.tma_norm_linear
-
-    def counted(x: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        out = real(x, *args)
-        calls.append((x.shape[1], args[4], args[5]))
-        return out
-
-    monkeypatch.setattr(triton_ops, "tma_norm_linear", counted)
-    return calls
+    return spy_calls(monkeypatch, "tma_norm_linear", lambda x, *a: (x.shape[1], a[4], a[5]))
 
 
 @interpreted
