@@ -130,11 +130,9 @@ def norm_then_product(
     """The unfused reference: TorchOps' add + RMSNorm, then the product in float64 (and
     silu(gate) * up), with the new residual."""
     normed, summed = TorchOps().rms_norm(x, nw, 1e-6, res, parts=True)
-    y = normed.double() @ w.double().T
     if gated:
-        gate, up = y.chunk(2, dim=-1)
-        y = F.silu(gate) * up
-    return y, summed
+        return silu_and_mul_reference(normed, w), summed
+    return normed.double() @ w.double().T, summed
 
 
 @interpreted
