@@ -33,14 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_gemv import (
-    MAX_REL_ERR,
-    cold_weights,
-    graph_us,
-    linear_shapes,
-    rel_err,
-    tbps,
-)
+from bench_gemv import MAX_REL_ERR, cold_weights, graph_us, linear_shapes, rel_err, tbps
 from commit_id import commit_id
 
 from inferx_core.quant_none import SPLIT_PARTS, split_k_bmm
