@@ -13,6 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from inferx_kernels_cuda.pdl import gdc_launch_dependents
+
 
 @triton.jit
 def _rounded(x, DTYPE: tl.constexpr):
@@ -45,11 +47,15 @@ def rms_norm_kernel(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     PARTS: tl.constexpr,
+    TRIGGER: tl.constexpr = False,
 ):
     """One program per row, the whole row in one tile (hidden sizes fit: BLOCK = next power of
     two). With a residual, writes x + residual (rounded to x's dtype) as the new residual and
     normalises that sum. PARTS > 1: x is that many partial results stride_part apart, summed
-    in fp32 and rounded once (to what one GEMM would have written) before the residual."""
+    in fp32 and rounded once (to what one GEMM would have written) before the residual.
+    TRIGGER: the GEMV after it may launch now (inferx_kernels_cuda.pdl)."""
+    if TRIGGER:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols

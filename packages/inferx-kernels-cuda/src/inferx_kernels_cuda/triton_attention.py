@@ -15,6 +15,7 @@ from inferx_core.interfaces.attention import AttentionBatch
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda import triton_kernels as kernels
 from inferx_kernels_cuda.ops import _ROTARY_TILE, env_int, env_switch
+from inferx_kernels_cuda.pdl import trigger
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -207,6 +208,9 @@ class TritonAttention(TorchAttention):
         # batch 1 or 8 (tune_decode_attention, BENCHMARKS.md session 7).
         self.reduce_heads = 2
         self.prefill_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
+        # The decode kernel (unsplit) and the reduce let o_proj's GEMV launch early, when it
+        # launches with PDL (inferx_kernels_cuda.pdl; off unless INFERX_PDL=1).
+        self._trigger = trigger(torch.device(device))
         # decode_rotary: decode-only steps rotate q and k and write the new k/v inside the
         # decode kernel (ROTARY) instead of a rotary_kv_write_kernel launch before it; 2%
         # faster a 3B step on the H200 (BENCHMARKS.md, session 6). INFERX_TRITON_DECODE_ROTARY=0
@@ -749,6 +753,7 @@ class TritonAttention(TorchAttention):
                 **(new_tokens if in_decode else self._no_new_tokens(plan)),
                 **(parts or {}),
                 **self.decode_launch,
+                TRIGGER=self._trigger and not split,
             )
             if split:
                 # Eager steps pad to the most splits there can be: one compiled variant.
@@ -774,6 +779,7 @@ class TritonAttention(TorchAttention):
                     BLOCK_N=self.decode_block_n,
                     ALL_DECODE=plan.all_decode,
                     **self.reduce_launch,
+                    TRIGGER=self._trigger,
                 )
 
         for tiles in plan.tiles.get(group, []):

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from inferx_kernels_cuda.fused_kernels import _rounded, rotate_into
+from inferx_kernels_cuda.pdl import gdc_launch_dependents
 
 # A finite floor for the running max: a row that has seen no key yet keeps it, and exp2 of the
 # difference to a real score is 0 instead of the NaN that -inf - -inf would give.
@@ -296,6 +297,7 @@ def decode_kernel(
     v_bias_ptr=None,
     PARTS: tl.constexpr = 1,
     HAS_BIAS: tl.constexpr = False,
+    TRIGGER: tl.constexpr = False,
 ):
     """Grid (decode sequences, KV heads, splits): the one query token of a sequence, all query
     heads of one KV group (rows of one tl.dot, padded to GROUP_PAD), over one split of the
@@ -315,6 +317,8 @@ def decode_kernel(
     q/k/v_bias_ptr vectors, [heads * HEAD_DIM] each): they are summed and rounded once before
     the rotation, as the unsplit GEMM would have written them.
     """
+    if TRIGGER:  # the GEMV after it (o_proj, when there is no split) may launch now
+        gdc_launch_dependents()
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -419,10 +423,13 @@ def decode_reduce_kernel(
     SEQ_SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ALL_DECODE: tl.constexpr,
+    TRIGGER: tl.constexpr = False,
 ):
     """Grid (decode sequences, query heads / HEADS): weights each split's output by exp2 of its
     lse, for HEADS consecutive query heads of one sequence. BLOCK_N is the decode kernel's
     tile, needed only with SEQ_SPLIT."""
+    if TRIGGER:  # the GEMV after it (o_proj) may launch now
+        gdc_launch_dependents()
     i = tl.program_id(0)
     num_q_heads = tl.num_programs(1) * HEADS
     seq, row, ctx = _decode_row(i, seq_ids_ptr, query_start_ptr, context_len_ptr, ALL_DECODE)

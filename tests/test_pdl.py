@@ -1,0 +1,147 @@
+"""Programmatic dependent launch of the decode GEMVs (inferx_kernels_cuda.pdl): when it is on,
+and that a GEMV launched with it, its weight prefetched ahead of its wait, still reads what the
+kernels before it wrote, inside a CUDA graph replayed on fresh inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton", reason="the triton package is not installed")
+
+from conftest import on_gpu  # noqa: E402
+
+from inferx_core.ops_torch import TorchOps  # noqa: E402
+from inferx_kernels_cuda import pdl  # noqa: E402
+from inferx_kernels_cuda.ops import TritonOps  # noqa: E402
+from inferx_kernels_cuda.tma_gemv import (  # noqa: E402
+    norm_config,
+    tma_linear_parts,
+    tma_norm_linear,
+)
+
+
+@pytest.fixture
+def pdl_env(monkeypatch: pytest.MonkeyPatch):
+    """Set INFERX_PDL / INFERX_PDL_PREFETCH for one test; the settings are read afresh."""
+
+    def setenv(on: str, prefetch: str | None = None) -> None:
+        monkeypatch.setenv("INFERX_PDL", on)
+        if prefetch is None:
+            monkeypatch.delenv("INFERX_PDL_PREFETCH", raising=False)
+        else:
+            monkeypatch.setenv("INFERX_PDL_PREFETCH", prefetch)
+        pdl._enabled.cache_clear()
+        pdl._prefetch_tiles.cache_clear()
+
+    yield setenv
+    monkeypatch.undo()
+    pdl._enabled.cache_clear()
+    pdl._prefetch_tiles.cache_clear()
+
+
+def test_off_on_the_cpu(pdl_env) -> None:
+    pdl_env("1")
+    cpu = torch.device("cpu")
+    assert not pdl.pdl_enabled(cpu)
+    assert not pdl.trigger(cpu)
+    assert pdl.gemv_launch(cpu, 2) == {"PDL": False, "PREFETCH_TILES": 0, "LINE": 64}
+    assert pdl.gemv_launch(cpu, 4)["LINE"] == 32
+
+
+@pytest.mark.parametrize("value", ["3", "128", "-1", "four"])
+def test_prefetch_setting_is_checked(pdl_env, value: str) -> None:
+    pdl_env("1", value)
+    with pytest.raises(ValueError, match="INFERX_PDL_PREFETCH"):
+        pdl._prefetch_tiles()
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_on_for_hopper_only_when_asked(pdl_env) -> None:
+    dev = torch.device("cuda")
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    pdl_env("1", "8")
+    assert pdl.pdl_enabled(dev) == hopper
+    assert pdl.gemv_launch(dev, 2).get("launch_pdl", False) == hopper
+    assert pdl.gemv_launch(dev, 2)["PREFETCH_TILES"] == (8 if hopper else 0)
+    pdl_env("0")
+    assert not pdl.pdl_enabled(dev) and not pdl.trigger(dev)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("prefetch", ["0", "4", "64"])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_gemvs_wait_for_their_producers_inside_a_graph(pdl_env, prefetch: str, rows: int) -> None:
+    """A decode layer's chain at the 3B's widths: a slow cuBLAS GEMM writes y; add + RMSNorm
+    (TRIGGER) reads it; the QKV-like GEMV (PDL) the norm's output; the norm + gate_up + SiLU GEMV
+    (PDL) those parts and the residual; the down GEMV (PDL) its output. Each replay's inputs are
+    fresh: a GEMV that ran ahead of its producer would read the last replay's values."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the TMA GEMVs and PDL need Hopper")
+    pdl_env("1", prefetch)
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    hidden, inter, eps = 2048, 11008, 1e-6
+    g = torch.Generator(device=dev).manual_seed(7)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device=dev) * scale).to(bf16)
+
+    a = torch.empty(rows, 8192, device=dev, dtype=bf16)
+    b = rand(8192, hidden, scale=8192**-0.5)
+    residual = torch.empty(rows, hidden, device=dev, dtype=bf16)
+    norm_w = (torch.rand(hidden, generator=g, device=dev) + 0.5).to(bf16)
+    w_qkv = rand(2560, hidden, scale=hidden**-0.5)
+    w_gate_up = rand(2 * inter, 2560, scale=2560**-0.5)
+    w_down = rand(hidden, inter, scale=inter**-0.5)
+    ops, ref = TritonOps(), TorchOps()
+    assert pdl.trigger(dev) and pdl.gemv_launch(dev, 2)["PDL"]
+
+    def step() -> tuple[torch.Tensor, ...]:
+        y = a @ b
+        normed, summed = ops.rms_norm(y, norm_w, eps, residual)
+        qkv = tma_linear_parts(normed, w_qkv, parts=2)
+        act, new_res = tma_norm_linear(
+            qkv,
+            torch.zeros_like(qkv[0]),
+            norm_w.new_ones(2560),
+            eps,
+            w_gate_up,
+            1,
+            True,
+            norm_config(rows, 1, gated=True),
+        )
+        down = tma_linear_parts(act, w_down, parts=1)
+        return y, normed, summed, qkv, new_res, act, down
+
+    a.normal_(generator=g)
+    residual.normal_(generator=g)
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for _ in range(4):
+        a.normal_(generator=g)
+        residual.normal_(generator=g)
+        graph.replay()
+        torch.cuda.synchronize()
+        y, normed, summed, qkv, new_res, act, down = outs
+        torch.testing.assert_close(y, a @ b, rtol=0, atol=0)
+        want_normed, want_summed = ref.rms_norm(y, norm_w, eps, residual)
+        torch.testing.assert_close(summed, want_summed, rtol=0, atol=0)
+        torch.testing.assert_close(normed, want_normed, rtol=1.6e-2, atol=1e-2)
+        # Each GEMV against float32 products of the inputs the graph itself held: a stale
+        # read of the last replay's values would be off by O(1).
+        want_qkv = F.linear(normed.float(), w_qkv.float())
+        torch.testing.assert_close(qkv.float().sum(0), want_qkv, rtol=2e-2, atol=2e-2)
+        h = qkv.float().sum(0).to(bf16).float()
+        torch.testing.assert_close(new_res.float(), h, rtol=1e-2, atol=1e-2)
+        inv_rms = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        gate_up = F.linear(h * inv_rms, w_gate_up.float())
+        want_act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        torch.testing.assert_close(act.float(), want_act, rtol=3e-2, atol=3e-2)
+        want_down = F.linear(act.float(), w_down.float())
+        torch.testing.assert_close(down[0].float(), want_down, rtol=2e-2, atol=2e-2)
