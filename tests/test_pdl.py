@@ -32,13 +32,15 @@ def pdl_env(monkeypatch: pytest.MonkeyPatch):
             monkeypatch.delenv("INFERX_PDL_PREFETCH", raising=False)
         else:
             monkeypatch.setenv("INFERX_PDL_PREFETCH", prefetch)
-        pdl._enabled.cache_clear()
-        pdl._prefetch_tiles.cache_clear()
+        clear()
+
+    def clear() -> None:
+        for setting in (pdl._enabled, pdl._prefetch_tiles, pdl._min_rows, pdl._chain):
+            setting.cache_clear()
 
     yield setenv
     monkeypatch.undo()
-    pdl._enabled.cache_clear()
-    pdl._prefetch_tiles.cache_clear()
+    clear()
 
 
 def test_off_on_the_cpu(pdl_env) -> None:
@@ -46,8 +48,9 @@ def test_off_on_the_cpu(pdl_env) -> None:
     cpu = torch.device("cpu")
     assert not pdl.pdl_enabled(cpu)
     assert not pdl.trigger(cpu)
-    assert pdl.gemv_launch(cpu, 2) == {"PDL": False, "PREFETCH_TILES": 0, "LINE": 64}
-    assert pdl.gemv_launch(cpu, 4)["LINE"] == 32
+    off = {"PDL": False, "PREFETCH_TILES": 0, "LINE": 64, "TRIGGER": False}
+    assert pdl.gemv_launch(cpu, 2, 1) == off
+    assert pdl.gemv_launch(cpu, 4, 1)["LINE"] == 32
 
 
 @pytest.mark.parametrize("value", ["3", "128", "-1", "four"])
@@ -64,8 +67,8 @@ def test_on_for_hopper_only_when_asked(pdl_env) -> None:
     hopper = torch.cuda.get_device_capability() >= (9, 0)
     pdl_env("1", "8")
     assert pdl.pdl_enabled(dev) == hopper
-    assert pdl.gemv_launch(dev, 2).get("launch_pdl", False) == hopper
-    assert pdl.gemv_launch(dev, 2)["PREFETCH_TILES"] == (8 if hopper else 0)
+    assert pdl.gemv_launch(dev, 2, 1).get("launch_pdl", False) == hopper
+    assert pdl.gemv_launch(dev, 2, 1)["PREFETCH_TILES"] == (8 if hopper else 0)
     pdl_env("0")
     assert not pdl.pdl_enabled(dev) and not pdl.trigger(dev)
 
@@ -97,7 +100,7 @@ def test_gemvs_wait_for_their_producers_inside_a_graph(pdl_env, prefetch: str, r
     w_gate_up = rand(2 * inter, 2560, scale=2560**-0.5)
     w_down = rand(hidden, inter, scale=inter**-0.5)
     ops, ref = TritonOps(), TorchOps()
-    assert pdl.trigger(dev) and pdl.gemv_launch(dev, 2)["PDL"]
+    assert pdl.trigger(dev) and pdl.gemv_launch(dev, 2, 1)["PDL"]
 
     def step() -> tuple[torch.Tensor, ...]:
         y = a @ b

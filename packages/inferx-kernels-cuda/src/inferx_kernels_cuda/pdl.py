@@ -17,6 +17,8 @@ kernels launch as before: PDL on the small kernels themselves measured slower in
 Off unless the environment sets INFERX_PDL=1 (until measured), and never under
 TRITON_INTERPRET, on GPUs before Hopper or with a Triton without launch_pdl.
 INFERX_PDL_PREFETCH: K tiles each GEMV program prefetches (a power of two, default 4; 0 none).
+INFERX_PDL_MIN_ROWS: the fewest rows of x a GEMV launches with PDL at (default 1).
+INFERX_PDL_CHAIN=0: GEMVs do not let the next GEMV launch early (they trigger by exiting).
 """
 
 from __future__ import annotations
@@ -81,13 +83,28 @@ def _prefetch_tiles() -> int:
     return tiles
 
 
-def gemv_launch(device: torch.device, element_size: int) -> dict[str, Any]:
-    """A TMA GEMV launch's PDL arguments: its PDL, PREFETCH_TILES and LINE (elements a 128-byte
-    line) constexprs, and Triton's launch_pdl option when PDL is on."""
+@functools.cache
+def _min_rows() -> int:
+    value = os.environ.get("INFERX_PDL_MIN_ROWS", "1")
+    if not value.isdigit():
+        raise ValueError(f"INFERX_PDL_MIN_ROWS: a row count, got {value!r}")
+    return int(value)
+
+
+@functools.cache
+def _chain() -> bool:
+    return os.environ.get("INFERX_PDL_CHAIN", "1") != "0"
+
+
+def gemv_launch(device: torch.device, element_size: int, rows: int) -> dict[str, Any]:
+    """A TMA GEMV launch's PDL arguments for `rows` rows of x: its PDL, PREFETCH_TILES, LINE
+    (elements a 128-byte line) and TRIGGER constexprs, and Triton's launch_pdl option when PDL
+    is on."""
     line = 128 // element_size
-    if pdl_enabled(device):
-        return {"PDL": True, "PREFETCH_TILES": _prefetch_tiles(), "LINE": line, "launch_pdl": True}
-    return {"PDL": False, "PREFETCH_TILES": 0, "LINE": line}
+    if pdl_enabled(device) and rows >= _min_rows():
+        return {"PDL": True, "PREFETCH_TILES": _prefetch_tiles(), "LINE": line,
+                "TRIGGER": _chain(), "launch_pdl": True}  # fmt: skip
+    return {"PDL": False, "PREFETCH_TILES": 0, "LINE": line, "TRIGGER": False}
 
 
 def trigger(device: torch.device) -> bool:

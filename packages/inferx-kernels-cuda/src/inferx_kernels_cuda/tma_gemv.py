@@ -102,9 +102,10 @@ def _prefetch_weight(w_ptr, stride_w, row0, row_end, col0, col_end, BLOCK_N: tl.
 @triton.jit
 def _pdl_start(w_ptr, stride_w, n0, n, k0, k_end, up_row, GATED: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_TILES: tl.constexpr,
-               LINE: tl.constexpr):  # fmt: skip
+               LINE: tl.constexpr, TRIGGER: tl.constexpr):  # fmt: skip
     """A GEMV launched with PDL (inferx_kernels_cuda.pdl): prefetch this program's first weight
-    tiles (gate and up with GATED), wait for the kernel ahead, let the next one launch."""
+    tiles (gate and up with GATED), wait for the kernel ahead, with TRIGGER let the next one
+    launch."""
     if PREFETCH_TILES > 0:
         _prefetch_weight(w_ptr, stride_w, n0, n, k0, k_end, BLOCK_N, BLOCK_K, PREFETCH_TILES,
                          LINE)  # fmt: skip
@@ -112,7 +113,8 @@ def _pdl_start(w_ptr, stride_w, n0, n, k0, k_end, up_row, GATED: tl.constexpr,
             _prefetch_weight(w_ptr, stride_w, up_row + n0, up_row + n, k0, k_end, BLOCK_N,
                              BLOCK_K, PREFETCH_TILES, LINE)  # fmt: skip
     gdc_wait()
-    gdc_launch_dependents()
+    if TRIGGER:
+        gdc_launch_dependents()
 
 
 # m only masks the stores: not specialised on (m == 1, m % 16), so one compile serves every
@@ -140,6 +142,7 @@ def tma_gemv_kernel(
     PDL: tl.constexpr = False,
     PREFETCH_TILES: tl.constexpr = 0,
     LINE: tl.constexpr = 64,
+    TRIGGER: tl.constexpr = False,
 ):
     """Grid (row blocks, splits): out[s, :, rows] = x[:, ks] @ W[rows, ks].T, ks = split s's
     k_per_split columns (a multiple of BLOCK_K; the last split's run past K reads zeros).
@@ -152,7 +155,7 @@ def tma_gemv_kernel(
     k0 = pid_s * k_per_split
     if PDL:
         _pdl_start(w_ptr, stride_w, n0, n, k0, tl.minimum(k0 + k_per_split, k), up_row, GATED,
-                   BLOCK_N, BLOCK_K, PREFETCH_TILES, LINE)  # fmt: skip
+                   BLOCK_N, BLOCK_K, PREFETCH_TILES, LINE, TRIGGER)  # fmt: skip
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for kk in range(0, k_per_split, BLOCK_K):
@@ -237,7 +240,7 @@ def _launch(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         w_ptr=weight, stride_w=weight.stride(0), k=k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **gemv_launch(x.device, x.element_size()),
+        **gemv_launch(x.device, x.element_size(), m),
     )  # fmt: skip
     return out
 
@@ -349,6 +352,7 @@ def tma_norm_gemv_kernel(
     PDL: tl.constexpr = False,
     PREFETCH_TILES: tl.constexpr = 0,
     LINE: tl.constexpr = 64,
+    TRIGGER: tl.constexpr = False,
 ):
     """Grid (row blocks, S_OUT splits). h = sum of the S_IN parts [S_IN, m, k] (rounded once)
     + residual [m, k] (rounded), as rms_norm_kernel; x = h * norm weight; out[s, :, rows] =
@@ -362,7 +366,7 @@ def tma_norm_gemv_kernel(
     k0 = pid_s * k_per_split
     if PDL:
         _pdl_start(w_ptr, stride_w, n0, n, k0, tl.minimum(k0 + k_per_split, k), up_row, GATED,
-                   BLOCK_N, BLOCK_K, PREFETCH_TILES, LINE)  # fmt: skip
+                   BLOCK_N, BLOCK_K, PREFETCH_TILES, LINE, TRIGGER)  # fmt: skip
     dtype = parts_ptr.dtype.element_ty
     rows = tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_K)
@@ -490,6 +494,6 @@ def tma_norm_linear(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         w_ptr=weight, stride_w=weight.stride(0),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **gemv_launch(x.device, x.element_size()),
+        **gemv_launch(x.device, x.element_size(), m),
     )  # fmt: skip
     return out, new_residual
