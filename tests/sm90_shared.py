@@ -20,7 +20,7 @@ def shared_bytes(dtype: str, rows: int, config: list[int], gated: bool) -> int:
     block_m = max(16, triton.next_power_of_2(rows))
     constexprs = dict(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, UPCAST=False,
-        DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", PDL=False, PREFETCH_TILES=0, LINE=64,
+        DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", PDL=False, TRIGGER=False,
     )  # fmt: skip
     descs = {"x_desc": (block_m, block_k), "w_desc": (block_n, block_k)}
     sig = {}
@@ -30,7 +30,7 @@ def shared_bytes(dtype: str, rows: int, config: list[int], gated: bool) -> int:
         elif name in descs:
             sig[name] = f"tensordesc<{dtype}[{descs[name][0]}, {descs[name][1]}]>"
         else:
-            sig[name] = f"*{dtype}" if name in ("out_ptr", "w_ptr") else "i32"
+            sig[name] = f"*{dtype}" if name == "out_ptr" else "i32"
     at = {name: (i,) for i, name in enumerate(sig)}
     src = ASTSource(tma_gemv_kernel, sig, constexprs={at[n]: v for n, v in constexprs.items()})
     options = dict(num_warps=num_warps, num_stages=num_stages)

@@ -1,6 +1,6 @@
 """Programmatic dependent launch of the decode GEMVs (inferx_kernels_cuda.pdl): when it is on,
-and that a GEMV launched with it, its weight prefetched ahead of its wait, still reads what the
-kernels before it wrote, inside a CUDA graph replayed on fresh inputs."""
+and that a GEMV launched with it still reads what the kernels before it wrote, inside a CUDA
+graph replayed on fresh inputs (with and without GEMVs letting the next GEMV launch early)."""
 
 from __future__ import annotations
 
@@ -24,19 +24,19 @@ from inferx_kernels_cuda.tma_gemv import (  # noqa: E402
 
 @pytest.fixture
 def pdl_env(monkeypatch: pytest.MonkeyPatch):
-    """Set INFERX_PDL / INFERX_PDL_PREFETCH for one test; the settings are read afresh."""
+    """Set INFERX_PDL / INFERX_PDL_CHAIN (None: unset) for one test; read afresh."""
 
-    def setenv(on: str, prefetch: str | None = None) -> None:
-        monkeypatch.setenv("INFERX_PDL", on)
-        if prefetch is None:
-            monkeypatch.delenv("INFERX_PDL_PREFETCH", raising=False)
-        else:
-            monkeypatch.setenv("INFERX_PDL_PREFETCH", prefetch)
+    def setenv(on: str | None, chain: str | None = None) -> None:
+        for name, value in (("INFERX_PDL", on), ("INFERX_PDL_CHAIN", chain)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
         clear()
 
     def clear() -> None:
-        for setting in (pdl._enabled, pdl._prefetch_tiles, pdl._min_rows, pdl._chain):
-            setting.cache_clear()
+        pdl._enabled.cache_clear()
+        pdl._chain.cache_clear()
 
     yield setenv
     monkeypatch.undo()
@@ -44,47 +44,45 @@ def pdl_env(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_off_on_the_cpu(pdl_env) -> None:
-    pdl_env("1")
+    pdl_env(None)
     cpu = torch.device("cpu")
     assert not pdl.pdl_enabled(cpu)
     assert not pdl.trigger(cpu)
-    off = {"PDL": False, "PREFETCH_TILES": 0, "LINE": 64, "TRIGGER": False}
-    assert pdl.gemv_launch(cpu, 2, 1) == off
-    assert pdl.gemv_launch(cpu, 4, 1)["LINE"] == 32
-
-
-@pytest.mark.parametrize("value", ["3", "128", "-1", "four"])
-def test_prefetch_setting_is_checked(pdl_env, value: str) -> None:
-    pdl_env("1", value)
-    with pytest.raises(ValueError, match="INFERX_PDL_PREFETCH"):
-        pdl._prefetch_tiles()
+    assert pdl.gemv_launch(cpu) == {"PDL": False, "TRIGGER": False}
 
 
 @pytest.mark.gpu
 @on_gpu
-def test_on_for_hopper_only_when_asked(pdl_env) -> None:
+def test_on_for_hopper_unless_switched_off(pdl_env) -> None:
     dev = torch.device("cuda")
     hopper = torch.cuda.get_device_capability() >= (9, 0)
-    pdl_env("1", "8")
-    assert pdl.pdl_enabled(dev) == hopper
-    assert pdl.gemv_launch(dev, 2, 1).get("launch_pdl", False) == hopper
-    assert pdl.gemv_launch(dev, 2, 1)["PREFETCH_TILES"] == (8 if hopper else 0)
-    pdl_env("0")
+    pdl_env(None)
+    assert pdl.pdl_enabled(dev) == hopper and pdl.trigger(dev) == hopper
+    assert pdl.gemv_launch(dev) == (
+        {"PDL": True, "TRIGGER": False, "launch_pdl": True}
+        if hopper
+        else {"PDL": False, "TRIGGER": False}
+    )
+    pdl_env(None, "1")
+    assert pdl.gemv_launch(dev)["TRIGGER"] == hopper
+    pdl_env("0", "1")
     assert not pdl.pdl_enabled(dev) and not pdl.trigger(dev)
+    assert pdl.gemv_launch(dev) == {"PDL": False, "TRIGGER": False}
 
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("prefetch", ["0", "4", "64"])
+@pytest.mark.parametrize("chain", ["0", "1"])
 @pytest.mark.parametrize("rows", [1, 8])
-def test_gemvs_wait_for_their_producers_inside_a_graph(pdl_env, prefetch: str, rows: int) -> None:
+def test_gemvs_wait_for_their_producers_inside_a_graph(pdl_env, chain: str, rows: int) -> None:
     """A decode layer's chain at the 3B's widths: a slow cuBLAS GEMM writes y; add + RMSNorm
     (TRIGGER) reads it; the QKV-like GEMV (PDL) the norm's output; the norm + gate_up + SiLU GEMV
-    (PDL) those parts and the residual; the down GEMV (PDL) its output. Each replay's inputs are
+    (PDL) those parts and the residual; the down GEMV (PDL) its output. With chain "1" each GEMV
+    also lets the next one launch early. Each replay's inputs are
     fresh: a GEMV that ran ahead of its producer would read the last replay's values."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the TMA GEMVs and PDL need Hopper")
-    pdl_env("1", prefetch)
+    pdl_env("1", chain)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     hidden, inter, eps = 2048, 11008, 1e-6
     g = torch.Generator(device=dev).manual_seed(7)
@@ -100,7 +98,7 @@ def test_gemvs_wait_for_their_producers_inside_a_graph(pdl_env, prefetch: str, r
     w_gate_up = rand(2 * inter, 2560, scale=2560**-0.5)
     w_down = rand(hidden, inter, scale=inter**-0.5)
     ops, ref = TritonOps(), TorchOps()
-    assert pdl.trigger(dev) and pdl.gemv_launch(dev, 2, 1)["PDL"]
+    assert pdl.trigger(dev) and pdl.gemv_launch(dev)["PDL"]
 
     def step() -> tuple[torch.Tensor, ...]:
         y = a @ b

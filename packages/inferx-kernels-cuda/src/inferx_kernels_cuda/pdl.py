@@ -1,24 +1,23 @@
-"""Programmatic dependent launch (PDL) of the decode GEMVs, their first weight tiles prefetched.
+"""Programmatic dependent launch (PDL) of the decode GEMVs.
 
-A small-batch decode step is a chain of short kernels, and each TMA GEMV spends its first
-microseconds being launched and waiting for its first weight tiles from DRAM. Launched with
-PDL, a GEMV (tma_gemv_kernel, tma_norm_gemv_kernel) may start while the kernel ahead of it
-still runs: its programs ask L2 for their first PREFETCH_TILES weight tiles (no kernel of a
-step writes weights), wait in `gdc_wait` until the kernel ahead has finished and its writes
-are visible, and then run as before, their first tiles coming from L2.
+A small-batch decode step is a chain of ~300 short kernels inside a CUDA graph, and each
+launch leaves a gap of about half a microsecond. A TMA GEMV (tma_gemv_kernel,
+tma_norm_gemv_kernel) launched with PDL becomes resident as soon as the kernel ahead of it
+lets it (every program of that kernel has called `gdc_launch_dependents`, or exited), and
+waits in `gdc_wait` until that kernel has finished and its writes are visible. The kernels
+ahead of the GEMVs call `gdc_launch_dependents` at their start (their TRIGGER constexpr):
+rms_norm_kernel, decode_kernel (unsplit) and decode_reduce_kernel. The trigger does nothing
+when the next kernel was launched without PDL. Every other kernel launches as before.
 
-The kernel ahead lets it start early by calling `gdc_launch_dependents` (every program of it
-must have called it, or exited): rms_norm_kernel, decode_kernel and decode_reduce_kernel at
-their start (their TRIGGER constexpr), a GEMV right after its own wait, so at most one GEMV
-runs ahead. The trigger does nothing when the next kernel was launched without PDL. All other
-kernels launch as before: PDL on the small kernels themselves measured slower in session 5
-(BENCHMARKS.md), its edges costing more than the launches they hid.
+Measured on the H200 (BENCHMARKS.md, session 16): 3B steps 22-42 µs faster at every batch of
+1-64 (the graph's launch gaps 127 -> ~70 µs a step). Two variants lost and are not the
+default: GEMVs letting the next GEMV launch early too (INFERX_PDL_CHAIN=1: slower at batch
+1-2, faster at 8 and 64), and prefetching each GEMV program's first weight tiles into L2 before
+its wait (slower everywhere; removed). PDL on the small kernels themselves measured slower in
+session 5, its edges costing more than the launches they hid.
 
-Off unless the environment sets INFERX_PDL=1 (until measured), and never under
-TRITON_INTERPRET, on GPUs before Hopper or with a Triton without launch_pdl.
-INFERX_PDL_PREFETCH: K tiles each GEMV program prefetches (a power of two, default 4; 0 none).
-INFERX_PDL_MIN_ROWS: the fewest rows of x a GEMV launches with PDL at (default 1).
-INFERX_PDL_CHAIN=0: GEMVs do not let the next GEMV launch early (they trigger by exiting).
+On for Hopper or newer with a Triton that has launch_pdl; never under TRITON_INTERPRET.
+INFERX_PDL=0 turns it off (A/B runs).
 """
 
 from __future__ import annotations
@@ -60,11 +59,16 @@ def _triton_has_pdl() -> bool:
 def _enabled(index: int) -> bool:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False
-    if os.environ.get("INFERX_PDL", "0") != "1":
+    if os.environ.get("INFERX_PDL", "1") == "0":
         return False
     if torch.cuda.get_device_capability(index) < (9, 0):
         return False
     return _triton_has_pdl()
+
+
+@functools.cache
+def _chain() -> bool:
+    return os.environ.get("INFERX_PDL_CHAIN", "0") == "1"
 
 
 def pdl_enabled(device: torch.device) -> bool:
@@ -74,37 +78,12 @@ def pdl_enabled(device: torch.device) -> bool:
     return _enabled(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.cache
-def _prefetch_tiles() -> int:
-    value = os.environ.get("INFERX_PDL_PREFETCH", "4")
-    tiles = int(value) if value.isdigit() else -1
-    if tiles < 0 or tiles & (tiles - 1) or tiles > 64:
-        raise ValueError(f"INFERX_PDL_PREFETCH: a power of two up to 64 or 0, got {value!r}")
-    return tiles
-
-
-@functools.cache
-def _min_rows() -> int:
-    value = os.environ.get("INFERX_PDL_MIN_ROWS", "1")
-    if not value.isdigit():
-        raise ValueError(f"INFERX_PDL_MIN_ROWS: a row count, got {value!r}")
-    return int(value)
-
-
-@functools.cache
-def _chain() -> bool:
-    return os.environ.get("INFERX_PDL_CHAIN", "1") != "0"
-
-
-def gemv_launch(device: torch.device, element_size: int, rows: int) -> dict[str, Any]:
-    """A TMA GEMV launch's PDL arguments for `rows` rows of x: its PDL, PREFETCH_TILES, LINE
-    (elements a 128-byte line) and TRIGGER constexprs, and Triton's launch_pdl option when PDL
-    is on."""
-    line = 128 // element_size
-    if pdl_enabled(device) and rows >= _min_rows():
-        return {"PDL": True, "PREFETCH_TILES": _prefetch_tiles(), "LINE": line,
-                "TRIGGER": _chain(), "launch_pdl": True}  # fmt: skip
-    return {"PDL": False, "PREFETCH_TILES": 0, "LINE": line, "TRIGGER": False}
+def gemv_launch(device: torch.device) -> dict[str, Any]:
+    """A TMA GEMV launch's PDL arguments: its PDL and TRIGGER constexprs, and Triton's
+    launch_pdl option when PDL is on."""
+    if pdl_enabled(device):
+        return {"PDL": True, "TRIGGER": _chain(), "launch_pdl": True}
+    return {"PDL": False, "TRIGGER": False}
 
 
 def trigger(device: torch.device) -> bool:

@@ -82,41 +82,6 @@ def _products(w_desc, x, acc, acc_up, n0, col, up_row, GATED: tl.constexpr, UPCA
     return acc, acc_up
 
 
-@triton.jit
-def _prefetch_weight(w_ptr, stride_w, row0, row_end, col0, col_end, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, TILES: tl.constexpr, LINE: tl.constexpr):  # fmt: skip
-    """Asks L2 for the first TILES [BLOCK_N, BLOCK_K] weight tiles of rows row0.. and columns
-    col0.. (rows from row_end and columns from col_end clamped onto the last ones): one
-    prefetch a 128-byte line of LINE elements, nothing waited for."""
-    rows = tl.minimum(row0 + tl.arange(0, BLOCK_N), row_end - 1).to(tl.int64)
-    lines = tl.arange(0, BLOCK_K // LINE) * LINE
-    for c in range(col0, tl.minimum(col0 + TILES * BLOCK_K, col_end), BLOCK_K):
-        cols = tl.minimum(c + lines, col_end - 1)
-        tl.inline_asm_elementwise(
-            "mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l",
-            [w_ptr + rows[:, None] * stride_w + cols[None, :]], dtype=tl.int32, is_pure=False,
-            pack=1,
-        )  # fmt: skip
-
-
-@triton.jit
-def _pdl_start(w_ptr, stride_w, n0, n, k0, k_end, up_row, GATED: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_TILES: tl.constexpr,
-               LINE: tl.constexpr, TRIGGER: tl.constexpr):  # fmt: skip
-    """A GEMV launched with PDL (inferx_kernels_cuda.pdl): prefetch this program's first weight
-    tiles (gate and up with GATED), wait for the kernel ahead, with TRIGGER let the next one
-    launch."""
-    if PREFETCH_TILES > 0:
-        _prefetch_weight(w_ptr, stride_w, n0, n, k0, k_end, BLOCK_N, BLOCK_K, PREFETCH_TILES,
-                         LINE)  # fmt: skip
-        if GATED:
-            _prefetch_weight(w_ptr, stride_w, up_row + n0, up_row + n, k0, k_end, BLOCK_N,
-                             BLOCK_K, PREFETCH_TILES, LINE)  # fmt: skip
-    gdc_wait()
-    if TRIGGER:
-        gdc_launch_dependents()
-
-
 # m only masks the stores: not specialised on (m == 1, m % 16), so one compile serves every
 # row count of a BLOCK_M (the graph ladder's 1, 2-8 and 16 share one).
 @triton.jit(do_not_specialize=["m"])
@@ -136,26 +101,22 @@ def tma_gemv_kernel(
     GATED: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    w_ptr,
-    stride_w,
-    k,
     PDL: tl.constexpr = False,
-    PREFETCH_TILES: tl.constexpr = 0,
-    LINE: tl.constexpr = 64,
     TRIGGER: tl.constexpr = False,
 ):
     """Grid (row blocks, splits): out[s, :, rows] = x[:, ks] @ W[rows, ks].T, ks = split s's
     k_per_split columns (a multiple of BLOCK_K; the last split's run past K reads zeros).
     GATED (one split): W holds gate rows, then up rows from up_row; out [m, n] = silu(gate) *
-    up for gate rows n, each rounded as silu_and_mul after the GEMM rounds them. w_ptr, stride_w
-    and k (W itself, its row stride and K) serve PDL's prefetch only (_pdl_start)."""
+    up for gate rows n, each rounded as silu_and_mul after the GEMM rounds them. PDL, TRIGGER:
+    inferx_kernels_cuda.pdl."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     n0 = pid_n * BLOCK_N
     k0 = pid_s * k_per_split
-    if PDL:
-        _pdl_start(w_ptr, stride_w, n0, n, k0, tl.minimum(k0 + k_per_split, k), up_row, GATED,
-                   BLOCK_N, BLOCK_K, PREFETCH_TILES, LINE, TRIGGER)  # fmt: skip
+    if PDL:  # launched early: wait for the kernel ahead (its writes visible)
+        gdc_wait()
+    if TRIGGER:
+        gdc_launch_dependents()
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for kk in range(0, k_per_split, BLOCK_K):
@@ -238,9 +199,8 @@ def _launch(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated,
         UPCAST=interpret and x.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        w_ptr=weight, stride_w=weight.stride(0), k=k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **gemv_launch(x.device, x.element_size(), m),
+        **gemv_launch(x.device),
     )  # fmt: skip
     return out
 
@@ -347,11 +307,7 @@ def tma_norm_gemv_kernel(
     SELECT_OWN: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    w_ptr,
-    stride_w,
     PDL: tl.constexpr = False,
-    PREFETCH_TILES: tl.constexpr = 0,
-    LINE: tl.constexpr = 64,
     TRIGGER: tl.constexpr = False,
 ):
     """Grid (row blocks, S_OUT splits). h = sum of the S_IN parts [S_IN, m, k] (rounded once)
@@ -359,14 +315,15 @@ def tma_norm_gemv_kernel(
     (x[:, ks] @ W[rows, ks].T) / rms(h) for split s's columns ks. GATED (S_OUT 1): W holds gate
     rows then up rows from up_row, out [m, n] = silu(gate) * up for gate rows n. Rows are
     loaded ROWS (>= m, a power of two) at a time, repeated to BLOCK_M (>= 16) for the dot.
-    w_ptr and stride_w (W and its row stride) serve PDL's prefetch only (_pdl_start)."""
+    PDL, TRIGGER: inferx_kernels_cuda.pdl."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     n0 = pid_n * BLOCK_N
     k0 = pid_s * k_per_split
-    if PDL:
-        _pdl_start(w_ptr, stride_w, n0, n, k0, tl.minimum(k0 + k_per_split, k), up_row, GATED,
-                   BLOCK_N, BLOCK_K, PREFETCH_TILES, LINE, TRIGGER)  # fmt: skip
+    if PDL:  # launched early: wait for the kernel ahead (its writes visible)
+        gdc_wait()
+    if TRIGGER:
+        gdc_launch_dependents()
     dtype = parts_ptr.dtype.element_ty
     rows = tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_K)
@@ -492,8 +449,7 @@ def tma_norm_linear(
         GATED=gated, SELECT_OWN=cfg.select_own,
         UPCAST=interpret and x.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        w_ptr=weight, stride_w=weight.stride(0),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **gemv_launch(x.device, x.element_size(), m),
+        **gemv_launch(x.device),
     )  # fmt: skip
     return out, new_residual
