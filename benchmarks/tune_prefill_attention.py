@@ -37,13 +37,14 @@ BLOCK = 16
 KEYS = ("block_m", "block_n", "warps", "stages")
 
 
-def defaults(backend: TritonAttention) -> dict[str, int]:
-    """The config a backend runs unless told otherwise."""
+def defaults(backend: TritonAttention, group: int) -> dict[str, int]:
+    """The config a backend runs for layers of this GQA group unless told otherwise."""
+    launch = backend.prefill_options(group)
     return {
         "block_m": backend.prefill_block_m,
         "block_n": backend.prefill_block_n,
-        "warps": backend.prefill_launch["num_warps"],
-        "stages": backend.prefill_launch["num_stages"],
+        "warps": launch["num_warps"],
+        "stages": launch["num_stages"],
     }
 
 
@@ -81,7 +82,8 @@ def build(
     if cfg is not None:
         backend.prefill_block_m = cfg["block_m"]
         backend.prefill_block_n = cfg["block_n"]
-        backend.prefill_launch = {"num_warps": cfg["warps"], "num_stages": cfg["stages"]}
+        launch = {"num_warps": cfg["warps"], "num_stages": cfg["stages"]}
+        backend.prefill_launch = backend.prefill_launch_small_group = launch
     n, length = shape
     per_seq = -(-length // BLOCK)
     backend.allocate(n * per_seq + 1)
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for shape in parse_shapes(args.shapes):
         tokens = shape[0] * shape[1]
         backend, batch = build(None, spec, args.layers, shape, device)
-        default = defaults(backend)
+        default = defaults(backend, q_heads // kv_heads)
         base_us, base_out = measure(backend, batch, spec, tokens, args.layers, args.reps)
         del backend
         results = []

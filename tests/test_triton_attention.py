@@ -185,6 +185,19 @@ def test_reduce_heads_fit_the_layer_and_the_tile() -> None:
         backend._reduce_heads(16, 4)
 
 
+def test_prefill_pipelines_small_groups_only() -> None:
+    """Layers of GQA group <= 4 launch the prefill kernel 2 stages deep, larger groups 1 deep,
+    each from its own (tunable) options."""
+    specs = [KVLayerSpec(32, 8, 128), KVLayerSpec(16, 2, 128)]  # groups 4 and 8
+    backend = TritonAttention(specs, 16, torch.float32, torch.device("cpu"))
+    assert backend.prefill_options(4) == {"num_warps": 4, "num_stages": 2}
+    assert backend.prefill_options(1) == {"num_warps": 4, "num_stages": 2}
+    assert backend.prefill_options(8) == {"num_warps": 4, "num_stages": 1}
+    backend.prefill_launch_small_group = {"num_warps": 8, "num_stages": 3}
+    assert backend.prefill_options(2)["num_stages"] == 3
+    assert backend.prefill_options(8)["num_stages"] == 1
+
+
 def test_split_policy() -> None:
     """Split only while the GPU would be short of programs, never below min_split_len."""
     backend = TritonAttention(

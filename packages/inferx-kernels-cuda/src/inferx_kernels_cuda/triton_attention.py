@@ -208,6 +208,12 @@ class TritonAttention(TorchAttention):
         # batch 1 or 8 (tune_decode_attention, BENCHMARKS.md session 7).
         self.reduce_heads = 2
         self.prefill_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
+        # ... and for layers whose GQA group is at most 4: their K/V tiles pipelined 2 deep
+        # (Triton's num_stages). H200, Llama-3.1-8B's heads (32 / 8, group 4), µs a layer:
+        # 1 x 2048 tokens 174.7 -> 146.7, 1 x 8192 1946 -> 1598, 16 x 512 level; at the 3B's
+        # group of 8, 2 stages lost 12% at 16 x 512 (tune_prefill_attention.py, BENCHMARKS.md
+        # session 16). Groups 1-2 were not measured.
+        self.prefill_launch_small_group: dict[str, int] = {"num_warps": 4, "num_stages": 2}
         # The decode kernel (unsplit) and the reduce let o_proj's GEMV launch early, when it
         # launches with PDL (inferx_kernels_cuda.pdl; off unless INFERX_PDL=1).
         self._trigger = trigger(torch.device(device))
@@ -229,6 +235,10 @@ class TritonAttention(TorchAttention):
         self._plan: _Plan | None = None
         self._graph: _GraphBuffers | None = None
         self._mixed: _MixedBuffers | None = None
+
+    def prefill_options(self, group: int) -> dict[str, int]:
+        """The prefill kernel's launch options (num_warps, num_stages) for a GQA group size."""
+        return self.prefill_launch_small_group if group <= 4 else self.prefill_launch
 
     def _tile_shape(self, group: int, short: bool = False) -> tuple[int, int]:
         """(BLOCK_M, BLOCK_Q) of the prefill kernel for a GQA group size; `short`: the
@@ -808,6 +818,6 @@ class TritonAttention(TorchAttention):
                 BLOCK_N=self.prefill_block_n,
                 UPCAST=self._upcast,
                 DOT_PRECISION=self._dot_precision,
-                **self.prefill_launch,
+                **self.prefill_options(group),
             )
         return out
