@@ -145,8 +145,9 @@ class TritonOps(KernelOps):
         self.tma_parts = env_int("INFERX_TMA_PARTS", SPLIT_PARTS, 1, 8)
         # embed_index: the embedding lookup as weight[ids] (torch's index kernel) instead of
         # F.embedding (index_select). On the H200 index_select's small-index kernel took 7.6 and
-        # 13.1 µs at 8 and 16 ids, 2.4 at one (session 15's profiles). Off until an A/B in the
-        # model (INFERX_EMBED_INDEX=1).
+        # 13.1 µs at 8 and 16 ids, 2.4 at one (session 15's profiles). In the model (session
+        # 16) steps were level at batch 1, 8 and 64 and 13 µs faster at 16 only, so it stays
+        # off; INFERX_EMBED_INDEX=1 for A/B.
         self.embed_index = env_switch("INFERX_EMBED_INDEX", default=False)
 
     def embedding(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
