@@ -24,10 +24,11 @@ from inferx_kernels_cuda.tma_gemv import (  # noqa: E402
 
 @pytest.fixture
 def pdl_env(monkeypatch: pytest.MonkeyPatch):
-    """Set INFERX_PDL / INFERX_PDL_CHAIN (None: unset) for one test; read afresh."""
+    """Set INFERX_PDL, INFERX_PDL_CHAIN, INFERX_PDL_ALL (None: unset) for one test; read afresh."""
 
-    def setenv(on: str | None, chain: str | None = None) -> None:
-        for name, value in (("INFERX_PDL", on), ("INFERX_PDL_CHAIN", chain)):
+    def setenv(on: str | None, chain: str | None = None, all_: str | None = None) -> None:
+        names = ("INFERX_PDL", "INFERX_PDL_CHAIN", "INFERX_PDL_ALL")
+        for name, value in zip(names, (on, chain, all_), strict=True):
             if value is None:
                 monkeypatch.delenv(name, raising=False)
             else:
@@ -35,8 +36,8 @@ def pdl_env(monkeypatch: pytest.MonkeyPatch):
         clear()
 
     def clear() -> None:
-        pdl._enabled.cache_clear()
-        pdl._chain.cache_clear()
+        for setting in (pdl._enabled, pdl._chain, pdl._all):
+            setting.cache_clear()
 
     yield setenv
     monkeypatch.undo()
@@ -47,8 +48,8 @@ def test_off_on_the_cpu(pdl_env) -> None:
     pdl_env(None)
     cpu = torch.device("cpu")
     assert not pdl.pdl_enabled(cpu)
-    assert not pdl.trigger(cpu)
-    assert pdl.gemv_launch(cpu) == {"PDL": False, "TRIGGER": False}
+    off = {"PDL": False, "TRIGGER": False}
+    assert pdl.gemv_launch(cpu) == off and pdl.between_launch(cpu) == off
 
 
 @pytest.mark.gpu
@@ -57,32 +58,39 @@ def test_on_for_hopper_unless_switched_off(pdl_env) -> None:
     dev = torch.device("cuda")
     hopper = torch.cuda.get_device_capability() >= (9, 0)
     pdl_env(None)
-    assert pdl.pdl_enabled(dev) == hopper and pdl.trigger(dev) == hopper
+    off = {"PDL": False, "TRIGGER": False}
+    assert pdl.pdl_enabled(dev) == hopper
     assert pdl.gemv_launch(dev) == (
-        {"PDL": True, "TRIGGER": False, "launch_pdl": True}
-        if hopper
-        else {"PDL": False, "TRIGGER": False}
+        {"PDL": True, "TRIGGER": False, "launch_pdl": True} if hopper else off
     )
+    assert pdl.between_launch(dev) == ({"PDL": False, "TRIGGER": True} if hopper else off)
     pdl_env(None, "1")
     assert pdl.gemv_launch(dev)["TRIGGER"] == hopper
-    pdl_env("0", "1")
-    assert not pdl.pdl_enabled(dev) and not pdl.trigger(dev)
-    assert pdl.gemv_launch(dev) == {"PDL": False, "TRIGGER": False}
+    assert not pdl.between_launch(dev)["PDL"]
+    pdl_env(None, None, "1")
+    assert pdl.gemv_launch(dev)["TRIGGER"] == hopper
+    assert pdl.between_launch(dev) == (
+        {"PDL": True, "TRIGGER": True, "launch_pdl": True} if hopper else off
+    )
+    pdl_env("0", "1", "1")
+    assert not pdl.pdl_enabled(dev)
+    assert pdl.gemv_launch(dev) == off and pdl.between_launch(dev) == off
 
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("chain", ["0", "1"])
+@pytest.mark.parametrize("mode", ["default", "chain", "all"])
 @pytest.mark.parametrize("rows", [1, 8])
-def test_gemvs_wait_for_their_producers_inside_a_graph(pdl_env, chain: str, rows: int) -> None:
+def test_gemvs_wait_for_their_producers_inside_a_graph(pdl_env, mode: str, rows: int) -> None:
     """A decode layer's chain at the 3B's widths: a slow cuBLAS GEMM writes y; add + RMSNorm
     (TRIGGER) reads it; the QKV-like GEMV (PDL) the norm's output; the norm + gate_up + SiLU GEMV
-    (PDL) those parts and the residual; the down GEMV (PDL) its output. With chain "1" each GEMV
-    also lets the next one launch early. Each replay's inputs are
-    fresh: a GEMV that ran ahead of its producer would read the last replay's values."""
+    (PDL) those parts and the residual; the down GEMV (PDL) its output; a last RMSNorm that.
+    "chain": each GEMV also lets the next kernel launch early; "all": that, and the norms launch
+    with PDL too. Each replay's inputs are fresh: a kernel that ran ahead of its producer would
+    read the last replay's values."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the TMA GEMVs and PDL need Hopper")
-    pdl_env("1", chain)
+    pdl_env("1", "1" if mode == "chain" else None, "1" if mode == "all" else None)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     hidden, inter, eps = 2048, 11008, 1e-6
     g = torch.Generator(device=dev).manual_seed(7)
@@ -98,7 +106,7 @@ def test_gemvs_wait_for_their_producers_inside_a_graph(pdl_env, chain: str, rows
     w_gate_up = rand(2 * inter, 2560, scale=2560**-0.5)
     w_down = rand(hidden, inter, scale=inter**-0.5)
     ops, ref = TritonOps(), TorchOps()
-    assert pdl.trigger(dev) and pdl.gemv_launch(dev)["PDL"]
+    assert pdl.between_launch(dev)["TRIGGER"] and pdl.gemv_launch(dev)["PDL"]
 
     def step() -> tuple[torch.Tensor, ...]:
         y = a @ b
@@ -115,7 +123,8 @@ def test_gemvs_wait_for_their_producers_inside_a_graph(pdl_env, chain: str, rows
             norm_config(rows, 1, gated=True),
         )
         down = tma_linear_parts(act, w_down, parts=1)
-        return y, normed, summed, qkv, new_res, act, down
+        final = ops.rms_norm(down[0], norm_w, eps)
+        return y, normed, summed, qkv, new_res, act, down, final
 
     a.normal_(generator=g)
     residual.normal_(generator=g)
@@ -129,7 +138,7 @@ def test_gemvs_wait_for_their_producers_inside_a_graph(pdl_env, chain: str, rows
         residual.normal_(generator=g)
         graph.replay()
         torch.cuda.synchronize()
-        y, normed, summed, qkv, new_res, act, down = outs
+        y, normed, summed, qkv, new_res, act, down, final = outs
         torch.testing.assert_close(y, a @ b, rtol=0, atol=0)
         want_normed, want_summed = ref.rms_norm(y, norm_w, eps, residual)
         torch.testing.assert_close(summed, want_summed, rtol=0, atol=0)
@@ -146,3 +155,5 @@ def test_gemvs_wait_for_their_producers_inside_a_graph(pdl_env, chain: str, rows
         torch.testing.assert_close(act.float(), want_act, rtol=3e-2, atol=3e-2)
         want_down = F.linear(act.float(), w_down.float())
         torch.testing.assert_close(down[0].float(), want_down, rtol=2e-2, atol=2e-2)
+        want_final = ref.rms_norm(down[0], norm_w, eps)
+        torch.testing.assert_close(final, want_final, rtol=1.6e-2, atol=1e-2)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from inferx_kernels_cuda.pdl import gdc_launch_dependents
+from inferx_kernels_cuda.pdl import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -47,15 +47,15 @@ def rms_norm_kernel(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     PARTS: tl.constexpr,
+    PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,
 ):
     """One program per row, the whole row in one tile (hidden sizes fit: BLOCK = next power of
     two). With a residual, writes x + residual (rounded to x's dtype) as the new residual and
     normalises that sum. PARTS > 1: x is that many partial results stride_part apart, summed
     in fp32 and rounded once (to what one GEMM would have written) before the residual.
-    TRIGGER: the GEMV after it may launch now (inferx_kernels_cuda.pdl)."""
-    if TRIGGER:
-        gdc_launch_dependents()
+    PDL (launched early, inferx_kernels_cuda.pdl): the norm weight is read before the wait,
+    everything else after it. TRIGGER: the GEMV after it may launch now."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -63,6 +63,10 @@ def rms_norm_kernel(
     # The weight is loaded first: after the residual's store the compiler could not move its
     # load up (the pointers might alias), and it would start only after the row's sum.
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
+        gdc_wait()
+    if TRIGGER:
+        gdc_launch_dependents()
     h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if PARTS > 1:
         for p in tl.static_range(1, PARTS):

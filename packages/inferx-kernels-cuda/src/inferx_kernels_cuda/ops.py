@@ -13,7 +13,7 @@ from inferx_core.interfaces.ops import KernelOps, check_parts
 from inferx_core.quant_none import SPLIT_PARTS, DenseLinear
 from inferx_kernels_cuda import fused_kernels as kernels
 from inferx_kernels_cuda.gemv import MAX_ROWS, skinny_linear
-from inferx_kernels_cuda.pdl import trigger
+from inferx_kernels_cuda.pdl import between_launch
 from inferx_kernels_cuda.tma_gemv import MAX_ROWS as TMA_MAX_ROWS
 from inferx_kernels_cuda.tma_gemv import (
     TmaGemvConfig,
@@ -210,7 +210,7 @@ class TritonOps(KernelOps):
                 BLOCK=block,
                 HAS_RESIDUAL=residual is not None,
                 PARTS=num_parts,
-                TRIGGER=trigger(x.device),
+                **between_launch(x.device),
                 num_warps=_norm_warps(block),
             )
         return out if residual is None else (out, summed)

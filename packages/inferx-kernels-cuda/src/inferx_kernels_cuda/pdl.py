@@ -17,7 +17,9 @@ its wait (slower everywhere; removed). PDL on the small kernels themselves measu
 session 5, its edges costing more than the launches they hid.
 
 On for Hopper or newer with a Triton that has launch_pdl; never under TRITON_INTERPRET.
-INFERX_PDL=0 turns it off (A/B runs).
+INFERX_PDL=0 turns it off (A/B runs). INFERX_PDL_ALL=1 (not yet measured) launches the kernels
+between the GEMVs with PDL too, each waiting at its start, and has every kernel of the chain
+trigger right after its wait (at most one kernel ahead), GEMVs included.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ except ImportError:  # a Triton without grid dependency control: never traced (P
         pass
 
 
-__all__ = ["gdc_launch_dependents", "gdc_wait", "gemv_launch", "pdl_enabled", "trigger"]
+__all__ = ["between_launch", "gdc_launch_dependents", "gdc_wait", "gemv_launch", "pdl_enabled"]
 
 
 def _triton_has_pdl() -> bool:
@@ -68,7 +70,12 @@ def _enabled(index: int) -> bool:
 
 @functools.cache
 def _chain() -> bool:
-    return os.environ.get("INFERX_PDL_CHAIN", "0") == "1"
+    return os.environ.get("INFERX_PDL_CHAIN", "0") == "1" or _all()
+
+
+@functools.cache
+def _all() -> bool:
+    return os.environ.get("INFERX_PDL_ALL", "0") == "1"
 
 
 def pdl_enabled(device: torch.device) -> bool:
@@ -86,6 +93,12 @@ def gemv_launch(device: torch.device) -> dict[str, Any]:
     return {"PDL": False, "TRIGGER": False}
 
 
-def trigger(device: torch.device) -> bool:
-    """A kernel ahead of a GEMV: whether it calls gdc_launch_dependents (its TRIGGER)."""
-    return pdl_enabled(device)
+def between_launch(device: torch.device) -> dict[str, Any]:
+    """The PDL arguments of a kernel between the GEMVs (rms_norm_kernel, decode_kernel,
+    decode_reduce_kernel): TRIGGER (the GEMV after it may launch early), and under
+    INFERX_PDL_ALL=1 PDL (it launches early itself and waits) with Triton's launch_pdl."""
+    if not pdl_enabled(device):
+        return {"PDL": False, "TRIGGER": False}
+    if _all():
+        return {"PDL": True, "TRIGGER": True, "launch_pdl": True}
+    return {"PDL": False, "TRIGGER": True}

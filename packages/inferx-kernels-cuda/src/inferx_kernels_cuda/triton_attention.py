@@ -15,7 +15,7 @@ from inferx_core.interfaces.attention import AttentionBatch
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda import triton_kernels as kernels
 from inferx_kernels_cuda.ops import _ROTARY_TILE, env_int, env_switch
-from inferx_kernels_cuda.pdl import trigger
+from inferx_kernels_cuda.pdl import between_launch
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -214,9 +214,10 @@ class TritonAttention(TorchAttention):
         # group of 8, 2 stages lost 12% at 16 x 512 (tune_prefill_attention.py, BENCHMARKS.md
         # session 16). Groups 1-2 were not measured.
         self.prefill_launch_small_group: dict[str, int] = {"num_warps": 4, "num_stages": 2}
-        # The decode kernel (unsplit) and the reduce let o_proj's GEMV launch early, when it
-        # launches with PDL (inferx_kernels_cuda.pdl; off unless INFERX_PDL=1).
-        self._trigger = trigger(torch.device(device))
+        # The decode kernel and the reduce let the kernel after them launch early (o_proj's
+        # GEMV, or the reduce under INFERX_PDL_ALL=1), when that one launches with PDL
+        # (inferx_kernels_cuda.pdl).
+        self._pdl = between_launch(torch.device(device))
         # decode_rotary: decode-only steps rotate q and k and write the new k/v inside the
         # decode kernel (ROTARY) instead of a rotary_kv_write_kernel launch before it; 2%
         # faster a 3B step on the H200 (BENCHMARKS.md, session 6). INFERX_TRITON_DECODE_ROTARY=0
@@ -763,7 +764,7 @@ class TritonAttention(TorchAttention):
                 **(new_tokens if in_decode else self._no_new_tokens(plan)),
                 **(parts or {}),
                 **self.decode_launch,
-                TRIGGER=self._trigger and not split,
+                **self._pdl,
             )
             if split:
                 # Eager steps pad to the most splits there can be: one compiled variant.
@@ -789,7 +790,7 @@ class TritonAttention(TorchAttention):
                     BLOCK_N=self.decode_block_n,
                     ALL_DECODE=plan.all_decode,
                     **self.reduce_launch,
-                    TRIGGER=self._trigger,
+                    **self._pdl,
                 )
 
         for tiles in plan.tiles.get(group, []):

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from inferx_kernels_cuda.fused_kernels import _rounded, rotate_into
-from inferx_kernels_cuda.pdl import gdc_launch_dependents
+from inferx_kernels_cuda.pdl import gdc_launch_dependents, gdc_wait
 
 # A finite floor for the running max: a row that has seen no key yet keeps it, and exp2 of the
 # difference to a real score is 0 instead of the NaN that -inf - -inf would give.
@@ -297,6 +297,7 @@ def decode_kernel(
     v_bias_ptr=None,
     PARTS: tl.constexpr = 1,
     HAS_BIAS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,
 ):
     """Grid (decode sequences, KV heads, splits): the one query token of a sequence, all query
@@ -317,7 +318,9 @@ def decode_kernel(
     q/k/v_bias_ptr vectors, [heads * HEAD_DIM] each): they are summed and rounded once before
     the rotation, as the unsplit GEMM would have written them.
     """
-    if TRIGGER:  # the GEMV after it (o_proj, when there is no split) may launch now
+    if PDL:  # launched early (inferx_kernels_cuda.pdl): wait for the kernel ahead
+        gdc_wait()
+    if TRIGGER:  # the kernel after it (the reduce, or o_proj's GEMV) may launch now
         gdc_launch_dependents()
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -423,11 +426,14 @@ def decode_reduce_kernel(
     SEQ_SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ALL_DECODE: tl.constexpr,
+    PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,
 ):
     """Grid (decode sequences, query heads / HEADS): weights each split's output by exp2 of its
     lse, for HEADS consecutive query heads of one sequence. BLOCK_N is the decode kernel's
     tile, needed only with SEQ_SPLIT."""
+    if PDL:  # launched early (inferx_kernels_cuda.pdl): wait for the decode kernel
+        gdc_wait()
     if TRIGGER:  # the GEMV after it (o_proj) may launch now
         gdc_launch_dependents()
     i = tl.program_id(0)
