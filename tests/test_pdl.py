@@ -36,7 +36,7 @@ def pdl_env(monkeypatch: pytest.MonkeyPatch):
         clear()
 
     def clear() -> None:
-        for setting in (pdl._enabled, pdl._chain, pdl._all):
+        for setting in (pdl._enabled, pdl._chain_rows, pdl._chain, pdl._all):
             setting.cache_clear()
 
     yield setenv
@@ -49,7 +49,30 @@ def test_off_on_the_cpu(pdl_env) -> None:
     cpu = torch.device("cpu")
     assert not pdl.pdl_enabled(cpu)
     off = {"PDL": False, "TRIGGER": False}
-    assert pdl.gemv_launch(cpu) == off and pdl.between_launch(cpu) == off
+    assert pdl.gemv_launch(cpu, 1) == off and pdl.between_launch(cpu) == off
+
+
+@pytest.mark.parametrize(
+    ("value", "rows"),
+    [
+        ("0", ()),
+        ("", ()),
+        ("1", ((1, 1 << 30),)),
+        ("5-8", ((5, 8),)),
+        ("5-8,33-64", ((5, 8), (33, 64))),
+        ("8", ((8, 8),)),
+    ],
+)
+def test_chain_rows_setting(pdl_env, value: str, rows: tuple) -> None:
+    pdl_env("1", value)
+    assert pdl._chain_rows() == rows
+
+
+@pytest.mark.parametrize("value", ["8-5", "0-4", "a-b", "1,", "2-"])
+def test_chain_rows_setting_is_checked(pdl_env, value: str) -> None:
+    pdl_env("1", value)
+    with pytest.raises(ValueError, match="INFERX_PDL_CHAIN"):
+        pdl._chain_rows()
 
 
 @pytest.mark.gpu
@@ -60,21 +83,28 @@ def test_on_for_hopper_unless_switched_off(pdl_env) -> None:
     pdl_env(None)
     off = {"PDL": False, "TRIGGER": False}
     assert pdl.pdl_enabled(dev) == hopper
-    assert pdl.gemv_launch(dev) == (
+    assert pdl.gemv_launch(dev, 1) == (
         {"PDL": True, "TRIGGER": False, "launch_pdl": True} if hopper else off
     )
     assert pdl.between_launch(dev) == ({"PDL": False, "TRIGGER": True} if hopper else off)
     pdl_env(None, "1")
-    assert pdl.gemv_launch(dev)["TRIGGER"] == hopper
+    assert pdl.gemv_launch(dev, 1)["TRIGGER"] == hopper
     assert not pdl.between_launch(dev)["PDL"]
+    pdl_env(None, "5-8,33-64")
+    assert (
+        [pdl.gemv_launch(dev, m)["TRIGGER"] for m in (1, 4, 5, 8, 9, 32, 33, 64)]
+        == [False, False, True, True, False, False, True, True]
+        if hopper
+        else [False] * 8
+    )
     pdl_env(None, None, "1")
-    assert pdl.gemv_launch(dev)["TRIGGER"] == hopper
+    assert pdl.gemv_launch(dev, 1)["TRIGGER"] == hopper
     assert pdl.between_launch(dev) == (
         {"PDL": True, "TRIGGER": True, "launch_pdl": True} if hopper else off
     )
     pdl_env("0", "1", "1")
     assert not pdl.pdl_enabled(dev)
-    assert pdl.gemv_launch(dev) == off and pdl.between_launch(dev) == off
+    assert pdl.gemv_launch(dev, 1) == off and pdl.between_launch(dev) == off
 
 
 @pytest.mark.gpu
@@ -106,7 +136,7 @@ def test_gemvs_wait_for_their_producers_inside_a_graph(pdl_env, mode: str, rows:
     w_gate_up = rand(2 * inter, 2560, scale=2560**-0.5)
     w_down = rand(hidden, inter, scale=inter**-0.5)
     ops, ref = TritonOps(), TorchOps()
-    assert pdl.between_launch(dev)["TRIGGER"] and pdl.gemv_launch(dev)["PDL"]
+    assert pdl.between_launch(dev)["TRIGGER"] and pdl.gemv_launch(dev, 1)["PDL"]
 
     def step() -> tuple[torch.Tensor, ...]:
         y = a @ b

@@ -6,15 +6,17 @@ tma_norm_gemv_kernel) launched with PDL becomes resident as soon as the kernel a
 lets it (every program of that kernel has called `gdc_launch_dependents`, or exited), and
 waits in `gdc_wait` until that kernel has finished and its writes are visible. The kernels
 ahead of the GEMVs call `gdc_launch_dependents` at their start (their TRIGGER constexpr):
-rms_norm_kernel, decode_kernel (unsplit) and decode_reduce_kernel. The trigger does nothing
+rms_norm_kernel, decode_kernel and decode_reduce_kernel. The trigger does nothing
 when the next kernel was launched without PDL. Every other kernel launches as before.
 
-Measured on the H200 (BENCHMARKS.md, session 16): 3B steps 22-42 µs faster at every batch of
-1-64 (the graph's launch gaps 127 -> ~70 µs a step). Two variants lost and are not the
-default: GEMVs letting the next GEMV launch early too (INFERX_PDL_CHAIN=1: slower at batch
-1-2, faster at 8 and 64), and prefetching each GEMV program's first weight tiles into L2 before
-its wait (slower everywhere; removed). PDL on the small kernels themselves measured slower in
-session 5, its edges costing more than the launches they hid.
+Measured on the H200 (BENCHMARKS.md, session 16): steps 22-49 µs faster at every batch of 1-64
+(3B and 8B; the graph's launch gaps 127 -> ~70 µs a step). Two variants are not the default:
+- GEMVs letting the next kernel launch early too: slower at batch 1-2, faster at 8 and 64.
+  INFERX_PDL_CHAIN=1 turns it on at every row count, or at row ranges ("5-8,33-64"), for A/B.
+- Each GEMV program prefetching its first weight tiles into L2 before its wait: slower
+  everywhere, removed.
+PDL on the small kernels themselves, behind cuBLAS GEMMs, measured slower in session 5: its
+edges cost more than the launches they hid.
 
 On for Hopper or newer with a Triton that has launch_pdl; never under TRITON_INTERPRET.
 INFERX_PDL=0 turns it off (A/B runs). INFERX_PDL_ALL=1 (not yet measured) launches the kernels
@@ -69,8 +71,29 @@ def _enabled(index: int) -> bool:
 
 
 @functools.cache
-def _chain() -> bool:
-    return os.environ.get("INFERX_PDL_CHAIN", "0") == "1" or _all()
+def _chain_rows() -> tuple[tuple[int, int], ...]:
+    """INFERX_PDL_CHAIN: the rows of x at which a GEMV lets the next kernel launch early. "0"
+    (the default) none, "1" every row count, else ranges "LO-HI" (or "N") joined by commas."""
+    value = os.environ.get("INFERX_PDL_CHAIN", "0").strip()
+    if value in ("0", ""):
+        return ()
+    if value == "1":
+        return ((1, 1 << 30),)
+    ranges = []
+    for item in value.split(","):
+        lo, sep, hi = item.strip().partition("-")
+        hi = hi if sep else lo
+        if not (lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi)):
+            raise ValueError(
+                f"INFERX_PDL_CHAIN: 0, 1 or row ranges LO-HI[,LO-HI...], got {value!r}"
+            )
+        ranges.append((int(lo), int(hi)))
+    return tuple(ranges)
+
+
+@functools.cache
+def _chain(rows: int) -> bool:
+    return _all() or any(lo <= rows <= hi for lo, hi in _chain_rows())
 
 
 @functools.cache
@@ -85,11 +108,11 @@ def pdl_enabled(device: torch.device) -> bool:
     return _enabled(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def gemv_launch(device: torch.device) -> dict[str, Any]:
-    """A TMA GEMV launch's PDL arguments: its PDL and TRIGGER constexprs, and Triton's
-    launch_pdl option when PDL is on."""
+def gemv_launch(device: torch.device, rows: int) -> dict[str, Any]:
+    """A TMA GEMV launch's PDL arguments for `rows` rows of x: its PDL and TRIGGER constexprs,
+    and Triton's launch_pdl option when PDL is on."""
     if pdl_enabled(device):
-        return {"PDL": True, "TRIGGER": _chain(), "launch_pdl": True}
+        return {"PDL": True, "TRIGGER": _chain(rows), "launch_pdl": True}
     return {"PDL": False, "TRIGGER": False}
 
 

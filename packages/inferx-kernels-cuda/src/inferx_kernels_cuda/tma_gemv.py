@@ -200,7 +200,7 @@ def _launch(
         UPCAST=interpret and x.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **gemv_launch(x.device),
+        **gemv_launch(x.device, m),
     )  # fmt: skip
     return out
 
@@ -450,6 +450,6 @@ def tma_norm_linear(
         UPCAST=interpret and x.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **gemv_launch(x.device),
+        **gemv_launch(x.device, m),
     )  # fmt: skip
     return out, new_residual
