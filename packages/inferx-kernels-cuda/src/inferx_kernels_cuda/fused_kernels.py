@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from inferx_kernels_cuda.pdl import gdc_launch_dependents, gdc_wait
+from inferx_kernels_cuda.pdl import pdl_start
 
 
 @triton.jit
@@ -63,10 +63,7 @@ def rms_norm_kernel(
     # The weight is loaded first: after the residual's store the compiler could not move its
     # load up (the pointers might alias), and it would start only after the row's sum.
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if PDL:
-        gdc_wait()
-    if TRIGGER:
-        gdc_launch_dependents()
+    pdl_start(PDL, TRIGGER)
     h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if PARTS > 1:
         for p in tl.static_range(1, PARTS):

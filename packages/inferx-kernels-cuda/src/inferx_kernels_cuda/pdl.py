@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import triton
+import triton.language as tl
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -46,7 +47,18 @@ except ImportError:  # a Triton without grid dependency control: never traced (P
         pass
 
 
-__all__ = ["between_launch", "gdc_launch_dependents", "gdc_wait", "gemv_launch", "pdl_enabled"]
+__all__ = ["between_launch", "gemv_launch", "pdl_enabled", "pdl_start"]
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr, TRIGGER: tl.constexpr):
+    """A kernel's PDL prologue: with PDL (it was launched early) wait until the kernel ahead
+    has finished and its writes are visible; then with TRIGGER let the next kernel launch. The
+    wait comes first, so at most one kernel runs ahead."""
+    if PDL:
+        gdc_wait()
+    if TRIGGER:
+        gdc_launch_dependents()
 
 
 def _triton_has_pdl() -> bool:

@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from inferx_kernels_cuda.fused_kernels import _rounded, silu_times
-from inferx_kernels_cuda.pdl import gdc_launch_dependents, gdc_wait, gemv_launch
+from inferx_kernels_cuda.pdl import gemv_launch, pdl_start
 
 # Rows of x a launch takes (TritonOps runs them to tma_gemv_max_rows, 64 by default; 65-128 are
 # for A/B runs until measured).
@@ -113,10 +113,7 @@ def tma_gemv_kernel(
     pid_s = tl.program_id(1)
     n0 = pid_n * BLOCK_N
     k0 = pid_s * k_per_split
-    if PDL:  # launched early: wait for the kernel ahead (its writes visible)
-        gdc_wait()
-    if TRIGGER:
-        gdc_launch_dependents()
+    pdl_start(PDL, TRIGGER)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for kk in range(0, k_per_split, BLOCK_K):
@@ -320,10 +317,7 @@ def tma_norm_gemv_kernel(
     pid_s = tl.program_id(1)
     n0 = pid_n * BLOCK_N
     k0 = pid_s * k_per_split
-    if PDL:  # launched early: wait for the kernel ahead (its writes visible)
-        gdc_wait()
-    if TRIGGER:
-        gdc_launch_dependents()
+    pdl_start(PDL, TRIGGER)
     dtype = parts_ptr.dtype.element_ty
     rows = tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_K)

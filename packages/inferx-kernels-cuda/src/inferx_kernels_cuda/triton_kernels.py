@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from inferx_kernels_cuda.fused_kernels import _rounded, rotate_into
-from inferx_kernels_cuda.pdl import gdc_launch_dependents, gdc_wait
+from inferx_kernels_cuda.pdl import pdl_start
 
 # A finite floor for the running max: a row that has seen no key yet keeps it, and exp2 of the
 # difference to a real score is 0 instead of the NaN that -inf - -inf would give.
@@ -318,10 +318,7 @@ def decode_kernel(
     q/k/v_bias_ptr vectors, [heads * HEAD_DIM] each): they are summed and rounded once before
     the rotation, as the unsplit GEMM would have written them.
     """
-    if PDL:  # launched early (inferx_kernels_cuda.pdl): wait for the kernel ahead
-        gdc_wait()
-    if TRIGGER:  # the kernel after it (the reduce, or o_proj's GEMV) may launch now
-        gdc_launch_dependents()
+    pdl_start(PDL, TRIGGER)  # the kernel after it: the reduce, or o_proj's GEMV
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -432,10 +429,7 @@ def decode_reduce_kernel(
     """Grid (decode sequences, query heads / HEADS): weights each split's output by exp2 of its
     lse, for HEADS consecutive query heads of one sequence. BLOCK_N is the decode kernel's
     tile, needed only with SEQ_SPLIT."""
-    if PDL:  # launched early (inferx_kernels_cuda.pdl): wait for the decode kernel
-        gdc_wait()
-    if TRIGGER:  # the GEMV after it (o_proj) may launch now
-        gdc_launch_dependents()
+    pdl_start(PDL, TRIGGER)  # after the decode kernel, before o_proj's GEMV
     i = tl.program_id(0)
     num_q_heads = tl.num_programs(1) * HEADS
     seq, row, ctx = _decode_row(i, seq_ids_ptr, query_start_ptr, context_len_ptr, ALL_DECODE)
