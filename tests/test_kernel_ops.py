@@ -310,19 +310,23 @@ def run_model(
     dtype: torch.dtype,
     device: torch.device,
     attention: Callable[..., AttentionBackend] = TorchAttention,
+    steps: list[tuple[list[int], list[int], list[int]]] | None = None,
+    tables: list[list[int]] | None = None,
 ) -> list[torch.Tensor]:
     """Logits of three steps: a packed prefill of three prompts, a step mixing a decode of
     each with a new prompt (positions out of order across sequences), then a decode of all
-    four. `attention` builds the backend from (layer specs, block size, dtype, device)."""
+    four. `attention` builds the backend from (layer specs, block size, dtype, device).
+    `steps` ((query lens, context lens, sequences) each) and their block `tables` (4 tokens a
+    block, ids below 32) replace those."""
     arch = plugins().get("model_arch", cfg["architectures"][0])
     backend = attention(arch.kv_layout(cfg), 4, dtype, device)
     backend.allocate(32)
     model = arch(cfg, BuildContext(dtype, device, backend, Unquantized(), ops))
     model.load_weights((n, t.to(device, dtype)) for n, t in weights.items())
     g = torch.Generator().manual_seed(5)
-    ids = torch.randint(3, cfg["vocab_size"], (40,), generator=g).tolist()
-    tables = [[3, 7, 1], [9, 2], [12, 5, 4, 20], [30]]
-    steps = [
+    ids = torch.randint(3, cfg["vocab_size"], (128,), generator=g).tolist()
+    tables = tables or [[3, 7, 1], [9, 2], [12, 5, 4, 20], [30]]
+    steps = steps or [
         # (query lens, context lens, sequences taking part)
         ([9, 5, 13], [9, 5, 13], [0, 1, 2]),
         ([1, 1, 1, 3], [10, 6, 14, 3], [0, 1, 2, 3]),
@@ -345,10 +349,11 @@ def run_model(
 
 
 def assert_steps_match_torch_ops(
-    cfg: dict[str, Any], weights: dict[str, torch.Tensor], ours: list[torch.Tensor]
+    cfg: dict[str, Any], weights: dict[str, torch.Tensor], ours: list[torch.Tensor], **steps: Any
 ) -> None:
-    """run_model's fp32 logits, step by step, against TorchOps' on the CPU."""
-    ref = run_model(cfg, TorchOps(), weights, torch.float32, CPU)
+    """run_model's fp32 logits, step by step, against TorchOps' on the CPU (`steps`: run_model's
+    steps and tables)."""
+    ref = run_model(cfg, TorchOps(), weights, torch.float32, CPU, **steps)
     for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
         err = rel_err(a, b)
         assert err <= TOL[torch.float32], f"step {step}: {err:.2e}"
@@ -411,6 +416,59 @@ def test_tiny_model_logits_with_qkv_parts(monkeypatch: pytest.MonkeyPatch) -> No
     # the decode-only step's layers only
     assert calls == [quant_none.SPLIT_PARTS] * cfg["num_hidden_layers"]
     assert_steps_match_torch_ops(cfg, weights, ours)
+
+
+# A prefill of 37-, 20- and 33-token prompts, then two decode-only steps: contexts long enough
+# for the triton backend (16-token tiles under the interpreter) to split them in two.
+LONG_STEPS = {
+    "steps": [
+        ([37, 20, 33], [37, 20, 33], [0, 1, 2]),
+        ([1, 1, 1], [38, 21, 34], [0, 1, 2]),
+        ([1, 1, 1], [39, 22, 35], [0, 1, 2]),
+    ],
+    "tables": [list(range(1, 11)), list(range(11, 17)), list(range(17, 26))],
+}
+
+
+@interpreted
+@pytest.mark.parametrize("parts", [2, 4])
+def test_tiny_model_logits_with_the_split_combine_in_o_proj(
+    parts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The triton backend keeping its context splits (keeps_splits; 2 splits of the decode
+    steps' 21-39 tokens) and TritonOps combining them inside o_proj (tma_reduce_linear, K-slices
+    of 2 or 1 heads): every layer of both decode-only steps runs it, and the logits match the
+    same backend combining them itself and TorchOps'. Qwen2 with 4 query heads over 2 KV heads."""
+    cfg = CONFIGS["qwen2-tied"] | {"num_attention_heads": 4, "num_key_value_heads": 2}
+    weights = model_weights(cfg, seed=19)
+    calls = spy_calls(monkeypatch, "tma_reduce_linear", lambda sp, *_: (sp.rows, sp.splits))
+    splits: list[int] = []
+
+    def triton_backend(keep: bool) -> Callable[..., TritonAttention]:
+        def build(*args: Any) -> TritonAttention:
+            backend = TritonAttention(*args, min_split_len=16, target_programs=1024)
+            backend.qkv_parts, backend.keeps_splits = True, keep
+            real = backend.begin_step
+
+            def begin_step(batch: Any) -> None:
+                real(batch)
+                splits.append(backend._plan.num_splits)
+
+            backend.begin_step = begin_step
+            return backend
+
+        return build
+
+    ops = TritonOps()
+    ops.tma_parts = parts
+    ours = run_model(cfg, ops, weights, torch.float32, CPU, triton_backend(True), **LONG_STEPS)
+    assert splits == [1, 2, 2]
+    assert calls == [(3, 2)] * 2 * cfg["num_hidden_layers"]
+    combined = run_model(cfg, ops, weights, torch.float32, CPU, triton_backend(False), **LONG_STEPS)
+    assert len(calls) == 2 * cfg["num_hidden_layers"]  # no more: the backend combined them
+    for step, (a, b) in enumerate(zip(ours, combined, strict=True)):
+        assert rel_err(a, b) < 1e-5, step
+    assert_steps_match_torch_ops(cfg, weights, ours, **LONG_STEPS)
 
 
 def count_skinny_linear(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:

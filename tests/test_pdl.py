@@ -36,7 +36,7 @@ def pdl_env(monkeypatch: pytest.MonkeyPatch):
         clear()
 
     def clear() -> None:
-        for setting in (pdl._enabled, pdl._chain_rows, pdl._chain, pdl._all):
+        for setting in (pdl._enabled, pdl._chain_rows, pdl._all_rows, pdl._chain, pdl._all):
             setting.cache_clear()
 
     yield setenv
@@ -49,7 +49,7 @@ def test_off_on_the_cpu(pdl_env) -> None:
     cpu = torch.device("cpu")
     assert not pdl.pdl_enabled(cpu)
     off = {"PDL": False, "TRIGGER": False}
-    assert pdl.gemv_launch(cpu, 1) == off and pdl.between_launch(cpu) == off
+    assert pdl.gemv_launch(cpu, 1) == off and pdl.between_launch(cpu, 1) == off
 
 
 @pytest.mark.parametrize(
@@ -63,16 +63,18 @@ def test_off_on_the_cpu(pdl_env) -> None:
         ("8", ((8, 8),)),
     ],
 )
-def test_chain_rows_setting(pdl_env, value: str, rows: tuple) -> None:
-    pdl_env("1", value)
-    assert pdl._chain_rows() == rows
+def test_row_range_settings(pdl_env, value: str, rows: tuple) -> None:
+    pdl_env("1", value, value)
+    assert pdl._chain_rows() == rows and pdl._all_rows() == rows
 
 
 @pytest.mark.parametrize("value", ["8-5", "0-4", "a-b", "1,", "2-"])
-def test_chain_rows_setting_is_checked(pdl_env, value: str) -> None:
-    pdl_env("1", value)
+def test_row_range_settings_are_checked(pdl_env, value: str) -> None:
+    pdl_env("1", value, value)
     with pytest.raises(ValueError, match="INFERX_PDL_CHAIN"):
         pdl._chain_rows()
+    with pytest.raises(ValueError, match="INFERX_PDL_ALL"):
+        pdl._all_rows()
 
 
 @pytest.mark.gpu
@@ -86,10 +88,10 @@ def test_on_for_hopper_unless_switched_off(pdl_env) -> None:
     assert pdl.gemv_launch(dev, 1) == (
         {"PDL": True, "TRIGGER": False, "launch_pdl": True} if hopper else off
     )
-    assert pdl.between_launch(dev) == ({"PDL": False, "TRIGGER": True} if hopper else off)
+    assert pdl.between_launch(dev, 1) == ({"PDL": False, "TRIGGER": True} if hopper else off)
     pdl_env(None, "1")
     assert pdl.gemv_launch(dev, 1)["TRIGGER"] == hopper
-    assert not pdl.between_launch(dev)["PDL"]
+    assert not pdl.between_launch(dev, 1)["PDL"]
     pdl_env(None, "5-8,33-64")
     assert (
         [pdl.gemv_launch(dev, m)["TRIGGER"] for m in (1, 4, 5, 8, 9, 32, 33, 64)]
@@ -99,12 +101,23 @@ def test_on_for_hopper_unless_switched_off(pdl_env) -> None:
     )
     pdl_env(None, None, "1")
     assert pdl.gemv_launch(dev, 1)["TRIGGER"] == hopper
-    assert pdl.between_launch(dev) == (
+    assert pdl.between_launch(dev, 1) == (
         {"PDL": True, "TRIGGER": True, "launch_pdl": True} if hopper else off
     )
+    pdl_env(None, None, "2-16")
+    assert [pdl.between_launch(dev, m)["PDL"] for m in (1, 2, 16, 17)] == [
+        False,
+        *[hopper] * 2,
+        False,
+    ]
+    assert [pdl.gemv_launch(dev, m)["TRIGGER"] for m in (1, 2, 16, 17)] == [
+        False,
+        *[hopper] * 2,
+        False,
+    ]
     pdl_env("0", "1", "1")
     assert not pdl.pdl_enabled(dev)
-    assert pdl.gemv_launch(dev, 1) == off and pdl.between_launch(dev) == off
+    assert pdl.gemv_launch(dev, 1) == off and pdl.between_launch(dev, 1) == off
 
 
 @pytest.mark.gpu
@@ -136,7 +149,7 @@ def test_gemvs_wait_for_their_producers_inside_a_graph(pdl_env, mode: str, rows:
     w_gate_up = rand(2 * inter, 2560, scale=2560**-0.5)
     w_down = rand(hidden, inter, scale=inter**-0.5)
     ops, ref = TritonOps(), TorchOps()
-    assert pdl.between_launch(dev)["TRIGGER"] and pdl.gemv_launch(dev, 1)["PDL"]
+    assert pdl.between_launch(dev, rows)["TRIGGER"] and pdl.gemv_launch(dev, rows)["PDL"]
 
     def step() -> tuple[torch.Tensor, ...]:
         y = a @ b

@@ -1,6 +1,7 @@
 """tma_linear_parts (inferx_kernels_cuda.tma_gemv): partial products over K slices, read through
 TMA tensor descriptors, against float64 and F.linear; its gated form (SiLU-and-mul after) and
-the norm fused in front (tma_norm_linear); on the CPU under the interpreter (which
+the norm fused in front (tma_norm_linear); the decode attention's split combine in front
+(tma_reduce_linear); on the CPU under the interpreter (which
 runs tensor descriptors, zero fill past the edges included), bf16 at the real shapes on a GPU."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ pytest.importorskip("triton", reason="the triton package is not installed")
 
 from conftest import interpreted, on_gpu  # noqa: E402
 
+from inferx_core.interfaces.attention import SplitAttention  # noqa: E402
 from inferx_core.ops_torch import TorchOps  # noqa: E402
 from inferx_kernels_cuda.tma_gemv import (  # noqa: E402
     MAX_ROWS,
@@ -22,9 +24,11 @@ from inferx_kernels_cuda.tma_gemv import (  # noqa: E402
     TmaNormConfig,
     norm_config,
     plain_config,
+    reduce_config,
     tma_linear_parts,
     tma_linear_silu_and_mul,
     tma_norm_linear,
+    tma_reduce_linear,
 )
 
 SMALL = TmaGemvConfig(block_n=32, block_k=32, num_stages=2)
@@ -207,6 +211,107 @@ def test_configs_by_rows_and_programs() -> None:
     assert plain_config(11008, 1, 132, 64, gated=True, elem_bytes=4) == TmaGemvConfig(64, 64, 4, 2)
 
 
+def decode_splits(
+    m: int, heads: int, dim: int, splits: int, seq_split: bool, device: str, seed: int
+) -> SplitAttention:
+    """Random split outputs as the decode kernel leaves them, contexts 1..300 (row 0 one
+    token: a single used split), min split 16 tokens, decode tiles of 16. reduce() is the
+    float64 reference."""
+    g = torch.Generator().manual_seed(seed)
+    rows_parts = m * heads * splits
+    ctx = torch.randint(1, 300, (m,), generator=g, dtype=torch.int32)
+    ctx[0] = 1
+    fields = {
+        "part_o": torch.randn(rows_parts, dim, generator=g).to(device),
+        "part_lse": (4 * torch.randn(rows_parts, generator=g)).to(device),
+        "context_len": ctx.to(device),
+        "rows": m, "heads": heads, "head_dim": dim, "splits": splits,
+        "split_len": 16 if seq_split else 64, "seq_split": seq_split, "tile": 16,
+    }  # fmt: skip
+    return SplitAttention(
+        **fields, reduce=lambda: reduced_reference(SplitAttention(**fields, reduce=None))
+    )
+
+
+def reduced_reference(sp: SplitAttention) -> torch.Tensor:
+    """decode_reduce_kernel's output in float64: [rows, heads * head_dim]."""
+    out = torch.zeros(sp.rows, sp.heads, sp.head_dim, dtype=torch.float64)
+    o = sp.part_o.double().cpu().view(sp.rows, sp.heads, sp.splits, sp.head_dim)
+    lse = sp.part_lse.double().cpu().view(sp.rows, sp.heads, sp.splits)
+    for r, ctx in enumerate(sp.context_len.tolist()):
+        split_len = sp.split_len
+        if sp.seq_split:
+            per = max(-(-ctx // sp.splits), sp.split_len)
+            split_len = -(-per // sp.tile) * sp.tile
+        used = -(-ctx // split_len)
+        w = torch.exp2(lse[r, :, :used] - lse[r, :, :used].max(1, keepdim=True).values)
+        out[r] = (o[r, :, :used] * w[..., None]).sum(1) / w.sum(1)[:, None]
+    return out.flatten(1)
+
+
+@interpreted
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("seq_split", [True, False])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float16, 2**-8), (torch.float32, 1e-5)])
+@pytest.mark.parametrize(("block_k", "chunk"), [(32, None), (32, 2), (64, None), (64, 2)])
+def test_reduce_linear_matches_the_reduce_then_the_product(
+    m: int, seq_split: bool, dtype: torch.dtype, tol: float, block_k: int, chunk: int | None
+) -> None:
+    """tma_reduce_linear against decode_reduce_kernel's combine (float64, rounded to the dtype
+    as its store rounds) and the product: 4 heads of 32 in 2 K-slices, a K step a head
+    (block_k 32) or the whole slice's weight in one tile before the wait (block_k 64); 8
+    splits at once or 2 at a time (the running max rescales); ragged contexts (one of one
+    token)."""
+    sp = decode_splits(m, 4, 32, 8, seq_split, "cpu", seed=m + 10 * seq_split)
+    w = torch.randn(40, 4 * 32, generator=torch.Generator().manual_seed(m)).to(dtype)
+    out = tma_reduce_linear(sp, w, 2, TmaGemvConfig(32, block_k, 4, 2), split_chunk=chunk)
+    assert out.shape == (2, m, 40) and out.dtype == dtype
+    x = reduced_reference(sp).to(dtype)
+    assert rel_err(out.sum(0), x.double() @ w.double().T) < tol
+
+
+@interpreted
+@pytest.mark.parametrize("seq_split", [True, False])
+def test_the_reference_is_decode_reduce_kernels_combine(seq_split: bool) -> None:
+    """reduced_reference (above) against decode_reduce_kernel itself on the same splits."""
+    from inferx_kernels_cuda.triton_kernels import decode_reduce_kernel
+
+    sp = decode_splits(5, 4, 32, 8, seq_split, "cpu", seed=3)
+    out = torch.empty(sp.rows, sp.heads, sp.head_dim)
+    ctx = sp.context_len
+    decode_reduce_kernel[(sp.rows, sp.heads)](
+        sp.part_o, sp.part_lse, out, ctx, ctx, ctx, sp.split_len, sp.splits, out.stride(0),
+        out.stride(1), HEAD_DIM=sp.head_dim, SPLITS_PAD=sp.splits, HEADS=1,
+        SEQ_SPLIT=seq_split, BLOCK_N=sp.tile, ALL_DECODE=True,
+    )  # fmt: skip
+    torch.testing.assert_close(out.flatten(1).double(), reduced_reference(sp), rtol=1e-5, atol=1e-5)
+
+
+def test_reduce_linear_refuses_what_it_cannot_take() -> None:
+    sp = decode_splits(2, 4, 32, 8, True, "cpu", seed=1)
+    w = torch.zeros(40, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match="weight must be"):
+        tma_reduce_linear(sp, w[:, :96])
+    with pytest.raises(ValueError, match="K-slices of a power-of-two count of whole heads"):
+        tma_reduce_linear(sp, w, parts=3)
+    with pytest.raises(ValueError, match="fewer than"):
+        tma_reduce_linear(SplitAttention(**(vars(sp) | {"splits": 16})), w)
+    with pytest.raises(ValueError, match="block_k must be the head dim"):
+        tma_reduce_linear(sp, w, parts=2, config=TmaGemvConfig(32, 16, 4, 2))
+
+
+def test_reduce_config_takes_the_whole_slice_up_to_64_kb() -> None:
+    """Qwen2.5-3B's o_proj (16 heads of 128 in 4 slices): 64 rows x 512 columns of bf16, 64 KB,
+    one tile; Llama-3.1-8B's (32 heads): 128 KB, a K step a head."""
+    w3 = torch.empty(2048, 2048, dtype=torch.bfloat16)
+    w8 = torch.empty(4096, 4096, dtype=torch.bfloat16)
+    sp3 = decode_splits(1, 16, 128, 4, True, "cpu", seed=0)
+    sp8 = decode_splits(1, 32, 128, 4, True, "cpu", seed=0)
+    assert reduce_config(sp3, w3, 4) == TmaGemvConfig(64, 512, 4, 1)
+    assert reduce_config(sp8, w8, 4) == TmaGemvConfig(64, 128, 4, 3)
+    assert reduce_config(sp8, w8, 8) == TmaGemvConfig(64, 512, 4, 1)
+
+
 # Dynamic shared memory one program may have on sm_90 (227 KB).
 SM90_MAX_SHARED_PER_PROGRAM = 232_448
 
@@ -275,6 +380,24 @@ def test_gpu_silu_and_mul_bf16_real_shapes(model: str, m: int) -> None:
     out = tma_linear_silu_and_mul(x, w * 0.02, plain_config(n // 2, 1, sms, m, gated=True))
     # gate, up and silu each rounded to bf16 (2**-8 relative) before the product
     assert rel_err(out, silu_and_mul_reference(x, w * 0.02)) < 4 * 2**-8
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(("model", "heads"), [("3b", 16), ("8b", 32)])
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_gpu_reduce_linear_bf16_real_shapes(model: str, heads: int, m: int) -> None:
+    """The split combine inside o_proj (4 K-slices of whole heads, reduce_config's tiles: the
+    whole slice at 3B, a head a step at 8B), bf16, 64 splits of up to 300-token contexts,
+    against the float64 combine (rounded to bf16) and product."""
+    n, k = REAL[f"{model}-o"]
+    sp = decode_splits(m, heads, k // heads, 64, True, "cuda", seed=m)
+    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(m)) * 0.02).to("cuda")
+    w = w.to(torch.bfloat16)
+    out = tma_reduce_linear(sp, w, 4)
+    x = reduced_reference(sp).to(torch.bfloat16).double()
+    # the combine rounds like decode_reduce_kernel up to an ulp; each part rounds once
+    assert rel_err(out.float().sum(0), (x @ w.double().cpu().T).cuda()) < 6 * 2**-8
 
 
 @on_gpu

@@ -9,6 +9,7 @@ import os
 import torch
 import triton
 
+from inferx_core.interfaces.attention import SplitAttention
 from inferx_core.interfaces.ops import KernelOps, check_parts
 from inferx_core.quant_none import SPLIT_PARTS, DenseLinear
 from inferx_kernels_cuda import fused_kernels as kernels
@@ -19,9 +20,11 @@ from inferx_kernels_cuda.tma_gemv import (
     TmaGemvConfig,
     norm_config,
     plain_config,
+    reduce_input_problem,
     tma_linear_parts,
     tma_linear_silu_and_mul,
     tma_norm_linear,
+    tma_reduce_linear,
 )
 from inferx_kernels_cuda.tma_gemv import input_problem as tma_input_problem
 
@@ -210,7 +213,7 @@ class TritonOps(KernelOps):
                 BLOCK=block,
                 HAS_RESIDUAL=residual is not None,
                 PARTS=num_parts,
-                **between_launch(x.device),
+                **between_launch(x.device, rows),
                 num_warps=_norm_warps(block),
             )
         return out if residual is None else (out, summed)
@@ -321,10 +324,28 @@ class TritonOps(KernelOps):
         cfg = norm_config(x.shape[1], 1, gated=True)
         return tma_norm_linear(x, residual, weight, eps, linear.weight, 1, True, cfg)
 
-    def linear_parts(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def linear_parts(
+        self, linear: torch.nn.Module, x: torch.Tensor | SplitAttention
+    ) -> torch.Tensor:
+        if isinstance(x, SplitAttention):
+            if self._takes_reduce(linear, x):
+                return tma_reduce_linear(x, linear.weight, self.tma_parts)
+            x = x.reduce().flatten(1)
         if linear.bias is None and self._takes_tma(linear, x):
             return self._tma(x, linear.weight, self.tma_parts)
         return linear.forward_parts(x)
+
+    def _takes_reduce(self, linear: torch.nn.Module, splits: SplitAttention) -> bool:
+        """Whether tma_reduce_linear can combine these splits inside this layer's GEMM: an
+        unquantized layer without bias on the TMA path, at up to MAX_REDUCE_ROWS rows."""
+        return (
+            self.tma_gemv
+            and isinstance(linear, DenseLinear)
+            and linear.bias is None
+            and self._tma_device(splits.part_o)
+            and splits.rows <= self.tma_gemv_max_rows
+            and reduce_input_problem(splits, linear.weight, self.tma_parts) is None
+        )
 
     def linear_split(
         self, linear: torch.nn.Module, x: torch.Tensor

@@ -82,11 +82,10 @@ def _enabled(index: int) -> bool:
     return _triton_has_pdl()
 
 
-@functools.cache
-def _chain_rows() -> tuple[tuple[int, int], ...]:
-    """INFERX_PDL_CHAIN: the rows of x at which a GEMV lets the next kernel launch early. "0"
-    (the default) none, "1" every row count, else ranges "LO-HI" (or "N") joined by commas."""
-    value = os.environ.get("INFERX_PDL_CHAIN", "0").strip()
+def _row_ranges(name: str) -> tuple[tuple[int, int], ...]:
+    """A row-range setting: "0" (the default) or "" none, "1" every row count, else ranges
+    "LO-HI" (or "N") joined by commas."""
+    value = os.environ.get(name, "0").strip()
     if value in ("0", ""):
         return ()
     if value == "1":
@@ -96,21 +95,31 @@ def _chain_rows() -> tuple[tuple[int, int], ...]:
         lo, sep, hi = item.strip().partition("-")
         hi = hi if sep else lo
         if not (lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi)):
-            raise ValueError(
-                f"INFERX_PDL_CHAIN: 0, 1 or row ranges LO-HI[,LO-HI...], got {value!r}"
-            )
+            raise ValueError(f"{name}: 0, 1 or row ranges LO-HI[,LO-HI...], got {value!r}")
         ranges.append((int(lo), int(hi)))
     return tuple(ranges)
 
 
 @functools.cache
-def _chain(rows: int) -> bool:
-    return _all() or any(lo <= rows <= hi for lo, hi in _chain_rows())
+def _chain_rows() -> tuple[tuple[int, int], ...]:
+    """INFERX_PDL_CHAIN: the rows of x at which a GEMV lets the next kernel launch early."""
+    return _row_ranges("INFERX_PDL_CHAIN")
 
 
 @functools.cache
-def _all() -> bool:
-    return os.environ.get("INFERX_PDL_ALL", "0") == "1"
+def _all_rows() -> tuple[tuple[int, int], ...]:
+    """INFERX_PDL_ALL: the rows at which the kernels between the GEMVs launch with PDL too."""
+    return _row_ranges("INFERX_PDL_ALL")
+
+
+@functools.cache
+def _chain(rows: int) -> bool:
+    return _all(rows) or any(lo <= rows <= hi for lo, hi in _chain_rows())
+
+
+@functools.cache
+def _all(rows: int) -> bool:
+    return any(lo <= rows <= hi for lo, hi in _all_rows())
 
 
 def pdl_enabled(device: torch.device) -> bool:
@@ -128,12 +137,13 @@ def gemv_launch(device: torch.device, rows: int) -> dict[str, Any]:
     return {"PDL": False, "TRIGGER": False}
 
 
-def between_launch(device: torch.device) -> dict[str, Any]:
+def between_launch(device: torch.device, rows: int) -> dict[str, Any]:
     """The PDL arguments of a kernel between the GEMVs (rms_norm_kernel, decode_kernel,
-    decode_reduce_kernel): TRIGGER (the GEMV after it may launch early), and under
-    INFERX_PDL_ALL=1 PDL (it launches early itself and waits) with Triton's launch_pdl."""
+    decode_reduce_kernel) for a step of `rows` rows: TRIGGER (the GEMV after it may launch
+    early), and where INFERX_PDL_ALL takes the rows PDL (it launches early itself and waits)
+    with Triton's launch_pdl."""
     if not pdl_enabled(device):
         return {"PDL": False, "TRIGGER": False}
-    if _all():
+    if _all(rows):
         return {"PDL": True, "TRIGGER": True, "launch_pdl": True}
     return {"PDL": False, "TRIGGER": True}

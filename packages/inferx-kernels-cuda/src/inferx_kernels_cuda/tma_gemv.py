@@ -28,8 +28,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from inferx_core.interfaces.attention import SplitAttention
 from inferx_kernels_cuda.fused_kernels import _rounded, silu_times
 from inferx_kernels_cuda.pdl import gemv_launch, pdl_start
+from inferx_kernels_cuda.triton_kernels import _seq_split_len
 
 # Rows of x a launch takes (TritonOps runs them to tma_gemv_max_rows, 64 by default; 65-128 are
 # for A/B runs until measured).
@@ -447,3 +449,196 @@ def tma_norm_linear(
         **gemv_launch(x.device, m),
     )  # fmt: skip
     return out, new_residual
+
+
+# --- The decode attention's split reduce, in o_proj -----------------------------------------
+#
+# With its context split, the decode kernel leaves each (row, head) as `splits` partial outputs
+# and their log2-sum-exp2s (a SplitAttention), and decode_reduce_kernel combines them before
+# o_proj reads the heads. tma_reduce_linear does that combine in o_proj's x tiles instead: a
+# K-slice of o_proj is a whole number of heads, so each program combines the splits of its own
+# heads (a few KB from L2). Alone that is level with reduce + GEMM (H200, session 15). What it
+# buys is adjacency: o_proj then follows the decode kernel, which lets it launch early (PDL),
+# and with `whole` each program loads its whole weight slice (one TMA copy of BLOCK_N rows x
+# the slice's heads) before it waits. At a few rows the decode kernel runs on a handful of SMs
+# for several µs; o_proj's weight arrives on the others meanwhile, and after the wait only the
+# combine, the product from shared memory and the store are left.
+
+# Rows tma_reduce_linear takes: its x tiles are built in registers (rows x a slice's heads x
+# head_dim), and the fp32 values of one chunk of splits it combines at once.
+MAX_REDUCE_ROWS = 8
+REDUCE_TILE = 8192
+# The most weight one program loads before its wait (`whole`): 64 KB, so that two programs
+# and a decode program share an SM.
+WHOLE_BYTES = 64 * 1024
+
+
+@triton.jit(do_not_specialize=["m"])
+def tma_reduce_gemv_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    context_len_ptr,
+    w_desc,
+    out_ptr,
+    m,
+    n,
+    heads,
+    num_splits,
+    split_len,
+    stride_os,
+    stride_om,
+    ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SLICE_HEADS: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+    SEQ_SPLIT: tl.constexpr,
+    TILE: tl.constexpr,
+    WHOLE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
+    TRIGGER: tl.constexpr = False,
+):
+    """Grid (row blocks, K-slices of SLICE_HEADS heads): out[s, :, rows] = x[:, ks] @ W[rows,
+    ks].T with x the combined attention output (decode_reduce_kernel's: the splits weighted by
+    exp2 of their lse, rounded to out's dtype). WHOLE: the slice's weight is one [BLOCK_N,
+    SLICE_HEADS * HEAD_DIM] tile, loaded before the PDL wait, and one product; otherwise a K
+    step is one head, TMA-pipelined after the combine. The combine takes SPLIT_CHUNK splits at
+    a time up to the most any of the m rows uses (a loop left unpipelined)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    h0 = pid_s * SLICE_HEADS
+    # The weight and the contexts (the step's metadata) come from no earlier kernel: both are
+    # in flight before the wait.
+    if WHOLE:
+        w = w_desc.load([n0, h0 * HEAD_DIM])  # [BLOCK_N, SLICE_HEADS * HEAD_DIM]
+    r = tl.arange(0, ROWS)
+    ctx = tl.load(context_len_ptr + r, mask=r < m, other=0)
+    pdl_start(PDL, TRIGGER)
+    dtype = out_ptr.dtype.element_ty
+    j = tl.arange(0, SLICE_HEADS)
+    d = tl.arange(0, HEAD_DIM)
+    c = tl.arange(0, SPLIT_CHUNK)
+    if SEQ_SPLIT:
+        split_len = _seq_split_len(ctx, num_splits, split_len, TILE)
+    used = tl.cdiv(ctx, split_len)  # [ROWS]; 0 past m
+    first = ((r[:, None] * heads + h0 + j[None, :]) * num_splits)[:, :, None]  # [R, H, 1]
+    top = tl.full([ROWS, SLICE_HEADS], -1.0e30, tl.float32)
+    total = tl.zeros([ROWS, SLICE_HEADS], tl.float32)
+    summed = tl.zeros([ROWS, SLICE_HEADS, HEAD_DIM], tl.float32)
+    for s0 in tl.range(0, tl.max(used, 0), SPLIT_CHUNK, num_stages=1):
+        s = s0 + c[None, None, :]
+        ok = (s < used[:, None, None]) & (j[None, :, None] < SLICE_HEADS)  # [R, H, C]
+        lse = tl.load(part_lse_ptr + first + s, mask=ok, other=float("-inf"))
+        o = tl.load(part_o_ptr + (first + s)[:, :, :, None] * HEAD_DIM + d[None, None, None, :],
+                    mask=ok[:, :, :, None], other=0.0)  # fmt: skip
+        new_top = tl.maximum(top, tl.max(lse, 2))
+        scale = tl.exp2(top - new_top)
+        wt = tl.exp2(lse - new_top[:, :, None])
+        total = total * scale + tl.sum(wt, 2)
+        summed = summed * scale[:, :, None] + tl.sum(o * wt[:, :, :, None], 2)
+        top = new_top
+    # rounded as decode_reduce_kernel stores it; unused rows 0
+    x_all = _rounded(summed / tl.where(total > 0, total, 1.0)[:, :, None], dtype)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    if WHOLE:
+        x = tl.reshape(x_all, (ROWS, SLICE_HEADS * HEAD_DIM)).to(dtype)
+        x = _repeat_rows(x, ROWS, BLOCK_M, SLICE_HEADS * HEAD_DIM)
+        if UPCAST:  # the interpreter's bf16 dot would round the products to bf16
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+    else:
+        for jj in range(0, SLICE_HEADS):
+            x = tl.sum(tl.where(j[None, :, None] == jj, x_all, 0.0), 1).to(dtype)  # head h0 + jj
+            x = _repeat_rows(x, ROWS, BLOCK_M, HEAD_DIM)
+            acc, _ = _products(w_desc, x, acc, acc, n0, (h0 + jj) * HEAD_DIM, 0, False, UPCAST,
+                               DOT_PRECISION)  # fmt: skip
+    _store_part(out_ptr, acc, pid_s, n0, m, n, stride_os, stride_om, BLOCK_N, BLOCK_M)
+
+
+def reduce_input_problem(splits: SplitAttention, weight: torch.Tensor, parts: int) -> str | None:
+    """Why tma_reduce_linear cannot take these inputs, or None when it can."""
+    m, heads, dim = splits.rows, splits.heads, splits.head_dim
+    if weight.dim() != 2 or weight.shape[1] != heads * dim:
+        return (
+            f"tma_reduce_linear: weight must be [N, {heads} heads x {dim}], got "
+            f"{tuple(weight.shape)}"
+        )
+    slice_heads = heads // parts if parts >= 1 else 0
+    if (
+        not 1 <= m <= MAX_REDUCE_ROWS
+        or parts < 1
+        or heads % parts
+        or slice_heads & (slice_heads - 1)
+        or dim & (dim - 1)
+    ):
+        return (
+            f"tma_reduce_linear: takes 1 to {MAX_REDUCE_ROWS} rows, a power-of-two head dim "
+            f"and K-slices of a power-of-two count of whole heads; got {m} rows, head dim "
+            f"{dim}, {heads} heads in {parts} slices"
+        )
+    want = m * heads * splits.splits
+    if splits.part_o.numel() < want * dim or splits.part_lse.numel() < want:
+        return f"tma_reduce_linear: part_o / part_lse hold fewer than {want} splits"
+    if splits.part_o.dtype != torch.float32 or splits.part_lse.dtype != torch.float32:
+        return "tma_reduce_linear: part_o and part_lse must be float32"
+    return input_problem(weight[:1], weight, 1, "tma_reduce_linear")  # the weight's layout
+
+
+def reduce_config(splits: SplitAttention, weight: torch.Tensor, parts: int) -> TmaGemvConfig:
+    """64 weight rows a program; block_k = the slice's width when the slice's weight fits in
+    WHOLE_BYTES (`whole`: one tile, loaded before the wait), else one head (pipelined 3 deep)."""
+    width = splits.heads // parts * splits.head_dim
+    if 64 * width * weight.element_size() <= WHOLE_BYTES:
+        return TmaGemvConfig(64, width, 4, 1)
+    return TmaGemvConfig(64, splits.head_dim, 4, 3)
+
+
+def tma_reduce_linear(
+    splits: SplitAttention,
+    weight: torch.Tensor,
+    parts: int = 1,
+    config: TmaGemvConfig | None = None,
+    split_chunk: int | None = None,
+) -> torch.Tensor:
+    """[parts, rows, N] K-slice parts of splits' combined output @ weight.T, weight [N, heads *
+    head_dim], in weight's dtype: decode_reduce_kernel then tma_linear_parts, in one launch.
+    Rows 1..MAX_REDUCE_ROWS; each K-slice a power-of-two count of whole heads. config's block_k
+    is the slice's width (the whole slice's weight in one tile, loaded before the PDL wait) or
+    one head (a K step a head); by default reduce_config. split_chunk (a power of two): splits
+    combined at a time, by default as many as keep the chunk within REDUCE_TILE values."""
+    problem = reduce_input_problem(splits, weight, parts)
+    if problem:
+        raise ValueError(problem)
+    cfg = config or reduce_config(splits, weight, parts)
+    m, heads, dim = splits.rows, splits.heads, splits.head_dim
+    slice_heads = heads // parts
+    if cfg.block_k not in (dim, slice_heads * dim):
+        raise ValueError(
+            f"tma_reduce_linear: block_k must be the head dim ({dim}) or the slice's width "
+            f"({slice_heads * dim}), got {cfg.block_k}"
+        )
+    rows = triton.next_power_of_2(m)
+    # [rows, slice heads, chunk, head_dim] fp32 values a chunk: at most REDUCE_TILE
+    chunk = split_chunk or max(1, REDUCE_TILE // (rows * slice_heads * dim))
+    chunk = min(chunk, triton.next_power_of_2(splits.splits))
+    out = torch.empty((parts, m, weight.shape[0]), dtype=weight.dtype, device=weight.device)
+    w_desc = TensorDescriptor.from_tensor(weight, block_shape=[cfg.block_n, cfg.block_k])
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    n = weight.shape[0]
+    tma_reduce_gemv_kernel[(triton.cdiv(n, cfg.block_n), parts)](
+        splits.part_o, splits.part_lse, splits.context_len, w_desc, out, m, n, heads,
+        splits.splits, splits.split_len, out.stride(0), out.stride(1),
+        ROWS=rows, BLOCK_M=max(16, rows), BLOCK_N=cfg.block_n, HEAD_DIM=dim,
+        SLICE_HEADS=slice_heads, SPLIT_CHUNK=chunk, SEQ_SPLIT=splits.seq_split, TILE=splits.tile,
+        WHOLE=cfg.block_k == slice_heads * dim,
+        UPCAST=interpret and weight.dtype == torch.bfloat16,
+        DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **gemv_launch(weight.device, m),
+    )  # fmt: skip
+    return out

@@ -11,7 +11,7 @@ import triton
 
 from inferx_core.attention_torch import TorchAttention
 from inferx_core.batch import pack_aligned, to_device
-from inferx_core.interfaces.attention import AttentionBatch
+from inferx_core.interfaces.attention import AttentionBatch, SplitAttention
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda import triton_kernels as kernels
 from inferx_kernels_cuda.ops import _ROTARY_TILE, env_int, env_switch
@@ -214,10 +214,6 @@ class TritonAttention(TorchAttention):
         # group of 8, 2 stages lost 12% at 16 x 512 (tune_prefill_attention.py, BENCHMARKS.md
         # session 16). Groups 1-2 were not measured.
         self.prefill_launch_small_group: dict[str, int] = {"num_warps": 4, "num_stages": 2}
-        # The decode kernel and the reduce let the kernel after them launch early (o_proj's
-        # GEMV, or the reduce under INFERX_PDL_ALL=1), when that one launches with PDL
-        # (inferx_kernels_cuda.pdl).
-        self._pdl = between_launch(torch.device(device))
         # decode_rotary: decode-only steps rotate q and k and write the new k/v inside the
         # decode kernel (ROTARY) instead of a rotary_kv_write_kernel launch before it; 2%
         # faster a 3B step on the H200 (BENCHMARKS.md, session 6). INFERX_TRITON_DECODE_ROTARY=0
@@ -229,6 +225,11 @@ class TritonAttention(TorchAttention):
         # 3.235 -> 3.217 at 64 x 640 (BENCHMARKS.md, session 11). INFERX_TRITON_QKV_PARTS=0
         # turns it off for A/B runs.
         self.qkv_parts = env_switch("INFERX_TRITON_QKV_PARTS", default=True)
+        # keeps_splits: decode-only steps whose context is split may leave the combine of the
+        # splits to o_proj (forward_with_rotary(keep_splits=True) returns a SplitAttention;
+        # TritonOps runs tma_reduce_linear at up to 8 rows). INFERX_TRITON_KEEP_SPLITS=1 until
+        # measured on the H200.
+        self.keeps_splits = env_switch("INFERX_TRITON_KEEP_SPLITS", default=False)
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         self._upcast = self.interpret and dtype == torch.bfloat16
         self._dot_precision = "ieee" if dtype == torch.float32 else "tf32"
@@ -585,7 +586,8 @@ class TritonAttention(TorchAttention):
         positions: torch.Tensor,
         cos_sin: torch.Tensor,
         bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+        keep_splits: bool = False,
+    ) -> torch.Tensor | SplitAttention:
         dim = q.shape[-1]
         if dim % 2 or q.dtype != k.dtype:
             raise ValueError(
@@ -597,9 +599,10 @@ class TritonAttention(TorchAttention):
                 f"triton attention: cos_sin must be [positions, {dim}] float32, got "
                 f"{tuple(cos_sin.shape)} {cos_sin.dtype}"
             )
+        keep = keep_splits and self.keeps_splits
         if q.dim() == 4 or bias is not None:
-            return self._forward_parts(layer, (q, k, v), scale, (positions, cos_sin), bias)
-        return self._forward(layer, q, k, v, scale, (positions, cos_sin))
+            return self._forward_parts(layer, (q, k, v), scale, (positions, cos_sin), bias, keep)
+        return self._forward(layer, q, k, v, scale, (positions, cos_sin), keep_splits=keep)
 
     def _forward_parts(
         self,
@@ -608,7 +611,8 @@ class TritonAttention(TorchAttention):
         scale: float,
         rotary: tuple[torch.Tensor, torch.Tensor],
         bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    ) -> torch.Tensor:
+        keep_splits: bool = False,
+    ) -> torch.Tensor | SplitAttention:
         """forward_with_rotary of q, k, v as [parts, T, heads, dim] partial sums (+ bias)."""
         q = qkv[0]
         if not self.takes_qkv_parts():
@@ -641,7 +645,40 @@ class TritonAttention(TorchAttention):
         if bias is not None:
             extra |= {"q_bias_ptr": bias[0], "k_bias_ptr": bias[1], "v_bias_ptr": bias[2]}
         q0, k0, v0 = (x[0] for x in views)
-        return self._forward(layer, q0, k0, v0, scale, rotary, extra)
+        return self._forward(layer, q0, k0, v0, scale, rotary, extra, keep_splits)
+
+    def _pdl(self, plan: _Plan) -> dict[str, Any]:
+        """The decode kernel and the reduce let the kernel after them launch early (o_proj's
+        GEMV, or the reduce under INFERX_PDL_ALL), when that one launches with PDL
+        (inferx_kernels_cuda.pdl)."""
+        return between_launch(torch.device(self.device), plan.num_decode)
+
+    def _reduce(self, plan: _Plan, spec: KVLayerSpec, out: torch.Tensor) -> torch.Tensor:
+        """Combine the decode kernel's context splits into out [T, heads, dim]; returns out."""
+        # Eager steps pad to the most splits there can be: one compiled variant.
+        splits_pad = triton.next_power_of_2(plan.num_splits if plan.seq_split else self.max_splits)
+        heads = self._reduce_heads(spec.num_q_heads, splits_pad)
+        kernels.decode_reduce_kernel[(plan.num_decode, spec.num_q_heads // heads)](
+            plan.part_o,
+            plan.part_lse,
+            out,
+            plan.context_len,
+            plan.query_start,
+            plan.decode_seqs,
+            plan.split_len,
+            plan.num_splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=spec.head_dim,
+            SPLITS_PAD=splits_pad,
+            HEADS=heads,
+            SEQ_SPLIT=plan.seq_split,
+            BLOCK_N=self.decode_block_n,
+            ALL_DECODE=plan.all_decode,
+            **self.reduce_launch,
+            **self._pdl(plan),
+        )
+        return out
 
     def _forward(
         self,
@@ -652,7 +689,11 @@ class TritonAttention(TorchAttention):
         scale: float,
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
         parts: dict[str, Any] | None = None,
-    ) -> torch.Tensor:
+        keep_splits: bool = False,
+    ) -> torch.Tensor | SplitAttention:
+        """Attention of one layer. keep_splits: in a decode-only step whose context is split,
+        return the splits (a SplitAttention whose reduce() launches the combine) instead of
+        combining them here."""
         plan = self._plan
         if plan is None:
             raise RuntimeError("triton attention: begin_step() must run before forward()")
@@ -764,34 +805,24 @@ class TritonAttention(TorchAttention):
                 **(new_tokens if in_decode else self._no_new_tokens(plan)),
                 **(parts or {}),
                 **self.decode_launch,
-                **self._pdl,
+                **self._pdl(plan),
             )
+            if split and keep_splits and plan.all_decode:
+                return SplitAttention(
+                    part_o=plan.part_o,
+                    part_lse=plan.part_lse,
+                    context_len=plan.context_len,
+                    rows=num_tokens,
+                    heads=spec.num_q_heads,
+                    head_dim=spec.head_dim,
+                    splits=plan.num_splits,
+                    split_len=plan.split_len,
+                    seq_split=plan.seq_split,
+                    tile=self.decode_block_n,
+                    reduce=lambda: self._reduce(plan, spec, out),
+                )
             if split:
-                # Eager steps pad to the most splits there can be: one compiled variant.
-                splits_pad = triton.next_power_of_2(
-                    plan.num_splits if plan.seq_split else self.max_splits
-                )
-                heads = self._reduce_heads(spec.num_q_heads, splits_pad)
-                kernels.decode_reduce_kernel[(plan.num_decode, spec.num_q_heads // heads)](
-                    plan.part_o,
-                    plan.part_lse,
-                    out,
-                    plan.context_len,
-                    plan.query_start,
-                    plan.decode_seqs,
-                    plan.split_len,
-                    plan.num_splits,
-                    out.stride(0),
-                    out.stride(1),
-                    HEAD_DIM=spec.head_dim,
-                    SPLITS_PAD=splits_pad,
-                    HEADS=heads,
-                    SEQ_SPLIT=plan.seq_split,
-                    BLOCK_N=self.decode_block_n,
-                    ALL_DECODE=plan.all_decode,
-                    **self.reduce_launch,
-                    **self._pdl,
-                )
+                self._reduce(plan, spec, out)
 
         for tiles in plan.tiles.get(group, []):
             kernels.prefill_kernel[(tiles.count, spec.num_kv_heads)](

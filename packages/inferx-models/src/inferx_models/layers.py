@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from inferx_core.interfaces.attention import SplitAttention
 from inferx_core.interfaces.model import BuildContext
 
 
@@ -149,11 +150,16 @@ class Attention(nn.Module):
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.backend.fuses_rotary:
-            # bias= only with parts: a backend that never takes them need not know the keyword
+            # bias= only with parts, keep_splits= only where the backend keeps splits: a
+            # backend that never takes them need not know the keywords
             extra = {"bias": None if bias is None else tuple(bias.split(sizes))} if parted else {}
+            if parts and self.backend.keeps_splits:
+                extra["keep_splits"] = True
             out = self.backend.forward_with_rotary(
                 self.layer, q, k, v, self.scale, positions, self.rotary.cos_sin, **extra
             )
+            if isinstance(out, SplitAttention):  # o_proj combines the context splits
+                return self.ops.linear_parts(self.o_proj, out)
         else:
             q, k = self.ops.rotary(positions, q, k, self.rotary.cos_sin)
             out = self.backend.forward(self.layer, q, k, v, self.scale)

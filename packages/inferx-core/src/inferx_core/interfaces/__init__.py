@@ -1,6 +1,6 @@
 """The interfaces that plugins implement. Each is one small ABC; see docs/ARCHITECTURE.md."""
 
-from inferx_core.interfaces.attention import AttentionBackend, AttentionBatch
+from inferx_core.interfaces.attention import AttentionBackend, AttentionBatch, SplitAttention
 from inferx_core.interfaces.executor import DoneStep, Executor, PendingStep, StepResult
 from inferx_core.interfaces.kv import KVLayerSpec, KVManager
 from inferx_core.interfaces.model import BuildContext, Checkpoint, CheckpointFormat, ModelArch
@@ -35,6 +35,7 @@ __all__ = [
     "Scheduler",
     "SchedulerOutput",
     "SchedulerStats",
+    "SplitAttention",
     "StepResult",
     "Transport",
 ]

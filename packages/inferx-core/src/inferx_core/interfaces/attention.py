@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,30 @@ class AttentionBatch:
         return all(q == 1 for q in self.query_lens)
 
 
+@dataclass(frozen=True)
+class SplitAttention:
+    """A decode step's attention output not yet combined across its context splits, for an
+    output projection that combines them itself (KernelOps.linear_parts takes it).
+    part_o [rows * heads * splits, head_dim] and part_lse [rows * heads * splits] (float32,
+    index (row * heads + head) * splits + split; lse in log2 units): each split's normalised
+    output and log-sum-exp. context_len [rows] int32. A row's context is split_len tokens a
+    split or, with seq_split, spread over the splits (at least split_len, whole tiles of `tile`
+    tokens); splits past its context are unused. reduce() combines them into [rows, heads,
+    head_dim] in the model's dtype, as the backend would have."""
+
+    part_o: torch.Tensor
+    part_lse: torch.Tensor
+    context_len: torch.Tensor
+    rows: int
+    heads: int
+    head_dim: int
+    splits: int
+    split_len: int
+    seq_split: bool
+    tile: int
+    reduce: Callable[[], torch.Tensor]
+
+
 class AttentionBackend(ABC):
     """Paged attention for every layer of one model.
 
@@ -58,12 +83,17 @@ class AttentionBackend(ABC):
     q and k before the rotary embedding, and the backend rotates them as it writes the cache
     (one kernel instead of two per layer). Where takes_qkv_parts() says so for the current step,
     q, k and v may come as partial results of the QKV GEMM split along K, with its bias apart
-    (QuantLinear.forward_split), and the backend sums them.
+    (QuantLinear.forward_split), and the backend sums them. A backend that sets `keeps_splits`
+    takes forward_with_rotary(..., keep_splits=True) from a layer whose output projection runs
+    as K-slice parts, and may then return a SplitAttention where its decode kernel split the
+    context: the layer hands it to KernelOps.linear_parts, which may combine the splits inside
+    the projection (one launch and its gap fewer a layer).
     """
 
     supports_cuda_graphs: bool = False
     supports_mixed_graphs: bool = False
     fuses_rotary: bool = False
+    keeps_splits: bool = False
 
     def __init__(
         self,
@@ -109,13 +139,15 @@ class AttentionBackend(ABC):
         positions: torch.Tensor,
         cos_sin: torch.Tensor,
         bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+        keep_splits: bool = False,
+    ) -> torch.Tensor | SplitAttention:
         """forward() of q and k not yet rotated: rotate them by `positions` ("rotate half"
         layout, cos_sin as KernelOps.rotary takes it) first. q may be rotated in place.
 
         Only when takes_qkv_parts() is true: q, k, v may be [S, T, heads, dim], S partial
         results that add up to the projection's output, and `bias` the (q, k, v) bias vectors
-        still to add."""
+        still to add. keep_splits (only where `keeps_splits` is set): a SplitAttention may come
+        back instead of the combined output."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse the rotary embedding")
 
     def takes_qkv_parts(self) -> bool:

@@ -6,6 +6,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from inferx_core.interfaces.attention import SplitAttention
+
 
 class KernelOps(ABC):
     """Chosen by name ([engine] kernels); models call these through ctx.ops, never torch directly,
@@ -36,10 +38,16 @@ class KernelOps(ABC):
         as one (the activation in the GEMM's epilogue) where it knows the layer's weights."""
         return self.silu_and_mul(linear(x))
 
-    def linear_parts(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def linear_parts(
+        self, linear: torch.nn.Module, x: torch.Tensor | SplitAttention
+    ) -> torch.Tensor:
         """linear.forward_parts(x) (QuantLinear): the layer's output as partial results for a
         norm that sums them; a kernel package may run the GEMM itself where it knows the
-        layer's weights."""
+        layer's weights. x may be an attention output still split along the context
+        (SplitAttention, for o_proj): combined first here, or inside the GEMM by a kernel
+        package."""
+        if isinstance(x, SplitAttention):
+            x = x.reduce().flatten(1)
         return linear.forward_parts(x)
 
     def linear_split(
