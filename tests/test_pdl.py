@@ -89,10 +89,24 @@ def test_on_for_hopper_unless_switched_off(pdl_env) -> None:
         {"PDL": True, "TRIGGER": False, "launch_pdl": True} if hopper else off
     )
     assert pdl.between_launch(dev, 1) == ({"PDL": False, "TRIGGER": True} if hopper else off)
+    # the defaults: ALL at 2-16, the chain at 33-64
+    assert [pdl.between_launch(dev, m)["PDL"] for m in (1, 2, 16, 17)] == [
+        False,
+        *[hopper] * 2,
+        False,
+    ]
+    assert [pdl.gemv_launch(dev, m)["TRIGGER"] for m in (1, 8, 32, 33, 64, 65)] == [
+        False,
+        hopper,
+        False,
+        hopper,
+        hopper,
+        False,
+    ]
     pdl_env(None, "1")
     assert pdl.gemv_launch(dev, 1)["TRIGGER"] == hopper
     assert not pdl.between_launch(dev, 1)["PDL"]
-    pdl_env(None, "5-8,33-64")
+    pdl_env(None, "5-8,33-64", "0")
     assert (
         [pdl.gemv_launch(dev, m)["TRIGGER"] for m in (1, 4, 5, 8, 9, 32, 33, 64)]
         == [False, False, True, True, False, False, True, True]

@@ -25,6 +25,7 @@ from inferx_kernels_cuda.tma_gemv import (  # noqa: E402
     norm_config,
     plain_config,
     reduce_config,
+    reduce_parts,
     tma_linear_parts,
     tma_linear_silu_and_mul,
     tma_norm_linear,
@@ -310,6 +311,10 @@ def test_reduce_config_takes_the_whole_slice_up_to_64_kb() -> None:
     assert reduce_config(sp3, w3, 4) == TmaGemvConfig(64, 512, 4, 1)
     assert reduce_config(sp8, w8, 4) == TmaGemvConfig(64, 128, 4, 3)
     assert reduce_config(sp8, w8, 8) == TmaGemvConfig(64, 512, 4, 1)
+    assert reduce_parts(sp3, w3, 4) == 4 and reduce_parts(sp8, w8, 4) == 8
+    assert reduce_parts(sp8, w8, 16) == 16  # already narrow enough
+    sp_odd = decode_splits(1, 24, 128, 4, True, "cpu", seed=0)  # 24 heads: 8 slices of 3 at most
+    assert reduce_parts(sp_odd, torch.empty(3072, 3072, dtype=torch.bfloat16), 4) == 8
 
 
 # Dynamic shared memory one program may have on sm_90 (227 KB).
@@ -387,14 +392,15 @@ def test_gpu_silu_and_mul_bf16_real_shapes(model: str, m: int) -> None:
 @pytest.mark.parametrize(("model", "heads"), [("3b", 16), ("8b", 32)])
 @pytest.mark.parametrize("m", [1, 4, 8])
 def test_gpu_reduce_linear_bf16_real_shapes(model: str, heads: int, m: int) -> None:
-    """The split combine inside o_proj (4 K-slices of whole heads, reduce_config's tiles: the
-    whole slice at 3B, a head a step at 8B), bf16, 64 splits of up to 300-token contexts,
+    """The split combine inside o_proj (K-slices of whole heads as TritonOps runs it: 4 at 3B,
+    8 at 8B, each slice's weight one tile), bf16, 64 splits of up to 300-token contexts,
     against the float64 combine (rounded to bf16) and product."""
     n, k = REAL[f"{model}-o"]
     sp = decode_splits(m, heads, k // heads, 64, True, "cuda", seed=m)
     w = (torch.randn(n, k, generator=torch.Generator().manual_seed(m)) * 0.02).to("cuda")
     w = w.to(torch.bfloat16)
-    out = tma_reduce_linear(sp, w, 4)
+    parts = reduce_parts(sp, w, 4)  # 8 for 8B: the whole slice's weight in one tile
+    out = tma_reduce_linear(sp, w, parts)
     x = reduced_reference(sp).to(torch.bfloat16).double()
     # the combine rounds like decode_reduce_kernel up to an ulp; each part rounds once
     assert rel_err(out.float().sum(0), (x @ w.double().cpu().T).cuda()) < 6 * 2**-8

@@ -173,6 +173,21 @@ def test_switches_from_the_environment(
         TritonAttention(spec, 16, torch.float32, cpu)
 
 
+def test_keep_split_rows_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = [KVLayerSpec(4, 2, 16)]
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("INFERX_TRITON_KEEP_SPLITS", raising=False)
+    backend = TritonAttention(spec, 16, torch.float32, cpu)
+    assert backend.keeps_splits and backend.keep_split_rows == ((1, 4),)  # the default
+    monkeypatch.setenv("INFERX_TRITON_KEEP_SPLITS", "0")
+    assert not TritonAttention(spec, 16, torch.float32, cpu).keeps_splits
+    monkeypatch.setenv("INFERX_TRITON_KEEP_SPLITS", "1-2,8")
+    assert TritonAttention(spec, 16, torch.float32, cpu).keep_split_rows == ((1, 2), (8, 8))
+    monkeypatch.setenv("INFERX_TRITON_KEEP_SPLITS", "4-1")
+    with pytest.raises(ValueError, match="INFERX_TRITON_KEEP_SPLITS"):
+        TritonAttention(spec, 16, torch.float32, cpu)
+
+
 def test_reduce_heads_fit_the_layer_and_the_tile() -> None:
     backend = TritonAttention([KVLayerSpec(16, 2, 128)], 16, torch.float32, torch.device("cpu"))
     backend.reduce_heads = 8

@@ -21,6 +21,7 @@ from inferx_kernels_cuda.tma_gemv import (
     norm_config,
     plain_config,
     reduce_input_problem,
+    reduce_parts,
     tma_linear_parts,
     tma_linear_silu_and_mul,
     tma_norm_linear,
@@ -329,7 +330,8 @@ class TritonOps(KernelOps):
     ) -> torch.Tensor:
         if isinstance(x, SplitAttention):
             if self._takes_reduce(linear, x):
-                return tma_reduce_linear(x, linear.weight, self.tma_parts)
+                parts = reduce_parts(x, linear.weight, self.tma_parts)
+                return tma_reduce_linear(x, linear.weight, parts)
             x = x.reduce().flatten(1)
         if linear.bias is None and self._takes_tma(linear, x):
             return self._tma(x, linear.weight, self.tma_parts)

@@ -10,18 +10,22 @@ rms_norm_kernel, decode_kernel and decode_reduce_kernel. The trigger does nothin
 when the next kernel was launched without PDL. Every other kernel launches as before.
 
 Measured on the H200 (BENCHMARKS.md, session 16): steps 22-49 µs faster at every batch of 1-64
-(3B and 8B; the graph's launch gaps 127 -> ~70 µs a step). Two variants are not the default:
-- GEMVs letting the next kernel launch early too: slower at batch 1-2, faster at 8 and 64.
-  INFERX_PDL_CHAIN=1 turns it on at every row count, or at row ranges ("5-8,33-64"), for A/B.
-- Each GEMV program prefetching its first weight tiles into L2 before its wait: slower
-  everywhere, removed.
+(3B and 8B; the graph's launch gaps 127 -> ~70 µs a step). Two variants, by the step's rows
+(session 17; ALL_ROWS and CHAIN_ROWS below):
+- INFERX_PDL_ALL (default 2-16): the kernels between the GEMVs launch with PDL too, each
+  waiting at its start, and every kernel of the chain, GEMVs included, triggers right after
+  its wait (at most one kernel ahead). Faster at batch 2-16, slower at 1 and from 32.
+- INFERX_PDL_CHAIN (default 33-64): GEMVs let the next kernel launch early too. Slower at
+  batch 1-2 (session 16), faster at 8 and 48-64.
+Both take "0", "1" (every row count) or row ranges ("5-8,33-64") for A/B runs.
+Each GEMV program prefetching its first weight tiles into L2 before its wait was slower
+everywhere (session 16) and was removed; tma_reduce_linear instead loads its whole weight
+slice before its wait (into shared memory) and is faster at 1-4 rows (session 17).
 PDL on the small kernels themselves, behind cuBLAS GEMMs, measured slower in session 5: its
 edges cost more than the launches they hid.
 
 On for Hopper or newer with a Triton that has launch_pdl; never under TRITON_INTERPRET.
-INFERX_PDL=0 turns it off (A/B runs). INFERX_PDL_ALL=1 (not yet measured) launches the kernels
-between the GEMVs with PDL too, each waiting at its start, and has every kernel of the chain
-trigger right after its wait (at most one kernel ahead), GEMVs included.
+INFERX_PDL=0 turns it off (A/B runs).
 """
 
 from __future__ import annotations
@@ -47,7 +51,18 @@ except ImportError:  # a Triton without grid dependency control: never traced (P
         pass
 
 
-__all__ = ["between_launch", "gemv_launch", "pdl_enabled", "pdl_start"]
+__all__ = ["between_launch", "gemv_launch", "pdl_enabled", "pdl_start", "row_ranges"]
+
+# The rows (a decode step's batch) at which the GEMVs let the next kernel launch early
+# (INFERX_PDL_CHAIN), and at which the kernels between them launch with PDL too
+# (INFERX_PDL_ALL). H200, 3B steps (profile_decode, session 17), ms at 128 / 640 tokens:
+# - all, off -> on: batch 2 2.305 -> 2.259 / 2.310 -> 2.263, 8 2.367 -> 2.304 / 2.419 ->
+#   2.343, 16 2.407 -> 2.335 / 2.510 -> 2.440; but batch 1 2.256 -> 2.292 / 2.256 -> 2.304,
+#   32 2.458 -> 2.704 / 2.665 -> 3.012, 64 2.631 -> 2.647 / 2.942 -> 3.116.
+# - chain at 5-8 and 33-64, off -> on: batch 8 2.369 -> 2.333 / 2.414 -> 2.380, 48 2.568 ->
+#   2.548 / 2.875 -> 2.853, 64 2.645 -> 2.607 / 2.944 -> 2.929 (1-4, 16, 32 level).
+ALL_ROWS = "2-16"
+CHAIN_ROWS = "33-64"
 
 
 @triton.jit
@@ -82,10 +97,10 @@ def _enabled(index: int) -> bool:
     return _triton_has_pdl()
 
 
-def _row_ranges(name: str) -> tuple[tuple[int, int], ...]:
-    """A row-range setting: "0" (the default) or "" none, "1" every row count, else ranges
-    "LO-HI" (or "N") joined by commas."""
-    value = os.environ.get(name, "0").strip()
+def row_ranges(name: str, default: str = "0") -> tuple[tuple[int, int], ...]:
+    """A row-range environment setting (unset: default): "0" or "" none, "1" every row count,
+    else ranges "LO-HI" (or "N") joined by commas; anything else is refused with its name."""
+    value = os.environ.get(name, default).strip()
     if value in ("0", ""):
         return ()
     if value == "1":
@@ -103,13 +118,13 @@ def _row_ranges(name: str) -> tuple[tuple[int, int], ...]:
 @functools.cache
 def _chain_rows() -> tuple[tuple[int, int], ...]:
     """INFERX_PDL_CHAIN: the rows of x at which a GEMV lets the next kernel launch early."""
-    return _row_ranges("INFERX_PDL_CHAIN")
+    return row_ranges("INFERX_PDL_CHAIN", CHAIN_ROWS)
 
 
 @functools.cache
 def _all_rows() -> tuple[tuple[int, int], ...]:
     """INFERX_PDL_ALL: the rows at which the kernels between the GEMVs launch with PDL too."""
-    return _row_ranges("INFERX_PDL_ALL")
+    return row_ranges("INFERX_PDL_ALL", ALL_ROWS)
 
 
 @functools.cache

@@ -15,7 +15,7 @@ from inferx_core.interfaces.attention import AttentionBatch, SplitAttention
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda import triton_kernels as kernels
 from inferx_kernels_cuda.ops import _ROTARY_TILE, env_int, env_switch
-from inferx_kernels_cuda.pdl import between_launch
+from inferx_kernels_cuda.pdl import between_launch, row_ranges
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -225,11 +225,15 @@ class TritonAttention(TorchAttention):
         # 3.235 -> 3.217 at 64 x 640 (BENCHMARKS.md, session 11). INFERX_TRITON_QKV_PARTS=0
         # turns it off for A/B runs.
         self.qkv_parts = env_switch("INFERX_TRITON_QKV_PARTS", default=True)
-        # keeps_splits: decode-only steps whose context is split may leave the combine of the
-        # splits to o_proj (forward_with_rotary(keep_splits=True) returns a SplitAttention;
-        # TritonOps runs tma_reduce_linear at up to 8 rows). INFERX_TRITON_KEEP_SPLITS=1 until
-        # measured on the H200.
-        self.keeps_splits = env_switch("INFERX_TRITON_KEEP_SPLITS", default=False)
+        # keep_split_rows: decode-only steps of these many rows whose context is split leave
+        # the combine of the splits to o_proj (forward_with_rotary(keep_splits=True) returns a
+        # SplitAttention; TritonOps runs tma_reduce_linear, its weight slice loaded while the
+        # decode kernel runs). H200, 3B steps, ms at 128 / 640 tokens, off -> on (session 17):
+        # batch 1 2.271 -> 2.166 / 2.269 -> 2.182, 2 2.323 -> 2.227 / 2.321 -> 2.260, 4 2.343
+        # -> 2.268 / 2.352 -> 2.339, 8 2.386 -> 2.406 / 2.433 -> 2.569. INFERX_TRITON_KEEP_SPLITS
+        # takes row ranges ("0" none, "1" all) for A/B runs.
+        self.keep_split_rows = row_ranges("INFERX_TRITON_KEEP_SPLITS", "1-4")
+        self.keeps_splits = bool(self.keep_split_rows)
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         self._upcast = self.interpret and dtype == torch.bfloat16
         self._dot_precision = "ieee" if dtype == torch.float32 else "tf32"
@@ -807,7 +811,8 @@ class TritonAttention(TorchAttention):
                 **self.decode_launch,
                 **self._pdl(plan),
             )
-            if split and keep_splits and plan.all_decode:
+            keep = any(lo <= plan.num_decode <= hi for lo, hi in self.keep_split_rows)
+            if split and keep_splits and keep and plan.all_decode:
                 return SplitAttention(
                     part_o=plan.part_o,
                     part_lse=plan.part_lse,
