@@ -49,7 +49,7 @@ def test_off_on_the_cpu(pdl_env) -> None:
     cpu = torch.device("cpu")
     assert not pdl.pdl_enabled(cpu)
     off = {"PDL": False, "TRIGGER": False}
-    assert pdl.gemv_launch(cpu, 1) == off and pdl.between_launch(cpu, 1) == off
+    assert pdl.gemv_launch(cpu, 1) == off and pdl.between_launch(cpu, 1, 2048) == off
 
 
 @pytest.mark.parametrize(
@@ -88,9 +88,10 @@ def test_on_for_hopper_unless_switched_off(pdl_env) -> None:
     assert pdl.gemv_launch(dev, 1) == (
         {"PDL": True, "TRIGGER": False, "launch_pdl": True} if hopper else off
     )
-    assert pdl.between_launch(dev, 1) == ({"PDL": False, "TRIGGER": True} if hopper else off)
-    # the defaults: ALL at 2-16, the chain at 33-64
-    assert [pdl.between_launch(dev, m)["PDL"] for m in (1, 2, 16, 17)] == [
+    assert pdl.between_launch(dev, 1, 2048) == ({"PDL": False, "TRIGGER": True} if hopper else off)
+    # the defaults: ALL at 2-16 for layers up to 2048 wide, the chain at 33-64
+    assert not pdl.between_launch(dev, 8, 4096)["PDL"]
+    assert [pdl.between_launch(dev, m, 2048)["PDL"] for m in (1, 2, 16, 17)] == [
         False,
         *[hopper] * 2,
         False,
@@ -105,7 +106,7 @@ def test_on_for_hopper_unless_switched_off(pdl_env) -> None:
     ]
     pdl_env(None, "1")
     assert pdl.gemv_launch(dev, 1)["TRIGGER"] == hopper
-    assert not pdl.between_launch(dev, 1)["PDL"]
+    assert not pdl.between_launch(dev, 1, 2048)["PDL"]
     pdl_env(None, "5-8,33-64", "0")
     assert (
         [pdl.gemv_launch(dev, m)["TRIGGER"] for m in (1, 4, 5, 8, 9, 32, 33, 64)]
@@ -115,11 +116,11 @@ def test_on_for_hopper_unless_switched_off(pdl_env) -> None:
     )
     pdl_env(None, None, "1")
     assert pdl.gemv_launch(dev, 1)["TRIGGER"] == hopper
-    assert pdl.between_launch(dev, 1) == (
+    assert pdl.between_launch(dev, 1, 2048) == (
         {"PDL": True, "TRIGGER": True, "launch_pdl": True} if hopper else off
     )
     pdl_env(None, None, "2-16")
-    assert [pdl.between_launch(dev, m)["PDL"] for m in (1, 2, 16, 17)] == [
+    assert [pdl.between_launch(dev, m, 2048)["PDL"] for m in (1, 2, 16, 17)] == [
         False,
         *[hopper] * 2,
         False,
@@ -131,7 +132,7 @@ def test_on_for_hopper_unless_switched_off(pdl_env) -> None:
     ]
     pdl_env("0", "1", "1")
     assert not pdl.pdl_enabled(dev)
-    assert pdl.gemv_launch(dev, 1) == off and pdl.between_launch(dev, 1) == off
+    assert pdl.gemv_launch(dev, 1) == off and pdl.between_launch(dev, 1, 2048) == off
 
 
 @pytest.mark.gpu
@@ -163,7 +164,7 @@ def test_gemvs_wait_for_their_producers_inside_a_graph(pdl_env, mode: str, rows:
     w_gate_up = rand(2 * inter, 2560, scale=2560**-0.5)
     w_down = rand(hidden, inter, scale=inter**-0.5)
     ops, ref = TritonOps(), TorchOps()
-    assert pdl.between_launch(dev, rows)["TRIGGER"] and pdl.gemv_launch(dev, rows)["PDL"]
+    assert pdl.between_launch(dev, rows, 2048)["TRIGGER"] and pdl.gemv_launch(dev, rows)["PDL"]
 
     def step() -> tuple[torch.Tensor, ...]:
         y = a @ b

@@ -12,9 +12,10 @@ when the next kernel was launched without PDL. Every other kernel launches as be
 Measured on the H200 (BENCHMARKS.md, session 16): steps 22-49 µs faster at every batch of 1-64
 (3B and 8B; the graph's launch gaps 127 -> ~70 µs a step). Two variants, by the step's rows
 (session 17; ALL_ROWS and CHAIN_ROWS below):
-- INFERX_PDL_ALL (default 2-16): the kernels between the GEMVs launch with PDL too, each
-  waiting at its start, and every kernel of the chain, GEMVs included, triggers right after
-  its wait (at most one kernel ahead). Faster at batch 2-16, slower at 1 and from 32.
+- INFERX_PDL_ALL (default 2-16, layers up to ALL_MAX_WIDTH wide): the kernels between the
+  GEMVs launch with PDL too, each waiting at its start, and every kernel of the chain, GEMVs
+  included, triggers right after its wait (at most one kernel ahead). 3B: faster at batch
+  2-16, slower at 1 and from 32; 8B (4096 wide): slower at 8-16.
 - INFERX_PDL_CHAIN (default 33-64): GEMVs let the next kernel launch early too. Slower at
   batch 1-2 (session 16), faster at 8 and 48-64.
 Both take "0", "1" (every row count) or row ranges ("5-8,33-64") for A/B runs.
@@ -61,7 +62,10 @@ __all__ = ["between_launch", "gemv_launch", "pdl_enabled", "pdl_start", "row_ran
 #   32 2.458 -> 2.704 / 2.665 -> 3.012, 64 2.631 -> 2.647 / 2.942 -> 3.116.
 # - chain at 5-8 and 33-64, off -> on: batch 8 2.369 -> 2.333 / 2.414 -> 2.380, 48 2.568 ->
 #   2.548 / 2.875 -> 2.853, 64 2.645 -> 2.607 / 2.944 -> 2.929 (1-4, 16, 32 level).
+# - all at 2-16 for Llama-3.1-8B's widths (4096), off -> on at 640 tokens: batch 8 4.541 ->
+#   4.638, 16 4.756 -> 4.804: so only for layers up to ALL_MAX_WIDTH wide.
 ALL_ROWS = "2-16"
+ALL_MAX_WIDTH = 2048
 CHAIN_ROWS = "33-64"
 
 
@@ -152,13 +156,14 @@ def gemv_launch(device: torch.device, rows: int) -> dict[str, Any]:
     return {"PDL": False, "TRIGGER": False}
 
 
-def between_launch(device: torch.device, rows: int) -> dict[str, Any]:
+def between_launch(device: torch.device, rows: int, width: int) -> dict[str, Any]:
     """The PDL arguments of a kernel between the GEMVs (rms_norm_kernel, decode_kernel,
-    decode_reduce_kernel) for a step of `rows` rows: TRIGGER (the GEMV after it may launch
-    early), and where INFERX_PDL_ALL takes the rows PDL (it launches early itself and waits)
-    with Triton's launch_pdl."""
+    decode_reduce_kernel) for a step of `rows` rows of a layer `width` wide (the norm's
+    columns, the attention's heads x head dim): TRIGGER (the GEMV after it may launch early),
+    and where INFERX_PDL_ALL takes the rows and width <= ALL_MAX_WIDTH PDL (it launches early
+    itself and waits) with Triton's launch_pdl."""
     if not pdl_enabled(device):
         return {"PDL": False, "TRIGGER": False}
-    if _all(rows):
+    if _all(rows) and width <= ALL_MAX_WIDTH:
         return {"PDL": True, "TRIGGER": True, "launch_pdl": True}
     return {"PDL": False, "TRIGGER": True}

@@ -651,11 +651,12 @@ class TritonAttention(TorchAttention):
         q0, k0, v0 = (x[0] for x in views)
         return self._forward(layer, q0, k0, v0, scale, rotary, extra, keep_splits)
 
-    def _pdl(self, plan: _Plan) -> dict[str, Any]:
+    def _pdl(self, plan: _Plan, spec: KVLayerSpec) -> dict[str, Any]:
         """The decode kernel and the reduce let the kernel after them launch early (o_proj's
         GEMV, or the reduce under INFERX_PDL_ALL), when that one launches with PDL
         (inferx_kernels_cuda.pdl)."""
-        return between_launch(torch.device(self.device), plan.num_decode)
+        width = spec.num_q_heads * spec.head_dim
+        return between_launch(torch.device(self.device), plan.num_decode, width)
 
     def _reduce(self, plan: _Plan, spec: KVLayerSpec, out: torch.Tensor) -> torch.Tensor:
         """Combine the decode kernel's context splits into out [T, heads, dim]; returns out."""
@@ -680,7 +681,7 @@ class TritonAttention(TorchAttention):
             BLOCK_N=self.decode_block_n,
             ALL_DECODE=plan.all_decode,
             **self.reduce_launch,
-            **self._pdl(plan),
+            **self._pdl(plan, spec),
         )
         return out
 
@@ -809,7 +810,7 @@ class TritonAttention(TorchAttention):
                 **(new_tokens if in_decode else self._no_new_tokens(plan)),
                 **(parts or {}),
                 **self.decode_launch,
-                **self._pdl(plan),
+                **self._pdl(plan, spec),
             )
             keep = any(lo <= plan.num_decode <= hi for lo, hi in self.keep_split_rows)
             if split and keep_splits and keep and plan.all_decode:
