@@ -636,19 +636,11 @@ def count_tma(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], in
 
 @interpreted
 @pytest.mark.parametrize("name", ["llama3-scaled", "qwen2-tied"])
-@pytest.mark.parametrize("w_first", ["0", "1"])
-def test_tiny_model_logits_with_tma_gemv(
-    name: str, w_first: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_tiny_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """INFERX_TMA_GEMV=1, the norm fusion and the gated form off: o_proj and down_proj as
     SPLIT_PARTS parts for the norm, gate_up whole (outside the gated GEMV's rows), and (qwen2,
     on the triton backend with qkv_parts) the decode-only step's QKV as parts plus the bias for
-    the decode kernel, all by tma_linear_parts; logits stay the torch reference's. With
-    INFERX_TMA_W_FIRST=1 the split GEMMs whose slices are a power of two wide load their whole
-    weight slice first (whole_config)."""
-    monkeypatch.setenv("INFERX_TMA_W_FIRST", w_first)
-    if w_first == "1":
-        firsts = spy_calls(monkeypatch, "whole_config", lambda *a, **kw: a[:3])
+    the decode kernel, all by tma_linear_parts; logits stay the torch reference's."""
     monkeypatch.setenv("INFERX_TMA_GEMV", "1")
     monkeypatch.setenv("INFERX_TMA_NORM", "0")
     monkeypatch.setenv("INFERX_TMA_GATED", "0")
@@ -666,8 +658,6 @@ def test_tiny_model_logits_with_tma_gemv(
     qkv = layers if name == "qwen2-tied" else 0
     assert len(parted) == 3 * 2 * layers + qkv and whole == [((4, cfg["hidden_size"]), 1)] * layers
     assert {c[0][0] for c in parted} == {27, 6, 4}
-    if w_first == "1":  # asked for every GEMM, in every step
-        assert len(firsts) == len(calls)
     assert_steps_match_torch_ops(cfg, weights, ours)
 
 

@@ -29,7 +29,6 @@ from inferx_kernels_cuda.tma_gemv import (  # noqa: E402
     tma_linear_silu_and_mul,
     tma_norm_linear,
     tma_reduce_linear,
-    whole_config,
 )
 
 SMALL = TmaGemvConfig(block_n=32, block_k=32, num_stages=2)
@@ -61,33 +60,6 @@ def test_half_parts_sum_to_the_product(m: int, n: int, k: int, parts: int) -> No
     ref = x.double() @ w.double().T
     # Each part is rounded once to fp16 (2**-11 relative to its own size, at most the total's).
     assert rel_err(out.sum(0), ref) < parts * 2**-10
-
-
-@interpreted
-@pytest.mark.parametrize("m", [1, 5, 16])
-@pytest.mark.parametrize(("n", "k", "parts"), [(70, 128, 4), (33, 64, 2), (40, 32, 1)])
-def test_whole_weight_first_sums_to_the_product(m: int, n: int, k: int, parts: int) -> None:
-    """w_first tiles (whole_config's form: a program's whole K-slice in one tile, its weight
-    loaded before the PDL wait): the same parts as the pipelined loop, ragged N."""
-    x, w = inputs(m, n, k, torch.float16, "cpu", seed=m * 5 + n)
-    cfg = TmaGemvConfig(32, k // parts, 4, 1, w_first=True)
-    out = tma_linear_parts(x, w, parts, cfg)
-    assert out.shape == (parts, m, n)
-    ref = tma_linear_parts(x, w, parts, TmaGemvConfig(32, 16, 4, 2))
-    assert rel_err(out.float(), ref.float()) < 2**-10
-    assert rel_err(out.sum(0), x.double() @ w.double().T) < parts * 2**-10
-
-
-def test_whole_config_only_where_every_slice_fits() -> None:
-    """Qwen2.5-3B's QKV and o_proj in 4 parts: 64 x 512 tiles of bf16 (64 KB); not Llama's (128
-    KB), not down_proj (11008 / 4 is no power of two), not float32's 128 KB, and not where the
-    programs and their x tiles overflow the SMs' shared memory."""
-    assert whole_config(2560, 2048, 4, 132) == TmaGemvConfig(64, 512, 4, 1, w_first=True)
-    assert whole_config(2048, 2048, 4, 132, rows=16) == TmaGemvConfig(64, 512, 4, 1, True)
-    assert whole_config(6144, 4096, 4, 132) is None
-    assert whole_config(2048, 11008, 4, 132) is None
-    assert whole_config(2560, 2048, 4, 132, elem_bytes=4) is None
-    assert whole_config(2560, 2048, 4, 16) is None  # 160 programs of 81 KB on 16 SMs
 
 
 @interpreted
@@ -347,10 +319,9 @@ SM90_MAX_SHARED_PER_PROGRAM = 232_448
 def test_configs_fit_shared_memory_in_the_sm90_compile() -> None:
     """plain_config's picks for 3B's o_proj (few programs: the deepest pipelines), 8B's QKV
     and 3B's gate_up (gated), at 1, 64 and 128 rows, bf16 and float32 (the GPU tests' tiny
-    models; sized as bf16, the gated tiles at 64 rows took 320 KB), and whole_config's for 3B's
-    QKV at 1 and 16 rows, compile for sm_90 within a program's shared memory. Compiled by
-    Triton without a GPU, in a process of its own: this one runs Triton under the
-    interpreter."""
+    models; sized as bf16, the gated tiles at 64 rows took 320 KB), compile for sm_90 within a
+    program's shared memory. Compiled by Triton without a GPU, in a process of its own: this
+    one runs Triton under the interpreter."""
     import json
     import subprocess
     import sys
@@ -362,9 +333,6 @@ def test_configs_fit_shared_memory_in_the_sm90_compile() -> None:
             for n, parts, gated in ((2048, 4, False), (6144, 4, False), (11008, 1, True)):
                 cfg = plain_config(n, parts, 132, rows, gated, elem_bytes)
                 cases.append([dtype, rows, list(vars(cfg).values()), gated])
-    for rows in (1, 16):  # whole_config's tiles (3B's QKV): weight and x for 64 KB slices
-        cfg = whole_config(2560, 2048, 4, 132, rows)
-        cases.append(["bf16", rows, list(vars(cfg).values()), False])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).parent / "sm90_shared.py"
     out = subprocess.run(
@@ -412,20 +380,6 @@ def test_gpu_silu_and_mul_bf16_real_shapes(model: str, m: int) -> None:
     out = tma_linear_silu_and_mul(x, w * 0.02, plain_config(n // 2, 1, sms, m, gated=True))
     # gate, up and silu each rounded to bf16 (2**-8 relative) before the product
     assert rel_err(out, silu_and_mul_reference(x, w * 0.02)) < 4 * 2**-8
-
-
-@on_gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["3b-qkv", "3b-o"])
-@pytest.mark.parametrize("m", [1, 8, 16])
-def test_gpu_whole_weight_first_bf16_real_shapes(shape: str, m: int) -> None:
-    """whole_config's tiles (each program's 64 KB weight slice loaded before its PDL wait)."""
-    n, k = REAL[shape]
-    x, w = inputs(m, n, k, torch.bfloat16, "cuda", seed=m)
-    cfg = whole_config(n, k, 4, torch.cuda.get_device_properties(0).multi_processor_count, m)
-    assert cfg is not None and cfg.w_first
-    out = tma_linear_parts(x, w * 0.02, 4, cfg)
-    assert rel_err(out.float().sum(0), F.linear(x, w * 0.02)) < 4 * 2**-7
 
 
 @on_gpu

@@ -14,7 +14,7 @@ from inferx_core.interfaces.ops import KernelOps, check_parts
 from inferx_core.quant_none import SPLIT_PARTS, DenseLinear
 from inferx_kernels_cuda import fused_kernels as kernels
 from inferx_kernels_cuda.gemv import MAX_ROWS, skinny_linear
-from inferx_kernels_cuda.pdl import between_launch, row_ranges
+from inferx_kernels_cuda.pdl import between_launch
 from inferx_kernels_cuda.tma_gemv import MAX_ROWS as TMA_MAX_ROWS
 from inferx_kernels_cuda.tma_gemv import (
     TmaGemvConfig,
@@ -26,7 +26,6 @@ from inferx_kernels_cuda.tma_gemv import (
     tma_linear_silu_and_mul,
     tma_norm_linear,
     tma_reduce_linear,
-    whole_config,
 )
 from inferx_kernels_cuda.tma_gemv import input_problem as tma_input_problem
 
@@ -148,11 +147,6 @@ class TritonOps(KernelOps):
         # K-slices of the split TMA GEMMs (o_proj, down_proj, QKV; INFERX_TMA_PARTS, 1-8 for
         # A/B): 4 as DenseLinear's split, the only count measured in the model so far.
         self.tma_parts = env_int("INFERX_TMA_PARTS", SPLIT_PARTS, 1, 8)
-        # w_first_rows: at these rows a split TMA GEMM whose K-slices are narrow enough (the
-        # 3B's QKV and o_proj: 64 KB a program, whole_config) loads each program's weight
-        # before its PDL wait, while the kernel ahead (the input norm, the reduce) runs.
-        # INFERX_TMA_W_FIRST: row ranges; off until measured on the H200.
-        self.w_first_rows = row_ranges("INFERX_TMA_W_FIRST", "0")
         # embed_index: the embedding lookup as weight[ids] (torch's index kernel) instead of
         # F.embedding (index_select). On the H200 index_select's small-index kernel took 7.6 and
         # 13.1 µs at 8 and 16 ids, 2.4 at one (session 15's profiles). In the model (session
@@ -283,14 +277,9 @@ class TritonOps(KernelOps):
         self, x: torch.Tensor, n: int, parts: int, gated: bool = False
     ) -> TmaGemvConfig:
         """plain_config for x's rows and element size and this GPU's SMs (an H200's 132 under
-        the interpreter); whole_config's where w_first_rows take the rows and it fits."""
+        the interpreter)."""
         sms = 132 if self._interpret else _num_sms(x.device)
-        rows = x.shape[0]
-        if not gated and any(lo <= rows <= hi for lo, hi in self.w_first_rows):
-            whole = whole_config(n, x.shape[1], parts, sms, rows, x.element_size())
-            if whole is not None:
-                return whole
-        return plain_config(n, parts, sms, rows, gated, x.element_size())
+        return plain_config(n, parts, sms, x.shape[0], gated, x.element_size())
 
     def _fuses_norm(self, linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> bool:
         """Whether tma_norm_linear can run this norm and GEMM: an unquantized layer, x

@@ -38,8 +38,8 @@ from inferx_kernels_cuda.triton_kernels import _seq_split_len
 MAX_ROWS = 128
 # Shared memory an SM has on Hopper (and on sm_100): 228 KB.
 SM_SHARED_BYTES = 228 * 1024
-# The most weight one program loads before its PDL wait (whole_config, tma_reduce_linear's
-# `whole`): 64 KB, so that two programs and a decode program share an SM.
+# The most weight one program loads before its PDL wait (tma_reduce_linear's `whole`): 64 KB,
+# so that two programs and a decode program share an SM.
 WHOLE_BYTES = 64 * 1024
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -52,12 +52,9 @@ class TmaGemvConfig:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
-    # the whole weight tile before the PDL wait, where block_k spans a program's K-slice
-    w_first: bool = False
 
     def __str__(self) -> str:
-        first = " w-first" if self.w_first else ""
-        return f"n{self.block_n} k{self.block_k} w{self.num_warps} st{self.num_stages}{first}"
+        return f"n{self.block_n} k{self.block_k} w{self.num_warps} st{self.num_stages}"
 
 
 @triton.jit
@@ -111,34 +108,23 @@ def tma_gemv_kernel(
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,
-    W_FIRST: tl.constexpr = False,
 ):
     """Grid (row blocks, splits): out[s, :, rows] = x[:, ks] @ W[rows, ks].T, ks = split s's
     k_per_split columns (a multiple of BLOCK_K; the last split's run past K reads zeros).
     GATED (one split): W holds gate rows, then up rows from up_row; out [m, n] = silu(gate) *
     up for gate rows n, each rounded as silu_and_mul after the GEMM rounds them. PDL, TRIGGER:
-    inferx_kernels_cuda.pdl. W_FIRST (not GATED; BLOCK_K == k_per_split): the program's whole
-    weight tile is loaded before the PDL wait (it depends on no earlier kernel), x after."""
+    inferx_kernels_cuda.pdl."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     n0 = pid_n * BLOCK_N
     k0 = pid_s * k_per_split
+    pdl_start(PDL, TRIGGER)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    if W_FIRST:
-        w = w_desc.load([n0, k0])  # [BLOCK_N, BLOCK_K]
-        pdl_start(PDL, TRIGGER)
-        x = x_desc.load([0, k0])
-        if UPCAST:  # the interpreter's bf16 dot would round the products to bf16
-            w = w.to(tl.float32)
-            x = x.to(tl.float32)
-        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
-    else:
-        pdl_start(PDL, TRIGGER)
-        for kk in range(0, k_per_split, BLOCK_K):
-            x = x_desc.load([0, k0 + kk])  # [BLOCK_M, BLOCK_K], rows past m zero
-            acc, acc_up = _products(w_desc, x, acc, acc_up, n0, k0 + kk, up_row, GATED, UPCAST,
-                                    DOT_PRECISION)  # fmt: skip
+    for kk in range(0, k_per_split, BLOCK_K):
+        x = x_desc.load([0, k0 + kk])  # [BLOCK_M, BLOCK_K], rows past m zero
+        acc, acc_up = _products(w_desc, x, acc, acc_up, n0, k0 + kk, up_row, GATED, UPCAST,
+                                DOT_PRECISION)  # fmt: skip
     if GATED:
         dtype = out_ptr.dtype.element_ty
         acc = silu_times(_rounded(acc, dtype), _rounded(acc_up, dtype), dtype)
@@ -215,7 +201,6 @@ def _launch(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated,
         UPCAST=interpret and x.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        W_FIRST=cfg.w_first and not gated and k_per_split == cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **gemv_launch(x.device, m),
     )  # fmt: skip
@@ -410,23 +395,6 @@ def plain_config(
         if stages >= 3:
             return TmaGemvConfig(block_n, block_k, 4, stages)
     return TmaGemvConfig(block_n, 64, 4, 2)  # alone it fits: (2 x 64 + 128) x 64 x 4 B x 2 = 128 KB
-
-
-def whole_config(
-    n: int, k: int, parts: int, num_sms: int, rows: int = 1, elem_bytes: int = 2
-) -> TmaGemvConfig | None:
-    """tma_linear_parts' tiles that load each program's whole weight slice (64 rows x K / parts
-    columns, a power of two) before its PDL wait, or None where a slice is over WHOLE_BYTES or
-    the programs (slice and x tile each) would not all be resident at once. Qwen2.5-3B's QKV
-    and o_proj in 4 parts: 64 x 512, 64 KB; Llama-3.1-8B's are 128 KB."""
-    width = triton.cdiv(k, parts)
-    if width & (width - 1) or 64 * width * elem_bytes > WHOLE_BYTES:
-        return None
-    block_m = max(16, triton.next_power_of_2(rows))
-    program_bytes = (64 + block_m) * width * elem_bytes + 1024
-    if triton.cdiv(n, 64) * parts * program_bytes > num_sms * SM_SHARED_BYTES:
-        return None
-    return TmaGemvConfig(64, width, 4, 1, w_first=True)
 
 
 def tma_norm_linear(
