@@ -438,7 +438,9 @@ def test_tiny_model_logits_with_the_split_combine_in_o_proj(
     """The triton backend keeping its context splits (keeps_splits; 2 splits of the decode
     steps' 21-39 tokens) and TritonOps combining them inside o_proj (tma_reduce_linear, K-slices
     of 2 or 1 heads): every layer of both decode-only steps runs it, and the logits match the
-    same backend combining them itself and TorchOps'. Qwen2 with 4 query heads over 2 KV heads."""
+    same backend combining them itself and TorchOps'. In 3 K-slices (not whole heads) the
+    splits are combined first and the logits are the same. Qwen2 with 4 query heads over 2 KV
+    heads."""
     cfg = CONFIGS["qwen2-tied"] | {"num_attention_heads": 4, "num_key_value_heads": 2}
     weights = model_weights(cfg, seed=19)
     calls = spy_calls(monkeypatch, "tma_reduce_linear", lambda sp, *_: (sp.rows, sp.splits))
@@ -465,6 +467,13 @@ def test_tiny_model_logits_with_the_split_combine_in_o_proj(
     ours = run_model(cfg, ops, weights, torch.float32, CPU, triton_backend(True), **LONG_STEPS)
     assert splits == [1, 2, 2]
     assert calls == [(3, 2)] * 2 * cfg["num_hidden_layers"]
+    # 3 slices of 4 heads cannot be whole heads: the splits are combined first (reduce())
+    ops.tma_parts = 3
+    calls.clear()
+    uneven = run_model(cfg, ops, weights, torch.float32, CPU, triton_backend(True), **LONG_STEPS)
+    assert not calls
+    for step, (a, b) in enumerate(zip(uneven, ours, strict=True)):
+        assert rel_err(a, b) < 1e-5, step
     combined = run_model(cfg, ops, weights, torch.float32, CPU, triton_backend(False), **LONG_STEPS)
     assert len(calls) == 2 * cfg["num_hidden_layers"]  # no more: the backend combined them
     for step, (a, b) in enumerate(zip(ours, combined, strict=True)):

@@ -155,6 +155,36 @@ def test_split_k_decode(block_size: int, group: int, dtype: torch.dtype, reduce_
     assert check_steps(backend, totals, steps) == [1, 3, 3]
 
 
+@interpreted
+def test_pdl_choices_by_rows_only_in_decode_only_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode kernel and the reduce ask inferx_kernels_cuda.pdl for their launch by the
+    step's decode count only in decode-only steps; beside a prefill they ask for 0 rows, the
+    launch warm-up compiled (a count-dependent variant compiled mid-run on the H200)."""
+    from inferx_kernels_cuda import triton_attention
+
+    asked: list[tuple[int, int]] = []
+    real = triton_attention.between_launch
+
+    def spy(device: torch.device, rows: int, width: int) -> dict:
+        asked.append((rows, width))
+        return real(device, rows, width)
+
+    monkeypatch.setattr(triton_attention, "between_launch", spy)
+    backend = TritonAttention(
+        [KVLayerSpec(4, 2, 16)], 4, torch.float32, torch.device("cpu"), min_split_len=1,
+        target_programs=10**6,
+    )  # fmt: skip
+    totals = [41, 23, 7, 36, 30]
+    steps = [
+        [(0, 39), (0, 21), (0, 5), (0, 34), (0, 0)],
+        [(39, 40), (21, 22), (5, 6), (34, 35), (0, 28)],  # 4 decodes beside a prefill
+        [(40, 41), (22, 23), (6, 7), (35, 36), (28, 29)],  # 5 decodes
+    ]
+    check_steps(backend, totals, steps)
+    # the decode kernel and the reduce, in the second step and the third
+    assert asked == [(0, 64)] * 2 + [(5, 64)] * 2
+
+
 @pytest.mark.parametrize(
     ("name", "attr"),
     [("INFERX_TRITON_DECODE_ROTARY", "decode_rotary"), ("INFERX_TRITON_QKV_PARTS", "qkv_parts")],

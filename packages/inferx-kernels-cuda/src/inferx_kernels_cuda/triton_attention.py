@@ -654,9 +654,13 @@ class TritonAttention(TorchAttention):
     def _pdl(self, plan: _Plan, spec: KVLayerSpec) -> dict[str, Any]:
         """The decode kernel and the reduce let the kernel after them launch early (o_proj's
         GEMV, or the reduce under INFERX_PDL_ALL), when that one launches with PDL
-        (inferx_kernels_cuda.pdl)."""
+        (inferx_kernels_cuda.pdl). Only decode-only steps take the per-row choices: in a step
+        with prompt tokens (eager past the mixed graphs' sizes) the prefill kernel comes next,
+        and a variant by its decode count would compile mid-run (3B offline 24.3k -> 19.4k
+        tok/s on the H200, session 17)."""
+        rows = plan.num_decode if plan.all_decode else 0
         width = spec.num_q_heads * spec.head_dim
-        return between_launch(torch.device(self.device), plan.num_decode, width)
+        return between_launch(torch.device(self.device), rows, width)
 
     def _reduce(self, plan: _Plan, spec: KVLayerSpec, out: torch.Tensor) -> torch.Tensor:
         """Combine the decode kernel's context splits into out [T, heads, dim]; returns out."""
