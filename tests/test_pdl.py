@@ -36,7 +36,14 @@ def pdl_env(monkeypatch: pytest.MonkeyPatch):
         clear()
 
     def clear() -> None:
-        for setting in (pdl._enabled, pdl._chain_rows, pdl._all_rows, pdl._chain, pdl._all):
+        for setting in (
+            pdl._enabled,
+            pdl._chain_rows,
+            pdl._all_rows,
+            pdl._attention_rows,
+            pdl._chain,
+            pdl._all,
+        ):
             setting.cache_clear()
 
     yield setenv
@@ -133,6 +140,35 @@ def test_on_for_hopper_unless_switched_off(pdl_env) -> None:
     pdl_env("0", "1", "1")
     assert not pdl.pdl_enabled(dev)
     assert pdl.gemv_launch(dev, 1) == off and pdl.between_launch(dev, 1, 2048) == off
+
+
+def test_attention_rows(pdl_env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """INFERX_PDL_ATTENTION: none by default; row ranges; never on the CPU."""
+    monkeypatch.delenv("INFERX_PDL_ATTENTION", raising=False)
+    pdl_env("1")
+    assert pdl._attention_rows() == ()
+    monkeypatch.setenv("INFERX_PDL_ATTENTION", "1-4")
+    pdl._attention_rows.cache_clear()
+    assert pdl._attention_rows() == ((1, 4),)
+    assert not pdl.attention_early(torch.device("cpu"), 1)
+    monkeypatch.setenv("INFERX_PDL_ATTENTION", "x")
+    pdl._attention_rows.cache_clear()
+    with pytest.raises(ValueError, match="INFERX_PDL_ATTENTION"):
+        pdl._attention_rows()
+    pdl._attention_rows.cache_clear()
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_attention_early_on_hopper(pdl_env, monkeypatch: pytest.MonkeyPatch) -> None:
+    dev = torch.device("cuda")
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    pdl_env(None)
+    monkeypatch.setenv("INFERX_PDL_ATTENTION", "1-4")
+    pdl._attention_rows.cache_clear()
+    assert [pdl.attention_early(dev, m) for m in (1, 4, 5)] == [hopper, hopper, False]
+    assert pdl.gemv_launch(dev, 1, trigger=True)["TRIGGER"] == hopper
+    pdl._attention_rows.cache_clear()
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ from inferx_core.attention_torch import TorchAttention  # noqa: E402
 from inferx_core.batch import make_attention_batch  # noqa: E402
 from inferx_core.interfaces.kv import KVLayerSpec  # noqa: E402
 from inferx_core.ops_torch import TorchOps  # noqa: E402
+from inferx_kernels_cuda.pdl import pdl_enabled  # noqa: E402
 from inferx_kernels_cuda.triton_attention import TritonAttention  # noqa: E402
 
 # Largest |triton - reference| over the largest |reference|. fp32 differs from float64 only by
@@ -360,6 +361,20 @@ def test_decode_kernel_sums_qkv_parts(group: int, dtype: torch.dtype) -> None:
     check_decode_rotary(group, dtype, torch.device("cpu"), True, parts=True)
 
 
+@interpreted
+@pytest.mark.parametrize("parts", [False, True])
+def test_decode_kernel_early_metadata(parts: bool) -> None:
+    check_decode_rotary(4, torch.float32, torch.device("cpu"), True, parts=parts, early=True)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("parts", [False, True])
+@pytest.mark.parametrize("split", [False, True])
+def test_gpu_decode_kernel_early_metadata_bf16(split: bool, parts: bool) -> None:
+    check_decode_rotary(8, torch.bfloat16, torch.device("cuda"), split, parts=parts, early=True)
+
+
 @pytest.mark.gpu
 @on_gpu
 @pytest.mark.parametrize("split", [False, True])
@@ -394,14 +409,21 @@ def test_qkv_parts_only_in_decode_only_steps() -> None:
 
 
 def check_decode_rotary(
-    group: int, dtype: torch.dtype, device: torch.device, split: bool, parts: bool = False
+    group: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    split: bool,
+    parts: bool = False,
+    early: bool = False,
 ) -> None:
     """decode_rotary: in a decode-only step the decode kernel rotates q and k and writes the new
     k and v itself. Against the torch reference ops' rotary followed by TorchAttention.forward
     on fresh random inputs: the same outputs and the same cache, with the context split or
     not (the split holding the new token writes it); a padding row (slot -1) writes nothing.
     parts: q, k and v arrive as 4 partial sums plus a bias (qkv_parts), which the kernel adds
-    up; the reference gets their fp32 sum rounded once, as the unsplit GEMM would write it."""
+    up; the reference gets their fp32 sum rounded once, as the unsplit GEMM would write it.
+    early: the decode kernel's EARLY form (INFERX_PDL_ATTENTION: its metadata loaded before the
+    PDL wait; with PDL where the device has it)."""
     head_dim, kv_heads, bs = 32, 2, 4
     layers = [KVLayerSpec(kv_heads * group, kv_heads, head_dim)] * 2
     kwargs = {"min_split_len": 1, "target_programs": 10**6} if split else {}
@@ -410,6 +432,9 @@ def check_decode_rotary(
     backend.qkv_parts = parts
     if split:
         backend.decode_block_n = 16  # contexts here are short of two of the GPU's 64-token tiles
+    if early:
+        pdl = {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"PDL": False}
+        backend._decode_pdl = lambda plan, spec: pdl | {"TRIGGER": pdl["PDL"], "EARLY": True}
     reference = TorchAttention(layers, bs, dtype, device)
     angles = torch.rand(64, head_dim // 2, device=device) * 6.3
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)

@@ -14,7 +14,7 @@ from inferx_core.interfaces.ops import KernelOps, check_parts
 from inferx_core.quant_none import SPLIT_PARTS, DenseLinear
 from inferx_kernels_cuda import fused_kernels as kernels
 from inferx_kernels_cuda.gemv import MAX_ROWS, skinny_linear
-from inferx_kernels_cuda.pdl import between_launch
+from inferx_kernels_cuda.pdl import attention_early, between_launch
 from inferx_kernels_cuda.tma_gemv import MAX_ROWS as TMA_MAX_ROWS
 from inferx_kernels_cuda.tma_gemv import (
     TmaGemvConfig,
@@ -357,7 +357,11 @@ class TritonOps(KernelOps):
         self, linear: torch.nn.Module, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._takes_tma(linear, x):
-            return self._tma(x, linear.weight, self.tma_parts), linear.bias
+            # The QKV GEMM of a decode-only step: where INFERX_PDL_ATTENTION takes the rows it
+            # lets the decode kernel launch early (inferx_kernels_cuda.pdl).
+            trigger = attention_early(x.device, x.shape[0])
+            cfg = self._tma_config(x, linear.weight.shape[0], self.tma_parts)
+            return tma_linear_parts(x, linear.weight, self.tma_parts, cfg, trigger), linear.bias
         return linear.forward_split(x)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:

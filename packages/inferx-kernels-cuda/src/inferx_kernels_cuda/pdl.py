@@ -52,7 +52,14 @@ except ImportError:  # a Triton without grid dependency control: never traced (P
         pass
 
 
-__all__ = ["between_launch", "gemv_launch", "pdl_enabled", "pdl_start", "row_ranges"]
+__all__ = [
+    "attention_early",
+    "between_launch",
+    "gemv_launch",
+    "pdl_enabled",
+    "pdl_start",
+    "row_ranges",
+]
 
 # The rows (a decode step's batch) at which the GEMVs let the next kernel launch early
 # (INFERX_PDL_CHAIN), and at which the kernels between them launch with PDL too
@@ -64,6 +71,9 @@ __all__ = ["between_launch", "gemv_launch", "pdl_enabled", "pdl_start", "row_ran
 #   2.548 / 2.875 -> 2.853, 64 2.645 -> 2.607 / 2.944 -> 2.929 (1-4, 16, 32 level).
 # - all at 2-16 for Llama-3.1-8B's widths (4096), off -> on at 640 tokens: batch 8 4.541 ->
 #   4.638, 16 4.756 -> 4.804: so only for layers up to ALL_MAX_WIDTH wide.
+# INFERX_PDL_ATTENTION (not measured yet, default none): at its rows the QKV GEMV triggers and
+# the decode kernel launches with PDL, loading its context and rotary before the wait.
+ATTENTION_ROWS = "0"
 ALL_ROWS = "2-16"
 ALL_MAX_WIDTH = 2048
 CHAIN_ROWS = "33-64"
@@ -141,6 +151,19 @@ def _all(rows: int) -> bool:
     return any(lo <= rows <= hi for lo, hi in _all_rows())
 
 
+@functools.cache
+def _attention_rows() -> tuple[tuple[int, int], ...]:
+    """INFERX_PDL_ATTENTION: the rows at which the decode kernel launches early behind QKV."""
+    return row_ranges("INFERX_PDL_ATTENTION", ATTENTION_ROWS)
+
+
+def attention_early(device: torch.device, rows: int) -> bool:
+    """Whether, at `rows` rows of a decode-only step, the QKV GEMV lets the decode kernel
+    launch early and the decode kernel (PDL) loads the step's metadata (its context, the
+    rotary's cos and sin) before its wait: INFERX_PDL_ATTENTION's rows, PDL on."""
+    return pdl_enabled(device) and any(lo <= rows <= hi for lo, hi in _attention_rows())
+
+
 def pdl_enabled(device: torch.device) -> bool:
     """Whether the decode GEMVs on this device launch with PDL (read once per device)."""
     if device.type != "cuda":
@@ -148,11 +171,12 @@ def pdl_enabled(device: torch.device) -> bool:
     return _enabled(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def gemv_launch(device: torch.device, rows: int) -> dict[str, Any]:
-    """A TMA GEMV launch's PDL arguments for `rows` rows of x: its PDL and TRIGGER constexprs,
-    and Triton's launch_pdl option when PDL is on."""
+def gemv_launch(device: torch.device, rows: int, trigger: bool = False) -> dict[str, Any]:
+    """A TMA GEMV launch's PDL arguments for `rows` rows of x: its PDL and TRIGGER constexprs
+    (TRIGGER also where the caller asks: QKV before an early decode kernel), and Triton's
+    launch_pdl option when PDL is on."""
     if pdl_enabled(device):
-        return {"PDL": True, "TRIGGER": _chain(rows), "launch_pdl": True}
+        return {"PDL": True, "TRIGGER": trigger or _chain(rows), "launch_pdl": True}
     return {"PDL": False, "TRIGGER": False}
 
 

@@ -159,11 +159,16 @@ def input_problem(
 
 
 def tma_linear_parts(
-    x: torch.Tensor, weight: torch.Tensor, parts: int = 1, config: TmaGemvConfig | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    parts: int = 1,
+    config: TmaGemvConfig | None = None,
+    trigger: bool = False,
 ) -> torch.Tensor:
     """[parts, M, N] partial products of x [M <= MAX_ROWS, K] and weight [N, K] over equal
-    slices of K (their sum is F.linear(x, weight) up to rounding), in x's dtype."""
-    return _launch(x, weight, parts, False, config or TmaGemvConfig())
+    slices of K (their sum is F.linear(x, weight) up to rounding), in x's dtype. trigger: let
+    the next kernel launch early (PDL) whatever the rows."""
+    return _launch(x, weight, parts, False, config or TmaGemvConfig(), trigger)
 
 
 def tma_linear_silu_and_mul(
@@ -181,7 +186,12 @@ def tma_linear_silu_and_mul(
 
 
 def _launch(
-    x: torch.Tensor, weight: torch.Tensor, parts: int, gated: bool, cfg: TmaGemvConfig
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    parts: int,
+    gated: bool,
+    cfg: TmaGemvConfig,
+    trigger: bool = False,
 ) -> torch.Tensor:
     name = "tma_linear_silu_and_mul" if gated else "tma_linear_parts"
     problem = input_problem(x, weight, parts, name)
@@ -202,7 +212,7 @@ def _launch(
         UPCAST=interpret and x.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **gemv_launch(x.device, m),
+        **gemv_launch(x.device, m, trigger),
     )  # fmt: skip
     return out
 

@@ -15,7 +15,7 @@ from inferx_core.interfaces.attention import AttentionBatch, SplitAttention
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda import triton_kernels as kernels
 from inferx_kernels_cuda.ops import _ROTARY_TILE, env_int, env_switch
-from inferx_kernels_cuda.pdl import between_launch, row_ranges
+from inferx_kernels_cuda.pdl import attention_early, between_launch, row_ranges
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -662,6 +662,14 @@ class TritonAttention(TorchAttention):
         width = spec.num_q_heads * spec.head_dim
         return between_launch(torch.device(self.device), rows, width)
 
+    def _decode_pdl(self, plan: _Plan, spec: KVLayerSpec) -> dict[str, Any]:
+        """The decode kernel's PDL arguments: _pdl's, or where INFERX_PDL_ATTENTION takes a
+        decode-only step's rows (the QKV GEMV then triggers) a PDL launch that loads the step's
+        metadata before its wait (EARLY)."""
+        if plan.all_decode and attention_early(torch.device(self.device), plan.num_decode):
+            return {"PDL": True, "TRIGGER": True, "launch_pdl": True, "EARLY": True}
+        return self._pdl(plan, spec)
+
     def _reduce(self, plan: _Plan, spec: KVLayerSpec, out: torch.Tensor) -> torch.Tensor:
         """Combine the decode kernel's context splits into out [T, heads, dim]; returns out."""
         # Eager steps pad to the most splits there can be: one compiled variant.
@@ -814,7 +822,7 @@ class TritonAttention(TorchAttention):
                 **(new_tokens if in_decode else self._no_new_tokens(plan)),
                 **(parts or {}),
                 **self.decode_launch,
-                **self._pdl(plan, spec),
+                **self._decode_pdl(plan, spec),
             )
             keep = any(lo <= plan.num_decode <= hi for lo, hi in self.keep_split_rows)
             if split and keep_splits and keep and plan.all_decode:

@@ -299,6 +299,7 @@ def decode_kernel(
     HAS_BIAS: tl.constexpr = False,
     PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
 ):
     """Grid (decode sequences, KV heads, splits): the one query token of a sequence, all query
     heads of one KV group (rows of one tl.dot, padded to GROUP_PAD), over one split of the
@@ -317,8 +318,13 @@ def decode_kernel(
     along K (stride_qp, stride_kp, stride_vp apart) and without their bias (HAS_BIAS: the
     q/k/v_bias_ptr vectors, [heads * HEAD_DIM] each): they are summed and rounded once before
     the rotation, as the unsplit GEMM would have written them.
+
+    PDL, TRIGGER: inferx_kernels_cuda.pdl; the kernel after it is the reduce, or o_proj's GEMV.
+    EARLY (with PDL, launched early behind the QKV GEMV): the step's metadata (the row's
+    context, position and the rotary's cos and sin) loads before the wait, q, k and v after.
     """
-    pdl_start(PDL, TRIGGER)  # the kernel after it: the reduce, or o_proj's GEMV
+    if not EARLY:
+        pdl_start(PDL, TRIGGER)
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -337,6 +343,8 @@ def decode_kernel(
         rot_dtype = q_ptr.dtype.element_ty
         cos = _rounded(tl.load(cs + half_d), rot_dtype)
         sin = _rounded(tl.load(cs + HEAD_DIM // 2 + half_d), rot_dtype)
+        if EARLY:
+            pdl_start(PDL, TRIGGER)
         q_bias_offs = head[:, None] * HEAD_DIM
         q = _rotated(
             q_ptr, q_offs + d[None, :], cos[None, :], sin[None, :], sign[None, :],
@@ -344,6 +352,8 @@ def decode_kernel(
             q_bias_offs + d[None, :], q_bias_offs + partner[None, :], PARTS, HAS_BIAS,
         )  # fmt: skip
     else:
+        if EARLY:
+            pdl_start(PDL, TRIGGER)
         q = tl.load(q_ptr + q_offs + d[None, :], mask=g_valid[:, None])
     q = q.to(k_cache_ptr.dtype.element_ty)
     if UPCAST:
