@@ -157,10 +157,11 @@ def test_split_k_decode(block_size: int, group: int, dtype: torch.dtype, reduce_
 
 
 @interpreted
-def test_pdl_choices_by_rows_only_in_decode_only_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pdl_choices_by_rows_only_in_graph_decode_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode kernel and the reduce ask inferx_kernels_cuda.pdl for their launch by the
-    step's decode count only in decode-only steps; beside a prefill they ask for 0 rows, the
-    launch warm-up compiled (a count-dependent variant compiled mid-run on the H200)."""
+    step's decode count only in CUDA-graph decode steps; eager steps, decodes beside a prefill
+    or alone, ask for 0 rows, the launch warm-up compiles (a count-dependent variant compiled
+    mid-run on the H200)."""
     from inferx_kernels_cuda import triton_attention
 
     asked: list[tuple[int, int]] = []
@@ -179,11 +180,18 @@ def test_pdl_choices_by_rows_only_in_decode_only_steps(monkeypatch: pytest.Monke
     steps = [
         [(0, 39), (0, 21), (0, 5), (0, 34), (0, 0)],
         [(39, 40), (21, 22), (5, 6), (34, 35), (0, 28)],  # 4 decodes beside a prefill
-        [(40, 41), (22, 23), (6, 7), (35, 36), (28, 29)],  # 5 decodes
+        [(40, 41), (22, 23), (6, 7), (35, 36), (28, 29)],  # 5 decodes, eager
     ]
     check_steps(backend, totals, steps)
     # the decode kernel and the reduce, in the second step and the third
-    assert asked == [(0, 64)] * 2 + [(5, 64)] * 2
+    assert asked == [(0, 64)] * 4
+    asked.clear()
+    backend.init_graph_buffers(8, 16)
+    backend.prepare_for_capture(3)  # a captured decode step of 3 rows: the static plan
+    q = torch.zeros(3, 4, 16)
+    kv = torch.zeros(3, 2, 16)
+    backend.forward(0, q, kv, kv.clone(), 1.0)
+    assert asked[0] == (3, 64)
 
 
 @pytest.mark.parametrize(

@@ -654,11 +654,13 @@ class TritonAttention(TorchAttention):
     def _pdl(self, plan: _Plan, spec: KVLayerSpec) -> dict[str, Any]:
         """The decode kernel and the reduce let the kernel after them launch early (o_proj's
         GEMV, or the reduce under INFERX_PDL_ALL), when that one launches with PDL
-        (inferx_kernels_cuda.pdl). Only decode-only steps take the per-row choices: in a step
-        with prompt tokens (eager past the mixed graphs' sizes) the prefill kernel comes next,
-        and a variant by its decode count would compile mid-run (3B offline 24.3k -> 19.4k
-        tok/s on the H200, session 17)."""
-        rows = plan.num_decode if plan.all_decode else 0
+        (inferx_kernels_cuda.pdl). Only the CUDA-graph plans of decode-only steps (seq_split)
+        take the per-row choices, which were measured there. In a step with prompt tokens
+        (eager past the mixed graphs' sizes) the prefill kernel comes next, and a variant by
+        its decode count compiled mid-run (3B offline 24.3k -> 19.4k tok/s on the H200, session
+        17); eager decode-only steps (no graphs, or past their sizes) would compile variants of
+        their own at start-up's warm-up."""
+        rows = plan.num_decode if plan.all_decode and plan.seq_split else 0
         width = spec.num_q_heads * spec.head_dim
         return between_launch(torch.device(self.device), rows, width)
 
@@ -666,7 +668,8 @@ class TritonAttention(TorchAttention):
         """The decode kernel's PDL arguments: _pdl's, or where INFERX_PDL_ATTENTION takes a
         decode-only step's rows (the QKV GEMV then triggers) a PDL launch that loads the step's
         metadata before its wait (EARLY)."""
-        if plan.all_decode and attention_early(torch.device(self.device), plan.num_decode):
+        early = plan.all_decode and plan.seq_split
+        if early and attention_early(torch.device(self.device), plan.num_decode):
             return {"PDL": True, "TRIGGER": True, "launch_pdl": True, "EARLY": True}
         return self._pdl(plan, spec)
 
