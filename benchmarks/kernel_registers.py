@@ -122,6 +122,11 @@ def decode_kernel_resources(
         "ROTARY": rotary,
         "PARTS": qkv_parts,
         "HAS_BIAS": qkv_parts > 1,
+        # as a graph step at batch 1 launches it (inferx_kernels_cuda.pdl's defaults): it lets
+        # the kernel after it launch early, and was not itself launched early
+        "PDL": False,
+        "TRIGGER": True,
+        "EARLY": False,
     }
     signature = decode_signature(constexprs)
     src = ASTSource(
