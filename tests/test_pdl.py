@@ -145,6 +145,7 @@ def test_on_for_hopper_unless_switched_off(pdl_env) -> None:
 def test_attention_rows(pdl_env, monkeypatch: pytest.MonkeyPatch) -> None:
     """INFERX_PDL_ATTENTION: none by default; row ranges; never on the CPU."""
     monkeypatch.delenv("INFERX_PDL_ATTENTION", raising=False)
+    monkeypatch.delenv("INFERX_PDL_ATTENTION_PREFETCH", raising=False)
     pdl_env("1")
     assert pdl._attention_rows() == ()
     monkeypatch.setenv("INFERX_PDL_ATTENTION", "1-4")
@@ -156,6 +157,11 @@ def test_attention_rows(pdl_env, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="INFERX_PDL_ATTENTION"):
         pdl._attention_rows()
     pdl._attention_rows.cache_clear()
+    monkeypatch.setenv("INFERX_PDL_ATTENTION_PREFETCH", "2")
+    pdl._attention_prefetch.cache_clear()
+    with pytest.raises(ValueError, match="INFERX_PDL_ATTENTION_PREFETCH must be 0 or 1"):
+        pdl._attention_prefetch()
+    pdl._attention_prefetch.cache_clear()
 
 
 @pytest.mark.gpu
@@ -165,10 +171,16 @@ def test_attention_early_on_hopper(pdl_env, monkeypatch: pytest.MonkeyPatch) -> 
     hopper = torch.cuda.get_device_capability() >= (9, 0)
     pdl_env(None)
     monkeypatch.setenv("INFERX_PDL_ATTENTION", "1-4")
+    monkeypatch.delenv("INFERX_PDL_ATTENTION_PREFETCH", raising=False)
     pdl._attention_rows.cache_clear()
-    assert [pdl.attention_early(dev, m) for m in (1, 4, 5)] == [hopper, hopper, False]
+    pdl._attention_prefetch.cache_clear()
+    assert [pdl.attention_early(dev, m) for m in (1, 4, 5)] == [2 * hopper, 2 * hopper, 0]
+    monkeypatch.setenv("INFERX_PDL_ATTENTION_PREFETCH", "0")
+    pdl._attention_prefetch.cache_clear()
+    assert pdl.attention_early(dev, 1) == hopper
     assert pdl.gemv_launch(dev, 1, trigger=True)["TRIGGER"] == hopper
     pdl._attention_rows.cache_clear()
+    pdl._attention_prefetch.cache_clear()
 
 
 @pytest.mark.gpu

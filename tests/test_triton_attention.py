@@ -371,16 +371,18 @@ def test_decode_kernel_sums_qkv_parts(group: int, dtype: torch.dtype) -> None:
 
 @interpreted
 @pytest.mark.parametrize("parts", [False, True])
-def test_decode_kernel_early_metadata(parts: bool) -> None:
-    check_decode_rotary(4, torch.float32, torch.device("cpu"), True, parts=parts, early=True)
+@pytest.mark.parametrize("early", [1, 2])
+def test_decode_kernel_early_metadata(parts: bool, early: int) -> None:
+    check_decode_rotary(4, torch.float32, torch.device("cpu"), True, parts=parts, early=early)
 
 
 @pytest.mark.gpu
 @on_gpu
 @pytest.mark.parametrize("parts", [False, True])
 @pytest.mark.parametrize("split", [False, True])
-def test_gpu_decode_kernel_early_metadata_bf16(split: bool, parts: bool) -> None:
-    check_decode_rotary(8, torch.bfloat16, torch.device("cuda"), split, parts=parts, early=True)
+@pytest.mark.parametrize("early", [1, 2])
+def test_gpu_decode_kernel_early_metadata_bf16(split: bool, parts: bool, early: int) -> None:
+    check_decode_rotary(8, torch.bfloat16, torch.device("cuda"), split, parts=parts, early=early)
 
 
 @pytest.mark.gpu
@@ -422,7 +424,7 @@ def check_decode_rotary(
     device: torch.device,
     split: bool,
     parts: bool = False,
-    early: bool = False,
+    early: int = 0,
 ) -> None:
     """decode_rotary: in a decode-only step the decode kernel rotates q and k and writes the new
     k and v itself. Against the torch reference ops' rotary followed by TorchAttention.forward
@@ -430,8 +432,9 @@ def check_decode_rotary(
     not (the split holding the new token writes it); a padding row (slot -1) writes nothing.
     parts: q, k and v arrive as 4 partial sums plus a bias (qkv_parts), which the kernel adds
     up; the reference gets their fp32 sum rounded once, as the unsplit GEMM would write it.
-    early: the decode kernel's EARLY form (INFERX_PDL_ATTENTION: its metadata loaded before the
-    PDL wait; with PDL where the device has it)."""
+    early: the decode kernel's EARLY form (INFERX_PDL_ATTENTION: 1, its metadata loaded before
+    the PDL wait; 2, also its first tile's K/V prefetched into L2; with PDL where the device has
+    it, else the prefetch is left out)."""
     head_dim, kv_heads, bs = 32, 2, 4
     layers = [KVLayerSpec(kv_heads * group, kv_heads, head_dim)] * 2
     kwargs = {"min_split_len": 1, "target_programs": 10**6} if split else {}
@@ -442,7 +445,7 @@ def check_decode_rotary(
         backend.decode_block_n = 16  # contexts here are short of two of the GPU's 64-token tiles
     if early:
         pdl = {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"PDL": False}
-        backend._decode_pdl = lambda plan, spec: pdl | {"TRIGGER": pdl["PDL"], "EARLY": True}
+        backend._decode_pdl = lambda plan, spec: pdl | {"TRIGGER": pdl["PDL"], "EARLY": early}
     reference = TorchAttention(layers, bs, dtype, device)
     angles = torch.rand(64, head_dim // 2, device=device) * 6.3
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)

@@ -359,7 +359,7 @@ class TritonOps(KernelOps):
         if self._takes_tma(linear, x):
             # The QKV GEMM of a decode-only step: where INFERX_PDL_ATTENTION takes the rows it
             # lets the decode kernel launch early (inferx_kernels_cuda.pdl).
-            trigger = attention_early(x.device, x.shape[0])
+            trigger = attention_early(x.device, x.shape[0]) > 0
             cfg = self._tma_config(x, linear.weight.shape[0], self.tma_parts)
             return tma_linear_parts(x, linear.weight, self.tma_parts, cfg, trigger), linear.bias
         return linear.forward_split(x)

@@ -157,11 +157,23 @@ def _attention_rows() -> tuple[tuple[int, int], ...]:
     return row_ranges("INFERX_PDL_ATTENTION", ATTENTION_ROWS)
 
 
-def attention_early(device: torch.device, rows: int) -> bool:
-    """Whether, at `rows` rows of a decode-only step, the QKV GEMV lets the decode kernel
-    launch early and the decode kernel (PDL) loads the step's metadata (its context, the
-    rotary's cos and sin) before its wait: INFERX_PDL_ATTENTION's rows, PDL on."""
-    return pdl_enabled(device) and any(lo <= rows <= hi for lo, hi in _attention_rows())
+@functools.cache
+def _attention_prefetch() -> bool:
+    value = os.environ.get("INFERX_PDL_ATTENTION_PREFETCH", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"INFERX_PDL_ATTENTION_PREFETCH must be 0 or 1; got {value!r}")
+    return value == "1"
+
+
+def attention_early(device: torch.device, rows: int) -> int:
+    """At `rows` rows of a decode-only step, whether the QKV GEMV lets the decode kernel launch
+    early, and what the decode kernel (PDL) does before its wait (its EARLY constexpr): 0
+    neither; 1 loads the step's metadata (its context, the rotary's cos and sin); 2 also asks L2
+    for its first tile's K and V (INFERX_PDL_ATTENTION_PREFETCH=1, the default). Non-zero at
+    INFERX_PDL_ATTENTION's rows with PDL on."""
+    if not (pdl_enabled(device) and any(lo <= rows <= hi for lo, hi in _attention_rows())):
+        return 0
+    return 2 if _attention_prefetch() else 1
 
 
 def pdl_enabled(device: torch.device) -> bool:

@@ -179,6 +179,79 @@ def _attend_range(
 
 
 @triton.jit
+def _prefetch_first_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq,
+    stride_table,
+    lo,
+    hi,
+    kv_head,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Ask L2 for the K and V rows of the first BLOCK_N-token tile of [lo, hi) (lo < hi): one
+    prefetch.global.L2 a 128-byte line, nothing waited for; positions past hi clamp onto hi - 1.
+    GPU only (inline PTX): the interpreter never traces it."""
+    LINE: tl.constexpr = 128 // (k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8)
+    LINES: tl.constexpr = (HEAD_DIM + LINE - 1) // LINE
+    n = tl.arange(0, BLOCK_N * LINES)
+    pos = tl.minimum(lo + n // LINES, hi - 1)
+    block = tl.load(block_table_ptr + seq * stride_table + pos // BLOCK_SIZE)
+    off = (
+        block.to(tl.int64) * stride_cache_block
+        + (pos % BLOCK_SIZE) * stride_cache_token
+        + kv_head * stride_cache_head
+        + (n % LINES) * LINE
+    )
+    for cache_ptr in tl.static_range(2):
+        base = k_cache_ptr if cache_ptr == 0 else v_cache_ptr
+        tl.inline_asm_elementwise(
+            "mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [base + off],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
+def _early_prefetch(
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq,
+    stride_table,
+    ctx,
+    split,
+    split_len,
+    kv_head,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SEQ_SPLIT: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """decode_kernel's EARLY 2 before its wait: the L2 prefetch of its split's first tile."""
+    if PREFETCH:
+        if SEQ_SPLIT:
+            split_len = _seq_split_len(ctx, tl.num_programs(2), split_len, BLOCK_N)
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, ctx)
+        if lo < hi:
+            _prefetch_first_tile(
+                k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_table, lo, hi, kv_head,
+                stride_cache_block, stride_cache_token, stride_cache_head, HEAD_DIM,
+                BLOCK_SIZE, BLOCK_N,
+            )  # fmt: skip
+
+
+@triton.jit
 def _softmax_step(s, v, m, row_sum, acc, DOT_PRECISION: tl.constexpr):
     """One tile of the online softmax: fold scores s (log2 domain, -inf where hidden) and the
     tile's values v into the running (max, sum, unnormalised output)."""
@@ -299,7 +372,7 @@ def decode_kernel(
     HAS_BIAS: tl.constexpr = False,
     PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,
-    EARLY: tl.constexpr = False,
+    EARLY: tl.constexpr = 0,
 ):
     """Grid (decode sequences, KV heads, splits): the one query token of a sequence, all query
     heads of one KV group (rows of one tl.dot, padded to GROUP_PAD), over one split of the
@@ -320,8 +393,11 @@ def decode_kernel(
     the rotation, as the unsplit GEMM would have written them.
 
     PDL, TRIGGER: inferx_kernels_cuda.pdl; the kernel after it is the reduce, or o_proj's GEMV.
-    EARLY (with PDL, launched early behind the QKV GEMV): the step's metadata (the row's
-    context, position and the rotary's cos and sin) loads before the wait, q, k and v after.
+    EARLY (with PDL, launched early behind the QKV GEMV): 1, the step's metadata (the row's
+    context, position and the rotary's cos and sin) loads before the wait, q, k and v after;
+    2, also an L2 prefetch of the K and V rows of the split's first tile (the cached context,
+    which no kernel of the step writes before this one; the new token's row, stale in L2 then,
+    is rewritten below before it is read).
     """
     if not EARLY:
         pdl_start(PDL, TRIGGER)
@@ -344,6 +420,11 @@ def decode_kernel(
         cos = _rounded(tl.load(cs + half_d), rot_dtype)
         sin = _rounded(tl.load(cs + HEAD_DIM // 2 + half_d), rot_dtype)
         if EARLY:
+            _early_prefetch(
+                k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_table, ctx, split,
+                split_len, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, SEQ_SPLIT, PDL and EARLY >= 2,
+            )  # fmt: skip
             pdl_start(PDL, TRIGGER)
         q_bias_offs = head[:, None] * HEAD_DIM
         q = _rotated(
@@ -353,6 +434,11 @@ def decode_kernel(
         )  # fmt: skip
     else:
         if EARLY:
+            _early_prefetch(
+                k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_table, ctx, split,
+                split_len, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, SEQ_SPLIT, PDL and EARLY >= 2,
+            )  # fmt: skip
             pdl_start(PDL, TRIGGER)
         q = tl.load(q_ptr + q_offs + d[None, :], mask=g_valid[:, None])
     q = q.to(k_cache_ptr.dtype.element_ty)
