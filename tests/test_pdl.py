@@ -41,6 +41,7 @@ def pdl_env(monkeypatch: pytest.MonkeyPatch):
             pdl._chain_rows,
             pdl._all_rows,
             pdl._attention_rows,
+            pdl._norm_rows,
             pdl._chain,
             pdl._all,
         ):
@@ -164,6 +165,38 @@ def test_attention_rows(pdl_env, monkeypatch: pytest.MonkeyPatch) -> None:
     pdl._attention_prefetch.cache_clear()
 
 
+def test_norm_rows(pdl_env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """INFERX_PDL_NORM: none by default; row ranges; never on the CPU."""
+    monkeypatch.delenv("INFERX_PDL_NORM", raising=False)
+    pdl_env("1")
+    assert pdl._norm_rows() == ()
+    monkeypatch.setenv("INFERX_PDL_NORM", "1-4")
+    pdl._norm_rows.cache_clear()
+    assert pdl._norm_rows() == ((1, 4),)
+    assert not pdl.norm_early(torch.device("cpu"), 1)
+    monkeypatch.setenv("INFERX_PDL_NORM", "4-")
+    pdl._norm_rows.cache_clear()
+    with pytest.raises(ValueError, match="INFERX_PDL_NORM"):
+        pdl._norm_rows()
+    pdl._norm_rows.cache_clear()
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_norm_early_on_hopper(pdl_env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At INFERX_PDL_NORM's rows the norm launches with PDL (at 1 row, where ALL does not);
+    other kernels between the GEMVs do not."""
+    dev = torch.device("cuda")
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    pdl_env(None)
+    monkeypatch.setenv("INFERX_PDL_NORM", "1-4")
+    pdl._norm_rows.cache_clear()
+    assert [pdl.norm_early(dev, m) for m in (1, 4, 5)] == [hopper, hopper, False]
+    assert pdl.between_launch(dev, 1, 2048, norm=True)["PDL"] == hopper
+    assert not pdl.between_launch(dev, 1, 2048)["PDL"]
+    pdl._norm_rows.cache_clear()
+
+
 @pytest.mark.gpu
 @on_gpu
 def test_attention_early_on_hopper(pdl_env, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -185,18 +218,25 @@ def test_attention_early_on_hopper(pdl_env, monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("mode", ["default", "chain", "all"])
+@pytest.mark.parametrize("mode", ["default", "chain", "all", "norm"])
 @pytest.mark.parametrize("rows", [1, 8])
-def test_gemvs_wait_for_their_producers_inside_a_graph(pdl_env, mode: str, rows: int) -> None:
+def test_gemvs_wait_for_their_producers_inside_a_graph(
+    pdl_env, monkeypatch: pytest.MonkeyPatch, mode: str, rows: int
+) -> None:
     """A decode layer's chain at the 3B's widths: a slow cuBLAS GEMM writes y; add + RMSNorm
     (TRIGGER) reads it; the QKV-like GEMV (PDL) the norm's output; the norm + gate_up + SiLU GEMV
     (PDL) those parts and the residual; the down GEMV (PDL) its output; a last RMSNorm that.
     "chain": each GEMV also lets the next kernel launch early; "all": that, and the norms launch
-    with PDL too. Each replay's inputs are fresh: a kernel that ran ahead of its producer would
+    with PDL too; "norm" (INFERX_PDL_NORM): the down GEMV triggers and the last norm launches
+    with PDL. Each replay's inputs are fresh: a kernel that ran ahead of its producer would
     read the last replay's values."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the TMA GEMVs and PDL need Hopper")
     pdl_env("1", "1" if mode == "chain" else None, "1" if mode == "all" else None)
+    if mode == "norm":
+        monkeypatch.setenv("INFERX_PDL_NORM", "1-64")
+        pdl._norm_rows.cache_clear()
+        assert pdl.norm_early(torch.device("cuda"), rows)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     hidden, inter, eps = 2048, 11008, 1e-6
     g = torch.Generator(device=dev).manual_seed(7)
@@ -228,7 +268,7 @@ def test_gemvs_wait_for_their_producers_inside_a_graph(pdl_env, mode: str, rows:
             True,
             norm_config(rows, 1, gated=True),
         )
-        down = tma_linear_parts(act, w_down, parts=1)
+        down = tma_linear_parts(act, w_down, 1, None, pdl.norm_early(dev, rows))
         final = ops.rms_norm(down[0], norm_w, eps)
         return y, normed, summed, qkv, new_res, act, down, final
 

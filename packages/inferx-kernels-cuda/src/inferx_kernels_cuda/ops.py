@@ -14,7 +14,7 @@ from inferx_core.interfaces.ops import KernelOps, check_parts
 from inferx_core.quant_none import SPLIT_PARTS, DenseLinear
 from inferx_kernels_cuda import fused_kernels as kernels
 from inferx_kernels_cuda.gemv import MAX_ROWS, skinny_linear
-from inferx_kernels_cuda.pdl import attention_early, between_launch
+from inferx_kernels_cuda.pdl import attention_early, between_launch, norm_early
 from inferx_kernels_cuda.tma_gemv import MAX_ROWS as TMA_MAX_ROWS
 from inferx_kernels_cuda.tma_gemv import (
     TmaGemvConfig,
@@ -214,7 +214,7 @@ class TritonOps(KernelOps):
                 BLOCK=block,
                 HAS_RESIDUAL=residual is not None,
                 PARTS=num_parts,
-                **between_launch(x.device, rows, n),
+                **between_launch(x.device, rows, n, norm=True),
                 num_warps=_norm_warps(block),
             )
         return out if residual is None else (out, summed)
@@ -333,7 +333,10 @@ class TritonOps(KernelOps):
                 return tma_reduce_linear(x, linear.weight, self.tma_parts)
             x = x.reduce().flatten(1)
         if linear.bias is None and self._takes_tma(linear, x):
-            return self._tma(x, linear.weight, self.tma_parts)
+            # where INFERX_PDL_NORM takes the rows, the norm after it launches early
+            trigger = norm_early(x.device, x.shape[0])
+            cfg = self._tma_config(x, linear.weight.shape[0], self.tma_parts)
+            return tma_linear_parts(x, linear.weight, self.tma_parts, cfg, trigger)
         return linear.forward_parts(x)
 
     def _takes_reduce(self, linear: torch.nn.Module, splits: SplitAttention) -> bool:

@@ -18,7 +18,9 @@ Measured on the H200 (BENCHMARKS.md, session 16): steps 22-49 µs faster at ever
   2-16, slower at 1 and from 32; 8B (4096 wide): slower at 8-16.
 - INFERX_PDL_CHAIN (default 33-64): GEMVs let the next kernel launch early too. Slower at
   batch 1-2 (session 16), faster at 8 and 48-64.
-Both take "0", "1" (every row count) or row ranges ("5-8,33-64") for A/B runs.
+Both take "0", "1" (every row count) or row ranges ("5-8,33-64") for A/B runs, as do two
+single edges not measured yet (default none): INFERX_PDL_ATTENTION (QKV into the decode kernel,
+attention_early) and INFERX_PDL_NORM (down_proj into the next norm, norm_early).
 Each GEMV program prefetching its first weight tiles into L2 before its wait was slower
 everywhere (session 16) and was removed; tma_reduce_linear instead loads its whole weight
 slice before its wait (into shared memory) and is faster at 1-4 rows (session 17).
@@ -56,6 +58,7 @@ __all__ = [
     "attention_early",
     "between_launch",
     "gemv_launch",
+    "norm_early",
     "pdl_enabled",
     "pdl_start",
     "row_ranges",
@@ -74,6 +77,9 @@ __all__ = [
 # INFERX_PDL_ATTENTION (not measured yet, default none): at its rows the QKV GEMV triggers and
 # the decode kernel launches with PDL, loading its context and rotary before the wait.
 ATTENTION_ROWS = "0"
+# INFERX_PDL_NORM (not measured yet, default none): at its rows linear_parts' GEMMs trigger
+# and rms_norm_kernel launches with PDL.
+NORM_ROWS = "0"
 ALL_ROWS = "2-16"
 ALL_MAX_WIDTH = 2048
 CHAIN_ROWS = "33-64"
@@ -176,6 +182,21 @@ def attention_early(device: torch.device, rows: int) -> int:
     return 2 if _attention_prefetch() else 1
 
 
+@functools.cache
+def _norm_rows() -> tuple[tuple[int, int], ...]:
+    """INFERX_PDL_NORM: the rows at which rms_norm launches early behind the GEMV before it."""
+    return row_ranges("INFERX_PDL_NORM", NORM_ROWS)
+
+
+def norm_early(device: torch.device, rows: int) -> bool:
+    """Whether, at `rows` rows, the GEMMs that TritonOps.linear_parts runs (down_proj; o_proj
+    where the split combine does not take it) let the next kernel launch early and
+    rms_norm_kernel launches with PDL (loading its weight before its wait): INFERX_PDL_NORM's
+    rows, PDL on. At up to 8 rows the norm after down_proj is the only rms_norm_kernel of a
+    layer (the post-attention norm runs inside gate_up)."""
+    return pdl_enabled(device) and any(lo <= rows <= hi for lo, hi in _norm_rows())
+
+
 def pdl_enabled(device: torch.device) -> bool:
     """Whether the decode GEMVs on this device launch with PDL (read once per device)."""
     if device.type != "cuda":
@@ -192,14 +213,17 @@ def gemv_launch(device: torch.device, rows: int, trigger: bool = False) -> dict[
     return {"PDL": False, "TRIGGER": False}
 
 
-def between_launch(device: torch.device, rows: int, width: int) -> dict[str, Any]:
+def between_launch(
+    device: torch.device, rows: int, width: int, norm: bool = False
+) -> dict[str, Any]:
     """The PDL arguments of a kernel between the GEMVs (rms_norm_kernel, decode_kernel,
     decode_reduce_kernel) for a step of `rows` rows of a layer `width` wide (the norm's
     columns, the attention's heads x head dim): TRIGGER (the GEMV after it may launch early),
-    and where INFERX_PDL_ALL takes the rows and width <= ALL_MAX_WIDTH PDL (it launches early
-    itself and waits) with Triton's launch_pdl."""
+    and PDL (it launches early itself and waits) with Triton's launch_pdl where INFERX_PDL_ALL
+    takes the rows and width <= ALL_MAX_WIDTH, or for the norm (`norm`) where INFERX_PDL_NORM
+    takes them."""
     if not pdl_enabled(device):
         return {"PDL": False, "TRIGGER": False}
-    if _all(rows) and width <= ALL_MAX_WIDTH:
+    if (_all(rows) and width <= ALL_MAX_WIDTH) or (norm and norm_early(device, rows)):
         return {"PDL": True, "TRIGGER": True, "launch_pdl": True}
     return {"PDL": False, "TRIGGER": True}
