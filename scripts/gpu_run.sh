@@ -6,7 +6,7 @@
 #   cp -r ../shared/fixtures/tokenizers/{qwen,llama3} .carry/tok/tokenizers/
 #   tar -C .carry/tok -cJf .carry/tokxz/tok.tar.xz tokenizers
 # then carry [".whl", ".carry/tokxz"] (unpacked below into .carry/tok on the machine).
-# Usage: bash scripts/gpu_run.sh [setup] [tests] [flashinfer] [profile] [profile-prefill] [decode-variants] [breakdown] [gemv] [tma-gemv] [mixed] [regs] [tune] [tune-prefill] [split-gemm] [startup] [cold-start] [serve-ab] [bench] [demo]
+# Usage: bash scripts/gpu_run.sh [setup] [tests] [flashinfer] [profile] [pdl-edges] [profile-prefill] [decode-variants] [breakdown] [gemv] [tma-gemv] [mixed] [regs] [tune] [tune-prefill] [split-gemm] [startup] [cold-start] [serve-ab] [bench] [demo]
 #        [table | table-3b | table-8b]
 #   flashinfer: its conformance tests (FI_K: a pytest -k filter), then its compiled kernels packed into $OUT as
 #   fi-cache.tar.part-*: keep them in .carry/fi/ (31 MB) and carry .carry/fi in later runs
@@ -112,6 +112,27 @@ for step in "${steps[@]}"; do
               | grep -E "^batch|decode_kernel|decode_reduce|rotary_kv|silu|skinny|split_k|rms_norm|tma_gemv|norm_gemv" \
               | cut -c1-160
           done
+        done
+      done ;;
+    pdl-edges)
+      # Session 17's two CPU-only PDL edges (INFERX_PDL_ATTENTION: QKV into the decode kernel;
+      # INFERX_PDL_NORM: down_proj into the next norm): their GPU tests, the model's GPU tests
+      # with both on, then 3B steps at batch 1-16 for each of the four combinations at 128 and
+      # 640 tokens (PROFILE_ARGS for more: --preset, another --batch ...).
+      timeout 150 python3 -m pytest tests/test_triton_attention.py tests/test_pdl.py -m gpu -q \
+        -k "early or attention or norm or wait or hopper" 2>&1 | tail -2
+      INFERX_PDL_ATTENTION=1-16 INFERX_PDL_NORM=1-16 INFERX_TEST_BACKENDS=torch,triton \
+        timeout 240 python3 -m pytest tests/test_cuda_graphs.py tests/test_gpu_correctness.py \
+        -m gpu -q -k "not demo" 2>&1 | tail -2
+      for len in 128 640; do
+        for pair in "0 0" "1-16 0" "0 1-16" "1-16 1-16"; do
+          set -- $pair
+          echo "== prompt $len: INFERX_PDL_ATTENTION=$1 INFERX_PDL_NORM=$2"
+          INFERX_PDL_ATTENTION=$1 INFERX_PDL_NORM=$2 timeout 200 python3 \
+            benchmarks/profile_decode.py --tokenizer $TOK --backend triton --batch 1,2,4,8,16 \
+            --steps 48 --overlap on --prompt-len $len ${PROFILE_ARGS:-} \
+            --json "$OUT/profile-pdl-edges-att$1-norm$2-p$len.json" 2>&1 | grep -E "^batch" \
+            | cut -c1-110
         done
       done ;;
     profile-prefill)
