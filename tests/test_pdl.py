@@ -143,58 +143,44 @@ def test_on_for_hopper_unless_switched_off(pdl_env) -> None:
     assert pdl.gemv_launch(dev, 1) == off and pdl.between_launch(dev, 1, 2048) == off
 
 
-def test_attention_rows(pdl_env, monkeypatch: pytest.MonkeyPatch) -> None:
-    """INFERX_PDL_ATTENTION: none by default; row ranges; never on the CPU."""
-    monkeypatch.delenv("INFERX_PDL_ATTENTION", raising=False)
-    monkeypatch.delenv("INFERX_PDL_ATTENTION_PREFETCH", raising=False)
+@pytest.mark.parametrize(
+    ("name", "rows", "early"),
+    [
+        ("INFERX_PDL_ATTENTION", "_attention_rows", "attention_early"),
+        ("INFERX_PDL_NORM", "_norm_rows", "norm_early"),
+    ],
+)
+def test_single_edge_rows(
+    pdl_env, monkeypatch: pytest.MonkeyPatch, name: str, rows: str, early: str
+) -> None:
+    """The single-edge settings: none by default; row ranges; checked; never on the CPU."""
+    setting = getattr(pdl, rows)
+    monkeypatch.delenv(name, raising=False)
     pdl_env("1")
-    assert pdl._attention_rows() == ()
-    monkeypatch.setenv("INFERX_PDL_ATTENTION", "1-4")
-    pdl._attention_rows.cache_clear()
-    assert pdl._attention_rows() == ((1, 4),)
-    assert not pdl.attention_early(torch.device("cpu"), 1)
-    monkeypatch.setenv("INFERX_PDL_ATTENTION", "x")
-    pdl._attention_rows.cache_clear()
-    with pytest.raises(ValueError, match="INFERX_PDL_ATTENTION"):
-        pdl._attention_rows()
-    pdl._attention_rows.cache_clear()
+    assert setting() == ()
+    monkeypatch.setenv(name, "1-4")
+    setting.cache_clear()
+    assert setting() == ((1, 4),)
+    assert not getattr(pdl, early)(torch.device("cpu"), 1)
+    monkeypatch.setenv(name, "4-")
+    setting.cache_clear()
+    with pytest.raises(ValueError, match=name):
+        setting()
+    setting.cache_clear()
+
+
+def test_attention_prefetch_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("INFERX_PDL_ATTENTION_PREFETCH", "2")
     pdl._attention_prefetch.cache_clear()
     with pytest.raises(ValueError, match="INFERX_PDL_ATTENTION_PREFETCH must be 0 or 1"):
         pdl._attention_prefetch()
+    monkeypatch.setenv("INFERX_PDL_ATTENTION_PREFETCH", "0")
     pdl._attention_prefetch.cache_clear()
-
-
-def test_norm_rows(pdl_env, monkeypatch: pytest.MonkeyPatch) -> None:
-    """INFERX_PDL_NORM: none by default; row ranges; never on the CPU."""
-    monkeypatch.delenv("INFERX_PDL_NORM", raising=False)
-    pdl_env("1")
-    assert pdl._norm_rows() == ()
-    monkeypatch.setenv("INFERX_PDL_NORM", "1-4")
-    pdl._norm_rows.cache_clear()
-    assert pdl._norm_rows() == ((1, 4),)
-    assert not pdl.norm_early(torch.device("cpu"), 1)
-    monkeypatch.setenv("INFERX_PDL_NORM", "4-")
-    pdl._norm_rows.cache_clear()
-    with pytest.raises(ValueError, match="INFERX_PDL_NORM"):
-        pdl._norm_rows()
-    pdl._norm_rows.cache_clear()
-
-
-@pytest.mark.gpu
-@on_gpu
-def test_norm_early_on_hopper(pdl_env, monkeypatch: pytest.MonkeyPatch) -> None:
-    """At INFERX_PDL_NORM's rows the norm launches with PDL (at 1 row, where ALL does not);
-    other kernels between the GEMVs do not."""
-    dev = torch.device("cuda")
-    hopper = torch.cuda.get_device_capability() >= (9, 0)
-    pdl_env(None)
-    monkeypatch.setenv("INFERX_PDL_NORM", "1-4")
-    pdl._norm_rows.cache_clear()
-    assert [pdl.norm_early(dev, m) for m in (1, 4, 5)] == [hopper, hopper, False]
-    assert pdl.between_launch(dev, 1, 2048, norm=True)["PDL"] == hopper
-    assert not pdl.between_launch(dev, 1, 2048)["PDL"]
-    pdl._norm_rows.cache_clear()
+    assert not pdl._attention_prefetch()
+    monkeypatch.delenv("INFERX_PDL_ATTENTION_PREFETCH")
+    pdl._attention_prefetch.cache_clear()
+    assert pdl._attention_prefetch()  # on by default
+    pdl._attention_prefetch.cache_clear()
 
 
 @pytest.mark.gpu

@@ -179,46 +179,7 @@ def _attend_range(
 
 
 @triton.jit
-def _prefetch_first_tile(
-    k_cache_ptr,
-    v_cache_ptr,
-    block_table_ptr,
-    seq,
-    stride_table,
-    lo,
-    hi,
-    kv_head,
-    stride_cache_block,
-    stride_cache_token,
-    stride_cache_head,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Ask L2 for the K and V rows of the first BLOCK_N-token tile of [lo, hi) (lo < hi): one
-    prefetch.global.L2 a 128-byte line, nothing waited for; positions past hi clamp onto hi - 1.
-    GPU only (inline PTX): the interpreter never traces it."""
-    LINE: tl.constexpr = 128 // (k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8)
-    LINES: tl.constexpr = (HEAD_DIM + LINE - 1) // LINE
-    n = tl.arange(0, BLOCK_N * LINES)
-    pos = tl.minimum(lo + n // LINES, hi - 1)
-    block = tl.load(block_table_ptr + seq * stride_table + pos // BLOCK_SIZE)
-    off = (
-        block.to(tl.int64) * stride_cache_block
-        + (pos % BLOCK_SIZE) * stride_cache_token
-        + kv_head * stride_cache_head
-        + (n % LINES) * LINE
-    )
-    for cache_ptr in tl.static_range(2):
-        base = k_cache_ptr if cache_ptr == 0 else v_cache_ptr
-        tl.inline_asm_elementwise(
-            "mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [base + off],
-            dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-
-
-@triton.jit
-def _early_prefetch(
+def _early_start(
     k_cache_ptr,
     v_cache_ptr,
     block_table_ptr,
@@ -236,19 +197,37 @@ def _early_prefetch(
     BLOCK_N: tl.constexpr,
     SEQ_SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
-    """decode_kernel's EARLY 2 before its wait: the L2 prefetch of its split's first tile."""
+    """decode_kernel's EARLY start, its step metadata loaded: with PREFETCH ask L2 for the K and
+    V rows of its split's first BLOCK_N-token tile (one prefetch.global.L2 a 128-byte line,
+    nothing waited for; positions past the split clamp onto its last), then pdl_start. GPU
+    only with PREFETCH (inline PTX): the interpreter never traces it."""
     if PREFETCH:
         if SEQ_SPLIT:
             split_len = _seq_split_len(ctx, tl.num_programs(2), split_len, BLOCK_N)
         lo = split * split_len
         hi = tl.minimum(lo + split_len, ctx)
         if lo < hi:
-            _prefetch_first_tile(
-                k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_table, lo, hi, kv_head,
-                stride_cache_block, stride_cache_token, stride_cache_head, HEAD_DIM,
-                BLOCK_SIZE, BLOCK_N,
-            )  # fmt: skip
+            LINE: tl.constexpr = 128 // (k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8)
+            LINES: tl.constexpr = (HEAD_DIM + LINE - 1) // LINE
+            n = tl.arange(0, BLOCK_N * LINES)
+            pos = tl.minimum(lo + n // LINES, hi - 1)
+            block = tl.load(block_table_ptr + seq * stride_table + pos // BLOCK_SIZE)
+            off = (
+                block.to(tl.int64) * stride_cache_block
+                + (pos % BLOCK_SIZE) * stride_cache_token
+                + kv_head * stride_cache_head
+                + (n % LINES) * LINE
+            )
+            for which in tl.static_range(2):
+                base = k_cache_ptr if which == 0 else v_cache_ptr
+                tl.inline_asm_elementwise(
+                    "mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [base + off],
+                    dtype=tl.int32, is_pure=False, pack=1,
+                )  # fmt: skip
+    pdl_start(PDL, TRIGGER)
 
 
 @triton.jit
@@ -419,13 +398,13 @@ def decode_kernel(
         rot_dtype = q_ptr.dtype.element_ty
         cos = _rounded(tl.load(cs + half_d), rot_dtype)
         sin = _rounded(tl.load(cs + HEAD_DIM // 2 + half_d), rot_dtype)
-        if EARLY:
-            _early_prefetch(
-                k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_table, ctx, split,
-                split_len, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, SEQ_SPLIT, PDL and EARLY >= 2,
-            )  # fmt: skip
-            pdl_start(PDL, TRIGGER)
+    if EARLY:  # the metadata above is loaded; q, k and v (the QKV GEMV's) come after the wait
+        _early_start(
+            k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_table, ctx, split, split_len,
+            kv_head, stride_cache_block, stride_cache_token, stride_cache_head, HEAD_DIM,
+            BLOCK_SIZE, BLOCK_N, SEQ_SPLIT, PDL and EARLY >= 2, PDL, TRIGGER,
+        )  # fmt: skip
+    if ROTARY:
         q_bias_offs = head[:, None] * HEAD_DIM
         q = _rotated(
             q_ptr, q_offs + d[None, :], cos[None, :], sin[None, :], sign[None, :],
@@ -433,13 +412,6 @@ def decode_kernel(
             q_bias_offs + d[None, :], q_bias_offs + partner[None, :], PARTS, HAS_BIAS,
         )  # fmt: skip
     else:
-        if EARLY:
-            _early_prefetch(
-                k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_table, ctx, split,
-                split_len, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, SEQ_SPLIT, PDL and EARLY >= 2,
-            )  # fmt: skip
-            pdl_start(PDL, TRIGGER)
         q = tl.load(q_ptr + q_offs + d[None, :], mask=g_valid[:, None])
     q = q.to(k_cache_ptr.dtype.element_ty)
     if UPCAST:
