@@ -185,9 +185,8 @@ def _early_start(
     block_table_ptr,
     seq,
     stride_table,
-    ctx,
-    split,
-    split_len,
+    lo,
+    hi,
     kv_head,
     stride_cache_block,
     stride_cache_token,
@@ -195,20 +194,15 @@ def _early_start(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SEQ_SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
     TRIGGER: tl.constexpr,
 ):
     """decode_kernel's EARLY start, its step metadata loaded: with PREFETCH ask L2 for the K and
-    V rows of its split's first BLOCK_N-token tile (one prefetch.global.L2 a 128-byte line,
-    nothing waited for; positions past the split clamp onto its last), then pdl_start. GPU
-    only with PREFETCH (inline PTX): the interpreter never traces it."""
-    if PREFETCH:
-        if SEQ_SPLIT:
-            split_len = _seq_split_len(ctx, tl.num_programs(2), split_len, BLOCK_N)
-        lo = split * split_len
-        hi = tl.minimum(lo + split_len, ctx)
+    V rows of the first BLOCK_N-token tile of its split [lo, hi) (one prefetch.global.L2 a
+    128-byte line, nothing waited for; positions past hi clamp onto hi - 1), then pdl_start.
+    GPU only with PREFETCH (inline PTX): the interpreter never traces it."""
+    if PREFETCH:  # noqa: SIM102 (a compile-time branch: the interpreter never sees the PTX)
         if lo < hi:
             LINE: tl.constexpr = 128 // (k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8)
             LINES: tl.constexpr = (HEAD_DIM + LINE - 1) // LINE
@@ -248,6 +242,16 @@ def _seq_split_len(ctx, num_splits, min_len, BLOCK_N: tl.constexpr):
     min_len, whole tiles. A short context leaves the later splits empty."""
     per = tl.maximum(tl.cdiv(ctx, num_splits), min_len)
     return tl.cdiv(per, BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _split_range(ctx, split, split_len, SEQ_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[lo, hi): the context positions of a decode program's split (SEQ_SPLIT: split_len is the
+    shortest split, the sequence's own derived from its context)."""
+    if SEQ_SPLIT:
+        split_len = _seq_split_len(ctx, tl.num_programs(2), split_len, BLOCK_N)
+    lo = split * split_len
+    return lo, tl.minimum(lo + split_len, ctx)
 
 
 @triton.jit
@@ -399,10 +403,11 @@ def decode_kernel(
         cos = _rounded(tl.load(cs + half_d), rot_dtype)
         sin = _rounded(tl.load(cs + HEAD_DIM // 2 + half_d), rot_dtype)
     if EARLY:  # the metadata above is loaded; q, k and v (the QKV GEMV's) come after the wait
+        lo, hi = _split_range(ctx, split, split_len, SEQ_SPLIT, BLOCK_N)
         _early_start(
-            k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_table, ctx, split, split_len,
-            kv_head, stride_cache_block, stride_cache_token, stride_cache_head, HEAD_DIM,
-            BLOCK_SIZE, BLOCK_N, SEQ_SPLIT, PDL and EARLY >= 2, PDL, TRIGGER,
+            k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_table, lo, hi, kv_head,
+            stride_cache_block, stride_cache_token, stride_cache_head, HEAD_DIM, BLOCK_SIZE,
+            BLOCK_N, PDL and EARLY >= 2, PDL, TRIGGER,
         )  # fmt: skip
     if ROTARY:
         q_bias_offs = head[:, None] * HEAD_DIM
@@ -420,10 +425,8 @@ def decode_kernel(
     m = tl.full([GROUP_PAD], _NO_MAX, tl.float32)
     row_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    if SEQ_SPLIT:
-        split_len = _seq_split_len(ctx, tl.num_programs(2), split_len, BLOCK_N)
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, ctx)
+    if not EARLY:  # in source order, as measured
+        lo, hi = _split_range(ctx, split, split_len, SEQ_SPLIT, BLOCK_N)
     if ROTARY:
         slot = tl.load(slot_ptr + row).to(tl.int64)
         owner = (slot >= 0) & (lo <= ctx - 1) & (ctx - 1 < hi)
