@@ -449,8 +449,8 @@ def test_tiny_model_logits_with_the_split_combine_in_o_proj(
     def triton_backend(keep: bool) -> Callable[..., TritonAttention]:
         def build(*args: Any) -> TritonAttention:
             backend = TritonAttention(*args, min_split_len=16, target_programs=1024)
-            backend.qkv_parts, backend.keeps_splits = True, keep
-            backend.keep_split_rows = ((1, 8),)
+            backend.qkv_parts = True
+            backend.keep_split_rows = ((1, 8),) if keep else ()
             real = backend.begin_step
 
             def begin_step(batch: Any) -> None:

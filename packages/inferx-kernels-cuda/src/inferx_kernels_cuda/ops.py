@@ -270,8 +270,11 @@ class TritonOps(KernelOps):
     def _tma_device(self, x: torch.Tensor) -> bool:
         return self._interpret or (x.is_cuda and _has_tma(x.device))
 
-    def _tma(self, x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
-        return tma_linear_parts(x, weight, parts, self._tma_config(x, weight.shape[0], parts))
+    def _tma(
+        self, x: torch.Tensor, weight: torch.Tensor, parts: int, trigger: bool = False
+    ) -> torch.Tensor:
+        cfg = self._tma_config(x, weight.shape[0], parts)
+        return tma_linear_parts(x, weight, parts, cfg, trigger)
 
     def _tma_config(
         self, x: torch.Tensor, n: int, parts: int, gated: bool = False
@@ -334,9 +337,7 @@ class TritonOps(KernelOps):
             x = x.reduce().flatten(1)
         if linear.bias is None and self._takes_tma(linear, x):
             # where INFERX_PDL_NORM takes the rows, the norm after it launches early
-            trigger = norm_early(x.device, x.shape[0])
-            cfg = self._tma_config(x, linear.weight.shape[0], self.tma_parts)
-            return tma_linear_parts(x, linear.weight, self.tma_parts, cfg, trigger)
+            return self._tma(x, linear.weight, self.tma_parts, norm_early(x.device, x.shape[0]))
         return linear.forward_parts(x)
 
     def _takes_reduce(self, linear: torch.nn.Module, splits: SplitAttention) -> bool:
@@ -363,8 +364,7 @@ class TritonOps(KernelOps):
             # The QKV GEMM of a decode-only step: where INFERX_PDL_ATTENTION takes the rows it
             # lets the decode kernel launch early (inferx_kernels_cuda.pdl).
             trigger = attention_early(x.device, x.shape[0]) > 0
-            cfg = self._tma_config(x, linear.weight.shape[0], self.tma_parts)
-            return tma_linear_parts(x, linear.weight, self.tma_parts, cfg, trigger), linear.bias
+            return self._tma(x, linear.weight, self.tma_parts, trigger), linear.bias
         return linear.forward_split(x)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:

@@ -58,6 +58,7 @@ __all__ = [
     "attention_early",
     "between_launch",
     "gemv_launch",
+    "in_ranges",
     "norm_early",
     "pdl_enabled",
     "pdl_start",
@@ -135,6 +136,11 @@ def row_ranges(name: str, default: str = "0") -> tuple[tuple[int, int], ...]:
     return tuple(ranges)
 
 
+def in_ranges(rows: int, ranges: tuple[tuple[int, int], ...]) -> bool:
+    """Whether a row-range setting (row_ranges) takes `rows` rows."""
+    return any(lo <= rows <= hi for lo, hi in ranges)
+
+
 @functools.cache
 def _chain_rows() -> tuple[tuple[int, int], ...]:
     """INFERX_PDL_CHAIN: the rows of x at which a GEMV lets the next kernel launch early."""
@@ -149,12 +155,12 @@ def _all_rows() -> tuple[tuple[int, int], ...]:
 
 @functools.cache
 def _chain(rows: int) -> bool:
-    return _all(rows) or any(lo <= rows <= hi for lo, hi in _chain_rows())
+    return _all(rows) or in_ranges(rows, _chain_rows())
 
 
 @functools.cache
 def _all(rows: int) -> bool:
-    return any(lo <= rows <= hi for lo, hi in _all_rows())
+    return in_ranges(rows, _all_rows())
 
 
 @functools.cache
@@ -177,7 +183,7 @@ def attention_early(device: torch.device, rows: int) -> int:
     neither; 1 loads the step's metadata (its context, the rotary's cos and sin); 2 also asks L2
     for its first tile's K and V (INFERX_PDL_ATTENTION_PREFETCH=1, the default). Non-zero at
     INFERX_PDL_ATTENTION's rows with PDL on."""
-    if not (pdl_enabled(device) and any(lo <= rows <= hi for lo, hi in _attention_rows())):
+    if not (pdl_enabled(device) and in_ranges(rows, _attention_rows())):
         return 0
     return 2 if _attention_prefetch() else 1
 
@@ -194,7 +200,7 @@ def norm_early(device: torch.device, rows: int) -> bool:
     rms_norm_kernel launches with PDL (loading its weight before its wait): INFERX_PDL_NORM's
     rows, PDL on. At up to 8 rows the norm after down_proj is the only rms_norm_kernel of a
     layer (the post-attention norm runs inside gate_up)."""
-    return pdl_enabled(device) and any(lo <= rows <= hi for lo, hi in _norm_rows())
+    return pdl_enabled(device) and in_ranges(rows, _norm_rows())
 
 
 def pdl_enabled(device: torch.device) -> bool:

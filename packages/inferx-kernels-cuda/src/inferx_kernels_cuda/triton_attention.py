@@ -15,7 +15,7 @@ from inferx_core.interfaces.attention import AttentionBatch, SplitAttention
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda import triton_kernels as kernels
 from inferx_kernels_cuda.ops import _ROTARY_TILE, env_int, env_switch
-from inferx_kernels_cuda.pdl import attention_early, between_launch, row_ranges
+from inferx_kernels_cuda.pdl import attention_early, between_launch, in_ranges, row_ranges
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -233,7 +233,6 @@ class TritonAttention(TorchAttention):
         # -> 2.268 / 2.352 -> 2.339, 8 2.386 -> 2.406 / 2.433 -> 2.569. INFERX_TRITON_KEEP_SPLITS
         # takes row ranges ("0" none, "1" all) for A/B runs.
         self.keep_split_rows = row_ranges("INFERX_TRITON_KEEP_SPLITS", "1-4")
-        self.keeps_splits = bool(self.keep_split_rows)
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         self._upcast = self.interpret and dtype == torch.bfloat16
         self._dot_precision = "ieee" if dtype == torch.float32 else "tf32"
@@ -241,6 +240,11 @@ class TritonAttention(TorchAttention):
         self._plan: _Plan | None = None
         self._graph: _GraphBuffers | None = None
         self._mixed: _MixedBuffers | None = None
+
+    @property
+    def keeps_splits(self) -> bool:  # type: ignore[override]
+        """AttentionBackend.keeps_splits: at some rows (keep_split_rows)."""
+        return bool(self.keep_split_rows)
 
     def prefill_options(self, group: int) -> dict[str, int]:
         """The prefill kernel's launch options (num_warps, num_stages) for a GQA group size."""
@@ -603,10 +607,10 @@ class TritonAttention(TorchAttention):
                 f"triton attention: cos_sin must be [positions, {dim}] float32, got "
                 f"{tuple(cos_sin.shape)} {cos_sin.dtype}"
             )
-        keep = keep_splits and self.keeps_splits
         if q.dim() == 4 or bias is not None:
-            return self._forward_parts(layer, (q, k, v), scale, (positions, cos_sin), bias, keep)
-        return self._forward(layer, q, k, v, scale, (positions, cos_sin), keep_splits=keep)
+            rotary = (positions, cos_sin)
+            return self._forward_parts(layer, (q, k, v), scale, rotary, bias, keep_splits)
+        return self._forward(layer, q, k, v, scale, (positions, cos_sin), keep_splits=keep_splits)
 
     def _forward_parts(
         self,
@@ -829,8 +833,8 @@ class TritonAttention(TorchAttention):
                 **self.decode_launch,
                 **self._decode_pdl(plan, spec),
             )
-            keep = any(lo <= plan.num_decode <= hi for lo, hi in self.keep_split_rows)
-            if split and keep_splits and keep and plan.all_decode:
+            keep = keep_splits and in_ranges(plan.num_decode, self.keep_split_rows)
+            if split and keep and plan.all_decode:
                 return SplitAttention(
                     part_o=plan.part_o,
                     part_lse=plan.part_lse,
