@@ -122,17 +122,24 @@ def test_profiling_pass_runs_both_steps_and_drops_its_cache(
 
 def test_profiling_compiles_in_a_dry_run_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """With engine.compile_threads > 1 the profiling steps first run dry (Triton kernels
-    compile on threads, nothing samples) inside compiles_in_background, then for real; the
-    measured profile is the same as without."""
+    compile on threads, nothing samples) inside compiles_in_background, with the warm-up's
+    steps and every graph size beside them (one wait for all of start-up's compiles), then
+    for real; the measured profile is the same as without."""
     runner = tiny_runner()
     runner.compile_threads = 2
     steps: list[tuple[list[int], bool, bool]] = []
     dry: list[bool] = []
     real_step = runner._profile_step
 
-    def step(query_lens: list[int], tables: list[list[int]], rows: int, sample: bool):
+    def step(
+        query_lens: list[int],
+        tables: list[list[int]],
+        rows: int,
+        sample: bool,
+        context_lens: list[int] | None = None,
+    ):
         steps.append((query_lens, sample, bool(dry)))
-        return real_step(query_lens, tables, rows, sample)
+        return real_step(query_lens, tables, rows, sample, context_lens)
 
     @contextlib.contextmanager
     def background(threads: int):
@@ -141,17 +148,26 @@ def test_profiling_compiles_in_a_dry_run_first(monkeypatch: pytest.MonkeyPatch) 
         yield
         dry.clear()
 
+    class Ladder:  # a graph runner: what its dry run saw
+        def __init__(self) -> None:
+            self.dry_runs: list[bool] = []
+
+        def dry_run(self) -> None:
+            self.dry_runs.append(bool(dry))
+
+    runner.graphs, runner.mixed = Ladder(), Ladder()  # type: ignore[assignment]
     monkeypatch.setattr(runner, "_profile_step", step)
     monkeypatch.setattr(executor_mod, "compiles_in_background", background)
     monkeypatch.setattr(executor_mod, "eager_reason", lambda *a: None)
     fake = FakeCudaMemory(monkeypatch)
     profile = runner._profile_memory()
-    assert steps == [
-        ([48, 48, 4], False, True),
-        ([1] * 8, False, True),
-        ([48, 48, 4], True, False),
-        ([1] * 8, False, False),
-    ]
+    assert steps[:2] == [([48, 48, 4], False, True), ([1] * 8, False, True)]
+    assert steps[-2:] == [([48, 48, 4], True, False), ([1] * 8, False, False)]
+    warm_up = steps[2:-2]  # the warm-up's eager decodes that fit the temporary cache, dry
+    assert ([1, 1], False, True) in warm_up and ([1, 16], False, True) in warm_up
+    assert all(d and q in ([1], [1, 1], [1, 17], [1, 16]) for q, _, d in warm_up)
+    assert runner.graphs.dry_runs == [True] and runner.mixed.dry_runs == [True]
+    assert runner._compiled_ahead
     logits_bytes = 8 * runner.vocab_size * 4
     assert profile == MemoryProfile(2000, 1000 - 120, 100, 50, 50 + logits_bytes)
     assert fake.calls.count("reset_peak_memory_stats") == 2

@@ -25,7 +25,6 @@ import torch
 from inferx_core.interfaces.attention import AttentionBackend, AttentionBatch
 from inferx_core.interfaces.model import ModelArch
 from inferx_core.interfaces.scheduler import ScheduledChunk
-from inferx_core.jit_compile import compiles_in_background
 
 log = logging.getLogger("inferx.cuda_graphs")
 
@@ -118,11 +117,10 @@ class DecodeGraphRunner:
         return len(chunks) <= self.max_batch and all(c.num_tokens == 1 for c in chunks)
 
     @torch.inference_mode()
-    def capture(self, pool: object = None, compile_threads: int = 0) -> object:
+    def capture(self, pool: object = None) -> object:
         """Capture every size, largest first so that smaller graphs reuse its memory pool (or
         `pool`, another runner's), each after one eager run of the same size (kernels compile
-        and libraries set up outside; with compile_threads > 1, first in a dry run of every
-        size, side by side). Returns the pool."""
+        and libraries set up outside). Returns the pool."""
         return _capture_ladder(
             self.sizes,
             self.graphs,
@@ -131,8 +129,15 @@ class DecodeGraphRunner:
             self.device,
             pool,
             "the decode CUDA graph of batch size {size}",
-            compile_threads,
         )
+
+    @torch.inference_mode()
+    def dry_run(self) -> None:
+        """The forward pass of every size, for jit_compile.compiles_in_background: their
+        kernel variants compile, nothing is captured, and the static output is dropped again
+        (made before the cache is sized, it would be counted twice)."""
+        _dry_ladder(self.sizes, self.attention.prepare_for_capture, self._forward)
+        self.logits = None
 
     def _forward(self, size: int) -> None:
         hidden = self.model(self.input_ids[:size], self.positions[:size])
@@ -225,6 +230,14 @@ def _into_static(static: torch.Tensor | None, rows: int, value: torch.Tensor) ->
     return static
 
 
+def _dry_ladder(
+    sizes: list[int], prepare: Callable[[int], None], forward: Callable[[int], None]
+) -> None:
+    for size in reversed(sizes):
+        prepare(size)
+        forward(size)
+
+
 def _capture_ladder(
     sizes: list[int],
     graphs: dict[int, torch.cuda.CUDAGraph],
@@ -233,14 +246,7 @@ def _capture_ladder(
     device: torch.device,
     pool: object,
     what: str,
-    compile_threads: int = 0,
 ) -> object:
-    if compile_threads > 1:  # a dry run of every size first: their kernels compile side by side
-        with compiles_in_background(compile_threads):
-            for size in reversed(sizes):
-                prepare(size)
-                forward(size)
-        torch.cuda.synchronize(device)
     gc.collect()
     gc.freeze()  # a collection during each capture would walk every live object again
     try:
@@ -304,7 +310,7 @@ class MixedGraphRunner:
         return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs
 
     @torch.inference_mode()
-    def capture(self, pool: object = None, compile_threads: int = 0) -> object:
+    def capture(self, pool: object = None) -> object:
         """As DecodeGraphRunner.capture; capture this runner first (its steps are larger)."""
         return _capture_ladder(
             self.sizes,
@@ -314,8 +320,13 @@ class MixedGraphRunner:
             self.device,
             pool,
             "the CUDA graph of steps with prompt tokens at {size} tokens",
-            compile_threads,
         )
+
+    @torch.inference_mode()
+    def dry_run(self) -> None:
+        """As DecodeGraphRunner.dry_run."""
+        _dry_ladder(self.sizes, self.attention.prepare_mixed_capture, self._forward)
+        self.hidden = None
 
     def _forward(self, size: int) -> None:
         hidden = self.model(self.input_ids[:size], self.positions[:size])

@@ -286,25 +286,15 @@ class ModelRunner(Executor):
         self.max_model_len = int(
             config.model.max_model_len or ckpt.hf_config.get("max_position_embeddings", 4096)
         )
-        self.num_kv_blocks = self._size_cache()
-        self.attention.allocate(self.num_kv_blocks)
         self.sampler = Sampler(self.device, seed=config.model.seed, argmax=ctx.ops.argmax)
-        # What the last submitted step sampled, on the device, and each sequence's row in it.
-        self._last_sampled: tuple[torch.Tensor | None, dict[int, int]] = (None, {})
-        profiled = self.report.seconds.get("profile", 0.0)  # sizing's own part, reported apart
-        self.report.seconds["kv_cache"] = time.perf_counter() - t0 - profiled
-        if self.device.type == "cuda":
-            t0 = time.perf_counter()
-            self._warm_up()
-            self.report.seconds["warm_up"] = time.perf_counter() - t0
+        # The graph runners (their static buffers) exist before the cache is sized: the
+        # profiling step's dry run compiles their kernels too (_dry_run_start_up).
         self.graphs: DecodeGraphRunner | None = None
         self.mixed: MixedGraphRunner | None = None
         self.eager_reason = eager_reason(config.engine.cuda_graphs, self.device, self.attention)
         if self.eager_reason is not None:
             log.info("decode runs eagerly: %s", self.eager_reason)
         else:
-            t0 = time.perf_counter()
-            pool = None
             if mixed_tokens := self._mixed_graph_tokens():
                 self.mixed = MixedGraphRunner(
                     self.model,
@@ -315,7 +305,6 @@ class ModelRunner(Executor):
                     self.max_model_len,
                     self.block_size,
                 )
-                pool = self.mixed.capture(compile_threads=self.compile_threads)
             self.graphs = DecodeGraphRunner(
                 self.model,
                 self.attention,
@@ -324,7 +313,24 @@ class ModelRunner(Executor):
                 self.max_model_len,
                 self.block_size,
             )
-            self.graphs.capture(pool, compile_threads=self.compile_threads)
+        self._compiled_ahead = False  # whether the profiling step's dry run covered start-up
+        self.num_kv_blocks = self._size_cache()
+        self.attention.allocate(self.num_kv_blocks)
+        # What the last submitted step sampled, on the device, and each sequence's row in it.
+        self._last_sampled: tuple[torch.Tensor | None, dict[int, int]] = (None, {})
+        profiled = self.report.seconds.get("profile", 0.0)  # sizing's own part, reported apart
+        self.report.seconds["kv_cache"] = time.perf_counter() - t0 - profiled
+        if self.device.type == "cuda":
+            t0 = time.perf_counter()
+            if self.compile_threads > 1 and not self._compiled_ahead:
+                with compiles_in_background(self.compile_threads):
+                    self._dry_run_start_up(self.num_kv_blocks)
+            self._warm_up()
+            self.report.seconds["warm_up"] = time.perf_counter() - t0
+        if self.graphs is not None:
+            t0 = time.perf_counter()
+            pool = self.mixed.capture() if self.mixed is not None else None
+            self.graphs.capture(pool)
             self.report.seconds["cuda_graphs"] = time.perf_counter() - t0
             log.info(
                 "captured CUDA graphs in %.2f s: decode at %d batch sizes (1 to %d); steps "
@@ -445,27 +451,33 @@ class ModelRunner(Executor):
         the graph capture (decodes alone) runs: decodes eagerly, alone and beside a prompt
         chunk, with one split of the context and with several. Kernels compile now, not in the
         middle of serving (a JIT compile stalls every running request for up to seconds)."""
-        bs = self.block_size
-        long = max(2, min(1024, self.max_model_len - 1, (self.num_kv_blocks - 1) // 3 * bs))
-        cases = [([1], [long]), ([1, 1], [1, 2]), ([1, 17], [long, 17]), ([1, 16], [1, 16])]
-
-        def run_cases() -> None:
-            for query_lens, context_lens in cases:
-                tables, next_block = fresh_tables(context_lens, bs)
-                if next_block <= self.num_kv_blocks:
-                    self._profile_step(query_lens, tables, 1, False, context_lens)
-            # The sampler's argmax over logits of the model's dtype (greedy steps) and float32
-            # (the race of sampled rows): the steps above sample nothing.
-            for dtype in {self.dtype, torch.float32}:
-                logits = torch.zeros(2, self.vocab_size, dtype=dtype, device=self.device)
-                self.sampler.argmax(logits)
-
-        if self.compile_threads > 1:  # dry first: the kernels compile side by side
-            with compiles_in_background(self.compile_threads):
-                run_cases()
-        run_cases()
+        self._warm_up_steps(self.num_kv_blocks)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _warm_up_steps(self, num_blocks: int) -> None:
+        """_warm_up's steps over a cache of num_blocks blocks (those that fit in it)."""
+        bs = self.block_size
+        long = max(2, min(1024, self.max_model_len - 1, (num_blocks - 1) // 3 * bs))
+        cases = [([1], [long]), ([1, 1], [1, 2]), ([1, 17], [long, 17]), ([1, 16], [1, 16])]
+        for query_lens, context_lens in cases:
+            tables, next_block = fresh_tables(context_lens, bs)
+            if next_block <= num_blocks:
+                self._profile_step(query_lens, tables, 1, False, context_lens)
+        # The sampler's argmax over logits of the model's dtype (greedy steps) and float32
+        # (the race of sampled rows): the steps above sample nothing.
+        for dtype in {self.dtype, torch.float32}:
+            logits = torch.zeros(2, self.vocab_size, dtype=dtype, device=self.device)
+            self.sampler.argmax(logits)
+
+    def _dry_run_start_up(self, num_blocks: int) -> None:
+        """Inside compiles_in_background: the warm-up's steps and every graph size, dry, over
+        a cache of num_blocks blocks. Run within the profiling step's dry run, every kernel
+        variant start-up needs compiles side by side in one wait, not one wait per phase."""
+        self._warm_up_steps(num_blocks)
+        for runner in (self.mixed, self.graphs):
+            if runner is not None:
+                runner.dry_run()
 
     @torch.inference_mode()
     def _profile_memory(self) -> MemoryProfile:
@@ -493,6 +505,8 @@ class ModelRunner(Executor):
                         self._profile_step([1] * graph_batch, decode_tables, graph_batch, False)
                     if mixed:
                         self._profile_step(mixed_lens, tables[: len(mixed_lens)], 1, False)
+                    self._dry_run_start_up(num_blocks)
+                self._compiled_ahead = True
                 gc.collect()
                 torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
