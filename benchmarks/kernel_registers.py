@@ -126,7 +126,7 @@ def decode_kernel_resources(
         # the kernel after it launch early, and was not itself launched early
         "PDL": False,
         "TRIGGER": True,
-        "EARLY": 0,
+        "EARLY": False,
     }
     signature = decode_signature(constexprs)
     src = ASTSource(

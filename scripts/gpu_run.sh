@@ -115,10 +115,10 @@ for step in "${steps[@]}"; do
         done
       done ;;
     pdl-edges)
-      # Session 17's two CPU-only PDL edges (INFERX_PDL_ATTENTION: QKV into the decode kernel;
-      # INFERX_PDL_NORM: down_proj into the next norm): their GPU tests, the model's GPU tests
-      # with both on, then 3B steps at batch 1-16 for each of the four combinations at 128 and
-      # 640 tokens (PROFILE_ARGS for more: --preset, another --batch ...).
+      # The two single PDL edges (INFERX_PDL_ATTENTION: QKV into the decode kernel;
+      # INFERX_PDL_NORM: down_proj into the next norm; default 1-48 since session 18): their GPU
+      # tests, the model's GPU tests with both on, then 3B steps at batch 1-16 for each of the
+      # four combinations at 128 and 640 tokens (PROFILE_ARGS for more: --preset, --batch ...).
       timeout 150 python3 -m pytest tests/test_triton_attention.py tests/test_pdl.py -m gpu -q \
         -k "early or attention or norm or wait or hopper" 2>&1 | tail -2
       INFERX_PDL_ATTENTION=1-16 INFERX_PDL_NORM=1-16 INFERX_TEST_BACKENDS=torch,triton \

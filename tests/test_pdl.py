@@ -153,10 +153,13 @@ def test_on_for_hopper_unless_switched_off(pdl_env) -> None:
 def test_single_edge_rows(
     pdl_env, monkeypatch: pytest.MonkeyPatch, name: str, rows: str, early: str
 ) -> None:
-    """The single-edge settings: none by default; row ranges; checked; never on the CPU."""
+    """The single-edge settings: 1-48 rows by default; row ranges; checked; never on the CPU."""
     setting = getattr(pdl, rows)
     monkeypatch.delenv(name, raising=False)
     pdl_env("1")
+    assert setting() == ((1, 48),)
+    monkeypatch.setenv(name, "0")
+    setting.cache_clear()
     assert setting() == ()
     monkeypatch.setenv(name, "1-4")
     setting.cache_clear()
@@ -169,20 +172,6 @@ def test_single_edge_rows(
     setting.cache_clear()
 
 
-def test_attention_prefetch_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("INFERX_PDL_ATTENTION_PREFETCH", "2")
-    pdl._attention_prefetch.cache_clear()
-    with pytest.raises(ValueError, match="INFERX_PDL_ATTENTION_PREFETCH must be 0 or 1"):
-        pdl._attention_prefetch()
-    monkeypatch.setenv("INFERX_PDL_ATTENTION_PREFETCH", "0")
-    pdl._attention_prefetch.cache_clear()
-    assert not pdl._attention_prefetch()
-    monkeypatch.delenv("INFERX_PDL_ATTENTION_PREFETCH")
-    pdl._attention_prefetch.cache_clear()
-    assert pdl._attention_prefetch()  # on by default
-    pdl._attention_prefetch.cache_clear()
-
-
 @pytest.mark.gpu
 @on_gpu
 def test_attention_early_on_hopper(pdl_env, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -190,16 +179,10 @@ def test_attention_early_on_hopper(pdl_env, monkeypatch: pytest.MonkeyPatch) -> 
     hopper = torch.cuda.get_device_capability() >= (9, 0)
     pdl_env(None)
     monkeypatch.setenv("INFERX_PDL_ATTENTION", "1-4")
-    monkeypatch.delenv("INFERX_PDL_ATTENTION_PREFETCH", raising=False)
     pdl._attention_rows.cache_clear()
-    pdl._attention_prefetch.cache_clear()
-    assert [pdl.attention_early(dev, m) for m in (1, 4, 5)] == [2 * hopper, 2 * hopper, 0]
-    monkeypatch.setenv("INFERX_PDL_ATTENTION_PREFETCH", "0")
-    pdl._attention_prefetch.cache_clear()
-    assert pdl.attention_early(dev, 1) == hopper
+    assert [pdl.attention_early(dev, m) for m in (1, 4, 5)] == [hopper, hopper, False]
     assert pdl.gemv_launch(dev, 1, trigger=True)["TRIGGER"] == hopper
     pdl._attention_rows.cache_clear()
-    pdl._attention_prefetch.cache_clear()
 
 
 @pytest.mark.gpu

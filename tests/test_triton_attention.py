@@ -371,18 +371,16 @@ def test_decode_kernel_sums_qkv_parts(group: int, dtype: torch.dtype) -> None:
 
 @interpreted
 @pytest.mark.parametrize("parts", [False, True])
-@pytest.mark.parametrize("early", [1, 2])
-def test_decode_kernel_early_metadata(parts: bool, early: int) -> None:
-    check_decode_rotary(4, torch.float32, torch.device("cpu"), True, parts=parts, early=early)
+def test_decode_kernel_early_metadata(parts: bool) -> None:
+    check_decode_rotary(4, torch.float32, torch.device("cpu"), True, parts=parts, early=True)
 
 
 @pytest.mark.gpu
 @on_gpu
 @pytest.mark.parametrize("parts", [False, True])
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("early", [1, 2])
-def test_gpu_decode_kernel_early_metadata_bf16(split: bool, parts: bool, early: int) -> None:
-    check_decode_rotary(8, torch.bfloat16, torch.device("cuda"), split, parts=parts, early=early)
+def test_gpu_decode_kernel_early_metadata_bf16(split: bool, parts: bool) -> None:
+    check_decode_rotary(8, torch.bfloat16, torch.device("cuda"), split, parts=parts, early=True)
 
 
 @pytest.mark.gpu
@@ -424,7 +422,7 @@ def check_decode_rotary(
     device: torch.device,
     split: bool,
     parts: bool = False,
-    early: int = 0,
+    early: bool = False,
 ) -> None:
     """decode_rotary: in a decode-only step the decode kernel rotates q and k and writes the new
     k and v itself. Against the torch reference ops' rotary followed by TorchAttention.forward
@@ -432,9 +430,8 @@ def check_decode_rotary(
     not (the split holding the new token writes it); a padding row (slot -1) writes nothing.
     parts: q, k and v arrive as 4 partial sums plus a bias (qkv_parts), which the kernel adds
     up; the reference gets their fp32 sum rounded once, as the unsplit GEMM would write it.
-    early: the decode kernel's EARLY form (INFERX_PDL_ATTENTION: 1, its metadata loaded before
-    the PDL wait; 2, also its first tile's K/V prefetched into L2; with PDL where the device has
-    it, else the prefetch is left out)."""
+    early: the decode kernel's EARLY form (INFERX_PDL_ATTENTION: its metadata loaded before
+    the PDL wait, with PDL where the device has it)."""
     head_dim, kv_heads, bs = 32, 2, 4
     layers = [KVLayerSpec(kv_heads * group, kv_heads, head_dim)] * 2
     kwargs = {"min_split_len": 1, "target_programs": 10**6} if split else {}

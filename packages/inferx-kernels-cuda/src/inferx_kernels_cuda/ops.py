@@ -363,7 +363,7 @@ class TritonOps(KernelOps):
         if self._takes_tma(linear, x):
             # The QKV GEMM of a decode-only step: where INFERX_PDL_ATTENTION takes the rows it
             # lets the decode kernel launch early (inferx_kernels_cuda.pdl).
-            trigger = attention_early(x.device, x.shape[0]) > 0
+            trigger = attention_early(x.device, x.shape[0])
             return self._tma(x, linear.weight, self.tma_parts, trigger), linear.bias
         return linear.forward_split(x)
 

@@ -19,8 +19,9 @@ Measured on the H200 (BENCHMARKS.md, session 16): steps 22-49 µs faster at ever
 - INFERX_PDL_CHAIN (default 33-64): GEMVs let the next kernel launch early too. Slower at
   batch 1-2 (session 16), faster at 8 and 48-64.
 Both take "0", "1" (every row count) or row ranges ("5-8,33-64") for A/B runs, as do two
-single edges not measured yet (default none): INFERX_PDL_ATTENTION (QKV into the decode kernel,
-attention_early) and INFERX_PDL_NORM (down_proj into the next norm, norm_early).
+single edges (session 18, default 1-48 each): INFERX_PDL_ATTENTION (QKV into the decode kernel,
+attention_early) and INFERX_PDL_NORM (down_proj into the next norm, norm_early); together 3B
+steps 28-97 µs faster at batch 1-48.
 Each GEMV program prefetching its first weight tiles into L2 before its wait was slower
 everywhere (session 16) and was removed; tma_reduce_linear instead loads its whole weight
 slice before its wait (into shared memory) and is faster at 1-4 rows (session 17).
@@ -75,12 +76,19 @@ __all__ = [
 #   2.548 / 2.875 -> 2.853, 64 2.645 -> 2.607 / 2.944 -> 2.929 (1-4, 16, 32 level).
 # - all at 2-16 for Llama-3.1-8B's widths (4096), off -> on at 640 tokens: batch 8 4.541 ->
 #   4.638, 16 4.756 -> 4.804: so only for layers up to ALL_MAX_WIDTH wide.
-# INFERX_PDL_ATTENTION (not measured yet, default none): at its rows the QKV GEMV triggers and
-# the decode kernel launches with PDL, loading its context and rotary before the wait.
-ATTENTION_ROWS = "0"
-# INFERX_PDL_NORM (not measured yet, default none): at its rows linear_parts' GEMMs trigger
-# and rms_norm_kernel launches with PDL.
-NORM_ROWS = "0"
+# INFERX_PDL_ATTENTION: at its rows the QKV GEMV triggers and the decode kernel launches with
+# PDL, loading its context and rotary before the wait. INFERX_PDL_NORM: at its rows
+# linear_parts' GEMMs trigger and rms_norm_kernel launches with PDL. H200, 3B steps
+# (profile_decode, session 18), ms at 128 / 640 tokens, both off -> both on:
+# - batch 1 2.155 -> 2.058 / 2.174 -> 2.086, 2 2.144 -> 2.104 / 2.232 -> 2.197, 4 2.190 ->
+#   2.154 / 2.309 -> 2.281, 8 2.304 -> 2.257 / 2.335 -> 2.293, 16 2.338 -> 2.292 / 2.448 ->
+#   2.404; each edge alone wins about half of that;
+# - at 1-64 rows: batch 24 2.431 -> 2.376 / 2.615 -> 2.610, 32 2.439 -> 2.378 / 2.639 ->
+#   2.634, 48 2.526 -> 2.452 / 2.824 -> 2.808, but 64 2.589 -> 2.530 / 2.897 -> 2.995.
+# An L2 prefetch of the decode kernel's first K/V tile before its wait added nothing (batch
+# 1-16 level or 10-27 µs slower) and was removed.
+ATTENTION_ROWS = "1-48"
+NORM_ROWS = "1-48"
 ALL_ROWS = "2-16"
 ALL_MAX_WIDTH = 2048
 CHAIN_ROWS = "33-64"
@@ -169,23 +177,11 @@ def _attention_rows() -> tuple[tuple[int, int], ...]:
     return row_ranges("INFERX_PDL_ATTENTION", ATTENTION_ROWS)
 
 
-@functools.cache
-def _attention_prefetch() -> bool:
-    value = os.environ.get("INFERX_PDL_ATTENTION_PREFETCH", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"INFERX_PDL_ATTENTION_PREFETCH must be 0 or 1; got {value!r}")
-    return value == "1"
-
-
-def attention_early(device: torch.device, rows: int) -> int:
-    """At `rows` rows of a decode-only step, whether the QKV GEMV lets the decode kernel launch
-    early, and what the decode kernel (PDL) does before its wait (its EARLY constexpr): 0
-    neither; 1 loads the step's metadata (its context, the rotary's cos and sin); 2 also asks L2
-    for its first tile's K and V (INFERX_PDL_ATTENTION_PREFETCH=1, the default). Non-zero at
-    INFERX_PDL_ATTENTION's rows with PDL on."""
-    if not (pdl_enabled(device) and in_ranges(rows, _attention_rows())):
-        return 0
-    return 2 if _attention_prefetch() else 1
+def attention_early(device: torch.device, rows: int) -> bool:
+    """Whether, at `rows` rows of a decode-only step, the QKV GEMV lets the decode kernel
+    launch early, which then loads the step's metadata (its context, the rotary's cos and sin)
+    before its wait (its EARLY constexpr): INFERX_PDL_ATTENTION's rows, PDL on."""
+    return pdl_enabled(device) and in_ranges(rows, _attention_rows())
 
 
 @functools.cache

@@ -671,12 +671,13 @@ class TritonAttention(TorchAttention):
     def _decode_pdl(self, plan: _Plan, spec: KVLayerSpec) -> dict[str, Any]:
         """The decode kernel's PDL arguments: _pdl's, or where INFERX_PDL_ATTENTION takes a
         decode-only step's rows (the QKV GEMV then triggers) a PDL launch that loads the step's
-        metadata before its wait, and by default prefetches its first K/V tile (EARLY 1 / 2)."""
-        early = 0
-        if plan.all_decode and plan.seq_split:
-            early = attention_early(torch.device(self.device), plan.num_decode)
-        if early:
-            return {"PDL": True, "TRIGGER": True, "launch_pdl": True, "EARLY": early}
+        metadata before its wait (EARLY)."""
+        if (
+            plan.all_decode
+            and plan.seq_split
+            and attention_early(torch.device(self.device), plan.num_decode)
+        ):
+            return {"PDL": True, "TRIGGER": True, "launch_pdl": True, "EARLY": True}
         return self._pdl(plan, spec)
 
     def _reduce(self, plan: _Plan, spec: KVLayerSpec, out: torch.Tensor) -> torch.Tensor:

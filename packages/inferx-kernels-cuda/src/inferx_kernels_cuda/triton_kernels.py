@@ -179,52 +179,6 @@ def _attend_range(
 
 
 @triton.jit
-def _early_start(
-    k_cache_ptr,
-    v_cache_ptr,
-    block_table_ptr,
-    seq,
-    stride_table,
-    lo,
-    hi,
-    kv_head,
-    stride_cache_block,
-    stride_cache_token,
-    stride_cache_head,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    PDL: tl.constexpr,
-    TRIGGER: tl.constexpr,
-):
-    """decode_kernel's EARLY start, its step metadata loaded: with PREFETCH ask L2 for the K and
-    V rows of the first BLOCK_N-token tile of its split [lo, hi) (one prefetch.global.L2 a
-    128-byte line, nothing waited for; positions past hi clamp onto hi - 1), then pdl_start.
-    GPU only with PREFETCH (inline PTX): the interpreter never traces it."""
-    if PREFETCH:  # noqa: SIM102 (a compile-time branch: the interpreter never sees the PTX)
-        if lo < hi:
-            LINE: tl.constexpr = 128 // (k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8)
-            LINES: tl.constexpr = (HEAD_DIM + LINE - 1) // LINE
-            n = tl.arange(0, BLOCK_N * LINES)
-            pos = tl.minimum(lo + n // LINES, hi - 1)
-            block = tl.load(block_table_ptr + seq * stride_table + pos // BLOCK_SIZE)
-            off = (
-                block.to(tl.int64) * stride_cache_block
-                + (pos % BLOCK_SIZE) * stride_cache_token
-                + kv_head * stride_cache_head
-                + (n % LINES) * LINE
-            )
-            for which in tl.static_range(2):
-                base = k_cache_ptr if which == 0 else v_cache_ptr
-                tl.inline_asm_elementwise(
-                    "mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [base + off],
-                    dtype=tl.int32, is_pure=False, pack=1,
-                )  # fmt: skip
-    pdl_start(PDL, TRIGGER)
-
-
-@triton.jit
 def _softmax_step(s, v, m, row_sum, acc, DOT_PRECISION: tl.constexpr):
     """One tile of the online softmax: fold scores s (log2 domain, -inf where hidden) and the
     tile's values v into the running (max, sum, unnormalised output)."""
@@ -355,7 +309,7 @@ def decode_kernel(
     HAS_BIAS: tl.constexpr = False,
     PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,
-    EARLY: tl.constexpr = 0,
+    EARLY: tl.constexpr = False,
 ):
     """Grid (decode sequences, KV heads, splits): the one query token of a sequence, all query
     heads of one KV group (rows of one tl.dot, padded to GROUP_PAD), over one split of the
@@ -376,11 +330,8 @@ def decode_kernel(
     the rotation, as the unsplit GEMM would have written them.
 
     PDL, TRIGGER: inferx_kernels_cuda.pdl; the kernel after it is the reduce, or o_proj's GEMV.
-    EARLY (with PDL, launched early behind the QKV GEMV): 1, the step's metadata (the row's
-    context, position and the rotary's cos and sin) loads before the wait, q, k and v after;
-    2, also an L2 prefetch of the K and V rows of the split's first tile (the cached context,
-    which no kernel of the step writes before this one; the new token's row, stale in L2 then,
-    is rewritten below before it is read).
+    EARLY (with PDL, launched early behind the QKV GEMV): the step's metadata (the row's
+    context, position and the rotary's cos and sin) loads before the wait, q, k and v after.
     """
     if not EARLY:
         pdl_start(PDL, TRIGGER)
@@ -404,11 +355,7 @@ def decode_kernel(
         sin = _rounded(tl.load(cs + HEAD_DIM // 2 + half_d), rot_dtype)
     if EARLY:  # the metadata above is loaded; q, k and v (the QKV GEMV's) come after the wait
         lo, hi = _split_range(ctx, split, split_len, SEQ_SPLIT, BLOCK_N)
-        _early_start(
-            k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_table, lo, hi, kv_head,
-            stride_cache_block, stride_cache_token, stride_cache_head, HEAD_DIM, BLOCK_SIZE,
-            BLOCK_N, PDL and EARLY >= 2, PDL, TRIGGER,
-        )  # fmt: skip
+        pdl_start(PDL, TRIGGER)
     if ROTARY:
         q_bias_offs = head[:, None] * HEAD_DIM
         q = _rotated(
