@@ -6,7 +6,7 @@
 #   cp -r ../shared/fixtures/tokenizers/{qwen,llama3} .carry/tok/tokenizers/
 #   tar -C .carry/tok -cJf .carry/tokxz/tok.tar.xz tokenizers
 # then carry [".whl", ".carry/tokxz"] (unpacked below into .carry/tok on the machine).
-# Usage: bash scripts/gpu_run.sh [setup] [tests] [flashinfer] [profile] [pdl-edges] [profile-prefill] [decode-variants] [breakdown] [gemv] [tma-gemv] [mixed] [regs] [tune] [tune-prefill] [split-gemm] [startup] [cold-start] [serve-ab] [bench] [demo]
+# Usage: bash scripts/gpu_run.sh [setup] [tests] [flashinfer] [profile] [pdl-edges] [pdl-late] [profile-prefill] [decode-variants] [breakdown] [gemv] [tma-gemv] [mixed] [regs] [tune] [tune-prefill] [split-gemm] [startup] [cold-start] [serve-ab] [bench] [demo]
 #        [table | table-3b | table-8b]
 #   flashinfer: its conformance tests (FI_K: a pytest -k filter), then its compiled kernels packed into $OUT as
 #   fi-cache.tar.part-*: keep them in .carry/fi/ (31 MB) and carry .carry/fi in later runs
@@ -133,6 +133,25 @@ for step in "${steps[@]}"; do
             --steps 48 --overlap on --prompt-len $len ${PROFILE_ARGS:-} \
             --json "$OUT/profile-pdl-edges-att$1-norm$2-p$len.json" 2>&1 | grep -E "^batch" \
             | cut -c1-110
+        done
+      done ;;
+    pdl-late)
+      # INFERX_PDL_LATE (session 18, CPU-only, default none): GEMVs that do not trigger at their
+      # start trigger after their K loop (at batch 1: o_proj into gate_up, gate_up into down).
+      # Its GPU tests, the model's GPU tests with it on, then 3B steps off / on at batch 1-32 at
+      # 128 and 640 tokens (PROFILE_ARGS for more: --preset llama-3.1-8b-instruct ...).
+      timeout 150 python3 -m pytest tests/test_pdl.py -m gpu -q -k "late or wait or hopper" \
+        2>&1 | tail -2
+      INFERX_PDL_LATE=1-64 INFERX_TEST_BACKENDS=torch,triton timeout 240 python3 -m pytest \
+        tests/test_cuda_graphs.py tests/test_gpu_correctness.py -m gpu -q -k "not demo" 2>&1 \
+        | tail -2
+      for len in 128 640; do
+        for late in 0 1-64; do
+          echo "== prompt $len: INFERX_PDL_LATE=$late"
+          INFERX_PDL_LATE=$late timeout 200 python3 benchmarks/profile_decode.py --tokenizer $TOK \
+            --backend triton --batch 1,2,4,8,16,24,32 --steps 48 --overlap on --prompt-len $len \
+            ${PROFILE_ARGS:-} --json "$OUT/profile-pdl-late-$late-p$len.json" 2>&1 \
+            | grep -E "^batch" | cut -c1-110
         done
       done ;;
     profile-prefill)

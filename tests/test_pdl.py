@@ -42,6 +42,7 @@ def pdl_env(monkeypatch: pytest.MonkeyPatch):
             pdl._all_rows,
             pdl._attention_rows,
             pdl._norm_rows,
+            pdl._late_rows,
             pdl._chain,
             pdl._all,
         ):
@@ -172,6 +173,36 @@ def test_single_edge_rows(
     setting.cache_clear()
 
 
+def test_late_trigger_only_where_a_gemv_does_not_trigger_at_its_start(
+    pdl_env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """INFERX_PDL_LATE (none by default): a GEMV at its rows triggers after its K loop (LATE),
+    but only where it would not trigger at its start already (the chain, ALL, a caller's
+    edge); the LATE key is left out elsewhere, so the default variants stay as they were."""
+    pdl_env("1")
+    monkeypatch.delenv("INFERX_PDL_LATE", raising=False)
+    monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
+    dev = torch.device("cpu")
+    assert pdl.gemv_launch(dev, 1) == {"PDL": True, "TRIGGER": False, "launch_pdl": True}
+    monkeypatch.setenv("INFERX_PDL_LATE", "1-64")
+    pdl._late_rows.cache_clear()
+    assert pdl.gemv_launch(dev, 1) == {
+        "PDL": True,
+        "TRIGGER": False,
+        "launch_pdl": True,
+        "LATE": True,
+    }
+    assert "LATE" not in pdl.gemv_launch(dev, 1, trigger=True)  # QKV into an early decode
+    assert "LATE" not in pdl.gemv_launch(dev, 8)  # ALL (2-16): it triggers at its start
+    assert pdl.gemv_launch(dev, 20).get("LATE")
+    assert "LATE" not in pdl.gemv_launch(dev, 40)  # the chain (33-64)
+    assert "LATE" not in pdl.gemv_launch(dev, 65)  # past the setting's rows
+    monkeypatch.setenv("INFERX_PDL_LATE", "9-")
+    pdl._late_rows.cache_clear()
+    with pytest.raises(ValueError, match="INFERX_PDL_LATE"):
+        pdl._late_rows()
+
+
 @pytest.mark.gpu
 @on_gpu
 def test_attention_early_on_hopper(pdl_env, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -187,7 +218,7 @@ def test_attention_early_on_hopper(pdl_env, monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("mode", ["default", "chain", "all", "norm"])
+@pytest.mark.parametrize("mode", ["default", "chain", "all", "norm", "late"])
 @pytest.mark.parametrize("rows", [1, 8])
 def test_gemvs_wait_for_their_producers_inside_a_graph(
     pdl_env, monkeypatch: pytest.MonkeyPatch, mode: str, rows: int
@@ -197,11 +228,17 @@ def test_gemvs_wait_for_their_producers_inside_a_graph(
     (PDL) those parts and the residual; the down GEMV (PDL) its output; a last RMSNorm that.
     "chain": each GEMV also lets the next kernel launch early; "all": that, and the norms launch
     with PDL too; "norm" (INFERX_PDL_NORM): the down GEMV triggers and the last norm launches
-    with PDL. Each replay's inputs are fresh: a kernel that ran ahead of its producer would
-    read the last replay's values."""
+    with PDL; "late" (INFERX_PDL_LATE, ALL off): the GEMVs that do not trigger at their start
+    trigger after their K loop. Each replay's inputs are fresh: a kernel that ran ahead of its
+    producer would read the last replay's values."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the TMA GEMVs and PDL need Hopper")
-    pdl_env("1", "1" if mode == "chain" else None, "1" if mode == "all" else None)
+    all_ = {"all": "1", "late": "0"}.get(mode)
+    pdl_env("1", "1" if mode == "chain" else None, all_)
+    if mode == "late":
+        monkeypatch.setenv("INFERX_PDL_LATE", "1-64")
+        pdl._late_rows.cache_clear()
+        assert pdl.gemv_launch(torch.device("cuda"), rows).get("LATE")
     if mode == "norm":
         monkeypatch.setenv("INFERX_PDL_NORM", "1-64")
         pdl._norm_rows.cache_clear()

@@ -62,6 +62,7 @@ __all__ = [
     "in_ranges",
     "norm_early",
     "pdl_enabled",
+    "pdl_late",
     "pdl_start",
     "row_ranges",
 ]
@@ -89,6 +90,12 @@ __all__ = [
 # 1-16 level or 10-27 µs slower) and was removed.
 ATTENTION_ROWS = "1-48"
 NORM_ROWS = "1-48"
+# INFERX_PDL_LATE (not measured yet, default none): at its rows a GEMV that does not trigger at
+# its start (not in the chain, no single edge) triggers once its K loop is done (its LATE
+# constexpr): at batch 1 o_proj into gate_up and gate_up into down, the two plain edges left.
+# The next GEMV's launch and prologue overlap this one's tail, and its programs arrive when
+# this one's have all started, so they take no SM slots from it (the chain's loss at 1-2).
+LATE_ROWS = "0"
 ALL_ROWS = "2-16"
 ALL_MAX_WIDTH = 2048
 CHAIN_ROWS = "33-64"
@@ -102,6 +109,13 @@ def pdl_start(PDL: tl.constexpr, TRIGGER: tl.constexpr):
     if PDL:
         gdc_wait()
     if TRIGGER:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_late(LATE: tl.constexpr):
+    """A GEMV's late trigger, after its K loop: with LATE let the next kernel launch now."""
+    if LATE:
         gdc_launch_dependents()
 
 
@@ -185,6 +199,12 @@ def attention_early(device: torch.device, rows: int) -> bool:
 
 
 @functools.cache
+def _late_rows() -> tuple[tuple[int, int], ...]:
+    """INFERX_PDL_LATE: the rows at which a GEMV not triggering at its start triggers late."""
+    return row_ranges("INFERX_PDL_LATE", LATE_ROWS)
+
+
+@functools.cache
 def _norm_rows() -> tuple[tuple[int, int], ...]:
     """INFERX_PDL_NORM: the rows at which rms_norm launches early behind the GEMV before it."""
     return row_ranges("INFERX_PDL_NORM", NORM_ROWS)
@@ -208,11 +228,15 @@ def pdl_enabled(device: torch.device) -> bool:
 
 def gemv_launch(device: torch.device, rows: int, trigger: bool = False) -> dict[str, Any]:
     """A TMA GEMV launch's PDL arguments for `rows` rows of x: its PDL and TRIGGER constexprs
-    (TRIGGER also where the caller asks: QKV before an early decode kernel), and Triton's
-    launch_pdl option when PDL is on."""
-    if pdl_enabled(device):
-        return {"PDL": True, "TRIGGER": trigger or _chain(rows), "launch_pdl": True}
-    return {"PDL": False, "TRIGGER": False}
+    (TRIGGER also where the caller asks: QKV before an early decode kernel), LATE where it does
+    not trigger at its start and INFERX_PDL_LATE takes the rows, and Triton's launch_pdl option
+    when PDL is on."""
+    if not pdl_enabled(device):
+        return {"PDL": False, "TRIGGER": False}
+    args = {"PDL": True, "TRIGGER": trigger or _chain(rows), "launch_pdl": True}
+    if not args["TRIGGER"] and in_ranges(rows, _late_rows()):
+        args["LATE"] = True  # only then: the default variants stay as they were
+    return args
 
 
 def between_launch(

@@ -30,7 +30,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from inferx_core.interfaces.attention import SplitAttention
 from inferx_kernels_cuda.fused_kernels import _rounded, silu_times
-from inferx_kernels_cuda.pdl import gemv_launch, pdl_start
+from inferx_kernels_cuda.pdl import gemv_launch, pdl_late, pdl_start
 from inferx_kernels_cuda.triton_kernels import _seq_split_len
 
 # Rows of x a launch takes (TritonOps runs them to tma_gemv_max_rows, 64 by default; 65-128 are
@@ -108,12 +108,13 @@ def tma_gemv_kernel(
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,
+    LATE: tl.constexpr = False,
 ):
     """Grid (row blocks, splits): out[s, :, rows] = x[:, ks] @ W[rows, ks].T, ks = split s's
     k_per_split columns (a multiple of BLOCK_K; the last split's run past K reads zeros).
     GATED (one split): W holds gate rows, then up rows from up_row; out [m, n] = silu(gate) *
-    up for gate rows n, each rounded as silu_and_mul after the GEMM rounds them. PDL, TRIGGER:
-    inferx_kernels_cuda.pdl."""
+    up for gate rows n, each rounded as silu_and_mul after the GEMM rounds them. PDL, TRIGGER,
+    LATE: inferx_kernels_cuda.pdl."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     n0 = pid_n * BLOCK_N
@@ -125,6 +126,7 @@ def tma_gemv_kernel(
         x = x_desc.load([0, k0 + kk])  # [BLOCK_M, BLOCK_K], rows past m zero
         acc, acc_up = _products(w_desc, x, acc, acc_up, n0, k0 + kk, up_row, GATED, UPCAST,
                                 DOT_PRECISION)  # fmt: skip
+    pdl_late(LATE)
     if GATED:
         dtype = out_ptr.dtype.element_ty
         acc = silu_times(_rounded(acc, dtype), _rounded(acc_up, dtype), dtype)
@@ -321,13 +323,14 @@ def tma_norm_gemv_kernel(
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,
+    LATE: tl.constexpr = False,
 ):
     """Grid (row blocks, S_OUT splits). h = sum of the S_IN parts [S_IN, m, k] (rounded once)
     + residual [m, k] (rounded), as rms_norm_kernel; x = h * norm weight; out[s, :, rows] =
     (x[:, ks] @ W[rows, ks].T) / rms(h) for split s's columns ks. GATED (S_OUT 1): W holds gate
     rows then up rows from up_row, out [m, n] = silu(gate) * up for gate rows n. Rows are
     loaded ROWS (>= m, a power of two) at a time, repeated to BLOCK_M (>= 16) for the dot.
-    PDL, TRIGGER: inferx_kernels_cuda.pdl."""
+    PDL, TRIGGER, LATE: inferx_kernels_cuda.pdl."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     n0 = pid_n * BLOCK_N
@@ -358,6 +361,7 @@ def tma_norm_gemv_kernel(
         x = _repeat_rows((own * nw[None, :]).to(dtype), ROWS, BLOCK_M, BLOCK_K)
         acc, acc_up = _products(w_desc, x, acc, acc_up, n0, k0 + kk, up_row, GATED, UPCAST,
                                 DOT_PRECISION)  # fmt: skip
+    pdl_late(LATE)
     sumsq = tl.sum(tl.sum(squares, axis=2), axis=0)
     inv_rms = tl.rsqrt(sumsq / k + eps)[:, None]
     inv_rms = tl.reshape(_repeat_rows(inv_rms, ROWS, BLOCK_M, 1), (BLOCK_M,))
@@ -510,13 +514,15 @@ def tma_reduce_gemv_kernel(
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,
+    LATE: tl.constexpr = False,
 ):
     """Grid (row blocks, K-slices of SLICE_HEADS heads): out[s, :, rows] = x[:, ks] @ W[rows,
     ks].T with x the combined attention output (decode_reduce_kernel's: the splits weighted by
     exp2 of their lse, rounded to out's dtype). WHOLE: the slice's weight is one [BLOCK_N,
     SLICE_HEADS * HEAD_DIM] tile, loaded before the PDL wait, and one product; otherwise a K
     step is one head, TMA-pipelined after the combine. The combine takes SPLIT_CHUNK splits at
-    a time up to the most any of the m rows uses (a loop left unpipelined)."""
+    a time up to the most any of the m rows uses (a loop left unpipelined). PDL, TRIGGER,
+    LATE: inferx_kernels_cuda.pdl."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     n0 = pid_n * BLOCK_N
@@ -567,6 +573,7 @@ def tma_reduce_gemv_kernel(
             x = _repeat_rows(x, ROWS, BLOCK_M, HEAD_DIM)
             acc, _ = _products(w_desc, x, acc, acc, n0, (h0 + jj) * HEAD_DIM, 0, False, UPCAST,
                                DOT_PRECISION)  # fmt: skip
+    pdl_late(LATE)
     _store_part(out_ptr, acc, pid_s, n0, m, n, stride_os, stride_om, BLOCK_N, BLOCK_M)
 
 
