@@ -9,7 +9,9 @@ its own unless --warm (then one shared directory, filled by a first unmeasured s
 the offline engine (bf16, CUDA graphs, the default config otherwise) and reports spawn to ready
 and the engine's own parts (open, weights, profile, kv_cache, warm_up, cuda_graphs). On a fresh
 machine every Triton kernel variant compiles during start-up: this is issue 4's "start to
-ready" on a machine that has not run InferX before.
+ready" on a machine that has not run InferX before. On a cold cache it also names the kernels
+that compiled once the warm-up or the graph capture had begun: variants the start-up's one dry
+run missed, each a compile the phase waited for alone.
 """
 
 from __future__ import annotations
@@ -28,13 +30,24 @@ from commit_id import commit_id
 CHILD = """
 import json, sys, time
 t0 = time.time()
+from inferx_core import cuda_graphs, executor
 from inferx_core.config import load_config
 from inferx_core.engine import LLM
 imported = time.time()
+marks = {}  # when the phases after the dry run began (epoch seconds)
+def mark(cls, name, label):
+    orig = getattr(cls, name)
+    def wrapped(*a, **k):
+        marks.setdefault(label, time.time())
+        return orig(*a, **k)
+    setattr(cls, name, wrapped)
+mark(executor.ModelRunner, "_warm_up", "warm_up")
+mark(cuda_graphs.MixedGraphRunner, "capture", "cuda_graphs")
+mark(cuda_graphs.DecodeGraphRunner, "capture", "cuda_graphs")
 llm = LLM(load_config(None, json.loads(sys.argv[1])))
 ex = llm.engine.executor
 print("RESULT " + json.dumps({"imports_s": imported - t0, "engine_s": time.time() - imported,
-                              "parts_s": dict(ex.report.seconds)}), flush=True)
+                              "parts_s": dict(ex.report.seconds), "began": marks}), flush=True)
 """
 
 
@@ -53,6 +66,25 @@ def start(overrides: dict[str, object], cache_dir: str) -> dict[str, object]:
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"start-up failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return {"spawn_to_ready_s": wall, **json.loads(lines[-1].removeprefix("RESULT "))}
+
+
+def late_compiles(cache_dir: str, began: dict[str, float]) -> dict[str, list[str]]:
+    """The kernels Triton wrote to cache_dir (<hash>/<name>.json, written when a compile ends)
+    once the warm-up or the graph capture had begun: variants the start-up's dry run missed,
+    which compiled one at a time in the real passes. By phase, names sorted."""
+    out: dict[str, list[str]] = {}
+    starts = sorted(began.items(), key=lambda kv: kv[1])
+    for f in Path(cache_dir).glob("*/*.json"):
+        if f.name.startswith("__grp__"):
+            continue
+        mtime = f.stat().st_mtime
+        phase = None
+        for name, at in starts:
+            if mtime >= at:
+                phase = name
+        if phase is not None:
+            out.setdefault(phase, []).append(f.stem)
+    return {k: sorted(v) for k, v in out.items()}
 
 
 def parse_variant(text: str) -> dict[str, object]:
@@ -93,6 +125,12 @@ def main() -> None:
             assert isinstance(parts, dict)
             cells = " ".join(f"{parts.get(c, 0):11.2f}" for c in cols)
             print(f"{r:>5}  {v:40} {res['spawn_to_ready_s']:8.2f} {cells}", flush=True)
+            if not shared:
+                began = res.get("began") or {}
+                assert isinstance(began, dict)
+                res["compiled_late"] = late_compiles(cache, began)
+                for phase, names in res["compiled_late"].items():
+                    print(f"       compiled in {phase}, after the dry run: {', '.join(names)}")
             rows.append({"round": r, "variant": v, **res})
     if args.json:
         meta = {"commit": commit_id(), "preset": args.preset, "warm": args.warm}

@@ -278,3 +278,26 @@ def test_tune_prefill_attention_sweeps_the_grid(tmp_path: Path) -> None:
     assert configs == {(16, 1), (16, 2), (32, 1), (32, 2)}
     assert all(r["us"] > 0 and r["tflops"] > 0 for r in rows[0]["all"])
     assert json.loads(out.read_text())["rows"][0]["best"] in rows[0]["all"]
+
+
+def test_cold_start_names_the_kernels_compiled_after_the_dry_run(tmp_path) -> None:
+    """late_compiles: each kernel file Triton wrote (<hash>/<name>.json) goes to the last phase
+    that had begun when it was written; those written before any phase, and group files, not."""
+    import os
+
+    from cold_start import late_compiles
+
+    written = {"aa/early_kernel.json": 100.0, "bb/decode_kernel.json": 205.0,
+               "cc/tma_gemv_kernel.json": 310.0, "cc/__grp__tma_gemv_kernel.json": 310.0,
+               "dd/rms_norm_kernel.json": 201.0}  # fmt: skip
+    for name, mtime in written.items():
+        f = tmp_path / name
+        f.parent.mkdir(exist_ok=True)
+        f.write_text("{}")
+        os.utime(f, (mtime, mtime))
+    got = late_compiles(str(tmp_path), {"cuda_graphs": 300.0, "warm_up": 200.0})
+    assert got == {
+        "warm_up": ["decode_kernel", "rms_norm_kernel"],
+        "cuda_graphs": ["tma_gemv_kernel"],
+    }
+    assert late_compiles(str(tmp_path), {}) == {}
