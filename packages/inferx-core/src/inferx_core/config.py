@@ -61,9 +61,10 @@ class EngineSection(Section):
     # a step on the CPU VM, the likely cause of a 157 ms stall in an 8B offline decode step on
     # the H200 machine (BENCHMARKS.md, session 7).
     gc_freeze: bool = True
-    # Start-up compiles Triton kernel variants on this many threads, in a dry run of each
-    # phase's step shapes before the phase runs them (0 or 1: one at a time, at first launch).
-    # H200, fresh Triton cache, 3B: start to ready 23.5 s with none (BENCHMARKS.md session 9).
+    # Start-up compiles Triton kernel variants on this many threads, in one dry run of every
+    # phase's step shapes before the phases run them (0 or 1: one at a time, at first launch).
+    # H200, fresh Triton cache, 3B: start to ready 23.5 s with none (BENCHMARKS.md session 9),
+    # 16-19 s with 8 (session 18).
     compile_threads: int = Field(default=8, ge=0, le=64)
 
     @field_validator("device")

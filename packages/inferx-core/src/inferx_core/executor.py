@@ -262,7 +262,7 @@ class ModelRunner(Executor):
         arch: type[ModelArch] = reg.get("model_arch", archs[0])  # type: ignore[assignment]
         self.kv_layout = arch.kv_layout(ckpt.hf_config)
         self.block_size = config.kv_cache.block_size
-        # Threads that compile Triton kernels in each start-up phase's dry run (jit_compile).
+        # Threads that compile Triton kernels in start-up's dry run (jit_compile).
         self.compile_threads = 0
         if self.device.type == "cuda":
             self.compile_threads = min(config.engine.compile_threads, os.cpu_count() or 1)
