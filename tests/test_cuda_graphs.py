@@ -410,10 +410,11 @@ class FakeGraph:
 
 @interpreted
 def test_capture_order_pool_and_replay_bookkeeping(tmp_path_factory, monkeypatch) -> None:
-    """capture() and run() with torch.cuda's graph API faked on the CPU: largest size first,
-    each after an eager warm-up, all into the first graph's pool; a step replays the graph of
-    its padded size after copying its layout in; a failed capture names the size and the
-    switch."""
+    """dry_run(), capture() and run() with torch.cuda's graph API faked on the CPU: the dry run
+    walks every size once, largest first, and keeps no static output; capture largest size
+    first, each after an eager warm-up, all into the first graph's pool; a step replays the
+    graph of its padded size after copying its layout in; a failed capture names the size and
+    the switch."""
     path = checkpoint("llama", tmp_path_factory)
     config = {
         "model.path": str(path),
@@ -440,6 +441,9 @@ def test_capture_order_pool_and_replay_bookkeeping(tmp_path_factory, monkeypatch
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", fake_capture)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    runner.dry_run()
+    assert forwards == [13, 8, 4, 2, 1] and runner.logits is None and not runner.graphs
+    forwards.clear()
     runner.capture()
 
     assert forwards == [13, 13, 8, 8, 4, 4, 2, 2, 1, 1]  # a warm-up, then the captured run

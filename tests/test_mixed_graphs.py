@@ -122,6 +122,23 @@ def test_runner_generates_like_eager_steps(
         assert 0 < runner.replays[16] < len(static_logits)
 
 
+@interpreted
+def test_runner_dry_run_walks_every_size(tmp_path_factory, monkeypatch) -> None:
+    """dry_run (start-up's compile pass): one forward of every token count, largest first,
+    each over its capture layout; no static output is kept."""
+    llm = cpu_triton_llm(checkpoint("llama", tmp_path_factory), 512)
+    ex = llm.engine.executor
+    runner = MixedGraphRunner(ex.model, ex.attention, ex.device, 128, 4, ex.max_model_len, 16)
+    forwards: list[int] = []
+    model_forward = ex.model.forward
+    monkeypatch.setattr(
+        ex.model, "forward", lambda ids, pos: forwards.append(len(ids)) or model_forward(ids, pos)
+    )
+    runner.dry_run()
+    assert forwards == sorted(runner.sizes, reverse=True) and len(forwards) > 1
+    assert runner.hidden is None and not runner.graphs
+
+
 # -- on the GPU ---------------------------------------------------------------------------------
 
 
