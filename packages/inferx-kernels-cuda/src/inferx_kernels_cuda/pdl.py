@@ -83,7 +83,7 @@ __all__ = [
 # (profile_decode, session 18), ms at 128 / 640 tokens, both off -> both on:
 # - batch 1 2.155 -> 2.058 / 2.174 -> 2.086, 2 2.144 -> 2.104 / 2.232 -> 2.197, 4 2.190 ->
 #   2.154 / 2.309 -> 2.281, 8 2.304 -> 2.257 / 2.335 -> 2.293, 16 2.338 -> 2.292 / 2.448 ->
-#   2.404; each edge alone wins about half of that;
+#   2.404; at batch 1 each edge alone wins 24-37 µs, at 2-16 the attention edge nearly all;
 # - at 1-64 rows: batch 24 2.431 -> 2.376 / 2.615 -> 2.610, 32 2.439 -> 2.378 / 2.639 ->
 #   2.634, 48 2.526 -> 2.452 / 2.824 -> 2.808, but 64 2.589 -> 2.530 / 2.897 -> 2.995.
 # An L2 prefetch of the decode kernel's first K/V tile before its wait added nothing (batch
