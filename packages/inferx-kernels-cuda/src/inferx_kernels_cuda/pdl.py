@@ -21,7 +21,8 @@ Measured on the H200 (BENCHMARKS.md, session 16): steps 22-49 µs faster at ever
 Both take "0", "1" (every row count) or row ranges ("5-8,33-64") for A/B runs, as do two
 single edges (session 18, default 1-48 each): INFERX_PDL_ATTENTION (QKV into the decode kernel,
 attention_early) and INFERX_PDL_NORM (down_proj into the next norm, norm_early); together 3B
-steps 28-97 µs faster at batch 1-48.
+steps 5-97 µs faster at batch 1-48. INFERX_PDL_LATE (not measured yet, default none): GEMVs
+that do not trigger at their start trigger after their K loop (pdl_late).
 Each GEMV program prefetching its first weight tiles into L2 before its wait was slower
 everywhere (session 16) and was removed; tma_reduce_linear instead loads its whole weight
 slice before its wait (into shared memory) and is faster at 1-4 rows (session 17).
