@@ -60,6 +60,12 @@ class _Plan:
     seq_split: bool = False  # split_len is the shortest split; each sequence derives its own
 
 
+def _graph_decode_rows(plan: _Plan) -> int:
+    """The rows the per-row PDL choices see: a CUDA-graph decode-only plan's (seq_split), else
+    0, which no row range takes."""
+    return plan.num_decode if plan.all_decode and plan.seq_split else 0
+
+
 @dataclass
 class _GraphBuffers:
     """Static decode metadata that captured kernels read; each replay's layout is copied in."""
@@ -664,19 +670,14 @@ class TritonAttention(TorchAttention):
         its decode count compiled mid-run (3B offline 24.3k -> 19.4k tok/s on the H200, session
         17); eager decode-only steps (no graphs, or past their sizes) would compile variants of
         their own at start-up's warm-up."""
-        rows = plan.num_decode if plan.all_decode and plan.seq_split else 0
         width = spec.num_q_heads * spec.head_dim
-        return between_launch(torch.device(self.device), rows, width)
+        return between_launch(torch.device(self.device), _graph_decode_rows(plan), width)
 
     def _decode_pdl(self, plan: _Plan, spec: KVLayerSpec) -> dict[str, Any]:
         """The decode kernel's PDL arguments: _pdl's, or where INFERX_PDL_ATTENTION takes a
-        decode-only step's rows (the QKV GEMV then triggers) a PDL launch that loads the step's
-        metadata before its wait (EARLY)."""
-        if (
-            plan.all_decode
-            and plan.seq_split
-            and attention_early(torch.device(self.device), plan.num_decode)
-        ):
+        CUDA-graph decode-only step's rows (the QKV GEMV then triggers) a PDL launch that loads
+        the step's metadata before its wait (EARLY)."""
+        if attention_early(torch.device(self.device), _graph_decode_rows(plan)):
             return {"PDL": True, "TRIGGER": True, "launch_pdl": True, "EARLY": True}
         return self._pdl(plan, spec)
 
