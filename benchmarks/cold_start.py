@@ -2,7 +2,7 @@
 
     python benchmarks/cold_start.py --tokenizer DIR [--preset qwen2.5-3b-instruct]
         [--variants "engine.compile_threads=0;engine.compile_threads=8"] [--rounds 2]
-        [--warm] [--json OUT.json]
+        [--warm] [--profile-phase warm_up] [--json OUT.json]
 
 Each round starts one child per variant (alternating), each with an empty TRITON_CACHE_DIR of
 its own unless --warm (then one shared directory, filled by a first unmeasured start), builds
@@ -11,7 +11,8 @@ and the engine's own parts (open, weights, profile, kv_cache, warm_up, cuda_grap
 machine every Triton kernel variant compiles during start-up: this is issue 4's "start to
 ready" on a machine that has not run InferX before. On a cold cache it also names the kernels
 that compiled once the warm-up or the graph capture had begun: variants the start-up's one dry
-run missed, each a compile the phase waited for alone.
+run missed, each a compile the phase waited for alone. --profile-phase runs that phase (warm_up,
+cuda_graphs or profile) under cProfile and prints where its host time went.
 """
 
 from __future__ import annotations
@@ -42,6 +43,24 @@ def mark(cls, name, label):
         return orig(*a, **k)
     setattr(cls, name, wrapped)
 mark(executor.ModelRunner, "_warm_up", "warm_up")
+PHASES = {"warm_up": (executor.ModelRunner, "_warm_up"),
+          "profile": (executor.ModelRunner, "_profile_memory"),
+          "cuda_graphs": (cuda_graphs.DecodeGraphRunner, "capture")}
+if sys.argv[2]:  # run this phase under cProfile; its top functions go to stdout
+    import cProfile, io, pstats
+    cls, name = PHASES[sys.argv[2]]
+    orig_phase = getattr(cls, name)
+    def profiled(*a, **k):
+        prof = cProfile.Profile()
+        try:
+            return prof.runcall(orig_phase, *a, **k)
+        finally:
+            for key in ("cumulative", "tottime"):
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats(key).print_stats(18)
+                for line in text.getvalue().splitlines():
+                    print("PSTATS " + line, flush=True)
+    setattr(cls, name, profiled)
 mark(cuda_graphs.MixedGraphRunner, "capture", "cuda_graphs")
 mark(cuda_graphs.DecodeGraphRunner, "capture", "cuda_graphs")
 llm = LLM(load_config(None, json.loads(sys.argv[1])))
@@ -51,17 +70,20 @@ print("RESULT " + json.dumps({"imports_s": imported - t0, "engine_s": time.time(
 """
 
 
-def start(overrides: dict[str, object], cache_dir: str) -> dict[str, object]:
+def start(overrides: dict[str, object], cache_dir: str, phase: str = "") -> dict[str, object]:
     env = {**os.environ, "TRITON_CACHE_DIR": cache_dir}
     t0 = time.time()
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(overrides)],
+        [sys.executable, "-c", CHILD, json.dumps(overrides), phase],
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
     wall = time.time() - t0
+    for ln in proc.stdout.splitlines():
+        if ln.startswith("PSTATS "):
+            print(ln.removeprefix("PSTATS ")[:150])
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"start-up failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -102,6 +124,8 @@ def main() -> None:
     ap.add_argument("--variants", default="engine.compile_threads=0;engine.compile_threads=8")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--warm", action="store_true", help="a shared, pre-filled Triton cache")
+    phases = ["", "warm_up", "profile", "cuda_graphs"]
+    ap.add_argument("--profile-phase", default="", choices=phases)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     base = {
@@ -120,7 +144,7 @@ def main() -> None:
     for r in range(args.rounds):
         for v in variants:
             cache = shared or tempfile.mkdtemp(prefix="triton-cold-")
-            res = start({**base, **parse_variant(v)}, cache)
+            res = start({**base, **parse_variant(v)}, cache, args.profile_phase)
             parts = res["parts_s"]
             assert isinstance(parts, dict)
             cells = " ".join(f"{parts.get(c, 0):11.2f}" for c in cols)
