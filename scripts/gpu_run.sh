@@ -136,7 +136,7 @@ for step in "${steps[@]}"; do
         done
       done ;;
     pdl-late)
-      # INFERX_PDL_LATE (session 18, CPU-only, default none): GEMVs that do not trigger at their
+      # INFERX_PDL_LATE (session 18; default 1-64 since session 19): GEMVs that do not trigger at their
       # start trigger after their K loop (at batch 1: o_proj into gate_up, gate_up into down).
       # Its GPU tests, the model's GPU tests with it on, then 3B steps off / on at batch 1-32 at
       # 128 and 640 tokens (PROFILE_ARGS for more: --preset llama-3.1-8b-instruct ...).

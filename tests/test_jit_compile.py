@@ -69,6 +69,30 @@ class Descriptor:
         raise AssertionError("the variant key took the descriptor's repr")
 
 
+def test_workers_ready_each_compiled_variant_for_its_first_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each variant's handles (its binary loaded, its C launcher built) are readied on the worker
+    that compiled it, once, inside the dry run; a result without the hook is left as it is."""
+    readied: list[str] = []
+
+    class Compiled:
+        def _init_handles(self) -> None:
+            readied.append(threading.current_thread().name)
+
+    def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> object:
+        assert warmup
+        return Compiled() if kwargs["BLOCK"] < 8 else "no hook"
+
+    monkeypatch.setattr(JITFunction, "run", run)
+    k = JITFunction(kernel)
+    with compiles_in_background(3):
+        for block in (2, 4, 2, 8):
+            k[(1,)](torch.zeros(4), 3, BLOCK=block)
+    assert len(readied) == 2
+    assert all(name.startswith("triton-compile") for name in readied)
+
+
 def test_descriptors_and_unspecialised_ints_share_a_variant(calls: list[dict[str, Any]]) -> None:
     """Every layer's weight of one shape is one variant (not one per tensor); an int the
     kernel does not specialise on (do_not_specialize) is one variant at any value."""

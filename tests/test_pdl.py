@@ -176,15 +176,16 @@ def test_single_edge_rows(
 def test_late_trigger_only_where_a_gemv_does_not_trigger_at_its_start(
     pdl_env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """INFERX_PDL_LATE (none by default): a GEMV at its rows triggers after its K loop (LATE),
+    """INFERX_PDL_LATE (1-64 by default): a GEMV at its rows triggers after its K loop (LATE),
     but only where it would not trigger at its start already (the chain, ALL, a caller's
-    edge); the LATE key is left out elsewhere, so the default variants stay as they were."""
+    edge); the LATE key is left out elsewhere and where it is "0"."""
     pdl_env("1")
-    monkeypatch.delenv("INFERX_PDL_LATE", raising=False)
+    monkeypatch.setenv("INFERX_PDL_LATE", "0")
+    pdl._late_rows.cache_clear()
     monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
     dev = torch.device("cpu")
     assert pdl.gemv_launch(dev, 1) == {"PDL": True, "TRIGGER": False, "launch_pdl": True}
-    monkeypatch.setenv("INFERX_PDL_LATE", "1-64")
+    monkeypatch.delenv("INFERX_PDL_LATE")
     pdl._late_rows.cache_clear()
     assert pdl.gemv_launch(dev, 1) == {
         "PDL": True,

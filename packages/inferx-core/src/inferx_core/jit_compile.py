@@ -11,6 +11,12 @@ pool and launches nothing, so the outputs of a forward pass run inside are garba
 it waits for every compile (and raises the first error). The real forward passes that follow
 find the variants in Triton's caches. A variant the dry run missed still compiles, at its
 first launch, as before.
+
+A worker also readies each variant for its first launch (`CompiledKernel._init_handles`):
+Triton loads the binary and, once per argument signature, builds a C launcher with the host's
+C compiler (~0.28 s each on the H200 machine). Left to the first launch, those builds ran one
+after another: 7 of them were 2.0 of the 2.3 s the 3B warm-up took on an empty cache
+(`benchmarks/cold_start.py --profile-phase warm_up`, session 19).
 """
 
 from __future__ import annotations
@@ -44,6 +50,16 @@ def _spec(value: Any, specialised: bool = True) -> Any:
     return ("other", repr(value))
 
 
+def _compile_and_ready(original: Any, fn: Any, args: Any, grid: Any, kwargs: Any) -> Any:
+    """The worker's part: compile the variant (Triton's own run, warmup=True) and ready it for
+    its first launch, where this Triton has the hook."""
+    kernel = original(fn, *args, grid=grid, warmup=True, **kwargs)
+    ready = getattr(kernel, "_init_handles", None)
+    if callable(ready):
+        ready()
+    return kernel
+
+
 def _unspecialised(fn: Any) -> set[str]:
     """Names of the arguments a triton.jit function does not specialise on (do_not_specialize)."""
     return {p.name for p in getattr(fn, "params", ()) if getattr(p, "do_not_specialize", False)}
@@ -51,8 +67,9 @@ def _unspecialised(fn: Any) -> set[str]:
 
 @contextlib.contextmanager
 def compiles_in_background(threads: int) -> Iterator[None]:
-    """Dry-run Triton launches: compile each distinct variant on one of `threads` workers and
-    launch nothing; wait for them on exit. A no-op without Triton or with threads < 2."""
+    """Dry-run Triton launches: compile (and ready) each distinct variant on one of `threads`
+    workers and launch nothing; wait for them on exit. A no-op without Triton or with
+    threads < 2."""
     try:
         from triton.runtime.jit import JITFunction
     except ImportError:
@@ -82,7 +99,7 @@ def compiles_in_background(threads: int) -> Iterator[None]:
             (k, _spec(v, k not in loose)) for k, v in kwargs.items())))  # fmt: skip
         with lock:
             if key not in futures:
-                futures[key] = pool.submit(original, self, *args, grid=grid, warmup=True, **kwargs)
+                futures[key] = pool.submit(_compile_and_ready, original, self, args, grid, kwargs)
         return None
 
     JITFunction.run = run

@@ -21,8 +21,9 @@ Measured on the H200 (BENCHMARKS.md, session 16): steps 22-49 µs faster at ever
 Both take "0", "1" (every row count) or row ranges ("5-8,33-64") for A/B runs, as do two
 single edges (session 18, default 1-48 each): INFERX_PDL_ATTENTION (QKV into the decode kernel,
 attention_early) and INFERX_PDL_NORM (down_proj into the next norm, norm_early); together 3B
-steps 5-97 µs faster at batch 1-48. INFERX_PDL_LATE (not measured yet, default none): GEMVs
-that do not trigger at their start trigger after their K loop (pdl_late).
+steps 5-97 µs faster at batch 1-48. INFERX_PDL_LATE (session 19, default 1-64): GEMVs that
+do not trigger at their start trigger after their K loop (pdl_late); batch-1 steps 12-20 µs
+faster on both models.
 Each GEMV program prefetching its first weight tiles into L2 before its wait was slower
 everywhere (session 16) and was removed; tma_reduce_linear instead loads its whole weight
 slice before its wait (into shared memory) and is faster at 1-4 rows (session 17).
@@ -91,12 +92,16 @@ __all__ = [
 # 1-16 level or 10-27 µs slower) and was removed.
 ATTENTION_ROWS = "1-48"
 NORM_ROWS = "1-48"
-# INFERX_PDL_LATE (not measured yet, default none): at its rows a GEMV that does not trigger at
-# its start (not in the chain, no single edge) triggers once its K loop is done (its LATE
-# constexpr): at batch 1 o_proj into gate_up and gate_up into down, the two plain edges left.
-# The next GEMV's launch and prologue overlap this one's tail, and its programs arrive when
-# this one's have all started, so they take no SM slots from it (the chain's loss at 1-2).
-LATE_ROWS = "0"
+# INFERX_PDL_LATE: at its rows a GEMV that does not trigger at its start (not in the chain, no
+# single edge) triggers once its K loop is done (its LATE constexpr): at batch 1 o_proj into
+# gate_up and gate_up into down, the two plain edges left. The next GEMV's launch and prologue
+# overlap this one's tail, and its programs arrive when this one's have all started, so they
+# take no SM slots from it (the chain's loss at 1-2). H200, profile_decode, ms a step, off ->
+# 1-64, two machines (session 19): 3B batch 1 2.062 -> 2.043 and 2.080 -> 2.063 (128 tokens),
+# 2.074 -> 2.071 and 2.098 -> 2.085 (640); 3B batch 24 and 32 20-27 µs faster at both lengths;
+# 8B batch 1 4.080 -> 4.060 (128), 4.097 -> 4.085 (640); elsewhere (3B 2-16, 48, 64; 8B 2-32)
+# within +-12 µs.
+LATE_ROWS = "1-64"
 ALL_ROWS = "2-16"
 ALL_MAX_WIDTH = 2048
 CHAIN_ROWS = "33-64"
