@@ -94,9 +94,9 @@ def test_on_for_hopper_unless_switched_off(pdl_env) -> None:
     pdl_env(None)
     off = {"PDL": False, "TRIGGER": False}
     assert pdl.pdl_enabled(dev) == hopper
-    assert pdl.gemv_launch(dev, 1) == (
-        {"PDL": True, "TRIGGER": False, "launch_pdl": True} if hopper else off
-    )
+    # the defaults: at one row a GEMV that does not trigger at its start triggers late
+    late = {"PDL": True, "TRIGGER": False, "launch_pdl": True, "LATE": True}
+    assert pdl.gemv_launch(dev, 1) == (late if hopper else off)
     assert pdl.between_launch(dev, 1, 2048) == ({"PDL": False, "TRIGGER": True} if hopper else off)
     # the defaults: ALL at 2-16 for layers up to 2048 wide, the chain at 33-64
     assert not pdl.between_launch(dev, 8, 4096)["PDL"]
