@@ -88,10 +88,11 @@ def test_row_range_settings_are_checked(pdl_env, value: str) -> None:
 
 @pytest.mark.gpu
 @on_gpu
-def test_on_for_hopper_unless_switched_off(pdl_env) -> None:
+def test_on_for_hopper_unless_switched_off(pdl_env, monkeypatch: pytest.MonkeyPatch) -> None:
     dev = torch.device("cuda")
     hopper = torch.cuda.get_device_capability() >= (9, 0)
-    pdl_env(None)
+    monkeypatch.delenv("INFERX_PDL_LATE", raising=False)  # the defaults, whatever the shell set
+    pdl_env(None)  # (and clears the settings' caches)
     off = {"PDL": False, "TRIGGER": False}
     assert pdl.pdl_enabled(dev) == hopper
     # the defaults: at one row a GEMV that does not trigger at its start triggers late
