@@ -613,10 +613,10 @@ class TritonAttention(TorchAttention):
                 f"triton attention: cos_sin must be [positions, {dim}] float32, got "
                 f"{tuple(cos_sin.shape)} {cos_sin.dtype}"
             )
+        rotary = (positions, cos_sin)
         if q.dim() == 4 or bias is not None:
-            rotary = (positions, cos_sin)
             return self._forward_parts(layer, (q, k, v), scale, rotary, bias, keep_splits)
-        return self._forward(layer, q, k, v, scale, (positions, cos_sin), keep_splits=keep_splits)
+        return self._forward(layer, q, k, v, scale, rotary, keep_splits=keep_splits)
 
     def _forward_parts(
         self,
