@@ -105,6 +105,25 @@ def test_answers_like_the_in_process_engine() -> None:
             assert resp.status == 200
 
 
+def test_step_trace_records_adds_and_steps(tmp_path, monkeypatch) -> None:
+    """INFERX_STEP_TRACE: the child writes a line per add and per step; the trace accounts for
+    every request (added once, running in some step) and ends idle."""
+    trace = tmp_path / "steps.txt"
+    monkeypatch.setenv("INFERX_STEP_TRACE", str(trace))  # the spawned child inherits it
+    with serve_in_process_engine() as remote:
+        for prompt in PROMPTS:
+            assert completion(remote.url, prompt, stream=True)[0] == 200
+    lines = [line.split() for line in trace.read_text().splitlines()]
+    adds = [f for f in lines if f[1] == "add"]
+    steps = [f for f in lines if f[1] == "step"]
+    assert [int(f[2]) for f in adds] == [1] * len(PROMPTS)
+    assert len(steps) >= len(PROMPTS) * 12 // 2  # 12 tokens each, one per step at best
+    times = [float(f[0]) for f in lines]
+    assert times == sorted(times)
+    assert all(float(f[2]) >= 0 and int(f[4]) <= 1 for f in steps)  # one request at a time
+    assert max(int(f[4]) for f in steps) == 1 and steps[-1][4] == "0"
+
+
 def test_a_dead_engine_process_fails_health_and_requests() -> None:
     with serve_in_process_engine() as remote:
         remote.engine.process.kill()

@@ -573,11 +573,16 @@ def test_tma_row_limits_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
     for name in ("INFERX_TMA_GEMV_MAX_ROWS", "INFERX_TMA_NORM_MAX_ROWS"):
         monkeypatch.delenv(name, raising=False)
     ops = TritonOps()
-    assert (ops.tma_gemv_max_rows, ops.tma_norm_max_rows) == (64, 8)
+    # The norm's limit by the hidden size (session 20): 3B's 2048 at one row, 8B's 4096 at 4.
+    assert ops.tma_gemv_max_rows == 64 and ops.tma_norm_max_rows is None
+    assert [ops.norm_max_rows(k) for k in (896, 2048, 3584, 4096, 8192)] == [1, 1, 4, 4, 4]
     monkeypatch.setenv("INFERX_TMA_GEMV_MAX_ROWS", "128")  # past 64 only for A/B runs
     monkeypatch.setenv("INFERX_TMA_NORM_MAX_ROWS", "0")
     ops = TritonOps()
     assert (ops.tma_gemv_max_rows, ops.tma_norm_max_rows) == (128, 0)
+    assert ops.norm_max_rows(2048) == ops.norm_max_rows(4096) == 0
+    monkeypatch.setenv("INFERX_TMA_NORM_MAX_ROWS", "8")
+    assert TritonOps().norm_max_rows(2048) == 8
     monkeypatch.setenv("INFERX_TMA_GEMV_MAX_ROWS", "129")
     with pytest.raises(ValueError, match="INFERX_TMA_GEMV_MAX_ROWS must be an integer 0..128"):
         TritonOps()
@@ -701,6 +706,7 @@ def test_tiny_model_logits_with_tma_norm(name: str, monkeypatch: pytest.MonkeyPa
     TorchOps'."""
     monkeypatch.setenv("INFERX_TMA_NORM", "1")
     monkeypatch.setenv("INFERX_TMA_NORM_QKV", "1")
+    monkeypatch.setenv("INFERX_TMA_NORM_MAX_ROWS", "8")  # the tiny hidden size's default is 1
     cfg = CONFIGS[name]
     weights = model_weights(cfg, seed=13)
     calls = count_tma_norm(monkeypatch)

@@ -80,6 +80,17 @@ def env_int(name: str, default: int, lo: int, hi: int) -> int:
     return int(value)
 
 
+def fused_norm_max_rows(k: int) -> int:
+    """The default row limit of the post-attention norm inside gate_up (tma_norm_linear), by the
+    hidden size k; past it the norm runs alone and gate_up as tma_gated. H200 decode steps at
+    640 tokens, limit 8 -> 1 (session 20, profile_decode, two rounds): 3B (k 2048) batch 2
+    2.200 / 2.211 -> 2.163 / 2.148 ms, 4 2.268 / 2.275 -> 2.238 / 2.251, 8 2.289 / 2.297 ->
+    2.259 / 2.271. Llama-3.1-8B (k 4096), 8 -> 1: batch 2 4.199 -> 4.205, 4 4.314 -> 4.344 (a
+    loss), 8 4.652 -> 4.563; so 4 there. At 8 rows every fused program re-reads all the rows'
+    fp32 parts and residual from L2 (~160 KB at 3B), which costs more than the norm's launch."""
+    return 1 if k <= 2048 else 4
+
+
 def gated_rows(value: str) -> tuple[int, int]:
     """INFERX_GATED_GEMV_ROWS as the (lo, hi) rows a step takes the gated GEMV at: "LO-HI",
     "N" (1-N) or "0" (never: an empty range)."""
@@ -124,7 +135,7 @@ class TritonOps(KernelOps):
         # a decode step's QKV as K-slice parts; gate_up whole) on tma_linear_parts instead of
         # cuBLAS / torch.bmm. Descriptors are built on the host per call, so it is meant for
         # CUDA-graph steps. tma_norm_linear: the post-attention norm inside gate_up (SiLU-and-mul
-        # after) at 1..tma_norm_max_rows rows; the input norm inside the QKV GEMM only under
+        # after) at 1..norm_max_rows(K) rows; the input norm inside the QKV GEMM only under
         # INFERX_TMA_NORM_QKV=1 (9.5 µs against 7.0 unfused at 3B, 20.1 against 17.4 at 8B).
         # Both on, H200 decode steps (profile_decode, session 13), off -> on: 3B batch 1 2.502
         # -> 2.254 ms, batch 8 2.437 -> 2.372; 8B batch 1 4.462 -> 4.119, batch 8 4.549 ->
@@ -137,13 +148,18 @@ class TritonOps(KernelOps):
         # (65-128 rows only for A/B runs: unmeasured.)
         self.tma_gemv_max_rows = env_int("INFERX_TMA_GEMV_MAX_ROWS", 64, 0, TMA_MAX_ROWS)
         # tma_gated: gate_up and SiLU-and-mul as one tma_linear_silu_and_mul launch where the
-        # norm is not fused (9..tma_gemv_max_rows rows), ahead of the gated GEMV. H200 steps at
-        # 640 tokens, off -> on (session 14): 3B batch 16 2.554 -> 2.524 ms, 32 2.733 -> 2.694,
-        # 64 3.063 -> 2.984; 8B batch 16 4.773 -> 4.718, 32 5.266 -> 5.203, 64 6.055 -> 5.953.
+        # norm is not fused (past the norm's row limit, to tma_gemv_max_rows rows), ahead of
+        # the gated GEMV. H200 steps at 640 tokens, off -> on (session 14): 3B batch 16 2.554
+        # -> 2.524 ms, 32 2.733 -> 2.694, 64 3.063 -> 2.984; 8B batch 16 4.773 -> 4.718, 32
+        # 5.266 -> 5.203, 64 6.055 -> 5.953.
         self.tma_gated = env_switch("INFERX_TMA_GATED", default=True)
         self.tma_norm = env_switch("INFERX_TMA_NORM", default=True)
         self.tma_norm_qkv = env_switch("INFERX_TMA_NORM_QKV", default=False)
-        self.tma_norm_max_rows = env_int("INFERX_TMA_NORM_MAX_ROWS", 8, 0, MAX_ROWS)
+        # None: fused_norm_max_rows(K) by the model's hidden size; INFERX_TMA_NORM_MAX_ROWS sets
+        # one limit for every shape (A/B runs).
+        self.tma_norm_max_rows: int | None = None
+        if "INFERX_TMA_NORM_MAX_ROWS" in os.environ:
+            self.tma_norm_max_rows = env_int("INFERX_TMA_NORM_MAX_ROWS", 0, 0, MAX_ROWS)
         # K-slices of the split TMA GEMMs (o_proj, down_proj, QKV; INFERX_TMA_PARTS, 1-8 for
         # A/B): 4 as DenseLinear's split, the only count measured in the model so far.
         self.tma_parts = env_int("INFERX_TMA_PARTS", SPLIT_PARTS, 1, 8)
@@ -284,6 +300,12 @@ class TritonOps(KernelOps):
         sms = 132 if self._interpret else _num_sms(x.device)
         return plain_config(n, parts, sms, x.shape[0], gated, x.element_size())
 
+    def norm_max_rows(self, k: int) -> int:
+        """Rows up to which a norm runs inside the GEMM after it, for a hidden size of k."""
+        if self.tma_norm_max_rows is not None:
+            return self.tma_norm_max_rows
+        return fused_norm_max_rows(k)
+
     def _fuses_norm(self, linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> bool:
         """Whether tma_norm_linear can run this norm and GEMM: an unquantized layer, x
         [S, rows <= tma_norm_max_rows, K] parts on a Hopper or newer GPU (or under the
@@ -292,7 +314,7 @@ class TritonOps(KernelOps):
             isinstance(linear, DenseLinear)
             and self._tma_device(x)
             and x.dim() == 3
-            and x.shape[1] <= self.tma_norm_max_rows
+            and x.shape[1] <= self.norm_max_rows(x.shape[-1])
             and x.dtype == linear.weight.dtype
             and tma_input_problem(residual, linear.weight) is None
         )

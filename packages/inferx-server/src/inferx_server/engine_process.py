@@ -69,6 +69,7 @@ def _child(conn: Connection, factory: Callable[[], Any]) -> None:
         conn.send(("dead", exc))
         return
     conn.send(("ready", engine.tokenizer, engine.max_model_len, checkpoint_source(engine)))
+    trace = StepTrace.from_env()
     try:
         while True:
             if not engine.has_work() and not conn.poll(_BEAT_S):
@@ -79,15 +80,49 @@ def _child(conn: Connection, factory: Callable[[], Any]) -> None:
                 if msg[0] == "stop":
                     return
                 _command(engine, conn, msg)
+                if trace and msg[0] == "add":
+                    trace.add(len(msg[2]))
             if engine.has_work():
+                start = time.monotonic()
                 outputs = engine.step()
-                conn.send(("out", outputs, time.monotonic(), engine.scheduler.stats()))
+                stats = engine.scheduler.stats()
+                conn.send(("out", outputs, time.monotonic(), stats))
+                if trace:
+                    trace.step(start, len(outputs), stats)
     except (EOFError, BrokenPipeError):  # the parent went away
         return
     except BaseException as exc:  # noqa: BLE001
         log.exception("the engine process died")
         with contextlib.suppress(OSError, ValueError):
             conn.send(("dead", exc))
+
+
+class StepTrace:
+    """INFERX_STEP_TRACE=FILE: one line per add and per engine step, written by the child, for
+    reading how a burst of requests meets the steps (benchmarks, not production):
+        <monotonic s> add <requests>
+        <monotonic s> step <ms> <outputs> <running> <waiting>"""
+
+    def __init__(self, path: str) -> None:
+        self.file = open(path, "a", buffering=1 << 16)  # noqa: SIM115 - lives with the child
+
+    @classmethod
+    def from_env(cls) -> StepTrace | None:
+        import os
+
+        path = os.environ.get("INFERX_STEP_TRACE")
+        return cls(path) if path else None
+
+    def add(self, requests: int) -> None:
+        self.file.write(f"{time.monotonic():.6f} add {requests}\n")
+
+    def step(self, start: float, outputs: int, stats: Any) -> None:
+        ms = (time.monotonic() - start) * 1e3
+        self.file.write(
+            f"{start:.6f} step {ms:.3f} {outputs} {stats.running} {stats.waiting}\n"
+        )
+        if outputs == 0 or stats.running == 0:
+            self.file.flush()
 
 
 def _command(engine: Any, conn: Connection, msg: tuple) -> None:
