@@ -118,9 +118,7 @@ class StepTrace:
 
     def step(self, start: float, outputs: int, stats: Any) -> None:
         ms = (time.monotonic() - start) * 1e3
-        self.file.write(
-            f"{start:.6f} step {ms:.3f} {outputs} {stats.running} {stats.waiting}\n"
-        )
+        self.file.write(f"{start:.6f} step {ms:.3f} {outputs} {stats.running} {stats.waiting}\n")
         if outputs == 0 or stats.running == 0:
             self.file.flush()
 
