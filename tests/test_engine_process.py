@@ -105,6 +105,15 @@ def test_answers_like_the_in_process_engine() -> None:
             assert resp.status == 200
 
 
+def read_trace(path: Any) -> dict[str, list[list[str]]]:
+    """INFERX_STEP_TRACE's lines by kind (add, step, gc), each split into its fields."""
+    kinds: dict[str, list[list[str]]] = {"add": [], "step": [], "gc": []}
+    for line in path.read_text().splitlines():
+        fields = line.split()
+        kinds[fields[1]].append(fields)
+    return kinds
+
+
 def test_step_trace_records_adds_and_steps(tmp_path, monkeypatch) -> None:
     """INFERX_STEP_TRACE: the child writes a line per add and per step; the trace accounts for
     every request (added once, running in some step) and ends idle."""
@@ -113,15 +122,46 @@ def test_step_trace_records_adds_and_steps(tmp_path, monkeypatch) -> None:
     with serve_in_process_engine() as remote:
         for prompt in PROMPTS:
             assert completion(remote.url, prompt, stream=True)[0] == 200
-    lines = [line.split() for line in trace.read_text().splitlines()]
-    adds = [f for f in lines if f[1] == "add"]
-    steps = [f for f in lines if f[1] == "step"]
+    lines = read_trace(trace)
+    adds, steps = lines["add"], lines["step"]
     assert [int(f[2]) for f in adds] == [1] * len(PROMPTS)
+    assert all(0 <= float(f[3]) < 10_000 for f in adds)  # ms from the server's hand-over
     assert len(steps) >= len(PROMPTS) * 12 // 2  # 12 tokens each, one per step at best
-    times = [float(f[0]) for f in lines]
-    assert times == sorted(times)
+    times = [float(f[0]) for f in adds + steps]
     assert all(float(f[2]) >= 0 and int(f[4]) <= 1 for f in steps)  # one request at a time
     assert max(int(f[4]) for f in steps) == 1 and steps[-1][4] == "0"
+    assert min(times) == float(adds[0][0]) and max(times) == float(steps[-1][0])
+
+
+def test_add_window_gathers_a_burst_into_one_step(tmp_path, monkeypatch) -> None:
+    """INFERX_ADD_WINDOW_MS: an idle engine that takes a request goes on taking the others a
+    burst sends over the next few ms, and its first step prefills them all."""
+    trace = tmp_path / "steps.txt"
+    monkeypatch.setenv("INFERX_STEP_TRACE", str(trace))
+    monkeypatch.setenv("INFERX_ADD_WINDOW_MS", "50")
+    with serve_in_process_engine() as remote:
+        threads = [threading.Thread(target=completion, args=(remote.url, p, True)) for p in PROMPTS]
+        for t in threads:
+            t.start()
+            time.sleep(0.002)
+        for t in threads:
+            t.join(30)
+    lines = read_trace(trace)
+    assert len(lines["add"]) == len(PROMPTS)
+    first = lines["step"][0]
+    assert float(first[0]) > max(float(f[0]) for f in lines["add"])
+    assert int(first[4]) == len(PROMPTS)  # all running after the first step
+
+
+@pytest.mark.parametrize("value", ["x", "-1", "51", ""])
+def test_add_window_refuses_bad_values(value: str, monkeypatch) -> None:
+    from inferx_server.engine_process import _add_window_s
+
+    monkeypatch.setenv("INFERX_ADD_WINDOW_MS", value)
+    with pytest.raises(ValueError, match="INFERX_ADD_WINDOW_MS must be a number of ms"):
+        _add_window_s()
+    monkeypatch.setenv("INFERX_ADD_WINDOW_MS", "2.5")
+    assert _add_window_s() == 0.0025
 
 
 def test_a_dead_engine_process_fails_health_and_requests() -> None:

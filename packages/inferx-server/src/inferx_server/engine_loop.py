@@ -292,7 +292,7 @@ class _PipeInbox:
         if kind == "add":
             sub: Submission = arg
             self.adding[id(sub)] = sub
-            self._queue.put(("add", id(sub), sub.rids, sub.items))
+            self._queue.put(("add", id(sub), sub.rids, sub.items, sub.arrival))
         elif kind == "abort":
             rids, notify = arg
             self._queue.put(("abort", rids, notify))

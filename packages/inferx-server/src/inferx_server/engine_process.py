@@ -6,7 +6,7 @@ event loop's per-SSE-event work compete; at 256 streams they no longer both fit 
 GPU) and runs the step loop; the server process keeps tokenizing, the HTTP API and SSE. They
 talk over one duplex pipe of pickled messages:
 
-    parent -> child: ("add", key, rids, items) | ("abort", rids, notify) | ("stop",)
+    parent -> child: ("add", key, rids, items, handed) | ("abort", rids, notify) | ("stop",)
     child -> parent: ("ready", tokenizer, max_model_len, name_source)
                      ("settled", key, error or None)   add accepted, or refused with error
                      ("out", outputs, time, stats)     one step's RequestOutputs
@@ -70,18 +70,18 @@ def _child(conn: Connection, factory: Callable[[], Any]) -> None:
         return
     conn.send(("ready", engine.tokenizer, engine.max_model_len, checkpoint_source(engine)))
     trace = StepTrace.from_env()
+    window = _add_window_s()
     try:
         while True:
-            if not engine.has_work() and not conn.poll(_BEAT_S):
+            idle = not engine.has_work()
+            if idle and not conn.poll(_BEAT_S):
                 conn.send(("beat", engine.scheduler.stats()))
                 continue
-            while conn.poll():
-                msg = conn.recv()
-                if msg[0] == "stop":
-                    return
-                _command(engine, conn, msg)
-                if trace and msg[0] == "add":
-                    trace.add(len(msg[2]))
+            if not _take_commands(engine, conn, trace, 0.0):
+                return
+            # Idle until now: the rest of a burst may be on its way (INFERX_ADD_WINDOW_MS).
+            if idle and window and not _take_commands(engine, conn, trace, window):
+                return
             if engine.has_work():
                 start = time.monotonic()
                 outputs = engine.step()
@@ -97,14 +97,50 @@ def _child(conn: Connection, factory: Callable[[], Any]) -> None:
             conn.send(("dead", exc))
 
 
+def _take_commands(engine: Any, conn: Connection, trace: StepTrace | None, wait: float) -> bool:
+    """Run every command already in the pipe, and any that arrives in the next `wait` seconds;
+    False when one was "stop"."""
+    deadline = time.monotonic() + wait
+    while conn.poll(max(0.0, deadline - time.monotonic())):
+        msg = conn.recv()
+        if msg[0] == "stop":
+            return False
+        _command(engine, conn, msg)
+        if trace and msg[0] == "add":
+            trace.add(len(msg[2]), msg[4])
+    return True
+
+
+def _add_window_s() -> float:
+    """INFERX_ADD_WINDOW_MS (0-50, default 0), for A/B runs: after an idle engine takes a
+    request, how long it goes on taking others before it steps, so that a burst's prompts share
+    one prefill step instead of the first running alone while the rest queue behind it."""
+    import os
+
+    value = os.environ.get("INFERX_ADD_WINDOW_MS", "0")
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = -1.0
+    if not 0 <= ms <= 50:
+        raise ValueError(f"INFERX_ADD_WINDOW_MS must be a number of ms, 0..50; got {value!r}")
+    return ms / 1e3
+
+
 class StepTrace:
-    """INFERX_STEP_TRACE=FILE: one line per add and per engine step, written by the child, for
-    reading how a burst of requests meets the steps (benchmarks, not production):
-        <monotonic s> add <requests>
-        <monotonic s> step <ms> <outputs> <running> <waiting>"""
+    """INFERX_STEP_TRACE=FILE: one line per add, per engine step and per garbage collection,
+    written by the child, for reading how a burst of requests meets the steps (benchmarks, not
+    production). Times are time.monotonic() seconds, one clock for both processes:
+        <taken> add <requests> <ms since the server handed it to its engine loop>
+        <start> step <ms> <outputs> <running> <waiting>
+        <start> gc <generation> <ms> <objects collected>"""
 
     def __init__(self, path: str) -> None:
         self.file = open(path, "a", buffering=1 << 16)  # noqa: SIM115 - lives with the child
+        self._gc_start = 0.0
+        import gc
+
+        gc.callbacks.append(self._gc)
 
     @classmethod
     def from_env(cls) -> StepTrace | None:
@@ -113,8 +149,9 @@ class StepTrace:
         path = os.environ.get("INFERX_STEP_TRACE")
         return cls(path) if path else None
 
-    def add(self, requests: int) -> None:
-        self.file.write(f"{time.monotonic():.6f} add {requests}\n")
+    def add(self, requests: int, handed: float) -> None:
+        now = time.monotonic()
+        self.file.write(f"{now:.6f} add {requests} {(now - handed) * 1e3:.3f}\n")
 
     def step(self, start: float, outputs: int, stats: Any) -> None:
         ms = (time.monotonic() - start) * 1e3
@@ -122,12 +159,21 @@ class StepTrace:
         if outputs == 0 or stats.running == 0:
             self.file.flush()
 
+    def _gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start = time.monotonic()
+            return
+        ms = (time.monotonic() - self._gc_start) * 1e3
+        self.file.write(
+            f"{self._gc_start:.6f} gc {info['generation']} {ms:.3f} {info['collected']}\n"
+        )
+
 
 def _command(engine: Any, conn: Connection, msg: tuple) -> None:
     from inferx_server.engine_loop import abort_requests, add_requests
 
     if msg[0] == "add":
-        _, key, rids, items = msg
+        _, key, rids, items, _handed = msg
         conn.send(("settled", key, add_requests(engine, rids, items)))
     elif msg[0] == "abort" and (outs := abort_requests(engine, *msg[1:])):
         conn.send(("out", outs, time.monotonic(), engine.scheduler.stats()))
