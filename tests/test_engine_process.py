@@ -133,37 +133,6 @@ def test_step_trace_records_adds_and_steps(tmp_path, monkeypatch) -> None:
     assert min(times) == float(adds[0][0]) and max(times) == float(steps[-1][0])
 
 
-def test_add_window_gathers_a_burst_into_one_step(tmp_path, monkeypatch) -> None:
-    """INFERX_ADD_WINDOW_MS: an idle engine that takes a request goes on taking the others a
-    burst sends over the next few ms, and its first step prefills them all."""
-    trace = tmp_path / "steps.txt"
-    monkeypatch.setenv("INFERX_STEP_TRACE", str(trace))
-    monkeypatch.setenv("INFERX_ADD_WINDOW_MS", "50")
-    with serve_in_process_engine() as remote:
-        threads = [threading.Thread(target=completion, args=(remote.url, p, True)) for p in PROMPTS]
-        for t in threads:
-            t.start()
-            time.sleep(0.002)
-        for t in threads:
-            t.join(30)
-    lines = read_trace(trace)
-    assert len(lines["add"]) == len(PROMPTS)
-    first = lines["step"][0]
-    assert float(first[0]) > max(float(f[0]) for f in lines["add"])
-    assert int(first[4]) == len(PROMPTS)  # all running after the first step
-
-
-@pytest.mark.parametrize("value", ["x", "-1", "51", ""])
-def test_add_window_refuses_bad_values(value: str, monkeypatch) -> None:
-    from inferx_server.engine_process import _add_window_s
-
-    monkeypatch.setenv("INFERX_ADD_WINDOW_MS", value)
-    with pytest.raises(ValueError, match="INFERX_ADD_WINDOW_MS must be a number of ms"):
-        _add_window_s()
-    monkeypatch.setenv("INFERX_ADD_WINDOW_MS", "2.5")
-    assert _add_window_s() == 0.0025
-
-
 def test_a_dead_engine_process_fails_health_and_requests() -> None:
     with serve_in_process_engine() as remote:
         remote.engine.process.kill()

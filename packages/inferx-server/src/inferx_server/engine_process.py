@@ -70,18 +70,18 @@ def _child(conn: Connection, factory: Callable[[], Any]) -> None:
         return
     conn.send(("ready", engine.tokenizer, engine.max_model_len, checkpoint_source(engine)))
     trace = StepTrace.from_env()
-    window = _add_window_s()
     try:
         while True:
-            idle = not engine.has_work()
-            if idle and not conn.poll(_BEAT_S):
+            if not engine.has_work() and not conn.poll(_BEAT_S):
                 conn.send(("beat", engine.scheduler.stats()))
                 continue
-            if not _take_commands(engine, conn, trace, 0.0):
-                return
-            # Idle until now: the rest of a burst may be on its way (INFERX_ADD_WINDOW_MS).
-            if idle and window and not _take_commands(engine, conn, trace, window):
-                return
+            while conn.poll():
+                msg = conn.recv()
+                if msg[0] == "stop":
+                    return
+                _command(engine, conn, msg)
+                if trace and msg[0] == "add":
+                    trace.add(len(msg[2]), msg[4])
             if engine.has_work():
                 start = time.monotonic()
                 outputs = engine.step()
@@ -95,36 +95,6 @@ def _child(conn: Connection, factory: Callable[[], Any]) -> None:
         log.exception("the engine process died")
         with contextlib.suppress(OSError, ValueError):
             conn.send(("dead", exc))
-
-
-def _take_commands(engine: Any, conn: Connection, trace: StepTrace | None, wait: float) -> bool:
-    """Run every command already in the pipe, and any that arrives in the next `wait` seconds;
-    False when one was "stop"."""
-    deadline = time.monotonic() + wait
-    while conn.poll(max(0.0, deadline - time.monotonic())):
-        msg = conn.recv()
-        if msg[0] == "stop":
-            return False
-        _command(engine, conn, msg)
-        if trace and msg[0] == "add":
-            trace.add(len(msg[2]), msg[4])
-    return True
-
-
-def _add_window_s() -> float:
-    """INFERX_ADD_WINDOW_MS (0-50, default 0), for A/B runs: after an idle engine takes a
-    request, how long it goes on taking others before it steps, so that a burst's prompts share
-    one prefill step instead of the first running alone while the rest queue behind it."""
-    import os
-
-    value = os.environ.get("INFERX_ADD_WINDOW_MS", "0")
-    try:
-        ms = float(value)
-    except ValueError:
-        ms = -1.0
-    if not 0 <= ms <= 50:
-        raise ValueError(f"INFERX_ADD_WINDOW_MS must be a number of ms, 0..50; got {value!r}")
-    return ms / 1e3
 
 
 class StepTrace:
