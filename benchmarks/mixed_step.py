@@ -115,6 +115,8 @@ def main() -> None:
     ap.add_argument("--decodes", default="0,8,64")
     ap.add_argument("--chunks", default="16,128,512,2048")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile-decodes", type=int, default=64, help="decodes of the profiled step")
+    ap.add_argument("--profile-chunk", type=int, default=512, help="its prompt chunk")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -165,12 +167,16 @@ def main() -> None:
         while engine.has_work():
             engine.step()
 
-    # Where one eager step's host time goes: 64 decodes beside a 512-token chunk.
-    ids = [engine.add_request(random_prompt(vocab, 128, rng), long) for _ in range(64)]
+    # Where one step's host time goes: --profile-decodes decodes beside a --profile-chunk
+    # chunk (64 and 512 by default).
+    ids = [
+        engine.add_request(random_prompt(vocab, 128, rng), long)
+        for _ in range(args.profile_decodes)
+    ]
     while any(engine.requests[i].seq.num_output < 2 for i in ids):
         engine.step()
     timer.profiler = cProfile.Profile()
-    rid = engine.add_request(random_prompt(vocab, 512, rng), one)
+    rid = engine.add_request(random_prompt(vocab, args.profile_chunk, rng), one)
     while rid in engine.requests and engine.requests[rid].seq.num_computed == 0:
         engine.step()
     timer.profiler, prof = None, timer.profiler
@@ -195,7 +201,9 @@ def main() -> None:
             },
             "rows": rows,
             "launch_costs_us": costs,
-            "cprofile_64_decodes_512_chunk": profile_text,
+            "cprofile_decodes": args.profile_decodes,
+            "cprofile_chunk": args.profile_chunk,
+            "cprofile": profile_text,
         }
         Path(args.json).write_text(json.dumps(doc, indent=1))
 
