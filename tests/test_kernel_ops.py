@@ -676,18 +676,28 @@ def test_tiny_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPa
 
 
 @interpreted
+@pytest.mark.parametrize("norm", ["0", "default"])
 @pytest.mark.parametrize("name", ["llama3-scaled", "qwen2-tied"])
-def test_tiny_model_logits_with_tma_gated(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """INFERX_TMA_GATED=1, the norm fusion off: every gate_up of up to 64 rows (the 27-row
-    prefill, the 6- and 4-row steps) with its SiLU-and-mul in one tma_linear_silu_and_mul
-    launch, ahead of the gated GEMV; logits stay the torch reference's."""
+def test_tiny_model_logits_with_tma_gated(
+    name: str, norm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """INFERX_TMA_GATED=1, the norm fusion off, or on with its default row limit (one row at
+    these hidden sizes): every gate_up of up to 64 rows (the 27-row prefill, the 6- and 4-row
+    steps) with its SiLU-and-mul in one tma_linear_silu_and_mul launch, ahead of the gated
+    GEMV, and no norm inside a GEMM; logits stay the torch reference's."""
     monkeypatch.setenv("INFERX_TMA_GATED", "1")
-    monkeypatch.setenv("INFERX_TMA_NORM", "0")
+    monkeypatch.delenv("INFERX_TMA_NORM_MAX_ROWS", raising=False)
+    if norm == "0":
+        monkeypatch.setenv("INFERX_TMA_NORM", "0")
+    else:
+        monkeypatch.delenv("INFERX_TMA_NORM", raising=False)
     cfg = CONFIGS[name]
     weights = model_weights(cfg, seed=17)
     calls = spy_calls(monkeypatch, "tma_linear_silu_and_mul", lambda x, *_: x.shape[0])
+    fused = count_tma_norm(monkeypatch)
     ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, TorchAttention)
     assert sorted(calls) == sorted([27, 6, 4] * cfg["num_hidden_layers"])
+    assert fused == []
     assert_steps_match_torch_ops(cfg, weights, ours)
 
 

@@ -308,7 +308,7 @@ class TritonOps(KernelOps):
 
     def _fuses_norm(self, linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> bool:
         """Whether tma_norm_linear can run this norm and GEMM: an unquantized layer, x
-        [S, rows <= tma_norm_max_rows, K] parts on a Hopper or newer GPU (or under the
+        [S, rows <= norm_max_rows(K), K] parts on a Hopper or newer GPU (or under the
         interpreter)."""
         return (
             isinstance(linear, DenseLinear)
