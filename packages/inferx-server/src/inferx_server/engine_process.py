@@ -22,8 +22,10 @@ which then overlap the child's start-up.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import multiprocessing as mp
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -39,8 +41,6 @@ def build_engine(config: Any) -> Any:
     """The default factory: the Engine a config describes (runs in the child). On a CPU, unless
     engine.threads says otherwise, torch leaves one core to the HTTP process: its threads
     spinning on every core made a tiny model's tokens 2-3x slower."""
-    import os
-
     import torch
 
     from inferx_core.engine import Engine
@@ -108,14 +108,10 @@ class StepTrace:
     def __init__(self, path: str) -> None:
         self.file = open(path, "a", buffering=1 << 16)  # noqa: SIM115 - lives with the child
         self._gc_start = 0.0
-        import gc
-
         gc.callbacks.append(self._gc)
 
     @classmethod
     def from_env(cls) -> StepTrace | None:
-        import os
-
         path = os.environ.get("INFERX_STEP_TRACE")
         return cls(path) if path else None
 
