@@ -14,7 +14,6 @@ from inferx_core.interfaces.ops import KernelOps, check_parts
 from inferx_core.quant_none import SPLIT_PARTS, DenseLinear
 from inferx_kernels_cuda import fused_kernels as kernels
 from inferx_kernels_cuda.gemv import MAX_ROWS, skinny_linear
-from inferx_kernels_cuda.l2_prefetch import l2_prefetch
 from inferx_kernels_cuda.pdl import attention_early, between_launch, norm_early
 from inferx_kernels_cuda.tma_gemv import MAX_ROWS as TMA_MAX_ROWS
 from inferx_kernels_cuda.tma_gemv import (
@@ -79,21 +78,6 @@ def env_int(name: str, default: int, lo: int, hi: int) -> int:
     if not value.isdigit() or not lo <= int(value) <= hi:
         raise ValueError(f"{name} must be an integer {lo}..{hi}; got {value!r}")
     return int(value)
-
-
-def env_fraction(name: str, default: float) -> float:
-    """A fraction 0..1 from the environment (unset: default), refused with the variable's name
-    otherwise."""
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    try:
-        out = float(value)
-    except ValueError:
-        out = -1.0
-    if not 0.0 <= out <= 1.0:
-        raise ValueError(f"{name} must be a fraction 0..1; got {value!r}")
-    return out
 
 
 def fused_norm_max_rows(k: int) -> int:
@@ -185,19 +169,6 @@ class TritonOps(KernelOps):
         # 16) steps were level at batch 1, 8 and 64 and 13 µs faster at 16 only, so it stays
         # off; INFERX_EMBED_INDEX=1 for A/B.
         self.embed_index = env_switch("INFERX_EMBED_INDEX", default=False)
-
-        # L2 prefetch of the MLP's first weight bytes on a side stream (l2_prefetch.py), for
-        # decode steps of 1..l2_prefetch_rows rows: INFERX_L2_PREFETCH = the fraction of each
-        # gate_up row, INFERX_L2_PREFETCH_DOWN = of each down_proj K-slice row (0: off), forked
-        # at INFERX_L2_PREFETCH_AT ("qkv": after the QKV launch; "layer": before the layer).
-        self.l2_gate_up = env_fraction("INFERX_L2_PREFETCH", 0.0)
-        self.l2_down = env_fraction("INFERX_L2_PREFETCH_DOWN", 0.0)
-        self.l2_at = os.environ.get("INFERX_L2_PREFETCH_AT", "qkv")
-        if self.l2_at not in ("qkv", "layer"):
-            raise ValueError(f"INFERX_L2_PREFETCH_AT must be qkv or layer; got {self.l2_at!r}")
-        self.l2_prefetch_rows = env_int("INFERX_L2_PREFETCH_ROWS", 64, 0, TMA_MAX_ROWS)
-        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._side_pending: set[torch.device] = set()
 
     def embedding(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_index:
@@ -417,33 +388,6 @@ class TritonOps(KernelOps):
             trigger = attention_early(x.device, x.shape[0])
             return self._tma(x, linear.weight, self.tma_parts, trigger), linear.bias
         return linear.forward_split(x)
-
-    def prefetch_mlp(
-        self, gate_up: torch.nn.Module, down: torch.nn.Module, x: torch.Tensor, at: str
-    ) -> None:
-        if at != self.l2_at or not (self.l2_gate_up or self.l2_down) or self._interpret:
-            return
-        if not (x.is_cuda and _has_tma(x.device)) or x.shape[-2] > self.l2_prefetch_rows:
-            return
-        rows = x.shape[-2]
-        side = self._side_streams.get(x.device)
-        if side is None:
-            side = self._side_streams[x.device] = torch.cuda.Stream(x.device)
-        side.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(side):
-            if self.l2_gate_up and isinstance(gate_up, DenseLinear):
-                l2_prefetch(gate_up.weight, self.l2_gate_up)
-            if self.l2_down and isinstance(down, DenseLinear) and rows <= self.tma_gemv_max_rows:
-                cfg = self._tma_config(x[-1], down.weight.shape[0], self.tma_parts)
-                k = down.weight.shape[1]
-                k_per_split = triton.cdiv(triton.cdiv(k, self.tma_parts), cfg.block_k) * cfg.block_k
-                l2_prefetch(down.weight, self.l2_down, k_per_split)
-        self._side_pending.add(x.device)
-
-    def join_side_work(self, x: torch.Tensor) -> None:
-        if x.is_cuda and x.device in self._side_pending:
-            torch.cuda.current_stream(x.device).wait_stream(self._side_streams[x.device])
-            self._side_pending.discard(x.device)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Two launches: each row's maximum and first index per segment of argmax_segment

@@ -123,23 +123,15 @@ class Attention(nn.Module):
         return self._attend(positions, self.qkv_proj(x)[None], None, parts)
 
     def forward_normed(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        norm: RMSNorm,
-        mlp: nn.Module | None = None,
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """forward(norm(x, residual, parts=True), parts=True) and the norm's new residual: x
         is the partial results of the sublayer before. Where the backend takes QKV parts, the
-        norm and the QKV GEMM are one ops call (ops.rms_norm_linear_split), and the `mlp` after
-        (gate_up_proj, down_proj) is named to ops.prefetch_mlp once it is launched."""
+        norm and the QKV GEMM are one ops call (ops.rms_norm_linear_split)."""
         if self._takes_parts():
             qkv, bias, residual = self.ops.rms_norm_linear_split(
                 x, norm.weight, norm.eps, residual, self.qkv_proj
             )
-            if mlp is not None:
-                self.ops.prefetch_mlp(mlp.gate_up_proj, mlp.down_proj, x, "qkv")
             return self._attend(positions, qkv, bias, True), residual
         h, residual = norm(x, residual, parts=True)
         return self.forward(positions, h, parts=True), residual

@@ -84,14 +84,12 @@ class DecoderLayer(nn.Module):
         self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (this layer's MLP output as parts, the residual stream before it was added)."""
-        mlp = self.mlp
-        mlp.ops.prefetch_mlp(mlp.gate_up_proj, mlp.down_proj, h, "layer")
         if residual is None:
             residual = h
             h = self.self_attn(positions, self.input_layernorm(h), parts=True)
         else:
             h, residual = self.self_attn.forward_normed(
-                positions, h, residual, self.input_layernorm, mlp
+                positions, h, residual, self.input_layernorm
             )
         return self.mlp.forward_normed(h, residual, self.post_attention_layernorm)
 
@@ -125,7 +123,6 @@ class LlamaModel(nn.Module):
             h, residual = layer(positions, h, residual)
         if residual is None:
             return self.norm(h)  # a model with no layers
-        self.ops.join_side_work(h)
         return self.norm(h, residual, parts=True)[0]
 
 

@@ -87,21 +87,6 @@ class KernelOps(ABC):
         """The rows of weight [vocab, hidden] at token ids: a model's input embeddings."""
         return torch.nn.functional.embedding(ids, weight)
 
-    def prefetch_mlp(
-        self, gate_up: torch.nn.Module, down: torch.nn.Module, x: torch.Tensor, at: str
-    ) -> None:
-        """A hint, which changes no result: the MLP (gate_up, down) will soon read its weights,
-        for rows like x's [..., rows, K]; `at` names the point of the layer this is called
-        from ("layer": before its attention; "qkv": after the QKV GEMM). A kernel package may
-        pull the weights' first bytes into a cache beside the kernels in between, on work the
-        model's forward joins through join_side_work before it returns."""
-        return None
-
-    def join_side_work(self, x: torch.Tensor) -> None:
-        """Make the current stream wait for work prefetch_mlp started beside it (x: any tensor
-        on the device)."""
-        return None
-
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """x.argmax(1) of [rows, vocab] logits (int64 [rows]): greedy sampling's token per row,
         the first index among equal maxima. A kernel package may reduce a row in more programs
