@@ -353,8 +353,8 @@ def decode_kernel(
         rot_dtype = q_ptr.dtype.element_ty
         cos = _rounded(tl.load(cs + half_d), rot_dtype)
         sin = _rounded(tl.load(cs + HEAD_DIM // 2 + half_d), rot_dtype)
+    lo, hi = _split_range(ctx, split, split_len, SEQ_SPLIT, BLOCK_N)
     if EARLY:  # the metadata above is loaded; q, k and v (the QKV GEMV's) come after the wait
-        lo, hi = _split_range(ctx, split, split_len, SEQ_SPLIT, BLOCK_N)
         pdl_start(PDL, TRIGGER)
     if ROTARY:
         q_bias_offs = head[:, None] * HEAD_DIM
@@ -372,8 +372,6 @@ def decode_kernel(
     m = tl.full([GROUP_PAD], _NO_MAX, tl.float32)
     row_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    if not EARLY:  # in source order, as measured
-        lo, hi = _split_range(ctx, split, split_len, SEQ_SPLIT, BLOCK_N)
     if ROTARY:
         slot = tl.load(slot_ptr + row).to(tl.int64)
         owner = (slot >= 0) & (lo <= ctx - 1) & (ctx - 1 < hi)
