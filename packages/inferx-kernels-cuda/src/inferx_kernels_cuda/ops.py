@@ -161,7 +161,9 @@ class TritonOps(KernelOps):
         if "INFERX_TMA_NORM_MAX_ROWS" in os.environ:
             self.tma_norm_max_rows = env_int("INFERX_TMA_NORM_MAX_ROWS", 0, 0, MAX_ROWS)
         # K-slices of the split TMA GEMMs (o_proj, down_proj, QKV; INFERX_TMA_PARTS, 1-8 for
-        # A/B): 4 as DenseLinear's split, the only count measured in the model so far.
+        # A/B): 4 as DenseLinear's split. H200 3B steps (session 21), ms at batch 1 / 8: 2
+        # slices 2.271 / 2.340, 4 2.068 / 2.240, 8 2.795 / 2.264 (the fused norm in gate_up
+        # re-reads every part); batch 64 at 640 tokens: 4 2.927, 8 3.009.
         self.tma_parts = env_int("INFERX_TMA_PARTS", SPLIT_PARTS, 1, 8)
         # embed_index: the embedding lookup as weight[ids] (torch's index kernel) instead of
         # F.embedding (index_select). On the H200 index_select's small-index kernel took 7.6 and
