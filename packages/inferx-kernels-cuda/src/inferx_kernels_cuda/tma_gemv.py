@@ -264,14 +264,20 @@ def _launch(
     return out
 
 
-def _prefetch_args(weight: torch.Tensor, rows: int, prefetch: bool) -> dict:
+def _prefetch_args(
+    weight: torch.Tensor, rows: int, prefetch: bool, with_k: bool = True
+) -> dict[str, object]:
     """The PREFETCH arguments of a GEMV launch (none unless pdl.prefetch_tiles asks for some,
-    so the default variants stay as measured)."""
+    so the default variants stay as measured); with_k: the kernel takes K as `k` from here
+    (tma_norm_gemv_kernel has its own)."""
     tiles = prefetch_tiles(weight.device, rows) if prefetch else 0
     if not tiles:
         return {}
-    return {"w_ptr": weight, "stride_w": weight.stride(0), "k": weight.shape[1],
-            "PREFETCH": tiles, "ELEM": weight.element_size()}  # fmt: skip
+    args = {"w_ptr": weight, "stride_w": weight.stride(0), "PREFETCH": tiles,
+            "ELEM": weight.element_size()}  # fmt: skip
+    if with_k:
+        args["k"] = weight.shape[1]
+    return args
 
 
 # --- The norm before a decode GEMM, in the GEMM ------------------------------------------------
@@ -526,7 +532,7 @@ def tma_norm_linear(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **gemv_launch(x.device, m),
-        **_prefetch_args(weight, m, gated),
+        **_prefetch_args(weight, m, gated, with_k=False),
     )  # fmt: skip
     return out, new_residual
 
