@@ -45,7 +45,6 @@ def pdl_env(monkeypatch: pytest.MonkeyPatch):
             pdl._late_rows,
             pdl._chain,
             pdl._all,
-            pdl._prefetch_tiles,
         ):
             setting.cache_clear()
 
@@ -85,21 +84,6 @@ def test_row_range_settings_are_checked(pdl_env, value: str) -> None:
         pdl._chain_rows()
     with pytest.raises(ValueError, match="INFERX_PDL_ALL"):
         pdl._all_rows()
-
-
-@pytest.mark.parametrize("value", ["9", "-1", "two", "1.5"])
-def test_prefetch_setting_is_checked(pdl_env, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
-    monkeypatch.setenv("INFERX_PDL_PREFETCH", value)
-    pdl_env("1")
-    with pytest.raises(ValueError, match="INFERX_PDL_PREFETCH"):
-        pdl._prefetch_tiles()
-
-
-def test_no_prefetch_without_pdl(pdl_env, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("INFERX_PDL_PREFETCH", "2")
-    pdl_env("1")
-    assert pdl._prefetch_tiles() == 2
-    assert pdl.prefetch_tiles(torch.device("cpu"), 1) == 0
 
 
 @pytest.mark.gpu
@@ -236,7 +220,7 @@ def test_attention_early_on_hopper(pdl_env, monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("mode", ["default", "chain", "all", "norm", "late", "prefetch"])
+@pytest.mark.parametrize("mode", ["default", "chain", "all", "norm", "late"])
 @pytest.mark.parametrize("rows", [1, 8])
 def test_gemvs_wait_for_their_producers_inside_a_graph(
     pdl_env, monkeypatch: pytest.MonkeyPatch, mode: str, rows: int
@@ -247,19 +231,16 @@ def test_gemvs_wait_for_their_producers_inside_a_graph(
     "chain": each GEMV also lets the next kernel launch early; "all": that, and the norms launch
     with PDL too; "norm" (INFERX_PDL_NORM): the down GEMV triggers and the last norm launches
     with PDL; "late" (INFERX_PDL_LATE, ALL off): the GEMVs that do not trigger at their start
-    trigger after their K loop; "prefetch": "late" and gate_up's and down's programs ask L2 for
-    their first 2 weight tiles before their wait (INFERX_PDL_PREFETCH). Each replay's inputs
-    are fresh: a kernel that ran ahead of its producer would read the last replay's values."""
+    trigger after their K loop. Each replay's inputs are fresh: a kernel that ran ahead of its
+    producer would read the last replay's values."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the TMA GEMVs and PDL need Hopper")
-    all_ = {"all": "1", "late": "0", "prefetch": "0"}.get(mode)
-    monkeypatch.setenv("INFERX_PDL_PREFETCH", "2" if mode == "prefetch" else "0")
+    all_ = {"all": "1", "late": "0"}.get(mode)
     pdl_env("1", "1" if mode == "chain" else None, all_)
-    if mode in ("late", "prefetch"):
+    if mode == "late":
         monkeypatch.setenv("INFERX_PDL_LATE", "1-64")
         pdl._late_rows.cache_clear()
         assert pdl.gemv_launch(torch.device("cuda"), rows).get("LATE")
-        assert pdl.prefetch_tiles(torch.device("cuda"), rows) == (2 if mode == "prefetch" else 0)
     if mode == "norm":
         monkeypatch.setenv("INFERX_PDL_NORM", "1-64")
         pdl._norm_rows.cache_clear()
@@ -295,7 +276,7 @@ def test_gemvs_wait_for_their_producers_inside_a_graph(
             True,
             norm_config(rows, 1, gated=True),
         )
-        down = tma_linear_parts(act, w_down, 1, None, pdl.norm_early(dev, rows), True)
+        down = tma_linear_parts(act, w_down, 1, None, pdl.norm_early(dev, rows))
         final = ops.rms_norm(down[0], norm_w, eps)
         return y, normed, summed, qkv, new_res, act, down, final
 

@@ -289,15 +289,10 @@ class TritonOps(KernelOps):
         return self._interpret or (x.is_cuda and _has_tma(x.device))
 
     def _tma(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        parts: int,
-        trigger: bool = False,
-        prefetch: bool = False,
+        self, x: torch.Tensor, weight: torch.Tensor, parts: int, trigger: bool = False
     ) -> torch.Tensor:
         cfg = self._tma_config(x, weight.shape[0], parts)
-        return tma_linear_parts(x, weight, parts, cfg, trigger, prefetch)
+        return tma_linear_parts(x, weight, parts, cfg, trigger)
 
     def _tma_config(
         self, x: torch.Tensor, n: int, parts: int, gated: bool = False
@@ -360,15 +355,13 @@ class TritonOps(KernelOps):
     def linear_parts(
         self, linear: torch.nn.Module, x: torch.Tensor | SplitAttention
     ) -> torch.Tensor:
-        after_gemv = not isinstance(x, SplitAttention)  # down_proj (or an unsplit o_proj)
         if isinstance(x, SplitAttention):
             if self._takes_reduce(linear, x):
                 return tma_reduce_linear(x, linear.weight, self.tma_parts)
             x = x.reduce().flatten(1)
         if linear.bias is None and self._takes_tma(linear, x):
             # where INFERX_PDL_NORM takes the rows, the norm after it launches early
-            early = norm_early(x.device, x.shape[0])
-            return self._tma(x, linear.weight, self.tma_parts, early, after_gemv)
+            return self._tma(x, linear.weight, self.tma_parts, norm_early(x.device, x.shape[0]))
         return linear.forward_parts(x)
 
     def _takes_reduce(self, linear: torch.nn.Module, splits: SplitAttention) -> bool:

@@ -66,7 +66,6 @@ __all__ = [
     "pdl_enabled",
     "pdl_late",
     "pdl_start",
-    "prefetch_tiles",
     "row_ranges",
 ]
 
@@ -231,25 +230,6 @@ def pdl_enabled(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     return _enabled(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _prefetch_tiles() -> int:
-    """INFERX_PDL_PREFETCH: the weight tiles (K steps) a GEMV program launched behind a late
-    trigger asks L2 for before its wait; 0 (the default) none, up to 8 (A/B runs)."""
-    value = os.environ.get("INFERX_PDL_PREFETCH", "0").strip()
-    if not value.isdigit() or int(value) > 8:
-        raise ValueError(f"INFERX_PDL_PREFETCH: 0-8 weight tiles, got {value!r}")
-    return int(value)
-
-
-def prefetch_tiles(device: torch.device, rows: int) -> int:
-    """INFERX_PDL_PREFETCH's tiles at `rows` rows, where the GEMV before a caller's GEMV
-    triggers late (INFERX_PDL_LATE's rows, not the chain's): its programs then arrive only
-    after that GEMV's loads, while its epilogue leaves HBM idle. 0 with PDL off."""
-    if not pdl_enabled(device) or _chain(rows) or not in_ranges(rows, _late_rows()):
-        return 0
-    return _prefetch_tiles()
 
 
 def gemv_launch(device: torch.device, rows: int, trigger: bool = False) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from inferx_core.interfaces.attention import SplitAttention
 from inferx_kernels_cuda.fused_kernels import _rounded, silu_times
-from inferx_kernels_cuda.pdl import gemv_launch, pdl_late, pdl_start, prefetch_tiles
+from inferx_kernels_cuda.pdl import gemv_launch, pdl_late, pdl_start
 from inferx_kernels_cuda.triton_kernels import _seq_split_len
 
 # Rows of x a launch takes (TritonOps runs them to tma_gemv_max_rows, 64 by default; 65-128 are
@@ -87,39 +87,6 @@ def _products(w_desc, x, acc, acc_up, n0, col, up_row, GATED: tl.constexpr, UPCA
     return acc, acc_up
 
 
-@triton.jit
-def _prefetch_rows(w_ptr, stride_w, row0, row_end, col0, k, BLOCK_N: tl.constexpr,
-                   COLS: tl.constexpr, ELEM: tl.constexpr):  # fmt: skip
-    """Ask L2 for COLS columns from col0 (cut at k) of weight rows row0.. (none from row_end):
-    one bulk prefetch a row (Hopper's cp.async.bulk.prefetch.L2), nothing waited for."""
-    rows = row0 + tl.arange(0, BLOCK_N)
-    start = w_ptr + rows.to(tl.int64) * stride_w + col0
-    size = tl.minimum(COLS, k - col0) * ELEM // 16 * 16
-    size = tl.where(rows < row_end, size, 0).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [start, size],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
-def _prefetch_tiles(w_ptr, stride_w, n0, n, k0, k, up_row, GATED: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                    ELEM: tl.constexpr):  # fmt: skip
-    """INFERX_PDL_PREFETCH (pdl.prefetch_tiles): this program's first PREFETCH weight tiles
-    (and its up rows' with GATED) asked of L2 before its PDL wait."""
-    if PREFETCH > 0:
-        _prefetch_rows(w_ptr, stride_w, n0, n, k0, k, BLOCK_N, PREFETCH * BLOCK_K, ELEM)
-        if GATED:
-            _prefetch_rows(w_ptr, stride_w, up_row + n0, up_row + n, k0, k, BLOCK_N,
-                           PREFETCH * BLOCK_K, ELEM)  # fmt: skip
-
-
 # m only masks the stores: not specialised on (m == 1, m % 16), so one compile serves every
 # row count of a BLOCK_M (the graph ladder's 1, 2-8 and 16 share one).
 @triton.jit(do_not_specialize=["m"])
@@ -142,24 +109,16 @@ def tma_gemv_kernel(
     PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,
     LATE: tl.constexpr = False,
-    w_ptr=None,
-    stride_w=0,
-    k=0,
-    PREFETCH: tl.constexpr = 0,
-    ELEM: tl.constexpr = 2,
 ):
     """Grid (row blocks, splits): out[s, :, rows] = x[:, ks] @ W[rows, ks].T, ks = split s's
     k_per_split columns (a multiple of BLOCK_K; the last split's run past K reads zeros).
     GATED (one split): W holds gate rows, then up rows from up_row; out [m, n] = silu(gate) *
     up for gate rows n, each rounded as silu_and_mul after the GEMM rounds them. PDL, TRIGGER,
-    LATE: inferx_kernels_cuda.pdl; w_ptr (W, stride_w apart, K columns k) serves PREFETCH
-    only (_prefetch_tiles)."""
+    LATE: inferx_kernels_cuda.pdl."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     n0 = pid_n * BLOCK_N
     k0 = pid_s * k_per_split
-    _prefetch_tiles(w_ptr, stride_w, n0, n, k0, k, up_row, GATED, BLOCK_N, BLOCK_K, PREFETCH,
-                    ELEM)  # fmt: skip
     pdl_start(PDL, TRIGGER)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -207,13 +166,11 @@ def tma_linear_parts(
     parts: int = 1,
     config: TmaGemvConfig | None = None,
     trigger: bool = False,
-    prefetch: bool = False,
 ) -> torch.Tensor:
     """[parts, M, N] partial products of x [M <= MAX_ROWS, K] and weight [N, K] over equal
     slices of K (their sum is F.linear(x, weight) up to rounding), in x's dtype. trigger: let
-    the next kernel launch early (PDL) whatever the rows. prefetch: the GEMV ahead triggers
-    late, so INFERX_PDL_PREFETCH applies (pdl.prefetch_tiles)."""
-    return _launch(x, weight, parts, False, config or TmaGemvConfig(), trigger, prefetch)
+    the next kernel launch early (PDL) whatever the rows."""
+    return _launch(x, weight, parts, False, config or TmaGemvConfig(), trigger)
 
 
 def tma_linear_silu_and_mul(
@@ -237,7 +194,6 @@ def _launch(
     gated: bool,
     cfg: TmaGemvConfig,
     trigger: bool = False,
-    prefetch: bool = False,
 ) -> torch.Tensor:
     name = "tma_linear_silu_and_mul" if gated else "tma_linear_parts"
     problem = input_problem(x, weight, parts, name)
@@ -259,25 +215,8 @@ def _launch(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **gemv_launch(x.device, m, trigger),
-        **_prefetch_args(weight, m, prefetch),
     )  # fmt: skip
     return out
-
-
-def _prefetch_args(
-    weight: torch.Tensor, rows: int, prefetch: bool, with_k: bool = True
-) -> dict[str, object]:
-    """The PREFETCH arguments of a GEMV launch (none unless pdl.prefetch_tiles asks for some,
-    so the default variants stay as measured); with_k: the kernel takes K as `k` from here
-    (tma_norm_gemv_kernel has its own)."""
-    tiles = prefetch_tiles(weight.device, rows) if prefetch else 0
-    if not tiles:
-        return {}
-    args = {"w_ptr": weight, "stride_w": weight.stride(0), "PREFETCH": tiles,
-            "ELEM": weight.element_size()}  # fmt: skip
-    if with_k:
-        args["k"] = weight.shape[1]
-    return args
 
 
 # --- The norm before a decode GEMM, in the GEMM ------------------------------------------------
@@ -385,24 +324,17 @@ def tma_norm_gemv_kernel(
     PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,
     LATE: tl.constexpr = False,
-    w_ptr=None,
-    stride_w=0,
-    PREFETCH: tl.constexpr = 0,
-    ELEM: tl.constexpr = 2,
 ):
     """Grid (row blocks, S_OUT splits). h = sum of the S_IN parts [S_IN, m, k] (rounded once)
     + residual [m, k] (rounded), as rms_norm_kernel; x = h * norm weight; out[s, :, rows] =
     (x[:, ks] @ W[rows, ks].T) / rms(h) for split s's columns ks. GATED (S_OUT 1): W holds gate
     rows then up rows from up_row, out [m, n] = silu(gate) * up for gate rows n. Rows are
     loaded ROWS (>= m, a power of two) at a time, repeated to BLOCK_M (>= 16) for the dot.
-    PDL, TRIGGER, LATE: inferx_kernels_cuda.pdl; w_ptr, stride_w, PREFETCH, ELEM: as
-    tma_gemv_kernel's."""
+    PDL, TRIGGER, LATE: inferx_kernels_cuda.pdl."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     n0 = pid_n * BLOCK_N
     k0 = pid_s * k_per_split
-    _prefetch_tiles(w_ptr, stride_w, n0, n, k0, k, up_row, GATED, BLOCK_N, BLOCK_K, PREFETCH,
-                    ELEM)  # fmt: skip
     pdl_start(PDL, TRIGGER)
     dtype = parts_ptr.dtype.element_ty
     rows = tl.arange(0, ROWS)
@@ -532,7 +464,6 @@ def tma_norm_linear(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **gemv_launch(x.device, m),
-        **_prefetch_args(weight, m, gated, with_k=False),
     )  # fmt: skip
     return out, new_residual
 
