@@ -25,8 +25,9 @@ steps 5-97 µs faster at batch 1-48. INFERX_PDL_LATE (session 19, default 1-64):
 do not trigger at their start trigger after their K loop (pdl_late); batch-1 steps 12-20 µs
 faster on both models.
 Each GEMV program prefetching its first weight tiles into L2 before its wait was slower
-everywhere (session 16; behind a late trigger too, session 21) and was removed; tma_reduce_linear instead loads its whole weight
-slice before its wait (into shared memory) and is faster at 1-4 rows (session 17).
+everywhere (session 16; behind a late trigger too, session 21) and was removed;
+tma_reduce_linear instead loads its whole weight slice before its wait (into shared memory)
+and is faster at 1-4 rows (session 17).
 PDL on the small kernels themselves, behind cuBLAS GEMMs, measured slower in session 5: its
 edges cost more than the launches they hid.
 
