@@ -23,7 +23,8 @@
 #   tests: test_gpu_correctness runs FlashInfer too; without .carry/fi carried, FlashInfer
 #   compiles its kernels inside it (minutes on a fresh machine).
 #   (default: tests bench). table: issue 4's whole table, both models (benchmarks/h200_table.py,
-#   bounded to ~7.5 min after set-up); table-3b / table-8b: one model each, for two calls.
+#   bounded to ~7.5 min after set-up, TABLE_BUDGET s); table-3b / table-8b: one model each, for
+#   two calls. TABLE_SERVE_ROUNDS=N: each concurrency N times, the median's figures reported.
 # demo: the real demo model on the GPU. Its GGUF (98 MB) cannot travel in one call (64 MiB with
 #   the tracked tree, 5.7 MB): here, xz it (90.5 MB) and split it so that the first part fits
 #   beside .whl (24 MB) and the tokenizers (3 MB):
@@ -249,7 +250,8 @@ for step in "${steps[@]}"; do
         table-8b) models=llama-3.1-8b-instruct; name=h200-table-8b ;;
       esac
       python3 benchmarks/h200_table.py --models $models --tokenizers .carry/tok/tokenizers \
-        --budget-s ${TABLE_BUDGET:-450} --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" ;;
+        --budget-s ${TABLE_BUDGET:-450} --serve-rounds ${TABLE_SERVE_ROUNDS:-1} \
+        --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" ;;
     *) echo "gpu_run.sh: unknown step $step" >&2; exit 2 ;;
   esac
 done

@@ -36,7 +36,18 @@ def errors(node: Any, path: str = "") -> list[str]:
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
-    return run_table(tmp_path_factory.mktemp("table"))
+    return run_table(tmp_path_factory.mktemp("table"), "--serve-rounds", "2")
+
+
+def table_module(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """h200_table.py imported as a module."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # its own imports (commit_id) live there
+    spec = importlib.util.spec_from_file_location("h200_table", SCRIPT)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "h200_table", mod)  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def test_every_figure_is_measured(quick: tuple[dict[str, Any], str]) -> None:
@@ -55,6 +66,8 @@ def test_every_figure_is_measured(quick: tuple[dict[str, Any], str]) -> None:
         assert r["server_input_tokens_per_request"] == 32  # token-exact text prompts
         assert r["total_output_tokens"] == prompts * 8
         assert r["output_throughput"] > 0 and r["ttft_ms"]["mean"] > 0 and r["itl_ms"]["p99"] > 0
+        # --serve-rounds 2: both runs' throughputs kept, the lower (the median of two) reported
+        assert len(r["rounds_tok_s"]) == 2 and r["output_throughput"] == min(r["rounds_tok_s"])
     off, server = res["startup"]["offline"], res["startup"]["server"]
     assert off["spawn_to_ready_s"] > off["engine_s"] > 0 and "weights" in off["parts_s"]
     assert isinstance(off["triton_compiled"], int) and off["triton_compiled"] >= 0
@@ -72,15 +85,20 @@ def test_the_table_prints(quick: tuple[dict[str, Any], str]) -> None:
     assert all(row.split(" | ")[1].strip() for row in rows), rows  # every figure has a value
     assert "error" not in stdout and "unreadable" not in stdout
     assert "Triton kernels compiled" in stdout  # the offline engine's start-up compiles
+    assert sum("(median of 2: " in row for row in rows) == 2  # the two online rows
+
+
+def test_median_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = table_module(monkeypatch)
+    runs = [{"output_throughput": t, "run": i} for i, t in enumerate([300.0, 100.0, 200.0])]
+    r = mod.median_round(runs)
+    assert (r["run"], r["output_throughput"], r["rounds_tok_s"]) == (2, 200.0, [300, 100, 200])
+    assert "rounds_tok_s" not in mod.median_round(runs[:1])
+    assert mod.median_round(runs[:2])["run"] == 1  # the lower middle of an even count
 
 
 def test_peers_and_errors_render(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # its own imports (commit_id) live there
-    spec = importlib.util.spec_from_file_location("h200_table", SCRIPT)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "h200_table", mod)  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
+    mod = table_module(monkeypatch)
     res = {"decode": {"error": "RuntimeError: CUDA error: out of memory\nmore"},
            "serve": {"64": {"error": "skipped: the time budget was spent"}}}  # fmt: skip
     text = mod.table("qwen2.5-3b-instruct", res, mod.Sizes())
@@ -108,3 +126,9 @@ def test_unknown_figure_is_refused() -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--only", "decode,latency"],
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 2 and "unknown figure(s) latency" in proc.stderr
+
+
+def test_serve_rounds_are_checked() -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--serve-rounds", "0"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and "--serve-rounds must be at least 1" in proc.stderr
