@@ -17,8 +17,9 @@ each run, median of 5 after a warm-up of the same length), throughput (256 promp
 256 out, after a warm-up batch), serve (`inferx-server` in a child process, loaded through HTTP
 by `inferx-bench serve`'s client at concurrency 1, 8, 64, 256 with 512-token text prompts that
 the model's tokenizer encodes to exactly 512 tokens, 256 out, ignore_eos; --serve-rounds N
-runs each concurrency N times on the one server and reports the run of median throughput,
-with every run's beside it), startup (spawn to ready of both processes, and the engine's own
+runs each concurrency N times on the one server, each round on fresh prompts (a repeated
+prompt would hit the prefix cache), and reports the run of median throughput, with every
+run's beside it), startup (spawn to ready of both processes, and the engine's own
 report of where the time and memory went).
 
 Engine settings, the same for every figure of a model: bf16, attention `triton` (`auto` would
@@ -489,10 +490,18 @@ def load(
     return summary
 
 
-def serve_prompts(run: Run, preset: str) -> dict[int, list[str]]:
+def serve_prompts(run: Run, preset: str) -> dict[int, list[list[str]]]:
+    """Each concurrency's prompts, one fresh set a round: the server caches prefixes, so a round
+    that repeated the last one's prompts would skip their prefill."""
     s = run.sizes
     tok_dir = Path(run.args.tokenizers) / tokenizer_name(preset)
-    return {c: exact_prompts(tok_dir, s.serve_in, s.num_prompts(c), seed=c) for c in s.concurrency}
+    return {
+        c: [
+            exact_prompts(tok_dir, s.serve_in, s.num_prompts(c), seed=c + 1000 * i)
+            for i in range(s.serve_rounds)
+        ]
+        for c in s.concurrency
+    }
 
 
 def triton_kernels() -> set[str]:
@@ -511,7 +520,7 @@ def triton_kernels() -> set[str]:
 def run_serve(
     run: Run,
     preset: str,
-    prompts: dict[int, list[str]],
+    prompts: dict[int, list[list[str]]],
     deadline: float,
     fallback: bool,
     serve: dict[str, Any],
@@ -564,7 +573,7 @@ def run_serve(
                         if i and left < 10:
                             break  # the rounds done so far stand
                         kernels = triton_kernels()
-                        r = load(url, model, prompts[c], c, s, min(SERVE_RUN_CAP_S, left))
+                        r = load(url, model, prompts[c][i], c, s, min(SERVE_RUN_CAP_S, left))
                         # Kernels compiled mid-run: start-up's warm-up should have done them all.
                         r["triton_compiled"] = sorted(triton_kernels() - kernels)
                         rounds.append(r)
