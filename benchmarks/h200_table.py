@@ -585,12 +585,15 @@ def run_serve(
                         )
                     serve[str(c)] = median_round(rounds)
                 except Exception as exc:
-                    serve[str(c)] = error_of(exc)
+                    failed = error_of(exc)
                     if isinstance(exc, TimeoutError):  # larger loads would overrun too
                         skip = f"skipped: the run at {c} clients overran its time"
                     if proc.poll() is not None:
-                        serve[str(c)]["error"] += f"\nserver log:\n{log_tail(log)}"
+                        failed["error"] += f"\nserver log:\n{log_tail(log)}"
                         skip = "skipped: the server died"
+                    serve[str(c)] = failed
+                    if rounds:  # the rounds done before the failure stand, the failure beside
+                        serve[str(c)] = {**median_round(rounds), "round_error": failed["error"]}
                 run.save()
         finally:
             startup["exit_code"] = stop(proc, grace=30)
@@ -732,6 +735,8 @@ def _serve(r: dict[str, Any]) -> str:
     rounds = r.get("rounds_tok_s") or []
     if len(rounds) > 1:
         text += f" (median of {len(rounds)}: {' / '.join(_num(t, 0) for t in rounds)})"
+    if "round_error" in r:
+        text += f"; a later round failed: {r['round_error'].splitlines()[0]}"
     return text + (f"; {r['failed']} failed" if r["failed"] else "")
 
 

@@ -97,6 +97,18 @@ def test_median_round(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (r["run"], r["output_throughput"], r["rounds_tok_s"]) == (2, 200.0, [300, 100, 200])
     assert "rounds_tok_s" not in mod.median_round(runs[:1])
     assert mod.median_round(runs[:2])["run"] == 1  # the lower middle of an even count
+    served = {
+        "output_throughput": 1234.0,
+        "ttft_ms": {"mean": 40.0},
+        "tpot_ms": {"mean": 2.3},
+        "itl_ms": {"median": 2.2, "p99": 2.8},
+        "failed": 0,
+        "rounds_tok_s": [1234.0, 1300.0],
+        "round_error": "TimeoutError: slow\nmore",
+    }
+    cell = mod._serve(served)
+    assert "1,234 tok/s" in cell and "(median of 2: 1,234 / 1,300)" in cell
+    assert cell.endswith("a later round failed: TimeoutError: slow")
 
 
 def test_each_serve_round_has_fresh_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
