@@ -301,3 +301,23 @@ def test_cold_start_names_the_kernels_compiled_after_the_dry_run(tmp_path) -> No
         "cuda_graphs": ["tma_gemv_kernel"],
     }
     assert late_compiles(str(tmp_path), {}) == {}
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs under the interpreter")
+@pytest.mark.parametrize("phases", [1, 3])
+def test_grid_barrier_bench_kernels_chain_their_phases(phases: int) -> None:
+    """bench_grid_barrier's phases, under the interpreter: a launch a phase over 4 programs,
+    and the persistent form over one program (the interpreter runs programs one after another,
+    so a barrier over more would wait forever): the last phase's slots hold the phase count."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from bench_grid_barrier import run_barrier, run_launches
+
+    buf = torch.zeros(phases + 1, 4, dtype=torch.int32)
+    run_launches(buf, 4, pdl=True)  # PDL is off on the CPU: plain launches
+    assert buf.tolist() == [[i] * 4 for i in range(phases + 1)]
+    one = torch.zeros(phases + 1, 1, dtype=torch.int32)
+    counter = torch.full((1,), 7, dtype=torch.int32)
+    run_barrier(one, counter, 1)
+    assert one.flatten().tolist() == list(range(phases + 1))
+    assert int(counter) == phases - 1  # reset, then one arrival per barrier
