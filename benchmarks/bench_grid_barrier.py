@@ -7,7 +7,8 @@ A small-batch decode layer is a chain of latency-bound kernels (norm, QKV, atten
 ~18 µs a layer for ~4.4 µs of bytes at 3B batch 1, BENCHMARKS.md session 21), each waiting for
 the one before. Each phase here does almost nothing: program p reads what program p + 1 wrote
 in the phase before and writes its own slot, so every phase depends on the whole grid's last.
-Inside one CUDA graph, µs a phase (median of 10 replays) for:
+Inside one CUDA graph (bench_gemv.graph_us: the whole chain captured GRAPH_CALLS times, median of
+10 replays), µs a phase for:
 
 - launches: a launch a phase;
 - pdl: a launch a phase with programmatic dependent launch (each triggers at its start and
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from bench_gemv import graph_us
 from commit_id import commit_id
 
 from inferx_kernels_cuda.pdl import pdl_enabled, pdl_start
@@ -85,27 +87,6 @@ def run_barrier(buf: torch.Tensor, counter: torch.Tensor, programs: int) -> None
     barrier_kernel[(programs,)](buf, counter, buf.shape[0] - 1, programs)
 
 
-def timed_us(call, phases: int) -> float:
-    """µs a phase of `call` captured in one CUDA graph: median over 10 replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile outside the capture
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    times = []
-    for _ in range(13):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / phases)
-    return sorted(times[3:])[5]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--programs", default="4,16,132")
@@ -132,7 +113,7 @@ def main() -> None:
             torch.cuda.synchronize()
             if not bool((buf[-1] == args.phases).all()):
                 raise SystemExit(f"{name} at {programs} programs: wrong result {buf[-1].tolist()}")
-            row[name] = timed_us(call, args.phases)
+            row[name] = graph_us(lambda _, call=call: call(), [buf]) / args.phases
         rows.append(row)
         print(f"{programs:>8} {row['launches']:>9.2f} {row['pdl']:>7.2f} {row['barrier']:>8.2f}")
     if args.json:
