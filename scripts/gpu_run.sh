@@ -6,7 +6,7 @@
 #   cp -r ../shared/fixtures/tokenizers/{qwen,llama3} .carry/tok/tokenizers/
 #   tar -C .carry/tok -cJf .carry/tokxz/tok.tar.xz tokenizers
 # then carry [".whl", ".carry/tokxz"] (unpacked below into .carry/tok on the machine).
-# Usage: bash scripts/gpu_run.sh [setup] [tests] [flashinfer] [profile] [pdl-edges] [pdl-late] [profile-prefill] [decode-variants] [breakdown] [gemv] [tma-gemv] [mixed] [regs] [tune] [tune-prefill] [split-gemm] [startup] [cold-start] [serve-ab] [bench] [demo]
+# Usage: bash scripts/gpu_run.sh [setup] [tests] [flashinfer] [profile] [pdl-edges] [pdl-late] [profile-prefill] [decode-variants] [breakdown] [gemv] [tma-gemv] [mixed] [barrier] [regs] [tune] [tune-prefill] [split-gemm] [startup] [cold-start] [serve-ab] [bench] [demo]
 #        [table | table-3b | table-8b]
 #   flashinfer: its conformance tests (FI_K: a pytest -k filter), then its compiled kernels packed into $OUT as
 #   fi-cache.tar.part-*: keep them in .carry/fi/ (31 MB) and carry .carry/fi in later runs
@@ -213,6 +213,11 @@ for step in "${steps[@]}"; do
       # 0 against 8 (COLD_ARGS: --variants, --preset, --warm ...).
       timeout 300 python3 benchmarks/cold_start.py --tokenizer $TOK --rounds ${COLD_ROUNDS:-2} \
         ${COLD_ARGS:-} --json "$OUT/cold-start.json" 2>&1 | grep -v -i warn ;;
+    barrier)
+      # benchmarks/bench_grid_barrier.py: a launch, a PDL launch and a grid barrier a phase
+      # (BARRIER_ARGS: --programs, --phases).
+      timeout 120 python3 benchmarks/bench_grid_barrier.py ${BARRIER_ARGS:-} \
+        --json "$OUT/grid-barrier.json" 2>&1 | grep -v -i warn ;;
     regs)
       # benchmarks/kernel_registers.py with this machine's Triton (REGS_ARGS: --group, --warps ...).
       timeout 200 python3 benchmarks/kernel_registers.py ${REGS_ARGS:---warps 2,4,8 --block-n 16,32,64} \
