@@ -13,6 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
+from conftest import interpreted  # noqa: E402
 from profile_decode import (  # noqa: E402
     gpu_records,
     group_table,
@@ -261,9 +262,7 @@ def test_cold_start_variants_parse_into_config_overrides() -> None:
     }
 
 
-@pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="runs the prefill kernel interpreted"
-)
+@interpreted
 def test_tune_prefill_attention_sweeps_the_grid(tmp_path: Path) -> None:
     """Toy sizes under the interpreter: every combination of the grid runs, is checked against
     the default's output and lands in the JSON with its time."""
@@ -303,7 +302,7 @@ def test_cold_start_names_the_kernels_compiled_after_the_dry_run(tmp_path) -> No
     assert late_compiles(str(tmp_path), {}) == {}
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs under the interpreter")
+@interpreted
 @pytest.mark.parametrize("phases", [1, 3])
 def test_grid_barrier_bench_kernels_chain_their_phases(phases: int) -> None:
     """bench_grid_barrier's phases, under the interpreter: a launch a phase over 4 programs,
