@@ -6,13 +6,15 @@
 
 Each round starts one child per variant (alternating), each with an empty TRITON_CACHE_DIR of
 its own unless --warm (then one shared directory, filled by a first unmeasured start), builds
-the offline engine (bf16, CUDA graphs, the default config otherwise) and reports spawn to ready
-and the engine's own parts (open, weights, profile, kv_cache, warm_up, cuda_graphs). On a fresh
-machine every Triton kernel variant compiles during start-up: this is issue 4's "start to
-ready" on a machine that has not run InferX before. On a cold cache it also names the kernels
-that compiled once the warm-up or the graph capture had begun: variants the start-up's one dry
-run missed, each a compile the phase waited for alone. --profile-phase runs that phase (warm_up,
-cuda_graphs or profile) under cProfile and prints where its host time went.
+the offline engine (bf16, CUDA graphs, the default config otherwise) and reports spawn to ready,
+the engine's own parts (open, weights, profile, kv_cache, warm_up, cuda_graphs) and the dry
+run's compiles: how many variants, their summed seconds against the wall time (how many ran
+side by side) and the longest. On a fresh machine every Triton kernel variant compiles during
+start-up: this is issue 4's "start to ready" on a machine that has not run InferX before. On a
+cold cache it also names the kernels that compiled once the warm-up or the graph capture had
+begun: variants the start-up's one dry run missed, each a compile the phase waited for alone.
+--profile-phase runs that phase (warm_up, cuda_graphs or profile) under cProfile and prints
+where its host time went.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ mark(cuda_graphs.DecodeGraphRunner, "capture", "cuda_graphs")
 llm = LLM(load_config(None, json.loads(sys.argv[1])))
 ex = llm.engine.executor
 print("RESULT " + json.dumps({"imports_s": imported - t0, "engine_s": time.time() - imported,
-                              "parts_s": dict(ex.report.seconds), "began": marks}), flush=True)
+                              "parts_s": dict(ex.report.seconds), "began": marks,
+                              "compiles": ex.report.compiles}), flush=True)
 """
 
 
@@ -109,6 +112,16 @@ def late_compiles(cache_dir: str, began: dict[str, float]) -> dict[str, list[str
     return {k: sorted(v) for k, v in out.items()}
 
 
+def compiles_line(compiles: dict[str, object]) -> str:
+    """The start-up dry run's compiles (LoadReport.compiles) in one line."""
+    pairs: list[tuple[str, float]] = compiles["longest"]  # type: ignore[assignment]
+    longest = ", ".join(f"{name} {s:.2f}" for name, s in pairs)
+    return (
+        f"{compiles['variants']} variants, {compiles['summed_s']:.1f} s of compiles in "
+        f"{compiles['wall_s']:.1f} s; longest: {longest}"
+    )
+
+
 def parse_variant(text: str) -> dict[str, object]:
     out: dict[str, object] = {}
     for item in text.split():
@@ -149,6 +162,8 @@ def main() -> None:
             assert isinstance(parts, dict)
             cells = " ".join(f"{parts.get(c, 0):11.2f}" for c in cols)
             print(f"{r:>5}  {v:40} {res['spawn_to_ready_s']:8.2f} {cells}", flush=True)
+            if res.get("compiles"):
+                print(f"       dry-run compiles: {compiles_line(res['compiles'])}", flush=True)
             if not shared:
                 began = res.get("began") or {}
                 assert isinstance(began, dict)

@@ -270,6 +270,7 @@ def offline_child(spec_path: str) -> int:
         "engine_s": engine_s,
         "parts_s": dict(report.seconds),
         "triton_compiled": compiled,
+        "compiles": getattr(report, "compiles", {}),  # the dry run's (jit_compile.summarize)
         "memory_gib": {k: v / GiB for k, v in getattr(report, "memory", {}).items()},
         "num_kv_blocks": ex.num_kv_blocks,
         "attention_backend": type(ex.attention).__name__,

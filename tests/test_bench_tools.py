@@ -262,6 +262,17 @@ def test_cold_start_variants_parse_into_config_overrides() -> None:
     }
 
 
+def test_cold_start_prints_the_dry_runs_compiles() -> None:
+    from cold_start import compiles_line
+
+    compiles = {"variants": 42, "wall_s": 6.04, "summed_s": 30.5,
+                "longest": [["decode_kernel", 4.25], ["tma_gemv_kernel", 3.1]]}  # fmt: skip
+    assert compiles_line(compiles) == (
+        "42 variants, 30.5 s of compiles in 6.0 s; "
+        "longest: decode_kernel 4.25, tma_gemv_kernel 3.10"
+    )
+
+
 @interpreted
 def test_tune_prefill_attention_sweeps_the_grid(tmp_path: Path) -> None:
     """Toy sizes under the interpreter: every combination of the grid runs, is checked against

@@ -5,12 +5,13 @@ are launches again. Triton's JITFunction.run is replaced by a recorder (no GPU h
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
 import torch
 
-from inferx_core.jit_compile import compiles_in_background
+from inferx_core.jit_compile import Compile, compiles_in_background, summarize
 
 triton = pytest.importorskip("triton")
 from triton.runtime.jit import JITFunction  # noqa: E402
@@ -91,6 +92,35 @@ def test_workers_ready_each_compiled_variant_for_its_first_launch(
             k[(1,)](torch.zeros(4), 3, BLOCK=block)
     assert len(readied) == 2
     assert all(name.startswith("triton-compile") for name in readied)
+
+
+def test_each_compile_is_recorded_and_summarized(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The list the block yields holds one record a variant, once the block is left: the
+    kernel's name, when its compile began and how long it took; summarize ranks them."""
+
+    def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> str:
+        time.sleep(0.05 * kwargs["BLOCK"])
+        return "compiled"
+
+    monkeypatch.setattr(JITFunction, "run", run)
+    k = JITFunction(kernel)
+    with compiles_in_background(2) as compiles:
+        for block in (1, 4, 1):
+            k[(1,)](torch.zeros(4), 3, BLOCK=block)
+    short, long = sorted(compiles, key=lambda c: c.seconds)
+    assert short.seconds >= 0.05 and long.seconds >= 0.2
+    assert [c.kernel for c in compiles] == ["kernel", "kernel"]
+    assert all(c.began_s >= 0 for c in compiles)
+    summary = summarize(compiles, wall_s=0.3, longest=1)
+    assert summary["variants"] == 2 and summary["wall_s"] == 0.3
+    assert summary["summed_s"] >= 0.25 and summary["longest"][0][1] >= 0.2
+    fixed = [Compile("a", 0.0, 1.0), Compile("b", 0.5, 3.0), Compile("c", 1.0, 2.0)]
+    assert summarize(fixed, 3.5, longest=2) == {
+        "variants": 3,
+        "wall_s": 3.5,
+        "summed_s": 6.0,
+        "longest": [["b", 3.0], ["c", 2.0]],
+    }
 
 
 def test_descriptors_and_unspecialised_ints_share_a_variant(calls: list[dict[str, Any]]) -> None:

@@ -12,6 +12,7 @@ import torch
 import inferx_core.executor as executor_mod
 from inferx_core.config import load_config
 from inferx_core.executor import GiB, LoadError, MemoryProfile, ModelRunner, kv_cache_blocks
+from inferx_core.jit_compile import Compile
 
 MiB = 1 << 20
 # A 100 GiB card: 1 GiB outside torch, 10 GiB of weights, 4 GiB of activations, 1 GiB of graphs.
@@ -145,7 +146,7 @@ def test_profiling_compiles_in_a_dry_run_first(monkeypatch: pytest.MonkeyPatch) 
     def background(threads: int):
         assert threads == 2
         dry.append(True)
-        yield
+        yield [Compile("decode_kernel", 0.0, 1.5), Compile("rms_norm_kernel", 0.1, 0.5)]
         dry.clear()
 
     class Ladder:  # a graph runner: what its dry run saw
@@ -168,6 +169,8 @@ def test_profiling_compiles_in_a_dry_run_first(monkeypatch: pytest.MonkeyPatch) 
     assert all(d and q in ([1], [1, 1], [1, 17], [1, 16]) for q, _, d in warm_up)
     assert runner.graphs.dry_runs == [True] and runner.mixed.dry_runs == [True]
     assert runner._compiled_ahead
+    assert runner.report.compiles["variants"] == 2 and runner.report.compiles["summed_s"] == 2.0
+    assert runner.report.compiles["longest"][0] == ["decode_kernel", 1.5]
     logits_bytes = 8 * runner.vocab_size * 4
     assert profile == MemoryProfile(2000, 1000 - 120, 100, 50, 50 + logits_bytes)
     assert fake.calls.count("reset_peak_memory_stats") == 2

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ from inferx_core.interfaces import (
     SchedulerOutput,
     StepResult,
 )
-from inferx_core.jit_compile import compiles_in_background
+from inferx_core.jit_compile import compiles_in_background, summarize
 from inferx_core.plugins import PluginError, Plugins, plugins
 from inferx_core.sampler import Sampler, TopLogprobs
 from inferx_core.sequence import PENDING, SamplingParams, Sequence
@@ -142,6 +143,8 @@ class LoadReport:
 
     seconds: dict[str, float] = field(default_factory=dict)
     memory: dict[str, int] = field(default_factory=dict)
+    # the start-up dry run's Triton compiles (jit_compile.summarize); empty where none ran
+    compiles: dict[str, Any] = field(default_factory=dict)
 
     def total(self) -> float:
         return sum(self.seconds.values())
@@ -323,8 +326,9 @@ class ModelRunner(Executor):
         if self.device.type == "cuda":
             t0 = time.perf_counter()
             if self.compile_threads > 1 and not self._compiled_ahead:
-                with compiles_in_background(self.compile_threads):
+                with compiles_in_background(self.compile_threads) as compiles:
                     self._dry_run_start_up(self.num_kv_blocks)
+                self.report.compiles = summarize(compiles, time.perf_counter() - t0)
             self._warm_up()
             self.report.seconds["warm_up"] = time.perf_counter() - t0
         if self.graphs is not None:
@@ -499,13 +503,15 @@ class ModelRunner(Executor):
         mixed_lens = first_tokens(lens, mixed) if mixed else []
         try:
             if self.compile_threads > 1:  # the steps below, dry: kernels compile side by side
-                with compiles_in_background(self.compile_threads):
+                dry_t0 = time.perf_counter()
+                with compiles_in_background(self.compile_threads) as compiles:
                     self._profile_step(lens, tables, rows, sample=False)
                     if graph_batch:
                         self._profile_step([1] * graph_batch, decode_tables, graph_batch, False)
                     if mixed:
                         self._profile_step(mixed_lens, tables[: len(mixed_lens)], 1, False)
                     self._dry_run_start_up(num_blocks)
+                self.report.compiles = summarize(compiles, time.perf_counter() - dry_t0)
                 self._compiled_ahead = True
                 gc.collect()
                 torch.cuda.synchronize(dev)

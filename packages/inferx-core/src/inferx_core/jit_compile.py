@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,13 +52,41 @@ def _spec(value: Any, specialised: bool = True) -> Any:
     return ("other", repr(value))
 
 
-def _compile_and_ready(original: Any, fn: Any, args: Any, grid: Any, kwargs: Any) -> Any:
+@dataclass(frozen=True)
+class Compile:
+    """One variant's compile on a worker: the kernel's name, when it began (seconds after the
+    dry run began) and how long it took (the compile and the readying for launch)."""
+
+    kernel: str
+    began_s: float
+    seconds: float
+
+
+def summarize(compiles: list[Compile], wall_s: float, longest: int = 5) -> dict[str, Any]:
+    """What a dry run's compiles cost: how many, the wall time from its start to the last
+    compile's end, their summed time (summed / wall: how many ran side by side on average) and
+    the longest ones, [name, seconds]."""
+    ranked = sorted(compiles, key=lambda c: c.seconds, reverse=True)[:longest]
+    return {
+        "variants": len(compiles),
+        "wall_s": round(wall_s, 3),
+        "summed_s": round(sum(c.seconds for c in compiles), 3),
+        "longest": [[c.kernel, round(c.seconds, 3)] for c in ranked],
+    }
+
+
+def _compile_and_ready(
+    original: Any, fn: Any, args: Any, grid: Any, kwargs: Any, t0: float, done: list[Compile]
+) -> Any:
     """The worker's part: compile the variant (Triton's own run, warmup=True) and ready it for
-    its first launch, where this Triton has the hook."""
+    its first launch, where this Triton has the hook; record how long that took in done."""
+    began = time.perf_counter()
     kernel = original(fn, *args, grid=grid, warmup=True, **kwargs)
     ready = getattr(kernel, "_init_handles", None)
     if callable(ready):
         ready()
+    name = getattr(fn, "__name__", None) or getattr(getattr(fn, "fn", None), "__name__", "?")
+    done.append(Compile(name, began - t0, time.perf_counter() - began))  # list.append: atomic
     return kernel
 
 
@@ -66,17 +96,19 @@ def _unspecialised(fn: Any) -> set[str]:
 
 
 @contextlib.contextmanager
-def compiles_in_background(threads: int) -> Iterator[None]:
+def compiles_in_background(threads: int) -> Iterator[list[Compile]]:
     """Dry-run Triton launches: compile (and ready) each distinct variant on one of `threads`
-    workers and launch nothing; wait for them on exit. A no-op without Triton or with
-    threads < 2."""
+    workers and launch nothing; wait for them on exit. Yields the list the workers record each
+    compile in (complete once the block is left). A no-op without Triton or with threads < 2."""
+    done: list[Compile] = []
     try:
         from triton.runtime.jit import JITFunction
     except ImportError:
         JITFunction = None  # noqa: N806
     if JITFunction is None or threads < 2:
-        yield
+        yield done
         return
+    t0 = time.perf_counter()
     original = JITFunction.run
     init: Any = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -99,12 +131,14 @@ def compiles_in_background(threads: int) -> Iterator[None]:
             (k, _spec(v, k not in loose)) for k, v in kwargs.items())))  # fmt: skip
         with lock:
             if key not in futures:
-                futures[key] = pool.submit(_compile_and_ready, original, self, args, grid, kwargs)
+                futures[key] = pool.submit(
+                    _compile_and_ready, original, self, args, grid, kwargs, t0, done
+                )
         return None
 
     JITFunction.run = run
     try:
-        yield
+        yield done
     finally:
         JITFunction.run = original
         try:
