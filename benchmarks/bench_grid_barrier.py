@@ -73,6 +73,56 @@ def barrier_kernel(buf_ptr, counter_ptr, phases, programs):
             _grid_barrier(counter_ptr, programs * phase)
 
 
+@triton.jit
+def split_phase_kernel(final_ptr, part_ptr, count_ptr, phase, groups, LAST: tl.constexpr,
+                       PDL: tl.constexpr, TRIGGER: tl.constexpr):  # fmt: skip
+    """One phase of a split-K GEMM's shape (grid: 4 x groups programs; program p is slice
+    p % 4 of group p // 4): part[phase, p] = final[phase - 1, the next group] + 1. LAST: the
+    group's last program to arrive (an acq_rel count a group) also finishes the group, as a
+    norm after the GEMM would: final[phase, g] = the mean of its 4 parts; it resets the count."""
+    pdl_start(PDL, TRIGGER)
+    p = tl.program_id(0)
+    g = p // 4
+    prev = tl.load(final_ptr + (phase - 1) * groups + (g + 1) % groups)
+    tl.store(part_ptr + phase * groups * 4 + p, prev + 1)
+    if LAST:
+        tl.debug_barrier()  # this program's store is done before it counts itself in
+        arrived = tl.atomic_add(count_ptr + g, 1, sem="acq_rel", scope="gpu")
+        if arrived == 3:
+            parts = tl.load(part_ptr + phase * groups * 4 + g * 4 + tl.arange(0, 4))
+            tl.store(final_ptr + phase * groups + g, tl.sum(parts) // 4)
+            tl.store(count_ptr + g, 0)
+
+
+@triton.jit
+def finish_kernel(final_ptr, part_ptr, phase, groups, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                  TRIGGER: tl.constexpr):  # fmt: skip
+    """The finish as a launch of its own (one program, as the norm after a split GEMV):
+    final[phase, g] = the mean of group g's 4 parts, for every group."""
+    pdl_start(PDL, TRIGGER)
+    g = tl.arange(0, BLOCK)
+    parts = tl.load(part_ptr + phase * groups * 4 + g[:, None] * 4 + tl.arange(0, 4)[None, :],
+                    mask=g[:, None] < groups, other=0)  # fmt: skip
+    tl.store(final_ptr + phase * groups + g, tl.sum(parts, axis=1) // 4, mask=g < groups)
+
+
+def run_split(final: torch.Tensor, part: torch.Tensor, count: torch.Tensor, last: bool) -> None:
+    """Phases 1..len(final) - 1 of split_phase_kernel (final [phases + 1, groups], row 0 the
+    start; part [phases + 1, 4 x groups]; count [groups] zeros), with PDL where the GPU has it:
+    each finished by its last-arriving programs (last) or by a finish_kernel launch after it."""
+    on = pdl_enabled(final.device)
+    extra = {"launch_pdl": True} if on else {}
+    groups = final.shape[1]
+    for phase in range(1, final.shape[0]):
+        split_phase_kernel[(4 * groups,)](
+            final, part, count, phase, groups, LAST=last, PDL=on, TRIGGER=on, **extra
+        )
+        if not last:
+            block = max(2, triton.next_power_of_2(groups))
+            finish_kernel[(1,)](final, part, phase, groups, BLOCK=block, PDL=on, TRIGGER=on,
+                                **extra)  # fmt: skip
+
+
 def run_launches(buf: torch.Tensor, programs: int, pdl: bool) -> None:
     """Phases 1..len(buf) - 1 over buf [phases + 1, programs] (row 0 the start), a launch each."""
     on = pdl and pdl_enabled(buf.device)
@@ -96,7 +146,8 @@ def main() -> None:
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     rows = []
-    print(f"{'programs':>8} {'launches':>9} {'pdl':>7} {'barrier':>8}  µs a phase")
+    print(f"{'programs':>8} {'launches':>9} {'pdl':>7} {'barrier':>8} {'pdl+finish':>11} "
+          f"{'pdl, last':>10}  µs a phase")  # fmt: skip
     for programs in (int(p) for p in args.programs.split(",")):
         if programs > sms:
             raise SystemExit(f"--programs {programs}: the barrier needs them all resident ({sms})")
@@ -114,8 +165,21 @@ def main() -> None:
             if not bool((buf[-1] == args.phases).all()):
                 raise SystemExit(f"{name} at {programs} programs: wrong result {buf[-1].tolist()}")
             row[name] = graph_us(lambda _, call=call: call(), [buf]) / args.phases
+        groups = max(1, programs // 4)
+        final = torch.zeros(args.phases + 1, groups, dtype=torch.int32, device=dev)
+        part = torch.zeros(args.phases + 1, 4 * groups, dtype=torch.int32, device=dev)
+        count = torch.zeros(groups, dtype=torch.int32, device=dev)
+        for name, last in (("pdl+finish", False), ("pdl, last", True)):
+            final[1:] = -1
+            run_split(final, part, count, last)
+            torch.cuda.synchronize()
+            if not bool((final[-1] == args.phases).all()):
+                raise SystemExit(f"{name} at {groups} groups: wrong result {final[-1].tolist()}")
+            call = partial(run_split, final, part, count, last)
+            row[name] = graph_us(lambda _, call=call: call(), [final]) / args.phases
         rows.append(row)
-        print(f"{programs:>8} {row['launches']:>9.2f} {row['pdl']:>7.2f} {row['barrier']:>8.2f}")
+        print(f"{programs:>8} {row['launches']:>9.2f} {row['pdl']:>7.2f} {row['barrier']:>8.2f} "
+              f"{row['pdl+finish']:>11.2f} {row['pdl, last']:>10.2f}")  # fmt: skip
     if args.json:
         doc = {"commit": commit_id(), "device": torch.cuda.get_device_name(dev),
                "phases": args.phases, "rows": rows}  # fmt: skip

@@ -331,3 +331,24 @@ def test_grid_barrier_bench_kernels_chain_their_phases(phases: int) -> None:
     run_barrier(one, counter, 1)
     assert one.flatten().tolist() == list(range(phases + 1))
     assert int(counter) == phases - 1  # reset, then one arrival per barrier
+
+
+@interpreted
+@pytest.mark.parametrize("last", [False, True])
+def test_grid_barrier_bench_split_phases_finish_each_group(last: bool) -> None:
+    """The split-GEMM phases over 3 groups of 4 programs, each finished by a launch of its own
+    or by the group's last program to arrive: every phase's finished values are the phase
+    count, the parts hold the phase before's + 1, and the last arrivals reset the counts."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from bench_grid_barrier import run_split
+
+    phases, groups = 3, 3
+    final = torch.full((phases + 1, groups), -1, dtype=torch.int32)
+    final[0] = 0
+    part = torch.zeros(phases + 1, 4 * groups, dtype=torch.int32)
+    count = torch.zeros(groups, dtype=torch.int32)
+    run_split(final, part, count, last)
+    assert final.tolist() == [[i] * groups for i in range(phases + 1)]
+    assert part[1:].tolist() == [[i] * 4 * groups for i in range(1, phases + 1)]
+    assert count.tolist() == [0] * groups
