@@ -63,9 +63,9 @@ class Compile:
 
 
 def summarize(compiles: list[Compile], wall_s: float, longest: int = 5) -> dict[str, Any]:
-    """What a dry run's compiles cost: how many, the wall time from its start to the last
-    compile's end, their summed time (summed / wall: how many ran side by side on average) and
-    the longest ones, [name, seconds]."""
+    """What a dry run's compiles cost: how many, the dry run's wall time (wall_s, the caller's
+    clock from its start to the wait's end), the compiles' summed time (summed / wall: how many
+    ran side by side on average) and the longest ones, [name, seconds]."""
     ranked = sorted(compiles, key=lambda c: c.seconds, reverse=True)[:longest]
     return {
         "variants": len(compiles),
