@@ -729,31 +729,24 @@ def test_tiny_model_logits_with_tma_norm(name: str, monkeypatch: pytest.MonkeyPa
 
 
 @interpreted
-def test_down_parts_and_norm_tiles_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_down_parts_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """INFERX_TMA_DOWN_PARTS (A/B): down_proj (K past N) in that many K-slices, o_proj in
-    tma_parts; INFERX_TMA_NORM_BLOCK_N (A/B): the fused norm + gate_up's weight rows a program
-    at up to 4 rows. The tiny Qwen2's logits stay TorchOps'; bad values name the variable."""
+    tma_parts; the tiny Qwen2's logits stay TorchOps'; a bad value names the variable."""
     monkeypatch.setenv("INFERX_TMA_DOWN_PARTS", "8")
-    monkeypatch.setenv("INFERX_TMA_NORM_BLOCK_N", "16")
-    monkeypatch.setenv("INFERX_TMA_NORM_MAX_ROWS", "8")
     cfg = CONFIGS["qwen2-tied"]
     weights = model_weights(cfg, seed=23)
     calls = spy_calls(
         monkeypatch, "tma_linear_parts", lambda x, w, parts=1, *_: (w.shape[1] > w.shape[0], parts)
     )
-    tiles = spy_calls(monkeypatch, "tma_norm_linear", lambda x, *a: (x.shape[1], a[6].block_n))
     ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, triton_with_qkv_parts)
     assert (True, 8) in calls and (False, quant_none.SPLIT_PARTS) in calls
     assert {parts for down, parts in calls if down} == {8}
-    assert {(rows, n) for rows, n in tiles} == {(6, 64), (4, 16)}  # 6 rows: norm_config's
     assert_steps_match_torch_ops(cfg, weights, ours)
-    for name, bad in (("INFERX_TMA_DOWN_PARTS", "9"), ("INFERX_TMA_NORM_BLOCK_N", "48"),
-                      ("INFERX_TMA_NORM_BLOCK_N", "8")):  # fmt: skip
-        monkeypatch.setenv(name, bad)
-        with pytest.raises(ValueError, match=name):
-            TritonOps()
-        monkeypatch.delenv(name)
-    assert TritonOps().down_parts is None and TritonOps().norm_block_n == 0
+    monkeypatch.setenv("INFERX_TMA_DOWN_PARTS", "9")
+    with pytest.raises(ValueError, match="INFERX_TMA_DOWN_PARTS must be an integer 0..8"):
+        TritonOps()
+    monkeypatch.delenv("INFERX_TMA_DOWN_PARTS")
+    assert TritonOps().down_parts is None
 
 
 def test_tma_norm_switches_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,7 +3,6 @@ greedy argmax in two."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 
@@ -166,19 +165,13 @@ class TritonOps(KernelOps):
         # slices 2.271 / 2.340, 4 2.068 / 2.240, 8 2.795 / 2.264 (the fused norm in gate_up
         # re-reads every part); batch 64 at 640 tokens: 4 2.927, 8 3.009.
         self.tma_parts = env_int("INFERX_TMA_PARTS", SPLIT_PARTS, 1, 8)
-        # A/B only, unmeasured in the model (session 22): the K-slices of a linear_parts GEMM
-        # whose K exceeds its N (down_proj; o_proj and QKV keep tma_parts). 3B's down_proj in 4
-        # is 128 programs on 132 SMs, ~3.4 TB/s alone (session 13); 8 would hold two an SM.
+        # A/B only: the K-slices of a linear_parts GEMM whose K exceeds its N (down_proj; o_proj
+        # and QKV keep tma_parts). 3B's down_proj in 4 is 128 programs on 132 SMs; in 8, two an
+        # SM. H200 3B steps at 128 tokens, 4 -> 8 (session 22): batch 1 2.070 / 2.070 -> 2.065,
+        # batch 8 2.245 / 2.238 -> 2.222 / 2.225 ms; one machine, two runs: too little to move
+        # the default. (256 gate_up programs of 32 weight rows, against 64, lost: 2.070 ->
+        # 2.126 ms at batch 1.)
         self.down_parts = env_int("INFERX_TMA_DOWN_PARTS", 0, 0, 8) or None
-        # A/B only, unmeasured in the model: the weight rows a program of the fused norm +
-        # gate_up takes at up to 4 rows (norm_config's 64 gives 3B's gate_up 172 programs on
-        # 132 SMs, ~3.9 TB/s alone; 32 gives 344). 0: norm_config's.
-        self.norm_block_n = env_int("INFERX_TMA_NORM_BLOCK_N", 0, 0, 128)
-        if self.norm_block_n & (self.norm_block_n - 1) or 0 < self.norm_block_n < 16:
-            raise ValueError(
-                f"INFERX_TMA_NORM_BLOCK_N must be 0 or a power of two 16..128, got "
-                f"{self.norm_block_n}"
-            )
         # embed_index: the embedding lookup as weight[ids] (torch's index kernel) instead of
         # F.embedding (index_select). On the H200 index_select's small-index kernel took 7.6 and
         # 13.1 µs at 8 and 16 ids, 2.4 at one (session 15's profiles). In the model (session
@@ -364,8 +357,6 @@ class TritonOps(KernelOps):
             return super().rms_norm_linear_silu_and_mul(x, weight, eps, residual, linear)
         check_parts(x, residual)
         cfg = norm_config(x.shape[1], 1, gated=True)
-        if self.norm_block_n and x.shape[1] <= 4:
-            cfg = dataclasses.replace(cfg, block_n=self.norm_block_n)
         return tma_norm_linear(x, residual, weight, eps, linear.weight, 1, True, cfg)
 
     def linear_parts(
