@@ -169,8 +169,8 @@ class TritonOps(KernelOps):
         # and QKV keep tma_parts). 3B's down_proj in 4 is 128 programs on 132 SMs; in 8, two an
         # SM. H200 3B steps at 128 tokens, 4 -> 8 (session 22): batch 1 2.070 / 2.070 -> 2.065,
         # batch 8 2.245 / 2.238 -> 2.222 / 2.225 ms; one machine, two runs: too little to move
-        # the default. (256 gate_up programs of 32 weight rows, against 64, lost: 2.070 ->
-        # 2.126 ms at batch 1.)
+        # the default. (The fused gate_up in 32-row tiles, 344 programs against 172, lost:
+        # 2.070 -> 2.126 ms at batch 1.)
         self.down_parts = env_int("INFERX_TMA_DOWN_PARTS", 0, 0, 8) or None
         # embed_index: the embedding lookup as weight[ids] (torch's index kernel) instead of
         # F.embedding (index_select). On the H200 index_select's small-index kernel took 7.6 and
