@@ -368,7 +368,8 @@ class TritonOps(KernelOps):
             x = x.reduce().flatten(1)
         if linear.bias is None and self._takes_tma(linear, x):
             parts = self.tma_parts
-            if self.down_parts and x.shape[-1] > linear.weight.shape[0]:
+            n, k = linear.weight.shape
+            if self.down_parts and k > n:  # down_proj
                 parts = self.down_parts
             # where INFERX_PDL_NORM takes the rows, the norm after it launches early
             return self._tma(x, linear.weight, parts, norm_early(x.device, x.shape[0]))
