@@ -16,6 +16,14 @@ Inside one CUDA graph (bench_gemv.graph_us: the whole chain captured GRAPH_CALLS
 - barrier: one launch of all phases, the programs meeting at a grid barrier (an atomic count,
   release on arrival, acquire while spinning) between phases.
 
+And phases of a split-K GEMV's shape (programs // 4 groups of 4 K-slices), the question a norm
+folded into the split GEMV's epilogue turns on:
+
+- pdl+finish: a PDL launch a phase, then a one-program PDL launch that finishes every group
+  (as the norm kernel after down_proj / o_proj sums their parts);
+- pdl, last: a PDL launch a phase, each group finished by its last program to arrive (an
+  acq_rel count a group).
+
 Session 12 measured a barrier 0.5-0.9 µs faster than a launch boundary, before PDL. The results
 are checked (the last phase's slots hold the phase count) before they are timed.
 """

@@ -214,8 +214,9 @@ for step in "${steps[@]}"; do
       timeout 300 python3 benchmarks/cold_start.py --tokenizer $TOK --rounds ${COLD_ROUNDS:-2} \
         ${COLD_ARGS:-} --json "$OUT/cold-start.json" 2>&1 | grep -v -i warn ;;
     barrier)
-      # benchmarks/bench_grid_barrier.py: a launch, a PDL launch and a grid barrier a phase
-      # (BARRIER_ARGS: --programs, --phases).
+      # benchmarks/bench_grid_barrier.py: a launch, a PDL launch and a grid barrier a phase, and
+      # split phases finished by a launch or by their last arrivals (BARRIER_ARGS: --programs,
+      # --phases).
       timeout 120 python3 benchmarks/bench_grid_barrier.py ${BARRIER_ARGS:-} \
         --json "$OUT/grid-barrier.json" 2>&1 | grep -v -i warn ;;
     regs)
