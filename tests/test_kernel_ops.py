@@ -24,7 +24,7 @@ from inferx_core.ops_torch import TorchOps  # noqa: E402
 from inferx_core.plugins import plugins  # noqa: E402
 from inferx_core.quant_none import DenseLinear, Unquantized  # noqa: E402
 from inferx_kernels_cuda import ops as triton_ops  # noqa: E402
-from inferx_kernels_cuda.ops import TritonOps  # noqa: E402
+from inferx_kernels_cuda.ops import TritonOps, down_slices  # noqa: E402
 from inferx_kernels_cuda.triton_attention import TritonAttention  # noqa: E402
 from inferx_models.layers import RotaryEmbedding, rope_parameters  # noqa: E402
 from inferx_models.presets import preset  # noqa: E402
@@ -728,25 +728,38 @@ def test_tiny_model_logits_with_tma_norm(name: str, monkeypatch: pytest.MonkeyPa
     assert_steps_match_torch_ops(cfg, weights, ours)
 
 
+def test_down_proj_doubles_its_slices_where_they_leave_sms_idle() -> None:
+    """down_slices: Qwen2.5-3B's down_proj (N 2048, 128 programs in 4 slices on 132 SMs) in 8
+    at 4-16 rows only; Llama-3.1-8B's (N 4096, 256 programs) stays in 4; no rows, no change."""
+    rows_4_16 = ((4, 16),)
+    assert [down_slices(4, 2048, m, 132, rows_4_16) for m in (1, 2, 4, 8, 16, 32, 64)] == [
+        4, 4, 8, 8, 8, 4, 4,
+    ]  # fmt: skip
+    assert down_slices(4, 4096, 8, 132, rows_4_16) == 4
+    assert down_slices(4, 2048, 8, 132, ()) == 4
+    assert down_slices(4, 2048, 8, 100, rows_4_16) == 4  # 128 programs fill 100 SMs
+
+
 @interpreted
-def test_down_parts_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """INFERX_TMA_DOWN_PARTS (A/B): down_proj (K past N) in that many K-slices, o_proj in
-    tma_parts; the tiny Qwen2's logits stay TorchOps'; a bad value names the variable."""
-    monkeypatch.setenv("INFERX_TMA_DOWN_PARTS", "8")
+def test_down_double_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """INFERX_TMA_DOWN_DOUBLE=1 (every row count): the tiny Qwen2's down_proj (K past N) in
+    twice tma_parts K-slices, o_proj in tma_parts; logits stay TorchOps'; a bad value names the
+    variable."""
+    monkeypatch.setenv("INFERX_TMA_DOWN_DOUBLE", "1")
     cfg = CONFIGS["qwen2-tied"]
     weights = model_weights(cfg, seed=23)
     calls = spy_calls(
         monkeypatch, "tma_linear_parts", lambda x, w, parts=1, *_: (w.shape[1] > w.shape[0], parts)
     )
     ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, triton_with_qkv_parts)
-    assert (True, 8) in calls and (False, quant_none.SPLIT_PARTS) in calls
-    assert {parts for down, parts in calls if down} == {8}
+    assert (False, quant_none.SPLIT_PARTS) in calls
+    assert {parts for down, parts in calls if down} == {2 * quant_none.SPLIT_PARTS}
     assert_steps_match_torch_ops(cfg, weights, ours)
-    monkeypatch.setenv("INFERX_TMA_DOWN_PARTS", "9")
-    with pytest.raises(ValueError, match="INFERX_TMA_DOWN_PARTS must be an integer 0..8"):
+    monkeypatch.setenv("INFERX_TMA_DOWN_DOUBLE", "4-x")
+    with pytest.raises(ValueError, match="INFERX_TMA_DOWN_DOUBLE"):
         TritonOps()
-    monkeypatch.delenv("INFERX_TMA_DOWN_PARTS")
-    assert TritonOps().down_parts is None
+    monkeypatch.delenv("INFERX_TMA_DOWN_DOUBLE")
+    assert TritonOps().down_double_rows == ((4, 16),)
 
 
 def test_tma_norm_switches_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

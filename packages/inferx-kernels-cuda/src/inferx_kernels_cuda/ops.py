@@ -14,7 +14,13 @@ from inferx_core.interfaces.ops import KernelOps, check_parts
 from inferx_core.quant_none import SPLIT_PARTS, DenseLinear
 from inferx_kernels_cuda import fused_kernels as kernels
 from inferx_kernels_cuda.gemv import MAX_ROWS, skinny_linear
-from inferx_kernels_cuda.pdl import attention_early, between_launch, norm_early
+from inferx_kernels_cuda.pdl import (
+    attention_early,
+    between_launch,
+    in_ranges,
+    norm_early,
+    row_ranges,
+)
 from inferx_kernels_cuda.tma_gemv import MAX_ROWS as TMA_MAX_ROWS
 from inferx_kernels_cuda.tma_gemv import (
     TmaGemvConfig,
@@ -91,6 +97,23 @@ def fused_norm_max_rows(k: int) -> int:
     return 1 if k <= 2048 else 4
 
 
+def down_slices(
+    parts: int, n: int, rows: int, num_sms: int, double_rows: tuple[tuple[int, int], ...]
+) -> int:
+    """down_proj's K-slices: `parts`, doubled at double_rows rows where `parts` slices of n
+    output rows are fewer programs than SMs. Qwen2.5-3B's down_proj (N 2048: 128 programs in 4
+    slices, 256 in 8), H200 decode steps, ms, two rounds each, 4 -> 8 slices (session 23):
+    640 tokens, batch 4 2.226 / 2.224 -> 2.189 / 2.185, 8 2.261 / 2.260 -> 2.236 / 2.235, 16
+    2.378 / 2.376 -> 2.358 / 2.357; 128 tokens, batch 8 2.228 / 2.212 -> 2.207 / 2.207, 16
+    2.279 / 2.283 -> 2.228 / 2.235. Not at 1-2 rows (640 tokens: batch 2 2.128 / 2.121 ->
+    2.154 / 2.158) nor at 32-64 (level, 64 x 640: 2.897 / 2.900 -> 2.924 / 2.912). Llama-3.1-8B's
+    (N 4096, 256 programs in 4) lost at every row count in 8: batch 8 4.505 -> 4.622."""
+    block_n = plain_config(n, parts, num_sms, rows).block_n
+    if in_ranges(rows, double_rows) and triton.cdiv(n, block_n) * parts < num_sms:
+        return 2 * parts
+    return parts
+
+
 def gated_rows(value: str) -> tuple[int, int]:
     """INFERX_GATED_GEMV_ROWS as the (lo, hi) rows a step takes the gated GEMV at: "LO-HI",
     "N" (1-N) or "0" (never: an empty range)."""
@@ -165,13 +188,10 @@ class TritonOps(KernelOps):
         # slices 2.271 / 2.340, 4 2.068 / 2.240, 8 2.795 / 2.264 (the fused norm in gate_up
         # re-reads every part); batch 64 at 640 tokens: 4 2.927, 8 3.009.
         self.tma_parts = env_int("INFERX_TMA_PARTS", SPLIT_PARTS, 1, 8)
-        # A/B only: the K-slices of a linear_parts GEMM whose K exceeds its N (down_proj; o_proj
-        # and QKV keep tma_parts). 3B's down_proj in 4 is 128 programs on 132 SMs; in 8, two an
-        # SM. H200 3B steps at 128 tokens, 4 -> 8 (session 22): batch 1 2.070 / 2.070 -> 2.065,
-        # batch 8 2.245 / 2.238 -> 2.222 / 2.225 ms; one machine, two runs: too little to move
-        # the default. (The fused gate_up in 32-row tiles, 344 programs against 172, lost:
-        # 2.070 -> 2.126 ms at batch 1.)
-        self.down_parts = env_int("INFERX_TMA_DOWN_PARTS", 0, 0, 8) or None
+        # down_proj (a linear_parts GEMM whose K exceeds its N) in twice tma_parts K-slices at
+        # these rows where tma_parts slices leave SMs without a program (down_slices).
+        # INFERX_TMA_DOWN_DOUBLE takes row ranges ("0" never) for A/B runs.
+        self.down_double_rows = row_ranges("INFERX_TMA_DOWN_DOUBLE", "4-16")
         # embed_index: the embedding lookup as weight[ids] (torch's index kernel) instead of
         # F.embedding (index_select). On the H200 index_select's small-index kernel took 7.6 and
         # 13.1 µs at 8 and 16 ids, 2.4 at one (session 15's profiles). In the model (session
@@ -369,8 +389,9 @@ class TritonOps(KernelOps):
         if linear.bias is None and self._takes_tma(linear, x):
             parts = self.tma_parts
             n, k = linear.weight.shape
-            if self.down_parts and k > n:  # down_proj
-                parts = self.down_parts
+            if k > n:  # down_proj
+                sms = 132 if self._interpret else _num_sms(x.device)
+                parts = down_slices(parts, n, x.shape[0], sms, self.down_double_rows)
             # where INFERX_PDL_NORM takes the rows, the norm after it launches early
             return self._tma(x, linear.weight, parts, norm_early(x.device, x.shape[0]))
         return linear.forward_parts(x)
