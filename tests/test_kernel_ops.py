@@ -553,20 +553,28 @@ def test_tma_gemv_switch_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
         TritonOps()
 
 
-@pytest.mark.parametrize("index", [False, True])
-def test_embedding_rows_either_way(index: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """INFERX_EMBED_INDEX (off by default): the lookup as weight[ids]; the same rows as
-    F.embedding (TorchOps) either way, repeated and ragged ids included."""
-    monkeypatch.setenv("INFERX_EMBED_INDEX", "1" if index else "0")
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_embedding_kernel_gathers_the_rows(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """INFERX_EMBED_TRITON=1 (A/B): embedding_kernel's rows equal F.embedding's (TorchOps), for
+    repeated ids, a hidden size past one column block and not a power of two, and a weight
+    whose rows are strided; off, the lookup is TorchOps'."""
+    monkeypatch.setenv("INFERX_EMBED_TRITON", "1")
     ops = TritonOps()
-    assert ops.embed_index == index
-    weight = torch.randn(50, 24).to(torch.bfloat16)
-    ids = torch.tensor([3, 49, 0, 3, 17])
+    assert ops.embed_triton
+    gen = torch.Generator().manual_seed(5)
+    wide = torch.randn(50, 2600, generator=gen).to(dtype)
+    weight = wide[:, :2500]  # row stride 2600
+    ids = torch.randint(0, 50, (7,), generator=gen)
+    ids[3] = ids[0]
     got = ops.embedding(weight, ids)
+    assert got.shape == (7, 2500) and got.dtype == dtype
     assert torch.equal(got, TorchOps().embedding(weight, ids))
-    assert torch.equal(got, weight[ids])
-    monkeypatch.delenv("INFERX_EMBED_INDEX")
-    assert not TritonOps().embed_index
+    assert ops.embedding(weight, ids[:0]).shape == (0, 2500)
+    monkeypatch.delenv("INFERX_EMBED_TRITON")
+    assert not TritonOps().embed_triton
 
 
 def test_tma_row_limits_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -151,3 +151,34 @@ def test_auto_overlaps_except_on_the_cpu(checkpoint):  # noqa: F811
     config = load_config(None, {})
     assert config.engine.overlap == "auto"
     assert Engine(config, executor=FakeExecutor(64, 16)).overlap is True
+
+
+def test_pending_tokens_land_in_their_rows_by_slice_or_by_index():
+    """_fill_pending: tokens sampled last step go to the rows of the sequences that wait on
+    them, whether the rows and their sources are two runs (one slice copy) or not (an index)."""
+    import types
+
+    import torch
+
+    from inferx_core.executor import ModelRunner
+
+    seqs = [object() for _ in range(4)]
+    chunks = [types.SimpleNamespace(seq=s) for s in seqs]
+    tokens = torch.tensor([10, 11, 12, 13])
+    identity = {id(s): i for i, s in enumerate(seqs)}
+    cases = [  # input rows, chunks waiting, where each one's token was sampled, the ids after
+        ([0, 1, 2, 3], [0, 1, 2, 3], identity, [10, 11, 12, 13, -1]),
+        ([1, 2, 3, 4], [0, 1, 2, 3], identity, [-1, 10, 11, 12, 13]),
+        (
+            [0, 1, 2, 3],
+            [0, 1, 2, 3],
+            {id(s): 3 - i for i, s in enumerate(seqs)},
+            [13, 12, 11, 10, -1],
+        ),
+        ([0, 2], [0, 2], identity, [10, -1, 12, -1, -1]),
+    ]
+    for rows, pending, row_of, want in cases:
+        runner = types.SimpleNamespace(_last_sampled=(tokens, row_of), device=torch.device("cpu"))
+        input_ids = torch.full((5,), -1)
+        ModelRunner._fill_pending(runner, input_ids, rows, chunks, pending)
+        assert input_ids.tolist() == want, (rows, pending, want)

@@ -71,8 +71,8 @@ class DecodeGraphRunner:
     """Captures and replays the decode forward pass (hidden states and logits) of one model.
 
     The host side of a step is written straight into pinned staging tensors (one row per
-    sequence, no per-token lists) and travels in one copy per tensor; the block table rows are
-    full width so that its copy is one contiguous transfer.
+    sequence, no per-token lists): ids and positions travel in one copy, the attention
+    backend's metadata in its own (prepare_for_replay).
     """
 
     def __init__(
@@ -93,13 +93,15 @@ class DecodeGraphRunner:
         self.max_blocks = -(-max_model_len // block_size)
         attention.init_graph_buffers(self.max_batch, self.max_blocks)
         n = self.max_batch
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        # ids and positions are the rows of one tensor, on the device and staged on the host:
+        # a replay moves both in one copy.
+        self._inputs = torch.zeros((2, n), dtype=torch.int64, device=device)
+        self.input_ids, self.positions = self._inputs
         self.logits: torch.Tensor | None = None  # [max_batch, vocab], sized by the first run
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays: Counter[int] = Counter()  # by padded size: what the ladder served
-        self._ids = _pinned((n,), torch.int64, device)
-        self._positions = _pinned((n,), torch.int64, device)
+        self._staged_inputs = _pinned((2, n), torch.int64, device)
+        self._ids, self._positions = self._staged_inputs
         self._context_len = _pinned((n,), torch.int32, device)
         self._slot_mapping = _pinned((n,), torch.int64, device)
         self._block_table = _pinned((n, self.max_blocks), torch.int32, device)
@@ -196,8 +198,7 @@ class DecodeGraphRunner:
         graph = self.graphs.get(size)
         if graph is None:
             self.attention.prepare_for_capture(size)
-        self.input_ids[:size].copy_(self._ids[:size], non_blocking=True)
-        self.positions[:size].copy_(self._positions[:size], non_blocking=True)
+        self._inputs.copy_(self._staged_inputs, non_blocking=True)  # rows past size unread
         if fill is not None:
             fill(self.input_ids)
         self.attention.prepare_for_replay(batch, size)

@@ -104,6 +104,19 @@ def silu_and_mul_kernel(
 
 
 @triton.jit
+def embedding_kernel(
+    ids_ptr, weight_ptr, out_ptr, stride_w, stride_out, hidden, BLOCK: tl.constexpr
+):
+    """Grid (rows, column blocks): out[r] = weight[ids[r]], BLOCK columns a program."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    token = tl.load(ids_ptr + row).to(tl.int64)
+    values = tl.load(weight_ptr + token * stride_w + cols, mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, values, mask=mask)
+
+
+@triton.jit
 def rotate_into(
     src_ptr,
     stride_src_head,

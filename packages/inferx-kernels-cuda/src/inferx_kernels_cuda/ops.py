@@ -39,6 +39,7 @@ from inferx_kernels_cuda.tma_gemv import input_problem as tma_input_problem
 # common models in one pass at head dim 128, small enough to stay in registers.
 _ROTARY_TILE = 2048
 _SILU_BLOCK = 1024
+_EMBED_BLOCK = 1024
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -192,17 +193,31 @@ class TritonOps(KernelOps):
         # these rows where tma_parts slices leave SMs without a program (down_slices).
         # INFERX_TMA_DOWN_DOUBLE takes row ranges ("0" never) for A/B runs.
         self.down_double_rows = row_ranges("INFERX_TMA_DOWN_DOUBLE", "4-16")
-        # embed_index: the embedding lookup as weight[ids] (torch's index kernel) instead of
-        # F.embedding (index_select). On the H200 index_select's small-index kernel took 7.6 and
-        # 13.1 µs at 8 and 16 ids, 2.4 at one (session 15's profiles). In the model (session
-        # 16) steps were level at batch 1, 8 and 64 and 13 µs faster at 16 only, so it stays
-        # off; INFERX_EMBED_INDEX=1 for A/B.
-        self.embed_index = env_switch("INFERX_EMBED_INDEX", default=False)
+        # embed_triton: the embedding lookup as embedding_kernel (BLOCK columns a program)
+        # instead of F.embedding, whose index_select takes one kernel for all rows: 7.6 and 13.1
+        # µs at 8 and 16 ids, 2.4 at one on the H200 (session 15's profiles; weight[ids], the
+        # index kernel, was level in the model, session 16). INFERX_EMBED_TRITON=1 for A/B.
+        self.embed_triton = env_switch("INFERX_EMBED_TRITON", default=False)
 
     def embedding(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if self.embed_index:
-            return weight[ids]
-        return super().embedding(weight, ids)
+        if not (
+            self.embed_triton
+            and (ids.is_cuda or self._interpret)
+            and ids.dim() == 1
+            and weight.dim() == 2
+            and weight.stride(1) == 1
+        ):
+            return super().embedding(weight, ids)
+        rows, hidden = ids.shape[0], weight.shape[1]
+        out = torch.empty((rows, hidden), dtype=weight.dtype, device=weight.device)
+        if rows and hidden:
+            block = min(_EMBED_BLOCK, triton.next_power_of_2(hidden))
+            grid = (rows, triton.cdiv(hidden, block))
+            kernels.embedding_kernel[grid](
+                ids, weight, out, weight.stride(0), out.stride(0), hidden, BLOCK=block,
+                num_warps=4,
+            )  # fmt: skip
+        return out
 
     def rms_norm(
         self,
