@@ -558,10 +558,10 @@ def test_tma_gemv_switch_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
 def test_embedding_kernel_gathers_the_rows(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """INFERX_EMBED_TRITON=1 (A/B): embedding_kernel's rows equal F.embedding's (TorchOps), for
-    repeated ids, a hidden size past one column block and not a power of two, and a weight
-    whose rows are strided; off, the lookup is TorchOps'."""
-    monkeypatch.setenv("INFERX_EMBED_TRITON", "1")
+    """embedding_kernel (on by default; INFERX_EMBED_TRITON=0 for A/B): its rows equal
+    F.embedding's (TorchOps), for repeated ids, a hidden size past one column block and not a
+    power of two, and a weight whose rows are strided."""
+    monkeypatch.delenv("INFERX_EMBED_TRITON", raising=False)
     ops = TritonOps()
     assert ops.embed_triton
     gen = torch.Generator().manual_seed(5)
@@ -573,7 +573,7 @@ def test_embedding_kernel_gathers_the_rows(
     assert got.shape == (7, 2500) and got.dtype == dtype
     assert torch.equal(got, TorchOps().embedding(weight, ids))
     assert ops.embedding(weight, ids[:0]).shape == (0, 2500)
-    monkeypatch.delenv("INFERX_EMBED_TRITON")
+    monkeypatch.setenv("INFERX_EMBED_TRITON", "0")
     assert not TritonOps().embed_triton
 
 

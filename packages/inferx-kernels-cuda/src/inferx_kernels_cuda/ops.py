@@ -194,10 +194,12 @@ class TritonOps(KernelOps):
         # INFERX_TMA_DOWN_DOUBLE takes row ranges ("0" never) for A/B runs.
         self.down_double_rows = row_ranges("INFERX_TMA_DOWN_DOUBLE", "4-16")
         # embed_triton: the embedding lookup as embedding_kernel (BLOCK columns a program)
-        # instead of F.embedding, whose index_select takes one kernel for all rows: 7.6 and 13.1
-        # µs at 8 and 16 ids, 2.4 at one on the H200 (session 15's profiles; weight[ids], the
-        # index kernel, was level in the model, session 16). INFERX_EMBED_TRITON=1 for A/B.
-        self.embed_triton = env_switch("INFERX_EMBED_TRITON", default=False)
+        # instead of F.embedding, whose index_select ran 1.9 / 6.9 µs at 1 / 8 ids in the 3B
+        # graph. H200 3B steps at 640 tokens, ms, two rounds, off -> on (session 23): batch 8
+        # 2.267 / 2.261 -> 2.247 / 2.251, 16 2.379 / 2.375 -> 2.361 / 2.358; batch 1 and 64
+        # level (2.091 / 2.088 -> 2.094 / 2.085; 2.929 / 2.921 -> 2.916 / 2.922). weight[ids]
+        # (the index kernel) had been level (session 16). INFERX_EMBED_TRITON=0 for A/B.
+        self.embed_triton = env_switch("INFERX_EMBED_TRITON", default=True)
 
     def embedding(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if not (

@@ -78,9 +78,7 @@ class _GraphBuffers:
     query_start: torch.Tensor  # [max_batch + 1] int32: row i is sequence i
     part_o: torch.Tensor  # split-K scratch for the largest batch size's grid
     part_lse: torch.Tensor
-    rows_meta: torch.Tensor  # slot_mapping's and context_len's bytes: one copy moves both
-    staged_meta: torch.Tensor  # its host (pinned on a GPU) twin
-    staged_context_len: torch.Tensor  # views of staged_meta
+    staged_context_len: torch.Tensor  # host (pinned on a GPU) copies of the per-row vectors
     staged_slot_mapping: torch.Tensor
     copied: torch.cuda.Event | None  # the last replay's copies out of the staged tensors
 
@@ -130,17 +128,6 @@ def write_kv(
         HEADS_PAD=triton.next_power_of_2(spec.num_kv_heads),
         HEAD_DIM=spec.head_dim,
     )
-
-
-def _meta_bytes(rows: int) -> int:
-    return 8 * (rows + rows % 2) + 4 * rows
-
-
-def _meta_views(meta: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """slot_mapping [rows] int64 and context_len [rows] int32 over a _meta_bytes(rows) byte
-    buffer; context_len starts 16-byte aligned (Triton compiles a variant per alignment)."""
-    at = 8 * (rows + rows % 2)
-    return meta[: 8 * rows].view(torch.int64), meta[at:].view(torch.int32)
 
 
 def checked_graph_buffers(backend: Any, batch_size: int) -> Any:
@@ -377,31 +364,19 @@ class TritonAttention(TorchAttention):
         rows *= max(s.num_q_heads for s in self.layers)
         dim = max(s.head_dim for s in self.layers)
         pin = device.type == "cuda"
-        # slot_mapping (int64) and context_len (int32) share one byte buffer, on the device
-        # and staged on the host, so that a replay copies both in one transfer.
-        meta = torch.empty(_meta_bytes(max_batch), dtype=torch.uint8, device=device)
-        staged = torch.empty(_meta_bytes(max_batch), dtype=torch.uint8, pin_memory=pin)
-        slots, ctx = _meta_views(meta, max_batch)
-        staged_slots, staged_ctx = _meta_views(staged, max_batch)
-        for t in (slots, staged_slots):
-            t.fill_(-1)
-        for t in (ctx, staged_ctx):
-            t.fill_(1)
         self._graph = _GraphBuffers(
             max_batch=max_batch,
             max_blocks=max_blocks_per_seq,
             block_table=torch.zeros(
                 max_batch, max_blocks_per_seq, dtype=torch.int32, device=device
             ),
-            context_len=ctx,
-            slot_mapping=slots,
+            context_len=torch.ones(max_batch, dtype=torch.int32, device=device),
+            slot_mapping=torch.full((max_batch,), -1, dtype=torch.int64, device=device),
             query_start=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
             part_o=torch.empty(rows * dim, dtype=torch.float32, device=device),
             part_lse=torch.empty(rows, dtype=torch.float32, device=device),
-            rows_meta=meta,
-            staged_meta=staged,
-            staged_context_len=staged_ctx,
-            staged_slot_mapping=staged_slots,
+            staged_context_len=torch.ones(max_batch, dtype=torch.int32, pin_memory=pin),
+            staged_slot_mapping=torch.full((max_batch,), -1, dtype=torch.int64, pin_memory=pin),
             copied=None,
         )
 
@@ -444,7 +419,8 @@ class TritonAttention(TorchAttention):
         ctx[n:padded_batch_size] = 1
         slots[:n].copy_(batch.slot_mapping)
         slots[n:padded_batch_size] = -1
-        g.rows_meta.copy_(g.staged_meta, non_blocking=True)  # rows past the padding unread
+        g.context_len[:padded_batch_size].copy_(ctx[:padded_batch_size], non_blocking=True)
+        g.slot_mapping[:padded_batch_size].copy_(slots[:padded_batch_size], non_blocking=True)
         # Padding rows keep whatever ids their table rows hold: all valid, and read only at
         # position 0.
         g.block_table[:n, :width].copy_(batch.block_table, non_blocking=True)
