@@ -613,6 +613,7 @@ def test_tma_parts_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
             TritonOps()
     monkeypatch.setenv("INFERX_TMA_PARTS", "3")
     monkeypatch.setenv("INFERX_TMA_NORM", "0")
+    monkeypatch.setenv("INFERX_TMA_DOWN_DOUBLE", "0")  # down_proj's own: test_down_double_*
     cfg = CONFIGS["qwen2-tied"]
     weights = model_weights(cfg, seed=17)
     calls = count_tma(monkeypatch)
@@ -673,13 +674,20 @@ def test_tiny_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPa
     ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, attention)
     layers = cfg["num_hidden_layers"]
     parted = [c for c in calls if c[1] == quant_none.SPLIT_PARTS]
+    doubled = [c for c in calls if c[1] == 2 * quant_none.SPLIT_PARTS]
     whole = [c for c in calls if c[1] == 1]
-    # The 27-row prefill, the 6- and 4-row steps: o_proj and down_proj in parts; qwen2's
-    # decode step: QKV too. gate_up whole in the 4-row step only: the 27- and 6-row ones take
+    # The 27-row prefill, the 6- and 4-row steps: o_proj and down_proj in parts, but those whose
+    # K exceeds N (down_proj; llama3-scaled's o_proj, 96 -> 64) in twice the parts at 6 and 4
+    # rows (down_slices: 4-16 rows, and the tiny N leaves most of 132 SMs idle); qwen2's decode
+    # step: QKV in parts too. gate_up whole in the 4-row step only: the 27- and 6-row ones take
     # the gated GEMV (5-32 rows) first.
     qkv = layers if name == "qwen2-tied" else 0
-    assert len(parted) == 3 * 2 * layers + qkv and whole == [((4, cfg["hidden_size"]), 1)] * layers
-    assert {c[0][0] for c in parted} == {27, 6, 4}
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    wide = 2 if heads * cfg.get("head_dim", hidden // heads) > hidden else 1  # o_proj's K > N
+    assert len(parted) == (6 - 2 * wide) * layers + qkv
+    assert whole == [((4, hidden), 1)] * layers
+    assert {c[0][0] for c in parted} == ({27} if wide == 2 else {27, 6, 4})
+    assert sorted(c[0][0] for c in doubled) == [4] * wide * layers + [6] * wide * layers
     assert_steps_match_torch_ops(cfg, weights, ours)
 
 

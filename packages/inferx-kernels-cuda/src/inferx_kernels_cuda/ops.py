@@ -189,8 +189,9 @@ class TritonOps(KernelOps):
         # slices 2.271 / 2.340, 4 2.068 / 2.240, 8 2.795 / 2.264 (the fused norm in gate_up
         # re-reads every part); batch 64 at 640 tokens: 4 2.927, 8 3.009.
         self.tma_parts = env_int("INFERX_TMA_PARTS", SPLIT_PARTS, 1, 8)
-        # down_proj (a linear_parts GEMM whose K exceeds its N) in twice tma_parts K-slices at
-        # these rows where tma_parts slices leave SMs without a program (down_slices).
+        # down_proj (a linear_parts GEMM whose K exceeds its N; o_proj too where heads x
+        # head_dim exceed the hidden size) in twice tma_parts K-slices at these rows where
+        # tma_parts slices leave SMs without a program (down_slices).
         # INFERX_TMA_DOWN_DOUBLE takes row ranges ("0" never) for A/B runs.
         self.down_double_rows = row_ranges("INFERX_TMA_DOWN_DOUBLE", "4-16")
         # embed_triton: the embedding lookup as embedding_kernel (BLOCK columns a program)
