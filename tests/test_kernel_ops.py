@@ -24,7 +24,7 @@ from inferx_core.ops_torch import TorchOps  # noqa: E402
 from inferx_core.plugins import plugins  # noqa: E402
 from inferx_core.quant_none import DenseLinear, Unquantized  # noqa: E402
 from inferx_kernels_cuda import ops as triton_ops  # noqa: E402
-from inferx_kernels_cuda.ops import TritonOps, down_slices  # noqa: E402
+from inferx_kernels_cuda.ops import TritonOps, filled_slices  # noqa: E402
 from inferx_kernels_cuda.triton_attention import TritonAttention  # noqa: E402
 from inferx_models.layers import RotaryEmbedding, rope_parameters  # noqa: E402
 from inferx_models.presets import preset  # noqa: E402
@@ -678,7 +678,7 @@ def test_tiny_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPa
     whole = [c for c in calls if c[1] == 1]
     # The 27-row prefill, the 6- and 4-row steps: o_proj and down_proj in parts, but those whose
     # K exceeds N (down_proj; llama3-scaled's o_proj, 96 -> 64) in twice the parts at 6 and 4
-    # rows (down_slices: 4-16 rows, and the tiny N leaves most of 132 SMs idle); qwen2's decode
+    # rows (filled_slices: 4-16 rows, and the tiny N leaves most of 132 SMs idle); qwen2's decode
     # step: QKV in parts too. gate_up whole in the 4-row step only: the 27- and 6-row ones take
     # the gated GEMV (5-32 rows) first.
     qkv = layers if name == "qwen2-tied" else 0
@@ -745,15 +745,15 @@ def test_tiny_model_logits_with_tma_norm(name: str, monkeypatch: pytest.MonkeyPa
 
 
 def test_down_proj_doubles_its_slices_where_they_leave_sms_idle() -> None:
-    """down_slices: Qwen2.5-3B's down_proj (N 2048, 128 programs in 4 slices on 132 SMs) in 8
+    """filled_slices: Qwen2.5-3B's down_proj (N 2048, 128 programs in 4 slices on 132 SMs) in 8
     at 4-16 rows only; Llama-3.1-8B's (N 4096, 256 programs) stays in 4; no rows, no change."""
     rows_4_16 = ((4, 16),)
-    assert [down_slices(4, 2048, m, 132, rows_4_16) for m in (1, 2, 4, 8, 16, 32, 64)] == [
+    assert [filled_slices(4, 2048, m, 132, rows_4_16) for m in (1, 2, 4, 8, 16, 32, 64)] == [
         4, 4, 8, 8, 8, 4, 4,
     ]  # fmt: skip
-    assert down_slices(4, 4096, 8, 132, rows_4_16) == 4
-    assert down_slices(4, 2048, 8, 132, ()) == 4
-    assert down_slices(4, 2048, 8, 100, rows_4_16) == 4  # 128 programs fill 100 SMs
+    assert filled_slices(4, 4096, 8, 132, rows_4_16) == 4
+    assert filled_slices(4, 2048, 8, 132, ()) == 4
+    assert filled_slices(4, 2048, 8, 100, rows_4_16) == 4  # 128 programs fill 100 SMs
 
 
 @interpreted
@@ -776,6 +776,25 @@ def test_down_double_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
         TritonOps()
     monkeypatch.delenv("INFERX_TMA_DOWN_DOUBLE")
     assert TritonOps().down_double_rows == ((4, 16),)
+
+
+@interpreted
+def test_oproj_double_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """INFERX_TMA_OPROJ_DOUBLE=1 (A/B, off by default): o_proj (K at most N) on linear_parts in
+    twice tma_parts K-slices like down_proj; logits stay TorchOps'."""
+    monkeypatch.delenv("INFERX_TMA_OPROJ_DOUBLE", raising=False)
+    assert TritonOps().o_double_rows == ()
+    monkeypatch.setenv("INFERX_TMA_OPROJ_DOUBLE", "1")
+    monkeypatch.setenv("INFERX_TMA_DOWN_DOUBLE", "0")
+    cfg = CONFIGS["qwen2-tied"]
+    weights = model_weights(cfg, seed=29)
+    calls = spy_calls(
+        monkeypatch, "tma_linear_parts", lambda x, w, parts=1, *_: (w.shape[1] > w.shape[0], parts)
+    )
+    ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, triton_with_qkv_parts)
+    assert {parts for down, parts in calls if down} == {quant_none.SPLIT_PARTS}
+    assert (False, 2 * quant_none.SPLIT_PARTS) in calls  # o_proj (QKV goes by linear_split)
+    assert_steps_match_torch_ops(cfg, weights, ours)
 
 
 def test_tma_norm_switches_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -98,10 +98,10 @@ def fused_norm_max_rows(k: int) -> int:
     return 1 if k <= 2048 else 4
 
 
-def down_slices(
+def filled_slices(
     parts: int, n: int, rows: int, num_sms: int, double_rows: tuple[tuple[int, int], ...]
 ) -> int:
-    """down_proj's K-slices: `parts`, doubled at double_rows rows where `parts` slices of n
+    """A split GEMM's K-slices: `parts`, doubled at double_rows rows where `parts` slices of n
     output rows are fewer programs than SMs. Qwen2.5-3B's down_proj (N 2048: 128 programs in 4
     slices, 256 in 8), H200 decode steps, ms, two rounds each, 4 -> 8 slices (session 23):
     640 tokens, batch 4 2.226 / 2.224 -> 2.189 / 2.185, 8 2.261 / 2.260 -> 2.236 / 2.235, 16
@@ -191,9 +191,13 @@ class TritonOps(KernelOps):
         self.tma_parts = env_int("INFERX_TMA_PARTS", SPLIT_PARTS, 1, 8)
         # down_proj (a linear_parts GEMM whose K exceeds its N; o_proj too where heads x
         # head_dim exceed the hidden size) in twice tma_parts K-slices at these rows where
-        # tma_parts slices leave SMs without a program (down_slices).
+        # tma_parts slices leave SMs without a program (filled_slices).
         # INFERX_TMA_DOWN_DOUBLE takes row ranges ("0" never) for A/B runs.
         self.down_double_rows = row_ranges("INFERX_TMA_DOWN_DOUBLE", "4-16")
+        # The same for o_proj (K at most N) where it runs through linear_parts (past the
+        # split combine's rows): 3B's is 128 programs in 4 slices too. Not yet measured, so off
+        # ("0"); INFERX_TMA_OPROJ_DOUBLE takes row ranges for A/B runs.
+        self.o_double_rows = row_ranges("INFERX_TMA_OPROJ_DOUBLE", "0")
         # embed_triton: the embedding lookup as embedding_kernel (BLOCK columns a program)
         # instead of F.embedding, whose index_select ran 1.9 / 6.9 µs at 1 / 8 ids in the 3B
         # graph. H200 3B steps at 640 tokens, ms, two rounds, off -> on (session 23): batch 8
@@ -407,9 +411,10 @@ class TritonOps(KernelOps):
         if linear.bias is None and self._takes_tma(linear, x):
             parts = self.tma_parts
             n, k = linear.weight.shape
-            if k > n:  # down_proj
+            double_rows = self.down_double_rows if k > n else self.o_double_rows
+            if double_rows:
                 sms = 132 if self._interpret else _num_sms(x.device)
-                parts = down_slices(parts, n, x.shape[0], sms, self.down_double_rows)
+                parts = filled_slices(parts, n, x.shape[0], sms, double_rows)
             # where INFERX_PDL_NORM takes the rows, the norm after it launches early
             return self._tma(x, linear.weight, parts, norm_early(x.device, x.shape[0]))
         return linear.forward_parts(x)
