@@ -757,44 +757,36 @@ def test_down_proj_doubles_its_slices_where_they_leave_sms_idle() -> None:
 
 
 @interpreted
-def test_down_double_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """INFERX_TMA_DOWN_DOUBLE=1 (every row count): the tiny Qwen2's down_proj (K past N) in
-    twice tma_parts K-slices, o_proj in tma_parts; logits stay TorchOps'; a bad value names the
-    variable."""
-    monkeypatch.setenv("INFERX_TMA_DOWN_DOUBLE", "1")
+@pytest.mark.parametrize(
+    ("name", "default"), [("INFERX_TMA_DOWN_DOUBLE", ((4, 16),)), ("INFERX_TMA_OPROJ_DOUBLE", ())]
+)
+def test_slices_doubled_from_the_environment(
+    name: str, default: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """INFERX_TMA_DOWN_DOUBLE=1 / INFERX_TMA_OPROJ_DOUBLE=1 (every row count; the other "0"):
+    the tiny Qwen2's down_proj (K past N) / o_proj (K at most N) in twice tma_parts K-slices,
+    the rest in tma_parts (QKV too); logits stay TorchOps'; the defaults; a bad value names
+    the variable."""
+    down = name == "INFERX_TMA_DOWN_DOUBLE"
+    other = "INFERX_TMA_OPROJ_DOUBLE" if down else "INFERX_TMA_DOWN_DOUBLE"
+    monkeypatch.setenv(name, "1")
+    monkeypatch.setenv(other, "0")
     cfg = CONFIGS["qwen2-tied"]
     weights = model_weights(cfg, seed=23)
     calls = spy_calls(
         monkeypatch, "tma_linear_parts", lambda x, w, parts=1, *_: (w.shape[1] > w.shape[0], parts)
     )
     ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, triton_with_qkv_parts)
-    assert (False, quant_none.SPLIT_PARTS) in calls
-    assert {parts for down, parts in calls if down} == {2 * quant_none.SPLIT_PARTS}
+    one, two = quant_none.SPLIT_PARTS, 2 * quant_none.SPLIT_PARTS
+    assert {parts for wide, parts in calls if wide} == {two if down else one}
+    assert {parts for wide, parts in calls if not wide} == ({one} if down else {one, two})
     assert_steps_match_torch_ops(cfg, weights, ours)
-    monkeypatch.setenv("INFERX_TMA_DOWN_DOUBLE", "4-x")
-    with pytest.raises(ValueError, match="INFERX_TMA_DOWN_DOUBLE"):
+    monkeypatch.setenv(name, "4-x")
+    with pytest.raises(ValueError, match=name):
         TritonOps()
-    monkeypatch.delenv("INFERX_TMA_DOWN_DOUBLE")
-    assert TritonOps().down_double_rows == ((4, 16),)
-
-
-@interpreted
-def test_oproj_double_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """INFERX_TMA_OPROJ_DOUBLE=1 (A/B, off by default): o_proj (K at most N) on linear_parts in
-    twice tma_parts K-slices like down_proj; logits stay TorchOps'."""
-    monkeypatch.delenv("INFERX_TMA_OPROJ_DOUBLE", raising=False)
-    assert TritonOps().o_double_rows == ()
-    monkeypatch.setenv("INFERX_TMA_OPROJ_DOUBLE", "1")
-    monkeypatch.setenv("INFERX_TMA_DOWN_DOUBLE", "0")
-    cfg = CONFIGS["qwen2-tied"]
-    weights = model_weights(cfg, seed=29)
-    calls = spy_calls(
-        monkeypatch, "tma_linear_parts", lambda x, w, parts=1, *_: (w.shape[1] > w.shape[0], parts)
-    )
-    ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, triton_with_qkv_parts)
-    assert {parts for down, parts in calls if down} == {quant_none.SPLIT_PARTS}
-    assert (False, 2 * quant_none.SPLIT_PARTS) in calls  # o_proj (QKV goes by linear_split)
-    assert_steps_match_torch_ops(cfg, weights, ours)
+    monkeypatch.delenv(name)
+    ops = TritonOps()
+    assert (ops.down_double_rows if down else ops.o_double_rows) == default
 
 
 def test_tma_norm_switches_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
