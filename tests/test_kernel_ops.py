@@ -572,6 +572,8 @@ def test_embedding_kernel_gathers_the_rows(
     got = ops.embedding(weight, ids)
     assert got.shape == (7, 2500) and got.dtype == dtype
     assert torch.equal(got, TorchOps().embedding(weight, ids))
+    strided = torch.stack([ids, ids.flip(0)], dim=1)[:, 1]  # ids reversed, stride 2
+    assert torch.equal(ops.embedding(weight, strided), got.flip(0))
     assert ops.embedding(weight, ids[:0]).shape == (0, 2500)
     monkeypatch.setenv("INFERX_EMBED_TRITON", "0")
     assert not TritonOps().embed_triton

@@ -215,6 +215,7 @@ class TritonOps(KernelOps):
             and weight.stride(1) == 1
         ):
             return super().embedding(weight, ids)
+        ids = ids.contiguous()  # the kernel reads ids[r] at r (a no-op for a step's ids)
         rows, hidden = ids.shape[0], weight.shape[1]
         out = torch.empty((rows, hidden), dtype=weight.dtype, device=weight.device)
         if rows and hidden:
