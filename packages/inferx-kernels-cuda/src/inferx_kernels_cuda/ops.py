@@ -347,10 +347,12 @@ class TritonOps(KernelOps):
     def _tma_config(
         self, x: torch.Tensor, n: int, parts: int, gated: bool = False
     ) -> TmaGemvConfig:
-        """plain_config for x's rows and element size and this GPU's SMs (an H200's 132 under
-        the interpreter)."""
-        sms = 132 if self._interpret else _num_sms(x.device)
-        return plain_config(n, parts, sms, x.shape[0], gated, x.element_size())
+        """plain_config for x's rows and element size and this GPU's SMs (_sms)."""
+        return plain_config(n, parts, self._sms(x), x.shape[0], gated, x.element_size())
+
+    def _sms(self, x: torch.Tensor) -> int:
+        """The SMs of x's GPU (an H200's 132 under the interpreter)."""
+        return 132 if self._interpret else _num_sms(x.device)
 
     def norm_max_rows(self, k: int) -> int:
         """Rows up to which a norm runs inside the GEMM after it, for a hidden size of k."""
@@ -414,8 +416,7 @@ class TritonOps(KernelOps):
             n, k = linear.weight.shape
             double_rows = self.down_double_rows if k > n else self.o_double_rows
             if double_rows:
-                sms = 132 if self._interpret else _num_sms(x.device)
-                parts = filled_slices(parts, n, x.shape[0], sms, double_rows)
+                parts = filled_slices(parts, n, x.shape[0], self._sms(x), double_rows)
             # where INFERX_PDL_NORM takes the rows, the norm after it launches early
             return self._tma(x, linear.weight, parts, norm_early(x.device, x.shape[0]))
         return linear.forward_parts(x)
