@@ -26,15 +26,20 @@
 #   bounded to ~7.5 min after set-up, TABLE_BUDGET s); table-3b / table-8b: one model each, for
 #   two calls. TABLE_SERVE_ROUNDS=N: each concurrency N times, the median's figures reported.
 # demo: the real demo model on the GPU. Its GGUF (98 MB) cannot travel in one call (64 MiB with
-#   the tracked tree, 5.7 MB): here, xz it (90.5 MB) and split it so that the first part fits
-#   beside .whl (24 MB) and the tokenizers (3 MB):
+#   the tracked tree, 12.6 MB at session 23): xz it (90.5 MB) and split it in three parts, each
+#   carried by one of three back-to-back calls (a warm machine keeps ignored files and /tmp; it
+#   is released after 30 s idle) and moved to /tmp there:
 #     xz -T2 -6 -c FILE > /tmp/demo.gguf.xz; split -b 33000000 -d /tmp/demo.gguf.xz .carry/gx-
-#     mkdir -p .carry/g1 .carry/g2; mv .carry/gx-00 .carry/g1/; mv .carry/gx-0* .carry/g2/
-#   then two back-to-back calls (a warm machine keeps ignored files; it is released after 30 s
-#   idle): carry [".whl", ".carry/tokxz", ".carry/g1"] running `bash scripts/gpu_run.sh setup`
-#   (or other work), then [".carry/g2"] with `cat .carry/g1/gx-* .carry/g2/gx-* | xz -d -T4 >
-#   /tmp/demo.gguf && SKIP_SETUP=1 bash scripts/gpu_run.sh demo`. Without FlashInfer's cache (.carry/fi) set
-#   INFERX_TEST_BACKENDS=torch,triton, or FlashInfer compiles its kernels first (minutes).
+#     mkdir -p .carry/g1 .carry/g2a .carry/g2b
+#     mv .carry/gx-00 .carry/g1/; mv .carry/gx-01 .carry/g2a/; mv .carry/gx-02 .carry/g2b/
+#   1. [".whl", ".carry/g2b"]: `bash scripts/gpu_run.sh setup && mv .carry/g2b/gx-02 /tmp/`
+#      (the 33 MB parts do not fit beside .whl's 24 MB);
+#   2. [".carry/g1", ".carry/tokxz", ".carry/fi"]: `mv .carry/g1/gx-00 /tmp/ && SKIP_SETUP=1
+#      bash scripts/gpu_run.sh setup` (unpacks the tokenizers and FlashInfer's kernel cache);
+#   3. [".carry/g2a", ".carry/tokxz", ".carry/fi"]: `mv .carry/g2a/gx-01 /tmp/ && cat
+#      /tmp/gx-0* | xz -d -T4 > /tmp/demo.gguf && SKIP_SETUP=1 bash scripts/gpu_run.sh demo`.
+#   Without FlashInfer's cache (.carry/fi) set INFERX_TEST_BACKENDS=torch,triton, or FlashInfer
+#   compiles its kernels first (minutes).
 set -uo pipefail
 [ -f /tmp/demo.gguf ] && export INFERX_DEMO_GGUF=/tmp/demo.gguf
 OUT=${OUT:-/tmp/out}
