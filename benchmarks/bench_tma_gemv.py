@@ -276,7 +276,7 @@ def mlp_rows(args: argparse.Namespace) -> list[dict]:
             dn = DenseLinear(inter, [hidden], False, torch.bfloat16, torch.device("cuda"))
             gu.weight.data.normal_(0, 0.02)
             dn.weight.data.normal_(0, 0.02)
-            pairs.append((gu, dn))
+            pairs.append((gu, dn, dn.weight.t().contiguous()))
         nw = 1 + 0.1 * torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
         nbytes = 3 * hidden * inter * 2
         for m in (int(v) for v in args.m.split(",")):
@@ -294,6 +294,7 @@ def mlp_rows(args: argparse.Namespace) -> list[dict]:
                 block_d,
                 atomic,
                 stages,
+                trans,
                 x=x,
                 res=res,
                 nw=nw,
@@ -301,7 +302,8 @@ def mlp_rows(args: argparse.Namespace) -> list[dict]:
                 inter=inter,
                 fuses_norm=fuses_norm,
             ):
-                down = MlpDown(pair[1].weight, acc, block_d, atomic, stages)
+                down = MlpDown(pair[2] if trans else pair[1].weight, acc, block_d, atomic, stages,
+                               trans)  # fmt: skip
                 if fuses_norm:
                     cfg = norm_config(m, 1, gated=True)
                     return tma_norm_linear(x, res, nw, eps, pair[0].weight, 1, True, cfg, down)[0]
@@ -315,19 +317,22 @@ def mlp_rows(args: argparse.Namespace) -> list[dict]:
             block_n = (norm_config(m, 1, True) if fuses_norm else
                        plain_config(inter, 1, sms, m, gated=True)).block_n  # fmt: skip
             programs = -(-inter // block_n)
-            variants = [(128, 8, True, 2), (128, 8, True, 3), (64, 8, True, 2), (128, 1, True, 2),
-                        (128, 32, True, 2), (128, programs, False, 2)]  # fmt: skip
-            for block_d, slots, atomic, stages in variants:
+            variants = [(128, 8, True, 3, False), (128, 8, True, 4, False),
+                        (128, 8, True, 3, True), (128, 8, True, 4, True), (64, 8, True, 4, True),
+                        (256, 8, True, 3, True), (128, programs, False, 4, True)]  # fmt: skip
+            for block_d, slots, atomic, stages, trans in variants:
                 acc = torch.zeros(slots, m, hidden, device="cuda", dtype=torch.float32)
-                call = partial(fused, acc=acc, block_d=block_d, atomic=atomic, stages=stages)
+                call = partial(fused, acc=acc, block_d=block_d, atomic=atomic, stages=stages,
+                               trans=trans)  # fmt: skip
                 try:
                     err = rel_err(call(pairs[0]).sum(0), ref)
                 except Exception as e:  # e.g. more shared memory than an SM has
-                    print(f"  {model} M={m} d{block_d} s{slots} st{stages}: {e}"[:200])
+                    print(f"  {model} M={m} d{block_d} s{slots} st{stages} t{trans}: {e}"[:200])
                     continue
                 us = graph_us(call, pairs) if err <= MAX_REL_ERR else None
                 row["fused"].append({"block_d": block_d, "slots": slots, "atomic": atomic,
-                                     "stages": stages, "rel_err": err, "us": us})  # fmt: skip
+                                     "stages": stages, "transposed": trans, "rel_err": err,
+                                     "us": us})  # fmt: skip
             line = (
                 f"{model:<13}M={m:<3} unfused {row['unfused_us']:6.2f} "
                 f"({tbps(nbytes, row['unfused_us']):.2f} TB/s)"
@@ -335,6 +340,7 @@ def mlp_rows(args: argparse.Namespace) -> list[dict]:
             for f in row["fused"]:
                 us = f"{f['us']:6.2f}" if f["us"] else f"err {f['rel_err']:.3g}"
                 kind = f"d{f['block_d']} s{f['slots']}{'' if f['atomic'] else 'x'} {f['stages']}"
+                kind += "T" if f["transposed"] else ""
                 line += f"  {kind} {us}"
             print(line, flush=True)
             rows.append(row)

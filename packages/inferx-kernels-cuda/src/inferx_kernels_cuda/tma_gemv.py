@@ -63,21 +63,25 @@ class MlpDown:
     intermediate columns by down's matching columns and adds the [M, H] product into
     acc[program % slots] (fp32, zeroed by the caller), atomically unless `atomic` is False
     (then slots must be the program count: one slot each). block_d: output features a step,
-    stages: that loop's pipeline depth."""
+    stages: that loop's pipeline depth. transposed: weight is down's [I, H] (contiguous), so a
+    program's columns are one block of rows."""
 
     weight: torch.Tensor
     acc: torch.Tensor
     block_d: int = 128
     atomic: bool = True
     stages: int = 2
+    transposed: bool = False
 
     def args(self, block_n: int) -> tuple:
-        d_desc = TensorDescriptor.from_tensor(self.weight, block_shape=[self.block_d, block_n])
-        return d_desc, self.acc, self.weight.shape[0], self.acc.stride(0), self.acc.stride(1)
+        box = [block_n, self.block_d] if self.transposed else [self.block_d, block_n]
+        d_desc = TensorDescriptor.from_tensor(self.weight, block_shape=box)
+        h_out = self.weight.shape[1 if self.transposed else 0]
+        return d_desc, self.acc, h_out, self.acc.stride(0), self.acc.stride(1)
 
     def constexprs(self) -> dict:
         return dict(DOWN=True, BLOCK_D=self.block_d, D_STAGES=self.stages, SLOTS=self.acc.shape[0],
-                    ATOMIC=self.atomic)  # fmt: skip
+                    ATOMIC=self.atomic, D_TRANS=self.transposed)  # fmt: skip
 
 
 @triton.jit
@@ -113,14 +117,17 @@ def _products(w_desc, x, acc, acc_up, n0, col, up_row, GATED: tl.constexpr, UPCA
 @triton.jit
 def _down_partial(d_desc, y, acc_ptr, n0, slot, m, h_out, stride_ap, stride_am,
                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, D_STAGES: tl.constexpr,
-                  ATOMIC: tl.constexpr, UPCAST: tl.constexpr,
+                  D_TRANS: tl.constexpr, ATOMIC: tl.constexpr, UPCAST: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):  # fmt: skip
     """The MLP's down_proj over this program's intermediate columns: y [BLOCK_N columns from n0,
     BLOCK_M rows] in the dtype; acc[slot] [m, h_out] (fp32) += (down[:, n0:n0 + BLOCK_N] @ y).T,
     BLOCK_D output features a step (added atomically with ATOMIC, else stored), D_STAGES deep."""
     cols = tl.arange(0, BLOCK_M)
     for d0 in tl.range(0, h_out, BLOCK_D, num_stages=D_STAGES):
-        wd = d_desc.load([d0, n0])  # [BLOCK_D, BLOCK_N]
+        if D_TRANS:  # noqa: SIM108 - down stored [I, H]: a program reads one block of rows
+            wd = tl.trans(d_desc.load([n0, d0]))
+        else:
+            wd = d_desc.load([d0, n0])  # [BLOCK_D, BLOCK_N]
         if UPCAST:
             wd = wd.to(tl.float32)
         z = tl.dot(wd, y, input_precision=DOT_PRECISION)  # [BLOCK_D, BLOCK_M]
@@ -163,6 +170,7 @@ def tma_gemv_kernel(
     DOWN: tl.constexpr = False,
     BLOCK_D: tl.constexpr = 128,
     D_STAGES: tl.constexpr = 2,
+    D_TRANS: tl.constexpr = False,
     SLOTS: tl.constexpr = 1,
     ATOMIC: tl.constexpr = True,
 ):
@@ -189,7 +197,8 @@ def tma_gemv_kernel(
     if DOWN:
         y = acc if UPCAST else acc.to(out_ptr.dtype.element_ty)
         _down_partial(d_desc, y, acc_ptr, n0, pid_n % SLOTS, m, h_out, stride_ap, stride_am,
-                      BLOCK_M, BLOCK_D, D_STAGES, ATOMIC, UPCAST, DOT_PRECISION)  # fmt: skip
+                      BLOCK_M, BLOCK_D, D_STAGES, D_TRANS, ATOMIC, UPCAST,
+                      DOT_PRECISION)  # fmt: skip
     else:
         _store_part(out_ptr, acc, pid_s, n0, m, n, stride_os, stride_om, BLOCK_N, BLOCK_M)
 
@@ -399,6 +408,7 @@ def tma_norm_gemv_kernel(
     DOWN: tl.constexpr = False,
     BLOCK_D: tl.constexpr = 128,
     D_STAGES: tl.constexpr = 2,
+    D_TRANS: tl.constexpr = False,
     SLOTS: tl.constexpr = 1,
     ATOMIC: tl.constexpr = True,
 ):
@@ -450,7 +460,8 @@ def tma_norm_gemv_kernel(
     if DOWN:
         y = y if UPCAST else y.to(dtype)
         _down_partial(d_desc, y, acc_ptr, n0, pid_n % SLOTS, m, h_out, stride_ap, stride_am,
-                      BLOCK_M, BLOCK_D, D_STAGES, ATOMIC, UPCAST, DOT_PRECISION)  # fmt: skip
+                      BLOCK_M, BLOCK_D, D_STAGES, D_TRANS, ATOMIC, UPCAST,
+                      DOT_PRECISION)  # fmt: skip
     else:
         _store_part(out_ptr, y, pid_s, n0, m, n, stride_os, stride_om, BLOCK_N, BLOCK_M)
 
