@@ -295,6 +295,7 @@ def mlp_rows(args: argparse.Namespace) -> list[dict]:
                 atomic,
                 stages,
                 trans,
+                plain=False,
                 x=x,
                 res=res,
                 nw=nw,
@@ -304,7 +305,7 @@ def mlp_rows(args: argparse.Namespace) -> list[dict]:
             ):
                 down = MlpDown(pair[2] if trans else pair[1].weight, acc, block_d, atomic, stages,
                                trans)  # fmt: skip
-                if fuses_norm:
+                if fuses_norm and not plain:
                     cfg = norm_config(m, 1, gated=True)
                     return tma_norm_linear(x, res, nw, eps, pair[0].weight, 1, True, cfg, down)[0]
                 h = ops.rms_norm(x, nw, eps, res, parts=True)[0]
@@ -314,16 +315,20 @@ def mlp_rows(args: argparse.Namespace) -> list[dict]:
             ref = unfused(pairs[0]).float().sum(0)
             row = {"model": model, "m": m, "weight_bytes": nbytes, "norm_inside": fuses_norm,
                    "unfused_us": graph_us(unfused, pairs), "fused": []}  # fmt: skip
-            block_n = (norm_config(m, 1, True) if fuses_norm else
-                       plain_config(inter, 1, sms, m, gated=True)).block_n  # fmt: skip
-            programs = -(-inter // block_n)
-            variants = [(128, 8, True, 3, False), (128, 8, True, 4, False),
-                        (128, 8, True, 3, True), (128, 8, True, 4, True), (64, 8, True, 4, True),
-                        (256, 8, True, 3, True), (128, programs, False, 4, True)]  # fmt: skip
-            for block_d, slots, atomic, stages, trans in variants:
+            variants = [
+                (128, 8, True, 3, False, False),
+                (128, 8, True, 4, False, False),
+                (128, 4, True, 4, False, False),
+                (128, 16, True, 4, False, False),
+                (128, 8, True, 6, False, False),
+                (256, 8, True, 4, False, False),
+            ]
+            if fuses_norm:  # the same after rms_norm_kernel (the norm outside)
+                variants += [(*v[:-1], True) for v in variants]  # fmt: skip
+            for block_d, slots, atomic, stages, trans, plain in variants:
                 acc = torch.zeros(slots, m, hidden, device="cuda", dtype=torch.float32)
                 call = partial(fused, acc=acc, block_d=block_d, atomic=atomic, stages=stages,
-                               trans=trans)  # fmt: skip
+                               trans=trans, plain=plain)  # fmt: skip
                 try:
                     err = rel_err(call(pairs[0]).sum(0), ref)
                 except Exception as e:  # e.g. more shared memory than an SM has
@@ -331,8 +336,8 @@ def mlp_rows(args: argparse.Namespace) -> list[dict]:
                     continue
                 us = graph_us(call, pairs) if err <= MAX_REL_ERR else None
                 row["fused"].append({"block_d": block_d, "slots": slots, "atomic": atomic,
-                                     "stages": stages, "transposed": trans, "rel_err": err,
-                                     "us": us})  # fmt: skip
+                                     "stages": stages, "transposed": trans, "norm_apart": plain,
+                                     "rel_err": err, "us": us})  # fmt: skip
             line = (
                 f"{model:<13}M={m:<3} unfused {row['unfused_us']:6.2f} "
                 f"({tbps(nbytes, row['unfused_us']):.2f} TB/s)"
@@ -340,7 +345,7 @@ def mlp_rows(args: argparse.Namespace) -> list[dict]:
             for f in row["fused"]:
                 us = f"{f['us']:6.2f}" if f["us"] else f"err {f['rel_err']:.3g}"
                 kind = f"d{f['block_d']} s{f['slots']}{'' if f['atomic'] else 'x'} {f['stages']}"
-                kind += "T" if f["transposed"] else ""
+                kind += ("T" if f["transposed"] else "") + ("N" if f["norm_apart"] else "")
                 line += f"  {kind} {us}"
             print(line, flush=True)
             rows.append(row)
