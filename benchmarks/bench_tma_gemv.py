@@ -36,15 +36,13 @@ import torch.nn.functional as F
 from bench_gemv import MAX_REL_ERR, cold_weights, graph_us, linear_shapes, rel_err, tbps
 from commit_id import commit_id
 
-from inferx_core.quant_none import SPLIT_PARTS, DenseLinear, split_k_bmm
+from inferx_core.quant_none import SPLIT_PARTS, split_k_bmm
 from inferx_kernels_cuda.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from inferx_kernels_cuda.gemv import skinny_linear
 from inferx_kernels_cuda.ops import TritonOps
 from inferx_kernels_cuda.tma_gemv import (
-    MlpDown,
     TmaGemvConfig,
     TmaNormConfig,
-    norm_config,
     plain_config,
     tma_linear_parts,
     tma_linear_silu_and_mul,
@@ -256,102 +254,6 @@ def gated_rows(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def mlp_rows(args: argparse.Namespace) -> list[dict]:
-    """--mlp: a decode MLP from the attention's 4 parts and the residual to down_proj's output,
-    as the model runs it (TritonOps.rms_norm_linear_silu_and_mul then linear_parts: the norm
-    inside gate_up where norm_max_rows takes the rows, else rms_norm_kernel then the gated
-    GEMV; then down_proj's K-slices) against the same with down_proj inside the gated launch
-    (MlpDown: each program's intermediate columns times down's, added into fp32 slots), for
-    block_d in (64, 128) and 1, 8 or 32 atomic slots, or one stored slot a program. The
-    fused form's slots are not zeroed between calls (the sums are only checked once)."""
-    ops, eps, rows = TritonOps(), 1e-6, []
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for model in args.models.split(","):
-        shapes = {s.name: s for s in linear_shapes(model)}
-        hidden, inter = shapes["down"].n, shapes["down"].k
-        copies = max(2, -(-(256 << 20) // (3 * hidden * inter * 2)))
-        pairs = []
-        for _ in range(copies):
-            gu = DenseLinear(hidden, [inter, inter], False, torch.bfloat16, torch.device("cuda"))
-            dn = DenseLinear(inter, [hidden], False, torch.bfloat16, torch.device("cuda"))
-            gu.weight.data.normal_(0, 0.02)
-            dn.weight.data.normal_(0, 0.02)
-            pairs.append((gu, dn, dn.weight.t().contiguous()))
-        nw = 1 + 0.1 * torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
-        nbytes = 3 * hidden * inter * 2
-        for m in (int(v) for v in args.m.split(",")):
-            x = torch.randn(SPLIT_PARTS, m, hidden, device="cuda", dtype=torch.bfloat16)
-            res = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
-            fuses_norm = m <= ops.norm_max_rows(hidden)
-
-            def unfused(pair, x=x, res=res, nw=nw):
-                h, _ = ops.rms_norm_linear_silu_and_mul(x, nw, eps, res, pair[0])
-                return ops.linear_parts(pair[1], h)
-
-            def fused(
-                pair,
-                acc,
-                block_d,
-                atomic,
-                stages,
-                trans,
-                plain=False,
-                x=x,
-                res=res,
-                nw=nw,
-                m=m,
-                inter=inter,
-                fuses_norm=fuses_norm,
-            ):
-                down = MlpDown(pair[2] if trans else pair[1].weight, acc, block_d, atomic, stages,
-                               trans)  # fmt: skip
-                if fuses_norm and not plain:
-                    cfg = norm_config(m, 1, gated=True)
-                    return tma_norm_linear(x, res, nw, eps, pair[0].weight, 1, True, cfg, down)[0]
-                h = ops.rms_norm(x, nw, eps, res, parts=True)[0]
-                cfg = plain_config(inter, 1, sms, m, gated=True)
-                return tma_linear_silu_and_mul(h, pair[0].weight, cfg, down)
-
-            ref = unfused(pairs[0]).float().sum(0)
-            row = {"model": model, "m": m, "weight_bytes": nbytes, "norm_inside": fuses_norm,
-                   "unfused_us": graph_us(unfused, pairs), "fused": []}  # fmt: skip
-            variants = [
-                (128, 8, True, 3, False, False),
-                (128, 8, True, 4, False, False),
-                (128, 4, True, 4, False, False),
-                (128, 16, True, 4, False, False),
-                (128, 8, True, 6, False, False),
-                (256, 8, True, 4, False, False),
-            ]
-            if fuses_norm:  # the same after rms_norm_kernel (the norm outside)
-                variants += [(*v[:-1], True) for v in variants]  # fmt: skip
-            for block_d, slots, atomic, stages, trans, plain in variants:
-                acc = torch.zeros(slots, m, hidden, device="cuda", dtype=torch.float32)
-                call = partial(fused, acc=acc, block_d=block_d, atomic=atomic, stages=stages,
-                               trans=trans, plain=plain)  # fmt: skip
-                try:
-                    err = rel_err(call(pairs[0]).sum(0), ref)
-                except Exception as e:  # e.g. more shared memory than an SM has
-                    print(f"  {model} M={m} d{block_d} s{slots} st{stages} t{trans}: {e}"[:200])
-                    continue
-                us = graph_us(call, pairs) if err <= MAX_REL_ERR else None
-                row["fused"].append({"block_d": block_d, "slots": slots, "atomic": atomic,
-                                     "stages": stages, "transposed": trans, "norm_apart": plain,
-                                     "rel_err": err, "us": us})  # fmt: skip
-            line = (
-                f"{model:<13}M={m:<3} unfused {row['unfused_us']:6.2f} "
-                f"({tbps(nbytes, row['unfused_us']):.2f} TB/s)"
-            )
-            for f in row["fused"]:
-                us = f"{f['us']:6.2f}" if f["us"] else f"err {f['rel_err']:.3g}"
-                kind = f"d{f['block_d']} s{f['slots']}{'' if f['atomic'] else 'x'} {f['stages']}"
-                kind += ("T" if f["transposed"] else "") + ("N" if f["norm_apart"] else "")
-                line += f"  {kind} {us}"
-            print(line, flush=True)
-            rows.append(row)
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="qwen2.5-3b,llama-3.1-8b")
@@ -362,7 +264,6 @@ def main() -> None:
     ap.add_argument("--norm", action="store_true", help="time tma_norm_linear instead")
     ap.add_argument("--norm-qkv-parts", default="4", help="--norm: the fused QKV's splits")
     ap.add_argument("--gated", action="store_true", help="time gate_up + SiLU-and-mul instead")
-    ap.add_argument("--mlp", action="store_true", help="time the MLP, down_proj fused or not")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -372,8 +273,6 @@ def main() -> None:
         rows = norm_rows(args)
     elif args.gated:
         rows = gated_rows(args)
-    elif args.mlp:
-        rows = mlp_rows(args)
     else:
         rows = plain_rows(args)
     if args.json:

@@ -759,20 +759,12 @@ def test_down_proj_doubles_its_slices_where_they_leave_sms_idle() -> None:
 
 
 @interpreted
-@pytest.mark.parametrize(
-    ("name", "default"), [("INFERX_TMA_DOWN_DOUBLE", ((4, 16),)), ("INFERX_TMA_OPROJ_DOUBLE", ())]
-)
-def test_slices_doubled_from_the_environment(
-    name: str, default: tuple, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """INFERX_TMA_DOWN_DOUBLE=1 / INFERX_TMA_OPROJ_DOUBLE=1 (every row count; the other "0"):
-    the tiny Qwen2's down_proj (K past N) / o_proj (K at most N) in twice tma_parts K-slices,
-    the rest in tma_parts (QKV too); logits stay TorchOps'; the defaults; a bad value names
-    the variable."""
-    down = name == "INFERX_TMA_DOWN_DOUBLE"
-    other = "INFERX_TMA_OPROJ_DOUBLE" if down else "INFERX_TMA_DOWN_DOUBLE"
+def test_slices_doubled_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """INFERX_TMA_DOWN_DOUBLE=1 (every row count): the tiny Qwen2's down_proj (K past N) in twice
+    tma_parts K-slices, the rest (o_proj, QKV) in tma_parts; logits stay TorchOps'; the
+    default (4-16 rows); a bad value names the variable."""
+    name = "INFERX_TMA_DOWN_DOUBLE"
     monkeypatch.setenv(name, "1")
-    monkeypatch.setenv(other, "0")
     cfg = CONFIGS["qwen2-tied"]
     weights = model_weights(cfg, seed=23)
     calls = spy_calls(
@@ -780,15 +772,14 @@ def test_slices_doubled_from_the_environment(
     )
     ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, triton_with_qkv_parts)
     one, two = quant_none.SPLIT_PARTS, 2 * quant_none.SPLIT_PARTS
-    assert {parts for wide, parts in calls if wide} == {two if down else one}
-    assert {parts for wide, parts in calls if not wide} == ({one} if down else {one, two})
+    assert {parts for wide, parts in calls if wide} == {two}
+    assert {parts for wide, parts in calls if not wide} == {one}
     assert_steps_match_torch_ops(cfg, weights, ours)
     monkeypatch.setenv(name, "4-x")
     with pytest.raises(ValueError, match=name):
         TritonOps()
     monkeypatch.delenv(name)
-    ops = TritonOps()
-    assert (ops.down_double_rows if down else ops.o_double_rows) == default
+    assert TritonOps().down_double_rows == ((4, 16),)
 
 
 def test_tma_norm_switches_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -194,10 +194,10 @@ class TritonOps(KernelOps):
         # tma_parts slices leave SMs without a program (filled_slices).
         # INFERX_TMA_DOWN_DOUBLE takes row ranges ("0" never) for A/B runs.
         self.down_double_rows = row_ranges("INFERX_TMA_DOWN_DOUBLE", "4-16")
-        # The same for o_proj (K at most N) where it runs through linear_parts (past the
-        # split combine's rows): 3B's is 128 programs in 4 slices too. Not yet measured, so off
-        # ("0"); INFERX_TMA_OPROJ_DOUBLE takes row ranges for A/B runs.
-        self.o_double_rows = row_ranges("INFERX_TMA_OPROJ_DOUBLE", "0")
+        # Not for o_proj (K at most N), though 3B's is 128 programs in 4 slices too: at 4-16
+        # rows in 8 it lost (session 24, 3B steps, ms, two rounds, 4 -> 8 slices: 128 tokens
+        # batch 8 2.189 / 2.202 -> 2.220 / 2.216, 16 2.223 / 2.221 -> 2.243 / 2.246; 640 tokens
+        # batch 8 2.236 / 2.242 -> 2.265 / 2.255; c=8 serving level or lower).
         # embed_triton: the embedding lookup as embedding_kernel (BLOCK columns a program)
         # instead of F.embedding, whose index_select ran 1.9 / 6.9 µs at 1 / 8 ids in the 3B
         # graph. H200 3B steps at 640 tokens, ms, two rounds, off -> on (session 23): batch 8
@@ -414,9 +414,8 @@ class TritonOps(KernelOps):
         if linear.bias is None and self._takes_tma(linear, x):
             parts = self.tma_parts
             n, k = linear.weight.shape
-            double_rows = self.down_double_rows if k > n else self.o_double_rows
-            if double_rows:
-                parts = filled_slices(parts, n, x.shape[0], self._sms(x), double_rows)
+            if k > n and self.down_double_rows:
+                parts = filled_slices(parts, n, x.shape[0], self._sms(x), self.down_double_rows)
             # where INFERX_PDL_NORM takes the rows, the norm after it launches early
             return self._tma(x, linear.weight, parts, norm_early(x.device, x.shape[0]))
         return linear.forward_parts(x)

@@ -57,33 +57,6 @@ class TmaGemvConfig:
         return f"n{self.block_n} k{self.block_k} w{self.num_warps} st{self.num_stages}"
 
 
-@dataclass(frozen=True)
-class MlpDown:
-    """down_proj inside the gated GEMV (its DOWN epilogue): each program multiplies its
-    intermediate columns by down's matching columns and adds the [M, H] product into
-    acc[program % slots] (fp32, zeroed by the caller), atomically unless `atomic` is False
-    (then slots must be the program count: one slot each). block_d: output features a step,
-    stages: that loop's pipeline depth. transposed: weight is down's [I, H] (contiguous), so a
-    program's columns are one block of rows."""
-
-    weight: torch.Tensor
-    acc: torch.Tensor
-    block_d: int = 128
-    atomic: bool = True
-    stages: int = 2
-    transposed: bool = False
-
-    def args(self, block_n: int) -> tuple:
-        box = [block_n, self.block_d] if self.transposed else [self.block_d, block_n]
-        d_desc = TensorDescriptor.from_tensor(self.weight, block_shape=box)
-        h_out = self.weight.shape[1 if self.transposed else 0]
-        return d_desc, self.acc, h_out, self.acc.stride(0), self.acc.stride(1)
-
-    def constexprs(self) -> dict:
-        return dict(DOWN=True, BLOCK_D=self.block_d, D_STAGES=self.stages, SLOTS=self.acc.shape[0],
-                    ATOMIC=self.atomic, D_TRANS=self.transposed)  # fmt: skip
-
-
 @triton.jit
 def _store_part(out_ptr, y, pid_s, n0, m, n, stride_os, stride_om, BLOCK_N: tl.constexpr,
                 BLOCK_M: tl.constexpr):  # fmt: skip
@@ -114,32 +87,6 @@ def _products(w_desc, x, acc, acc_up, n0, col, up_row, GATED: tl.constexpr, UPCA
     return acc, acc_up
 
 
-@triton.jit
-def _down_partial(d_desc, y, acc_ptr, n0, slot, m, h_out, stride_ap, stride_am,
-                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, D_STAGES: tl.constexpr,
-                  D_TRANS: tl.constexpr, ATOMIC: tl.constexpr, UPCAST: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """The MLP's down_proj over this program's intermediate columns: y [BLOCK_N columns from n0,
-    BLOCK_M rows] in the dtype; acc[slot] [m, h_out] (fp32) += (down[:, n0:n0 + BLOCK_N] @ y).T,
-    BLOCK_D output features a step (added atomically with ATOMIC, else stored), D_STAGES deep."""
-    cols = tl.arange(0, BLOCK_M)
-    for d0 in tl.range(0, h_out, BLOCK_D, num_stages=D_STAGES):
-        if D_TRANS:  # noqa: SIM108 - down stored [I, H]: a program reads one block of rows
-            wd = tl.trans(d_desc.load([n0, d0]))
-        else:
-            wd = d_desc.load([d0, n0])  # [BLOCK_D, BLOCK_N]
-        if UPCAST:
-            wd = wd.to(tl.float32)
-        z = tl.dot(wd, y, input_precision=DOT_PRECISION)  # [BLOCK_D, BLOCK_M]
-        feats = d0 + tl.arange(0, BLOCK_D)
-        ptrs = acc_ptr + slot * stride_ap + cols[None, :] * stride_am + feats[:, None]
-        mask = (feats[:, None] < h_out) & (cols[None, :] < m)
-        if ATOMIC:
-            tl.atomic_add(ptrs, z, mask=mask, sem="relaxed")
-        else:
-            tl.store(ptrs, z, mask=mask)
-
-
 # m only masks the stores: not specialised on (m == 1, m % 16), so one compile serves every
 # row count of a BLOCK_M (the graph ladder's 1, 2-8 and 16 share one).
 @triton.jit(do_not_specialize=["m"])
@@ -153,11 +100,6 @@ def tma_gemv_kernel(
     up_row,
     stride_os,
     stride_om,
-    d_desc,
-    acc_ptr,
-    h_out,
-    stride_ap,
-    stride_am,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -167,12 +109,6 @@ def tma_gemv_kernel(
     PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,
     LATE: tl.constexpr = False,
-    DOWN: tl.constexpr = False,
-    BLOCK_D: tl.constexpr = 128,
-    D_STAGES: tl.constexpr = 2,
-    D_TRANS: tl.constexpr = False,
-    SLOTS: tl.constexpr = 1,
-    ATOMIC: tl.constexpr = True,
 ):
     """Grid (row blocks, splits): out[s, :, rows] = x[:, ks] @ W[rows, ks].T, ks = split s's
     k_per_split columns (a multiple of BLOCK_K; the last split's run past K reads zeros).
@@ -194,13 +130,7 @@ def tma_gemv_kernel(
     if GATED:
         dtype = out_ptr.dtype.element_ty
         acc = silu_times(_rounded(acc, dtype), _rounded(acc_up, dtype), dtype)
-    if DOWN:
-        y = acc if UPCAST else acc.to(out_ptr.dtype.element_ty)
-        _down_partial(d_desc, y, acc_ptr, n0, pid_n % SLOTS, m, h_out, stride_ap, stride_am,
-                      BLOCK_M, BLOCK_D, D_STAGES, D_TRANS, ATOMIC, UPCAST,
-                      DOT_PRECISION)  # fmt: skip
-    else:
-        _store_part(out_ptr, acc, pid_s, n0, m, n, stride_os, stride_om, BLOCK_N, BLOCK_M)
+    _store_part(out_ptr, acc, pid_s, n0, m, n, stride_os, stride_om, BLOCK_N, BLOCK_M)
 
 
 def input_problem(
@@ -244,10 +174,7 @@ def tma_linear_parts(
 
 
 def tma_linear_silu_and_mul(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    config: TmaGemvConfig | None = None,
-    down: MlpDown | None = None,
+    x: torch.Tensor, weight: torch.Tensor, config: TmaGemvConfig | None = None
 ) -> torch.Tensor:
     """silu(gate) * up as [M, I] for x [M <= MAX_ROWS, K] and weight [2I, K] (gate rows, then
     up rows): silu_and_mul(F.linear(x, weight)) in one launch. Each program reads BLOCK_N gate
@@ -257,7 +184,7 @@ def tma_linear_silu_and_mul(
             f"tma_linear_silu_and_mul: weight needs gate then up rows (an even count), got "
             f"{weight.shape[0]}"
         )
-    return _launch(x, weight, 1, True, config or TmaGemvConfig(64, 128, 4, 3), down=down)
+    return _launch(x, weight, 1, True, config or TmaGemvConfig(64, 128, 4, 3))
 
 
 def _launch(
@@ -267,7 +194,6 @@ def _launch(
     gated: bool,
     cfg: TmaGemvConfig,
     trigger: bool = False,
-    down: MlpDown | None = None,
 ) -> torch.Tensor:
     name = "tma_linear_silu_and_mul" if gated else "tma_linear_parts"
     problem = input_problem(x, weight, parts, name)
@@ -277,22 +203,20 @@ def _launch(
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     block_m = max(16, triton.next_power_of_2(m))
     k_per_split = triton.cdiv(triton.cdiv(k, parts), cfg.block_k) * cfg.block_k
-    out_shape = (m, n) if gated else (parts, m, n)
-    # with down, out is never written: a stand-in of out's rank for the strides
-    out = torch.empty((1,) * len(out_shape) if down else out_shape, dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n) if gated else (parts, m, n), dtype=x.dtype, device=x.device)
     x_desc = TensorDescriptor.from_tensor(x, block_shape=[block_m, cfg.block_k])
     w_desc = TensorDescriptor.from_tensor(weight, block_shape=[cfg.block_n, cfg.block_k])
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     tma_gemv_kernel[(triton.cdiv(n, cfg.block_n), parts)](
         x_desc, w_desc, out, m, n, k_per_split, n, 0 if gated else out.stride(0),
-        out.stride(-2), *(down.args(cfg.block_n) if down else (w_desc, out, 0, 0, 0)),
+        out.stride(-2),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated,
         UPCAST=interpret and x.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **gemv_launch(x.device, m, trigger), **(down.constexprs() if down else {}),
+        **gemv_launch(x.device, m, trigger),
     )  # fmt: skip
-    return down.acc if down else out
+    return out
 
 
 # --- The norm before a decode GEMM, in the GEMM ------------------------------------------------
@@ -387,11 +311,6 @@ def tma_norm_gemv_kernel(
     stride_os,
     stride_om,
     eps,
-    d_desc,
-    acc_ptr,
-    h_out,
-    stride_ap,
-    stride_am,
     ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -405,12 +324,6 @@ def tma_norm_gemv_kernel(
     PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,
     LATE: tl.constexpr = False,
-    DOWN: tl.constexpr = False,
-    BLOCK_D: tl.constexpr = 128,
-    D_STAGES: tl.constexpr = 2,
-    D_TRANS: tl.constexpr = False,
-    SLOTS: tl.constexpr = 1,
-    ATOMIC: tl.constexpr = True,
 ):
     """Grid (row blocks, S_OUT splits). h = sum of the S_IN parts [S_IN, m, k] (rounded once)
     + residual [m, k] (rounded), as rms_norm_kernel; x = h * norm weight; out[s, :, rows] =
@@ -457,13 +370,7 @@ def tma_norm_gemv_kernel(
         gate = _rounded(y, dtype)
         up = _rounded(acc_up * inv_rms[None, :], dtype)
         y = silu_times(gate, up, dtype)
-    if DOWN:
-        y = y if UPCAST else y.to(dtype)
-        _down_partial(d_desc, y, acc_ptr, n0, pid_n % SLOTS, m, h_out, stride_ap, stride_am,
-                      BLOCK_M, BLOCK_D, D_STAGES, D_TRANS, ATOMIC, UPCAST,
-                      DOT_PRECISION)  # fmt: skip
-    else:
-        _store_part(out_ptr, y, pid_s, n0, m, n, stride_os, stride_om, BLOCK_N, BLOCK_M)
+    _store_part(out_ptr, y, pid_s, n0, m, n, stride_os, stride_om, BLOCK_N, BLOCK_M)
 
 
 def norm_config(rows: int, parts: int, gated: bool) -> TmaNormConfig:
@@ -513,7 +420,6 @@ def tma_norm_linear(
     parts: int = 1,
     gated: bool = False,
     config: TmaNormConfig | None = None,
-    down: MlpDown | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rms_norm(x, norm_weight, eps, residual, parts=True) then the GEMM with weight [N, K], in
     one launch: (out, new residual). x: [S_in, M, K] partial results summed into the residual
@@ -544,24 +450,22 @@ def tma_norm_linear(
     rows = triton.next_power_of_2(m)
     k_per_split = triton.cdiv(triton.cdiv(k, parts), cfg.block_k) * cfg.block_k
     out_shape = (m, n) if gated else (parts, m, n)
-    # with down, out is never written: a stand-in of out's rank for the strides
-    out = torch.empty((1,) * len(out_shape) if down else out_shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
     new_residual = torch.empty_like(residual)
     w_desc = TensorDescriptor.from_tensor(weight, block_shape=[cfg.block_n, cfg.block_k])
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     tma_norm_gemv_kernel[(triton.cdiv(n, cfg.block_n), parts)](
         x, residual, norm_weight.contiguous(), new_residual, w_desc, out, m, n, k, k_per_split,
         n, x.stride(0), 0 if gated else out.stride(0), out.stride(-2), eps,
-        *(down.args(cfg.block_n) if down else (w_desc, out, 0, 0, 0)),
         ROWS=rows, BLOCK_M=max(16, rows), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         S_IN=s_in, S_OUT=parts,
         GATED=gated, SELECT_OWN=cfg.select_own,
         UPCAST=interpret and x.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **gemv_launch(x.device, m), **(down.constexprs() if down else {}),
+        **gemv_launch(x.device, m),
     )  # fmt: skip
-    return (down.acc if down else out), new_residual
+    return out, new_residual
 
 
 # --- The decode attention's split reduce, in o_proj -----------------------------------------
