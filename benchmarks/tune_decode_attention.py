@@ -14,8 +14,8 @@ reads per second), the best's, and which that is. Outputs are checked against th
 the way (a config that changes results is an error, not a winner).
 `--grid KEY=V1,V2` (repeatable) sweeps only the keys it names, the others at their default;
 decode_stages (the decode kernel's num_stages: Triton's software pipelining of its KV tile
-loads), block_n (context tokens per tile), reduce_heads (query heads per reduce program) and
-v_first (1: each tile's V loads issued before its K loads) are swept only that way.
+loads), block_n (context tokens per tile) and reduce_heads (query heads per reduce program)
+are swept only that way.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ DEFAULT = {
     "decode_stages": 1,
     "block_n": 64,
     "reduce_heads": 2,
-    "v_first": 0,
 }
 GRID = {
     "decode_warps": (2, 4, 8),
@@ -88,8 +87,6 @@ def build(
     )
     backend.decode_block_n = cfg["block_n"]
     backend.decode_launch = {"num_warps": cfg["decode_warps"], "num_stages": cfg["decode_stages"]}
-    if cfg["v_first"]:  # only then: the default compiles as the model's
-        backend.decode_launch["V_FIRST"] = True
     backend.reduce_launch = {"num_warps": cfg["reduce_warps"]}
     backend.reduce_heads = cfg["reduce_heads"]
     blocks_per_seq = -(-context // BLOCK)

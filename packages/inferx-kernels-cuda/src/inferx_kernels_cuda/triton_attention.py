@@ -207,9 +207,6 @@ class TritonAttention(TorchAttention):
         self.prefill_block_n = 16 if small else 64
         # Launch options (num_warps, num_stages) per kernel, for tuning.
         self.decode_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
-        # INFERX_TRITON_DECODE_V_FIRST=1: each KV tile's V loads issued before its K loads (A/B).
-        if env_switch("INFERX_TRITON_DECODE_V_FIRST", default=False):
-            self.decode_launch["V_FIRST"] = True
         self.reduce_launch: dict[str, int] = {"num_warps": 4}  # Triton's default
         # Query heads per decode_reduce_kernel program (a power of two): more, fewer programs
         # (batch 64 launches 1024 of them at one head for 1.5 MB). Capped by _reduce_heads. 2:

@@ -137,7 +137,6 @@ def _attend_range(
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    V_FIRST: tl.constexpr = False,
 ):
     """Online softmax of the rows of q over context positions [lo, hi) of one sequence, read
     from its blocks in BLOCK_N-token tiles; returns the updated (max, sum, unnormalised output).
@@ -160,16 +159,7 @@ def _attend_range(
             + (pos % BLOCK_SIZE) * stride_cache_token
             + kv_head * stride_cache_head
         )
-        if V_FIRST:  # V's loads issued before K's (A/B: INFERX_TRITON_DECODE_V_FIRST)
-            if MASKED:
-                v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-                k_t = tl.load(
-                    k_cache_ptr + off[None, :] + d[:, None], mask=valid[None, :], other=0.0
-                )
-            else:
-                v = tl.load(v_cache_ptr + off[:, None] + d[None, :])
-                k_t = tl.load(k_cache_ptr + off[None, :] + d[:, None])
-        elif MASKED:
+        if MASKED:
             k_t = tl.load(k_cache_ptr + off[None, :] + d[:, None], mask=valid[None, :], other=0.0)
             v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         else:
@@ -320,7 +310,6 @@ def decode_kernel(
     PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,
     EARLY: tl.constexpr = False,
-    V_FIRST: tl.constexpr = False,
 ):
     """Grid (decode sequences, KV heads, splits): the one query token of a sequence, all query
     heads of one KV group (rows of one tl.dot, padded to GROUP_PAD), over one split of the
@@ -408,13 +397,11 @@ def decode_kernel(
         q, m, row_sum, acc, lo, full, 0, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
         stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
         scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION,
-        V_FIRST,
     )  # fmt: skip
     m, row_sum, acc = _attend_range(
         q, m, row_sum, acc, full, hi, 0, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
         stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
         scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, UPCAST, DOT_PRECISION,
-        V_FIRST,
     )  # fmt: skip
 
     # An empty split (past this sequence's context) has no keys: it reports lse -inf and a
