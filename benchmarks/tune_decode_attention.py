@@ -14,8 +14,9 @@ reads per second), the best's, and which that is. Outputs are checked against th
 the way (a config that changes results is an error, not a winner).
 `--grid KEY=V1,V2` (repeatable) sweeps only the keys it names, the others at their default;
 decode_stages (the decode kernel's num_stages: Triton's software pipelining of its KV tile
-loads), block_n (context tokens per tile) and reduce_heads (query heads per reduce program)
-are swept only that way.
+loads), block_n (context tokens per tile), reduce_heads (query heads per reduce program) and
+block_size (the cache's tokens a block; its outputs are not compared, the random cache lies
+differently) are swept only that way.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from inferx_core.batch import make_attention_batch
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda.triton_attention import TritonAttention
 
-BLOCK = 16
 DEFAULT = {
     "decode_warps": 4,
     "reduce_warps": 4,
@@ -42,6 +42,7 @@ DEFAULT = {
     "decode_stages": 1,
     "block_n": 64,
     "reduce_heads": 2,
+    "block_size": 16,
 }
 GRID = {
     "decode_warps": (2, 4, 8),
@@ -77,9 +78,10 @@ def build(
     laid out in its graph buffers, ready to capture."""
     device = device or torch.device("cuda")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    block = cfg["block_size"]
     backend = TritonAttention(
         [spec] * layers,
-        BLOCK,
+        block,
         dtype,
         device,
         min_split_len=cfg["min_split_len"],
@@ -89,7 +91,7 @@ def build(
     backend.decode_launch = {"num_warps": cfg["decode_warps"], "num_stages": cfg["decode_stages"]}
     backend.reduce_launch = {"num_warps": cfg["reduce_warps"]}
     backend.reduce_heads = cfg["reduce_heads"]
-    blocks_per_seq = -(-context // BLOCK)
+    blocks_per_seq = -(-context // block)
     backend.allocate(batch * blocks_per_seq + 1)
     gen = torch.Generator(device=device).manual_seed(0)
     for cache in backend.caches:
@@ -99,7 +101,7 @@ def build(
     tables = [
         list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(batch)
     ]
-    layout = make_attention_batch([1] * batch, [context] * batch, tables, BLOCK)
+    layout = make_attention_batch([1] * batch, [context] * batch, tables, block)
     backend.prepare_for_replay(layout, batch)
     return backend
 
@@ -173,7 +175,8 @@ def main() -> None:
             backend = build(cfg, spec, args.layers, batch, context, sms)
             us, out = measure(backend, spec, batch, args.layers)
             err = (out - base_out).abs().max().item() / max(base_out.abs().max().item(), 1e-6)
-            if err > 2e-2:
+            # another block size lays the random cache out differently: nothing to compare
+            if err > 2e-2 and cfg["block_size"] == DEFAULT["block_size"]:
                 raise SystemExit(
                     f"batch {batch}, context {context}, {cfg}: output differs ({err:.2e})"
                 )
