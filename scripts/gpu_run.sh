@@ -7,7 +7,8 @@
 #   tar -C .carry/tok -cJf .carry/tokxz/tok.tar.xz tokenizers
 # then carry [".whl", ".carry/tokxz"] (unpacked below into .carry/tok on the machine).
 # Usage: bash scripts/gpu_run.sh [setup] [tests] [flashinfer] [profile] [pdl-edges] [pdl-late] [profile-prefill] [decode-variants] [breakdown] [gemv] [tma-gemv] [mixed] [barrier] [regs] [tune] [tune-prefill] [split-gemm] [startup] [cold-start] [serve-ab] [bench] [demo]
-#        [table | table-3b | table-8b]
+#        [table | table-3b | table-8b] [pack]
+#   pack (last): $OUT's files as one out.tar.gz (a call brings back at most 8 files).
 #   flashinfer: its conformance tests (FI_K: a pytest -k filter), then its compiled kernels packed into $OUT as
 #   fi-cache.tar.part-*: keep them in .carry/fi/ (31 MB) and carry .carry/fi in later runs
 #   that use FlashInfer; they are copied into .whl/ before set-up, which unpacks them.
@@ -263,6 +264,11 @@ for step in "${steps[@]}"; do
       python3 benchmarks/h200_table.py --models $models --tokenizers .carry/tok/tokenizers \
         --budget-s ${TABLE_BUDGET:-450} --serve-rounds ${TABLE_SERVE_ROUNDS:-1} \
         --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" ;;
+    pack)
+      # Everything under $OUT as one out.tar.gz: a device call brings back at most 8 files
+      # (session 24 lost its serve JSONs that way). Put it last: pack ... after the other steps.
+      tar -czf /tmp/out-pack.tar.gz -C "$OUT" . && find "$OUT" -mindepth 1 -delete \
+        && mv /tmp/out-pack.tar.gz "$OUT/out.tar.gz" && ls -la "$OUT/out.tar.gz" ;;
     *) echo "gpu_run.sh: unknown step $step" >&2; exit 2 ;;
   esac
 done
