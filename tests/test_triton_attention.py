@@ -383,6 +383,30 @@ def test_gpu_decode_kernel_early_metadata_bf16(split: bool, parts: bool) -> None
     check_decode_rotary(8, torch.bfloat16, torch.device("cuda"), split, parts=parts, early=True)
 
 
+@interpreted
+@pytest.mark.parametrize(
+    ("dtype", "split", "parts"),
+    [(torch.float32, True, False), (torch.float32, False, True), (torch.float16, True, True)],
+)
+def test_decode_kernel_preloads_its_first_tile(
+    dtype: torch.dtype, split: bool, parts: bool
+) -> None:
+    """PRELOAD: each split's first tile read before the wait, the new token's row taken from
+    the k and v the kernel writes (the cache holds stale random values in that slot). Split:
+    one tile a program; unsplit: up to three, the rest read in the loop."""
+    check_decode_rotary(4, dtype, torch.device("cpu"), split, parts=parts, early=True,
+                        preload=True)  # fmt: skip
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("parts", [False, True])
+@pytest.mark.parametrize("split", [False, True])
+def test_gpu_decode_kernel_preloads_its_first_tile_bf16(split: bool, parts: bool) -> None:
+    check_decode_rotary(8, torch.bfloat16, torch.device("cuda"), split, parts=parts, early=True,
+                        preload=True)  # fmt: skip
+
+
 @pytest.mark.gpu
 @on_gpu
 @pytest.mark.parametrize("split", [False, True])
@@ -423,6 +447,7 @@ def check_decode_rotary(
     split: bool,
     parts: bool = False,
     early: bool = False,
+    preload: bool = False,
 ) -> None:
     """decode_rotary: in a decode-only step the decode kernel rotates q and k and writes the new
     k and v itself. Against the torch reference ops' rotary followed by TorchAttention.forward
@@ -431,7 +456,8 @@ def check_decode_rotary(
     parts: q, k and v arrive as 4 partial sums plus a bias (qkv_parts), which the kernel adds
     up; the reference gets their fp32 sum rounded once, as the unsplit GEMM would write it.
     early: the decode kernel's EARLY form (INFERX_PDL_ATTENTION: its metadata loaded before
-    the PDL wait, with PDL where the device has it)."""
+    the PDL wait, with PDL where the device has it). preload: with early, its first K/V tile
+    too (decode_preload); every decode launch is checked to have taken PRELOAD."""
     head_dim, kv_heads, bs = 32, 2, 4
     layers = [KVLayerSpec(kv_heads * group, kv_heads, head_dim)] * 2
     kwargs = {"min_split_len": 1, "target_programs": 10**6} if split else {}
@@ -443,6 +469,16 @@ def check_decode_rotary(
     if early:
         pdl = {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"PDL": False}
         backend._decode_pdl = lambda plan, spec: pdl | {"TRIGGER": pdl["PDL"], "EARLY": early}
+    backend.decode_preload = preload
+    launches = []
+    choose = backend._decode_launch_pdl
+
+    def recorded(plan, spec, rotary):  # noqa: ANN001, ANN202 - the method's own signature
+        args = choose(plan, spec, rotary)
+        launches.append(args.get("PRELOAD", False))
+        return args
+
+    backend._decode_launch_pdl = recorded
     reference = TorchAttention(layers, bs, dtype, device)
     angles = torch.rand(64, head_dim // 2, device=device) * 6.3
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
@@ -492,6 +528,7 @@ def check_decode_rotary(
         cache_tol = 2e-2 if dtype == torch.bfloat16 else ROTARY_TOL[dtype]
         assert rel_err(backend.caches[layer], reference.caches[layer]) <= cache_tol
     assert (max(splits) > 1) == split
+    assert launches == [preload] * len(layers)
     forward_padding_row(backend, cos_sin)
 
 

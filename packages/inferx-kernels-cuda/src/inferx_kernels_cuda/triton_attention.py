@@ -239,6 +239,11 @@ class TritonAttention(TorchAttention):
         # -> 2.268 / 2.352 -> 2.339, 8 2.386 -> 2.406 / 2.433 -> 2.569. INFERX_TRITON_KEEP_SPLITS
         # takes row ranges ("0" none, "1" all) for A/B runs.
         self.keep_split_rows = row_ranges("INFERX_TRITON_KEEP_SPLITS", "1-4")
+        # decode_preload: where the decode kernel launches early behind the QKV GEMV (EARLY,
+        # INFERX_PDL_ATTENTION's rows) and rotates itself, each program loads its split's first
+        # K/V tile before its wait as well (PRELOAD); at 1-48 rows a split is one or two tiles.
+        # INFERX_TRITON_DECODE_PRELOAD=0/1 for A/B runs.
+        self.decode_preload = env_switch("INFERX_TRITON_DECODE_PRELOAD", default=False)
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         self._upcast = self.interpret and dtype == torch.bfloat16
         self._dot_precision = "ieee" if dtype == torch.float32 else "tf32"
@@ -681,6 +686,15 @@ class TritonAttention(TorchAttention):
             return {"PDL": True, "TRIGGER": True, "launch_pdl": True, "EARLY": True}
         return self._pdl(plan, spec)
 
+    def _decode_launch_pdl(self, plan: _Plan, spec: KVLayerSpec, rotary: bool) -> dict[str, Any]:
+        """_decode_pdl's arguments, with PRELOAD where the kernel launches early (EARLY),
+        rotates and writes the new token itself (`rotary`: only then can it take that token's
+        row of a tile loaded before its wait) and decode_preload is on."""
+        args = self._decode_pdl(plan, spec)
+        if args.get("EARLY") and rotary and self.decode_preload:
+            args = args | {"PRELOAD": True}
+        return args
+
     def _reduce(self, plan: _Plan, spec: KVLayerSpec, out: torch.Tensor) -> torch.Tensor:
         """Combine the decode kernel's context splits into out [T, heads, dim]; returns out."""
         # Eager steps pad to the most splits there can be: one compiled variant.
@@ -833,7 +847,7 @@ class TritonAttention(TorchAttention):
                 **(new_tokens if in_decode else self._no_new_tokens(plan)),
                 **(parts or {}),
                 **self.decode_launch,
-                **self._decode_pdl(plan, spec),
+                **self._decode_launch_pdl(plan, spec, in_decode),
             )
             keep = keep_splits and in_ranges(plan.num_decode, self.keep_split_rows)
             if split and keep and plan.all_decode:

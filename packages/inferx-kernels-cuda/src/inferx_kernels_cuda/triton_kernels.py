@@ -112,6 +112,37 @@ def rotary_kv_write_kernel(
 
 
 @triton.jit
+def _kv_tile(
+    k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_table, kv_head, stride_cache_block,
+    stride_cache_token, stride_cache_head, start, hi, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One KV head's tile of a sequence's cache at context positions start.. (MASKED: those
+    from hi on read as zeros): (positions [BLOCK_N], K^T [HEAD_DIM, BLOCK_N], V [BLOCK_N,
+    HEAD_DIM])."""
+    d = tl.arange(0, HEAD_DIM)
+    pos = start + tl.arange(0, BLOCK_N)
+    table = block_table_ptr + seq * stride_table + pos // BLOCK_SIZE
+    if MASKED:
+        valid = pos < hi
+        block = tl.load(table, mask=valid, other=0)
+    else:
+        block = tl.load(table)
+    off = (
+        block.to(tl.int64) * stride_cache_block
+        + (pos % BLOCK_SIZE) * stride_cache_token
+        + kv_head * stride_cache_head
+    )
+    if MASKED:
+        k_t = tl.load(k_cache_ptr + off[None, :] + d[:, None], mask=valid[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    else:
+        k_t = tl.load(k_cache_ptr + off[None, :] + d[:, None])
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :])
+    return pos, k_t, v
+
+
+@triton.jit
 def _attend_range(
     q,
     m,
@@ -145,37 +176,35 @@ def _attend_range(
     tiles that way and only the ragged or diagonal rest with masks. CAUSAL (with MASKED) hides
     positions past each row's q_pos.
     """
-    d = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        table = block_table_ptr + seq * stride_table + pos // BLOCK_SIZE
-        if MASKED:
-            valid = pos < hi
-            block = tl.load(table, mask=valid, other=0)
-        else:
-            block = tl.load(table)
-        off = (
-            block.to(tl.int64) * stride_cache_block
-            + (pos % BLOCK_SIZE) * stride_cache_token
-            + kv_head * stride_cache_head
-        )
-        if MASKED:
-            k_t = tl.load(k_cache_ptr + off[None, :] + d[:, None], mask=valid[None, :], other=0.0)
-            v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        else:
-            k_t = tl.load(k_cache_ptr + off[None, :] + d[:, None])
-            v = tl.load(v_cache_ptr + off[:, None] + d[None, :])
-        if UPCAST:
-            k_t = k_t.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
-        if MASKED:
-            if CAUSAL:
-                s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-            else:
-                s = tl.where(valid[None, :], s, float("-inf"))
-        m, row_sum, acc = _softmax_step(s, v, m, row_sum, acc, DOT_PRECISION)
+        pos, k_t, v = _kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_table, kv_head,
+            stride_cache_block, stride_cache_token, stride_cache_head, start, hi, HEAD_DIM,
+            BLOCK_SIZE, BLOCK_N, MASKED,
+        )  # fmt: skip
+        m, row_sum, acc = _attend_tile(q, m, row_sum, acc, pos, k_t, v, hi, q_pos, scale_log2,
+                                       MASKED, CAUSAL, UPCAST, DOT_PRECISION)  # fmt: skip
     return m, row_sum, acc
+
+
+@triton.jit
+def _attend_tile(
+    q, m, row_sum, acc, pos, k_t, v, hi, q_pos, scale_log2, MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One tile of _attend_range: the rows of q against keys k_t at positions pos and their
+    values v, folded into the running (max, sum, unnormalised output)."""
+    if UPCAST:
+        k_t = k_t.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
+    if MASKED:
+        valid = pos < hi
+        if CAUSAL:
+            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        else:
+            s = tl.where(valid[None, :], s, float("-inf"))
+    return _softmax_step(s, v, m, row_sum, acc, DOT_PRECISION)
 
 
 @triton.jit
@@ -310,6 +339,7 @@ def decode_kernel(
     PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,
     EARLY: tl.constexpr = False,
+    PRELOAD: tl.constexpr = False,
 ):
     """Grid (decode sequences, KV heads, splits): the one query token of a sequence, all query
     heads of one KV group (rows of one tl.dot, padded to GROUP_PAD), over one split of the
@@ -332,6 +362,9 @@ def decode_kernel(
     PDL, TRIGGER: inferx_kernels_cuda.pdl; the kernel after it is the reduce, or o_proj's GEMV.
     EARLY (with PDL, launched early behind the QKV GEMV): the step's metadata (the row's
     context, position and the rotary's cos and sin) loads before the wait, q, k and v after.
+    PRELOAD (with EARLY and ROTARY): the split's first K/V tile loads before the wait too (no
+    kernel of the step writes the cached context; the new token's row, which this kernel
+    writes, is taken from its k and v), so that its latency overlaps the QKV GEMV's.
     """
     if not EARLY:
         pdl_start(PDL, TRIGGER)
@@ -354,6 +387,13 @@ def decode_kernel(
         cos = _rounded(tl.load(cs + half_d), rot_dtype)
         sin = _rounded(tl.load(cs + HEAD_DIM // 2 + half_d), rot_dtype)
     lo, hi = _split_range(ctx, split, split_len, SEQ_SPLIT, BLOCK_N)
+    tl.static_assert(ROTARY or not PRELOAD, "PRELOAD takes the new token's k and v (ROTARY)")
+    if PRELOAD:
+        first_pos, first_k, first_v = _kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_table, kv_head,
+            stride_cache_block, stride_cache_token, stride_cache_head, lo, hi, HEAD_DIM,
+            BLOCK_SIZE, BLOCK_N, True,
+        )  # fmt: skip
     if EARLY:  # the metadata above is loaded; q, k and v (the QKV GEMV's) come after the wait
         pdl_start(PDL, TRIGGER)
     if ROTARY:
@@ -391,10 +431,20 @@ def decode_kernel(
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mine)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mine)
         tl.debug_barrier()  # this program's reads below see the k and v it wrote
+    rest = lo
+    if PRELOAD:  # the new token's row of the preloaded tile: the k and v written above
+        if ROTARY:
+            new = first_pos == tl.where(owner, ctx - 1, -1)
+            cache_dtype = k_cache_ptr.dtype.element_ty
+            first_k = tl.where(new[None, :], k.to(cache_dtype)[:, None], first_k)
+            first_v = tl.where(new[:, None], v.to(cache_dtype)[None, :], first_v)
+        m, row_sum, acc = _attend_tile(q, m, row_sum, acc, first_pos, first_k, first_v, hi, 0,
+                                       scale_log2, True, False, UPCAST, DOT_PRECISION)  # fmt: skip
+        rest = lo + BLOCK_N
     # Whole tiles unmasked, then the ragged tail (if any) masked.
-    full = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
+    full = tl.maximum(rest, rest + (hi - rest) // BLOCK_N * BLOCK_N)
     m, row_sum, acc = _attend_range(
-        q, m, row_sum, acc, lo, full, 0, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
+        q, m, row_sum, acc, rest, full, 0, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
         stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
         scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION,
     )  # fmt: skip
