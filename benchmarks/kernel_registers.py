@@ -3,10 +3,11 @@ an sm_90 GPU (the H200) on any machine: no GPU needed, Triton's bundled ptxas an
 the work.
 
     python benchmarks/kernel_registers.py [--group 8] [--head-dim 128] [--warps 2,4]
-        [--block-n 16,32,64] [--qkv-parts 4] [--json OUT.json]
+        [--block-n 16,32,64] [--qkv-parts 4] [--preload] [--json OUT.json]
 
 --qkv-parts: the QKV GEMM's partial results the kernel sums, with a bias (4: a 3B decode-only
-step; 1: the unsplit path, an 8B one).
+step; 1: the unsplit path, an 8B one). --preload: the kernel as a batch-1 graph step launches
+it, early behind QKV with its first K/V tile loaded before the wait (EARLY, PRELOAD).
 
 A program that takes many registers or much shared memory leaves room for few others on an SM
 (65,536 registers, allocated per warp in units of 8 a thread; 228 KB), so few tiles of K and V
@@ -103,11 +104,18 @@ def programs_per_sm(registers: int, warps: int, shared_bytes: int = 0) -> int:
 
 
 def decode_kernel_resources(
-    group: int, head_dim: int, warps: int, block_n: int, rotary: bool = True, qkv_parts: int = 4
+    group: int,
+    head_dim: int,
+    warps: int,
+    block_n: int,
+    rotary: bool = True,
+    qkv_parts: int = 4,
+    preload: bool = False,
 ) -> dict[str, Any]:
     """Compile decode_kernel for sm_90 as a decode-only graph step launches it (split context,
     all decodes, rotary inside, q/k/v as qkv_parts partial sums plus a bias unless 1) and report
-    what one program takes."""
+    what one program takes. preload: launched early (PDL) with its first K/V tile loaded
+    before the wait, as at batch 1."""
     constexprs = {
         "GROUP": group,
         "GROUP_PAD": max(16, triton.next_power_of_2(group)),
@@ -122,11 +130,11 @@ def decode_kernel_resources(
         "ROTARY": rotary,
         "PARTS": qkv_parts,
         "HAS_BIAS": qkv_parts > 1,
-        # as a graph step at batch 1 launches it (inferx_kernels_cuda.pdl's defaults): it lets
-        # the kernel after it launch early, and was not itself launched early
-        "PDL": False,
+        # it lets the kernel after it launch early; with preload it was launched early itself
+        "PDL": preload,
         "TRIGGER": True,
-        "EARLY": False,
+        "EARLY": preload,
+        "PRELOAD": preload,
     }
     signature = decode_signature(constexprs)
     src = ASTSource(
@@ -158,6 +166,7 @@ def main() -> None:
     ap.add_argument("--warps", default="2,4")
     ap.add_argument("--block-n", default="16,32,64")
     ap.add_argument("--qkv-parts", type=int, default=4)
+    ap.add_argument("--preload", action="store_true", help="EARLY + PRELOAD (batch 1's form)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -172,8 +181,9 @@ def main() -> None:
     for warps in (int(w) for w in args.warps.split(",")):
         for block_n in (int(b) for b in args.block_n.split(",")):
             r = decode_kernel_resources(
-                args.group, args.head_dim, warps, block_n, qkv_parts=args.qkv_parts
-            )
+                args.group, args.head_dim, warps, block_n, qkv_parts=args.qkv_parts,
+                preload=args.preload,
+            )  # fmt: skip
             rows.append(r)
             print(f"{warps:>5} {block_n:>7} {r['registers']:>5} {r['stack_bytes']:>7} "
                   f"{r['shared_bytes']:>8} {r['programs_per_sm']:>11} "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -225,6 +227,30 @@ def test_keep_split_rows_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("INFERX_TRITON_KEEP_SPLITS", "4-1")
     with pytest.raises(ValueError, match="INFERX_TRITON_KEEP_SPLITS"):
         TritonAttention(spec, 16, torch.float32, cpu)
+
+
+def test_preload_rows_and_when_they_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PRELOAD goes to the decode kernel at preload_rows (default: 1 row), and only where it
+    launches early (EARLY) and writes the new token itself (rotary)."""
+    spec = KVLayerSpec(4, 2, 16)
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("INFERX_TRITON_DECODE_PRELOAD", raising=False)
+    backend = TritonAttention([spec], 16, torch.float32, cpu)
+    assert backend.preload_rows == ((1, 1),)
+    early = {"PDL": True, "TRIGGER": True, "EARLY": True}
+    backend._decode_pdl = lambda plan, spec: dict(early)
+    for rows, rotary, want in ((1, True, True), (2, True, False), (1, False, False)):
+        plan = SimpleNamespace(num_decode=rows)
+        assert backend._decode_launch_pdl(plan, spec, rotary).get("PRELOAD", False) == want
+    backend._decode_pdl = lambda plan, spec: {"PDL": False, "TRIGGER": True}
+    assert "PRELOAD" not in backend._decode_launch_pdl(SimpleNamespace(num_decode=1), spec, True)
+    monkeypatch.setenv("INFERX_TRITON_DECODE_PRELOAD", "0")
+    assert TritonAttention([spec], 16, torch.float32, cpu).preload_rows == ()
+    monkeypatch.setenv("INFERX_TRITON_DECODE_PRELOAD", "1-4")
+    assert TritonAttention([spec], 16, torch.float32, cpu).preload_rows == ((1, 4),)
+    monkeypatch.setenv("INFERX_TRITON_DECODE_PRELOAD", "yes")
+    with pytest.raises(ValueError, match="INFERX_TRITON_DECODE_PRELOAD"):
+        TritonAttention([spec], 16, torch.float32, cpu)
 
 
 def test_reduce_heads_fit_the_layer_and_the_tile() -> None:
@@ -457,7 +483,7 @@ def check_decode_rotary(
     up; the reference gets their fp32 sum rounded once, as the unsplit GEMM would write it.
     early: the decode kernel's EARLY form (INFERX_PDL_ATTENTION: its metadata loaded before
     the PDL wait, with PDL where the device has it). preload: with early, its first K/V tile
-    too (decode_preload); every decode launch is checked to have taken PRELOAD."""
+    too (preload_rows); every decode launch is checked to have taken PRELOAD."""
     head_dim, kv_heads, bs = 32, 2, 4
     layers = [KVLayerSpec(kv_heads * group, kv_heads, head_dim)] * 2
     kwargs = {"min_split_len": 1, "target_programs": 10**6} if split else {}
@@ -469,7 +495,7 @@ def check_decode_rotary(
     if early:
         pdl = {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"PDL": False}
         backend._decode_pdl = lambda plan, spec: pdl | {"TRIGGER": pdl["PDL"], "EARLY": early}
-    backend.decode_preload = preload
+    backend.preload_rows = ((1, 1 << 30),) if preload else ()
     launches = []
     choose = backend._decode_launch_pdl
 

@@ -239,11 +239,14 @@ class TritonAttention(TorchAttention):
         # -> 2.268 / 2.352 -> 2.339, 8 2.386 -> 2.406 / 2.433 -> 2.569. INFERX_TRITON_KEEP_SPLITS
         # takes row ranges ("0" none, "1" all) for A/B runs.
         self.keep_split_rows = row_ranges("INFERX_TRITON_KEEP_SPLITS", "1-4")
-        # decode_preload: where the decode kernel launches early behind the QKV GEMV (EARLY,
-        # INFERX_PDL_ATTENTION's rows) and rotates itself, each program loads its split's first
-        # K/V tile before its wait as well (PRELOAD); at 1-48 rows a split is one or two tiles.
-        # INFERX_TRITON_DECODE_PRELOAD=0/1 for A/B runs.
-        self.decode_preload = env_switch("INFERX_TRITON_DECODE_PRELOAD", default=False)
+        # preload_rows: at these rows, where the decode kernel launches early behind the QKV
+        # GEMV (EARLY) and rotates itself, each program loads its split's first K/V tile before
+        # its wait as well (PRELOAD). The tile's registers double the program's (126 -> 255 at
+        # 3B's heads), so it pays only while one program an SM is enough. H200, 3B steps, ms
+        # at 128 / 640 tokens, off -> on (session 25): batch 1 2.039 -> 1.991 / 2.056 ->
+        # 2.009; 2-4 level; 8 2.172 -> 2.248 / 2.203 -> 2.289 (272 programs, two an SM fit),
+        # 16-48 slower. INFERX_TRITON_DECODE_PRELOAD takes row ranges ("0" none) for A/B runs.
+        self.preload_rows = row_ranges("INFERX_TRITON_DECODE_PRELOAD", "1-1")
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         self._upcast = self.interpret and dtype == torch.bfloat16
         self._dot_precision = "ieee" if dtype == torch.float32 else "tf32"
@@ -687,11 +690,11 @@ class TritonAttention(TorchAttention):
         return self._pdl(plan, spec)
 
     def _decode_launch_pdl(self, plan: _Plan, spec: KVLayerSpec, rotary: bool) -> dict[str, Any]:
-        """_decode_pdl's arguments, with PRELOAD where the kernel launches early (EARLY),
-        rotates and writes the new token itself (`rotary`: only then can it take that token's
-        row of a tile loaded before its wait) and decode_preload is on."""
+        """_decode_pdl's arguments, with PRELOAD at preload_rows where the kernel launches
+        early (EARLY) and rotates and writes the new token itself (`rotary`: only then can it
+        take that token's row of a tile loaded before its wait)."""
         args = self._decode_pdl(plan, spec)
-        if args.get("EARLY") and rotary and self.decode_preload:
+        if args.get("EARLY") and rotary and in_ranges(plan.num_decode, self.preload_rows):
             args = args | {"PRELOAD": True}
         return args
 
