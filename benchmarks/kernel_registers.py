@@ -135,6 +135,7 @@ def decode_kernel_resources(
         "TRIGGER": True,
         "EARLY": preload,
         "PRELOAD": preload,
+        "PRELOAD_V": True,
     }
     signature = decode_signature(constexprs)
     src = ASTSource(
