@@ -135,7 +135,6 @@ def decode_kernel_resources(
         "TRIGGER": True,
         "EARLY": preload,
         "PRELOAD": preload,
-        "PRELOAD_V": True,
     }
     signature = decode_signature(constexprs)
     src = ASTSource(

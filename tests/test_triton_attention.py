@@ -411,23 +411,17 @@ def test_gpu_decode_kernel_early_metadata_bf16(split: bool, parts: bool) -> None
 
 @interpreted
 @pytest.mark.parametrize(
-    ("dtype", "split", "parts", "preload_v"),
-    [
-        (torch.float32, True, False, True),
-        (torch.float32, False, True, True),
-        (torch.float16, True, True, True),
-        (torch.float32, False, False, False),
-    ],
+    ("dtype", "split", "parts"),
+    [(torch.float32, True, False), (torch.float32, False, True), (torch.float16, True, True)],
 )
 def test_decode_kernel_preloads_its_first_tile(
-    dtype: torch.dtype, split: bool, parts: bool, preload_v: bool
+    dtype: torch.dtype, split: bool, parts: bool
 ) -> None:
-    """PRELOAD: each split's first tile read before the wait (its V too, or right after the
-    wait), the new token's row taken from the k and v the kernel writes (the cache holds stale
-    random values in that slot). Split: one tile a program; unsplit: up to three, the rest
-    read in the loop."""
+    """PRELOAD: each split's first tile read before the wait, the new token's row taken from
+    the k and v the kernel writes (the cache holds stale random values in that slot). Split:
+    one tile a program; unsplit: up to three, the rest read in the loop."""
     check_decode_rotary(4, dtype, torch.device("cpu"), split, parts=parts, early=True,
-                        preload=True, preload_v=preload_v)  # fmt: skip
+                        preload=True)  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -480,7 +474,6 @@ def check_decode_rotary(
     parts: bool = False,
     early: bool = False,
     preload: bool = False,
-    preload_v: bool = True,
 ) -> None:
     """decode_rotary: in a decode-only step the decode kernel rotates q and k and writes the new
     k and v itself. Against the torch reference ops' rotary followed by TorchAttention.forward
@@ -490,8 +483,7 @@ def check_decode_rotary(
     up; the reference gets their fp32 sum rounded once, as the unsplit GEMM would write it.
     early: the decode kernel's EARLY form (INFERX_PDL_ATTENTION: its metadata loaded before
     the PDL wait, with PDL where the device has it). preload: with early, its first K/V tile
-    too (preload_rows; unless preload_v, V's after the wait); every decode launch is checked
-    to have taken PRELOAD."""
+    too (preload_rows); every decode launch is checked to have taken PRELOAD."""
     head_dim, kv_heads, bs = 32, 2, 4
     layers = [KVLayerSpec(kv_heads * group, kv_heads, head_dim)] * 2
     kwargs = {"min_split_len": 1, "target_programs": 10**6} if split else {}
@@ -504,7 +496,6 @@ def check_decode_rotary(
         pdl = {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"PDL": False}
         backend._decode_pdl = lambda plan, spec: pdl | {"TRIGGER": pdl["PDL"], "EARLY": early}
     backend.preload_rows = ((1, 1 << 30),) if preload else ()
-    backend.preload_v = preload_v
     launches = []
     choose = backend._decode_launch_pdl
 

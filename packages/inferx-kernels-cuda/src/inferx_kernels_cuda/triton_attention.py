@@ -247,9 +247,6 @@ class TritonAttention(TorchAttention):
         # 2.009; 2-4 level; 8 2.172 -> 2.248 / 2.203 -> 2.289 (272 programs, two an SM fit),
         # 16-48 slower. INFERX_TRITON_DECODE_PRELOAD takes row ranges ("0" none) for A/B runs.
         self.preload_rows = row_ranges("INFERX_TRITON_DECODE_PRELOAD", "1-1")
-        # preload_v: the first tile's V before the wait too (else right after it); A/B switch
-        # INFERX_TRITON_DECODE_PRELOAD_V, unmeasured.
-        self.preload_v = env_switch("INFERX_TRITON_DECODE_PRELOAD_V", default=True)
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         self._upcast = self.interpret and dtype == torch.bfloat16
         self._dot_precision = "ieee" if dtype == torch.float32 else "tf32"
@@ -698,7 +695,7 @@ class TritonAttention(TorchAttention):
         take that token's row of a tile loaded before its wait)."""
         args = self._decode_pdl(plan, spec)
         if args.get("EARLY") and rotary and in_ranges(plan.num_decode, self.preload_rows):
-            args = args | {"PRELOAD": True, "PRELOAD_V": self.preload_v}
+            args = args | {"PRELOAD": True}
         return args
 
     def _reduce(self, plan: _Plan, spec: KVLayerSpec, out: torch.Tensor) -> torch.Tensor:

@@ -112,28 +112,6 @@ def rotary_kv_write_kernel(
 
 
 @triton.jit
-def _tile_offsets(
-    block_table_ptr, seq, stride_table, kv_head, stride_cache_block, stride_cache_token,
-    stride_cache_head, start, hi, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-):  # fmt: skip
-    """The context positions start.. of a tile and their offsets in one KV head's cache
-    (MASKED: block ids from hi on read as 0)."""
-    pos = start + tl.arange(0, BLOCK_N)
-    table = block_table_ptr + seq * stride_table + pos // BLOCK_SIZE
-    if MASKED:  # noqa: SIM108 - a constexpr branch, as elsewhere in these kernels
-        block = tl.load(table, mask=pos < hi, other=0)
-    else:
-        block = tl.load(table)
-    off = (
-        block.to(tl.int64) * stride_cache_block
-        + (pos % BLOCK_SIZE) * stride_cache_token
-        + kv_head * stride_cache_head
-    )
-    return pos, off
-
-
-@triton.jit
 def _kv_tile(
     k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_table, kv_head, stride_cache_block,
     stride_cache_token, stride_cache_head, start, hi, HEAD_DIM: tl.constexpr,
@@ -143,10 +121,18 @@ def _kv_tile(
     from hi on read as zeros): (positions [BLOCK_N], K^T [HEAD_DIM, BLOCK_N], V [BLOCK_N,
     HEAD_DIM])."""
     d = tl.arange(0, HEAD_DIM)
-    pos, off = _tile_offsets(block_table_ptr, seq, stride_table, kv_head, stride_cache_block,
-                             stride_cache_token, stride_cache_head, start, hi, BLOCK_SIZE,
-                             BLOCK_N, MASKED)  # fmt: skip
-    valid = pos < hi
+    pos = start + tl.arange(0, BLOCK_N)
+    table = block_table_ptr + seq * stride_table + pos // BLOCK_SIZE
+    if MASKED:
+        valid = pos < hi
+        block = tl.load(table, mask=valid, other=0)
+    else:
+        block = tl.load(table)
+    off = (
+        block.to(tl.int64) * stride_cache_block
+        + (pos % BLOCK_SIZE) * stride_cache_token
+        + kv_head * stride_cache_head
+    )
     if MASKED:
         k_t = tl.load(k_cache_ptr + off[None, :] + d[:, None], mask=valid[None, :], other=0.0)
         v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
@@ -354,7 +340,6 @@ def decode_kernel(
     TRIGGER: tl.constexpr = False,
     EARLY: tl.constexpr = False,
     PRELOAD: tl.constexpr = False,
-    PRELOAD_V: tl.constexpr = True,
 ):
     """Grid (decode sequences, KV heads, splits): the one query token of a sequence, all query
     heads of one KV group (rows of one tl.dot, padded to GROUP_PAD), over one split of the
@@ -404,21 +389,13 @@ def decode_kernel(
     lo, hi = _split_range(ctx, split, split_len, SEQ_SPLIT, BLOCK_N)
     tl.static_assert(ROTARY or not PRELOAD, "PRELOAD takes the new token's k and v (ROTARY)")
     if PRELOAD:
-        first_pos, first_off = _tile_offsets(
-            block_table_ptr, seq, stride_table, kv_head, stride_cache_block, stride_cache_token,
-            stride_cache_head, lo, hi, BLOCK_SIZE, BLOCK_N, True,
+        first_pos, first_k, first_v = _kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_table, kv_head,
+            stride_cache_block, stride_cache_token, stride_cache_head, lo, hi, HEAD_DIM,
+            BLOCK_SIZE, BLOCK_N, True,
         )  # fmt: skip
-        first_valid = first_pos < hi
-        first_k = tl.load(k_cache_ptr + first_off[None, :] + d[:, None],
-                          mask=first_valid[None, :], other=0.0)  # fmt: skip
-        if PRELOAD_V:
-            first_v = tl.load(v_cache_ptr + first_off[:, None] + d[None, :],
-                              mask=first_valid[:, None], other=0.0)  # fmt: skip
     if EARLY:  # the metadata above is loaded; q, k and v (the QKV GEMV's) come after the wait
         pdl_start(PDL, TRIGGER)
-    if PRELOAD and not PRELOAD_V:  # V's tile right after the wait: fewer registers held
-        first_v = tl.load(v_cache_ptr + first_off[:, None] + d[None, :],
-                          mask=first_valid[:, None], other=0.0)  # fmt: skip
     if ROTARY:
         q_bias_offs = head[:, None] * HEAD_DIM
         q = _rotated(
