@@ -189,6 +189,9 @@ class TritonOps(KernelOps):
         # slices 2.271 / 2.340, 4 2.068 / 2.240, 8 2.795 / 2.264 (the fused norm in gate_up
         # re-reads every part); batch 64 at 640 tokens: 4 2.927, 8 3.009.
         self.tma_parts = env_int("INFERX_TMA_PARTS", SPLIT_PARTS, 1, 8)
+        # qkv_parts: the QKV GEMM's own K-slices (0: tma_parts); INFERX_TMA_QKV_PARTS for A/B
+        # runs (3B's QKV at 4 slices is 160 programs on 132 SMs; at 3, 120).
+        self.qkv_parts = env_int("INFERX_TMA_QKV_PARTS", 0, 0, 8)
         # down_proj (a linear_parts GEMM whose K exceeds its N; o_proj too where heads x
         # head_dim exceed the hidden size) in twice tma_parts K-slices at these rows where
         # tma_parts slices leave SMs without a program (filled_slices).
@@ -444,7 +447,8 @@ class TritonOps(KernelOps):
             # The QKV GEMM of a decode-only step: where INFERX_PDL_ATTENTION takes the rows it
             # lets the decode kernel launch early (inferx_kernels_cuda.pdl).
             trigger = attention_early(x.device, x.shape[0])
-            return self._tma(x, linear.weight, self.tma_parts, trigger), linear.bias
+            parts = self.qkv_parts or self.tma_parts
+            return self._tma(x, linear.weight, parts, trigger), linear.bias
         return linear.forward_split(x)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
