@@ -616,6 +616,7 @@ def test_tma_parts_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("INFERX_TMA_PARTS", "3")
     monkeypatch.setenv("INFERX_TMA_NORM", "0")
     monkeypatch.setenv("INFERX_TMA_DOWN_DOUBLE", "0")  # down_proj's own: test_down_double_*
+    monkeypatch.setenv("INFERX_TMA_QKV_HALVED", "0")  # QKV's own: test_qkv_slices_halved_*
     cfg = CONFIGS["qwen2-tied"]
     weights = model_weights(cfg, seed=17)
     calls = count_tma(monkeypatch)
@@ -664,8 +665,8 @@ def count_tma(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], in
 def test_tiny_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """INFERX_TMA_GEMV=1, the norm fusion and the gated form off: o_proj and down_proj as
     SPLIT_PARTS parts for the norm, gate_up whole (outside the gated GEMV's rows), and (qwen2,
-    on the triton backend with qkv_parts) the decode-only step's QKV as parts plus the bias for
-    the decode kernel, all by tma_linear_parts; logits stay the torch reference's."""
+    on the triton backend with qkv_parts) the decode-only step's QKV as half as many parts plus
+    the bias for the decode kernel, all by tma_linear_parts; logits stay the torch reference's."""
     monkeypatch.setenv("INFERX_TMA_GEMV", "1")
     monkeypatch.setenv("INFERX_TMA_NORM", "0")
     monkeypatch.setenv("INFERX_TMA_GATED", "0")
@@ -681,12 +682,13 @@ def test_tiny_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPa
     # The 27-row prefill, the 6- and 4-row steps: o_proj and down_proj in parts, but those whose
     # K exceeds N (down_proj; llama3-scaled's o_proj, 96 -> 64) in twice the parts at 6 and 4
     # rows (filled_slices: 4-16 rows, and the tiny N leaves most of 132 SMs idle); qwen2's decode
-    # step: QKV in parts too. gate_up whole in the 4-row step only: the 27- and 6-row ones take
-    # the gated GEMV (5-32 rows) first.
+    # step: QKV in half the parts (qkv_half_rows: 2-64). gate_up whole in the 4-row step only:
+    # the 27- and 6-row ones take the gated GEMV (5-32 rows) first.
     qkv = layers if name == "qwen2-tied" else 0
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     wide = 2 if heads * cfg.get("head_dim", hidden // heads) > hidden else 1  # o_proj's K > N
-    assert len(parted) == (6 - 2 * wide) * layers + qkv
+    assert len(parted) == (6 - 2 * wide) * layers
+    assert len([c for c in calls if c[1] == quant_none.SPLIT_PARTS // 2]) == qkv
     assert whole == [((4, hidden), 1)] * layers
     assert {c[0][0] for c in parted} == ({27} if wide == 2 else {27, 6, 4})
     assert sorted(c[0][0] for c in doubled) == [4] * wide * layers + [6] * wide * layers
@@ -765,6 +767,7 @@ def test_slices_doubled_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
     default (4-16 rows); a bad value names the variable."""
     name = "INFERX_TMA_DOWN_DOUBLE"
     monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("INFERX_TMA_QKV_HALVED", "0")  # QKV in tma_parts at every row
     cfg = CONFIGS["qwen2-tied"]
     weights = model_weights(cfg, seed=23)
     calls = spy_calls(
@@ -780,6 +783,29 @@ def test_slices_doubled_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
         TritonOps()
     monkeypatch.delenv(name)
     assert TritonOps().down_double_rows == ((4, 16),)
+
+
+@interpreted
+def test_qkv_slices_halved_at_their_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """linear_split (the QKV GEMM) runs in half the tma_parts K-slices at qkv_half_rows
+    (default 2-64) where K is at most QKV_HALF_MAX_K, else in tma_parts; the parts sum to
+    F.linear either way. A bad INFERX_TMA_QKV_HALVED names the variable."""
+    monkeypatch.delenv("INFERX_TMA_QKV_HALVED", raising=False)
+    ops = TritonOps()
+    assert ops.qkv_half_rows == ((2, 64),)
+    torch.manual_seed(5)
+    for k, rows, want in ((256, 1, ops.tma_parts), (256, 4, ops.tma_parts // 2),
+                          (triton_ops.QKV_HALF_MAX_K * 2, 4, ops.tma_parts)):  # fmt: skip
+        linear = DenseLinear(k, [48, 16, 16], False, torch.float32, CPU)
+        linear.weight.data.normal_()
+        x = torch.randn(rows, k)
+        parts, bias = ops.linear_split(linear, x)
+        assert bias is None and parts.shape == (want, rows, 80), (k, rows)
+        want_out = x.double() @ linear.weight.double().T
+        torch.testing.assert_close(parts.double().sum(0), want_out, rtol=1e-4, atol=1e-3)
+    monkeypatch.setenv("INFERX_TMA_QKV_HALVED", "two")
+    with pytest.raises(ValueError, match="INFERX_TMA_QKV_HALVED"):
+        TritonOps()
 
 
 def test_tma_norm_switches_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -955,16 +981,19 @@ def test_gpu_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPat
     backend with qkv_parts: o_proj and down_proj (in the 27-row prefill and the 6- and 4-row
     steps) and the decode step's QKV (both models) on tma_linear_parts, gate_up on
     tma_linear_silu_and_mul; the logits stay TorchOps + TorchAttention's. 3B's down_proj runs
-    in twice the slices at 6 and 4 rows (filled_slices: 4 slices are 128 programs)."""
+    in twice the slices at 6 and 4 rows (filled_slices: 4 slices are 128 programs), its QKV in
+    half (qkv_half_rows)."""
     monkeypatch.setenv("INFERX_TMA_GEMV", "1")
     monkeypatch.setenv("INFERX_TMA_NORM", "0")
     calls = count_tma(monkeypatch)
     assert_two_layers_match_torch_ops(name, TritonOps(), triton_with_qkv_parts)
     # (TorchOps never calls tma_linear_parts: these are all the triton run's)
     doubled = 2 * 2 if "qwen" in name else 0  # 2 layers x the 6- and 4-row steps
+    halved = 2 if "qwen" in name else 0  # the decode step's QKV, 2 layers (K <= QKV_HALF_MAX_K)
     parts = [c[1] for c in calls]
-    assert parts.count(quant_none.SPLIT_PARTS) == 3 * 2 * 2 + 2 - doubled
+    assert parts.count(quant_none.SPLIT_PARTS) == 3 * 2 * 2 + 2 - doubled - halved
     assert parts.count(2 * quant_none.SPLIT_PARTS) == doubled
+    assert parts.count(quant_none.SPLIT_PARTS // 2) == halved
 
 
 @on_gpu
