@@ -428,16 +428,16 @@ def decode_kernel(
             kv_bias_offs + d, PARTS, HAS_BIAS,
         )  # fmt: skip
         dst = slot * stride_cache_token + kv_head * stride_cache_head + d
-        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mine)
-        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mine)
+        k = k.to(k_cache_ptr.dtype.element_ty)
+        v = v.to(v_cache_ptr.dtype.element_ty)
+        tl.store(k_cache_ptr + dst, k, mask=mine)
+        tl.store(v_cache_ptr + dst, v, mask=mine)
         tl.debug_barrier()  # this program's reads below see the k and v it wrote
     rest = lo
-    if PRELOAD:  # the new token's row of the preloaded tile: the k and v written above
-        if ROTARY:
-            new = first_pos == tl.where(owner, ctx - 1, -1)
-            cache_dtype = k_cache_ptr.dtype.element_ty
-            first_k = tl.where(new[None, :], k.to(cache_dtype)[:, None], first_k)
-            first_v = tl.where(new[:, None], v.to(cache_dtype)[None, :], first_v)
+    if PRELOAD:  # (ROTARY too) the new token's row of the preloaded tile: the k and v above
+        new = first_pos == tl.where(owner, ctx - 1, -1)
+        first_k = tl.where(new[None, :], k[:, None], first_k)
+        first_v = tl.where(new[:, None], v[None, :], first_v)
         m, row_sum, acc = _attend_tile(q, m, row_sum, acc, first_pos, first_k, first_v, hi, 0,
                                        scale_log2, True, False, UPCAST, DOT_PRECISION)  # fmt: skip
         rest = lo + BLOCK_N
