@@ -789,7 +789,8 @@ def test_slices_doubled_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
 def test_qkv_slices_halved_at_their_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """linear_split (the QKV GEMM) runs in half the tma_parts K-slices at qkv_half_rows
     (default 2-64) where K is at most QKV_HALF_MAX_K, else in tma_parts; the parts sum to
-    F.linear either way. A bad INFERX_TMA_QKV_HALVED names the variable."""
+    F.linear either way; INFERX_TMA_QKV_HALF_MAX_K moves that limit. A bad
+    INFERX_TMA_QKV_HALVED names the variable."""
     monkeypatch.delenv("INFERX_TMA_QKV_HALVED", raising=False)
     ops = TritonOps()
     assert ops.qkv_half_rows == ((2, 64),)
@@ -803,6 +804,12 @@ def test_qkv_slices_halved_at_their_rows(monkeypatch: pytest.MonkeyPatch) -> Non
         assert bias is None and parts.shape == (want, rows, 80), (k, rows)
         want_out = x.double() @ linear.weight.double().T
         torch.testing.assert_close(parts.double().sum(0), want_out, rtol=1e-4, atol=1e-3)
+    # INFERX_TMA_QKV_HALF_MAX_K moves the width limit (A/B runs on wider models).
+    monkeypatch.setenv("INFERX_TMA_QKV_HALF_MAX_K", str(triton_ops.QKV_HALF_MAX_K * 2))
+    x = torch.randn(4, triton_ops.QKV_HALF_MAX_K * 2)
+    linear = DenseLinear(x.shape[1], [48, 16, 16], False, torch.float32, CPU)
+    assert TritonOps().linear_split(linear, x)[0].shape[0] == ops.tma_parts // 2
+    monkeypatch.delenv("INFERX_TMA_QKV_HALF_MAX_K")
     monkeypatch.setenv("INFERX_TMA_QKV_HALVED", "two")
     with pytest.raises(ValueError, match="INFERX_TMA_QKV_HALVED"):
         TritonOps()

@@ -200,6 +200,8 @@ class TritonOps(KernelOps):
         # 3,345 tok/s. (3 slices: batch 1 2.011 / 2.013, batch 8 2.159 / 2.167.) Llama-3.1-8B's
         # 4096 were not measured. INFERX_TMA_QKV_HALVED takes row ranges ("0" never) for A/B.
         self.qkv_half_rows = row_ranges("INFERX_TMA_QKV_HALVED", "2-64")
+        # INFERX_TMA_QKV_HALF_MAX_K moves QKV_HALF_MAX_K for A/B runs (4096: Llama-3.1-8B too).
+        self.qkv_half_max_k = env_int("INFERX_TMA_QKV_HALF_MAX_K", QKV_HALF_MAX_K, 0, 1 << 20)
         # down_proj (a linear_parts GEMM whose K exceeds its N; o_proj too where heads x
         # head_dim exceed the hidden size) in twice tma_parts K-slices at these rows where
         # tma_parts slices leave SMs without a program (filled_slices).
@@ -456,7 +458,7 @@ class TritonOps(KernelOps):
             # lets the decode kernel launch early (inferx_kernels_cuda.pdl).
             trigger = attention_early(x.device, x.shape[0])
             parts = self.tma_parts
-            if x.shape[1] <= QKV_HALF_MAX_K and in_ranges(x.shape[0], self.qkv_half_rows):
+            if x.shape[1] <= self.qkv_half_max_k and in_ranges(x.shape[0], self.qkv_half_rows):
                 parts = max(1, parts // 2)
             return self._tma(x, linear.weight, parts, trigger), linear.bias
         return linear.forward_split(x)
