@@ -670,6 +670,7 @@ def test_tiny_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("INFERX_TMA_GEMV", "1")
     monkeypatch.setenv("INFERX_TMA_NORM", "0")
     monkeypatch.setenv("INFERX_TMA_GATED", "0")
+    monkeypatch.setenv("INFERX_TMA_QKV_HALVED", "2-64")  # the 4-row decode step's QKV halved
     cfg = CONFIGS[name]
     weights = model_weights(cfg, seed=11)
     calls = count_tma(monkeypatch)
@@ -682,7 +683,7 @@ def test_tiny_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPa
     # The 27-row prefill, the 6- and 4-row steps: o_proj and down_proj in parts, but those whose
     # K exceeds N (down_proj; llama3-scaled's o_proj, 96 -> 64) in twice the parts at 6 and 4
     # rows (filled_slices: 4-16 rows, and the tiny N leaves most of 132 SMs idle); qwen2's decode
-    # step: QKV in half the parts (qkv_half_rows: 2-64). gate_up whole in the 4-row step only:
+    # step: QKV in half the parts (qkv_half_rows set to 2-64). gate_up whole in the 4-row step only:
     # the 27- and 6-row ones take the gated GEMV (5-32 rows) first.
     qkv = layers if name == "qwen2-tied" else 0
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
@@ -788,15 +789,14 @@ def test_slices_doubled_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
 @interpreted
 def test_qkv_slices_halved_at_their_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """linear_split (the QKV GEMM) runs in half the tma_parts K-slices at qkv_half_rows
-    (default 2-64) where K is at most QKV_HALF_MAX_K, else in tma_parts; the parts sum to
-    F.linear either way; INFERX_TMA_QKV_HALF_MAX_K moves that limit. A bad
-    INFERX_TMA_QKV_HALVED names the variable."""
+    (default 8-64), whatever its width, else in tma_parts; the parts sum to F.linear either
+    way. A bad INFERX_TMA_QKV_HALVED names the variable."""
     monkeypatch.delenv("INFERX_TMA_QKV_HALVED", raising=False)
     ops = TritonOps()
-    assert ops.qkv_half_rows == ((2, 64),)
+    assert ops.qkv_half_rows == ((8, 64),)
     torch.manual_seed(5)
-    for k, rows, want in ((256, 1, ops.tma_parts), (256, 4, ops.tma_parts // 2),
-                          (triton_ops.QKV_HALF_MAX_K * 2, 4, ops.tma_parts)):  # fmt: skip
+    for k, rows, want in ((256, 1, ops.tma_parts), (256, 4, ops.tma_parts),
+                          (256, 8, ops.tma_parts // 2), (4096, 9, ops.tma_parts // 2)):  # fmt: skip
         linear = DenseLinear(k, [48, 16, 16], False, torch.float32, CPU)
         linear.weight.data.normal_()
         x = torch.randn(rows, k)
@@ -804,12 +804,6 @@ def test_qkv_slices_halved_at_their_rows(monkeypatch: pytest.MonkeyPatch) -> Non
         assert bias is None and parts.shape == (want, rows, 80), (k, rows)
         want_out = x.double() @ linear.weight.double().T
         torch.testing.assert_close(parts.double().sum(0), want_out, rtol=1e-4, atol=1e-3)
-    # INFERX_TMA_QKV_HALF_MAX_K moves the width limit (A/B runs on wider models).
-    monkeypatch.setenv("INFERX_TMA_QKV_HALF_MAX_K", str(triton_ops.QKV_HALF_MAX_K * 2))
-    x = torch.randn(4, triton_ops.QKV_HALF_MAX_K * 2)
-    linear = DenseLinear(x.shape[1], [48, 16, 16], False, torch.float32, CPU)
-    assert TritonOps().linear_split(linear, x)[0].shape[0] == ops.tma_parts // 2
-    monkeypatch.delenv("INFERX_TMA_QKV_HALF_MAX_K")
     monkeypatch.setenv("INFERX_TMA_QKV_HALVED", "two")
     with pytest.raises(ValueError, match="INFERX_TMA_QKV_HALVED"):
         TritonOps()
@@ -988,15 +982,16 @@ def test_gpu_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPat
     backend with qkv_parts: o_proj and down_proj (in the 27-row prefill and the 6- and 4-row
     steps) and the decode step's QKV (both models) on tma_linear_parts, gate_up on
     tma_linear_silu_and_mul; the logits stay TorchOps + TorchAttention's. 3B's down_proj runs
-    in twice the slices at 6 and 4 rows (filled_slices: 4 slices are 128 programs), its QKV in
-    half (qkv_half_rows)."""
+    in twice the slices at 6 and 4 rows (filled_slices: 4 slices are 128 programs); both
+    models' QKV in half (qkv_half_rows, set to 2-64 so that the 4-row step takes it)."""
     monkeypatch.setenv("INFERX_TMA_GEMV", "1")
     monkeypatch.setenv("INFERX_TMA_NORM", "0")
+    monkeypatch.setenv("INFERX_TMA_QKV_HALVED", "2-64")
     calls = count_tma(monkeypatch)
     assert_two_layers_match_torch_ops(name, TritonOps(), triton_with_qkv_parts)
     # (TorchOps never calls tma_linear_parts: these are all the triton run's)
     doubled = 2 * 2 if "qwen" in name else 0  # 2 layers x the 6- and 4-row steps
-    halved = 2 if "qwen" in name else 0  # the decode step's QKV, 2 layers (K <= QKV_HALF_MAX_K)
+    halved = 2  # the decode step's QKV, 2 layers
     parts = [c[1] for c in calls]
     assert parts.count(quant_none.SPLIT_PARTS) == 3 * 2 * 2 + 2 - doubled - halved
     assert parts.count(2 * quant_none.SPLIT_PARTS) == doubled

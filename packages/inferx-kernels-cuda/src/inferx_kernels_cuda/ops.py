@@ -38,9 +38,6 @@ from inferx_kernels_cuda.tma_gemv import input_problem as tma_input_problem
 # Elements of x1 (and of x2) one rotary loop iteration holds: enough for all query heads of
 # common models in one pass at head dim 128, small enough to stay in registers.
 _ROTARY_TILE = 2048
-# The widest hidden size (QKV's K) whose QKV GEMM runs in half the K-slices at qkv_half_rows:
-# measured at Qwen2.5-3B's 2048 only.
-QKV_HALF_MAX_K = 2048
 _SILU_BLOCK = 1024
 _EMBED_BLOCK = 1024
 
@@ -192,16 +189,14 @@ class TritonOps(KernelOps):
         # slices 2.271 / 2.340, 4 2.068 / 2.240, 8 2.795 / 2.264 (the fused norm in gate_up
         # re-reads every part); batch 64 at 640 tokens: 4 2.927, 8 3.009.
         self.tma_parts = env_int("INFERX_TMA_PARTS", SPLIT_PARTS, 1, 8)
-        # The QKV GEMM (linear_split) in half the tma_parts K-slices at these rows, for hidden
-        # sizes up to QKV_HALF_MAX_K. H200 3B steps, ms, 4 -> 2 slices (session 25): 128
-        # tokens batch 1 1.996 / 1.994 -> 1.999 / 2.000, 8 2.192 / 2.189 -> 2.160 / 2.161; 640
-        # tokens batch 2 2.113 -> 2.107, 4 2.212 -> 2.212, 8 2.222 -> 2.195, 16 2.337 ->
-        # 2.312, 32 2.616 -> 2.564, 64 2.892 -> 2.889; c=8 serving 3,318 / 3,312 -> 3,334 /
-        # 3,345 tok/s. (3 slices: batch 1 2.011 / 2.013, batch 8 2.159 / 2.167.) Llama-3.1-8B's
-        # 4096 were not measured. INFERX_TMA_QKV_HALVED takes row ranges ("0" never) for A/B.
-        self.qkv_half_rows = row_ranges("INFERX_TMA_QKV_HALVED", "2-64")
-        # INFERX_TMA_QKV_HALF_MAX_K moves QKV_HALF_MAX_K for A/B runs (4096: Llama-3.1-8B too).
-        self.qkv_half_max_k = env_int("INFERX_TMA_QKV_HALF_MAX_K", QKV_HALF_MAX_K, 0, 1 << 20)
+        # The QKV GEMM (linear_split) in half the tma_parts K-slices at these rows. H200 steps
+        # at 640 tokens, ms, 4 -> 2 slices: 3B (session 25) batch 2 2.113 -> 2.107, 4 2.212 ->
+        # 2.212, 8 2.222 -> 2.195, 16 2.337 -> 2.312, 32 2.616 -> 2.564, 64 2.892 -> 2.889,
+        # c=8 serving 3,318 / 3,312 -> 3,334 / 3,345 tok/s; 8B (session 26) batch 2 4.122 ->
+        # 4.128, 4 4.259 -> 4.264, 8 4.490 -> 4.417, 16 4.702 -> 4.637, 32 5.184 -> 5.146, 64
+        # 5.868 -> 5.847. At 1 row 4 slices (3B 1.996 / 1.994 -> 1.999 / 2.000 at 128
+        # tokens). INFERX_TMA_QKV_HALVED takes row ranges ("0" never) for A/B runs.
+        self.qkv_half_rows = row_ranges("INFERX_TMA_QKV_HALVED", "8-64")
         # down_proj (a linear_parts GEMM whose K exceeds its N; o_proj too where heads x
         # head_dim exceed the hidden size) in twice tma_parts K-slices at these rows where
         # tma_parts slices leave SMs without a program (filled_slices).
@@ -458,7 +453,7 @@ class TritonOps(KernelOps):
             # lets the decode kernel launch early (inferx_kernels_cuda.pdl).
             trigger = attention_early(x.device, x.shape[0])
             parts = self.tma_parts
-            if x.shape[1] <= self.qkv_half_max_k and in_ranges(x.shape[0], self.qkv_half_rows):
+            if in_ranges(x.shape[0], self.qkv_half_rows):
                 parts = max(1, parts // 2)
             return self._tma(x, linear.weight, parts, trigger), linear.bias
         return linear.forward_split(x)
