@@ -670,7 +670,6 @@ def test_tiny_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("INFERX_TMA_GEMV", "1")
     monkeypatch.setenv("INFERX_TMA_NORM", "0")
     monkeypatch.setenv("INFERX_TMA_GATED", "0")
-    monkeypatch.setenv("INFERX_TMA_QKV_HALVED", "2-64")  # the 4-row decode step's QKV halved
     cfg = CONFIGS[name]
     weights = model_weights(cfg, seed=11)
     calls = count_tma(monkeypatch)
@@ -683,7 +682,7 @@ def test_tiny_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPa
     # The 27-row prefill, the 6- and 4-row steps: o_proj and down_proj in parts, but those whose
     # K exceeds N (down_proj; llama3-scaled's o_proj, 96 -> 64) in twice the parts at 6 and 4
     # rows (filled_slices: 4-16 rows, and the tiny N leaves most of 132 SMs idle); qwen2's decode
-    # step: QKV in half the parts (qkv_half_rows set to 2-64). gate_up whole in the 4-row step only:
+    # step: QKV in half the parts (qkv_half_rows: 2-64). gate_up whole in the 4-row step only:
     # the 27- and 6-row ones take the gated GEMV (5-32 rows) first.
     qkv = layers if name == "qwen2-tied" else 0
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
@@ -789,14 +788,14 @@ def test_slices_doubled_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
 @interpreted
 def test_qkv_slices_halved_at_their_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """linear_split (the QKV GEMM) runs in half the tma_parts K-slices at qkv_half_rows
-    (default 8-64), whatever its width, else in tma_parts; the parts sum to F.linear either
+    (default 2-64), whatever its width, else in tma_parts; the parts sum to F.linear either
     way. A bad INFERX_TMA_QKV_HALVED names the variable."""
     monkeypatch.delenv("INFERX_TMA_QKV_HALVED", raising=False)
     ops = TritonOps()
-    assert ops.qkv_half_rows == ((8, 64),)
+    assert ops.qkv_half_rows == ((2, 64),)
     torch.manual_seed(5)
-    for k, rows, want in ((256, 1, ops.tma_parts), (256, 4, ops.tma_parts),
-                          (256, 8, ops.tma_parts // 2), (4096, 9, ops.tma_parts // 2)):  # fmt: skip
+    for k, rows, want in ((256, 1, ops.tma_parts), (256, 4, ops.tma_parts // 2),
+                          (4096, 9, ops.tma_parts // 2)):  # fmt: skip
         linear = DenseLinear(k, [48, 16, 16], False, torch.float32, CPU)
         linear.weight.data.normal_()
         x = torch.randn(rows, k)
@@ -983,10 +982,9 @@ def test_gpu_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPat
     steps) and the decode step's QKV (both models) on tma_linear_parts, gate_up on
     tma_linear_silu_and_mul; the logits stay TorchOps + TorchAttention's. 3B's down_proj runs
     in twice the slices at 6 and 4 rows (filled_slices: 4 slices are 128 programs); both
-    models' QKV in half (qkv_half_rows, set to 2-64 so that the 4-row step takes it)."""
+    models' QKV in half (qkv_half_rows)."""
     monkeypatch.setenv("INFERX_TMA_GEMV", "1")
     monkeypatch.setenv("INFERX_TMA_NORM", "0")
-    monkeypatch.setenv("INFERX_TMA_QKV_HALVED", "2-64")
     calls = count_tma(monkeypatch)
     assert_two_layers_match_torch_ops(name, TritonOps(), triton_with_qkv_parts)
     # (TorchOps never calls tma_linear_parts: these are all the triton run's)

@@ -189,14 +189,16 @@ class TritonOps(KernelOps):
         # slices 2.271 / 2.340, 4 2.068 / 2.240, 8 2.795 / 2.264 (the fused norm in gate_up
         # re-reads every part); batch 64 at 640 tokens: 4 2.927, 8 3.009.
         self.tma_parts = env_int("INFERX_TMA_PARTS", SPLIT_PARTS, 1, 8)
-        # The QKV GEMM (linear_split) in half the tma_parts K-slices at these rows. H200 steps
-        # at 640 tokens, ms, 4 -> 2 slices: 3B (session 25) batch 2 2.113 -> 2.107, 4 2.212 ->
-        # 2.212, 8 2.222 -> 2.195, 16 2.337 -> 2.312, 32 2.616 -> 2.564, 64 2.892 -> 2.889,
-        # c=8 serving 3,318 / 3,312 -> 3,334 / 3,345 tok/s; 8B (session 26) batch 2 4.122 ->
-        # 4.128, 4 4.259 -> 4.264, 8 4.490 -> 4.417, 16 4.702 -> 4.637, 32 5.184 -> 5.146, 64
-        # 5.868 -> 5.847. At 1 row 4 slices (3B 1.996 / 1.994 -> 1.999 / 2.000 at 128
-        # tokens). INFERX_TMA_QKV_HALVED takes row ranges ("0" never) for A/B runs.
-        self.qkv_half_rows = row_ranges("INFERX_TMA_QKV_HALVED", "8-64")
+        # The QKV GEMM (linear_split) in half the tma_parts K-slices at these rows, at every
+        # width. H200 steps at 640 tokens, ms, 4 -> 2 slices: 3B (session 25) batch 2 2.113 ->
+        # 2.107, 4 2.212 -> 2.212, 8 2.222 -> 2.195, 16 2.337 -> 2.312, 32 2.616 -> 2.564, 64
+        # 2.892 -> 2.889, c=8 serving 3,318 / 3,312 -> 3,334 / 3,345 tok/s; 8B (session 26, two
+        # rounds) batch 8 4.476 / 4.485 -> 4.419 / 4.407, 16 4.696 / 4.696 -> 4.641 / 4.633, 32
+        # 5.171 / 5.172 -> 5.147 / 5.141, 64 5.847 / 5.848 -> 5.840 / 5.835; at 2-4 rows both
+        # within ~10 µs (3B a little faster halved, 8B a little slower). At 1 row 4 slices (3B
+        # 1.996 / 1.994 -> 1.999 / 2.000 at 128 tokens). INFERX_TMA_QKV_HALVED takes row ranges
+        # ("0" never) for A/B runs.
+        self.qkv_half_rows = row_ranges("INFERX_TMA_QKV_HALVED", "2-64")
         # down_proj (a linear_parts GEMM whose K exceeds its N; o_proj too where heads x
         # head_dim exceed the hidden size) in twice tma_parts K-slices at these rows where
         # tma_parts slices leave SMs without a program (filled_slices).
