@@ -104,13 +104,17 @@ def idle_by_gap(recs: list[tuple[float, float, str]], steps: int) -> dict[str, f
 
 
 def long_gaps(
-    recs: list[tuple[float, float, str]], steps: int, top: int = 6
+    recs: list[tuple[float, float, str]],
+    steps: int,
+    top: int = 6,
+    edges: tuple[float, float] = (GAP_EDGES_US[1], float("inf")),
 ) -> list[dict[str, Any]]:
-    """The gaps of 50 µs or more, by the GPU activity before and after them: what the GPU
-    finished and what it then waited to start (per step: how often, and µs)."""
+    """The gaps of 50 µs or more (edges: [low, high) µs), by the GPU activity before and after
+    them: what the GPU finished and what it then waited to start (per step: how often, and
+    µs)."""
     per: dict[tuple[str, str], list[float]] = defaultdict(list)
     for start, stop, before, after in gaps(recs):
-        if stop - start >= GAP_EDGES_US[1]:
+        if edges[0] <= stop - start < edges[1]:
             per[(before[:60], after[:60])].append(stop - start)
     rows = [
         {"before": b, "after": a, "per_step": len(g) / steps, "us_per_step": sum(g) / steps}
@@ -294,6 +298,7 @@ def trace_summary(trace: Path, steps: int) -> dict[str, Any]:
         "gpu_idle_fraction": idle,
         "idle_us_per_step_by_gap": idle_by_gap(recs, steps),
         "long_gaps": long_gaps(recs, steps),
+        "mid_gaps": long_gaps(recs, steps, edges=GAP_EDGES_US),  # 5-50 µs
         "host_in_long_gaps": host_in_long_gaps(events, recs, steps),
         "groups": group_table(kernels),
         "kernels": kernels,
@@ -346,6 +351,11 @@ def main() -> None:
             for g in r["long_gaps"]:
                 print(
                     f"gap >= 50 µs: {g['per_step']:.2f}/step, {g['us_per_step']:.1f} µs/step, "
+                    f"after {g['before']!r}, before {g['after']!r}"
+                )
+            for g in r["mid_gaps"]:
+                print(
+                    f"gap 5-50 µs: {g['per_step']:.2f}/step, {g['us_per_step']:.1f} µs/step, "
                     f"after {g['before']!r}, before {g['after']!r}"
                 )
             for h in r["host_in_long_gaps"]:

@@ -53,6 +53,10 @@ def test_idle_counts_gaps_once_and_overlaps_as_busy(tmp_path: Path) -> None:
     assert long_gaps(recs, steps=2) == [
         {"before": "copy", "after": "a", "per_step": 0.5, "us_per_step": 30.0}
     ]
+    # ... and the one of 5-50 µs: after "b" (ended at 20), before the copy (at 30).
+    assert long_gaps(recs, steps=2, edges=(5.0, 50.0)) == [
+        {"before": "b", "after": "copy", "per_step": 0.5, "us_per_step": 5.0}
+    ]
     # The host event overlaps that gap by its whole 60 µs; one inside the short gaps counts not.
     trace["traceEvents"] += [
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaEventSynchronize", "ts": 90, "dur": 20},
