@@ -188,6 +188,49 @@ def test_runner_pads_to_the_next_captured_size() -> None:
     assert [small.padded_size(n) for n in (9, 13, 14)] == [13, 13, None]
 
 
+@pytest.mark.parametrize("fill_last", ["1", "0", None])
+def test_runner_fills_pending_tokens_after_the_attention_copies(
+    monkeypatch: pytest.MonkeyPatch, fill_last: str | None
+) -> None:
+    """A replay writes the PENDING tokens (fill) after the attention backend's metadata copies
+    by default (fewer switches of copy direction on the stream); INFERX_FILL_LAST=0 writes them
+    first, as before. Either way they land in the static input ids the forward pass reads."""
+    if fill_last is None:
+        monkeypatch.delenv("INFERX_FILL_LAST", raising=False)
+    else:
+        monkeypatch.setenv("INFERX_FILL_LAST", fill_last)
+    calls: list[str] = []
+
+    class Recording(GraphCapable):
+        def prepare_for_capture(self, batch_size: int) -> None:
+            calls.append("capture-plan")
+
+        def prepare_for_replay(self, batch, padded_batch_size: int) -> None:
+            calls.append("attention")
+
+    backend = Recording([KVLayerSpec(2, 1, 16)], 16, torch.float32, CPU)
+    runner = DecodeGraphRunner(None, backend, CPU, 8, 64, 16)  # type: ignore[arg-type]
+    seen: list[list[int]] = []
+
+    def forward(size: int) -> None:
+        calls.append("forward")
+        seen.append(runner.input_ids[:size].tolist())
+        runner.logits = torch.zeros(size, 5)
+
+    def fill(input_ids: torch.Tensor) -> None:
+        calls.append("fill")
+        input_ids[1] = 42
+
+    monkeypatch.setattr(runner, "_forward", forward)
+    chunks = decode_chunks(3)
+    for i, c in enumerate(chunks):
+        c.seq.block_table = [i + 1]
+    runner.run(chunks, fill)
+    order = ["fill", "attention"] if fill_last == "0" else ["attention", "fill"]
+    assert calls == ["capture-plan", *order, "forward"]
+    assert seen == [[3, 42, 3, 0]]  # token 2 of [1, 2, 3] is 3; row 1 filled; row 3 padding
+
+
 # -- when decode runs eagerly, and why --------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import gc
 import logging
+import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -109,6 +110,10 @@ class DecodeGraphRunner:
         self._np = [t.numpy() for t in (self._ids, self._positions, self._context_len)]
         self._np += [self._slot_mapping.numpy(), self._block_table.numpy()]
         self._copied: torch.cuda.Event | None = None
+        # The PENDING tokens' device copy (fill) after the attention metadata's host copies,
+        # not between them: the stream then switches between copy directions fewer times ahead
+        # of the graph. INFERX_FILL_LAST=0 puts it back first, for A/B runs.
+        self.fill_last = os.environ.get("INFERX_FILL_LAST", "1") != "0"
 
     def padded_size(self, num_seqs: int) -> int | None:
         """The captured size a batch of num_seqs runs at, or None when it is too large."""
@@ -199,9 +204,11 @@ class DecodeGraphRunner:
         if graph is None:
             self.attention.prepare_for_capture(size)
         self._inputs.copy_(self._staged_inputs, non_blocking=True)  # rows past size unread
-        if fill is not None:
+        if fill is not None and not self.fill_last:
             fill(self.input_ids)
         self.attention.prepare_for_replay(batch, size)
+        if fill is not None and self.fill_last:
+            fill(self.input_ids)
         if self.device.type == "cuda":
             if self._copied is None:
                 self._copied = torch.cuda.Event()

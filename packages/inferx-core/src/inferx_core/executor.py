@@ -290,6 +290,12 @@ class ModelRunner(Executor):
             config.model.max_model_len or ckpt.hf_config.get("max_position_embeddings", 4096)
         )
         self.sampler = Sampler(self.device, seed=config.model.seed, argmax=ctx.ops.argmax)
+        # The sampled tokens (and logprobs) travel to the host on a stream of their own, so the
+        # step's stream goes from sampling straight to the next step's host-to-device copies.
+        # INFERX_DTOH_STREAM=0 keeps them on the step's stream, for A/B runs.
+        self._copy_stream: torch.cuda.Stream | None = None
+        if self.device.type == "cuda" and os.environ.get("INFERX_DTOH_STREAM", "1") != "0":
+            self._copy_stream = torch.cuda.Stream(self.device)
         # The graph runners (their static buffers) exist before the cache is sized: the
         # profiling step's dry run compiles their kernels too (_dry_run_start_up).
         self.graphs: DecodeGraphRunner | None = None
@@ -648,11 +654,12 @@ class ModelRunner(Executor):
         tokens, top = self.sampler(logits, sample_seqs)
         self._last_sampled = (tokens, {id(s): i for i, s in enumerate(sample_seqs)})
         ks = [s.params.logprobs for s in sample_seqs] if top is not None else None
-        return _SampledStep(self.device, to_host(tokens), top and top.copy_to_host(), ks)
+        return _SampledStep(self.device, tokens, top, ks, self._copy_stream)
 
 
 class _SampledStep:
-    """A submitted step's sampled tokens (and logprobs), copying to the host."""
+    """A submitted step's sampled tokens (and logprobs), copying to the host: on `stream`
+    once the step's stream has sampled them, or in order on the step's stream without one."""
 
     def __init__(
         self,
@@ -660,12 +667,23 @@ class _SampledStep:
         tokens: torch.Tensor,
         top: TopLogprobs | None,
         ks: list[int | None] | None,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
-        self.tokens, self.top, self.ks = tokens, top, ks
-        self.copied = None
+        self.ks = ks
+        self.copied: torch.cuda.Event | None = None
+        if device.type != "cuda" or stream is None:
+            self.tokens, self.top = to_host(tokens), top and top.copy_to_host()
+        else:
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                self.tokens, self.top = to_host(tokens), top and top.copy_to_host()
+            # The device tensors are read on `stream`: keep their memory from being reused
+            # by the step's stream before that.
+            for t in [tokens] + ([top.sampled, top.ids, top.values] if top else []):
+                t.record_stream(stream)
         if device.type == "cuda":
             self.copied = torch.cuda.Event()
-            self.copied.record()
+            self.copied.record(stream)
 
     def result(self) -> StepResult:
         if self.copied is not None:
