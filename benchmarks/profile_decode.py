@@ -109,9 +109,9 @@ def long_gaps(
     top: int = 6,
     edges: tuple[float, float] = (GAP_EDGES_US[1], float("inf")),
 ) -> list[dict[str, Any]]:
-    """The gaps of 50 µs or more (edges: [low, high) µs), by the GPU activity before and after
-    them: what the GPU finished and what it then waited to start (per step: how often, and
-    µs)."""
+    """The gaps of edges[0] to edges[1] µs (by default 50 µs or more), by the GPU activity
+    before and after them: what the GPU finished and what it then waited to start (per step:
+    how often, and µs)."""
     per: dict[tuple[str, str], list[float]] = defaultdict(list)
     for start, stop, before, after in gaps(recs):
         if edges[0] <= stop - start < edges[1]:

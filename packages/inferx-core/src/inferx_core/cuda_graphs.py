@@ -112,7 +112,7 @@ class DecodeGraphRunner:
         self._copied: torch.cuda.Event | None = None
         # The PENDING tokens' device copy (fill) after the attention metadata's host copies,
         # not between them: the stream then switches between copy directions fewer times ahead
-        # of the graph (measured with the executor's DtoH stream: Executor._copy_stream).
+        # of the graph (measured with the executor's DtoH stream: ModelRunner._copy_stream).
         # INFERX_FILL_LAST=0 puts it back first, for A/B runs.
         self.fill_last = os.environ.get("INFERX_FILL_LAST", "1") != "0"
 
