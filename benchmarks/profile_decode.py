@@ -348,16 +348,12 @@ def main() -> None:
                 f"window per step: idle {100 * r['gpu_idle_fraction']:.1f}%; idle µs/step by "
                 f"gap length {r['idle_us_per_step_by_gap']}"
             )
-            for g in r["long_gaps"]:
-                print(
-                    f"gap >= 50 µs: {g['per_step']:.2f}/step, {g['us_per_step']:.1f} µs/step, "
-                    f"after {g['before']!r}, before {g['after']!r}"
-                )
-            for g in r["mid_gaps"]:
-                print(
-                    f"gap 5-50 µs: {g['per_step']:.2f}/step, {g['us_per_step']:.1f} µs/step, "
-                    f"after {g['before']!r}, before {g['after']!r}"
-                )
+            for label, key in ((">= 50", "long_gaps"), ("5-50", "mid_gaps")):
+                for g in r[key]:
+                    print(
+                        f"gap {label} µs: {g['per_step']:.2f}/step, {g['us_per_step']:.1f} "
+                        f"µs/step, after {g['before']!r}, before {g['after']!r}"
+                    )
             for h in r["host_in_long_gaps"]:
                 print(f"host in those gaps: {h['us_per_step']:.1f} µs/step in {h['host']!r}")
             slow = [

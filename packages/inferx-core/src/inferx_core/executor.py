@@ -674,7 +674,7 @@ class _SampledStep:
     ) -> None:
         self.ks = ks
         self.copied: torch.cuda.Event | None = None
-        if device.type != "cuda" or stream is None:
+        if stream is None:  # (always off CUDA)
             self.tokens, self.top = to_host(tokens), top and top.copy_to_host()
         else:
             stream.wait_stream(torch.cuda.current_stream(device))
