@@ -8,7 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from inferx_core.config import load_config  # noqa: E402
+from inferx_core.config import ConfigError, load_config  # noqa: E402
 from inferx_core.engine import LLM  # noqa: E402
 from inferx_core.sequence import SamplingParams  # noqa: E402
 
@@ -157,6 +157,15 @@ def test_prompt_longer_than_context_is_refused(checkpoint):
     llm = make_llm(checkpoint[0], **{"model.max_model_len": 64})
     with pytest.raises(ValueError, match="context of 64 tokens"):
         llm.generate([list(range(3, 60))], SamplingParams(max_tokens=16))
+
+
+def test_context_past_the_checkpoints_positions_is_a_config_error(checkpoint):
+    """model.max_model_len above max_position_embeddings would index past the rotary table
+    at the first long sequence (an IndexError mid-serving); it is refused at start-up."""
+    limit = tiny_config("llama").max_position_embeddings
+    with pytest.raises(ConfigError, match=rf"model.max_model_len: {limit + 1} .*\({limit}\)"):
+        make_llm(checkpoint[0], **{"model.max_model_len": limit + 1})
+    assert make_llm(checkpoint[0], **{"model.max_model_len": limit}).engine.max_model_len == limit
 
 
 def test_seeded_sampling_is_reproducible_across_batches(checkpoint):

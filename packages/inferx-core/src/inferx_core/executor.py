@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from inferx_core.batch import make_attention_batch, pack_aligned, to_device, to_host
-from inferx_core.config import Config
+from inferx_core.config import Config, ConfigError
 from inferx_core.cuda_graphs import (
     MAX_GRAPH_BATCH,
     DecodeGraphRunner,
@@ -44,6 +44,18 @@ log = logging.getLogger("inferx.executor")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+def context_length(requested: int | None, hf_config: dict[str, Any]) -> int:
+    """model.max_model_len, or the checkpoint's max_position_embeddings when unset. A longer
+    request is a config error: the rotary table (and the model's training) stop there."""
+    limit = int(hf_config.get("max_position_embeddings", 4096))
+    if requested is not None and requested > limit:
+        raise ConfigError(
+            f"model.max_model_len: {requested} is more than the checkpoint's "
+            f"max_position_embeddings ({limit})"
+        )
+    return requested or limit
 
 
 class LoadError(RuntimeError):
@@ -261,6 +273,7 @@ class ModelRunner(Executor):
             from inferx_core.tokenizer import Tokenizer
 
             self.tokenizer = Tokenizer.from_dir(config.model.tokenizer)
+        self.max_model_len = context_length(config.model.max_model_len, ckpt.hf_config)
         archs = ckpt.hf_config.get("architectures") or ["?"]
         arch: type[ModelArch] = reg.get("model_arch", archs[0])  # type: ignore[assignment]
         self.kv_layout = arch.kv_layout(ckpt.hf_config)
@@ -286,9 +299,6 @@ class ModelRunner(Executor):
         self.report.seconds["weights"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.vocab_size = int(ckpt.hf_config["vocab_size"])
-        self.max_model_len = int(
-            config.model.max_model_len or ckpt.hf_config.get("max_position_embeddings", 4096)
-        )
         self.sampler = Sampler(self.device, seed=config.model.seed, argmax=ctx.ops.argmax)
         # The sampled tokens (and logprobs) travel to the host on a stream of their own, so the
         # step's stream goes from sampling straight to the next step's host-to-device copies.
