@@ -167,6 +167,10 @@ class ServerSection(Section):
     # process when the engine runs on a GPU (measured faster there), a thread on a CPU (where
     # the child and the HTTP side would share the few cores).
     engine_process: bool | Literal["auto"] = "auto"
+    # An idle engine handed a request while others are still being tokenized (a burst of
+    # clients) waits up to this long for them, so that their prompts share one prompt step
+    # instead of the first running alone and the rest queueing behind it. 0: never waits.
+    intake_wait_ms: float = Field(default=5.0, ge=0, le=1000)
 
 
 class ParallelSection(Section):

@@ -73,6 +73,7 @@ class Submission:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     error: BaseException | None = None
     aborted: bool = False  # by the server: its outputs stop without a final one
+    hold: float = 0.0  # seconds an idle engine waits for more adds after this one (_gather)
     open: int = 0  # engine requests not finished yet
     first: list[float | None] = field(default_factory=list)  # first-token time per choice
     last: list[float] = field(default_factory=list)  # last-output time per choice
@@ -92,9 +93,14 @@ class EngineLoop:
         health_timeout: float = 30.0,
         on_output: Callable[[Submission, int, RequestOutput, float], None] | None = None,
         on_abort: Callable[[int], None] | None = None,
+        intake_wait: float = 0.0,
     ) -> None:
         self.engine = engine
         self.health_timeout = health_timeout
+        # server.intake_wait_ms: how long an idle engine handed a request waits for those still
+        # being tokenized (`encoding`, counted by requests._encode), so a burst shares a step.
+        self.intake_wait = intake_wait
+        self.encoding = 0
         self.on_output = on_output  # metrics hooks, called on the event-loop thread
         self.on_abort = on_abort
         self.stats = SchedulerStats(running=0, waiting=0, kv_usage=0.0)
@@ -150,6 +156,7 @@ class EngineLoop:
         assert self._loop is not None, "EngineLoop.start() was not called"
         rids = [f"{request_id}-{i}" for i in range(len(items))]
         sub = Submission(rids, items, self._loop.create_future())
+        sub.hold = self.intake_wait if self.encoding else 0.0
         for i, rid in enumerate(rids):
             self._routes[rid] = (sub, i)
         self._subs.add(sub)
@@ -237,7 +244,11 @@ class EngineLoop:
         assert loop is not None
         try:
             while not self._stopping:
-                self._take_commands(block=not engine.has_work())
+                idle = not engine.has_work()
+                # An idle loop still wakes twice a second, so that its heartbeat stays fresh.
+                hold = self._take_commands(0.5 if idle else 0.0)
+                if idle and hold:
+                    self._gather(hold)
                 if engine.has_work():
                     outputs = engine.step()
                     self.steps += 1
@@ -251,17 +262,30 @@ class EngineLoop:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(self._fail_all, exc)
 
-    def _take_commands(self, block: bool) -> None:
-        # An idle loop still wakes twice a second, so that its heartbeat stays fresh.
+    def _take_commands(self, wait: float) -> float | None:
+        """Runs every queued command, waiting up to `wait` seconds for the first. Returns the
+        hold of the last add among them (0.0 when none was an add), None when none came."""
         try:
-            cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            cmd = self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get_nowait()
         except queue.Empty:
-            return
+            return None
+        hold = 0.0
         while True:
+            if cmd[0] == "add":
+                hold = cmd[1].hold
             self._command(*cmd)
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
+                return hold
+
+    def _gather(self, hold: float) -> None:
+        """The idle engine was handed a request while others were still being tokenized: take
+        commands for up to `hold` seconds more, until an add comes with none behind it, so that
+        a burst's prompts share one prompt step instead of the first one running alone."""
+        deadline = time.monotonic() + hold
+        while (left := deadline - time.monotonic()) > 0:
+            if not self._take_commands(left):
                 return
 
     def _command(self, kind: str, arg: Any) -> None:
@@ -292,7 +316,7 @@ class _PipeInbox:
         if kind == "add":
             sub: Submission = arg
             self.adding[id(sub)] = sub
-            self._queue.put(("add", id(sub), sub.rids, sub.items, sub.arrival))
+            self._queue.put(("add", id(sub), sub.rids, sub.items, sub.arrival, sub.hold))
         elif kind == "abort":
             rids, notify = arg
             self._queue.put(("abort", rids, notify))

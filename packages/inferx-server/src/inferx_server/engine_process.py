@@ -6,7 +6,7 @@ event loop's per-SSE-event work compete; at 256 streams they no longer both fit 
 GPU) and runs the step loop; the server process keeps tokenizing, the HTTP API and SSE. They
 talk over one duplex pipe of pickled messages:
 
-    parent -> child: ("add", key, rids, items, handed) | ("abort", rids, notify) | ("stop",)
+    parent -> child: ("add", key, rids, items, handed, hold) | ("abort", rids, notify) | ("stop",)
     child -> parent: ("ready", tokenizer, max_model_len, name_source)
                      ("settled", key, error or None)   add accepted, or refused with error
                      ("out", outputs, time, stats)     one step's RequestOutputs
@@ -72,16 +72,17 @@ def _child(conn: Connection, factory: Callable[[], Any]) -> None:
     trace = StepTrace.from_env()
     try:
         while True:
-            if not engine.has_work() and not conn.poll(_BEAT_S):
+            idle = not engine.has_work()
+            if idle and not conn.poll(_BEAT_S):
                 conn.send(("beat", engine.scheduler.stats()))
                 continue
-            while conn.poll():
-                msg = conn.recv()
-                if msg[0] == "stop":
-                    return
-                _command(engine, conn, msg)
-                if trace and msg[0] == "add":
-                    trace.add(len(msg[2]), msg[4])
+            hold = _take(engine, conn, trace)
+            if idle and hold:  # more of a burst is being tokenized: see EngineLoop._gather
+                deadline = time.monotonic() + hold
+                while hold and (left := deadline - time.monotonic()) > 0 and conn.poll(left):
+                    hold = _take(engine, conn, trace)
+            if hold is None:
+                return
             if engine.has_work():
                 start = time.monotonic()
                 outputs = engine.step()
@@ -135,11 +136,27 @@ class StepTrace:
         )
 
 
+def _take(engine: Any, conn: Connection, trace: StepTrace | None) -> float | None:
+    """Runs every message waiting on the pipe. Returns the hold of the last add among them
+    (0.0 when none was an add), None on "stop"."""
+    hold = 0.0
+    while conn.poll():
+        msg = conn.recv()
+        if msg[0] == "stop":
+            return None
+        _command(engine, conn, msg)
+        if msg[0] == "add":
+            hold = msg[5]
+            if trace:
+                trace.add(len(msg[2]), msg[4])
+    return hold
+
+
 def _command(engine: Any, conn: Connection, msg: tuple) -> None:
     from inferx_server.engine_loop import abort_requests, add_requests
 
     if msg[0] == "add":
-        _, key, rids, items, _handed = msg
+        _, key, rids, items, _handed, _hold = msg
         conn.send(("settled", key, add_requests(engine, rids, items)))
     elif msg[0] == "abort" and (outs := abort_requests(engine, *msg[1:])):
         conn.send(("out", outs, time.monotonic(), engine.scheduler.stats()))

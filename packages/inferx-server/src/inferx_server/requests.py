@@ -168,7 +168,11 @@ async def _encode(
     tok = srv.tokenizer
     if sum(map(len, texts)) < _OFF_LOOP_CHARS or not hasattr(tok, "encode_batch"):
         return [tok.encode(t, add_special_tokens=add_special_tokens) for t in texts]
-    return await asyncio.to_thread(tok.encode_batch, texts, add_special_tokens)
+    srv.loop.encoding += 1  # an idle engine handed another request waits for this one
+    try:
+        return await asyncio.to_thread(tok.encode_batch, texts, add_special_tokens)
+    finally:
+        srv.loop.encoding -= 1
 
 
 async def _chat_ids(

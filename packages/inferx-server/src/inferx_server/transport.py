@@ -48,7 +48,11 @@ class LitestarTransport(Transport):
         self.config = config
         name = served_model_name(config, engine)
         loop_cls = ProcessEngineLoop if isinstance(engine, EngineProcess) else EngineLoop
-        loop = loop_cls(engine, health_timeout=config.server.health_timeout)
+        loop = loop_cls(
+            engine,
+            health_timeout=config.server.health_timeout,
+            intake_wait=config.server.intake_wait_ms / 1e3,
+        )
         metrics = Metrics(name, lambda: loop.stats)
         loop.on_output, loop.on_abort = metrics.on_output, metrics.on_abort
         aliases = frozenset(a for a in (config.model.path, config.model.preset) if a)
