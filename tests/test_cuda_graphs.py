@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -623,6 +624,10 @@ def test_gpu_graphs_generate_like_eager(arch: str, dtype: str, tmp_path_factory)
     ex_on, ex_off = on.engine.executor, off.engine.executor
     assert ex_on.graphs is not None, f"graphs were not captured: {ex_on.eager_reason}"
     assert ex_off.graphs is None and ex_off.eager_reason == "engine.cuda_graphs is false"
+    # The replays' copies go on their own stream behind the previous forward pass (unless
+    # INFERX_EARLY_COPIES=0): what is compared below covers that ordering.
+    early = os.environ.get("INFERX_EARLY_COPIES", "1") != "0"
+    assert (ex_on.graphs._copy_stream is not None) == early
     capture_s = ex_on.report.seconds.get("cuda_graphs", 0.0)
     print(
         f"{arch}/{dtype}: captured {len(ex_on.graphs.sizes)} sizes {ex_on.graphs.sizes} "

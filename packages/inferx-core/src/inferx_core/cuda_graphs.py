@@ -110,6 +110,20 @@ class DecodeGraphRunner:
         self._np = [t.numpy() for t in (self._ids, self._positions, self._context_len)]
         self._np += [self._slot_mapping.numpy(), self._block_table.numpy()]
         self._copied: torch.cuda.Event | None = None
+        # Early copies: the forward pass records `_inputs_free` (inside the graph, as an
+        # external event node) once it has read the static inputs for the last time, and the
+        # next step's copies go on a stream of their own behind it, so that they run beside
+        # this step's logits and sampling instead of after them. INFERX_EARLY_COPIES=0: on the
+        # step's stream after the step, for A/B runs.
+        self._inputs_free: torch.cuda.Event | None = None
+        self._copy_stream: torch.cuda.Stream | None = None
+        if (
+            device.type == "cuda"
+            and attention.replays_on_current_stream
+            and os.environ.get("INFERX_EARLY_COPIES", "1") != "0"
+        ):
+            self._inputs_free = torch.cuda.Event(external=True)
+            self._copy_stream = torch.cuda.Stream(device)
         # The PENDING tokens' device copy (fill) after the attention metadata's host copies,
         # not between them: the stream then switches between copy directions fewer times ahead
         # of the graph (measured with the executor's DtoH stream: ModelRunner._copy_stream).
@@ -147,8 +161,24 @@ class DecodeGraphRunner:
         _dry_ladder(self.sizes, self.attention.prepare_for_capture, self._forward)
         self.logits = None
 
+    def _copy_early(self, batch: AttentionBatch, size: int) -> None:
+        """The step's copies into the static buffers on the copy stream, once the last forward
+        pass has read them (`_inputs_free`); the step's stream waits for them."""
+        stream = self._copy_stream
+        assert stream is not None and self._inputs_free is not None
+        stream.wait_event(self._inputs_free)
+        with torch.cuda.stream(stream):
+            self._inputs.copy_(self._staged_inputs, non_blocking=True)  # rows past size unread
+            self.attention.prepare_for_replay(batch, size)
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            self._copied.record()
+        torch.cuda.current_stream(self.device).wait_event(self._copied)
+
     def _forward(self, size: int) -> None:
         hidden = self.model(self.input_ids[:size], self.positions[:size])
+        if self._inputs_free is not None:  # the static inputs are not read past this point
+            self._inputs_free.record()
         if self.logits is None:  # the first (largest, eager) run makes the static output
             self.logits = _into_static(None, self.max_batch, self.model.compute_logits(hidden))
         else:  # the lm_head GEMM writes it itself: no copy of the logits in the step
@@ -204,16 +234,21 @@ class DecodeGraphRunner:
         graph = self.graphs.get(size)
         if graph is None:
             self.attention.prepare_for_capture(size)
-        self._inputs.copy_(self._staged_inputs, non_blocking=True)  # rows past size unread
-        if fill is not None and not self.fill_last:
-            fill(self.input_ids)
-        self.attention.prepare_for_replay(batch, size)
-        if fill is not None and self.fill_last:
-            fill(self.input_ids)
-        if self.device.type == "cuda":
-            if self._copied is None:
-                self._copied = torch.cuda.Event()
-            self._copied.record()
+        if self._copy_stream is not None:
+            self._copy_early(batch, size)
+            if fill is not None:
+                fill(self.input_ids)
+        else:
+            self._inputs.copy_(self._staged_inputs, non_blocking=True)  # rows past size unread
+            if fill is not None and not self.fill_last:
+                fill(self.input_ids)
+            self.attention.prepare_for_replay(batch, size)
+            if fill is not None and self.fill_last:
+                fill(self.input_ids)
+            if self.device.type == "cuda":
+                if self._copied is None:
+                    self._copied = torch.cuda.Event()
+                self._copied.record()
         if graph is None:
             self._forward(size)
         else:

@@ -165,6 +165,7 @@ class TritonAttention(TorchAttention):
     name = "triton attention"
     max_splits = 64
     supports_cuda_graphs = True
+    replays_on_current_stream = True
     supports_mixed_graphs = True
     fuses_rotary = True
 

@@ -88,9 +88,15 @@ class AttentionBackend(ABC):
     as K-slice parts, and may then return a SplitAttention where its decode kernel split the
     context: the layer hands it to KernelOps.linear_parts, which may combine the splits inside
     the projection (one launch and its gap fewer a layer).
+
+    A backend that sets `replays_on_current_stream` enqueues everything prepare_for_replay()
+    does on the current stream and reads its static buffers only inside forward(): the decode
+    runner may then make those copies on a stream of its own while the previous step's logits
+    are still being computed (cuda_graphs.DecodeGraphRunner).
     """
 
     supports_cuda_graphs: bool = False
+    replays_on_current_stream: bool = False
     supports_mixed_graphs: bool = False
     fuses_rotary: bool = False
     keeps_splits: bool = False
