@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from inferx_core.batch import host_tensor
 from inferx_core.interfaces.attention import AttentionBackend, AttentionBatch
 from inferx_core.interfaces.model import ModelArch
 from inferx_core.interfaces.scheduler import ScheduledChunk
@@ -390,8 +391,9 @@ class MixedGraphRunner:
         n = len(ids)
         size = self.padded_size(n)
         assert size is not None
-        pad = [0] * (size - n)
-        host = torch.tensor([ids + pad, positions + pad], dtype=torch.int64)
+        host = torch.zeros((2, size), dtype=torch.int64)  # padding: id 0 at position 0
+        host[0, :n] = host_tensor(ids, torch.int64)
+        host[1, :n] = host_tensor(positions, torch.int64)
         if self.device.type == "cuda":
             host = host.pin_memory()
         self.input_ids[:size].copy_(host[0], non_blocking=True)
