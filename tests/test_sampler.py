@@ -173,6 +173,19 @@ def test_seeded_sampling_follows_the_distribution():
     assert torch.allclose(freq, probs, atol=0.03), freq
 
 
+def test_seeds_span_int64_and_no_further():
+    """Any int64 seed samples (the noise is int64 arithmetic that wraps); a larger one is
+    refused where the request arrives: past int64 it raised inside the engine's step and took
+    the server's engine loop down with it."""
+    logits = torch.randn(2, 50)
+    params = [SamplingParams(temperature=1.0, seed=s) for s in (2**63 - 1, -(2**63))]
+    tokens, _ = Sampler(torch.device("cpu"))(logits, seqs(params))
+    assert all(0 <= t < 50 for t in tokens.tolist())
+    for seed in (2**63, -(2**63) - 1):
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(seed=seed)
+
+
 def test_seeded_noise_changes_with_the_output_index():
     from inferx_core.sampler import seeded_exponential
 

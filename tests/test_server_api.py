@@ -310,6 +310,8 @@ def _error(r: httpx.Response, status: int, param: str | None = None) -> dict[str
         (b'{"prompt": [[1, 2], 3]}', "prompt", ""),
         (b'{"prompt": [99999999]}', "prompt", "vocabulary"),
         (b'{"prompt": "hi", "max_tokens": 100000}', "max_tokens", "context"),
+        (b'{"prompt": "hi", "seed": 1180591620717411303424}', "seed", "<="),
+        (b'{"prompt": "hi", "seed": -9223372036854775809}', "seed", ">="),
     ],
 )
 def test_bad_completion_requests(server: Any, body: bytes, param: str | None, words: str) -> None:

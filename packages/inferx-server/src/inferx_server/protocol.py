@@ -97,7 +97,7 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
     max_tokens: PositiveInt | None = None
     temperature: Temperature | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None  # int64, as vLLM's
     stop: str | list[str] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
