@@ -80,3 +80,14 @@ def test_token_ids_outside_the_vocabulary_are_refused(tmp_path, capsys):
     llm = LLM(load_config(None, {"model.preset": "tiny-llama", "engine.device": "cpu"}))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([[1, 2, 10_000]])
+
+
+def test_bad_sampling_flags_are_one_line_each_by_name(capsys):
+    args = ["generate", "--preset", "tiny-qwen2", "--prompt", "hi", "--device", "cpu"]
+    args += ["--tokenizer", str(FIXTURES / "tokenizers" / "qwen")]
+    assert main([*args, "--max-tokens", "-3", "--temperature", "-2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "error: max_tokens: Input should be greater than or equal to 1",
+        "error: temperature: Input should be greater than or equal to 0",
+    ]

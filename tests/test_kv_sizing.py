@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import inferx_core.executor as executor_mod
+from inferx_core.attention_torch import TorchAttention
 from inferx_core.config import load_config
 from inferx_core.executor import GiB, LoadError, MemoryProfile, ModelRunner, kv_cache_blocks
 from inferx_core.jit_compile import Compile
@@ -68,6 +69,34 @@ def test_cpu_keeps_the_configured_size() -> None:
     runner = tiny_runner()
     assert runner.num_kv_blocks == 16 * MiB // runner.attention.bytes_per_block()
     assert runner.report.memory == {} and "profile" not in runner.report.seconds
+
+
+def test_cpu_size_past_the_machines_memory_is_refused_by_key(monkeypatch) -> None:
+    """A CPU cache larger than the machine's memory used to die in torch's allocator with a
+    traceback (or the OOM killer); it is a LoadError naming kv_cache.memory."""
+    monkeypatch.setattr(executor_mod, "physical_memory", lambda: 8 * MiB)
+    with pytest.raises(LoadError, match=r"^kv_cache\.memory = 0\.02 GiB is more than .* 0\.01 GiB"):
+        tiny_runner()
+    monkeypatch.setattr(executor_mod, "physical_memory", lambda: 0)  # the OS does not say
+    assert tiny_runner().num_kv_blocks > 0
+
+
+def test_a_cache_that_cannot_be_allocated_is_refused_by_key(monkeypatch) -> None:
+    """Whatever sized it, an allocation that fails (out of memory) names the key."""
+
+    def out_of_memory(self, num_blocks: int) -> None:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory\nmore detail")
+
+    monkeypatch.setattr(TorchAttention, "allocate", out_of_memory)
+    with pytest.raises(LoadError, match=r"^kv_cache\.num_blocks: the KV cache of 64 blocks"):
+        tiny_runner(**{"kv_cache.num_blocks": 64})
+    with pytest.raises(LoadError, match=r"^kv_cache\.memory: .* can't allocate memory\)$"):
+        tiny_runner()
+
+
+def test_num_blocks_below_two_is_a_config_error() -> None:
+    with pytest.raises(ValueError, match="kv_cache.num_blocks"):
+        load_config(None, {"kv_cache.num_blocks": 1})
 
 
 def test_profile_layout_is_the_largest_step(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+import pydantic
+
 from inferx_core.config import ConfigError, config_keys, load_config
 
 
@@ -158,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except pydantic.ValidationError as exc:  # sampling flags: one line per bad value, by name
+        for err in exc.errors():
+            where = ".".join(str(part) for part in err["loc"]) or exc.title
+            print(f"error: {where}: {err['msg']}", file=sys.stderr)
         return 2
     except (ConfigError, LoadError, PluginError, ValueError, FileNotFoundError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -111,7 +111,7 @@ class KVCacheSection(Section):
     manager: str = "paged"
     block_size: int = 16
     memory: float | int | str | None = None  # fraction or size; None: 0.9 on GPU, 1GiB on CPU
-    num_blocks: int | None = Field(default=None, ge=1)  # overrides memory
+    num_blocks: int | None = Field(default=None, ge=2)  # overrides memory; block 0 is reserved
     dtype: Literal["auto", "fp8_e4m3"] = "auto"
 
     @field_validator("block_size")

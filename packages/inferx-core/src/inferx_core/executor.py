@@ -239,6 +239,14 @@ def first_tokens(lens: list[int], n: int) -> list[int]:
     return out
 
 
+def physical_memory() -> int:
+    """The machine's memory in bytes, or 0 where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return 0
+
+
 def _at_least_two(blocks: int, bytes_per_block: int) -> int:
     if blocks < 2:
         raise LoadError(
@@ -337,7 +345,15 @@ class ModelRunner(Executor):
             )
         self._compiled_ahead = False  # whether the profiling step's dry run covered start-up
         self.num_kv_blocks = self._size_cache()
-        self.attention.allocate(self.num_kv_blocks)
+        try:
+            self.attention.allocate(self.num_kv_blocks)
+        except RuntimeError as exc:  # torch's out-of-memory errors, on either device
+            key = "kv_cache.num_blocks" if config.kv_cache.num_blocks else "kv_cache.memory"
+            size = self.num_kv_blocks * self.attention.bytes_per_block()
+            raise LoadError(
+                f"{key}: the KV cache of {self.num_kv_blocks} blocks ({size / GiB:.2f} GiB) "
+                f"could not be allocated on {self.device} ({str(exc).splitlines()[0][:200]})"
+            ) from exc
         # What the last submitted step sampled, on the device, and each sequence's row in it.
         self._last_sampled: tuple[torch.Tensor | None, dict[int, int]] = (None, {})
         profiled = self.report.seconds.get("profile", 0.0)  # sizing's own part, reported apart
@@ -411,6 +427,12 @@ class ModelRunner(Executor):
             budget = CPU_DEFAULT_KV_BYTES
         if isinstance(budget, float):
             raise LoadError("kv_cache.memory as a fraction needs a GPU; give a size like '2GiB'")
+        ram = physical_memory()
+        if ram and budget > ram:
+            raise LoadError(
+                f"kv_cache.memory = {budget / GiB:.2f} GiB is more than this machine's "
+                f"{ram / GiB:.2f} GiB of memory"
+            )
         return _at_least_two(int(budget // per_block), per_block)
 
     def _profile_layout(self) -> tuple[list[int], list[list[int]], int, int]:
