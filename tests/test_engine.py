@@ -168,6 +168,18 @@ def test_context_past_the_checkpoints_positions_is_a_config_error(checkpoint):
     assert make_llm(checkpoint[0], **{"model.max_model_len": limit}).engine.max_model_len == limit
 
 
+def test_a_bad_batch_is_refused_whole(checkpoint):
+    """generate() with a bad prompt (or a params list of the wrong length) raises and leaves
+    nothing of the call in the engine: the prompts before the bad one are not left running."""
+    llm = make_llm(checkpoint[0])
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([PROMPTS[0], []], GREEDY)
+    with pytest.raises(ValueError, match="2 prompts and 1 SamplingParams"):
+        llm.generate(PROMPTS[:2], [GREEDY])
+    assert not llm.engine.has_work() and not llm.engine.requests
+    assert llm.engine.kv.usage() == 0.0
+
+
 def test_seeded_sampling_is_reproducible_across_batches(checkpoint):
     llm = make_llm(checkpoint[0])
     params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)

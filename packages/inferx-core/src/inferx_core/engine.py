@@ -310,10 +310,18 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = [
-            self.engine.add_request(p, sp, stream_text=False)
-            for p, sp in zip(prompts, plist, strict=True)
-        ]
+        if len(plist) != len(prompts):
+            raise ValueError(
+                f"{len(prompts)} prompts and {len(plist)} SamplingParams: give one, or one a prompt"
+            )
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, plist, strict=True):
+                ids.append(self.engine.add_request(p, sp, stream_text=False))
+        except Exception:  # a bad prompt refuses the call, and leaves none of it running
+            for i in ids:
+                self.engine.abort(i)
+            raise
         prompt_ids = {i: self.engine.requests[i].seq.prompt_ids for i in ids}
         done: dict[str, Completion] = {}
         parts: dict[str, list[RequestOutput]] = {i: [] for i in ids}
