@@ -9,7 +9,7 @@ from typing import Any
 
 import pydantic
 
-from inferx_core.config import ConfigError, config_keys, load_config
+from inferx_core.config import ConfigError, config_keys, error_lines, load_config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -162,9 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except pydantic.ValidationError as exc:  # sampling flags: one line per bad value, by name
-        for err in exc.errors():
-            where = ".".join(str(part) for part in err["loc"]) or exc.title
-            print(f"error: {where}: {err['msg']}", file=sys.stderr)
+        for line in error_lines(exc, whole=exc.title):
+            print(f"error: {line}", file=sys.stderr)
         return 2
     except (ConfigError, LoadError, PluginError, ValueError, FileNotFoundError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)

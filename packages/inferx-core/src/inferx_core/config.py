@@ -258,12 +258,19 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 
 def format_errors(exc: ValidationError, path: str | Path | None = None) -> str:
+    return "; ".join(error_lines(exc, path))
+
+
+def error_lines(
+    exc: ValidationError, path: str | Path | None = None, whole: str = "config"
+) -> list[str]:
+    """One `key: problem` per error of a pydantic validation (`whole` where it names no key)."""
     where = f"{path}: " if path else ""
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "config"
+        loc = ".".join(str(p) for p in err["loc"]) or whole
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         lines.append(f"{where}{loc}: {msg}")
-    return "; ".join(lines)
+    return lines
