@@ -627,7 +627,7 @@ def test_gpu_graphs_generate_like_eager(arch: str, dtype: str, tmp_path_factory)
     # The replays' copies go on their own stream behind the previous forward pass (unless
     # INFERX_EARLY_COPIES=0): what is compared below covers that ordering.
     early = os.environ.get("INFERX_EARLY_COPIES", "1") != "0"
-    assert (ex_on.graphs._copy_stream is not None) == early
+    assert (ex_on.graphs._input_stream is not None) == early
     capture_s = ex_on.report.seconds.get("cuda_graphs", 0.0)
     print(
         f"{arch}/{dtype}: captured {len(ex_on.graphs.sizes)} sizes {ex_on.graphs.sizes} "

@@ -110,21 +110,22 @@ class DecodeGraphRunner:
         self._query_start = torch.arange(n + 1, dtype=torch.int32)
         self._np = [t.numpy() for t in (self._ids, self._positions, self._context_len)]
         self._np += [self._slot_mapping.numpy(), self._block_table.numpy()]
-        self._copied: torch.cuda.Event | None = None
+        # Recorded after each replay's copies (on a GPU): the staging tensors are free again.
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
         # Early copies: the forward pass records `_inputs_free` (inside the graph, as an
         # external event node) once it has read the static inputs for the last time, and the
         # next step's copies go on a stream of their own behind it, so that they run beside
         # this step's logits and sampling instead of after them. INFERX_EARLY_COPIES=0: on the
         # step's stream after the step, for A/B runs.
         self._inputs_free: torch.cuda.Event | None = None
-        self._copy_stream: torch.cuda.Stream | None = None
+        self._input_stream: torch.cuda.Stream | None = None
         if (
             device.type == "cuda"
             and attention.replays_on_current_stream
             and os.environ.get("INFERX_EARLY_COPIES", "1") != "0"
         ):
             self._inputs_free = torch.cuda.Event(external=True)
-            self._copy_stream = torch.cuda.Stream(device)
+            self._input_stream = torch.cuda.Stream(device)
         # The PENDING tokens' device copy (fill) after the attention metadata's host copies,
         # not between them: the stream then switches between copy directions fewer times ahead
         # of the graph (measured with the executor's DtoH stream: ModelRunner._copy_stream).
@@ -163,16 +164,14 @@ class DecodeGraphRunner:
         self.logits = None
 
     def _copy_early(self, batch: AttentionBatch, size: int) -> None:
-        """The step's copies into the static buffers on the copy stream, once the last forward
-        pass has read them (`_inputs_free`); the step's stream waits for them."""
-        stream = self._copy_stream
-        assert stream is not None and self._inputs_free is not None
+        """The step's copies into the static buffers on the input stream, once the last
+        forward pass has read them (`_inputs_free`); the step's stream waits for them."""
+        stream = self._input_stream
+        assert stream is not None and self._inputs_free is not None and self._copied is not None
         stream.wait_event(self._inputs_free)
         with torch.cuda.stream(stream):
             self._inputs.copy_(self._staged_inputs, non_blocking=True)  # rows past size unread
             self.attention.prepare_for_replay(batch, size)
-            if self._copied is None:
-                self._copied = torch.cuda.Event()
             self._copied.record()
         torch.cuda.current_stream(self.device).wait_event(self._copied)
 
@@ -235,7 +234,7 @@ class DecodeGraphRunner:
         graph = self.graphs.get(size)
         if graph is None:
             self.attention.prepare_for_capture(size)
-        if self._copy_stream is not None:
+        if self._input_stream is not None:
             self._copy_early(batch, size)
             if fill is not None:
                 fill(self.input_ids)
@@ -246,9 +245,7 @@ class DecodeGraphRunner:
             self.attention.prepare_for_replay(batch, size)
             if fill is not None and self.fill_last:
                 fill(self.input_ids)
-            if self.device.type == "cuda":
-                if self._copied is None:
-                    self._copied = torch.cuda.Event()
+            if self._copied is not None:
                 self._copied.record()
         if graph is None:
             self._forward(size)
