@@ -314,14 +314,8 @@ class LLM:
             raise ValueError(
                 f"{len(prompts)} prompts and {len(plist)} SamplingParams: give one, or one a prompt"
             )
-        ids: list[str] = []
-        try:
-            for p, sp in zip(prompts, plist, strict=True):
-                ids.append(self.engine.add_request(p, sp, stream_text=False))
-        except Exception:  # a bad prompt refuses the call, and leaves none of it running
-            for i in ids:
-                self.engine.abort(i)
-            raise
+        # A bad prompt refuses the call, and leaves none of it running.
+        ids = add_all(self.engine, list(zip(prompts, plist, strict=True)), stream_text=False)
         prompt_ids = {i: self.engine.requests[i].seq.prompt_ids for i in ids}
         done: dict[str, Completion] = {}
         parts: dict[str, list[RequestOutput]] = {i: [] for i in ids}
@@ -349,6 +343,25 @@ class LLM:
         finally:
             if not finished:
                 self.engine.abort(rid)
+
+
+def add_all(
+    engine: Any,
+    items: list[tuple[Any, SamplingParams]],
+    request_ids: list[str] | None = None,
+    **kwargs: Any,
+) -> list[str]:
+    """Add each (prompt, params) as one request of `engine`, all or none: when one is refused,
+    the ones added before it are aborted and the refusal raised. Returns the request ids."""
+    added: list[str] = []
+    try:
+        for (prompt, params), rid in zip(items, request_ids or [None] * len(items), strict=True):
+            added.append(engine.add_request(prompt, params, rid, **kwargs))
+    except Exception:
+        for rid in added:
+            engine.abort(rid)
+        raise
+    return added
 
 
 def _join(parts: list[RequestOutput], prompt_ids: list[int]) -> Completion:

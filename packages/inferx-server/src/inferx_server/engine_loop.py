@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from inferx_core.engine import RequestOutput
+from inferx_core.engine import RequestOutput, add_all
 from inferx_core.interfaces import SchedulerStats
 from inferx_core.sequence import SamplingParams
 
@@ -36,16 +36,11 @@ class EngineDead(RuntimeError):
 def add_requests(
     engine: Any, rids: list[str], items: list[tuple[list[int], SamplingParams]]
 ) -> Exception | None:
-    """Add every item as one engine request, all or none: when one is refused, the ones added
-    before it are aborted and the refusal is returned."""
-    added: list[str] = []
+    """Add every item as one engine request, all or none (inferx_core.engine.add_all): the
+    refusal, if one was refused, is returned rather than raised."""
     try:
-        for rid, (ids, params) in zip(rids, items, strict=True):
-            engine.add_request(ids, params, rid)
-            added.append(rid)
+        add_all(engine, items, rids)
     except Exception as exc:
-        for rid in added:
-            engine.abort(rid)
         return exc
     return None
 
