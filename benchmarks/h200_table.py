@@ -458,7 +458,13 @@ def served_model(url: str, fallback: str) -> str:
 
 
 def load(
-    url: str, model: str, prompts: list[str], concurrency: int, s: Sizes, timeout: float
+    url: str,
+    model: str,
+    prompts: list[str],
+    concurrency: int,
+    s: Sizes,
+    timeout: float,
+    keep_alive: bool = True,
 ) -> dict[str, Any]:
     """One `inferx-bench serve` run (its client and summary) over our exact prompts."""
     from inferx_server import bench
@@ -473,6 +479,7 @@ def load(
         request_rate=0.0,
         seed=0,
         timeout=timeout,
+        no_keep_alive=not keep_alive,
     )
 
     async def go() -> tuple[list[Any], float]:
@@ -574,7 +581,15 @@ def run_serve(
                         if i and left < 10:
                             break  # the rounds done so far stand
                         kernels = triton_kernels()
-                        r = load(url, model, prompts[c][i], c, s, min(SERVE_RUN_CAP_S, left))
+                        r = load(
+                            url,
+                            model,
+                            prompts[c][i],
+                            c,
+                            s,
+                            min(SERVE_RUN_CAP_S, left),
+                            keep_alive=not run.args.no_keep_alive,
+                        )
                         # Kernels compiled mid-run: start-up's warm-up should have done them all.
                         r["triton_compiled"] = sorted(triton_kernels() - kernels)
                         rounds.append(r)
@@ -804,6 +819,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=lambda v: tuple(int(c) for c in _list(v)))
     ap.add_argument(
         "--serve-rounds", type=int, default=1, help="runs at each concurrency (the median's)"
+    )
+    ap.add_argument(
+        "--no-keep-alive",
+        action="store_true",
+        help="serve: a new connection per request (inferx-bench serve --no-keep-alive)",
     )
     ap.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="more config, offline and server"

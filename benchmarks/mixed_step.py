@@ -9,6 +9,11 @@ so the host's time to submit it (build inputs, launch every kernel) and the GPU'
 (CUDA events around the submit, read after a synchronise) are measured apart: a host time above
 the GPU time means the step is launch-bound. Then cProfile over one submit names where the host
 time goes, and a micro-benchmark gives the host cost of one Triton launch and one torch op.
+
+--burst N (e.g. 8 for a c=8 round of 512-token prompts, --burst-len): N prompts reach an idle
+engine at once, as a closed loop's round does; the host time from the last add to the prompt
+step being on the GPU (the scheduler, then the executor's submit) is what the GPU waits for.
+Timed over --repeats bursts, then cProfiled over one.
 """
 
 from __future__ import annotations
@@ -69,6 +74,61 @@ class SubmitTimer:
         return got
 
 
+def burst_host(engine: Any, vocab: int, n: int, length: int, repeats: int) -> dict[str, Any]:
+    """Host ms from the last of n adds to the burst's prompt step queued on the device: the
+    engine's schedule() and the executor's submit(), timed apart, then cProfiled over one."""
+    rng = random.Random(1)
+    params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)  # as the table's
+    sched, real_submit = engine.scheduler, engine.executor.submit
+    times: dict[str, list[float]] = {"schedule_ms": [], "submit_ms": []}
+    profiler: cProfile.Profile | None = None
+
+    def timed_schedule() -> Any:
+        t0 = time.perf_counter()
+        out = real_schedule()
+        times["schedule_ms"].append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    def timed_submit(out: Any) -> Any:
+        t0 = time.perf_counter()
+        got = real_submit(out)
+        times["submit_ms"].append((time.perf_counter() - t0) * 1e3)
+        return got
+
+    real_schedule = sched.schedule
+    samples = []
+    for i in range(repeats + 1):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        for _ in range(n):
+            engine.add_request(random_prompt(vocab, length, rng), params)
+        for t in times.values():
+            t.clear()
+        sched.schedule, engine.executor.submit = timed_schedule, timed_submit
+        if i == repeats:
+            profiler = cProfile.Profile()
+            profiler.enable()
+        engine.step()  # the burst's step, then (overlap) the next one, then waits
+        if profiler is not None:
+            profiler.disable()
+        sched.schedule, engine.executor.submit = real_schedule, real_submit
+        if i < repeats:
+            samples.append({k: v[0] for k, v in times.items()})
+        while engine.has_work():
+            engine.step()
+    schedule = statistics.median(s["schedule_ms"] for s in samples)
+    submit = statistics.median(s["submit_ms"] for s in samples)
+    print(f"burst of {n} x {length}: host ms to the prompt step, schedule {schedule:.2f} + "
+          f"submit {submit:.2f} (median of {repeats})")  # fmt: skip
+    assert profiler is not None
+    buf = io.StringIO()
+    pstats.Stats(profiler, stream=buf).sort_stats("tottime").print_stats(25)
+    text = buf.getvalue()
+    print(text[text.find("function calls") :])
+    return {"n": n, "length": length, "samples": samples, "schedule_ms": schedule,
+            "submit_ms": submit, "cprofile": text}  # fmt: skip
+
+
 def launch_costs(llm: LLM, calls: int = 300) -> dict[str, float]:
     """Host µs per call of a Triton kernel (add + RMSNorm on one row) and of a torch op."""
     from inferx_kernels_cuda.ops import TritonOps
@@ -117,6 +177,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile-decodes", type=int, default=64, help="decodes of the profiled step")
     ap.add_argument("--profile-chunk", type=int, default=512, help="its prompt chunk")
+    ap.add_argument("--burst", type=int, default=0, help="prompts reaching an idle engine at once")
+    ap.add_argument("--burst-len", type=int, default=512, help="tokens of each burst prompt")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -139,6 +201,9 @@ def main() -> None:
     long = SamplingParams(max_tokens=4000, ignore_eos=True)
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     rows: list[dict[str, Any]] = []
+    burst = {}
+    if args.burst:
+        burst = burst_host(engine, vocab, args.burst, args.burst_len, args.repeats)
     print(f"{args.preset}, {args.backend}; eager steps submitted with the GPU idle")
     print(f"{'decodes':>7} {'chunk':>6} | {'host ms':>8} {'GPU ms':>8} {'host/GPU':>8}")
     rng = random.Random(0)
@@ -201,6 +266,7 @@ def main() -> None:
             },
             "rows": rows,
             "launch_costs_us": costs,
+            "burst": burst,
             "cprofile_decodes": args.profile_decodes,
             "cprofile_chunk": args.profile_chunk,
             "cprofile": profile_text,

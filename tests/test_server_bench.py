@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -61,3 +62,57 @@ def test_transport_host_work_holds_the_gil(tmp_path: Path) -> None:
     (row,) = json.loads(out.read_text())["rows"]
     assert row["host_ms"] == 4 and row["complete"] == 2
     assert row["step_period_ms"]["median"] >= 3.9
+
+
+def test_serve_reuses_its_connections(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As vLLM's client does, a run keeps a connection per request in flight and sends the next
+    request over it; --no-keep-alive opens one per request."""
+    opened = []
+    real_open = bench.asyncio.open_connection
+
+    async def counting_open(*args: object, **kw: object) -> object:
+        opened.append(args)
+        return await real_open(*args, **kw)
+
+    monkeypatch.setattr(bench.asyncio, "open_connection", counting_open)
+    with serve(FakeExecutor(step_delay=0.001)) as t:
+        r = _run(tmp_path, t.url, "--concurrency", "2")
+        assert r["completed"] == 8 and r["total_output_tokens"] == 8 * 6
+        assert len(opened) == 2
+        opened.clear()
+        r = _run(tmp_path, t.url, "--concurrency", "2", "--no-keep-alive")
+        assert r["completed"] == 8 and len(opened) == 8
+
+
+def test_a_connection_the_server_closed_is_replaced() -> None:
+    """A server may close an idle kept connection (uvicorn after 5 s): the next request over it
+    opens a fresh one instead of failing. This server answers one request per connection and
+    then closes it, though it announces nothing."""
+    accepted = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(1)
+        await reader.readuntil(b"\r\n\r\n")
+        head = await reader.readuntil(b"}")  # the JSON body
+        assert head.startswith(b"{")
+        chunks = [b"data: " + str(len(accepted)).encode() + b"\n\n", b"data: [DONE]\n\n"]
+        body = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body)
+        await writer.drain()
+        writer.close()
+
+    async def main() -> list[list[bytes]]:
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+        pool = bench.Connections()
+        got = []
+        for _ in range(3):
+            got.append([data async for _, data in bench.sse_post(url, {}, pool=pool)])
+            await asyncio.sleep(0.05)  # the server's close reaches the idle connection
+        pool.close()
+        server.close()
+        return got
+
+    got = asyncio.run(main())
+    assert got == [[b"1", b"[DONE]"], [b"2", b"[DONE]"], [b"3", b"[DONE]"]]
+    assert len(accepted) == 3

@@ -35,36 +35,86 @@ class HTTPError(Exception):
     pass
 
 
-async def sse_post(url: str, body: dict[str, Any], api_key: str | None = None
-                   ) -> AsyncIterator[tuple[float, bytes]]:  # fmt: skip
-    """POST `body` as JSON and yield (arrival time, data) per server-sent event. http:// only."""
+_Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+class Connections:
+    """Idle connections a load run keeps open for its next requests (HTTP/1.1 keep-alive), as
+    vLLM's `bench serve` and OpenAI's SDK do: a request then costs no TCP connect, and the server
+    no new connection, at every wave of a closed loop."""
+
+    def __init__(self) -> None:
+        self.idle: dict[tuple[str, int], list[_Conn]] = {}
+
+    def take(self, key: tuple[str, int]) -> _Conn | None:
+        conns = self.idle.get(key)
+        return conns.pop() if conns else None
+
+    def give_back(self, key: tuple[str, int], conn: _Conn) -> None:
+        self.idle.setdefault(key, []).append(conn)
+
+    def close(self) -> None:
+        for conns in self.idle.values():
+            for _, writer in conns:
+                writer.close()
+        self.idle.clear()
+
+
+async def sse_post(
+    url: str, body: dict[str, Any], api_key: str | None = None, pool: Connections | None = None
+) -> AsyncIterator[tuple[float, bytes]]:
+    """POST `body` as JSON and yield (arrival time, data) per server-sent event. http:// only.
+    With a pool the connection is taken from it and, once the response was read to its end,
+    given back to it; without one it is opened for this request and closed after it."""
     u = urlsplit(url)
-    reader, writer = await asyncio.open_connection(u.hostname, u.port or 80)
+    key = (u.hostname or "", u.port or 80)
     payload = json.dumps(body).encode()
     auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
-    writer.write(
+    request = (
         f"POST {u.path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(payload)}\r\nAccept: text/event-stream\r\n{auth}"
-        "Connection: close\r\n\r\n".encode()
+        f"Connection: {'keep-alive' if pool else 'close'}\r\n\r\n".encode()
         + payload
     )
+    conn = pool.take(key) if pool else None
+    if conn is not None:
+        try:  # an idle connection the server may have closed meanwhile: then a fresh one
+            conn[1].write(request)
+            head = await conn[0].readuntil(b"\r\n\r\n")
+        except (OSError, asyncio.IncompleteReadError):
+            conn[1].close()
+            conn = None
+    if conn is None:
+        conn = await asyncio.open_connection(*key)
+        conn[1].write(request)
+        head = await conn[0].readuntil(b"\r\n\r\n")
+    reader, writer = conn
+    reusable = False
     try:
-        head = await reader.readuntil(b"\r\n\r\n")
         status = int(head.split(b" ", 2)[1])
-        chunked = b"transfer-encoding: chunked" in head.lower()
+        lower = head.lower()
+        chunked = b"transfer-encoding: chunked" in lower
+        length = re.search(rb"content-length: *(\d+)", lower)
         if status != 200:
             raise HTTPError(f"HTTP {status}: {(await reader.read(2000)).decode(errors='replace')}")
         buf = b""
+        left = int(length.group(1)) if length and not chunked else -1
         while True:
             if chunked:
                 size = int((await reader.readuntil(b"\r\n")).strip() or b"0", 16)
                 if size == 0:
+                    await reader.readuntil(b"\r\n")  # the (empty) trailer's end
+                    reusable = b"connection: close" not in lower
                     return
                 data = (await reader.readexactly(size + 2))[:-2]
+            elif left == 0:
+                reusable = b"connection: close" not in lower
+                return
             else:
-                data = await reader.read(65536)
+                data = await reader.read(65536 if left < 0 else min(left, 65536))
                 if not data:
                     return
+                left -= len(data) if left > 0 else 0
             now = time.monotonic()
             buf += data
             *events, buf = buf.split(b"\n\n")
@@ -72,7 +122,10 @@ async def sse_post(url: str, body: dict[str, Any], api_key: str | None = None
                 if event.startswith(b"data: "):
                     yield now, event[6:]
     finally:
-        writer.close()
+        if reusable and pool is not None:
+            pool.give_back(key, conn)
+        else:
+            writer.close()
 
 
 def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float]:
@@ -155,7 +208,9 @@ def exact_texts(tok: Any, n: int, count: int, rng: random.Random, prefix_len: in
     return out
 
 
-async def one_request(args: argparse.Namespace, prompt: Any) -> RequestResult:
+async def one_request(
+    args: argparse.Namespace, prompt: Any, pool: Connections | None = None
+) -> RequestResult:
     body: dict[str, Any] = {
         "model": args.model, "max_tokens": args.output_len, "stream": True,
         "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0,
@@ -170,9 +225,9 @@ async def one_request(args: argparse.Namespace, prompt: Any) -> RequestResult:
     t0 = last = time.monotonic()
     try:
         async with asyncio.timeout(args.timeout):
-            async for now, data in sse_post(args.base_url + path, body, args.api_key):
-                if data == b"[DONE]":
-                    break
+            async for now, data in sse_post(args.base_url + path, body, args.api_key, pool):
+                if data == b"[DONE]":  # read on to the response's end: the connection is reused
+                    continue
                 event = _decode(data)
                 if "error" in event:
                     raise HTTPError(str(event["error"]))
@@ -202,19 +257,24 @@ async def run_load(
 ) -> tuple[list[RequestResult], float]:
     rng = random.Random(args.seed + 1)
     limit = asyncio.Semaphore(args.concurrency or len(prompts))
+    pool = None if args.no_keep_alive else Connections()
 
     async def limited(prompt: Any) -> RequestResult:
         async with limit:
-            return await one_request(args, prompt)
+            return await one_request(args, prompt, pool)
 
     t0 = time.monotonic()
     tasks = []
-    for prompt in prompts:
-        tasks.append(asyncio.ensure_future(limited(prompt)))
-        if args.request_rate:
-            await asyncio.sleep(rng.expovariate(args.request_rate))
-    results = await asyncio.gather(*tasks)
-    return list(results), time.monotonic() - t0
+    try:
+        for prompt in prompts:
+            tasks.append(asyncio.ensure_future(limited(prompt)))
+            if args.request_rate:
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.monotonic() - t0
+    finally:
+        if pool is not None:
+            pool.close()
 
 
 async def resolve_model(args: argparse.Namespace) -> str:
@@ -591,6 +651,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--request-rate", type=float, default=0.0, help="Poisson arrivals per second")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    s.add_argument(
+        "--no-keep-alive",
+        action="store_true",
+        help="a new connection per request, closed after it (default: connections are reused)",
+    )
     s.add_argument("--json", metavar="PATH")
     s.set_defaults(func=cmd_serve)
 
