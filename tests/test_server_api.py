@@ -532,13 +532,3 @@ def test_long_prompts_are_encoded_off_the_loop_alike(client: openai.OpenAI, serv
     r = httpx.post(server.url + "/tokenize", json={"messages": chat})
     text = tok.apply_chat_template(chat, add_generation_prompt=True)
     assert r.json()["tokens"] == tok.encode(text, add_special_tokens=False)
-
-
-def test_the_server_sets_the_gil_switch_interval_while_it_serves() -> None:
-    before = sys.getswitchinterval()
-    with serve(FakeExecutor(), **{"server.gil_switch_ms": 0.7}) as t:
-        seen = httpx.get(t.url + "/health", timeout=10).status_code, sys.getswitchinterval()
-    assert seen == (200, pytest.approx(0.0007))
-    assert sys.getswitchinterval() == before
-    with pytest.raises(ValueError, match="gil_switch_ms"):
-        load_config(None, {"server.gil_switch_ms": 0})

@@ -171,11 +171,6 @@ class ServerSection(Section):
     # clients) waits up to this long for them, so that their prompts share one prompt step
     # instead of the first running alone and the rest queueing behind it. 0: never waits.
     intake_wait_ms: float = Field(default=5.0, ge=0, le=1000)
-    # The server process's GIL switch interval (sys.setswitchinterval): how long a thread that
-    # wants the GIL waits while another holds it. Python's default is 5 ms; the prompts of a
-    # burst are tokenized on worker threads, and the child's outputs read by a thread, while
-    # the event loop holds the GIL streaming, so a round of 8 clients waited on it.
-    gil_switch_ms: float = Field(default=0.5, gt=0, le=100)
 
 
 class ParallelSection(Section):

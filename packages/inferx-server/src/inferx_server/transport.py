@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -81,14 +80,7 @@ class LitestarTransport(Transport):
             self.app, log_level="warning", access_log=False, timeout_graceful_shutdown=5
         )
         self.server = _DrainingServer(uv, self, lambda: on_ready(url) if on_ready else None)
-        # Process-wide: while serving, a thread waiting for the GIL (a tokenizer worker, the
-        # engine's outputs) gets it within server.gil_switch_ms of asking; restored after.
-        switch = sys.getswitchinterval()
-        sys.setswitchinterval(self.config.server.gil_switch_ms / 1e3)
-        try:
-            self.server.run(sockets=[sock])
-        finally:
-            sys.setswitchinterval(switch)
+        self.server.run(sockets=[sock])
 
     def drain(self) -> None:
         """Refuse new requests (503); stop once in-flight ones end or drain_timeout passes."""
