@@ -464,7 +464,7 @@ def load(
     concurrency: int,
     s: Sizes,
     timeout: float,
-    keep_alive: bool = True,
+    no_keep_alive: bool = False,
 ) -> dict[str, Any]:
     """One `inferx-bench serve` run (its client and summary) over our exact prompts."""
     from inferx_server import bench
@@ -479,7 +479,7 @@ def load(
         request_rate=0.0,
         seed=0,
         timeout=timeout,
-        no_keep_alive=not keep_alive,
+        no_keep_alive=no_keep_alive,
     )
 
     async def go() -> tuple[list[Any], float]:
@@ -588,7 +588,7 @@ def run_serve(
                             c,
                             s,
                             min(SERVE_RUN_CAP_S, left),
-                            keep_alive=not run.args.no_keep_alive,
+                            no_keep_alive=run.args.no_keep_alive,
                         )
                         # Kernels compiled mid-run: start-up's warm-up should have done them all.
                         r["triton_compiled"] = sorted(triton_kernels() - kernels)

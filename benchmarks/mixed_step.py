@@ -79,7 +79,8 @@ def burst_host(engine: Any, vocab: int, n: int, length: int, repeats: int) -> di
     engine's schedule() and the executor's submit(), timed apart, then cProfiled over one."""
     rng = random.Random(1)
     params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)  # as the table's
-    sched, real_submit = engine.scheduler, engine.executor.submit
+    sched = engine.scheduler
+    real_schedule, real_submit = sched.schedule, engine.executor.submit
     times: dict[str, list[float]] = {"schedule_ms": [], "submit_ms": []}
     profiler: cProfile.Profile | None = None
 
@@ -95,7 +96,6 @@ def burst_host(engine: Any, vocab: int, n: int, length: int, repeats: int) -> di
         times["submit_ms"].append((time.perf_counter() - t0) * 1e3)
         return got
 
-    real_schedule = sched.schedule
     samples = []
     for i in range(repeats + 1):
         if torch.cuda.is_available():

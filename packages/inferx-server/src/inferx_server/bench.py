@@ -89,7 +89,7 @@ async def sse_post(
         conn[1].write(request)
         head = await conn[0].readuntil(b"\r\n\r\n")
     reader, writer = conn
-    reusable = False
+    finished = False  # the response read to its end: the connection can carry another
     try:
         status = int(head.split(b" ", 2)[1])
         lower = head.lower()
@@ -104,11 +104,11 @@ async def sse_post(
                 size = int((await reader.readuntil(b"\r\n")).strip() or b"0", 16)
                 if size == 0:
                     await reader.readuntil(b"\r\n")  # the (empty) trailer's end
-                    reusable = b"connection: close" not in lower
+                    finished = True
                     return
                 data = (await reader.readexactly(size + 2))[:-2]
             elif left == 0:
-                reusable = b"connection: close" not in lower
+                finished = True
                 return
             else:
                 data = await reader.read(65536 if left < 0 else min(left, 65536))
@@ -122,7 +122,7 @@ async def sse_post(
                 if event.startswith(b"data: "):
                     yield now, event[6:]
     finally:
-        if reusable and pool is not None:
+        if finished and pool is not None and b"connection: close" not in lower:
             pool.give_back(key, conn)
         else:
             writer.close()
