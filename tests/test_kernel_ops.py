@@ -25,7 +25,6 @@ from inferx_core.plugins import plugins  # noqa: E402
 from inferx_core.quant_none import DenseLinear, Unquantized  # noqa: E402
 from inferx_kernels_cuda import ops as triton_ops  # noqa: E402
 from inferx_kernels_cuda.ops import TritonOps, filled_slices  # noqa: E402
-from inferx_kernels_cuda.pdl import in_ranges  # noqa: E402
 from inferx_kernels_cuda.triton_attention import TritonAttention  # noqa: E402
 from inferx_models.layers import RotaryEmbedding, rope_parameters  # noqa: E402
 from inferx_models.presets import preset  # noqa: E402
@@ -720,32 +719,6 @@ def test_tiny_model_logits_with_tma_gated(
     assert sorted(calls) == sorted([27, 6, 4] * cfg["num_hidden_layers"])
     assert fused == []
     assert_steps_match_torch_ops(cfg, weights, ours)
-
-
-@interpreted
-@pytest.mark.parametrize("name", ["llama3-scaled", "qwen2-tied"])
-def test_tiny_model_logits_with_tma_gemm_gated(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """INFERX_TMA_GEMM_GATED=1-27 with the decode GEMV's gated form off: every gate_up (the
-    27-row prefill, the 6- and 4-row steps) with its SiLU-and-mul in one tma_gemm_silu_and_mul
-    launch (128-row tiles, the rows past each step's zero-filled); logits stay the torch
-    reference's."""
-    monkeypatch.setenv("INFERX_TMA_GATED", "0")
-    monkeypatch.setenv("INFERX_TMA_NORM", "0")
-    monkeypatch.setenv("INFERX_TMA_GEMM_GATED", "1-27")
-    cfg = CONFIGS[name]
-    weights = model_weights(cfg, seed=19)
-    calls = spy_calls(monkeypatch, "tma_gemm_silu_and_mul", lambda x, *_: x.shape[0])
-    ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, TorchAttention)
-    assert sorted(calls) == sorted([27, 6, 4] * cfg["num_hidden_layers"])
-    assert_steps_match_torch_ops(cfg, weights, ours)
-
-
-def test_tma_gemm_gated_rows_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past the decode GEMVs' 64 rows, to 128 (where bench_tma_gemm measured it faster)."""
-    monkeypatch.delenv("INFERX_TMA_GEMM_GATED", raising=False)
-    ops = TritonOps()
-    assert in_ranges(65, ops.gemm_gated_rows) and in_ranges(128, ops.gemm_gated_rows)
-    assert not in_ranges(64, ops.gemm_gated_rows) and not in_ranges(129, ops.gemm_gated_rows)
 
 
 def count_tma_norm(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:

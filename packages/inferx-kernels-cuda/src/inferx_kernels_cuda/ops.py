@@ -21,8 +21,6 @@ from inferx_kernels_cuda.pdl import (
     norm_early,
     row_ranges,
 )
-from inferx_kernels_cuda.tma_gemm import TmaGemmConfig, tma_gemm_silu_and_mul
-from inferx_kernels_cuda.tma_gemm import input_problem as tma_gemm_problem
 from inferx_kernels_cuda.tma_gemv import MAX_ROWS as TMA_MAX_ROWS
 from inferx_kernels_cuda.tma_gemv import (
     TmaGemvConfig,
@@ -42,9 +40,6 @@ from inferx_kernels_cuda.tma_gemv import input_problem as tma_input_problem
 _ROTARY_TILE = 2048
 _SILU_BLOCK = 1024
 _EMBED_BLOCK = 1024
-# tma_gemm_silu_and_mul's tiles at 65-128 rows: the fastest for both models' gate_up at 128 rows
-# in bench_tma_gemm on the H200 (session 29).
-GATED_GEMM_CONFIG = TmaGemmConfig(128, 64, 64, group_m=8, num_warps=4, num_stages=3)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -182,13 +177,6 @@ class TritonOps(KernelOps):
         # -> 2.524 ms, 32 2.733 -> 2.694, 64 3.063 -> 2.984; 8B batch 16 4.773 -> 4.718, 32
         # 5.266 -> 5.203, 64 6.055 -> 5.953.
         self.tma_gated = env_switch("INFERX_TMA_GATED", default=True)
-        # tma_gemm_gated: past tma_gemv_max_rows, at these rows, gate_up and SiLU-and-mul as
-        # one tma_gemm_silu_and_mul launch (128 x 64-column tiles of gate and of up) instead of
-        # cuBLAS + silu_and_mul. bench_tma_gemm on the H200 (session 29), µs in CUDA graphs,
-        # cold weights, cuBLAS + silu_and_mul -> fused: 8B 128 rows 70.8 -> 64.6, 256 rows
-        # 94.3 -> 93.6; 3B 128 rows 32.4 -> 30.5, 256 rows 39.2 -> 50.5 (a loss); 4096 and
-        # 8192 rows level. INFERX_TMA_GEMM_GATED takes row ranges ("0" never) for A/B runs.
-        self.gemm_gated_rows = row_ranges("INFERX_TMA_GEMM_GATED", "65-128")
         self.tma_norm = env_switch("INFERX_TMA_NORM", default=True)
         self.tma_norm_qkv = env_switch("INFERX_TMA_NORM_QKV", default=False)
         # None: fused_norm_max_rows(K) by the model's hidden size; INFERX_TMA_NORM_MAX_ROWS sets
@@ -330,15 +318,6 @@ class TritonOps(KernelOps):
         if self.tma_gated and linear.bias is None and self._takes_tma(linear, x):
             cfg = self._tma_config(x, linear.weight.shape[0] // 2, 1, gated=True)
             return tma_linear_silu_and_mul(x, linear.weight, cfg)
-        if (
-            linear.bias is None
-            and isinstance(linear, DenseLinear)
-            and self._tma_device(x)
-            and x.dim() == 2
-            and in_ranges(x.shape[0], self.gemm_gated_rows)
-            and tma_gemm_problem(x, linear.weight, 1, "tma_gemm_silu_and_mul") is None
-        ):
-            return tma_gemm_silu_and_mul(x, linear.weight, GATED_GEMM_CONFIG)
         if (
             isinstance(linear, DenseLinear)
             and x.dim() == 2
