@@ -721,24 +721,6 @@ def test_tiny_model_logits_with_tma_gated(
     assert_steps_match_torch_ops(cfg, weights, ours)
 
 
-@interpreted
-@pytest.mark.parametrize("name", ["llama3-scaled", "qwen2-tied"])
-def test_tiny_model_logits_with_gated_phases(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """INFERX_TMA_GATED_PHASES=1-27 with the decode GEMV's gated form off: every gate_up (the
-    27-row prefill, the 6- and 4-row steps) with its SiLU-and-mul in one tma_gated_phases
-    launch (128-row tiles, the rows past each step's zero-filled); logits stay the torch
-    reference's."""
-    monkeypatch.setenv("INFERX_TMA_GATED", "0")
-    monkeypatch.setenv("INFERX_TMA_NORM", "0")
-    monkeypatch.setenv("INFERX_TMA_GATED_PHASES", "1-27")
-    cfg = CONFIGS[name]
-    weights = model_weights(cfg, seed=19)
-    calls = spy_calls(monkeypatch, "tma_gated_phases", lambda x, *_: x.shape[0])
-    ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, TorchAttention)
-    assert sorted(calls) == sorted([27, 6, 4] * cfg["num_hidden_layers"])
-    assert_steps_match_torch_ops(cfg, weights, ours)
-
-
 def count_tma_norm(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:
     """(rows, parts, gated) of every tma_norm_linear call TritonOps makes from now on."""
     return spy_calls(monkeypatch, "tma_norm_linear", lambda x, *a: (x.shape[1], a[4], a[5]))

@@ -21,8 +21,6 @@ from inferx_kernels_cuda.pdl import (
     norm_early,
     row_ranges,
 )
-from inferx_kernels_cuda.tma_gemm import input_problem as gated_phases_problem
-from inferx_kernels_cuda.tma_gemm import tma_gated_phases
 from inferx_kernels_cuda.tma_gemv import MAX_ROWS as TMA_MAX_ROWS
 from inferx_kernels_cuda.tma_gemv import (
     TmaGemvConfig,
@@ -179,10 +177,6 @@ class TritonOps(KernelOps):
         # -> 2.524 ms, 32 2.733 -> 2.694, 64 3.063 -> 2.984; 8B batch 16 4.773 -> 4.718, 32
         # 5.266 -> 5.203, 64 6.055 -> 5.953.
         self.tma_gated = env_switch("INFERX_TMA_GATED", default=True)
-        # gated_phases: at these rows (past tma_gemv_max_rows), gate_up and SiLU-and-mul as one
-        # tma_gated_phases launch (tiles balanced over the SMs) instead of cuBLAS +
-        # silu_and_mul. INFERX_TMA_GATED_PHASES takes row ranges; off ("0") until measured.
-        self.gated_phases_rows = row_ranges("INFERX_TMA_GATED_PHASES", "0")
         self.tma_norm = env_switch("INFERX_TMA_NORM", default=True)
         self.tma_norm_qkv = env_switch("INFERX_TMA_NORM_QKV", default=False)
         # None: fused_norm_max_rows(K) by the model's hidden size; INFERX_TMA_NORM_MAX_ROWS sets
@@ -324,15 +318,6 @@ class TritonOps(KernelOps):
         if self.tma_gated and linear.bias is None and self._takes_tma(linear, x):
             cfg = self._tma_config(x, linear.weight.shape[0] // 2, 1, gated=True)
             return tma_linear_silu_and_mul(x, linear.weight, cfg)
-        if (
-            linear.bias is None
-            and isinstance(linear, DenseLinear)
-            and self._tma_device(x)
-            and x.dim() == 2
-            and in_ranges(x.shape[0], self.gated_phases_rows)
-            and gated_phases_problem(x, linear.weight) is None
-        ):
-            return tma_gated_phases(x, linear.weight, self._sms(x))
         if (
             isinstance(linear, DenseLinear)
             and x.dim() == 2
