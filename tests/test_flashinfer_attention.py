@@ -374,6 +374,20 @@ def test_steps_plan_what_flashinfer_reads(block_size: int, group: int, dtype: to
 
 
 @interpreted
+def test_prefill_module_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """INFERX_FLASHINFER_PREFILL picks the prefill wrappers' module (fa2 unless set); anything
+    but fa2, fa3 or auto is refused by name."""
+    layers = [KVLayerSpec(4, 2, 64)]
+    monkeypatch.setenv("INFERX_FLASHINFER_PREFILL", "fa3")
+    cpu_flashinfer(layers, 4, torch.float16)
+    prefill = [w for w in FakeFlashInfer.created if isinstance(w, FakePrefill)]
+    assert prefill and all(w.backend == "fa3" for w in prefill)
+    monkeypatch.setenv("INFERX_FLASHINFER_PREFILL", "fa4")
+    with pytest.raises(ValueError, match="INFERX_FLASHINFER_PREFILL must be one of fa2, fa3"):
+        cpu_flashinfer(layers, 4, torch.float16)
+
+
+@interpreted
 def test_graph_life_cycle_replans_static_buffers() -> None:
     """prepare_for_capture builds one CUDA-graph decode wrapper per size and shape over the
     static buffers; each replay re-plans that size's wrappers, so the same forward() serves new
@@ -481,6 +495,21 @@ def test_gpu_conformance_bf16(flashinfer, block_size: int, group: int, head_dim:
     torch.manual_seed(block_size * 1000 + group * 10 + head_dim)
     layers = [KVLayerSpec(2 * group, 2, head_dim), KVLayerSpec(4 * group, 4, head_dim)]
     backend = gpu_backend(layers, block_size, torch.bfloat16)
+    for plan in GPU_PLANS:
+        assert check_steps(backend, plan) == ["prefill", "prefill", "decode", "decode"]
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("group", [4, 8])
+def test_gpu_conformance_fa3_prefill(
+    flashinfer, group: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefill wrappers on FlashInfer's FA3 module (INFERX_FLASHINFER_PREFILL=fa3), the
+    shapes of Llama-3.1-8B (group 4) and Qwen2.5-3B (group 8), bf16."""
+    monkeypatch.setenv("INFERX_FLASHINFER_PREFILL", "fa3")
+    torch.manual_seed(group)
+    backend = gpu_backend([KVLayerSpec(2 * group, 2, 128)], 16, torch.bfloat16)
     for plan in GPU_PLANS:
         assert check_steps(backend, plan) == ["prefill", "prefill", "decode", "decode"]
 

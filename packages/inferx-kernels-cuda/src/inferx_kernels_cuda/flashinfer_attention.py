@@ -4,6 +4,7 @@ TorchAttention's cache, planned once per step, with decode CUDA graphs."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -21,6 +22,18 @@ _HEAD_DIMS = (64, 128, 256)
 # include/flashinfer/utils.cuh); any other group decodes on its tensor-core kernels.
 _CUDA_CORE_GROUPS = (1, 2, 3, 4, 8)
 _INSTALL = "pip install 'inferx-kernels-cuda[flashinfer]' (flashinfer-python==0.6.14)"
+_PREFILL_BACKENDS = ("fa2", "fa3", "auto")
+
+
+def prefill_backend_from_env() -> str:
+    """FlashInfer's prefill module: INFERX_FLASHINFER_PREFILL, fa2 unless set. fa2 is the module
+    the tensor-core decode shares; fa3 (or auto, which picks it on an H100/H200) is for A/B runs
+    of the prompt steps' attention until measured, and compiles one more module."""
+    value = os.environ.get("INFERX_FLASHINFER_PREFILL", "fa2")
+    if value not in _PREFILL_BACKENDS:
+        names = ", ".join(_PREFILL_BACKENDS)
+        raise ValueError(f"INFERX_FLASHINFER_PREFILL must be one of {names}; got {value!r}")
+    return value
 
 
 @dataclass
@@ -143,7 +156,6 @@ class FlashInferAttention(TorchAttention):
     # a prompt chunk over a long cached context with Qwen2.5-3B's 16 query heads plans 132 MiB.
     workspace_bytes = 256 << 20
     tensor_core_min_group = 5
-    prefill_backend = "fa2"  # "auto" picks FA3 on an H100/H200; fa2 is the module decode shares
 
     def __init__(
         self,
@@ -166,6 +178,7 @@ class FlashInferAttention(TorchAttention):
         super().__init__(layers, block_size, dtype, torch.device(device))  # + the shared checks
         fi = self._load_flashinfer()
         self._fi = fi
+        self.prefill_backend = prefill_backend_from_env()
         self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=self.device)
         self._shapes: list[_Shape] = []
         index: dict[tuple[int, int, int], int] = {}
