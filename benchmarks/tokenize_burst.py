@@ -7,7 +7,9 @@ worker processes.
     python benchmarks/tokenize_burst.py --tokenizer DIR [--rounds 3] [--json OUT.json]
 
 Run it with TOKENIZERS_PARALLELISM=true and =false: the library's own thread pool changes
-both the single-text and the concurrent times.
+both the single-text and the concurrent times. The worker processes are forked after this
+process has tokenized, so tokenizers turns its thread pool off in them (as in a server that
+forks its workers once it has a tokenizer).
 """
 
 from __future__ import annotations
