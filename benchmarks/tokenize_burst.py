@@ -29,12 +29,14 @@ from commit_id import commit_id
 from inferx_core.tokenizer import Tokenizer
 from inferx_server.bench import exact_texts
 
-_backend: Any = None
+_backend: Any = None  # the tokenizers object _encode uses: this process's, or a worker's own
 
 
-def _load(path: str) -> None:
+def _load(path: str) -> Tokenizer:
     global _backend
-    _backend = Tokenizer.from_dir(path).backend
+    tok = Tokenizer.from_dir(path)
+    _backend = tok.backend
+    return tok
 
 
 def _encode(text: str) -> list[int]:
@@ -55,8 +57,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    _load(args.tokenizer)
-    tok = Tokenizer.from_dir(args.tokenizer)
+    tok = _load(args.tokenizer)  # one tokenizer for every variant run in this process
     n = args.prompts
     threads = ThreadPoolExecutor(n)
     procs = ProcessPoolExecutor(n, initializer=_load, initargs=(args.tokenizer,))
@@ -74,7 +75,7 @@ def main() -> None:
         time.sleep(0.3)
         row["threads_after_idle_ms"] = _ms(lambda t=idle: list(threads.map(_encode, t)))
         row["one_call_ms"] = _ms(
-            lambda t=batch: tok.backend.encode_batch_fast(t, add_special_tokens=False)
+            lambda t=batch: _backend.encode_batch_fast(t, add_special_tokens=False)
         )
         row["processes_ms"] = _ms(lambda t=workers: list(procs.map(_encode, t)))
         rounds.append(row)
