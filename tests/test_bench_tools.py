@@ -356,3 +356,19 @@ def test_grid_barrier_bench_split_phases_finish_each_group(last: bool) -> None:
     assert final.tolist() == [[i] * groups for i in range(phases + 1)]
     assert part[1:].tolist() == [[i] * 4 * groups for i in range(1, phases + 1)]
     assert count.tolist() == [0] * groups
+
+
+def test_prefill_peers_checks_each_variant_against_the_first(tmp_path: Path) -> None:
+    """Toy sizes under the interpreter: the Triton kernel and SDPA agree, the FlashInfer
+    variants are reported as not runnable without a GPU, and unknown names are refused."""
+    from bench_prefill_peers import main
+
+    out = tmp_path / "peers.json"
+    args = ["--shapes", "2x24", "--heads", "4,2", "--head-dim", "16", "--layers", "2"]
+    args += ["--reps", "1"]
+    rows = main([*args, "--variants", "triton,sdpa,fi-fa3", "--json", str(out)])
+    assert [r["variant"] for r in rows] == ["triton", "sdpa"]
+    assert rows[0]["rel_err"] == 0 and rows[1]["rel_err"] < 1e-4
+    assert json.loads(out.read_text())["rows"] == rows
+    with pytest.raises(SystemExit, match="unknown"):
+        main(["--variants", "triton,flash"])

@@ -1,0 +1,194 @@
+"""The prompt steps' attention against its peers: our Triton prefill kernel, FlashInfer's FA2
+and FA3 prefill, and torch's SDPA, per prompt shape.
+
+    python benchmarks/bench_prefill_peers.py [--shapes 16x512,1x2048,1x8192] [--heads 32,8]
+        [--variants triton,fi-fa2,fi-fa3,fi-fa3-ragged,sdpa] [--layers 4] [--json OUT.json]
+
+Each shape is fresh prompts (no cached prefix) of one length, laid over scattered blocks of 16
+the way the block manager hands them out. µs a layer (mean of `--reps` after a compiling run):
+
+- `triton`: TritonAttention.forward, the KV-cache write and then the prefill kernel;
+- `fi-fa2`, `fi-fa3`: FlashInferAttention.forward with INFERX_FLASHINFER_PREFILL=fa2 / fa3, the
+  same write and then FlashInfer's paged prefill wrapper (planned once, as begin_step does);
+- `fi-fa3-ragged`: the write, then FlashInfer's ragged prefill (FA3) over the chunk's own
+  contiguous K and V, which a step without a cached prefix could use instead of the pages;
+- `sdpa`: torch's scaled_dot_product_attention over [prompts, heads, length, head_dim] with
+  GQA, causal: no cache and no write, a peer for the kernel alone.
+
+Every variant's output is checked against the first one's (relative error over 2e-2 is an
+error). Attention TFLOPS count causal work: 4 x query heads x head_dim x L(L+1)/2 a prompt.
+Without a GPU only `triton` and `sdpa` run, in float32 under TRITON_INTERPRET=1 (toy sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from commit_id import commit_id
+from tune_prefill_attention import BLOCK, attention_tflops, build, parse_shapes
+
+from inferx_core.interfaces.kv import KVLayerSpec
+
+VARIANTS = ("triton", "fi-fa2", "fi-fa3", "fi-fa3-ragged", "sdpa")
+
+
+def inputs(spec: KVLayerSpec, tokens: int, dtype: torch.dtype, device: torch.device):
+    gen = torch.Generator(device=device).manual_seed(1)
+    return tuple(
+        torch.randn(tokens, h, spec.head_dim, generator=gen, device=device).to(dtype)
+        for h in (spec.num_q_heads, spec.num_kv_heads, spec.num_kv_heads)
+    )
+
+
+def flashinfer_backend(prefill: str, spec: KVLayerSpec, layers: int, shape, device, batch):
+    """FlashInferAttention over the same block layout as `build`'s Triton backend."""
+    from inferx_kernels_cuda.flashinfer_attention import FlashInferAttention
+
+    old = os.environ.get("INFERX_FLASHINFER_PREFILL")
+    os.environ["INFERX_FLASHINFER_PREFILL"] = prefill
+    try:
+        backend = FlashInferAttention([spec] * layers, BLOCK, torch.bfloat16, device)
+    finally:
+        if old is None:
+            os.environ.pop("INFERX_FLASHINFER_PREFILL")
+        else:
+            os.environ["INFERX_FLASHINFER_PREFILL"] = old
+    n, length = shape
+    backend.allocate(n * -(-length // BLOCK) + 1)
+    backend.begin_step(batch)
+    return backend
+
+
+def variant_step(name: str, spec: KVLayerSpec, layers: int, shape, device) -> Callable:
+    """A function that runs `layers` layers of variant `name` and returns the last output."""
+    n, length = shape
+    tokens = n * length
+    triton, batch = build(None, spec, layers, shape, device)
+    dtype = triton.dtype
+    q, k, v = inputs(spec, tokens, dtype, device)
+    scale = spec.head_dim**-0.5
+    if name == "triton":
+        triton.begin_step(batch)
+        return lambda: [triton.forward(i, q, k, v, scale) for i in range(layers)][-1]
+    if name == "sdpa":
+        group = spec.num_q_heads // spec.num_kv_heads
+
+        def heads_first(x: torch.Tensor) -> torch.Tensor:
+            return x.view(n, length, x.shape[1], spec.head_dim).transpose(1, 2)
+
+        qh, kh, vh = heads_first(q), heads_first(k), heads_first(v)
+
+        def sdpa() -> torch.Tensor:
+            for _ in range(layers):
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    qh, kh, vh, is_causal=True, scale=scale, enable_gqa=group > 1
+                )
+            return out.transpose(1, 2).reshape(tokens, spec.num_q_heads, spec.head_dim)
+
+        return sdpa
+    if device.type != "cuda":
+        raise ValueError("FlashInfer needs a GPU")
+    if name in ("fi-fa2", "fi-fa3"):
+        fi = flashinfer_backend(name[3:], spec, layers, shape, device, batch)
+        return lambda: [fi.forward(i, q, k, v, scale) for i in range(layers)][-1]
+    if name == "fi-fa3-ragged":
+        import flashinfer
+
+        from inferx_kernels_cuda.triton_attention import write_kv
+
+        fi = flashinfer_backend("fa2", spec, layers, shape, device, batch)  # its cache + slots
+        workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
+        ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend="fa3")
+        indptr = torch.arange(0, tokens + 1, length, dtype=torch.int32)
+        ragged.plan(
+            indptr, indptr, spec.num_q_heads, spec.num_kv_heads, spec.head_dim,
+            causal=True, q_data_type=dtype, kv_data_type=dtype,
+        )  # fmt: skip
+        slots = fi._plan.slot_mapping
+
+        def run() -> torch.Tensor:
+            for i in range(layers):
+                cache = fi.caches[i]
+                write_kv(k, v, cache[0], cache[1], slots, spec)
+                out = ragged.run(q, k, v)
+            return out
+
+        return run
+    raise AssertionError(name)
+
+
+def measure(step: Callable, reps: int, layers: int, cuda: bool) -> tuple[float, torch.Tensor]:
+    out = step()  # compiles
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        out = step()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e6 / (reps * layers), out.float().clone()
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="16x512,1x2048,1x8192", help="prompts x tokens, ...")
+    ap.add_argument("--heads", default="32,8", help="query heads,KV heads")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("bench_prefill_peers.py: no GPU; set TRITON_INTERPRET=1 for a toy run")
+    device = torch.device("cuda" if cuda else "cpu")
+    q_heads, kv_heads = (int(h) for h in args.heads.split(","))
+    spec = KVLayerSpec(q_heads, kv_heads, args.head_dim)
+    names = args.variants.split(",")
+    if unknown := [n for n in names if n not in VARIANTS]:
+        raise SystemExit(f"--variants: unknown {unknown}; expected some of {list(VARIANTS)}")
+    rows = []
+    print(f"{'shape':>8} {'variant':>14} {'us/layer':>9} {'TFLOPS':>7} {'rel err':>8}")
+    for shape in parse_shapes(args.shapes):
+        ref = None
+        for name in names:
+            t0 = time.perf_counter()
+            try:
+                us, out = measure(variant_step(name, spec, args.layers, shape, device),
+                                  args.reps, args.layers, cuda)  # fmt: skip
+            except (RuntimeError, ImportError, ValueError) as e:  # not built / not supported
+                print(f"{shape[0]}x{shape[1]:<6} {name:>14}: {e}"[:200])
+                continue
+            if ref is None:
+                ref = out
+            err = (out - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+            if err > 2e-2:
+                raise SystemExit(f"{shape}, {name}: output differs from {names[0]}'s ({err:.2e})")
+            tflops = attention_tflops(spec, shape, us)
+            rows.append({"prompts": shape[0], "tokens": shape[1], "variant": name, "us": us,
+                         "tflops": tflops, "rel_err": err,
+                         "first_run_s": time.perf_counter() - t0})  # fmt: skip
+            print(f"{shape[0]}x{shape[1]:<6} {name:>14} {us:9.1f} {tflops:7.1f} {err:8.1e}")
+            if cuda:
+                torch.cuda.empty_cache()
+    if args.json:
+        meta = {
+            "commit": commit_id(),
+            "device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)",
+            "heads": [q_heads, kv_heads],
+            "head_dim": args.head_dim,
+            "layers": args.layers,
+        }
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
