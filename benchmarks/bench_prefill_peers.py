@@ -2,15 +2,12 @@
 and FA3 prefill, and torch's SDPA, per prompt shape.
 
     python benchmarks/bench_prefill_peers.py [--shapes 16x512,1x2048,1x8192] [--heads 32,8]
-        [--variants triton-kernel,triton,fi-fa2,fi-fa3,fi-fa3-ragged,sdpa] [--layers 4]
-        [--json OUT.json]
+        [--variants triton,fi-fa2,fi-fa3,fi-fa3-ragged,sdpa] [--layers 4] [--json OUT.json]
 
 Each shape is fresh prompts (no cached prefix) of one length, laid over scattered blocks of 16
 the way the block manager hands them out. µs a layer (mean of `--reps` after a compiling run):
 
-- `triton-kernel`: TritonAttention.forward, the KV-cache write and then the prefill kernel;
-- `triton`: the same backend as it runs by default: runs of fresh prompts of one length of
-  at least dense_prefill_tokens (on a GPU) through SDPA over the step's q, k, v after the write;
+- `triton`: TritonAttention.forward, the KV-cache write and then the prefill kernel;
 - `fi-fa2`, `fi-fa3`: FlashInferAttention.forward with INFERX_FLASHINFER_PREFILL=fa2 / fa3, the
   same write and then FlashInfer's paged prefill wrapper (planned once, as begin_step does);
 - `fi-fa3-ragged`: the write, then FlashInfer's ragged prefill (FA3) over the chunk's own
@@ -37,9 +34,8 @@ from commit_id import commit_id
 from tune_prefill_attention import BLOCK, attention_tflops, build, parse_shapes
 
 from inferx_core.interfaces.kv import KVLayerSpec
-from inferx_kernels_cuda.triton_attention import TritonAttention
 
-VARIANTS = ("triton-kernel", "triton", "fi-fa2", "fi-fa3", "fi-fa3-ragged", "sdpa")
+VARIANTS = ("triton", "fi-fa2", "fi-fa3", "fi-fa3-ragged", "sdpa")
 
 
 def inputs(spec: KVLayerSpec, tokens: int, dtype: torch.dtype, device: torch.device):
@@ -77,9 +73,7 @@ def variant_step(name: str, spec: KVLayerSpec, layers: int, shape, device) -> Ca
     dtype = triton.dtype
     q, k, v = inputs(spec, tokens, dtype, device)
     scale = spec.head_dim**-0.5
-    if name in ("triton", "triton-kernel"):
-        if name == "triton":
-            triton.dense_prefill_tokens = TritonAttention.default_dense_prefill_tokens(device)
+    if name == "triton":
         triton.begin_step(batch)
         return lambda: [triton.forward(i, q, k, v, scale) for i in range(layers)][-1]
     if name == "sdpa":

@@ -79,7 +79,6 @@ def build(
     `shape` fresh prompts over scattered blocks, as a block manager hands them out."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backend = TritonAttention([spec] * layers, BLOCK, dtype, device)
-    backend.dense_prefill_tokens = 0  # the prefill kernel, not SDPA (dense_prefill_runs)
     if cfg is not None:
         backend.prefill_block_m = cfg["block_m"]
         backend.prefill_block_n = cfg["block_n"]

@@ -17,10 +17,7 @@ from inferx_core.batch import make_attention_batch  # noqa: E402
 from inferx_core.interfaces.kv import KVLayerSpec  # noqa: E402
 from inferx_core.ops_torch import TorchOps  # noqa: E402
 from inferx_kernels_cuda.pdl import pdl_enabled  # noqa: E402
-from inferx_kernels_cuda.triton_attention import (  # noqa: E402
-    TritonAttention,
-    dense_prefill_runs,
-)
+from inferx_kernels_cuda.triton_attention import TritonAttention  # noqa: E402
 
 # Largest |triton - reference| over the largest |reference|. fp32 differs from float64 only by
 # summation order; fp16 by rounding the softmax weights to fp16 before P @ V (as every flash
@@ -217,64 +214,6 @@ def test_switches_from_the_environment(
         TritonAttention(spec, 16, torch.float32, cpu)
 
 
-def test_dense_prefill_tokens_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Off on the CPU by default (the interpreter tests the kernel), set by the variable, and a
-    value that is not a token count is refused by name."""
-    spec = [KVLayerSpec(4, 2, 16)]
-    cpu = torch.device("cpu")
-    monkeypatch.delenv("INFERX_TRITON_DENSE_PREFILL", raising=False)
-    assert TritonAttention(spec, 16, torch.float32, cpu).dense_prefill_tokens == 0
-    monkeypatch.setenv("INFERX_TRITON_DENSE_PREFILL", "512")
-    assert TritonAttention(spec, 16, torch.float32, cpu).dense_prefill_tokens == 512
-    monkeypatch.setenv("INFERX_TRITON_DENSE_PREFILL", "on")
-    with pytest.raises(ValueError, match="INFERX_TRITON_DENSE_PREFILL must be an integer"):
-        TritonAttention(spec, 16, torch.float32, cpu)
-
-
-def test_dense_prefill_runs() -> None:
-    """Consecutive fresh prompts of one length form a run; a cached prefix, a decode or another
-    length ends it; runs under the token minimum (or a minimum of 0) are left out."""
-    # fresh 4, fresh 4, fresh 4 | chunk over a prefix | decode | fresh 3 | fresh 5, fresh 5
-    query = [4, 4, 4, 6, 1, 3, 5, 5]
-    context = [4, 4, 4, 9, 20, 3, 5, 5]
-    assert dense_prefill_runs(query, context, 1) == [(0, 3, 4), (19, 1, 3), (22, 2, 5)]
-    assert dense_prefill_runs(query, context, 10) == [(0, 3, 4), (22, 2, 5)]
-    assert dense_prefill_runs(query, context, 0) == []
-    assert dense_prefill_runs([1, 1], [1, 1], 1) == []  # one-token prompts: the decode kernel
-
-
-@interpreted
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("group", [1, 4])
-def test_dense_prefill_matches_dense_attention(group: int, dtype: torch.dtype) -> None:
-    """Runs of fresh prompts through SDPA beside the kernels (decodes, a chunk over a cached
-    prefix) and as a whole step of one run: the same outputs as float64 attention and
-    TorchAttention, and the runs are the ones planned."""
-    torch.manual_seed(group * 7)
-    layers = [KVLayerSpec(2 * group, 2, 16)]
-    backend = TritonAttention(layers, 4, dtype, torch.device("cpu"))
-    backend.dense_prefill_tokens = 1
-    planned: list[list[tuple[int, int, int]]] = []
-    begin = backend.begin_step
-
-    def recording(batch):  # type: ignore[no-untyped-def]
-        begin(batch)
-        assert backend._plan is not None
-        planned.append(backend._plan.dense_runs)
-
-    backend.begin_step = recording  # type: ignore[method-assign]
-    totals = [7, 7, 6, 9, 10, 3]
-    steps = [
-        [(0, 6), (0, 6), (0, 6), (0, 5), (0, 9), (0, 0)],
-        [(6, 7), (6, 7), (6, 6), (5, 9), (9, 10), (0, 3)],
-    ]
-    check_steps(backend, totals, steps, against_torch=True)
-    assert planned == [[(0, 3, 6), (18, 1, 5), (23, 1, 9)], [(7, 1, 3)]]
-    planned.clear()
-    check_steps(backend, [8, 8], [[(0, 8), (0, 8)]], against_torch=True)
-    assert planned == [[(0, 2, 8)]]
-
-
 def test_keep_split_rows_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = [KVLayerSpec(4, 2, 16)]
     cpu = torch.device("cpu")
@@ -419,51 +358,15 @@ def test_gpu_other_dtypes(dtype: torch.dtype) -> None:
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("dense", [False, True])
-def test_fused_rotary_equals_rotary_then_forward(
-    group: int, dtype: torch.dtype, dense: bool
-) -> None:
-    check_fused_rotary(group, dtype, torch.device("cpu"), dense)
+def test_fused_rotary_equals_rotary_then_forward(group: int, dtype: torch.dtype) -> None:
+    check_fused_rotary(group, dtype, torch.device("cpu"))
 
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
-def test_gpu_fused_rotary_bf16(group: int, dense: bool) -> None:
-    check_fused_rotary(group, torch.bfloat16, torch.device("cuda"), dense)
-
-
-@pytest.mark.gpu
-@on_gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize(("q_heads", "kv_heads"), [(32, 8), (16, 2), (8, 8)])
-def test_gpu_dense_prefill_bf16(q_heads: int, kv_heads: int, head_dim: int) -> None:
-    """SDPA's runs at the default minimum (a run of 4 x 300 fresh prompts, one of 1100, and a
-    600-token prompt left to the kernel) beside a chunk over a cached prefix and decodes, then
-    decode steps over what the runs wrote: float64 attention and TorchAttention agree."""
-    torch.manual_seed(q_heads * head_dim)
-    backend = TritonAttention(
-        [KVLayerSpec(q_heads, kv_heads, head_dim)], 16, torch.bfloat16, torch.device("cuda")
-    )
-    assert backend.dense_prefill_tokens == 1024
-    plan = [(0, 300)] * 4 + [(0, 1100), (0, 600), (200, 50), (700, 1)]
-    totals = [p + n + 2 for p, n in plan]
-    steps = [
-        [(0, p) for p, _ in plan],  # the cached prefixes
-        [(p, p + n) for p, n in plan],
-        [(t - 2, t - 1) for t in totals],
-    ]
-    runs = []
-    begin = backend.begin_step
-
-    def recording(batch):  # type: ignore[no-untyped-def]
-        begin(batch)
-        runs.append(backend._plan.dense_runs)
-
-    backend.begin_step = recording  # type: ignore[method-assign]
-    check_steps(backend, totals, steps, against_torch=True)
-    assert runs[1] == [(0, 4, 300), (1200, 1, 1100)]
+def test_gpu_fused_rotary_bf16(group: int) -> None:
+    check_fused_rotary(group, torch.bfloat16, torch.device("cuda"))
 
 
 ROTARY_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
@@ -655,19 +558,15 @@ def check_decode_rotary(
     forward_padding_row(backend, cos_sin)
 
 
-def check_fused_rotary(
-    group: int, dtype: torch.dtype, device: torch.device, dense: bool = False
-) -> None:
+def check_fused_rotary(group: int, dtype: torch.dtype, device: torch.device) -> None:
     """forward_with_rotary (rotary and KV write in one kernel) against the torch reference ops'
     rotary followed by TorchAttention.forward, on fresh random inputs in a mixed step (a prompt
     over a cached prefix, a fresh prompt, decodes): the same outputs, the same cache, q rotated
-    in place; a padding row (slot -1) rotates q and writes nothing. `dense`: the fresh prompt
-    attends through SDPA over q and k rotated in place (dense_prefill_tokens)."""
+    in place; a padding row (slot -1) rotates q and writes nothing."""
     head_dim, kv_heads, bs = 32, 2, 4
     layers = [KVLayerSpec(kv_heads * group, kv_heads, head_dim)] * 2
     backend = TritonAttention(layers, bs, dtype, device)
     backend.decode_rotary = False  # the separate kernel
-    backend.dense_prefill_tokens = 1 if dense else 0
     reference = TorchAttention(layers, bs, dtype, device)
     angles = torch.rand(64, head_dim // 2, device=device) * 6.3
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
@@ -686,8 +585,6 @@ def check_fused_rotary(
     ops = TorchOps()
     for b in (backend, reference):
         b.begin_step(batch)
-    assert backend._plan is not None
-    assert backend._plan.dense_runs == ([(7, 1, 6)] if dense else [])
     for layer, spec in enumerate(layers):
         heads = (spec.num_q_heads, kv_heads, kv_heads)
         q, k, v = (torch.randn(tokens, h, head_dim, device=device).to(dtype) for h in heads)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,10 +58,6 @@ class _Plan:
     part_lse: torch.Tensor | None
     tiles: dict[int, list[_Tiles]]  # by GQA group size: one prefill launch per tile set
     seq_split: bool = False  # split_len is the shortest split; each sequence derives its own
-    # (first token, sequences, length) of each run of fresh prompts that SDPA takes instead
-    # of the prefill kernel (dense_prefill_runs); dense_only: one run, every token of the step
-    dense_runs: list[tuple[int, int, int]] = field(default_factory=list)
-    dense_only: bool = False
 
 
 def _graph_decode_rows(plan: _Plan) -> int:
@@ -106,27 +101,6 @@ class _MixedBuffers:
     tile_start: dict[int, torch.Tensor]
     short_seq: torch.Tensor  # [max_seqs] int32: one-query sequences, one short tile each
     short_start: torch.Tensor  # [max_seqs] int32 zeros: each short tile's first query
-
-
-def dense_prefill_runs(
-    query_lens: list[int], context_lens: list[int], min_tokens: int
-) -> list[tuple[int, int, int]]:
-    """Runs of consecutive fresh prompts (no cached prefix: all context_len tokens are new) of
-    one length, at least min_tokens in all (0: none), as (first token, sequences, length): each
-    is a [sequences, length] batch of causal self-attention over the step's own q, k and v."""
-    runs: list[tuple[int, int, int]] = []
-    if min_tokens <= 0:
-        return runs
-    start = 0
-    for q, c in zip(query_lens, context_lens, strict=True):
-        fresh = q == c and q > 1
-        last = runs[-1] if runs else None
-        if fresh and last and last[0] + last[1] * last[2] == start and last[2] == q:
-            runs[-1] = (last[0], last[1] + 1, q)
-        elif fresh:
-            runs.append((start, 1, q))
-        start += q
-    return [r for r in runs if r[1] * r[2] >= min_tokens]
 
 
 def write_kv(
@@ -274,13 +248,6 @@ class TritonAttention(TorchAttention):
         # 2.009; 2-4 level; 8 2.172 -> 2.248 / 2.203 -> 2.289 (272 programs, two an SM fit),
         # 16-48 slower. INFERX_TRITON_DECODE_PRELOAD takes row ranges ("0" none) for A/B runs.
         self.preload_rows = row_ranges("INFERX_TRITON_DECODE_PRELOAD", "1-1")
-        # dense_prefill_tokens: in eager steps, runs of fresh prompts of one length (at least
-        # this many tokens a run) attend through torch's SDPA (cuDNN's fused attention on
-        # Hopper) over the step's own q, k, v instead of the prefill kernel over the cache; 0:
-        # never. H200, Llama-3.1-8B's heads, µs a layer, the prefill kernel (with the KV write)
-        # against SDPA alone (bench_prefill_peers.py, session 30): 16 x 512 209 -> 98, 1 x 2048
-        # 147 -> 84, 1 x 8192 1592 -> 893. INFERX_TRITON_DENSE_PREFILL sets it for A/B runs.
-        self.dense_prefill_tokens = self.default_dense_prefill_tokens(device)
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         self._upcast = self.interpret and dtype == torch.bfloat16
         self._dot_precision = "ieee" if dtype == torch.float32 else "tf32"
@@ -288,13 +255,6 @@ class TritonAttention(TorchAttention):
         self._plan: _Plan | None = None
         self._graph: _GraphBuffers | None = None
         self._mixed: _MixedBuffers | None = None
-
-    @staticmethod
-    def default_dense_prefill_tokens(device: torch.device | str) -> int:
-        """dense_prefill_tokens unless changed: INFERX_TRITON_DENSE_PREFILL, else 1024 on a GPU
-        and 0 (never) on the CPU, where the interpreter tests the prefill kernel."""
-        default = 1024 if torch.device(device).type == "cuda" else 0
-        return env_int("INFERX_TRITON_DENSE_PREFILL", default, 0, 1 << 30)
 
     @property
     def keeps_splits(self) -> bool:  # type: ignore[override]
@@ -333,21 +293,14 @@ class TritonAttention(TorchAttention):
 
         context_len = batch.context_len.to(device, torch.int32)
         decode_seqs = context_len  # never read in a decode-only step: decode i is sequence i
-        runs = dense_prefill_runs(batch.query_lens, batch.context_lens, self.dense_prefill_tokens)
-        dense_tokens = sum(n * length for _, n, length in runs)
-        kernel_seqs = prefill
-        if runs:
-            starts = [0, *itertools.accumulate(batch.query_lens)]
-            in_runs = {t for t0, n, length in runs for t in range(t0, t0 + n * length, length)}
-            kernel_seqs = [i for i in prefill if starts[i] not in in_runs]
         tiles = {}
-        if kernel_seqs:
+        if prefill:
             # Every index list travels in one host-to-device copy, each 16-byte aligned.
             parts = [list(decode)]
             tile_ranges = {}
             for group in self._groups:
                 block_m, block_q = self._tile_shape(group)
-                seqs_starts = self._tiles_of(batch.query_lens, kernel_seqs, block_q)
+                seqs_starts = self._tiles_of(batch.query_lens, prefill, block_q)
                 tile_ranges[group] = (block_m, block_q, len(parts), len(seqs_starts[0]))
                 parts += seqs_starts
             packed, at = pack_aligned(parts, torch.int32)
@@ -379,8 +332,6 @@ class TritonAttention(TorchAttention):
             part_o=part_o,
             part_lse=part_lse,
             tiles=tiles,
-            dense_runs=runs,
-            dense_only=len(runs) == 1 and dense_tokens == sum(batch.query_lens),
         )
 
     def _plan_splits(self, num_decode: int, max_ctx: int) -> tuple[int, int]:
@@ -775,32 +726,6 @@ class TritonAttention(TorchAttention):
         )
         return out
 
-    @staticmethod
-    def _dense_prefill(
-        plan: _Plan,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scale: float,
-        group: int,
-        out: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """SDPA over each of the plan's dense runs (q and k rotated, as the cache holds them),
-        copied into out's rows; with out None (dense_only: one run, the whole step) its result
-        is returned as [tokens, heads, head_dim], a view where SDPA's layout allows."""
-        for t0, n, length in plan.dense_runs:
-            rows = slice(t0, t0 + n * length)
-            qh, kh, vh = (x[rows].unflatten(0, (n, length)).transpose(1, 2) for x in (q, k, v))
-            o = torch.nn.functional.scaled_dot_product_attention(
-                qh, kh, vh, is_causal=True, scale=scale, enable_gqa=group > 1
-            )
-            o = o.transpose(1, 2).flatten(0, 1)
-            if out is None:
-                return o
-            out[rows] = o
-        assert out is not None
-        return out
-
     def _forward(
         self,
         layer: int,
@@ -887,14 +812,9 @@ class TritonAttention(TorchAttention):
                 ),
                 HEADS_PAD=triton.next_power_of_2(spec.num_kv_heads),
                 HEAD_DIM=spec.head_dim,
-                K_IN_PLACE=bool(plan.dense_runs),
             )
 
         group = spec.num_q_heads // spec.num_kv_heads
-        if plan.dense_only:
-            return self._dense_prefill(plan, q, k, v, scale, group, None)
-        if plan.dense_runs:
-            self._dense_prefill(plan, q, k, v, scale, group, out)
         scale_log2 = scale * _LOG2E
         cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         if plan.num_decode:

@@ -84,12 +84,10 @@ def rotary_kv_write_kernel(
     HEADS_BLOCK: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    K_IN_PLACE: tl.constexpr = False,
 ):
     """One program per new token: rotate its q heads in place, and write its k heads rotated
     and its v heads into its cache slot (rotary and KV write in one launch; the rotation
-    rounds as fused_kernels.rotary_kernel does). A negative slot is padding: q only.
-    K_IN_PLACE: rotate the k heads in place too (for attention that reads k, not the cache)."""
+    rounds as fused_kernels.rotary_kernel does). A negative slot is padding: q only."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     dh = tl.arange(0, HALF_PAD)[None, :]
@@ -105,9 +103,6 @@ def rotary_kv_write_kernel(
     dst = slot * stride_cache_slot
     rotate_into(k_ptr + t * stride_kt, stride_kh, k_cache_ptr + dst, stride_cache_head, kv_heads,
                 cos, sin, HALF, HALF_PAD, HEADS_BLOCK)  # fmt: skip
-    if K_IN_PLACE:  # after the cache's copy, which read k unrotated
-        rotate_into(k_ptr + t * stride_kt, stride_kh, k_ptr + t * stride_kt, stride_kh,
-                    num_kv_heads, cos, sin, HALF, HALF_PAD, HEADS_BLOCK)  # fmt: skip
     h = tl.arange(0, HEADS_PAD)[:, None]
     d = tl.arange(0, HEAD_DIM)[None, :]
     mask = h < kv_heads
