@@ -366,7 +366,7 @@ def test_steps_plan_what_flashinfer_reads(block_size: int, group: int, dtype: to
     assert [w.tensor_cores for w in FakeFlashInfer.created if isinstance(w, FakeDecode)] == [
         group >= 5
     ] * 2
-    assert all(w.backend == "auto" for w in FakeFlashInfer.created if isinstance(w, FakePrefill))
+    assert all(w.backend == "fa2" for w in FakeFlashInfer.created if isinstance(w, FakePrefill))
     for plan in SMALL_PLANS:
         assert check_steps(backend, plan) == ["prefill", "prefill", "decode", "decode"]
     # A scale other than 1/sqrt(head_dim) reaches FlashInfer through q_scale.
@@ -375,8 +375,8 @@ def test_steps_plan_what_flashinfer_reads(block_size: int, group: int, dtype: to
 
 @interpreted
 def test_prefill_module_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """INFERX_FLASHINFER_PREFILL picks the prefill wrappers' module (auto unless set: FlashInfer
-    picks by GPU); anything but fa2, fa3 or auto is refused by name."""
+    """INFERX_FLASHINFER_PREFILL picks the prefill wrappers' module (fa2 unless set); anything
+    but fa2, fa3 or auto is refused by name."""
     layers = [KVLayerSpec(4, 2, 64)]
 
     def prefill_modules() -> set[str]:
@@ -385,11 +385,10 @@ def test_prefill_module_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
         return {w.backend for w in FakeFlashInfer.created if isinstance(w, FakePrefill)}
 
     monkeypatch.delenv("INFERX_FLASHINFER_PREFILL", raising=False)
-    assert prefill_modules() == {"auto"}
-    monkeypatch.setenv("INFERX_FLASHINFER_PREFILL", "fa2")
     assert prefill_modules() == {"fa2"}
-    monkeypatch.setenv("INFERX_FLASHINFER_PREFILL", "fa3")
-    assert prefill_modules() == {"fa3"}
+    for module in ("fa3", "auto"):
+        monkeypatch.setenv("INFERX_FLASHINFER_PREFILL", module)
+        assert prefill_modules() == {module}
     monkeypatch.setenv("INFERX_FLASHINFER_PREFILL", "fa4")
     with pytest.raises(ValueError, match="INFERX_FLASHINFER_PREFILL must be one of fa2, fa3"):
         cpu_flashinfer(layers, 4, torch.float16)
@@ -514,9 +513,8 @@ def test_gpu_conformance_bf16(flashinfer, block_size: int, group: int, head_dim:
 def test_gpu_conformance_prefill_modules(
     flashinfer, group: int, module: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The prefill wrappers on each of FlashInfer's modules (INFERX_FLASHINFER_PREFILL; the
-    default, auto, picks FA3 on an H200), the shapes of Llama-3.1-8B (group 4) and Qwen2.5-3B
-    (group 8), bf16."""
+    """The prefill wrappers on each of FlashInfer's modules (INFERX_FLASHINFER_PREFILL, fa2
+    unless set), the shapes of Llama-3.1-8B (group 4) and Qwen2.5-3B (group 8), bf16."""
     monkeypatch.setenv("INFERX_FLASHINFER_PREFILL", module)
     torch.manual_seed(group)
     backend = gpu_backend([KVLayerSpec(2 * group, 2, 128)], 16, torch.bfloat16)

@@ -26,12 +26,12 @@ _PREFILL_BACKENDS = ("fa2", "fa3", "auto")
 
 
 def prefill_backend_from_env() -> str:
-    """FlashInfer's prefill module: INFERX_FLASHINFER_PREFILL, auto unless set (FlashInfer picks
-    FA3 on an H100/H200, FA2 elsewhere); fa2 or fa3 force one, for A/B runs. H200, Llama-3.1-8B's
+    """FlashInfer's prefill module: INFERX_FLASHINFER_PREFILL, fa2 unless set (the module the
+    tensor-core decode shares); fa3, or auto (FlashInfer picks FA3 on an H100/H200), compiles
+    one more module. FA3 measured faster alone, not yet in the engine: H200, Llama-3.1-8B's
     heads, µs a layer FA2 -> FA3 with the KV write (bench_prefill_peers.py, session 30): 16 x
-    512 173.5 -> 167.9, 1 x 2048 173.2 -> 101.3, 1 x 8192 1778 -> 1039. FA3 is one more module
-    to compile at first use beside the FA2 one the tensor-core decode shares."""
-    value = os.environ.get("INFERX_FLASHINFER_PREFILL", "auto")
+    512 173.5 -> 167.9, 1 x 2048 173.2 -> 101.3, 1 x 8192 1778 -> 1039."""
+    value = os.environ.get("INFERX_FLASHINFER_PREFILL", "fa2")
     if value not in _PREFILL_BACKENDS:
         names = ", ".join(_PREFILL_BACKENDS)
         raise ValueError(f"INFERX_FLASHINFER_PREFILL must be one of {names}; got {value!r}")
