@@ -2,12 +2,16 @@
 and FA3 prefill, and torch's SDPA, per prompt shape.
 
     python benchmarks/bench_prefill_peers.py [--shapes 16x512,1x2048,1x8192] [--heads 32,8]
-        [--variants triton,fi-fa2,fi-fa3,fi-fa3-ragged,sdpa] [--layers 4] [--json OUT.json]
+        [--variants triton,triton-dense,fi-fa2,fi-fa3,fi-fa3-ragged,sdpa] [--layers 4]
+        [--dense 128x64x8x2,64x64x4x2] [--json OUT.json]
 
 Each shape is fresh prompts (no cached prefix) of one length, laid over scattered blocks of 16
 the way the block manager hands them out. µs a layer (mean of `--reps` after a compiling run):
 
 - `triton`: TritonAttention.forward, the KV-cache write and then the prefill kernel;
+- `triton-dense`: the same backend with dense_prefill on: the write (keeping k), then
+  dense_prefill_kernel over the step's own q, k, v by TMA; once per `--dense` config
+  (BLOCK_M x BLOCK_N x warps x stages; none given: the backend's);
 - `fi-fa2`, `fi-fa3`: FlashInferAttention.forward with INFERX_FLASHINFER_PREFILL=fa2 / fa3, the
   same write and then FlashInfer's paged prefill wrapper (planned once, as begin_step does);
 - `fi-fa3-ragged`: the write, then FlashInfer's ragged prefill (FA3) over the chunk's own
@@ -35,7 +39,7 @@ from tune_prefill_attention import BLOCK, attention_tflops, build, parse_shapes
 
 from inferx_core.interfaces.kv import KVLayerSpec
 
-VARIANTS = ("triton", "fi-fa2", "fi-fa3", "fi-fa3-ragged", "sdpa")
+VARIANTS = ("triton", "triton-dense", "fi-fa2", "fi-fa3", "fi-fa3-ragged", "sdpa")
 
 
 def inputs(spec: KVLayerSpec, tokens: int, dtype: torch.dtype, device: torch.device):
@@ -65,15 +69,24 @@ def flashinfer_backend(prefill: str, spec: KVLayerSpec, layers: int, shape, devi
     return backend
 
 
-def variant_step(name: str, spec: KVLayerSpec, layers: int, shape, device) -> Callable:
-    """A function that runs `layers` layers of variant `name` and returns the last output."""
+def variant_step(
+    name: str, spec: KVLayerSpec, layers: int, shape, device, dense: str = ""
+) -> Callable:
+    """A function that runs `layers` layers of variant `name` and returns the last output.
+    dense: triton-dense's BLOCK_MxBLOCK_NxWARPSxSTAGES ("": the backend's defaults)."""
     n, length = shape
     tokens = n * length
     triton, batch = build(None, spec, layers, shape, device)
     dtype = triton.dtype
     q, k, v = inputs(spec, tokens, dtype, device)
     scale = spec.head_dim**-0.5
-    if name == "triton":
+    if name in ("triton", "triton-dense"):
+        if name == "triton-dense":
+            triton.dense_prefill = True
+            if dense:
+                block_m, block_n, warps, stages = (int(x) for x in dense.split("x"))
+                triton.dense_block_m, triton.dense_block_n = block_m, block_n
+                triton.dense_launch = {"num_warps": warps, "num_stages": stages}
         triton.begin_step(batch)
         return lambda: [triton.forward(i, q, k, v, scale) for i in range(layers)][-1]
     if name == "sdpa":
@@ -143,6 +156,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--dense", default="", help="triton-dense configs: BMxBNxWARPSxSTAGES,...")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
@@ -154,17 +168,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     names = args.variants.split(",")
     if unknown := [n for n in names if n not in VARIANTS]:
         raise SystemExit(f"--variants: unknown {unknown}; expected some of {list(VARIANTS)}")
+    dense_configs = args.dense.split(",") if args.dense else [""]
+    runs = [(n, c) for n in names for c in (dense_configs if n == "triton-dense" else [""])]
     rows = []
-    print(f"{'shape':>8} {'variant':>14} {'us/layer':>9} {'TFLOPS':>7} {'rel err':>8}")
+    print(f"{'shape':>8} {'variant':>24} {'us/layer':>9} {'TFLOPS':>7} {'rel err':>8}")
     for shape in parse_shapes(args.shapes):
         ref = None
-        for name in names:
+        for name, dense in runs:
             t0 = time.perf_counter()
             try:
-                us, out = measure(variant_step(name, spec, args.layers, shape, device),
-                                  args.reps, args.layers, cuda)  # fmt: skip
+                step = variant_step(name, spec, args.layers, shape, device, dense)
+                us, out = measure(step, args.reps, args.layers, cuda)
             except (RuntimeError, ImportError, ValueError) as e:  # not built / not supported
-                print(f"{shape[0]}x{shape[1]:<6} {name:>14}: {e}"[:200])
+                print(f"{shape[0]}x{shape[1]:<6} {name:>24}: {e}"[:200])
                 continue
             if ref is None:
                 ref = out
@@ -172,10 +188,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if err > 2e-2:
                 raise SystemExit(f"{shape}, {name}: output differs from {names[0]}'s ({err:.2e})")
             tflops = attention_tflops(spec, shape, us)
-            rows.append({"prompts": shape[0], "tokens": shape[1], "variant": name, "us": us,
+            label = f"{name} {dense}".strip()
+            rows.append({"prompts": shape[0], "tokens": shape[1], "variant": label, "us": us,
                          "tflops": tflops, "rel_err": err,
                          "first_run_s": time.perf_counter() - t0})  # fmt: skip
-            print(f"{shape[0]}x{shape[1]:<6} {name:>14} {us:9.1f} {tflops:7.1f} {err:8.1e}")
+            print(f"{shape[0]}x{shape[1]:<6} {label:>24} {us:9.1f} {tflops:7.1f} {err:8.1e}")
             if cuda:
                 torch.cuda.empty_cache()
     if args.json:

@@ -359,16 +359,22 @@ def test_grid_barrier_bench_split_phases_finish_each_group(last: bool) -> None:
 
 
 def test_prefill_peers_checks_each_variant_against_the_first(tmp_path: Path) -> None:
-    """Toy sizes under the interpreter: the Triton kernel and SDPA agree, the FlashInfer
-    variants are reported as not runnable without a GPU, and unknown names are refused."""
+    """Toy sizes under the interpreter: the Triton kernels (the dense one at two configs) and
+    SDPA agree, the FlashInfer variants are reported as not runnable without a GPU, and
+    unknown names are refused."""
     from bench_prefill_peers import main
 
     out = tmp_path / "peers.json"
     args = ["--shapes", "2x24", "--heads", "4,2", "--head-dim", "16", "--layers", "2"]
-    args += ["--reps", "1"]
-    rows = main([*args, "--variants", "triton,sdpa,fi-fa3", "--json", str(out)])
-    assert [r["variant"] for r in rows] == ["triton", "sdpa"]
-    assert rows[0]["rel_err"] == 0 and rows[1]["rel_err"] < 1e-4
+    args += ["--reps", "1", "--dense", "16x16x4x1,32x16x4x2"]
+    rows = main([*args, "--variants", "triton,triton-dense,sdpa,fi-fa3", "--json", str(out)])
+    assert [r["variant"] for r in rows] == [
+        "triton",
+        "triton-dense 16x16x4x1",
+        "triton-dense 32x16x4x2",
+        "sdpa",
+    ]
+    assert rows[0]["rel_err"] == 0 and all(r["rel_err"] < 1e-4 for r in rows[1:])
     assert json.loads(out.read_text())["rows"] == rows
     with pytest.raises(SystemExit, match="unknown"):
         main(["--variants", "triton,flash"])

@@ -326,6 +326,60 @@ def test_forward_before_begin_step_fails() -> None:
         backend.forward(0, x, x[:, :1], x[:, :1], 0.25)
 
 
+@interpreted
+@pytest.mark.parametrize(
+    ("block_size", "group", "head_dim", "dtype"),
+    [
+        (4, 1, 16, torch.float32),
+        (16, 2, 32, torch.float32),
+        (4, 4, 32, torch.float32),
+        (3, 8, 16, torch.float32),
+        (16, 4, 16, torch.float16),
+        (16, 2, 16, torch.bfloat16),
+    ],
+)
+def test_dense_prefill_matches_dense(
+    block_size: int, group: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    """dense_prefill on: fresh prompts (a ragged prefill of several, then two beside a chunk
+    over a cached prefix and decodes) attend through dense_prefill_kernel over the step's own
+    q, k, v, and agree with float64 attention and TorchAttention; the tiles are planned for
+    the fresh prompts only."""
+    torch.manual_seed(block_size * 100 + group * 10 + head_dim + 1)
+    layers = [KVLayerSpec(2 * group, 2, head_dim), KVLayerSpec(group, 1, head_dim)]
+    backend = TritonAttention(layers, block_size, dtype, torch.device("cpu"))
+    backend.dense_prefill = True
+    planned = []
+    begin = backend.begin_step
+
+    def recording(batch):  # type: ignore[no-untyped-def]
+        begin(batch)
+        planned.append({g: t.count for g, t in backend._plan.dense_tiles.items()})
+
+    backend.begin_step = recording  # type: ignore[method-assign]
+    # A long prompt (tiles whose keys run past one tile) beside SMALL_PLAN's sequences.
+    totals, steps = plan_steps([*SMALL_PLAN, (0, 37)])
+    check_steps(backend, totals, steps, against_torch=True)
+    block_q = backend.dense_block_m // group
+    fresh_first = [9, 21, 5]  # the cached prefixes, prefilled fresh
+    fresh_second = [13, 37]  # (0, 13) and (0, 37); (9, 7) has a prefix
+    assert planned[0] == {group: sum(-(-n // block_q) for n in fresh_first)}
+    assert planned[1] == {group: sum(-(-n // block_q) for n in fresh_second)}
+    assert planned[2] == planned[3] == {}  # decode-only
+
+
+def test_dense_prefill_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off by default; INFERX_TRITON_DENSE_PREFILL=1 turns it on where the kernel runs (here
+    the interpreter) for GQA groups that are powers of two only."""
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("INFERX_TRITON_DENSE_PREFILL", raising=False)
+    assert not TritonAttention([KVLayerSpec(4, 2, 16)], 16, torch.float32, cpu).dense_prefill
+    monkeypatch.setenv("INFERX_TRITON_DENSE_PREFILL", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert TritonAttention([KVLayerSpec(4, 2, 16)], 16, torch.float32, cpu).dense_prefill
+    assert not TritonAttention([KVLayerSpec(6, 2, 16)], 16, torch.float32, cpu).dense_prefill
+
+
 # The issue's conformance sizes; the lead runs these on the H200 (pytest -m gpu).
 GPU_PLAN = [(0, 300), (100, 37), (1000, 1), (2047, 1), (5, 1), (0, 1), (64, 64), (513, 200)]
 
@@ -335,10 +389,14 @@ GPU_PLAN = [(0, 300), (100, 37), (1000, 1), (2047, 1), (5, 1), (0, 1), (64, 64),
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_gpu_conformance_bf16(block_size: int, group: int, head_dim: int) -> None:
+@pytest.mark.parametrize("dense", [False, True])
+def test_gpu_conformance_bf16(block_size: int, group: int, head_dim: int, dense: bool) -> None:
+    if dense and group & (group - 1):
+        pytest.skip("dense_prefill takes GQA groups that are powers of two")
     torch.manual_seed(block_size * 1000 + group * 10 + head_dim)
     layers = [KVLayerSpec(2 * group, 2, head_dim), KVLayerSpec(4 * group, 4, head_dim)]
     backend = TritonAttention(layers, block_size, torch.bfloat16, torch.device("cuda"))
+    backend.dense_prefill = dense
     totals, steps = plan_steps(GPU_PLAN)
     splits = check_steps(backend, totals, steps, against_torch=True)
     assert splits[0] == 1 and splits[2] > 1  # the decode-only steps take the split-K path
@@ -358,15 +416,19 @@ def test_gpu_other_dtypes(dtype: torch.dtype) -> None:
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("group", [1, 4])
-def test_fused_rotary_equals_rotary_then_forward(group: int, dtype: torch.dtype) -> None:
-    check_fused_rotary(group, dtype, torch.device("cpu"))
+@pytest.mark.parametrize("dense", [False, True])
+def test_fused_rotary_equals_rotary_then_forward(
+    group: int, dtype: torch.dtype, dense: bool
+) -> None:
+    check_fused_rotary(group, dtype, torch.device("cpu"), dense)
 
 
 @pytest.mark.gpu
 @on_gpu
+@pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
-def test_gpu_fused_rotary_bf16(group: int) -> None:
-    check_fused_rotary(group, torch.bfloat16, torch.device("cuda"))
+def test_gpu_fused_rotary_bf16(group: int, dense: bool) -> None:
+    check_fused_rotary(group, torch.bfloat16, torch.device("cuda"), dense)
 
 
 ROTARY_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
@@ -558,15 +620,19 @@ def check_decode_rotary(
     forward_padding_row(backend, cos_sin)
 
 
-def check_fused_rotary(group: int, dtype: torch.dtype, device: torch.device) -> None:
+def check_fused_rotary(
+    group: int, dtype: torch.dtype, device: torch.device, dense: bool = False
+) -> None:
     """forward_with_rotary (rotary and KV write in one kernel) against the torch reference ops'
     rotary followed by TorchAttention.forward, on fresh random inputs in a mixed step (a prompt
     over a cached prefix, a fresh prompt, decodes): the same outputs, the same cache, q rotated
-    in place; a padding row (slot -1) rotates q and writes nothing."""
+    in place; a padding row (slot -1) rotates q and writes nothing. `dense`: the fresh prompt
+    attends through dense_prefill_kernel over q and k rotated in place."""
     head_dim, kv_heads, bs = 32, 2, 4
     layers = [KVLayerSpec(kv_heads * group, kv_heads, head_dim)] * 2
     backend = TritonAttention(layers, bs, dtype, device)
     backend.decode_rotary = False  # the separate kernel
+    backend.dense_prefill = dense
     reference = TorchAttention(layers, bs, dtype, device)
     angles = torch.rand(64, head_dim // 2, device=device) * 6.3
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
@@ -585,6 +651,7 @@ def check_fused_rotary(group: int, dtype: torch.dtype, device: torch.device) -> 
     ops = TorchOps()
     for b in (backend, reference):
         b.begin_step(batch)
+    assert backend._plan is not None and bool(backend._plan.dense_tiles) == dense
     for layer, spec in enumerate(layers):
         heads = (spec.num_q_heads, kv_heads, kv_heads)
         q, k, v = (torch.randn(tokens, h, head_dim, device=device).to(dtype) for h in heads)

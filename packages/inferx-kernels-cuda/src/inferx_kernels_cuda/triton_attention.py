@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from inferx_core.attention_torch import TorchAttention
 from inferx_core.batch import pack_aligned, to_device
 from inferx_core.interfaces.attention import AttentionBatch, SplitAttention
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda import triton_kernels as kernels
-from inferx_kernels_cuda.ops import _ROTARY_TILE, env_int, env_switch
+from inferx_kernels_cuda.ops import _ROTARY_TILE, _has_tma, env_int, env_switch
 from inferx_kernels_cuda.pdl import attention_early, between_launch, in_ranges, row_ranges
 
 _LOG2E = 1.4426950408889634
@@ -58,6 +59,8 @@ class _Plan:
     part_lse: torch.Tensor | None
     tiles: dict[int, list[_Tiles]]  # by GQA group size: one prefill launch per tile set
     seq_split: bool = False  # split_len is the shortest split; each sequence derives its own
+    # by GQA group size: the fresh prompts' tiles for dense_prefill_kernel (dense_prefill)
+    dense_tiles: dict[int, _Tiles] = field(default_factory=dict)
 
 
 def _graph_decode_rows(plan: _Plan) -> int:
@@ -248,6 +251,23 @@ class TritonAttention(TorchAttention):
         # 2.009; 2-4 level; 8 2.172 -> 2.248 / 2.203 -> 2.289 (272 programs, two an SM fit),
         # 16-48 slower. INFERX_TRITON_DECODE_PRELOAD takes row ranges ("0" none) for A/B runs.
         self.preload_rows = row_ranges("INFERX_TRITON_DECODE_PRELOAD", "1-1")
+        # dense_prefill: in eager steps, fresh prompts (no cached prefix) attend through
+        # dense_prefill_kernel, over the step's own q, k (rotated in place) and v read by TMA,
+        # instead of prefill_kernel over the paged cache; chunks over a cached prefix stay on
+        # the latter. Off until measured on the H200 (INFERX_TRITON_DENSE_PREFILL=1 turns it
+        # on); it needs GQA groups that are powers of two and a TMA GPU (or the interpreter).
+        # The kernel at 16 x 512 must beat prefill_kernel's 205 µs a layer (8B's heads, with
+        # the KV write); cuDNN's fused attention took 98, FlashInfer's FA3 ~112 (session 30).
+        groups = {s.num_q_heads // s.num_kv_heads for s in layers}
+        tma = self.interpret or (torch.device(device).type == "cuda" and _has_tma(device))
+        self.dense_prefill = (
+            env_switch("INFERX_TRITON_DENSE_PREFILL", default=False)
+            and tma
+            and all(g & (g - 1) == 0 for g in groups)
+        )
+        self.dense_block_m = 16 if small else 128  # query rows a tile (queries x the group)
+        self.dense_block_n = 16 if small else 64
+        self.dense_launch: dict[str, int] = {"num_warps": 8, "num_stages": 2}
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         self._upcast = self.interpret and dtype == torch.bfloat16
         self._dot_precision = "ieee" if dtype == torch.float32 else "tf32"
@@ -293,23 +313,38 @@ class TritonAttention(TorchAttention):
 
         context_len = batch.context_len.to(device, torch.int32)
         decode_seqs = context_len  # never read in a decode-only step: decode i is sequence i
-        tiles = {}
+        tiles: dict[int, list[_Tiles]] = {}
+        dense_tiles: dict[int, _Tiles] = {}
         if prefill:
+            fresh = set()
+            if self.dense_prefill:
+                fresh = {i for i in prefill if batch.query_lens[i] == batch.context_lens[i]}
+            paged = [i for i in prefill if i not in fresh]
             # Every index list travels in one host-to-device copy, each 16-byte aligned.
             parts = [list(decode)]
-            tile_ranges = {}
+            tile_ranges = []  # (group, dense, block_m, block_q, first part, tile count)
             for group in self._groups:
-                block_m, block_q = self._tile_shape(group)
-                seqs_starts = self._tiles_of(batch.query_lens, prefill, block_q)
-                tile_ranges[group] = (block_m, block_q, len(parts), len(seqs_starts[0]))
-                parts += seqs_starts
+                shapes = [(False, paged, *self._tile_shape(group))]
+                if fresh:
+                    block_m = max(self.dense_block_m, group)
+                    shapes.append((True, sorted(fresh), block_m, block_m // group))
+                for dense, seqs, block_m, block_q in shapes:
+                    if seqs:
+                        seqs_starts = self._tiles_of(batch.query_lens, seqs, block_q)
+                        count = len(seqs_starts[0])
+                        tile_ranges.append((group, dense, block_m, block_q, len(parts), count))
+                        parts += seqs_starts
             packed, at = pack_aligned(parts, torch.int32)
             packed = to_device(packed, device)
             decode_seqs = packed[: len(decode)]
-            for group, (block_m, block_q, part, count) in tile_ranges.items():
+            for group, dense, block_m, block_q, part, count in tile_ranges:
                 seq = packed[at[part] : at[part] + count]
                 start = packed[at[part + 1] : at[part + 1] + count]
-                tiles[group] = [_Tiles(block_m, block_q, seq, start, count)]
+                t = _Tiles(block_m, block_q, seq, start, count)
+                if dense:
+                    dense_tiles[group] = t
+                else:
+                    tiles[group] = [t]
 
         part_o = part_lse = None
         if num_splits > 1:
@@ -332,6 +367,7 @@ class TritonAttention(TorchAttention):
             part_o=part_o,
             part_lse=part_lse,
             tiles=tiles,
+            dense_tiles=dense_tiles,
         )
 
     def _plan_splits(self, num_decode: int, max_ctx: int) -> tuple[int, int]:
@@ -726,6 +762,44 @@ class TritonAttention(TorchAttention):
         )
         return out
 
+    def _dense_prefill(
+        self,
+        tiles: _Tiles,
+        plan: _Plan,
+        spec: KVLayerSpec,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        scale_log2: float,
+    ) -> None:
+        """dense_prefill_kernel over the fresh prompts' tiles: q, k, v as [tokens, heads, dim]
+        (k as the cache holds it), through TMA descriptors."""
+        group = spec.num_q_heads // spec.num_kv_heads
+        dim, block_n = spec.head_dim, self.dense_block_n
+        q_desc = TensorDescriptor.from_tensor(q, block_shape=[tiles.block_q, group, dim])
+        k_desc = TensorDescriptor.from_tensor(k, block_shape=[block_n, 1, dim])
+        v_desc = TensorDescriptor.from_tensor(v, block_shape=[block_n, 1, dim])
+        kernels.dense_prefill_kernel[(tiles.count, spec.num_kv_heads)](
+            q_desc,
+            k_desc,
+            v_desc,
+            out,
+            plan.query_start,
+            tiles.seq,
+            tiles.start,
+            scale_log2,
+            out.stride(0),
+            out.stride(1),
+            GROUP=group,
+            HEAD_DIM=dim,
+            BLOCK_Q=tiles.block_q,
+            BLOCK_N=block_n,
+            UPCAST=self._upcast,
+            DOT_PRECISION=self._dot_precision,
+            **self.dense_launch,
+        )
+
     def _forward(
         self,
         layer: int,
@@ -812,9 +886,13 @@ class TritonAttention(TorchAttention):
                 ),
                 HEADS_PAD=triton.next_power_of_2(spec.num_kv_heads),
                 HEAD_DIM=spec.head_dim,
+                K_IN_PLACE=bool(plan.dense_tiles),
             )
 
         group = spec.num_q_heads // spec.num_kv_heads
+        dense = plan.dense_tiles.get(group)
+        if dense is not None:
+            self._dense_prefill(dense, plan, spec, q, k, v, out, scale * _LOG2E)
         scale_log2 = scale * _LOG2E
         cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         if plan.num_decode:

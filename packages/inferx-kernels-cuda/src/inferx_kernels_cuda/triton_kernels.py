@@ -84,10 +84,12 @@ def rotary_kv_write_kernel(
     HEADS_BLOCK: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    K_IN_PLACE: tl.constexpr = False,
 ):
     """One program per new token: rotate its q heads in place, and write its k heads rotated
     and its v heads into its cache slot (rotary and KV write in one launch; the rotation
-    rounds as fused_kernels.rotary_kernel does). A negative slot is padding: q only."""
+    rounds as fused_kernels.rotary_kernel does). A negative slot is padding: q only.
+    K_IN_PLACE: rotate the k heads in place too (for attention that reads k, not the cache)."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     dh = tl.arange(0, HALF_PAD)[None, :]
@@ -103,6 +105,9 @@ def rotary_kv_write_kernel(
     dst = slot * stride_cache_slot
     rotate_into(k_ptr + t * stride_kt, stride_kh, k_cache_ptr + dst, stride_cache_head, kv_heads,
                 cos, sin, HALF, HALF_PAD, HEADS_BLOCK)  # fmt: skip
+    if K_IN_PLACE:  # after the cache's copy, which read k unrotated
+        rotate_into(k_ptr + t * stride_kt, stride_kh, k_ptr + t * stride_kt, stride_kh,
+                    num_kv_heads, cos, sin, HALF, HALF_PAD, HEADS_BLOCK)  # fmt: skip
     h = tl.arange(0, HEADS_PAD)[:, None]
     d = tl.arange(0, HEAD_DIM)[None, :]
     mask = h < kv_heads
@@ -602,4 +607,85 @@ def prefill_kernel(
         out_ptr + o_rows[:, None] + d[None, :],
         o.to(out_ptr.dtype.element_ty),
         mask=r_valid[:, None],
+    )
+
+
+@triton.jit
+def _dense_kv(k_desc, v_desc, row, kv_head, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+              UPCAST: tl.constexpr):  # fmt: skip
+    """BLOCK_N consecutive tokens' K and V of one KV head, from token `row` of the step."""
+    k = k_desc.load([row, kv_head, 0]).reshape(BLOCK_N, HEAD_DIM)
+    v = v_desc.load([row, kv_head, 0]).reshape(BLOCK_N, HEAD_DIM)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def dense_prefill_kernel(
+    q_desc,
+    k_desc,
+    v_desc,
+    out_ptr,
+    query_start_ptr,
+    tile_seq_ptr,
+    tile_start_ptr,
+    scale_log2,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (query tiles, KV heads): causal attention of fresh prompts (no cached prefix: query
+    i of a sequence sits at position i) over the step's own q, k and v, read by TMA from
+    descriptors over [tokens, heads, head_dim] (q: blocks of [BLOCK_Q, GROUP, HEAD_DIM], k and
+    v: [BLOCK_N, 1, HEAD_DIM]). k must hold what the cache holds (rotated). Tiles as in
+    prefill_kernel: BLOCK_Q queries of one sequence times the GROUP query heads of one KV head,
+    row r = query r // GROUP, head r % GROUP. A tile reaching past its sequence reads the next
+    sequence's rows (or zeros past the step): those keys lie after every real query and are
+    masked by causality, those queries are never stored.
+    """
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    first = tl.load(tile_start_ptr + tile)
+    q_begin = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_begin
+
+    q = q_desc.load([q_begin + first, kv_head * GROUP, 0]).reshape(BLOCK_M, HEAD_DIM)
+    if UPCAST:
+        q = q.to(tl.float32)
+    r = tl.arange(0, BLOCK_M)
+    qi = first + r // GROUP
+    m = tl.full([BLOCK_M], _NO_MAX, tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Keys before the tile's first query are visible to all its rows: whole tiles, unmasked.
+    full = first // BLOCK_N * BLOCK_N
+    for start in range(0, full, BLOCK_N):
+        k, v = _dense_kv(k_desc, v_desc, q_begin + start, kv_head, BLOCK_N, HEAD_DIM, UPCAST)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        m, row_sum, acc = _softmax_step(s, v, m, row_sum, acc, DOT_PRECISION)
+    for start in range(full, tl.minimum(q_len, first + BLOCK_Q), BLOCK_N):
+        k, v = _dense_kv(k_desc, v_desc, q_begin + start, kv_head, BLOCK_N, HEAD_DIM, UPCAST)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        pos = start + tl.arange(0, BLOCK_N)
+        s = tl.where(pos[None, :] <= qi[:, None], s, float("-inf"))
+        m, row_sum, acc = _softmax_step(s, v, m, row_sum, acc, DOT_PRECISION)
+
+    # Every row sees position 0, so row_sum > 0.
+    o = acc / row_sum[:, None]
+    head = kv_head * GROUP + r % GROUP
+    o_rows = (q_begin + qi).to(tl.int64) * stride_ot + head * stride_oh
+    d = tl.arange(0, HEAD_DIM)
+    tl.store(
+        out_ptr + o_rows[:, None] + d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=(qi < q_len)[:, None],
     )
