@@ -6,7 +6,7 @@
 #   cp -r ../shared/fixtures/tokenizers/{qwen,llama3} .carry/tok/tokenizers/
 #   tar -C .carry/tok -cJf .carry/tokxz/tok.tar.xz tokenizers
 # then carry [".whl", ".carry/tokxz"] (unpacked below into .carry/tok on the machine).
-# Usage: bash scripts/gpu_run.sh [setup] [tests] [flashinfer] [profile] [pdl-edges] [pdl-late] [profile-prefill] [decode-variants] [breakdown] [gemv] [tma-gemv] [mixed] [barrier] [regs] [tune] [tune-prefill] [split-gemm] [startup] [cold-start] [serve-ab] [bench] [demo]
+# Usage: bash scripts/gpu_run.sh [setup] [tests] [flashinfer] [profile] [pdl-edges] [pdl-late] [profile-prefill] [prefill-peers] [decode-variants] [breakdown] [gemv] [tma-gemv] [mixed] [barrier] [regs] [tune] [tune-prefill] [split-gemm] [startup] [cold-start] [serve-ab] [bench] [demo]
 #        [table | table-3b | table-8b] [pack]
 #   pack (last): $OUT's files as one out.tar.gz (a call brings back at most 8 files).
 #   flashinfer: its conformance tests (FI_K: a pytest -k filter), then its compiled kernels packed into $OUT as
@@ -160,6 +160,14 @@ for step in "${steps[@]}"; do
             ${PROFILE_ARGS:-} --json "$OUT/profile-pdl-late-$late-p$len.json" 2>&1 \
             | grep -E "^batch" | cut -c1-110
         done
+      done ;;
+    prefill-peers)
+      # benchmarks/bench_prefill_peers.py at the 8B's heads and the 3B's (PEERS_ARGS: --variants,
+      # --dense configs, --shapes ...; FlashInfer variants compile its modules unless cached).
+      for heads in 32,8 16,2; do
+        timeout 150 python3 benchmarks/bench_prefill_peers.py --heads $heads \
+          ${PEERS_ARGS:---variants triton,triton-dense,sdpa --dense 128x64x8x2,128x64x8x3,64x64x4x2,128x128x8x2} \
+          --json "$OUT/prefill-peers-${heads/,/-}.json" 2>&1 | grep -v -i warn | tail -40
       done ;;
     profile-prefill)
       # benchmarks/profile_prefill.py: the kernels of the offline run's prefill steps, grouped,
