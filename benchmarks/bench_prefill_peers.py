@@ -27,15 +27,20 @@ Without a GPU only `triton` and `sdpa` run, in float32 under TRITON_INTERPRET=1 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-from commit_id import commit_id
-from tune_prefill_attention import BLOCK, attention_tflops, build, parse_shapes
+from tune_prefill_attention import (
+    BLOCK,
+    attention_tflops,
+    build,
+    parse_shapes,
+    setup,
+    time_layers,
+    write_json,
+)
 
 from inferx_core.interfaces.kv import KVLayerSpec
 
@@ -136,18 +141,6 @@ def variant_step(
     raise AssertionError(name)
 
 
-def measure(step: Callable, reps: int, layers: int, cuda: bool) -> tuple[float, torch.Tensor]:
-    out = step()  # compiles
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        out = step()
-    if cuda:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e6 / (reps * layers), out.float().clone()
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="16x512,1x2048,1x8192", help="prompts x tokens, ...")
@@ -159,12 +152,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--dense", default="", help="triton-dense configs: BMxBNxWARPSxSTAGES,...")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("bench_prefill_peers.py: no GPU; set TRITON_INTERPRET=1 for a toy run")
-    device = torch.device("cuda" if cuda else "cpu")
-    q_heads, kv_heads = (int(h) for h in args.heads.split(","))
-    spec = KVLayerSpec(q_heads, kv_heads, args.head_dim)
+    cuda, device, spec = setup(args, "bench_prefill_peers.py")
     names = args.variants.split(",")
     if unknown := [n for n in names if n not in VARIANTS]:
         raise SystemExit(f"--variants: unknown {unknown}; expected some of {list(VARIANTS)}")
@@ -178,7 +166,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             t0 = time.perf_counter()
             try:
                 step = variant_step(name, spec, args.layers, shape, device, dense)
-                us, out = measure(step, args.reps, args.layers, cuda)
+                us, out = time_layers(step, args.reps, args.layers, cuda)
             except (RuntimeError, ImportError, ValueError) as e:  # not built / not supported
                 print(f"{shape[0]}x{shape[1]:<6} {name:>24}: {e}"[:200])
                 continue
@@ -196,14 +184,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if cuda:
                 torch.cuda.empty_cache()
     if args.json:
-        meta = {
-            "commit": commit_id(),
-            "device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)",
-            "heads": [q_heads, kv_heads],
-            "head_dim": args.head_dim,
-            "layers": args.layers,
-        }
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        write_json(args.json, spec, args.layers, rows, cuda)
     return rows
 
 

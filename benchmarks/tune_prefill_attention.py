@@ -24,6 +24,7 @@ import itertools
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -112,8 +113,27 @@ def measure(
             res = backend.forward(layer, q, k, v, scale)
         return res
 
-    cuda = device.type == "cuda"
-    out = step()  # compiles
+    return time_layers(step, reps, layers, device.type == "cuda")
+
+
+def setup(args: argparse.Namespace, script: str) -> tuple[bool, torch.device, KVLayerSpec]:
+    """(on a GPU, the device, the layer spec of --heads and --head-dim); without a GPU only
+    under TRITON_INTERPRET=1 (toy runs), else the script exits saying so."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    cuda = torch.cuda.is_available() and not interpret
+    if not cuda and not interpret:
+        raise SystemExit(f"{script}: no GPU; set TRITON_INTERPRET=1 for a toy run")
+    q_heads, kv_heads = (int(h) for h in args.heads.split(","))
+    spec = KVLayerSpec(q_heads, kv_heads, args.head_dim)
+    return cuda, torch.device("cuda" if cuda else "cpu"), spec
+
+
+def time_layers(
+    step: Callable[[], torch.Tensor], reps: int, layers: int, cuda: bool
+) -> tuple[float, torch.Tensor]:
+    """µs a layer of `step` (which runs `layers` layers; mean of `reps` after one that
+    compiles), and its last output."""
+    out = step()
     if cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -122,6 +142,18 @@ def measure(
     if cuda:
         torch.cuda.synchronize()
     return (time.perf_counter() - start) * 1e6 / (reps * layers), out.float().clone()
+
+
+def write_json(path: str, spec: KVLayerSpec, layers: int, rows: list[dict], cuda: bool) -> None:
+    """The rows with the run's commit, device and attention shape."""
+    meta = {
+        "commit": commit_id(),
+        "device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)",
+        "heads": [spec.num_q_heads, spec.num_kv_heads],
+        "head_dim": spec.head_dim,
+        "layers": layers,
+    }
+    Path(path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
 def attention_tflops(spec: KVLayerSpec, shape: tuple[int, int], us: float) -> float:
@@ -141,18 +173,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("tune_prefill_attention.py: no GPU; set TRITON_INTERPRET=1 for a toy run")
-    device = torch.device("cuda" if cuda else "cpu")
-    q_heads, kv_heads = (int(h) for h in args.heads.split(","))
-    spec = KVLayerSpec(q_heads, kv_heads, args.head_dim)
+    cuda, device, spec = setup(args, "tune_prefill_attention.py")
     rows = []
     print(f"{'shape':>8} | {'default us':>10} {'TFLOPS':>6} | {'best us':>8} {'TFLOPS':>6}  best")
     for shape in parse_shapes(args.shapes):
         tokens = shape[0] * shape[1]
         backend, batch = build(None, spec, args.layers, shape, device)
-        default = defaults(backend, q_heads // kv_heads)
+        default = defaults(backend, spec.num_q_heads // spec.num_kv_heads)
         base_us, base_out = measure(backend, batch, spec, tokens, args.layers, args.reps)
         del backend
         results = []
@@ -187,14 +214,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"{label:>8} | {base_us:10.1f} {rows[-1]['default_tflops']:6.1f} | "
               f"{best['us']:8.1f} {best['tflops']:6.1f}  {cfg_text}")  # fmt: skip
     if args.json:
-        meta = {
-            "commit": commit_id(),
-            "device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)",
-            "heads": [q_heads, kv_heads],
-            "head_dim": args.head_dim,
-            "layers": args.layers,
-        }
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        write_json(args.json, spec, args.layers, rows, cuda)
     return rows
 
 

@@ -525,6 +525,17 @@ def decode_reduce_kernel(
     tl.store(dst, res.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _prefill_tile(tile_seq_ptr, tile_start_ptr, query_start_ptr):
+    """The program's query tile (axis 0): its sequence, first query within it, and the
+    sequence's first query row and query count."""
+    tile = tl.program_id(0)
+    seq = tl.load(tile_seq_ptr + tile)
+    first = tl.load(tile_start_ptr + tile)
+    q_begin = tl.load(query_start_ptr + seq)
+    return seq, first, q_begin, tl.load(query_start_ptr + seq + 1) - q_begin
+
+
 @triton.jit(do_not_specialize=["stride_table"])
 def prefill_kernel(
     q_ptr,
@@ -561,12 +572,8 @@ def prefill_kernel(
     a sequence with q queries and c context tokens sits at position c - q + i and sees keys at
     positions <= that, read from the cache after this step's write.
     """
-    tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = tl.load(tile_seq_ptr + tile)
-    first = tl.load(tile_start_ptr + tile)
-    q_begin = tl.load(query_start_ptr + seq)
-    q_len = tl.load(query_start_ptr + seq + 1) - q_begin
+    seq, first, q_begin, q_len = _prefill_tile(tile_seq_ptr, tile_start_ptr, query_start_ptr)
     ctx = tl.load(context_len_ptr + seq)
     prefix = ctx - q_len
 
@@ -651,12 +658,8 @@ def dense_prefill_kernel(
     masked by causality, those queries are never stored.
     """
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP
-    tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = tl.load(tile_seq_ptr + tile)
-    first = tl.load(tile_start_ptr + tile)
-    q_begin = tl.load(query_start_ptr + seq)
-    q_len = tl.load(query_start_ptr + seq + 1) - q_begin
+    _, first, q_begin, q_len = _prefill_tile(tile_seq_ptr, tile_start_ptr, query_start_ptr)
 
     q = q_desc.load([q_begin + first, kv_head * GROUP, 0]).reshape(BLOCK_M, HEAD_DIM)
     if UPCAST:
