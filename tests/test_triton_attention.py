@@ -362,6 +362,16 @@ def test_dense_prefill_matches_dense(
     assert planned[2] == planned[3] == {}  # decode-only
 
 
+def test_dense_tiles_run_longest_first() -> None:
+    """The dense kernel's tiles go out by first query, last first; the paged kernel's in order."""
+    lens = [5, 9, 3]
+    assert TritonAttention._tiles_of(lens, [0, 1, 2], 4) == [[0, 0, 1, 1, 1, 2], [0, 4, 0, 4, 8, 0]]
+    assert TritonAttention._tiles_of(lens, [0, 1, 2], 4, longest_first=True) == [
+        [1, 0, 1, 0, 1, 2],
+        [8, 4, 4, 0, 0, 0],
+    ]
+
+
 def test_dense_prefill_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Off by default; INFERX_TRITON_DENSE_PREFILL=1 turns it on where the kernel runs (here
     the interpreter) for GQA groups that are powers of two only."""

@@ -292,14 +292,16 @@ class TritonAttention(TorchAttention):
         return block_m, block_m // group
 
     @staticmethod
-    def _tiles_of(query_lens: list[int], seqs: list[int], block_q: int) -> list[list[int]]:
-        """[tile sequences, tile first queries] covering the queries of `seqs`."""
-        tile_seqs, starts = [], []
-        for i in seqs:
-            for start in range(0, query_lens[i], block_q):
-                tile_seqs.append(i)
-                starts.append(start)
-        return [tile_seqs, starts]
+    def _tiles_of(
+        query_lens: list[int], seqs: list[int], block_q: int, longest_first: bool = False
+    ) -> list[list[int]]:
+        """[tile sequences, tile first queries] covering the queries of `seqs`; longest_first:
+        ordered by first query, last first (causal tiles further in see more keys: the GPU
+        starts the longest programs first and fills the tail with short ones)."""
+        tiles = [(i, start) for i in seqs for start in range(0, query_lens[i], block_q)]
+        if longest_first:
+            tiles.sort(key=lambda t: -t[1])
+        return [[i for i, _ in tiles], [start for _, start in tiles]]
 
     def begin_step(self, batch: AttentionBatch) -> None:
         device = self.device
@@ -330,7 +332,7 @@ class TritonAttention(TorchAttention):
                     shapes.append((True, sorted(fresh), block_m, block_m // group))
                 for dense, seqs, block_m, block_q in shapes:
                     if seqs:
-                        seqs_starts = self._tiles_of(batch.query_lens, seqs, block_q)
+                        seqs_starts = self._tiles_of(batch.query_lens, seqs, block_q, dense)
                         count = len(seqs_starts[0])
                         tile_ranges.append((group, dense, block_m, block_q, len(parts), count))
                         parts += seqs_starts
