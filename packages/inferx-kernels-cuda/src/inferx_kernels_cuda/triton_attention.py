@@ -892,10 +892,10 @@ class TritonAttention(TorchAttention):
             )
 
         group = spec.num_q_heads // spec.num_kv_heads
+        scale_log2 = scale * _LOG2E
         dense = plan.dense_tiles.get(group)
         if dense is not None:
-            self._dense_prefill(dense, plan, spec, q, k, v, out, scale * _LOG2E)
-        scale_log2 = scale * _LOG2E
+            self._dense_prefill(dense, plan, spec, q, k, v, out, scale_log2)
         cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         if plan.num_decode:
             split = plan.num_splits > 1
