@@ -30,12 +30,14 @@ import argparse
 import os
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 from tune_prefill_attention import (
     BLOCK,
     attention_tflops,
     build,
+    inputs,
     parse_shapes,
     setup,
     time_layers,
@@ -47,27 +49,12 @@ from inferx_core.interfaces.kv import KVLayerSpec
 VARIANTS = ("triton", "triton-dense", "fi-fa2", "fi-fa3", "fi-fa3-ragged", "sdpa")
 
 
-def inputs(spec: KVLayerSpec, tokens: int, dtype: torch.dtype, device: torch.device):
-    gen = torch.Generator(device=device).manual_seed(1)
-    return tuple(
-        torch.randn(tokens, h, spec.head_dim, generator=gen, device=device).to(dtype)
-        for h in (spec.num_q_heads, spec.num_kv_heads, spec.num_kv_heads)
-    )
-
-
 def flashinfer_backend(prefill: str, spec: KVLayerSpec, layers: int, shape, device, batch):
     """FlashInferAttention over the same block layout as `build`'s Triton backend."""
     from inferx_kernels_cuda.flashinfer_attention import FlashInferAttention
 
-    old = os.environ.get("INFERX_FLASHINFER_PREFILL")
-    os.environ["INFERX_FLASHINFER_PREFILL"] = prefill
-    try:
+    with mock.patch.dict(os.environ, {"INFERX_FLASHINFER_PREFILL": prefill}):
         backend = FlashInferAttention([spec] * layers, BLOCK, torch.bfloat16, device)
-    finally:
-        if old is None:
-            os.environ.pop("INFERX_FLASHINFER_PREFILL")
-        else:
-            os.environ["INFERX_FLASHINFER_PREFILL"] = old
     n, length = shape
     backend.allocate(n * -(-length // BLOCK) + 1)
     backend.begin_step(batch)

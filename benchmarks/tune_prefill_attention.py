@@ -94,17 +94,24 @@ def build(
     return backend, batch
 
 
+def inputs(
+    spec: KVLayerSpec, tokens: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """q, k, v of a step's `tokens` new tokens, [tokens, heads, head_dim], seeded."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    return tuple(
+        torch.randn(tokens, h, spec.head_dim, generator=gen, device=device).to(dtype)
+        for h in (spec.num_q_heads, spec.num_kv_heads, spec.num_kv_heads)
+    )
+
+
 def measure(
     backend: TritonAttention, batch: object, spec: KVLayerSpec, tokens: int, layers: int, reps: int
 ) -> tuple[float, torch.Tensor]:
     """µs a layer of a prefill step's attention (mean of `reps` after a warm-up), and the last
     layer's output."""
     device = backend.device
-    gen = torch.Generator(device=device).manual_seed(1)
-    q, k, v = (
-        torch.randn(tokens, h, spec.head_dim, generator=gen, device=device).to(backend.dtype)
-        for h in (spec.num_q_heads, spec.num_kv_heads, spec.num_kv_heads)
-    )
+    q, k, v = inputs(spec, tokens, backend.dtype, device)
     scale = spec.head_dim**-0.5
     backend.begin_step(batch)
 

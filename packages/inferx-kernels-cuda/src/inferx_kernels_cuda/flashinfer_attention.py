@@ -4,7 +4,6 @@ TorchAttention's cache, planned once per step, with decode CUDA graphs."""
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -14,6 +13,7 @@ import torch
 from inferx_core.attention_torch import TorchAttention
 from inferx_core.interfaces.attention import AttentionBatch
 from inferx_core.interfaces.kv import KVLayerSpec
+from inferx_kernels_cuda.ops import env_choice
 from inferx_kernels_cuda.triton_attention import checked_graph_buffers, write_kv
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -31,11 +31,7 @@ def prefill_backend_from_env() -> str:
     one more module. FA3 measured faster alone, not yet in the engine: H200, Llama-3.1-8B's
     heads, µs a layer FA2 -> FA3 with the KV write (bench_prefill_peers.py, session 30): 16 x
     512 173.5 -> 167.9, 1 x 2048 173.2 -> 101.3, 1 x 8192 1778 -> 1039."""
-    value = os.environ.get("INFERX_FLASHINFER_PREFILL", "fa2")
-    if value not in _PREFILL_BACKENDS:
-        names = ", ".join(_PREFILL_BACKENDS)
-        raise ValueError(f"INFERX_FLASHINFER_PREFILL must be one of {names}; got {value!r}")
-    return value
+    return env_choice("INFERX_FLASHINFER_PREFILL", "fa2", _PREFILL_BACKENDS)
 
 
 @dataclass

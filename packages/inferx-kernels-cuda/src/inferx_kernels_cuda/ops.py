@@ -87,6 +87,15 @@ def env_int(name: str, default: int, lo: int, hi: int) -> int:
     return int(value)
 
 
+def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """One of `choices` from the environment (unset: default), for A/B runs of a kernel
+    variant; anything else is refused with the variable's name."""
+    value = os.environ.get(name, default)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
 def fused_norm_max_rows(k: int) -> int:
     """The default row limit of the post-attention norm inside gate_up (tma_norm_linear), by the
     hidden size k; past it the norm runs alone and gate_up as tma_gated. H200 decode steps at

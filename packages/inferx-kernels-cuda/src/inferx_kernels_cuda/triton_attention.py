@@ -318,10 +318,10 @@ class TritonAttention(TorchAttention):
         tiles: dict[int, list[_Tiles]] = {}
         dense_tiles: dict[int, _Tiles] = {}
         if prefill:
-            fresh = set()
-            if self.dense_prefill:
-                fresh = {i for i in prefill if batch.query_lens[i] == batch.context_lens[i]}
-            paged = [i for i in prefill if i not in fresh]
+            lens = zip(batch.query_lens, batch.context_lens, strict=True)
+            to_dense = [self.dense_prefill and q == c for q, c in lens]  # fresh prompts
+            fresh = [i for i in prefill if to_dense[i]]
+            paged = [i for i in prefill if not to_dense[i]]
             # Every index list travels in one host-to-device copy, each 16-byte aligned.
             parts = [list(decode)]
             tile_ranges = []  # (group, dense, block_m, block_q, first part, tile count)
@@ -329,7 +329,7 @@ class TritonAttention(TorchAttention):
                 shapes = [(False, paged, *self._tile_shape(group))]
                 if fresh:
                     block_m = max(self.dense_block_m, group)
-                    shapes.append((True, sorted(fresh), block_m, block_m // group))
+                    shapes.append((True, fresh, block_m, block_m // group))
                 for dense, seqs, block_m, block_q in shapes:
                     if seqs:
                         seqs_starts = self._tiles_of(batch.query_lens, seqs, block_q, dense)
