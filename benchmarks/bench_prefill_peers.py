@@ -45,6 +45,7 @@ from tune_prefill_attention import (
 )
 
 from inferx_core.interfaces.kv import KVLayerSpec
+from inferx_kernels_cuda.triton_attention import DenseConfig
 
 VARIANTS = ("triton", "triton-dense", "fi-fa2", "fi-fa3", "fi-fa3-ragged", "sdpa")
 
@@ -76,9 +77,7 @@ def variant_step(
         if name == "triton-dense":
             triton.dense_prefill = True
             if dense:
-                block_m, block_n, warps, stages = (int(x) for x in dense.split("x"))
-                triton.dense_block_m, triton.dense_block_n = block_m, block_n
-                triton.dense_launch = {"num_warps": warps, "num_stages": stages}
+                triton.dense_configs = [(0, DenseConfig.parse(dense))]
         triton.begin_step(batch)
         return lambda: [triton.forward(i, q, k, v, scale) for i in range(layers)][-1]
     if name == "sdpa":

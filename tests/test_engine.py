@@ -196,6 +196,27 @@ def test_warm_up_steps_leave_generation_unchanged(checkpoint, expected):
     assert generate(llm) == expected
 
 
+def test_warm_up_runs_the_backends_prompt_lengths(checkpoint, expected):
+    """A backend's warm_up_prompt_lens (kernel variants of their own, from those lengths) each
+    get one fresh-prompt step at start-up's warm-up, where a chunk that long can be scheduled;
+    generation after it is unchanged."""
+    llm = make_llm(checkpoint[0], **{"model.max_model_len": 128, "scheduler.prefill_chunk": 64})
+    executor = llm.engine.executor
+    executor.attention.warm_up_prompt_lens = (40, 64, 65)  # 65: past the chunk, never fresh
+    seen = []
+    step = executor._profile_step
+
+    def recording(query_lens, tables, rows, sample, context_lens=None):
+        seen.append((list(query_lens), list(context_lens or query_lens)))
+        return step(query_lens, tables, rows, sample, context_lens)
+
+    executor._profile_step = recording
+    executor._warm_up()
+    assert ([40], [40]) in seen and ([64], [64]) in seen
+    assert all(q != [65] for q, _ in seen)
+    assert generate(llm) == expected
+
+
 def test_eager_step_inputs_are_16_byte_aligned(checkpoint, expected):
     """The eager path packs ids, positions and sampled rows into one host tensor; each part must
     start 16-byte aligned whatever the token count (Triton compiles a kernel variant per pointer

@@ -17,7 +17,7 @@ from inferx_core.batch import make_attention_batch  # noqa: E402
 from inferx_core.interfaces.kv import KVLayerSpec  # noqa: E402
 from inferx_core.ops_torch import TorchOps  # noqa: E402
 from inferx_kernels_cuda.pdl import pdl_enabled  # noqa: E402
-from inferx_kernels_cuda.triton_attention import TritonAttention  # noqa: E402
+from inferx_kernels_cuda.triton_attention import DenseConfig, TritonAttention  # noqa: E402
 
 # Largest |triton - reference| over the largest |reference|. fp32 differs from float64 only by
 # summation order; fp16 by rounding the softmax weights to fp16 before P @ V (as every flash
@@ -128,6 +128,7 @@ def test_steps_match_dense(block_size: int, group: int, head_dim: int, dtype: to
     torch.manual_seed(block_size * 100 + group * 10 + head_dim)
     layers = [KVLayerSpec(2 * group, 2, head_dim), KVLayerSpec(group, 1, head_dim)]
     backend = TritonAttention(layers, block_size, dtype, torch.device("cpu"))
+    backend.dense_prefill = False  # prefill_kernel for every prompt (dense: the test below)
     totals, steps = plan_steps(SMALL_PLAN)
     assert check_steps(backend, totals, steps, against_torch=True) == [1, 1, 1, 1]
 
@@ -354,7 +355,7 @@ def test_dense_prefill_matches_dense(
     # A long prompt (tiles whose keys run past one tile) beside SMALL_PLAN's sequences.
     totals, steps = plan_steps([*SMALL_PLAN, (0, 37)])
     check_steps(backend, totals, steps, against_torch=True)
-    block_q = backend.dense_block_m // group
+    block_q = backend.dense_configs[0][1].block_m // group
     fresh_first = [9, 21, 5]  # the cached prefixes, prefilled fresh
     fresh_second = [13, 37]  # (0, 13) and (0, 37); (9, 7) has a prefix
     assert planned[0] == {group: sum(-(-n // block_q) for n in fresh_first)}
@@ -373,15 +374,51 @@ def test_dense_tiles_run_longest_first() -> None:
 
 
 def test_dense_prefill_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Off by default; INFERX_TRITON_DENSE_PREFILL=1 turns it on where the kernel runs (here
-    the interpreter) for GQA groups that are powers of two only."""
+    """On by default where the kernel runs (here the interpreter) for GQA groups up to 4
+    (powers of two only), off past them; INFERX_TRITON_DENSE_PREFILL=0 / 1 forces it."""
     cpu = torch.device("cpu")
+
+    def dense(q_heads: int, kv_heads: int) -> bool:
+        spec = KVLayerSpec(q_heads, kv_heads, 16)
+        return TritonAttention([spec], 16, torch.float32, cpu).dense_prefill
+
     monkeypatch.delenv("INFERX_TRITON_DENSE_PREFILL", raising=False)
-    assert not TritonAttention([KVLayerSpec(4, 2, 16)], 16, torch.float32, cpu).dense_prefill
-    monkeypatch.setenv("INFERX_TRITON_DENSE_PREFILL", "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert TritonAttention([KVLayerSpec(4, 2, 16)], 16, torch.float32, cpu).dense_prefill
-    assert not TritonAttention([KVLayerSpec(6, 2, 16)], 16, torch.float32, cpu).dense_prefill
+    assert dense(4, 2) and dense(8, 2) and not dense(16, 2) and not dense(6, 2)
+    monkeypatch.setenv("INFERX_TRITON_DENSE_PREFILL", "1")
+    assert dense(16, 2) and not dense(6, 2)
+    monkeypatch.setenv("INFERX_TRITON_DENSE_PREFILL", "0")
+    assert not dense(4, 2)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv("INFERX_TRITON_DENSE_PREFILL")
+    assert not dense(4, 2)
+
+
+def test_dense_config_ladder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The config by the step's longest fresh prompt: the GQA group's default ladder or
+    INFERX_TRITON_DENSE_CONFIGS; a bad ladder is refused with the variable's name; start-up
+    warms the ladder's later steps."""
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("INFERX_TRITON_DENSE_CONFIGS", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    narrow = TritonAttention([KVLayerSpec(32, 8, 128)], 16, torch.bfloat16, cpu)
+    wide = TritonAttention([KVLayerSpec(16, 2, 128)], 16, torch.bfloat16, cpu)
+    assert [at for at, _ in narrow.dense_configs] == [0, 8192]
+    assert [at for at, _ in wide.dense_configs] == [0, 2048, 8192]
+    assert narrow.dense_configs[0][1] == DenseConfig(64, 64, 4, 3)
+    assert narrow.warm_up_prompt_lens == ()  # no TMA here: dense off
+    monkeypatch.setenv("INFERX_TRITON_DENSE_CONFIGS", "0:64x64x4x2,1000:128x64x8x3")
+    backend = TritonAttention([KVLayerSpec(4, 2, 16)], 16, torch.float32, cpu)
+    assert backend.dense_configs == [
+        (0, DenseConfig(64, 64, 4, 2)),
+        (1000, DenseConfig(128, 64, 8, 3)),
+    ]
+    backend.dense_prefill = True
+    assert backend.warm_up_prompt_lens == (1000,)
+    for bad in ("64x64x4x2", "0:64x64x4", "10:64x64x4x2", "0:64x64x4x2,0:64x64x4x3", "0:axbxcxd"):
+        monkeypatch.setenv("INFERX_TRITON_DENSE_CONFIGS", bad)
+        with pytest.raises(ValueError, match="INFERX_TRITON_DENSE_CONFIGS"):
+            TritonAttention([KVLayerSpec(4, 2, 16)], 16, torch.float32, cpu)
 
 
 # The issue's conformance sizes; the lead runs these on the H200 (pytest -m gpu).

@@ -505,6 +505,9 @@ class ModelRunner(Executor):
         bs = self.block_size
         long = max(2, min(1024, self.max_model_len - 1, (num_blocks - 1) // 3 * bs))
         cases = [([1], [long]), ([1, 1], [1, 2]), ([1, 17], [long, 17]), ([1, 16], [1, 16])]
+        sched = self.config.scheduler
+        fits = min(sched.prefill_chunk, sched.max_batched_tokens, self.max_model_len)
+        cases += [([n], [n]) for n in self.attention.warm_up_prompt_lens if n <= fits]
         for query_lens, context_lens in cases:
             tables, next_block = fresh_tables(context_lens, bs)
             if next_block <= num_blocks:

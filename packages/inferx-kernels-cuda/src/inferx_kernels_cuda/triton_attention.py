@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -42,6 +42,43 @@ class _Tiles:
     count: int
 
 
+class DenseConfig(NamedTuple):
+    """dense_prefill_kernel's tile and launch: query rows a tile (queries x the GQA group),
+    keys a tile, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    @classmethod
+    def parse(cls, text: str) -> DenseConfig:
+        """From "BMxBNxWARPSxSTAGES", e.g. "128x64x8x3"."""
+        parts = text.split("x")
+        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"a dense prefill config is BMxBNxWARPSxSTAGES; got {text!r}")
+        return cls(*(int(p) for p in parts))
+
+
+def dense_configs_from_env(default: str) -> list[tuple[int, DenseConfig]]:
+    """INFERX_TRITON_DENSE_CONFIGS (unset: default): "TOKENS:CONFIG,...", each config taken by
+    steps whose longest fresh prompt has at least TOKENS tokens (the first must be 0)."""
+    name = "INFERX_TRITON_DENSE_CONFIGS"
+    text = os.environ.get(name, default)
+    ladder = []
+    for item in text.split(","):
+        tokens, _, config = item.partition(":")
+        if not tokens.isdigit():
+            raise ValueError(f"{name}: each entry is TOKENS:BMxBNxWARPSxSTAGES; got {item!r}")
+        try:
+            ladder.append((int(tokens), DenseConfig.parse(config)))
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+    if ladder[0][0] != 0 or any(a[0] >= b[0] for a, b in zip(ladder, ladder[1:], strict=False)):
+        raise ValueError(f"{name}: thresholds must rise from 0; got {text!r}")
+    return ladder
+
+
 @dataclass
 class _Plan:
     """One step's metadata, built once by begin_step and read by every layer's launches."""
@@ -61,6 +98,7 @@ class _Plan:
     seq_split: bool = False  # split_len is the shortest split; each sequence derives its own
     # by GQA group size: the fresh prompts' tiles for dense_prefill_kernel (dense_prefill)
     dense_tiles: dict[int, _Tiles] = field(default_factory=dict)
+    dense_config: DenseConfig | None = None  # their tile and launch
 
 
 def _graph_decode_rows(plan: _Plan) -> int:
@@ -254,20 +292,34 @@ class TritonAttention(TorchAttention):
         # dense_prefill: in eager steps, fresh prompts (no cached prefix) attend through
         # dense_prefill_kernel, over the step's own q, k (rotated in place) and v read by TMA,
         # instead of prefill_kernel over the paged cache; chunks over a cached prefix stay on
-        # the latter. Off until measured on the H200 (INFERX_TRITON_DENSE_PREFILL=1 turns it
-        # on); it needs GQA groups that are powers of two and a TMA GPU (or the interpreter).
-        # The kernel at 16 x 512 must beat prefill_kernel's 205 µs a layer (8B's heads, with
-        # the KV write); cuDNN's fused attention took 98, FlashInfer's FA3 ~112 (session 30).
+        # the latter. It needs GQA groups that are powers of two and a TMA GPU (or the
+        # interpreter). H200, µs a layer with the KV write, prefill_kernel -> dense at the
+        # ladder's config (session 31, bench_prefill_peers): 8B heads (group 4) 16 x 512
+        # 201.8 -> 148.6, 1 x 2048 145.5 -> 116.4, 4 x 2048 479 -> 312, 1 x 8192 1,609 -> 984;
+        # 3B heads (group 8) 99.6 -> 93.4, 104.9 -> 126.2, 253.5 -> 156.7, 873 -> 493. In the
+        # engine: 8B offline +0.5-1.2% and 8192-token TTFT -8%, but 3B offline -2.4% (three
+        # alternated rounds; 8192-token TTFT -11%), not yet explained. So on by default for
+        # groups up to 4, off past them; INFERX_TRITON_DENSE_PREFILL=1 / 0 forces it.
         groups = {s.num_q_heads // s.num_kv_heads for s in layers}
         tma = self.interpret or (torch.device(device).type == "cuda" and _has_tma(device))
         self.dense_prefill = (
-            env_switch("INFERX_TRITON_DENSE_PREFILL", default=False)
+            env_switch("INFERX_TRITON_DENSE_PREFILL", default=max(groups) <= 4)
             and tma
             and all(g & (g - 1) == 0 for g in groups)
         )
-        self.dense_block_m = 16 if small else 128  # query rows a tile (queries x the group)
-        self.dense_block_n = 16 if small else 64
-        self.dense_launch: dict[str, int] = {"num_warps": 8, "num_stages": 2}
+        # dense_configs: the kernel's config by the step's longest fresh prompt (at least
+        # that many tokens; session 31's sweep of 11 configs: three stages pay from 2048
+        # tokens, and at 16 x 512 for groups up to 4 only), INFERX_TRITON_DENSE_CONFIGS for
+        # A/B runs.
+        wide = max(groups) >= 8
+        ladder = (
+            "0:64x64x4x2,2048:64x32x4x3,8192:128x128x8x3"
+            if wide
+            else "0:64x64x4x3,8192:128x128x8x3"
+        )
+        self.dense_configs = (
+            [(0, DenseConfig(16, 16, 4, 1))] if small else dense_configs_from_env(ladder)
+        )
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         self._upcast = self.interpret and dtype == torch.bfloat16
         self._dot_precision = "ieee" if dtype == torch.float32 else "tf32"
@@ -275,6 +327,11 @@ class TritonAttention(TorchAttention):
         self._plan: _Plan | None = None
         self._graph: _GraphBuffers | None = None
         self._mixed: _MixedBuffers | None = None
+
+    @property
+    def warm_up_prompt_lens(self) -> tuple[int, ...]:  # type: ignore[override]
+        """AttentionBackend.warm_up_prompt_lens: the dense ladder's steps past its first."""
+        return tuple(at for at, _ in self.dense_configs[1:]) if self.dense_prefill else ()
 
     @property
     def keeps_splits(self) -> bool:  # type: ignore[override]
@@ -317,6 +374,7 @@ class TritonAttention(TorchAttention):
         decode_seqs = context_len  # never read in a decode-only step: decode i is sequence i
         tiles: dict[int, list[_Tiles]] = {}
         dense_tiles: dict[int, _Tiles] = {}
+        dense_config = None
         if prefill:
             lens = zip(batch.query_lens, batch.context_lens, strict=True)
             to_dense = [self.dense_prefill and q == c for q, c in lens]  # fresh prompts
@@ -325,10 +383,13 @@ class TritonAttention(TorchAttention):
             # Every index list travels in one host-to-device copy, each 16-byte aligned.
             parts = [list(decode)]
             tile_ranges = []  # (group, dense, block_m, block_q, first part, tile count)
+            if fresh:
+                longest = max(batch.query_lens[i] for i in fresh)
+                dense_config = [c for at, c in self.dense_configs if longest >= at][-1]
             for group in self._groups:
                 shapes = [(False, paged, *self._tile_shape(group))]
-                if fresh:
-                    block_m = max(self.dense_block_m, group)
+                if dense_config is not None:
+                    block_m = max(dense_config.block_m, group)
                     shapes.append((True, fresh, block_m, block_m // group))
                 for dense, seqs, block_m, block_q in shapes:
                     if seqs:
@@ -370,6 +431,7 @@ class TritonAttention(TorchAttention):
             part_lse=part_lse,
             tiles=tiles,
             dense_tiles=dense_tiles,
+            dense_config=dense_config,
         )
 
     def _plan_splits(self, num_decode: int, max_ctx: int) -> tuple[int, int]:
@@ -778,7 +840,9 @@ class TritonAttention(TorchAttention):
         """dense_prefill_kernel over the fresh prompts' tiles: q, k, v as [tokens, heads, dim]
         (k as the cache holds it), through TMA descriptors."""
         group = spec.num_q_heads // spec.num_kv_heads
-        dim, block_n = spec.head_dim, self.dense_block_n
+        config = plan.dense_config
+        assert config is not None
+        dim, block_n = spec.head_dim, config.block_n
         q_desc = TensorDescriptor.from_tensor(q, block_shape=[tiles.block_q, group, dim])
         k_desc = TensorDescriptor.from_tensor(k, block_shape=[block_n, 1, dim])
         v_desc = TensorDescriptor.from_tensor(v, block_shape=[block_n, 1, dim])
@@ -799,7 +863,8 @@ class TritonAttention(TorchAttention):
             BLOCK_N=block_n,
             UPCAST=self._upcast,
             DOT_PRECISION=self._dot_precision,
-            **self.dense_launch,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
         )
 
     def _forward(

@@ -630,6 +630,18 @@ def _dense_kv(k_desc, v_desc, row, kv_head, BLOCK_N: tl.constexpr, HEAD_DIM: tl.
 
 
 @triton.jit
+def _dense_softmax_step(s, v, m, row_sum, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+    """_softmax_step over raw scores s (-inf where hidden): the scale folds into the max and
+    the exponent's one multiply-add, and the P @ V product accumulates into acc in place."""
+    m_new = tl.maximum(m, tl.max(s, 1) * scale_log2)
+    p = tl.exp2(s * scale_log2 - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    row_sum = row_sum * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, row_sum, acc
+
+
+@triton.jit
 def dense_prefill_kernel(
     q_desc,
     k_desc,
@@ -673,14 +685,14 @@ def dense_prefill_kernel(
     full = first // BLOCK_N * BLOCK_N
     for start in range(0, full, BLOCK_N):
         k, v = _dense_kv(k_desc, v_desc, q_begin + start, kv_head, BLOCK_N, HEAD_DIM, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        m, row_sum, acc = _softmax_step(s, v, m, row_sum, acc, DOT_PRECISION)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        m, row_sum, acc = _dense_softmax_step(s, v, m, row_sum, acc, scale_log2, DOT_PRECISION)
     for start in range(full, tl.minimum(q_len, first + BLOCK_Q), BLOCK_N):
         k, v = _dense_kv(k_desc, v_desc, q_begin + start, kv_head, BLOCK_N, HEAD_DIM, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         pos = start + tl.arange(0, BLOCK_N)
         s = tl.where(pos[None, :] <= qi[:, None], s, float("-inf"))
-        m, row_sum, acc = _softmax_step(s, v, m, row_sum, acc, DOT_PRECISION)
+        m, row_sum, acc = _dense_softmax_step(s, v, m, row_sum, acc, scale_log2, DOT_PRECISION)
 
     # Every row sees position 0, so row_sum > 0.
     o = acc / row_sum[:, None]

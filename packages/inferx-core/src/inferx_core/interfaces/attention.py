@@ -100,6 +100,9 @@ class AttentionBackend(ABC):
     supports_mixed_graphs: bool = False
     fuses_rotary: bool = False
     keeps_splits: bool = False
+    # Fresh prompt lengths from which steps launch kernel variants of their own: start-up
+    # warms one step of each that fits (compiling them then, not while serving).
+    warm_up_prompt_lens: tuple[int, ...] = ()
 
     def __init__(
         self,
