@@ -3,6 +3,8 @@ batched, with chunked prefill, with the prefix cache warm, and after preemption.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -106,6 +108,27 @@ def generate(llm, prompts=PROMPTS):
 def test_batched_greedy_equals_transformers(checkpoint, expected):
     llm = make_llm(checkpoint[0])
     assert generate(llm) == expected
+
+
+def test_generate_keeps_no_object_a_token(checkpoint):
+    """LLM.generate keeps each request's outputs as flat lists, so the objects Python's full
+    collections walk stay level while tokens accrue (keeping every RequestOutput added two a
+    request a step: 8 a step here)."""
+    llm = make_llm(checkpoint[0])
+    counts = []
+    step = llm.engine.step
+
+    def counted():
+        gc.collect()
+        counts.append(len(gc.get_objects()))
+        return step()
+
+    llm.engine.step = counted
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    done = llm.generate([list(range(3, 40))] * 4, params)
+    assert [len(c.token_ids) for c in done] == [64] * 4
+    assert len(counts) >= 64
+    assert counts[-1] - counts[4] < 60, counts[4:]
 
 
 def test_chunked_prefill_equals_transformers(checkpoint, expected):
