@@ -6,13 +6,15 @@
 #   cp -r ../shared/fixtures/tokenizers/{qwen,llama3} .carry/tok/tokenizers/
 #   tar -C .carry/tok -cJf .carry/tokxz/tok.tar.xz tokenizers
 # then carry [".whl", ".carry/tokxz"] (unpacked below into .carry/tok on the machine).
-# Usage: bash scripts/gpu_run.sh [setup] [tests] [flashinfer] [profile] [pdl-edges] [pdl-late] [profile-prefill] [prefill-peers] [decode-variants] [breakdown] [gemv] [tma-gemv] [mixed] [barrier] [regs] [tune] [tune-prefill] [split-gemm] [startup] [cold-start] [serve-ab] [bench] [demo]
+# Usage: bash scripts/gpu_run.sh [setup] [tests] [flashinfer] [profile] [pdl-edges] [pdl-late] [profile-prefill] [profile-offline] [prefill-peers] [decode-variants] [breakdown] [gemv] [tma-gemv] [mixed] [barrier] [regs] [tune] [tune-prefill] [split-gemm] [startup] [cold-start] [serve-ab] [bench] [demo]
 #        [table | table-3b | table-8b] [pack]
 #   pack (last): $OUT's files as one out.tar.gz (a call brings back at most 8 files).
 #   flashinfer: its conformance tests (FI_K: a pytest -k filter), then its compiled kernels packed into $OUT as
 #   fi-cache.tar.part-*: keep them in .carry/fi/ (31 MB) and carry .carry/fi in later runs
 #   that use FlashInfer; they are copied into .whl/ before set-up, which unpacks them.
 #   breakdown: benchmarks/step_breakdown.py (the offline throughput run, step by step);
+#   profile-offline: benchmarks/profile_offline.py (the offline run's GPU time kernel by kernel,
+#   its idle stretches; PROFILE_OFFLINE_ARGS, default 8B with the Llama 3 tokenizer);
 #   profile: benchmarks/profile_decode.py (idle GPU time and kernels of a decode step, batch 1, 64).
 #   serve-ab: 3B serving only, variants of config (SERVE_AB_SETS) in SERVE_AB_REPEATS rounds.
 #   tune: benchmarks/tune_decode_attention.py (decode attention launch options, in graphs).
@@ -174,6 +176,9 @@ for step in "${steps[@]}"; do
       # and the dense-layer TFLOPS (PREFILL_ARGS: --preset, --tokenizer, --chunk ...).
       timeout 240 python3 benchmarks/profile_prefill.py ${PREFILL_ARGS:---preset qwen2.5-3b-instruct --tokenizer $TOK} \
         --json "$OUT/profile-prefill.json" 2>&1 | grep -v -i warn | tail -${PROFILE_TAIL:-40} ;;
+    profile-offline)
+      timeout 240 python3 benchmarks/profile_offline.py ${PROFILE_OFFLINE_ARGS:---preset llama-3.1-8b-instruct --tokenizer .carry/tok/tokenizers/llama3} \
+        --json "$OUT/profile-offline.json" 2>&1 | grep -v -i warn | grep -v USDT | tail -${PROFILE_TAIL:-45} ;;
     breakdown)
       # BREAKDOWN_SETS: ;-separated variants, each a space-separated list of --set KEY=VALUE.
       IFS=';' read -ra variants <<< "${BREAKDOWN_SETS:-engine.overlap=true;engine.overlap=false}"
