@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import tempfile
 import time
 from pathlib import Path
@@ -23,11 +22,10 @@ from typing import Any
 
 import torch
 from commit_id import commit_id
-from profile_decode import gaps, gpu_records, print_groups, print_kernels, trace_summary, with_sets
+from profile_decode import gaps, gpu_records, print_groups, print_kernels, trace_summary
+from step_breakdown import offline_arguments, offline_workload
 from torch.profiler import ProfilerActivity, profile
 
-from inferx_core.bench_offline import random_prompt
-from inferx_core.config import load_config
 from inferx_core.engine import LLM
 from inferx_core.sequence import SamplingParams
 
@@ -62,33 +60,13 @@ def longest_gaps(trace: Path, top: int) -> list[dict[str, Any]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="qwen2.5-3b-instruct")
-    ap.add_argument("--tokenizer", required=True)
-    ap.add_argument("--backend", default="triton")
-    ap.add_argument("--num-prompts", type=int, default=256)
-    ap.add_argument("--input-len", type=int, default=512)
-    ap.add_argument("--output-len", type=int, default=256)
+    offline_arguments(ap)
     ap.add_argument("--runs", type=int, default=2, help="unprofiled runs before the profiled one")
     ap.add_argument("--top", type=int, default=20)
-    ap.add_argument("--set", action="append", default=[], help="extra config KEY=VALUE")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    overrides = {
-        "model.preset": args.preset,
-        "model.tokenizer": args.tokenizer,
-        "engine.attention_backend": args.backend,
-        "scheduler.max_batched_tokens": 8192,
-        "scheduler.prefill_chunk": 8192,
-        "scheduler.prefix_cache": False,
-    }
-    if torch.cuda.is_available():
-        overrides |= {"model.dtype": "bfloat16", "kv_cache.memory": 0.9}
-    llm = LLM(load_config(None, with_sets(overrides, args.set)))
-    vocab = int(llm.engine.executor.hf_config["vocab_size"])
-    rng = random.Random(2)
-    prompts = [random_prompt(vocab, args.input_len, rng) for _ in range(args.num_prompts)]
-    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    llm.generate(prompts[:16], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    gpu = {"model.dtype": "bfloat16", "kv_cache.memory": 0.9} if torch.cuda.is_available() else {}
+    llm, prompts, params = offline_workload(args, gpu)
     tok_s = []
     for _ in range(args.runs):
         seconds, tokens = timed_generate(llm, prompts, params)

@@ -153,8 +153,8 @@ def slowest(rows: list[dict[str, Any]], n: int = 5) -> list[dict[str, Any]]:
     return sorted(timed, key=lambda r: -r["step_ms"])[:n]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def offline_arguments(ap: argparse.ArgumentParser) -> None:
+    """The offline run's options (also profile_offline.py's)."""
     ap.add_argument("--preset", default="qwen2.5-3b-instruct")
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--backend", default="triton")
@@ -162,19 +162,21 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--set", action="append", default=[], help="extra config KEY=VALUE")
-    ap.add_argument(
-        "--api-prompts", type=int, default=256, help="prompts of the profiled run of CUDA calls"
-    )
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+
+
+def offline_workload(
+    args: argparse.Namespace, extra: dict[str, Any]
+) -> tuple[LLM, list[list[int]], SamplingParams]:
+    """The engine (max_batched_tokens = prefill_chunk 8192, prefix cache off, plus `extra`
+    and --set), the run's random prompts and its params, after 16 short requests warmed it."""
     overrides = {
         "model.preset": args.preset,
         "model.tokenizer": args.tokenizer,
-        "model.dtype": "bfloat16",
         "engine.attention_backend": args.backend,
         "scheduler.max_batched_tokens": 8192,
         "scheduler.prefill_chunk": 8192,
         "scheduler.prefix_cache": False,
+        **extra,
     }
     llm = LLM(load_config(None, with_sets(overrides, args.set)))
     vocab = int(llm.engine.executor.hf_config["vocab_size"])
@@ -182,6 +184,18 @@ def main() -> None:
     prompts = [random_prompt(vocab, args.input_len, rng) for _ in range(args.num_prompts)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     llm.generate(prompts[:16], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    return llm, prompts, params
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    offline_arguments(ap)
+    ap.add_argument(
+        "--api-prompts", type=int, default=256, help="prompts of the profiled run of CUDA calls"
+    )
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    llm, prompts, params = offline_workload(args, {"model.dtype": "bfloat16"})
     kernels = triton_kernels()
     timer = StepTimer(llm.engine)
     t0 = time.perf_counter()
