@@ -297,10 +297,9 @@ class TritonAttention(TorchAttention):
         # ladder's config (session 31, bench_prefill_peers): 8B heads (group 4) 16 x 512
         # 201.8 -> 148.6, 1 x 2048 145.5 -> 116.4, 4 x 2048 479 -> 312, 1 x 8192 1,609 -> 984;
         # 3B heads (group 8) 99.6 -> 93.4, 104.9 -> 126.2, 253.5 -> 156.7, 873 -> 493. In the
-        # engine: 8B offline +0.5-1.2%, 8192-token TTFT -8% (8B) and -11% (3B); 3B offline
-        # level (session 32: four alternated runs, the run's GPU kernel time 2.59 s either
-        # way; session 31's -2.4% did not come back). INFERX_TRITON_DENSE_PREFILL=0 turns it
-        # off for A/B runs.
+        # engine: 8B offline +0.5-1.2% and 8192-token TTFT -8%; 3B offline +0.3-2.6% (session
+        # 32, three alternated rounds; session 31's -2.4% did not come back) and 8192-token
+        # TTFT -12%. INFERX_TRITON_DENSE_PREFILL=0 turns it off for A/B runs.
         groups = {s.num_q_heads // s.num_kv_heads for s in layers}
         tma = self.interpret or (torch.device(device).type == "cuda" and _has_tma(device))
         self.dense_prefill = (
