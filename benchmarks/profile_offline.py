@@ -26,21 +26,18 @@ from profile_decode import gaps, gpu_records, print_groups, print_kernels, trace
 from step_breakdown import offline_arguments, offline_workload
 from torch.profiler import ProfilerActivity, profile
 
+from inferx_core.bench_offline import sync
 from inferx_core.engine import LLM
 from inferx_core.sequence import SamplingParams
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
     """(seconds, output tokens) of one LLM.generate over every prompt."""
-    sync()
+    device = llm.engine.executor.device
+    sync(device)
     t0 = time.perf_counter()
     done = llm.generate(prompts, params)
-    sync()
+    sync(device)
     return time.perf_counter() - t0, sum(len(d.token_ids) for d in done)
 
 

@@ -23,7 +23,8 @@ from inferx_core.engine import LLM
 from inferx_core.sequence import SamplingParams
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op off CUDA), before or after a timed span."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -37,12 +38,12 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    _sync(device)
+    sync(device)
     reps = 10
     t0 = time.perf_counter()
     for _ in range(reps):
         dst.copy_(src)
-    _sync(device)
+    sync(device)
     return 2 * nbytes * reps / (time.perf_counter() - t0)
 
 
@@ -96,7 +97,7 @@ def run_latency(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
         times = []
         for _ in range(args.runs):
             p = random_prompt(vocab, n, rng)
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             llm.generate(p, one)
             times.append(time.perf_counter() - t0)

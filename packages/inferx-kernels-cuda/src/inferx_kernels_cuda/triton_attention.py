@@ -323,7 +323,7 @@ class TritonAttention(TorchAttention):
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         self._upcast = self.interpret and dtype == torch.bfloat16
         self._dot_precision = "ieee" if dtype == torch.float32 else "tf32"
-        self._groups = sorted({s.num_q_heads // s.num_kv_heads for s in layers})
+        self._groups = sorted(groups)
         self._plan: _Plan | None = None
         self._graph: _GraphBuffers | None = None
         self._mixed: _MixedBuffers | None = None
