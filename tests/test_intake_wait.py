@@ -95,6 +95,100 @@ def test_the_wait_ends_with_its_window(where: str) -> None:
     assert 0.15 < waited < 5.0
 
 
+class _Ready:
+    """A step submitted to DeviceExecutor: its result when the "device" has run it."""
+
+    def __init__(self, value: Any, at: float) -> None:
+        self.value, self.at = value, at
+
+    def result(self) -> Any:
+        time.sleep(max(0.0, self.at - time.monotonic()))
+        return self.value
+
+
+class DeviceExecutor(FakeExecutor):
+    """FakeExecutor as a device runs it with overlap: submit() returns at once, and a step
+    finishes LONG_S after the one before it when it has 500 tokens or more (2 ms otherwise)."""
+
+    supports_overlap = True
+
+    def __init__(self) -> None:
+        super().__init__(max_model_len=8192)
+        self.free_at = 0.0
+
+    def submit(self, out: Any) -> _Ready:
+        start = max(time.monotonic(), self.free_at)
+        self.free_at = start + (LONG_S if out.num_tokens >= 500 else 0.002)
+        return _Ready(self.execute(out), self.free_at)
+
+
+LONG_S = 1.0
+WINDOW = 0.2
+BUSY = load_config(None, {}).server.intake_busy_tokens  # the child reads it from its config
+BIG = {"scheduler.max_batched_tokens": 4096, "scheduler.prefill_chunk": 4096}
+
+
+def device_engine(overrides: dict[str, Any]) -> Any:
+    """Runs in the child (or on the thread): an Engine over DeviceExecutor."""
+    from inferx_core.tokenizer import Tokenizer
+
+    return Engine(
+        load_config(None, {**BIG, **overrides}),
+        executor=DeviceExecutor(),
+        tokenizer=Tokenizer.from_dir(QWEN),
+    )
+
+
+BUSY_LOOPS = {
+    "thread": lambda wait, on_output: EngineLoop(
+        device_engine({}), on_output=on_output, intake_wait=wait, intake_busy_tokens=BUSY
+    ),
+    "process": lambda wait, on_output: ProcessEngineLoop(
+        EngineProcess(partial(device_engine, {})), on_output=on_output, intake_wait=wait
+    ),
+}
+
+
+def output_times(make: Any, prompt_len: int) -> dict[str, list[float]]:
+    """Request "a" (prompt_len tokens) is handed over while "b" is being tokenized; "b" comes
+    1.5 windows later, once a's prompt step (LONG_S) is on the device. When each request's
+    outputs came out (one step's outputs share a time)."""
+    times: dict[str, list[float]] = {}
+
+    def on_output(sub: Any, index: int, out: Any, t: float) -> None:
+        times.setdefault(sub.rids[index], []).append(t)
+
+    async def run() -> None:
+        loop = make(WINDOW, on_output)
+        loop.start()
+        try:
+            loop.encoding = 1
+            subs = [await loop.submit([(list(range(3, 3 + prompt_len)), PARAMS)], "a")]
+            await asyncio.sleep(1.5 * WINDOW)
+            loop.encoding = 0
+            subs.append(await loop.submit([([21, 22, 23], PARAMS)], "b"))
+            for sub in subs:
+                async for _ in loop.outputs(sub):
+                    pass
+        finally:
+            await asyncio.to_thread(loop.stop)
+
+    asyncio.run(run())
+    return times
+
+
+@pytest.mark.parametrize("where", BUSY_LOOPS)
+def test_a_burst_joins_the_step_after_a_long_one(where: str) -> None:
+    """Behind a step of server.intake_busy_tokens or more on the device, the engine waits (up to the
+    window) for the rest of a burst before it schedules the next step: b's prompt runs beside
+    a's first decode. Behind a shorter step (as long on this device) it does not: b's prompt
+    waits for the step after, as every add did before."""
+    times = output_times(BUSY_LOOPS[where], BUSY)
+    assert times["b-0"][0] == times["a-0"][1]
+    times = output_times(BUSY_LOOPS[where], BUSY // 2)
+    assert times["b-0"][0] == times["a-0"][2]
+
+
 def test_encode_counts_what_it_is_tokenizing() -> None:
     """requests._encode counts a long text while it is on its worker thread (the count the loop
     reads), and uncounts it even when the tokenizer fails."""

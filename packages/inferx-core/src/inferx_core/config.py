@@ -171,6 +171,11 @@ class ServerSection(Section):
     # clients) waits up to this long for them, so that their prompts share one prompt step
     # instead of the first running alone and the rest queueing behind it. 0: never waits.
     intake_wait_ms: float = Field(default=5.0, ge=0, le=1000)
+    # ... and so does an engine whose step on the device has at least this many tokens, before
+    # it schedules the next step (the device is busy for longer than the wait). A 64-client
+    # burst's late half had otherwise waited out a whole 8192-token prompt step and left the
+    # next one short. 0: only an idle engine waits.
+    intake_busy_tokens: int = Field(default=2048, ge=0)
 
 
 class ParallelSection(Section):

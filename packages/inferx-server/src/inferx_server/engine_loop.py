@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from inferx_core.engine import RequestOutput, add_all
-from inferx_core.interfaces import SchedulerStats
+from inferx_core.interfaces import SchedulerOutput, SchedulerStats
 from inferx_core.sequence import SamplingParams
 
 if TYPE_CHECKING:
@@ -89,12 +89,15 @@ class EngineLoop:
         on_output: Callable[[Submission, int, RequestOutput, float], None] | None = None,
         on_abort: Callable[[int], None] | None = None,
         intake_wait: float = 0.0,
+        intake_busy_tokens: int = 0,
     ) -> None:
         self.engine = engine
         self.health_timeout = health_timeout
         # server.intake_wait_ms: how long an idle engine handed a request waits for those still
         # being tokenized (`encoding`, counted by requests._encode), so a burst shares a step.
         self.intake_wait = intake_wait
+        # server.intake_busy_tokens: ... and so does one whose step on the device is this long
+        self.intake_busy_tokens = intake_busy_tokens
         self.encoding = 0
         self.on_output = on_output  # metrics hooks, called on the event-loop thread
         self.on_abort = on_abort
@@ -108,6 +111,7 @@ class EngineLoop:
         self._stopping = False
         self._dead: BaseException | None = None
         self._heartbeat = time.monotonic()
+        self._last_hold = 0.0  # the hold of the latest add: > 0 while more are being tokenized
 
     # -- event-loop side ---------------------------------------------------------------------
 
@@ -245,7 +249,7 @@ class EngineLoop:
                 if idle and hold:
                     self._gather(hold)
                 if engine.has_work():
-                    outputs = engine.step()
+                    outputs = engine.step(self._intake)
                     self.steps += 1
                     if outputs:
                         loop.call_soon_threadsafe(self._deliver, outputs, time.monotonic())
@@ -267,7 +271,7 @@ class EngineLoop:
         hold = 0.0
         while True:
             if cmd[0] == "add":
-                hold = cmd[1].hold
+                hold = self._last_hold = cmd[1].hold
             self._command(*cmd)
             try:
                 cmd = self._inbox.get_nowait()
@@ -282,6 +286,15 @@ class EngineLoop:
         while (left := deadline - time.monotonic()) > 0:
             if not self._take_commands(left):
                 return
+
+    def _intake(self, in_flight: SchedulerOutput) -> None:
+        """Engine.step's intake: the commands queued meanwhile join the next step. While more
+        of a burst is being tokenized (the latest add's hold) and the step on the device is
+        long (intake_busy_tokens), wait for them as an idle engine does."""
+        self._take_commands(0.0)
+        busy = self.intake_busy_tokens
+        if self._last_hold and busy and in_flight.num_tokens >= busy:
+            self._gather(self._last_hold)
 
     def _command(self, kind: str, arg: Any) -> None:
         engine, loop = self.engine, self._loop
