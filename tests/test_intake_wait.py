@@ -123,9 +123,13 @@ class DeviceExecutor(FakeExecutor):
 
 
 LONG_S = 1.0
-WINDOW = 0.2
+BUSY_WAIT_S = 0.2
+BIG = {
+    "scheduler.max_batched_tokens": 4096,
+    "scheduler.prefill_chunk": 4096,
+    "server.intake_busy_ms": BUSY_WAIT_S * 1e3,
+}
 BUSY = load_config(None, {}).server.intake_busy_tokens  # the child reads it from its config
-BIG = {"scheduler.max_batched_tokens": 4096, "scheduler.prefill_chunk": 4096}
 
 
 def device_engine(overrides: dict[str, Any]) -> Any:
@@ -140,32 +144,33 @@ def device_engine(overrides: dict[str, Any]) -> Any:
 
 
 BUSY_LOOPS = {
-    "thread": lambda wait, on_output: EngineLoop(
-        device_engine({}), on_output=on_output, intake_wait=wait, intake_busy_tokens=BUSY
+    "thread": lambda on_output: EngineLoop(
+        device_engine({}),
+        on_output=on_output,
+        intake_busy_tokens=BUSY,
+        intake_busy_wait=BUSY_WAIT_S,
     ),
-    "process": lambda wait, on_output: ProcessEngineLoop(
-        EngineProcess(partial(device_engine, {})), on_output=on_output, intake_wait=wait
+    "process": lambda on_output: ProcessEngineLoop(
+        EngineProcess(partial(device_engine, {})), on_output=on_output
     ),
 }
 
 
 def output_times(make: Any, prompt_len: int) -> dict[str, list[float]]:
-    """Request "a" (prompt_len tokens) is handed over while "b" is being tokenized; "b" comes
-    1.5 windows later, once a's prompt step (LONG_S) is on the device. When each request's
-    outputs came out (one step's outputs share a time)."""
+    """Request "a" (prompt_len tokens) goes to an idle engine, "b" half the busy wait later,
+    while a's prompt step (LONG_S) is on the device. When each request's outputs came out
+    (one step's outputs share a time)."""
     times: dict[str, list[float]] = {}
 
     def on_output(sub: Any, index: int, out: Any, t: float) -> None:
         times.setdefault(sub.rids[index], []).append(t)
 
     async def run() -> None:
-        loop = make(WINDOW, on_output)
+        loop = make(on_output)
         loop.start()
         try:
-            loop.encoding = 1
             subs = [await loop.submit([(list(range(3, 3 + prompt_len)), PARAMS)], "a")]
-            await asyncio.sleep(1.5 * WINDOW)
-            loop.encoding = 0
+            await asyncio.sleep(BUSY_WAIT_S / 2)
             subs.append(await loop.submit([([21, 22, 23], PARAMS)], "b"))
             for sub in subs:
                 async for _ in loop.outputs(sub):
@@ -178,11 +183,11 @@ def output_times(make: Any, prompt_len: int) -> dict[str, list[float]]:
 
 
 @pytest.mark.parametrize("where", BUSY_LOOPS)
-def test_a_burst_joins_the_step_after_a_long_one(where: str) -> None:
-    """Behind a step of server.intake_busy_tokens or more on the device, the engine waits (up to the
-    window) for the rest of a burst before it schedules the next step: b's prompt runs beside
-    a's first decode. Behind a shorter step (as long on this device) it does not: b's prompt
-    waits for the step after, as every add did before."""
+def test_requests_join_the_step_after_a_long_one(where: str) -> None:
+    """Behind a step of server.intake_busy_tokens or more on the device, the engine takes the
+    requests of the next intake_busy_ms before it schedules the next step: b's prompt runs
+    beside a's first decode. Behind a shorter step (as long on this device) it does not: b's
+    prompt waits for the step after, as every request did before."""
     times = output_times(BUSY_LOOPS[where], BUSY)
     assert times["b-0"][0] == times["a-0"][1]
     times = output_times(BUSY_LOOPS[where], BUSY // 2)

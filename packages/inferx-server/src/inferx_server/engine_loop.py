@@ -90,14 +90,17 @@ class EngineLoop:
         on_abort: Callable[[int], None] | None = None,
         intake_wait: float = 0.0,
         intake_busy_tokens: int = 0,
+        intake_busy_wait: float = 0.0,
     ) -> None:
         self.engine = engine
         self.health_timeout = health_timeout
         # server.intake_wait_ms: how long an idle engine handed a request waits for those still
         # being tokenized (`encoding`, counted by requests._encode), so a burst shares a step.
         self.intake_wait = intake_wait
-        # server.intake_busy_tokens: ... and so does one whose step on the device is this long
+        # server.intake_busy_tokens / _ms: behind a step this long on the device, take adds for
+        # this many seconds before scheduling the next (_intake)
         self.intake_busy_tokens = intake_busy_tokens
+        self.intake_busy_wait = intake_busy_wait
         self.encoding = 0
         self.on_output = on_output  # metrics hooks, called on the event-loop thread
         self.on_abort = on_abort
@@ -111,7 +114,6 @@ class EngineLoop:
         self._stopping = False
         self._dead: BaseException | None = None
         self._heartbeat = time.monotonic()
-        self._last_hold = 0.0  # the hold of the latest add: > 0 while more are being tokenized
 
     # -- event-loop side ---------------------------------------------------------------------
 
@@ -271,7 +273,7 @@ class EngineLoop:
         hold = 0.0
         while True:
             if cmd[0] == "add":
-                hold = self._last_hold = cmd[1].hold
+                hold = cmd[1].hold
             self._command(*cmd)
             try:
                 cmd = self._inbox.get_nowait()
@@ -288,13 +290,15 @@ class EngineLoop:
                 return
 
     def _intake(self, in_flight: SchedulerOutput) -> None:
-        """Engine.step's intake: the commands queued meanwhile join the next step. While more
-        of a burst is being tokenized (the latest add's hold) and the step on the device is
-        long (intake_busy_tokens), wait for them as an idle engine does."""
+        """Engine.step's intake: the commands queued meanwhile join the next step, and behind
+        a long step on the device (intake_busy_tokens) so do those of the next
+        intake_busy_wait seconds (a wave of clients reaches the engine over ~15 ms)."""
         self._take_commands(0.0)
         busy = self.intake_busy_tokens
-        if self._last_hold and busy and in_flight.num_tokens >= busy:
-            self._gather(self._last_hold)
+        if busy and in_flight.num_tokens >= busy:
+            deadline = time.monotonic() + self.intake_busy_wait
+            while (left := deadline - time.monotonic()) > 0:
+                self._take_commands(left)
 
     def _command(self, kind: str, arg: Any) -> None:
         engine, loop = self.engine, self._loop

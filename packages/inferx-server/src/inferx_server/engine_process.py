@@ -145,12 +145,11 @@ class _Intake:
         self.engine = engine
         self.conn = conn
         self.trace = trace
-        self.last_hold = 0.0  # the hold of the latest add: > 0 while more are being tokenized
         self.stopped = False  # a "stop" came
-        # server.intake_busy_tokens of the engine's config (0, never waiting, for an engine
-        # without one)
+        # server.intake_busy_* of the engine's config (an engine without one never waits)
         server = getattr(getattr(engine, "config", None), "server", None)
         self.busy_tokens = getattr(server, "intake_busy_tokens", 0)
+        self.busy_wait = getattr(server, "intake_busy_ms", 0.0) / 1e3
 
     def take(self) -> float | None:
         """Runs every message waiting on the pipe. Returns the hold of the last add among them
@@ -163,7 +162,7 @@ class _Intake:
                 return None
             _command(self.engine, self.conn, msg)
             if msg[0] == "add":
-                hold = self.last_hold = msg[5]
+                hold = msg[5]
                 if self.trace:
                     self.trace.add(len(msg[2]), msg[4])
         return hold
@@ -178,8 +177,11 @@ class _Intake:
 
     def __call__(self, in_flight: Any) -> None:
         self.take()
-        if self.last_hold and self.busy_tokens and in_flight.num_tokens >= self.busy_tokens:
-            self.gather(self.last_hold)
+        if self.busy_tokens and in_flight.num_tokens >= self.busy_tokens:
+            deadline = time.monotonic() + self.busy_wait
+            while not self.stopped and (left := deadline - time.monotonic()) > 0:
+                if self.conn.poll(left):
+                    self.take()
 
 
 def _command(engine: Any, conn: Connection, msg: tuple) -> None:
