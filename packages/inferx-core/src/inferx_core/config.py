@@ -171,14 +171,6 @@ class ServerSection(Section):
     # clients) waits up to this long for them, so that their prompts share one prompt step
     # instead of the first running alone and the rest queueing behind it. 0: never waits.
     intake_wait_ms: float = Field(default=5.0, ge=0, le=1000)
-    # An engine whose step on the device has at least intake_busy_tokens tokens (0: never)
-    # takes the requests that come for intake_busy_ms before it schedules the next step, so
-    # they join that one instead of waiting out the step after it; the device is busy longer
-    # than that (Qwen2.5-3B: a 4096-token step is ~38 ms on the H200, 8192 ~80; 8B ~180). A
-    # 64-client wave's requests reach the engine over ~15 ms, and without the wait those past
-    # the first few had waited out a whole 8192-token prompt step and left a short one after.
-    intake_busy_tokens: int = Field(default=4096, ge=0)
-    intake_busy_ms: float = Field(default=20.0, ge=0, le=1000)
 
 
 class ParallelSection(Section):

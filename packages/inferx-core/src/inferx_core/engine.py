@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import atexit
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -199,15 +199,10 @@ class Engine:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def step(
-        self, intake: Callable[[SchedulerOutput], object] | None = None
-    ) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput]:
         """Run one step; report every request that produced tokens or finished. With overlap,
         the step reported is the one submitted by the call before (or by this call, at first),
-        and the next one is already on the device. `intake(step)`, if given, runs right before
-        that next one is scheduled, while `step` (the one reported) is on the device: a server
-        takes the requests that came meanwhile there, so they join the next step (after an idle
-        engine's first step, the second is scheduled within the same call)."""
+        and the next one is already on the device."""
         if self._in_flight is None:
             self._in_flight = self._submit(idle_ok=False)
             if self._in_flight is None:
@@ -215,8 +210,6 @@ class Engine:
         out, pending = self._in_flight
         self._in_flight = None
         if self.overlap and not any(c.seq.params.needs_history for c in out.chunks if c.sample):
-            if intake is not None:
-                intake(out)
             self._in_flight = self._submit(idle_ok=True)
         return self._apply(out, pending.result())
 

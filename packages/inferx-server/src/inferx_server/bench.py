@@ -394,7 +394,7 @@ class StubEngine:
     def stats(self) -> Any:
         return self._stats(running=len(self.active), waiting=0, kv_usage=0.0)
 
-    def step(self, intake: Any = None) -> list[Any]:  # no overlap: no intake to run
+    def step(self) -> list[Any]:
         from inferx_core.engine import RequestOutput
 
         time.sleep(self.step_s)  # 0 still yields the GIL, as a GPU wait would

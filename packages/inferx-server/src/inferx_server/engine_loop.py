@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from inferx_core.engine import RequestOutput, add_all
-from inferx_core.interfaces import SchedulerOutput, SchedulerStats
+from inferx_core.interfaces import SchedulerStats
 from inferx_core.sequence import SamplingParams
 
 if TYPE_CHECKING:
@@ -89,18 +89,12 @@ class EngineLoop:
         on_output: Callable[[Submission, int, RequestOutput, float], None] | None = None,
         on_abort: Callable[[int], None] | None = None,
         intake_wait: float = 0.0,
-        intake_busy_tokens: int = 0,
-        intake_busy_wait: float = 0.0,
     ) -> None:
         self.engine = engine
         self.health_timeout = health_timeout
         # server.intake_wait_ms: how long an idle engine handed a request waits for those still
         # being tokenized (`encoding`, counted by requests._encode), so a burst shares a step.
         self.intake_wait = intake_wait
-        # server.intake_busy_tokens / _ms: behind a step this long on the device, take adds for
-        # this many seconds before scheduling the next (_intake)
-        self.intake_busy_tokens = intake_busy_tokens
-        self.intake_busy_wait = intake_busy_wait
         self.encoding = 0
         self.on_output = on_output  # metrics hooks, called on the event-loop thread
         self.on_abort = on_abort
@@ -251,7 +245,7 @@ class EngineLoop:
                 if idle and hold:
                     self._gather(hold)
                 if engine.has_work():
-                    outputs = engine.step(self._intake)
+                    outputs = engine.step()
                     self.steps += 1
                     if outputs:
                         loop.call_soon_threadsafe(self._deliver, outputs, time.monotonic())
@@ -288,17 +282,6 @@ class EngineLoop:
         while (left := deadline - time.monotonic()) > 0:
             if not self._take_commands(left):
                 return
-
-    def _intake(self, in_flight: SchedulerOutput) -> None:
-        """Engine.step's intake: the commands queued meanwhile join the next step, and behind
-        a long step on the device (intake_busy_tokens) so do those of the next
-        intake_busy_wait seconds (a wave of clients reaches the engine over ~15 ms)."""
-        self._take_commands(0.0)
-        busy = self.intake_busy_tokens
-        if busy and in_flight.num_tokens >= busy:
-            deadline = time.monotonic() + self.intake_busy_wait
-            while (left := deadline - time.monotonic()) > 0:
-                self._take_commands(left)
 
     def _command(self, kind: str, arg: Any) -> None:
         engine, loop = self.engine, self._loop

@@ -69,28 +69,27 @@ def _child(conn: Connection, factory: Callable[[], Any]) -> None:
         conn.send(("dead", exc))
         return
     conn.send(("ready", engine.tokenizer, engine.max_model_len, checkpoint_source(engine)))
-    intake = _Intake(engine, conn, StepTrace.from_env())
-    trace = intake.trace
+    trace = StepTrace.from_env()
     try:
         while True:
             idle = not engine.has_work()
             if idle and not conn.poll(_BEAT_S):
                 conn.send(("beat", engine.scheduler.stats()))
                 continue
-            hold = intake.take()
+            hold = _take(engine, conn, trace)
             if idle and hold:  # more of a burst is being tokenized: see EngineLoop._gather
-                intake.gather(hold)
-            if intake.stopped:
+                deadline = time.monotonic() + hold
+                while hold and (left := deadline - time.monotonic()) > 0 and conn.poll(left):
+                    hold = _take(engine, conn, trace)
+            if hold is None:
                 return
             if engine.has_work():
                 start = time.monotonic()
-                outputs = engine.step(intake)
+                outputs = engine.step()
                 stats = engine.scheduler.stats()
                 conn.send(("out", outputs, time.monotonic(), stats))
                 if trace:
                     trace.step(start, len(outputs), stats)
-                if intake.stopped:
-                    return
     except (EOFError, BrokenPipeError):  # the parent went away
         return
     except BaseException as exc:  # noqa: BLE001
@@ -137,51 +136,20 @@ class StepTrace:
         )
 
 
-class _Intake:
-    """The child's side of the pipe: runs the commands waiting on it, gathers a burst's adds
-    as EngineLoop does (its _gather and _intake say when), and is Engine.step's intake."""
-
-    def __init__(self, engine: Any, conn: Connection, trace: StepTrace | None) -> None:
-        self.engine = engine
-        self.conn = conn
-        self.trace = trace
-        self.stopped = False  # a "stop" came
-        # server.intake_busy_* of the engine's config (an engine without one never waits)
-        server = getattr(getattr(engine, "config", None), "server", None)
-        self.busy_tokens = getattr(server, "intake_busy_tokens", 0)
-        self.busy_wait = getattr(server, "intake_busy_ms", 0.0) / 1e3
-
-    def take(self) -> float | None:
-        """Runs every message waiting on the pipe. Returns the hold of the last add among them
-        (0.0 when none was an add), None on "stop"."""
-        hold = 0.0
-        while self.conn.poll():
-            msg = self.conn.recv()
-            if msg[0] == "stop":
-                self.stopped = True
-                return None
-            _command(self.engine, self.conn, msg)
-            if msg[0] == "add":
-                hold = msg[5]
-                if self.trace:
-                    self.trace.add(len(msg[2]), msg[4])
-        return hold
-
-    def gather(self, hold: float) -> None:
-        """Takes messages for up to `hold` seconds, until an add comes with none behind it."""
-        deadline = time.monotonic() + hold
-        while hold and (left := deadline - time.monotonic()) > 0:
-            if not self.conn.poll(left):
-                return
-            hold = self.take()
-
-    def __call__(self, in_flight: Any) -> None:
-        self.take()
-        if self.busy_tokens and in_flight.num_tokens >= self.busy_tokens:
-            deadline = time.monotonic() + self.busy_wait
-            while not self.stopped and (left := deadline - time.monotonic()) > 0:
-                if self.conn.poll(left):
-                    self.take()
+def _take(engine: Any, conn: Connection, trace: StepTrace | None) -> float | None:
+    """Runs every message waiting on the pipe. Returns the hold of the last add among them
+    (0.0 when none was an add), None on "stop"."""
+    hold = 0.0
+    while conn.poll():
+        msg = conn.recv()
+        if msg[0] == "stop":
+            return None
+        _command(engine, conn, msg)
+        if msg[0] == "add":
+            hold = msg[5]
+            if trace:
+                trace.add(len(msg[2]), msg[4])
+    return hold
 
 
 def _command(engine: Any, conn: Connection, msg: tuple) -> None:

@@ -52,8 +52,6 @@ class LitestarTransport(Transport):
             engine,
             health_timeout=config.server.health_timeout,
             intake_wait=config.server.intake_wait_ms / 1e3,
-            intake_busy_tokens=config.server.intake_busy_tokens,
-            intake_busy_wait=config.server.intake_busy_ms / 1e3,
         )
         metrics = Metrics(name, lambda: loop.stats)
         loop.on_output, loop.on_abort = metrics.on_output, metrics.on_abort
