@@ -378,3 +378,31 @@ def test_prefill_peers_checks_each_variant_against_the_first(tmp_path: Path) -> 
     assert json.loads(out.read_text())["rows"] == rows
     with pytest.raises(SystemExit, match="unknown"):
         main(["--variants", "triton,flash"])
+
+
+def test_step_trace_finds_prompt_phases_and_their_adds(tmp_path: Path) -> None:
+    """benchmarks/step_trace.py: runs of steps past 3 x the median are prompt phases; the adds
+    of 50 ms before one to its end are its own, handed over at taken - the ms they carry."""
+    from step_trace import describe, phases, read
+
+    lines = ["0.990000 add 1 2.000", "0.995000 gc 0 0.100 0"]  # handed at 0.988
+    t = 1.0
+    for ms in (100.0, 120.0):  # phase 1
+        lines.append(f"{t:.6f} step {ms:.3f} 2 4 0")
+        t += ms / 1e3
+    for _ in range(10):  # decode steps
+        lines.append(f"{t:.6f} step 5.000 4 4 0")
+        t += 0.005
+    lines.append(f"{t + 0.010:.6f} add 1 1.000")  # taken inside phase 2
+    lines.append(f"{t:.6f} step 90.000 4 4 1")  # phase 2: one step
+    lines.append(f"{t + 0.090:.6f} step 5.000 4 4 0")
+    path = tmp_path / "trace.txt"
+    path.write_text("\n".join(lines) + "\n")
+    found = phases(*read(path))
+    assert [len(p.steps) for p in found] == [2, 1]
+    assert found[0].ms == pytest.approx(220.0)
+    assert found[0].adds == 1 and found[0].handed_ms == pytest.approx((-12.0, -12.0))
+    assert found[0].decodes_after == 10 and found[0].decode_ms_after == pytest.approx(5.0)
+    assert found[1].adds == 1 and found[1].handed_ms == pytest.approx((9.0, 9.0))
+    assert found[1].decodes_after == 1
+    assert "phase 2" in describe(found) and "2 steps of 100.0 120.0 ms" in describe(found)
