@@ -3,7 +3,7 @@
     python benchmarks/step_trace.py FILE [FILE ...] [--long 3] [--lookback-ms 50] [--json OUT]
 
 The engine child (server.engine_process) writes a line per add, per step and per garbage
-collection (engine_process.StepTrace; `gpu_run.sh` runs set INFERX_STEP_TRACE for it). A step
+collection (engine_process.StepTrace) when the server runs with INFERX_STEP_TRACE=FILE. A step
 longer than --long times the run's median step is a prompt step, and consecutive prompt steps
 make a prompt phase: a wave's prefill at 64 or 256 clients. For each phase: when it started, its
 steps (ms, and the running / waiting counts each left), its length, and the adds the child read
@@ -15,6 +15,7 @@ mean. Session 34 read wave 2 of 8B c=64 this way (docs/BENCHMARKS.md).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 from dataclasses import asdict, dataclass, field
@@ -68,32 +69,22 @@ def phases(
     if not steps:
         return []
     cut = long * statistics.median(s.ms for s in steps)
+    # Alternating runs of prompt steps and decode steps, in start order.
+    runs = [(slow, list(run)) for slow, run in itertools.groupby(steps, lambda s: s.ms > cut)]
     found: list[Phase] = []
-    run: list[Step] = []
-    decodes: list[Step] = []
-    for step in [*steps, None]:
-        if step is not None and step.ms > cut:
-            if not run and found:  # the decode steps since the last phase belong to it
-                found[-1].decodes_after = len(decodes)
-                found[-1].decode_ms_after = statistics.fmean(s.ms for s in decodes or [step])
-            if not run:
-                decodes = []
-            run.append(step)
+    for i, (slow, run) in enumerate(runs):
+        if not slow:
             continue
-        if run:
-            found.append(Phase(run[0].start, run))
-            run = []
-        if step is not None:
-            decodes.append(step)
-    if found and decodes:
-        found[-1].decodes_after = len(decodes)
-        found[-1].decode_ms_after = statistics.fmean(s.ms for s in decodes)
-    for p in found:
+        p = Phase(run[0].start, run)
+        if i + 1 < len(runs):  # the decode steps up to the next phase
+            p.decodes_after = len(runs[i + 1][1])
+            p.decode_ms_after = statistics.fmean(s.ms for s in runs[i + 1][1])
         lo, hi = p.start - lookback_ms / 1e3, p.start + p.ms / 1e3
         handed = [h for taken, h in adds if lo <= taken <= hi]
         p.adds = len(handed)
         if handed:
             p.handed_ms = ((min(handed) - p.start) * 1e3, (max(handed) - p.start) * 1e3)
+        found.append(p)
     return found
 
 
