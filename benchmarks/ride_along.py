@@ -60,9 +60,7 @@ def run_chunk(
     def prompt(n: int) -> list[int]:
         return [rng.randrange(low, vocab) for _ in range(n)]
 
-    long = SamplingParams(
-        max_tokens=steps + profile_steps + 64, temperature=0, ignore_eos=True
-    )
+    long = SamplingParams(max_tokens=steps + profile_steps + 64, temperature=0, ignore_eos=True)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     ids = [engine.add_request(prompt(context), long) for _ in range(decodes)]
     while any(i in engine.requests and engine.requests[i].seq.num_output == 0 for i in ids):
