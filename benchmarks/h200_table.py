@@ -28,12 +28,18 @@ pick FlashInfer once installed, whose first JIT compile alone takes minutes on a
 prefill_chunk = 8192, CUDA graphs on; prefix caching off offline and on (the default) when
 serving, as the peer was measured.
 
-Isolation: this process never touches the GPU. Per model, one child process builds the engine
-once and measures the offline figures, writing each to JSON as soon as it is done; then the
-server starts in another child. A figure that raises is recorded as its error and the next one
-runs; a child that dies or overruns is killed and what it finished is kept; an engine that
-cannot start with kv_cache.memory is started once more with a fixed kv_cache.num_blocks (40 GiB
-worth, at most 65,536), so a fault in the profiled sizing costs one start-up, not the table.
+Clocks: every offline figure and every serve run samples the GPU's SM clock and power with
+nvidia-smi every 100 ms (benchmarks/gpu_clocks.py; the CSVs in h200-table-logs/), and the table
+gives each throughput's median clock, mean power and power-capped share beside it: held at its
+700 W limit, an H200 runs compute-bound steps well under its 1980 MHz boost.
+
+Isolation: this process never touches the GPU (nvidia-smi reads it without a CUDA context).
+Per model, one child process builds the engine once and measures the offline figures, writing
+each to JSON as soon as it is done; then the server starts in another child. A figure that
+raises is recorded as its error and the next one runs; a child that dies or overruns is killed
+and what it finished is kept; an engine that cannot start with kv_cache.memory is started once
+more with a fixed kv_cache.num_blocks (40 GiB worth, at most 65,536), so a fault in the
+profiled sizing costs one start-up, not the table.
 
 Time: --budget-s (default 450) bounds the whole run. Each model gets an equal share of what is
 left when it starts; its offline child at most 45% of that share; the server at most 240 s to
@@ -65,6 +71,7 @@ from pathlib import Path
 from typing import Any
 
 from commit_id import commit_id
+from gpu_clocks import GpuClocks, describe
 
 FIGURES = ("decode", "ttft", "throughput", "serve", "startup")
 OFFLINE = ("decode", "ttft", "throughput")
@@ -285,14 +292,20 @@ def offline_child(spec_path: str) -> int:
     figures = {"decode": fig_decode, "ttft": fig_ttft, "throughput": fig_throughput}
     for name in spec["figures"]:
         t0 = time.perf_counter()
+        clocks = GpuClocks(out.with_name(f"clocks-{out.stem}-{name}.csv"))
         try:
-            result[name] = figures[name](llm, sizes)
+            with clocks:
+                result[name] = figures[name](llm, sizes)
         except Exception as exc:
             result[name] = error_of(exc)
             traceback.print_exc()
         result[name]["seconds"] = time.perf_counter() - t0
+        result[name]["gpu_clocks"] = clocks.summary
         write_json(out, result)
-        print(f"{name} done in {result[name]['seconds']:.1f} s", flush=True)
+        print(
+            f"{name} done in {result[name]['seconds']:.1f} s; {describe(clocks.summary)}",
+            flush=True,
+        )
     return 0
 
 
@@ -581,22 +594,26 @@ def run_serve(
                         if i and left < 10:
                             break  # the rounds done so far stand
                         kernels = triton_kernels()
-                        r = load(
-                            url,
-                            model,
-                            prompts[c][i],
-                            c,
-                            s,
-                            min(SERVE_RUN_CAP_S, left),
-                            no_keep_alive=run.args.no_keep_alive,
-                        )
+                        clocks = GpuClocks(run.logs / f"clocks-{preset}-c{c}-{i + 1}.csv")
+                        with clocks:
+                            r = load(
+                                url,
+                                model,
+                                prompts[c][i],
+                                c,
+                                s,
+                                min(SERVE_RUN_CAP_S, left),
+                                no_keep_alive=run.args.no_keep_alive,
+                            )
+                        r["gpu_clocks"] = clocks.summary
                         # Kernels compiled mid-run: start-up's warm-up should have done them all.
                         r["triton_compiled"] = sorted(triton_kernels() - kernels)
                         rounds.append(r)
                         print(
                             f"[{preset}] serve c={c}: {r['output_throughput']:.0f} tok/s, "
                             f"{r['completed']}/{r['num_prompts']} done; Triton kernels compiled "
-                            f"during the run: {r['triton_compiled'] or 'none'}",
+                            f"during the run: {r['triton_compiled'] or 'none'}; "
+                            f"{describe(r['gpu_clocks'])}",
                             flush=True,
                         )
                     serve[str(c)] = median_round(rounds)
@@ -622,6 +639,7 @@ def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     r = dict(ranked[(len(ranked) - 1) // 2])
     if len(rounds) > 1:
         r["rounds_tok_s"] = [x["output_throughput"] for x in rounds]
+        r["rounds_gpu_clocks"] = [x.get("gpu_clocks") for x in rounds]
     return r
 
 
@@ -738,8 +756,19 @@ def _ttft(t: dict[str, Any]) -> str:
     return f"{t['ttft_ms']:.1f} ({_num(t['prefill_tok_s'], 0)})"
 
 
+def _clocks(fig: dict[str, Any]) -> str:
+    """'; GPU 1,740 MHz, 695 W, capped 98%' for a figure whose run sampled busy clocks."""
+    c = fig.get("gpu_clocks") or {}
+    if not c.get("busy_samples"):
+        return ""
+    return (
+        f"; GPU {_num(c['sm_mhz_median'], 0)} MHz, {c['power_w_mean']:.0f} W, "
+        f"capped {c['power_capped']:.0%}"
+    )
+
+
 def _throughput(t: dict[str, Any]) -> str:
-    return _num(t["output_tok_s"], 0)
+    return _num(t["output_tok_s"], 0) + _clocks(t)
 
 
 def _serve(r: dict[str, Any]) -> str:
@@ -753,7 +782,7 @@ def _serve(r: dict[str, Any]) -> str:
         text += f" (median of {len(rounds)}: {' / '.join(_num(t, 0) for t in rounds)})"
     if "round_error" in r:
         text += f"; a later round failed: {r['round_error'].splitlines()[0]}"
-    return text + (f"; {r['failed']} failed" if r["failed"] else "")
+    return text + (f"; {r['failed']} failed" if r["failed"] else "") + _clocks(r)
 
 
 def table(preset: str, res: dict[str, Any], s: Sizes) -> str:

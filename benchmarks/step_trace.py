@@ -10,6 +10,10 @@ steps (ms, and the running / waiting counts each left), its length, and the adds
 from --lookback-ms before it to its end, with when the HTTP side had handed them over (ms from
 the phase's start): how the wave reached the engine. Between phases: the decode steps' count and
 mean. Session 34 read wave 2 of 8B c=64 this way (docs/BENCHMARKS.md).
+
+--clocks CSV [CSV ...]: the GPU's clocks sampled over the same run (gpu_clocks.GpuClocks;
+h200_table.py writes one per serve run into h200-table-logs/): each phase's, and its decode
+steps', median SM clock, mean power and power-capped share.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ import json
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
+
+from gpu_clocks import Sample, parse, summarize
 
 
 @dataclass
@@ -39,6 +46,8 @@ class Phase:
     handed_ms: tuple[float, float] | None = None  # first and last hand-over, from the start
     decodes_after: int = 0  # decode steps from this phase's end to the next phase
     decode_ms_after: float = 0.0  # their mean
+    clocks: dict[str, Any] = field(default_factory=dict)  # gpu_clocks.summarize over the phase
+    decode_clocks: dict[str, Any] = field(default_factory=dict)  # over the decode steps after
     ms: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -88,6 +97,28 @@ def phases(
     return found
 
 
+def add_clocks(found: list[Phase], samples: list[Sample], steps: list[Step]) -> None:
+    """Each phase's clocks, and those of the decode steps after it (to the next phase's start,
+    or the run's last step)."""
+    end = steps[-1].start + steps[-1].ms / 1e3 if steps else 0.0
+    for i, p in enumerate(found):
+        stop = p.start + p.ms / 1e3
+        p.clocks = summarize(samples, p.start, stop)
+        if p.decodes_after:
+            p.decode_clocks = summarize(
+                samples, stop, found[i + 1].start if i + 1 < len(found) else end
+            )
+
+
+def _clock_text(c: dict[str, Any]) -> str:
+    if not c.get("busy_samples"):
+        return ""
+    return (
+        f" [GPU {c['sm_mhz_median']:.0f} MHz, {c['power_w_mean']:.0f} W, capped "
+        f"{100 * c['power_capped']:.0f}%, {c['busy_samples']} samples]"
+    )
+
+
 def describe(found: list[Phase]) -> str:
     if not found:
         return "no prompt phase"
@@ -100,9 +131,13 @@ def describe(found: list[Phase]) -> str:
         lines.append(
             f"phase {i} at {p.start - t0:.3f} s: {len(p.steps)} steps of {steps} ms = "
             f"{p.ms:.0f} ms (running/waiting after each: {left}); {p.adds} adds{handed}"
+            + _clock_text(p.clocks)
         )
         if p.decodes_after:
-            lines.append(f"  then {p.decodes_after} decode steps, {p.decode_ms_after:.2f} ms mean")
+            lines.append(
+                f"  then {p.decodes_after} decode steps, {p.decode_ms_after:.2f} ms mean"
+                + _clock_text(p.decode_clocks)
+            )
     return "\n".join(lines)
 
 
@@ -111,11 +146,18 @@ def main() -> None:
     ap.add_argument("files", nargs="+", type=Path)
     ap.add_argument("--long", type=float, default=3.0, help="x the median step: a prompt step")
     ap.add_argument("--lookback-ms", type=float, default=50.0)
+    ap.add_argument("--clocks", nargs="*", type=Path, default=[], help="GpuClocks CSVs")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    samples = sorted(
+        (x for f in args.clocks for x in parse(f.read_text())), key=lambda x: x.monotonic
+    )
     out = {}
     for path in args.files:
-        found = phases(*read(path), args.long, args.lookback_ms)
+        steps, adds = read(path)
+        found = phases(steps, adds, args.long, args.lookback_ms)
+        if samples:
+            add_clocks(found, samples, steps)
         print(f"== {path}\n{describe(found)}")
         out[str(path)] = [asdict(p) for p in found]
     if args.json:

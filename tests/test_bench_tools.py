@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -406,3 +407,95 @@ def test_step_trace_finds_prompt_phases_and_their_adds(tmp_path: Path) -> None:
     assert found[1].adds == 1 and found[1].handed_ms == pytest.approx((9.0, 9.0))
     assert found[1].decodes_after == 1
     assert "phase 2" in describe(found) and "2 steps of 100.0 120.0 ms" in describe(found)
+
+
+def _smi_line(wall: float, sm: int, power: float, reasons: int, util: int) -> str:
+    """One nvidia-smi --query-gpu=gpu_clocks.QUERY --format=csv,noheader line."""
+    from datetime import datetime
+
+    stamp = datetime.fromtimestamp(wall).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+    return f"{stamp}, {sm} MHz, 3201 MHz, {power:.2f} W, 50, 0x{reasons:016x}, {util} %"
+
+
+def test_gpu_clocks_summarizes_busy_samples_on_the_monotonic_clock() -> None:
+    """benchmarks/gpu_clocks.py: samples land on time.monotonic() through the file's offset;
+    the clock and power figures count busy samples only, the energy every sample's span."""
+    from gpu_clocks import describe, parse, summarize
+
+    offset = 1_700_000_000.0  # wall minus monotonic
+    rows = [  # (monotonic s, SM MHz, W, reasons, utilization %)
+        (10.0, 1980, 120.0, 0x0, 0),
+        (10.1, 1500, 690.0, 0x4, 100),
+        (10.2, 1600, 700.0, 0x4, 100),
+        (10.3, 1900, 650.0, 0x0, 100),
+        (10.4, 1980, 100.0, 0x1, 0),
+    ]
+    text = "\n".join(
+        [f"offset {offset:.6f}", *(_smi_line(offset + t, *r) for t, *r in rows), "2026/12/0"]
+    )
+    samples = parse(text)
+    assert len(samples) == 5  # the cut-off last line is skipped
+    assert [s.monotonic for s in samples] == pytest.approx([r[0] for r in rows], abs=2e-3)
+    got = summarize(samples)
+    assert got["busy_samples"] == 3 and got["sm_mhz_median"] == 1600
+    assert got["power_w_mean"] == pytest.approx(680.0)
+    assert got["power_capped"] == pytest.approx(2 / 3)
+    assert got["energy_j"] == pytest.approx(452.0 * 0.4, rel=1e-2)  # mean of all 5 x 0.4 s
+    window = summarize(samples, 10.15, 10.35)
+    assert window["busy_samples"] == 2 and window["power_capped"] == 0.5
+    assert "1750 MHz" in describe(window) and "capped 50%" in describe(window)
+    assert summarize(samples, 20.0, 21.0)["busy_samples"] == 0
+
+
+def test_gpu_clocks_samples_beside_a_block_and_survives_no_nvidia_smi(tmp_path: Path) -> None:
+    """GpuClocks runs its command while the block runs and summarizes what it wrote; a missing
+    command gives an error summary, not an exception."""
+    from gpu_clocks import GpuClocks
+
+    fake = (  # three busy samples of 1700-1702 MHz at the time it prints them, then waits
+        "import time\n"
+        "from datetime import datetime\n"
+        "for i in range(3):\n"
+        "    stamp = datetime.now().strftime('%Y/%m/%d %H:%M:%S.%f')[:-3]\n"
+        "    print(f'{stamp}, {1700 + i} MHz, 3201 MHz, 695.00 W, 50, 0x4, 100 %', flush=True)\n"
+        "    time.sleep(0.05)\n"
+        "time.sleep(30)\n"
+    )
+    clocks = GpuClocks(tmp_path / "c.csv", command=[sys.executable, "-c", fake])
+    with clocks:
+        deadline = time.monotonic() + 20
+        while (tmp_path / "c.csv").read_text().count("MHz") < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert clocks.proc is not None and clocks.proc.poll() is not None  # stopped
+    assert clocks.summary["busy_samples"] == 3 and clocks.summary["sm_mhz_median"] == 1701
+    assert clocks.summary["power_capped"] == 1.0
+    missing = GpuClocks(tmp_path / "m.csv", command=["no-such-nvidia-smi"])
+    with missing:
+        pass
+    assert "not found" in missing.summary["unavailable"] and not (tmp_path / "m.csv").exists()
+
+
+def test_step_trace_gives_each_phase_its_clocks(tmp_path: Path) -> None:
+    """step_trace.add_clocks: the samples inside a prompt phase are its clocks, those from its
+    end to the next phase its decode steps'."""
+    from gpu_clocks import Sample
+    from step_trace import add_clocks, describe, phases, read
+
+    lines, t = [], 1.0
+    for ms in [200.0] + [5.0] * 40 + [200.0, 5.0]:
+        lines.append(f"{t:.6f} step {ms:.3f} 4 4 0")
+        t += ms / 1e3
+    path = tmp_path / "trace.txt"
+    path.write_text("\n".join(lines) + "\n")
+    steps, adds = read(path)
+    found = phases(steps, adds)
+    assert len(found) == 2
+    samples = [  # phase 1 (1.0-1.2 s) at 1500 MHz, its decode steps (1.2-1.4) at 1900
+        Sample(t, 1500.0 if t < 1.2 else 1900.0, 3201.0, 690.0, 50.0, 4, 100.0)
+        for t in (1.05, 1.1, 1.15, 1.25, 1.3, 1.35)
+    ]
+    add_clocks(found, samples, steps)
+    assert found[0].clocks["sm_mhz_median"] == 1500 and found[0].clocks["busy_samples"] == 3
+    assert found[0].decode_clocks["sm_mhz_median"] == 1900
+    assert found[1].clocks["busy_samples"] == 0
+    assert "[GPU 1500 MHz, 690 W, capped 100%, 3 samples]" in describe(found)

@@ -58,7 +58,7 @@ def test_every_figure_is_measured(quick: tuple[dict[str, Any], str]) -> None:
     assert errors(res) == []
     d = res["decode"]
     assert d["ms_per_token"] > 0 and d["floor_ms_per_token"] > 0 and len(d["runs_ms"]) == 2
-    assert set(res["ttft"]) == {"64", "128", "seconds"}
+    assert set(res["ttft"]) == {"64", "128", "seconds", "gpu_clocks"}
     assert all(res["ttft"][n]["ttft_ms"] > 0 and res["ttft"][n]["prefill_tok_s"] > 0
                for n in ("64", "128"))  # fmt: skip
     assert res["throughput"]["output_tok_s"] > 0 and res["throughput"]["num_prompts"] == 8
@@ -70,6 +70,9 @@ def test_every_figure_is_measured(quick: tuple[dict[str, Any], str]) -> None:
         assert r["output_throughput"] > 0 and r["ttft_ms"]["mean"] > 0 and r["itl_ms"]["p99"] > 0
         # --serve-rounds 2: both runs' throughputs kept, the lower (the median of two) reported
         assert len(r["rounds_tok_s"]) == 2 and r["output_throughput"] == min(r["rounds_tok_s"])
+        # each run sampled the GPU's clocks, or says why not (no nvidia-smi on a CPU machine)
+        assert len(r["rounds_gpu_clocks"]) == 2
+        assert all("unavailable" in g or "busy_samples" in g for g in r["rounds_gpu_clocks"])
     off, server = res["startup"]["offline"], res["startup"]["server"]
     assert off["spawn_to_ready_s"] > off["engine_s"] > 0 and "weights" in off["parts_s"]
     assert isinstance(off["triton_compiled"], int) and off["triton_compiled"] >= 0
