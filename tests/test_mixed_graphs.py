@@ -34,8 +34,9 @@ CPU = torch.device("cpu")
 
 
 def test_token_ladder() -> None:
-    assert token_ladder(2048) == [64, 256, 512, 768, 1024, 1536, 2048]
-    assert token_ladder(1000) == [64, 256, 512, 768, 1000]
+    assert token_ladder(2048) == [64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert token_ladder(1000) == [64, 128, 192, 256, 384, 512, 768, 1000]
+    assert token_ladder(200) == [64, 128, 192, 200]
     assert token_ladder(64) == [64]
     assert token_ladder(10) == [10]
     with pytest.raises(ValueError, match="at least 1"):

@@ -44,12 +44,14 @@ def batch_ladder(max_batch: int) -> list[int]:
 
 
 def token_ladder(max_tokens: int) -> list[int]:
-    """Token counts to capture steps with prompt tokens at, ascending: 64, 256, 512, 768, then
-    every 512, and max_tokens itself. Below 512 tokens a step's GPU time hardly depends on its
-    length (the weights are read once either way), so the rungs can be far apart there."""
+    """Token counts to capture steps with prompt tokens at, ascending: 64, 128, 192, 256, 384,
+    512, 768, then every 512, and max_tokens itself. Past 64 rows the GEMMs are cuBLAS's and
+    their time grows with the rows a graph was captured at: 64 decodes and a 32-token chunk
+    took 8.9 ms for Llama-3.1-8B on the H200 at a 256-token rung, against 5.9 for the decodes
+    alone (BENCHMARKS.md session 35), hence the close rungs up to 512."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
-    sizes = [s for s in (64, 256, 512, 768) if s < max_tokens]
+    sizes = [s for s in (64, 128, 192, 256, 384, 512, 768) if s < max_tokens]
     sizes += range(1024, max_tokens, 512)
     return sizes + [max_tokens]
 
