@@ -45,22 +45,42 @@ def test_token_ladder() -> None:
 
 @interpreted
 @pytest.mark.parametrize(
-    ("block_size", "group", "dtype"),
-    [(4, 1, torch.float32), (16, 2, torch.float32), (4, 4, torch.float16), (16, 2, torch.bfloat16)],
+    ("block_size", "group", "dtype", "target_programs"),
+    [
+        (4, 1, torch.float32, None),
+        (16, 2, torch.float32, None),
+        (4, 4, torch.float16, None),
+        (16, 2, torch.bfloat16, None),
+        (4, 2, torch.float32, 64),
+        (16, 4, torch.bfloat16, 64),
+    ],
 )
-def test_static_mixed_path_matches_eager(block_size: int, group: int, dtype: torch.dtype) -> None:
+def test_static_mixed_path_matches_eager(
+    block_size: int, group: int, dtype: torch.dtype, target_programs: int | None
+) -> None:
     """One set of buffers serves steps of prompt chunks beside decodes, padded to 48 tokens:
-    chunks over a cached prefix, a fresh prompt, decodes, then a smaller step (rows and tiles
-    that held real sequences turn into padding). Outputs equal the eager step's and
-    TorchAttention's; padding tokens (garbage queries and keys) write no cache slot."""
+    chunks over a cached prefix, a fresh prompt, decodes, a step of exactly 48 tokens (its
+    unused decode slots point past the last row), then a smaller step (rows and tiles that held
+    real sequences turn into padding). Outputs equal the eager step's and TorchAttention's;
+    padding tokens (garbage queries and keys) write no cache slot. target_programs 64: the
+    decode slots split their contexts (SEQ_SPLIT) and the reduce combines them."""
     torch.manual_seed(block_size * 10 + group)
     layers = [KVLayerSpec(2 * group, 2, 16), KVLayerSpec(group, 1, 32)]
     max_blocks = 64 // block_size
     num_blocks = 6 * max_blocks + 1
     static, eager, reference = seeded_backends(layers, block_size, dtype, num_blocks)
+    if target_programs:  # and splits of one 16-token tile (the interpreter's decode tile)
+        for b in (static, eager):
+            b.target_programs, b.min_split_len = target_programs, 16
     static.init_mixed_graph_buffers(48, 6, max_blocks)
     static.prepare_mixed_capture(48)
-    for query_lens, contexts in (([9, 1, 20, 1, 3], [30, 17, 20, 64, 3]), ([1, 13], [40, 13])):
+    assert static._plan.num_splits == (1 if target_programs is None else 4)
+    steps = (
+        ([9, 1, 20, 1, 3], [30, 17, 20, 64, 3]),
+        ([40, 1, 1, 6], [50, 33, 7, 6]),
+        ([1, 13], [40, 13]),
+    )
+    for query_lens, contexts in steps:
         tables = scattered_tables(contexts, block_size, num_blocks)
         batch = make_attention_batch(query_lens, contexts, tables, block_size)
         static.prepare_mixed_replay(batch, 48)

@@ -126,10 +126,11 @@ class _GraphBuffers:
 
 @dataclass
 class _MixedBuffers:
-    """Static metadata of mixed-step graphs. Every sequence runs the prefill kernel over grids
-    of query tiles fixed per token count: prompt chunks in BLOCK_M-row tiles, one-query
-    sequences (decodes) in short tiles of one query's heads; tiles past the step's own, and
-    padding tokens, belong to an empty sequence row (no queries, no context)."""
+    """Static metadata of mixed-step graphs, over grids fixed per token count: prompt chunks
+    run the prefill kernel in BLOCK_M-row tiles, one-query sequences (decodes) the decode
+    kernel, one decode slot each, their contexts split as in a decode graph (SEQ_SPLIT). Tiles
+    and decode slots past the step's own, and padding tokens, belong to an empty sequence row
+    (no queries, no context), whose decode programs store nothing."""
 
     max_tokens: int
     max_seqs: int
@@ -140,8 +141,9 @@ class _MixedBuffers:
     block_table: torch.Tensor  # [max_seqs + 1, max_blocks] int32
     tile_seq: dict[int, torch.Tensor]  # by GQA group size: [tiles for max_tokens] int32
     tile_start: dict[int, torch.Tensor]
-    short_seq: torch.Tensor  # [max_seqs] int32: one-query sequences, one short tile each
-    short_start: torch.Tensor  # [max_seqs] int32 zeros: each short tile's first query
+    decode_seqs: torch.Tensor  # [max_seqs] int32: the one-query sequences, one slot each
+    part_o: torch.Tensor  # split-K scratch for the largest token count's decode grid
+    part_lse: torch.Tensor
 
 
 def write_kv(
@@ -342,10 +344,9 @@ class TritonAttention(TorchAttention):
         """The prefill kernel's launch options (num_warps, num_stages) for a GQA group size."""
         return self.prefill_launch_small_group if group <= 4 else self.prefill_launch
 
-    def _tile_shape(self, group: int, short: bool = False) -> tuple[int, int]:
-        """(BLOCK_M, BLOCK_Q) of the prefill kernel for a GQA group size; `short`: the
-        smallest tile tl.dot takes (16 rows) that holds one query's heads, for decodes."""
-        block_m = max(16 if short else self.prefill_block_m, triton.next_power_of_2(group))
+    def _tile_shape(self, group: int) -> tuple[int, int]:
+        """(BLOCK_M, BLOCK_Q) of the prefill kernel for a GQA group size."""
+        block_m = max(self.prefill_block_m, triton.next_power_of_2(group))
         return block_m, block_m // group
 
     @staticmethod
@@ -540,18 +541,26 @@ class TritonAttention(TorchAttention):
 
     # -- CUDA graphs of steps with prompt tokens ---------------------------------------------
     #
-    # Query lengths vary, so every sequence runs the prefill kernel over fixed grids: at t
-    # tokens and group size g, cdiv(t, BLOCK_Q) + min(t, max_seqs) tiles for the sequences of
-    # several queries (the most any step of t tokens can need), and min(t, max_seqs) short
-    # tiles (16 rows: one query's heads) for the one-query sequences, decodes. Unused tiles and
-    # padding tokens point at the sequence row after the step's last, which has no queries and
-    # no context.
+    # Query lengths vary, so the kernels run over grids fixed per token count t: at group size
+    # g, cdiv(t, BLOCK_Q) + min(t, max_seqs) prefill tiles for the sequences of several queries
+    # (the most any step of t tokens can need), and min(t, max_seqs) decode slots for the
+    # one-query sequences (decodes), each split over _mixed_splits(t) programs as a decode
+    # graph splits its rows (SEQ_SPLIT). Unused tiles, slots and padding tokens point at the
+    # sequence row after the step's last, which has no queries and no context. The decode
+    # kernel, not 16-row prefill tiles, runs the decodes: on the H200, 3B's 64 decodes at 640
+    # tokens beside a 64-token chunk took 1.35 ms of attention a step in prefill tiles against
+    # 0.78 for a decode-only step (BENCHMARKS.md session 35).
 
     def init_mixed_graph_buffers(
         self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int
     ) -> None:
         device = self.device
         tiles = {g: self._mixed_tile_count(max_tokens, max_seqs, g) for g in self._groups}
+        max_ctx = max_blocks_per_seq * self.block_size
+        slots = range(1, min(max_tokens, max_seqs) + 1)  # a graph of t tokens has min(t, max_seqs)
+        rows = max(b * self._plan_splits(b, max_ctx)[0] for b in slots)
+        rows *= max(s.num_q_heads for s in self.layers)
+        dim = max(s.head_dim for s in self.layers)
         self._mixed = _MixedBuffers(
             max_tokens=max_tokens,
             max_seqs=max_seqs,
@@ -568,12 +577,18 @@ class TritonAttention(TorchAttention):
             tile_start={
                 g: torch.zeros(n, dtype=torch.int32, device=device) for g, n in tiles.items()
             },
-            short_seq=torch.zeros(max_seqs, dtype=torch.int32, device=device),
-            short_start=torch.zeros(max_seqs, dtype=torch.int32, device=device),
+            decode_seqs=torch.zeros(max_seqs, dtype=torch.int32, device=device),
+            part_o=torch.empty(rows * dim, dtype=torch.float32, device=device),
+            part_lse=torch.empty(rows, dtype=torch.float32, device=device),
         )
 
     def _mixed_tile_count(self, num_tokens: int, max_seqs: int, group: int) -> int:
         return _cdiv(num_tokens, self._tile_shape(group)[1]) + min(num_tokens, max_seqs)
+
+    def _mixed_splits(self, num_tokens: int, max_seqs: int, max_ctx: int) -> int:
+        """Context splits of a mixed graph's decode slots at num_tokens: the eager policy for
+        as many decodes as it has slots, at the longest context the buffers hold."""
+        return self._plan_splits(min(num_tokens, max_seqs), max_ctx)[0]
 
     def _mixed_buffers(self, num_tokens: int) -> _MixedBuffers:
         m = self._mixed
@@ -588,36 +603,34 @@ class TritonAttention(TorchAttention):
 
     def _mixed_plan(self, m: _MixedBuffers, num_tokens: int) -> _Plan:
         tiles = {}
-        short_count = min(num_tokens, m.max_seqs)
-        short_seq, short_start = m.short_seq[:short_count], m.short_start[:short_count]
+        slots = min(num_tokens, m.max_seqs)
         for group in self._groups:
             block_m, block_q = self._tile_shape(group)
             count = self._mixed_tile_count(num_tokens, m.max_seqs, group)
             seq, start = m.tile_seq[group][:count], m.tile_start[group][:count]
-            short_m, short_q = self._tile_shape(group, short=True)
-            tiles[group] = [
-                _Tiles(block_m, block_q, seq, start, count),
-                _Tiles(short_m, short_q, short_seq, short_start, short_count),
-            ]
+            tiles[group] = [_Tiles(block_m, block_q, seq, start, count)]
+        splits = self._mixed_splits(num_tokens, m.max_seqs, m.max_blocks * self.block_size)
+        tile = self.decode_block_n
         return _Plan(
             slot_mapping=m.slot_mapping[:num_tokens],
             query_start=m.query_start,
             context_len=m.context_len,
             block_table=m.block_table,
-            decode_seqs=m.context_len,  # never read: no decode launch
-            num_decode=0,
+            decode_seqs=m.decode_seqs[:slots],
+            num_decode=slots,
             all_decode=False,
-            num_splits=1,
-            split_len=self.decode_block_n,
-            part_o=None,
-            part_lse=None,
+            num_splits=splits,
+            split_len=_cdiv(max(self.min_split_len, 1), tile) * tile,
+            part_o=m.part_o if splits > 1 else None,
+            part_lse=m.part_lse if splits > 1 else None,
             tiles=tiles,
+            seq_split=True,
         )
 
     def prepare_mixed_capture(self, num_tokens: int) -> None:
         m = self._mixed_buffers(num_tokens)
         m.slot_mapping.fill_(-1)
-        tile_lists = (*m.tile_seq.values(), *m.tile_start.values(), m.short_seq)
+        tile_lists = (*m.tile_seq.values(), *m.tile_start.values(), m.decode_seqs)
         for t in (m.query_start, m.context_len, *tile_lists):
             t.zero_()  # every tile on row 0, which has no queries and no context
         self._plan = self._mixed_plan(m, num_tokens)
@@ -638,13 +651,13 @@ class TritonAttention(TorchAttention):
             query_start.append(query_start[-1] + q)
         one_query = [i for i, q in enumerate(batch.query_lens) if q == 1]
         more = [i for i, q in enumerate(batch.query_lens) if q != 1]
-        short_count = min(num_tokens, m.max_seqs)
+        slots = min(num_tokens, m.max_seqs)
         parts = [
             query_start + [real],
             list(batch.context_lens) + [0],
-            one_query + [n] * (short_count - len(one_query)),
+            one_query + [n] * (slots - len(one_query)),
         ]
-        dests = [m.query_start[: n + 2], m.context_len[: n + 1], m.short_seq[:short_count]]
+        dests = [m.query_start[: n + 2], m.context_len[: n + 1], m.decode_seqs[:slots]]
         for group in self._groups:
             count = self._mixed_tile_count(num_tokens, m.max_seqs, group)
             seqs, starts = self._tiles_of(batch.query_lens, more, self._tile_shape(group)[1])
@@ -902,7 +915,12 @@ class TritonAttention(TorchAttention):
 
         # The decode kernel rotates and writes the new tokens itself (ROTARY) in decode-only
         # steps when decode_rotary is on (then q is not rotated in place).
-        in_decode = rotary is not None and self.decode_rotary and plan.num_decode == num_tokens
+        in_decode = (
+            rotary is not None
+            and self.decode_rotary
+            and plan.all_decode
+            and plan.num_decode == num_tokens
+        )
         if rotary is None:
             write_kv(k, v, k_cache, v_cache, plan.slot_mapping, spec)
         elif in_decode:

@@ -471,9 +471,10 @@ def decode_kernel(
         tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=g_valid[:, None])
         lse = tl.where(has_keys, m + tl.log2(sum_safe), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=g_valid)
-    else:
+    else:  # an empty row (a mixed graph's unused decode slot, context 0) stores nothing
         dst = out_ptr + row * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=g_valid[:, None])
+        stored = g < tl.where(ctx > 0, GROUP, 0)  # g_valid, or none (see ROTARY's `mine`)
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=stored[:, None])
 
 
 @triton.jit(do_not_specialize=["split_len", "num_splits"])
@@ -522,7 +523,8 @@ def decode_reduce_kernel(
     w = tl.exp2(lse - tl.max(lse, 1)[:, None])
     res = tl.sum(o * w[:, :, None], 1) / tl.sum(w, 1)[:, None]
     dst = out_ptr + row * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(dst, res.to(out_ptr.dtype.element_ty))
+    stored = head < tl.where(ctx > 0, num_q_heads, 0)  # every head, or none: an empty row
+    tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=stored[:, None])
 
 
 @triton.jit
