@@ -105,6 +105,7 @@ def run_chunk(
         "max_waiting": max(waiting),
         "gpu_busy_ms_per_step": summary["gpu_busy_ms_per_step"],
         "groups": summary["groups"],
+        "kernels": summary["kernels"][:20],
     }
 
 

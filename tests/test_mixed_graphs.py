@@ -168,8 +168,8 @@ def test_runner_dry_run_walks_every_size(tmp_path_factory, monkeypatch) -> None:
 def test_gpu_mixed_graphs_generate_like_eager(tmp_path_factory) -> None:
     """Real graphs on the GPU, sized by the start-up profiling pass: prompts of random lengths
     beside decodes (chunks of up to 100 tokens, 4 sequences at a time), with graphs on (decode,
-    and mixed at 64, 256 and 300 tokens) and off, in fp32 (the tiny model's greedy choices are
-    far apart there): the same tokens."""
+    and mixed at token_ladder(300): 64 to 256 and 300 tokens) and off, in fp32 (the tiny
+    model's greedy choices are far apart there): the same tokens."""
     path = checkpoint("llama", tmp_path_factory)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(3, 200))] for _ in range(10)]
@@ -196,6 +196,7 @@ def test_gpu_mixed_graphs_generate_like_eager(tmp_path_factory) -> None:
         assert (ex.mixed is not None) == graphs
         outs[graphs] = [c.token_ids for c in llm.generate(prompts, params)]
         if graphs:  # several sizes share the pool; steps over 300 tokens ran eagerly
-            assert ex.mixed is not None and set(ex.mixed.graphs) == {64, 256, 300}
-            assert set(ex.mixed.replays) == {64, 256, 300}, ex.mixed.replays
+            assert ex.mixed is not None and set(ex.mixed.graphs) == set(token_ladder(300))
+            replayed = set(ex.mixed.replays)
+            assert replayed <= set(ex.mixed.graphs) and len(replayed) >= 3, ex.mixed.replays
     assert outs[True] == outs[False]
