@@ -36,15 +36,24 @@ from inferx_core.sequence import SamplingParams  # noqa: E402
 # are compute-bound, ~9.3 µs a token (profile_prefill: 38.3 ms of GPU a 4096-token step of
 # 512-token prompts; a 2048-token prompt's TTFT 21.5 ms). Sessions 8-9 had 7.8 µs here, which put
 # c=64 at 15.2k tok/s against the 14.1k measured; 9.3 gives 14.5k.
-STEP_MODEL_3B = {"fixed_ms": 2.5, "decode_ms_per_640": 0.0113, "knee": 192, "token_ms": 0.0093}
+# ride_ms (0 here): ms a token from 64 rows (past the decode GEMVs) to the knee; session 35
+# measured 8B's prompt tokens beside 64 decodes at 18-24 µs each (benchmarks/ride_along.py).
+STEP_MODEL_3B = {
+    "fixed_ms": 2.5,
+    "decode_ms_per_640": 0.0113,
+    "knee": 192,
+    "token_ms": 0.0093,
+    "ride_ms": 0.0,
+}
 
 
 def step_ms(decodes_context: int, tokens: int, model: dict[str, float]) -> float:
     """Modeled GPU time of a step: decodes_context is the sum of its decodes' context lengths,
     tokens all the tokens it runs."""
     attention = model["decode_ms_per_640"] * decodes_context / 640
+    ride = model["ride_ms"] * min(max(0, tokens - 64), max(0, model["knee"] - 64))
     compute = model["token_ms"] * max(0, tokens - model["knee"])
-    return model["fixed_ms"] + attention + compute
+    return model["fixed_ms"] + attention + ride + compute
 
 
 class ModeledExecutor(Executor):
