@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from commit_id import commit_id
-from profile_decode import print_groups, trace_summary, with_sets
+from profile_decode import not_started, print_groups, trace_summary, with_sets
 from torch.profiler import ProfilerActivity, profile
 
 from inferx_core.config import load_config
@@ -63,7 +63,7 @@ def run_chunk(
     long = SamplingParams(max_tokens=steps + profile_steps + 64, temperature=0, ignore_eos=True)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     ids = [engine.add_request(prompt(context), long) for _ in range(decodes)]
-    while any(i in engine.requests and engine.requests[i].seq.num_output == 0 for i in ids):
+    while not_started(engine, ids):
         engine.step()
     for _ in range(4):  # the last prompt step's outputs, then plain decode steps
         engine.step()

@@ -467,12 +467,23 @@ class TritonAttention(TorchAttention):
     # every context length. Padding rows have context 1 over a valid block id and slot -1, which
     # the KV write skips.
 
-    def init_graph_buffers(self, max_batch: int, max_blocks_per_seq: int) -> None:
-        device = self.device
-        max_ctx = max_blocks_per_seq * self.block_size
-        rows = max(b * self._plan_splits(b, max_ctx)[0] for b in range(1, max_batch + 1))
+    def _split_scratch(self, max_rows: int, max_ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """part_o and part_lse for graphs of up to max_rows decodes, each split as
+        _plan_splits splits that many at max_ctx (fp32, sized for the widest layer)."""
+        rows = max(b * self._plan_splits(b, max_ctx)[0] for b in range(1, max_rows + 1))
         rows *= max(s.num_q_heads for s in self.layers)
         dim = max(s.head_dim for s in self.layers)
+        part_o = torch.empty(rows * dim, dtype=torch.float32, device=self.device)
+        return part_o, torch.empty(rows, dtype=torch.float32, device=self.device)
+
+    def _graph_split_len(self) -> int:
+        """A captured plan's shortest split (SEQ_SPLIT): min_split_len in whole decode tiles."""
+        tile = self.decode_block_n
+        return _cdiv(max(self.min_split_len, 1), tile) * tile
+
+    def init_graph_buffers(self, max_batch: int, max_blocks_per_seq: int) -> None:
+        device = self.device
+        part_o, part_lse = self._split_scratch(max_batch, max_blocks_per_seq * self.block_size)
         pin = device.type == "cuda"
         self._graph = _GraphBuffers(
             max_batch=max_batch,
@@ -483,8 +494,8 @@ class TritonAttention(TorchAttention):
             context_len=torch.ones(max_batch, dtype=torch.int32, device=device),
             slot_mapping=torch.full((max_batch,), -1, dtype=torch.int64, device=device),
             query_start=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
-            part_o=torch.empty(rows * dim, dtype=torch.float32, device=device),
-            part_lse=torch.empty(rows, dtype=torch.float32, device=device),
+            part_o=part_o,
+            part_lse=part_lse,
             staged_context_len=torch.ones(max_batch, dtype=torch.int32, pin_memory=pin),
             staged_slot_mapping=torch.full((max_batch,), -1, dtype=torch.int64, pin_memory=pin),
             copied=None,
@@ -494,7 +505,6 @@ class TritonAttention(TorchAttention):
         g = self._graph_buffers(batch_size)
         max_ctx = g.max_blocks * self.block_size
         num_splits = self._plan_splits(batch_size, max_ctx)[0]
-        tile = self.decode_block_n
         g.context_len[:batch_size].fill_(1)
         g.slot_mapping[:batch_size].fill_(-1)
         self._plan = _Plan(
@@ -506,7 +516,7 @@ class TritonAttention(TorchAttention):
             num_decode=batch_size,
             all_decode=True,
             num_splits=num_splits,
-            split_len=_cdiv(max(self.min_split_len, 1), tile) * tile,
+            split_len=self._graph_split_len(),
             part_o=g.part_o if num_splits > 1 else None,
             part_lse=g.part_lse if num_splits > 1 else None,
             tiles={},
@@ -556,11 +566,10 @@ class TritonAttention(TorchAttention):
     ) -> None:
         device = self.device
         tiles = {g: self._mixed_tile_count(max_tokens, max_seqs, g) for g in self._groups}
-        max_ctx = max_blocks_per_seq * self.block_size
-        slots = range(1, min(max_tokens, max_seqs) + 1)  # a graph of t tokens has min(t, max_seqs)
-        rows = max(b * self._plan_splits(b, max_ctx)[0] for b in slots)
-        rows *= max(s.num_q_heads for s in self.layers)
-        dim = max(s.head_dim for s in self.layers)
+        # a graph of t tokens has min(t, max_seqs) decode slots
+        part_o, part_lse = self._split_scratch(
+            min(max_tokens, max_seqs), max_blocks_per_seq * self.block_size
+        )
         self._mixed = _MixedBuffers(
             max_tokens=max_tokens,
             max_seqs=max_seqs,
@@ -578,8 +587,8 @@ class TritonAttention(TorchAttention):
                 g: torch.zeros(n, dtype=torch.int32, device=device) for g, n in tiles.items()
             },
             decode_seqs=torch.zeros(max_seqs, dtype=torch.int32, device=device),
-            part_o=torch.empty(rows * dim, dtype=torch.float32, device=device),
-            part_lse=torch.empty(rows, dtype=torch.float32, device=device),
+            part_o=part_o,
+            part_lse=part_lse,
         )
 
     def _mixed_tile_count(self, num_tokens: int, max_seqs: int, group: int) -> int:
@@ -610,7 +619,6 @@ class TritonAttention(TorchAttention):
             seq, start = m.tile_seq[group][:count], m.tile_start[group][:count]
             tiles[group] = [_Tiles(block_m, block_q, seq, start, count)]
         splits = self._mixed_splits(num_tokens, m.max_seqs, m.max_blocks * self.block_size)
-        tile = self.decode_block_n
         return _Plan(
             slot_mapping=m.slot_mapping[:num_tokens],
             query_start=m.query_start,
@@ -620,7 +628,7 @@ class TritonAttention(TorchAttention):
             num_decode=slots,
             all_decode=False,
             num_splits=splits,
-            split_len=_cdiv(max(self.min_split_len, 1), tile) * tile,
+            split_len=self._graph_split_len(),
             part_o=m.part_o if splits > 1 else None,
             part_lse=m.part_lse if splits > 1 else None,
             tiles=tiles,
