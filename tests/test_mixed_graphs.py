@@ -88,6 +88,31 @@ def test_static_mixed_path_matches_eager(
 
 
 @interpreted
+@pytest.mark.parametrize("target_programs", [None, 64])
+def test_unused_decode_slots_read_no_query(target_programs: int | None) -> None:
+    """A mixed graph's unused decode slots point at the empty sequence after the step's last,
+    whose query row is one past the step's rows when the step fills its graph: the decode
+    kernel must read no query there (on the H200 that read faulted an 8B server, session 36).
+    The empty sequence's query row is set far past any allocation, so a read of it faults; the
+    real rows still match eager and TorchAttention."""
+    torch.manual_seed(7)
+    layers = [KVLayerSpec(4, 2, 16)]
+    static, eager, reference = seeded_backends(layers, 4, torch.float32, 33)
+    if target_programs:
+        for b in (static, eager):
+            b.target_programs, b.min_split_len = target_programs, 16
+    static.init_mixed_graph_buffers(32, 6, 16)
+    for query_lens, contexts in (([20, 11, 1], [20, 30, 11]), ([9, 1], [40, 7])):
+        tables = scattered_tables(contexts, 4, 33)
+        batch = make_attention_batch(query_lens, contexts, tables, 4)
+        padded = 32 if sum(query_lens) == 32 else 16
+        static.prepare_mixed_replay(batch, padded)
+        n = len(query_lens)  # (the last sequence is a decode: query_start[n] ends no prompt)
+        static._mixed.query_start[n : n + 2] = 1 << 24  # the empty sequence: rows GBs past q
+        check_static_step(static, eager, reference, batch, padded, torch.float32, f"{query_lens}")
+
+
+@interpreted
 def test_mixed_buffers_check_their_inputs() -> None:
     backend = triton_attention([KVLayerSpec(2, 1, 16)], 4, torch.float32, CPU)
     with pytest.raises(RuntimeError, match="init_mixed_graph_buffers"):

@@ -408,8 +408,10 @@ def decode_kernel(
             q_offs + partner[None, :], g_valid[:, None], stride_qp, q_bias_ptr,
             q_bias_offs + d[None, :], q_bias_offs + partner[None, :], PARTS, HAS_BIAS,
         )  # fmt: skip
-    else:
-        q = tl.load(q_ptr + q_offs + d[None, :], mask=g_valid[:, None])
+    else:  # an empty row (a mixed graph's unused decode slot, context 0) reads no query:
+        # its row is one past the step's when the step fills its graph
+        live = g < tl.where(ctx > 0, GROUP, 0)  # g_valid, or none (see ROTARY's `mine`)
+        q = tl.load(q_ptr + q_offs + d[None, :], mask=live[:, None], other=0.0)
     q = q.to(k_cache_ptr.dtype.element_ty)
     if UPCAST:
         q = q.to(tl.float32)
