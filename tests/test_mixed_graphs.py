@@ -43,6 +43,12 @@ def test_token_ladder() -> None:
         token_ladder(0)
 
 
+def split_options(target_programs: int | None) -> dict[str, int]:
+    """The Triton backends' options for target_programs (None: the defaults, unsplit on the
+    CPU), with splits of one 16-token tile, the interpreter's decode tile."""
+    return {"target_programs": target_programs, "min_split_len": 16} if target_programs else {}
+
+
 @interpreted
 @pytest.mark.parametrize(
     ("block_size", "group", "dtype", "target_programs"),
@@ -68,10 +74,9 @@ def test_static_mixed_path_matches_eager(
     layers = [KVLayerSpec(2 * group, 2, 16), KVLayerSpec(group, 1, 32)]
     max_blocks = 64 // block_size
     num_blocks = 6 * max_blocks + 1
-    static, eager, reference = seeded_backends(layers, block_size, dtype, num_blocks)
-    if target_programs:  # and splits of one 16-token tile (the interpreter's decode tile)
-        for b in (static, eager):
-            b.target_programs, b.min_split_len = target_programs, 16
+    static, eager, reference = seeded_backends(
+        layers, block_size, dtype, num_blocks, **split_options(target_programs)
+    )
     static.init_mixed_graph_buffers(48, 6, max_blocks)
     static.prepare_mixed_capture(48)
     assert static._plan.num_splits == (1 if target_programs is None else 4)
@@ -97,15 +102,14 @@ def test_unused_decode_slots_read_no_query(target_programs: int | None) -> None:
     real rows still match eager and TorchAttention."""
     torch.manual_seed(7)
     layers = [KVLayerSpec(4, 2, 16)]
-    static, eager, reference = seeded_backends(layers, 4, torch.float32, 33)
-    if target_programs:
-        for b in (static, eager):
-            b.target_programs, b.min_split_len = target_programs, 16
+    static, eager, reference = seeded_backends(
+        layers, 4, torch.float32, 33, **split_options(target_programs)
+    )
     static.init_mixed_graph_buffers(32, 6, 16)
-    for query_lens, contexts in (([20, 11, 1], [20, 30, 11]), ([9, 1], [40, 7])):
+    # a step filling its 32-token graph, then one padded to 16
+    for query_lens, contexts, padded in (([20, 11, 1], [20, 30, 11], 32), ([9, 1], [40, 7], 16)):
         tables = scattered_tables(contexts, 4, 33)
         batch = make_attention_batch(query_lens, contexts, tables, 4)
-        padded = 32 if sum(query_lens) == 32 else 16
         static.prepare_mixed_replay(batch, padded)
         n = len(query_lens)  # (the last sequence is a decode: query_start[n] ends no prompt)
         static._mixed.query_start[n : n + 2] = 1 << 24  # the empty sequence: rows GBs past q

@@ -382,6 +382,10 @@ def decode_kernel(
     d = tl.arange(0, HEAD_DIM)
     head = kv_head * GROUP + g
     g_valid = g < GROUP
+    # An empty row (a mixed graph's unused decode slot, context 0) reads no query and stores
+    # nothing: its row is one past the step's when the step fills its graph. g_valid, or none
+    # ((g < GROUP) & (ctx > 0) would be an int tensor under the interpreter, not a mask).
+    live = g < tl.where(ctx > 0, GROUP, 0)
     q_offs = row * stride_qt + head[:, None] * stride_qh
     if ROTARY:
         half_d = d % (HEAD_DIM // 2)
@@ -408,9 +412,7 @@ def decode_kernel(
             q_offs + partner[None, :], g_valid[:, None], stride_qp, q_bias_ptr,
             q_bias_offs + d[None, :], q_bias_offs + partner[None, :], PARTS, HAS_BIAS,
         )  # fmt: skip
-    else:  # an empty row (a mixed graph's unused decode slot, context 0) reads no query:
-        # its row is one past the step's when the step fills its graph
-        live = g < tl.where(ctx > 0, GROUP, 0)  # g_valid, or none (see ROTARY's `mine`)
+    else:
         q = tl.load(q_ptr + q_offs + d[None, :], mask=live[:, None], other=0.0)
     q = q.to(k_cache_ptr.dtype.element_ty)
     if UPCAST:
@@ -473,10 +475,9 @@ def decode_kernel(
         tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=g_valid[:, None])
         lse = tl.where(has_keys, m + tl.log2(sum_safe), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=g_valid)
-    else:  # an empty row (a mixed graph's unused decode slot, context 0) stores nothing
+    else:
         dst = out_ptr + row * stride_ot + head[:, None] * stride_oh + d[None, :]
-        stored = g < tl.where(ctx > 0, GROUP, 0)  # g_valid, or none (see ROTARY's `mine`)
-        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=stored[:, None])
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
 
 @triton.jit(do_not_specialize=["split_len", "num_splits"])
