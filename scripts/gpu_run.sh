@@ -10,7 +10,7 @@
 #        [table | table-3b | table-8b] [pack]
 #   pack (last): $OUT's files as one out.tar.gz (a call brings back at most 8 files).
 #   flashinfer: its conformance tests (FI_K: a pytest -k filter), then its compiled kernels packed into $OUT as
-#   fi-cache.tar.part-*: keep them in .carry/fi/ (31 MB) and carry .carry/fi in later runs
+#   fi-cache.tar.part-*: keep them in .carry/fi/ (38 MB) and carry .carry/fi in later runs
 #   that use FlashInfer; they are copied into .whl/ before set-up, which unpacks them.
 #   breakdown: benchmarks/step_breakdown.py (the offline throughput run, step by step);
 #   profile-offline: benchmarks/profile_offline.py (the offline run's GPU time kernel by kernel,
@@ -37,19 +37,27 @@
 #     mv .carry/gx-00 .carry/g1/; mv .carry/gx-01 .carry/g2a/; mv .carry/gx-02 .carry/g2b/
 #   1. [".whl", ".carry/g2b"]: `bash scripts/gpu_run.sh setup && mv .carry/g2b/gx-02 /tmp/`
 #      (the 33 MB parts do not fit beside .whl's 24 MB);
-#   2. [".carry/g1", ".carry/tokxz", ".carry/fi"]: `mv .carry/g1/gx-00 /tmp/ && SKIP_SETUP=1
+#   2. [".carry/g1", ".carry/tokxz", ".carry/fi64"]: `mv .carry/g1/gx-00 /tmp/ && SKIP_SETUP=1
 #      bash scripts/gpu_run.sh setup` (unpacks the tokenizers and FlashInfer's kernel cache);
-#   3. [".carry/g2a", ".carry/tokxz", ".carry/fi"]: `mv .carry/g2a/gx-01 /tmp/ && cat
-#      /tmp/gx-0* | xz -d -T4 > /tmp/demo.gguf && SKIP_SETUP=1 bash scripts/gpu_run.sh demo`.
-#   Without FlashInfer's cache (.carry/fi) set INFERX_TEST_BACKENDS=torch,triton, or FlashInfer
-#   compiles its kernels first (minutes).
+#   3. [".carry/g2a"]: `mv .carry/g2a/gx-01 /tmp/ && cat /tmp/gx-0* | xz -d -T4 >
+#      /tmp/demo.gguf && SKIP_SETUP=1 bash scripts/gpu_run.sh demo`.
+#   .carry/fi64 is the part of FlashInfer's cache the demo model uses (its head dim 64, 10 MB):
+#   the whole cache that the flashinfer step saves (38 MB since session 37: head dims 64 and
+#   128, fp16 and FA3 modules) does not fit beside a 33 MB part. Cut it from .carry/fi with
+#     rm -rf /tmp/fic && mkdir -p /tmp/fic .carry/fi64 && cat .carry/fi/fi-cache.tar.part-* |
+#     tar -C /tmp/fic -xf - && (cd /tmp/fic && find . -type d -name '*head_dim_qk_64_*' -prune
+#     | tar -cf - -T -) | split -b 15M - .carry/fi64/fi-cache.tar.part-
+#   Without FlashInfer's cache set INFERX_TEST_BACKENDS=torch,triton, or FlashInfer compiles its
+#   kernels first (minutes).
 set -uo pipefail
 [ -f /tmp/demo.gguf ] && export INFERX_DEMO_GGUF=/tmp/demo.gguf
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 INFERX_FIXTURES=$PWD/.carry/tok
 [ -f .carry/tokxz/tok.tar.xz ] && mkdir -p .carry/tok && tar -C .carry/tok -xJf .carry/tokxz/tok.tar.xz
-[ -d .carry/fi ] && cp .carry/fi/fi-cache.tar.part-* .whl/ 2>/dev/null
+# .carry/fi (the whole cache) or .carry/fi64 (the demo model's part), whichever travelled.
+fi_parts=$(compgen -G ".carry/fi*/fi-cache.tar.part-*" | sort)
+[ -n "$fi_parts" ] && cp $fi_parts .whl/ 2>/dev/null
 # SKIP_SETUP=1: a second gpu_run.sh in the same call, or a call right after one that set up
 # (a warm machine keeps the installed packages). .whl, the tokenizers and .carry/fi together
 # pass the 64 MiB carry limit, so FlashInfer runs take two calls: set up carrying .whl and
@@ -57,9 +65,9 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 INFERX_FIXTURES=$PWD/.carry/tok
 if [ -z "${SKIP_SETUP:-}" ]; then
   bash .whl/setup.sh >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
   tail -1 "$OUT/setup.log"
-elif compgen -G ".carry/fi/fi-cache.tar.part-*" >/dev/null; then
+elif [ -n "$fi_parts" ]; then
   mkdir -p "$HOME/.cache/flashinfer"
-  cat .carry/fi/fi-cache.tar.part-* | tar -C "$HOME/.cache/flashinfer" -xf -
+  cat $fi_parts | tar -C "$HOME/.cache/flashinfer" -xf -
 fi
 # A variant ("KEY=VALUE KEY=VALUE") as the --set flags the benchmark scripts take, in sets.
 set_flags() { sets=(); for kv in $1; do sets+=(--set "$kv"); done; }
