@@ -55,8 +55,12 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 INFERX_FIXTURES=$PWD/.carry/tok
 [ -f .carry/tokxz/tok.tar.xz ] && mkdir -p .carry/tok && tar -C .carry/tok -xJf .carry/tokxz/tok.tar.xz
-# .carry/fi (the whole cache) or .carry/fi64 (the demo model's part), whichever travelled.
-fi_parts=$(compgen -G ".carry/fi*/fi-cache.tar.part-*" | sort)
+# .carry/fi (the whole cache), else .carry/fi64 (the demo model's part): one of them, since both
+# name their parts alike (a warm machine keeps an earlier call's folder beside this one's).
+fi_parts=
+for d in .carry/fi .carry/fi64; do
+  compgen -G "$d/fi-cache.tar.part-*" >/dev/null && { fi_parts=$(ls "$d"/fi-cache.tar.part-*); break; }
+done
 [ -n "$fi_parts" ] && cp $fi_parts .whl/ 2>/dev/null
 # SKIP_SETUP=1: a second gpu_run.sh in the same call, or a call right after one that set up
 # (a warm machine keeps the installed packages). .whl, the tokenizers and .carry/fi together
