@@ -499,3 +499,46 @@ def test_step_trace_gives_each_phase_its_clocks(tmp_path: Path) -> None:
     assert found[0].decode_clocks["sm_mhz_median"] == 1900
     assert found[1].clocks["busy_samples"] == 0
     assert "[GPU 1500 MHz, 690 W, capped 100%, 3 samples]" in describe(found)
+
+
+def test_power_floor_windows_rates_and_estimate() -> None:
+    """benchmarks/power_floor.py: a window takes the samples inside it, busy or not; the rates
+    are each workload's power beyond idle over its rate; the estimate adds up their parts."""
+    from gpu_clocks import Sample
+    from power_floor import energy_estimate, rates_from, window_stats
+
+    samples = [Sample(t, mhz, 0.0, w, 50.0, r, u) for t, mhz, w, r, u in [
+        (1.0, 1980, 100.0, 0x0, 0), (1.1, 1980, 110.0, 0x0, 0),  # idle
+        (2.0, 1700, 690.0, 0x4, 100), (2.1, 1500, 700.0, 0x4, 100), (2.2, 1600, 650.0, 0x0, 90),
+    ]]  # fmt: skip
+    idle = window_stats(samples, [(0.9, 1.15)])
+    assert idle == {"samples": 2, "sm_mhz_median": 1980, "power_w_mean": 105.0, "power_capped": 0}
+    busy = window_stats(samples, [(1.95, 2.05), (2.15, 2.25)])  # two windows, 2.1 outside both
+    assert busy["samples"] == 2 and busy["sm_mhz_median"] == 1650
+    assert busy["power_w_mean"] == pytest.approx(670.0) and busy["power_capped"] == 0.5
+    assert window_stats(samples, [(5.0, 6.0)]) == {"samples": 0}
+    rows = {
+        "idle": {"power_w_mean": 100.0},
+        "read": {"power_w_mean": 500.0, "tb_s": 4.0},
+        "gemm": {"power_w_mean": 700.0, "tflops": 600.0},
+    }
+    rates = rates_from(rows)
+    assert rates == pytest.approx({"idle_w": 100.0, "j_per_byte": 1e-10, "j_per_flop": 1e-12})
+    assert rates_from({k: v for k, v in rows.items() if k != "gemm"}) is None
+    est = energy_estimate(0.006, 2e10, 1e12, rates)
+    assert est["idle_j"] == pytest.approx(0.6) and est["dram_j"] == pytest.approx(2.0)
+    assert est["flop_j"] == pytest.approx(1.0) and est["total_j"] == pytest.approx(3.6)
+
+
+@interpreted
+def test_power_floor_read_kernel_sums_each_tile() -> None:
+    """The read sweep's Triton kernel, under the interpreter: one fp32 sum a 16-element tile."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from power_floor import read_kernel
+
+    x = torch.randn(64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    out = torch.empty(4, dtype=torch.float32)
+    read_kernel()[(4,)](x, out, BLOCK=16)
+    want = x.double().view(4, 16).sum(dim=1)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5)

@@ -1,0 +1,380 @@
+"""What the H200 spends per unit of work at its 700 W limit, and whether the model's steps cost
+more energy than their bytes and FLOPs do.
+
+    python benchmarks/power_floor.py --tokenizer DIR [--preset llama-3.1-8b-instruct]
+        [--only idle,copy,read,gemm,gemm-1e-3,gemm-zero,prompt,decode-64,decode-1]
+        [--seconds 4] [--json OUT.json]
+
+Sessions 35-36 found 8B's 64-client run and both offline runs power-capped: their figures follow
+energy per token, not kernel time. Each workload here runs back to back while nvidia-smi samples
+clocks and power (gpu_clocks.GpuClocks, every 100 ms); its figures come from the samples inside
+its measured windows (after a warm-up, so the clock has settled):
+
+- idle: the GPU with a context and nothing queued (all samples, busy or not);
+- copy / read: a 2 GiB device copy (bytes read plus written) and a read-only sweep of 4 GiB
+  (a Triton kernel that sums each 32 KB tile): energy per byte of DRAM traffic;
+- gemm: the 8B prompt step's four GEMMs of a layer at 8,192 rows through torch.mm (cuBLAS),
+  weights uniform in +-0.02 (DummyFormat's range), activations N(0, 1): energy per FLOP;
+  gemm-1e-3 with weights in +-1e-3 (vLLM's dummy range) and gemm-zero with zero activations
+  show how much of it is the data;
+- prompt: the model's 8,192-token prompt steps (16 prompts of 512, max_tokens 1, repeated);
+  its DRAM figure counts the weights only, not the activations' ~2 GB a layer (a lower bound);
+- decode-64 / decode-1: the model's decode steps (CUDA graphs) from 512-token prompts, 256
+  steps a round, the rounds' prefills outside the windows.
+
+For the model's steps it prints the energy a step took (mean power x step time) beside what its
+work would cost at the rates measured above: idle power x time + DRAM bytes (weights, and KV
+read by attention) x J per byte (read) + FLOPs x the GEMM's J per FLOP beyond idle. A step near
+that estimate spends its energy on the work itself; the gap is what a kernel could still save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from commit_id import commit_id
+from gpu_clocks import POWER_CAP, GpuClocks, Sample
+
+WORKLOADS = (
+    "idle",
+    "copy",
+    "read",
+    "gemm",
+    "gemm-1e-3",
+    "gemm-zero",
+    "prompt",
+    "decode-64",
+    "decode-1",
+)
+
+
+def window_stats(samples: list[Sample], windows: list[tuple[float, float]]) -> dict[str, Any]:
+    """Clocks and power over the samples inside any of the (start, end) monotonic windows, busy
+    or not (the windows are known to be running the workload, or known idle)."""
+    inside = [s for s in samples if any(a <= s.monotonic <= b for a, b in windows)]
+    if not inside:
+        return {"samples": 0}
+    return {
+        "samples": len(inside),
+        "sm_mhz_median": statistics.median(s.sm_mhz for s in inside),
+        "power_w_mean": statistics.fmean(s.power_w for s in inside),
+        "power_capped": sum(bool(s.reasons & POWER_CAP) for s in inside) / len(inside),
+    }
+
+
+def energy_estimate(
+    seconds: float, dram_bytes: float, flops: float, rates: dict[str, float]
+) -> dict[str, float]:
+    """Joules a span of `seconds` moving `dram_bytes` and doing `flops` costs at the measured
+    rates: idle_w (the floor of any busy second), j_per_byte and j_per_flop (each beyond idle)."""
+    parts = {
+        "idle_j": rates["idle_w"] * seconds,
+        "dram_j": rates["j_per_byte"] * dram_bytes,
+        "flop_j": rates["j_per_flop"] * flops,
+    }
+    return {**parts, "total_j": sum(parts.values())}
+
+
+def rates_from(rows: dict[str, dict[str, Any]]) -> dict[str, float] | None:
+    """idle_w, j_per_byte (the read sweep's power beyond idle over its bandwidth) and j_per_flop
+    (the GEMMs' beyond idle over their FLOP rate), from the rows measured; None without them."""
+    need = ("idle", "read", "gemm")
+    if not all(k in rows and rows[k].get("power_w_mean") for k in need):
+        return None
+    idle = rows["idle"]["power_w_mean"]
+    return {
+        "idle_w": idle,
+        "j_per_byte": (rows["read"]["power_w_mean"] - idle) / (rows["read"]["tb_s"] * 1e12),
+        "j_per_flop": (rows["gemm"]["power_w_mean"] - idle) / (rows["gemm"]["tflops"] * 1e12),
+    }
+
+
+# -- the GPU workloads (imported lazily: the arithmetic above runs on the CPU VM too) -----------
+
+
+def timed_loop(fn: Callable[[], None], seconds: float, warm_s: float = 1.0) -> tuple[float, int]:
+    """Run fn back to back for warm_s, then for `seconds`; (measured seconds, iterations)."""
+    import torch
+
+    end = time.monotonic() + warm_s
+    while time.monotonic() < end:
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    n = 0
+    while time.monotonic() - t0 < seconds:
+        for _ in range(4):
+            fn()
+        n += 4
+        torch.cuda.synchronize()
+    return time.monotonic() - t0, n
+
+
+def read_kernel():  # the Triton kernel, built on first use
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _read(x_ptr, out_ptr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + pid, tl.sum(tl.load(x_ptr + offs).to(tl.float32), axis=0))
+
+    return _read
+
+
+def kernel_row(name: str, seconds: float, clocks_path: Path) -> dict[str, Any]:
+    """One of idle / copy / read / gemm*: its rate and the clocks inside its window."""
+    import torch
+
+    dev = torch.device("cuda")
+    row: dict[str, Any] = {"workload": name}
+    with GpuClocks(clocks_path) as clocks:
+        if name == "idle":
+            torch.cuda.synchronize()
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            time.sleep(seconds)
+            windows = [(t0, time.monotonic())]
+        elif name == "copy":
+            src = torch.randint(0, 256, (1 << 31,), dtype=torch.uint8, device=dev)
+            dst = torch.empty_like(src)
+            t0 = time.monotonic() + 1.0
+            secs, n = timed_loop(lambda: dst.copy_(src), seconds)
+            windows = [(t0, t0 + secs)]
+            row["tb_s"] = 2 * src.numel() * n / secs / 1e12
+        elif name == "read":
+            block = 16384
+            x = torch.randn(1 << 31, dtype=torch.bfloat16, device=dev)  # 4 GiB
+            out = torch.empty(x.numel() // block, dtype=torch.float32, device=dev)
+            kernel = read_kernel()
+            t0 = time.monotonic() + 1.0
+            secs, n = timed_loop(lambda: kernel[(out.numel(),)](x, out, BLOCK=block), seconds)
+            windows = [(t0, t0 + secs)]
+            row["tb_s"] = 2 * x.numel() * n / secs / 1e12
+            del x, out
+        else:  # gemm, gemm-1e-3, gemm-zero: the 8B layer's four prompt-step GEMMs
+            m, hidden, inter = 8192, 4096, 14336
+            shapes = [(hidden, 6144), (hidden, hidden), (hidden, 2 * inter), (inter, hidden)]
+            bound = 1e-3 if name == "gemm-1e-3" else 0.02
+            g = torch.Generator(device=dev).manual_seed(0)
+            ws = [
+                torch.empty(n_, k, dtype=torch.bfloat16, device=dev).uniform_(
+                    -bound, bound, generator=g
+                )
+                for k, n_ in shapes
+            ]
+            xs = [
+                torch.randn(m, k, dtype=torch.bfloat16, device=dev, generator=g) for k, _ in shapes
+            ]
+            if name == "gemm-zero":
+                xs = [torch.zeros_like(x) for x in xs]
+            outs = [torch.empty(m, w.shape[0], dtype=torch.bfloat16, device=dev) for w in ws]
+
+            def layer() -> None:
+                for x, w, o in zip(xs, ws, outs, strict=True):
+                    torch.mm(x, w.t(), out=o)
+
+            t0 = time.monotonic() + 1.0
+            secs, n = timed_loop(layer, seconds)
+            windows = [(t0, t0 + secs)]
+            flops = sum(2 * m * k * n_ for k, n_ in shapes)
+            row["tflops"] = flops * n / secs / 1e12
+    row |= window_stats(clocks.samples, windows)
+    return row
+
+
+def model_rows(args: argparse.Namespace, names: list[str], clocks_dir: Path) -> list[dict]:
+    """prompt / decode-64 / decode-1 on one engine of --preset (dummy weights, CUDA graphs)."""
+    import torch
+
+    from inferx_core.bench_offline import random_prompt, weight_bytes
+    from inferx_core.config import load_config
+    from inferx_core.engine import LLM
+    from inferx_core.sequence import SamplingParams
+
+    llm = LLM(
+        load_config(
+            None,
+            {
+                "model.preset": args.preset,
+                "model.tokenizer": args.tokenizer,
+                "model.dtype": "bfloat16",
+                "kv_cache.memory": "40GiB",
+                "engine.attention_backend": args.backend,
+                "scheduler.prefix_cache": False,
+            },
+        )
+    )
+    ex = llm.engine.executor
+    hf = ex.hf_config
+    vocab, hidden, layers = int(hf["vocab_size"]), int(hf["hidden_size"]), hf["num_hidden_layers"]
+    heads = int(hf["num_attention_heads"])
+    kv_heads = int(hf.get("num_key_value_heads", heads))
+    head_dim = int(hf.get("head_dim") or hidden // heads)
+    wbytes = weight_bytes(ex.model)
+    head_params = vocab * hidden
+    tied = bool(hf.get("tie_word_embeddings", False))
+    layer_params = wbytes // 2 - (1 if tied else 2) * head_params  # the layers' GEMMs (+ norms)
+    kv_token = 2 * layers * kv_heads * head_dim * 2  # bf16 K and V, every layer
+    rng = random.Random(0)
+    rows = []
+    for name in names:
+        windows: list[tuple[float, float]] = []
+        steps = 0
+        dram = flops = 0.0
+        with GpuClocks(clocks_dir / f"{name}.csv") as clocks:
+            t_end = time.monotonic() + args.seconds + 1.0
+            warm = True
+            while warm or time.monotonic() < t_end:
+                if name == "prompt":
+                    prompts = [random_prompt(vocab, 512, rng) for _ in range(16)]
+                    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+                    torch.cuda.synchronize()
+                    t0 = time.monotonic()
+                    llm.generate(prompts, one)
+                    torch.cuda.synchronize()
+                    t1 = time.monotonic()
+                    tokens = 16 * 512
+                    if not warm:
+                        windows.append((t0, t1))
+                        steps += 1
+                        dram += wbytes
+                        flops += 2 * tokens * layer_params + 2 * 16 * head_params
+                        # causal attention: each token's q against its keys so far, QK and PV
+                        flops += 16 * 4 * layers * heads * head_dim * 512 * 513 / 2
+                else:
+                    batch = 64 if name == "decode-64" else 1
+                    n_steps = 256
+                    prompts = [random_prompt(vocab, 512, rng) for _ in range(batch)]
+                    params = SamplingParams(max_tokens=n_steps + 8, temperature=0, ignore_eos=True)
+                    engine = llm.engine
+                    ids = [engine.add_request(p, params) for p in prompts]
+                    while any(engine.requests[i].seq.num_output == 0 for i in ids):
+                        engine.step()
+                    engine.step()
+                    torch.cuda.synchronize()
+                    t0 = time.monotonic()
+                    for _ in range(n_steps):
+                        engine.step()
+                    torch.cuda.synchronize()
+                    t1 = time.monotonic()
+                    for i in ids:
+                        engine.abort(i)
+                    if not warm:
+                        windows.append((t0, t1))
+                        steps += n_steps
+                        ctx = 512 + 2 + (n_steps - 1) / 2  # mean context over the window
+                        dram += n_steps * (wbytes + batch * ctx * kv_token)
+                        flops += (
+                            n_steps
+                            * batch
+                            * (
+                                2 * (layer_params + head_params)
+                                + 4 * layers * heads * head_dim * ctx
+                            )
+                        )
+                warm = False
+        secs = sum(b - a for a, b in windows)
+        row = {
+            "workload": name,
+            "steps": steps,
+            "step_ms": secs / max(steps, 1) * 1e3,
+            "dram_gb_per_step": dram / max(steps, 1) / 1e9,
+            "tflop_per_step": flops / max(steps, 1) / 1e12,
+            "seconds": secs,
+            "dram_bytes": dram,
+            "flops": flops,
+        }
+        row |= window_stats(clocks.samples, windows)
+        rows.append(row)
+        print_row(row)
+    return rows
+
+
+def print_row(r: dict[str, Any]) -> None:
+    rate = (
+        f"{r['tb_s']:.2f} TB/s"
+        if "tb_s" in r
+        else f"{r['tflops']:.0f} TFLOPS"
+        if "tflops" in r
+        else f"{r['step_ms']:.3f} ms a step"
+        if "step_ms" in r
+        else ""
+    )
+    print(
+        f"{r['workload']:<10} {rate:>18}  SM {r.get('sm_mhz_median', float('nan')):>6.0f} MHz  "
+        f"{r.get('power_w_mean', float('nan')):>5.0f} W  capped "
+        f"{100 * r.get('power_capped', 0):>3.0f}%  ({r.get('samples', 0)} samples)"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer", default=None, help="needed for prompt / decode-*")
+    ap.add_argument("--preset", default="llama-3.1-8b-instruct")
+    ap.add_argument("--backend", default="triton")
+    ap.add_argument("--only", default=",".join(WORKLOADS))
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    names = [n for n in args.only.split(",") if n]
+    unknown = sorted(set(names) - set(WORKLOADS))
+    if unknown:
+        raise SystemExit(f"--only: unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
+    rows: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            if name in ("prompt", "decode-64", "decode-1"):
+                continue
+            rows[name] = kernel_row(name, args.seconds, Path(tmp) / f"{name}.csv")
+            print_row(rows[name])
+        model = [n for n in names if n in ("prompt", "decode-64", "decode-1")]
+        if model:
+            if not args.tokenizer:
+                raise SystemExit("--tokenizer is needed for prompt / decode-*")
+            for r in model_rows(args, model, Path(tmp)):
+                rows[r["workload"]] = r
+    rates = rates_from(rows)
+    if rates:
+        print(
+            f"\nrates: idle {rates['idle_w']:.0f} W; DRAM {rates['j_per_byte'] * 1e12:.1f} pJ "
+            f"a byte beyond idle; GEMM {rates['j_per_flop'] * 1e12:.3f} pJ a FLOP beyond idle"
+        )
+        print(
+            f"{'step':<10} {'measured J':>10} {'idle J':>8} {'DRAM J':>8} {'FLOP J':>8} "
+            f"{'estimate':>9} {'gap':>6}"
+        )
+        for r in rows.values():
+            if "steps" not in r or not r.get("power_w_mean") or not r["steps"]:
+                continue
+            step_s = r["seconds"] / r["steps"]
+            est = energy_estimate(
+                step_s, r["dram_bytes"] / r["steps"], r["flops"] / r["steps"], rates
+            )
+            measured = r["power_w_mean"] * step_s
+            r["energy_j_per_step"] = measured
+            r["estimate"] = est
+            print(
+                f"{r['workload']:<10} {measured:>10.3f} {est['idle_j']:>8.3f} "
+                f"{est['dram_j']:>8.3f} {est['flop_j']:>8.3f} {est['total_j']:>9.3f} "
+                f"{100 * (measured / est['total_j'] - 1):>5.0f}%"
+            )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {"commit": commit_id(), "args": vars(args), "rates": rates, "rows": rows}, indent=1
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
