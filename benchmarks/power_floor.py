@@ -2,7 +2,7 @@
 more energy than their bytes and FLOPs do.
 
     python benchmarks/power_floor.py --tokenizer DIR [--preset llama-3.1-8b-instruct]
-        [--only idle,copy,read,gemm,gemm-1e-3,gemm-zero,prompt,decode-64,decode-1]
+        [--only idle,copy,read,gemm,gemm-1e-3,gemm-zero,prompt,decode-64,decode-1,decode-256]
         [--seconds 4] [--json OUT.json]
 
 Sessions 35-36 found 8B's 64-client run and both offline runs power-capped: their figures follow
@@ -19,13 +19,15 @@ its measured windows (after a warm-up, so the clock has settled):
   show how much of it is the data;
 - prompt: the model's 8,192-token prompt steps (16 prompts of 512, max_tokens 1, repeated);
   its DRAM figure counts the weights only, not the activations' ~2 GB a layer (a lower bound);
-- decode-64 / decode-1: the model's decode steps (CUDA graphs) from 512-token prompts, 256
-  steps a round, the rounds' prefills outside the windows.
+- decode-B (decode-64, decode-1, any batch B): the model's decode steps (CUDA graphs) at batch
+  B from 512-token prompts, 256 steps a round, the rounds' prefills outside the windows.
 
 For the model's steps it prints the energy a step took (mean power x step time) beside what its
 work would cost at the rates measured above: idle power x time + DRAM bytes (weights, and KV
 read by attention) x J per byte (read) + FLOPs x the GEMM's J per FLOP beyond idle. A step near
 that estimate spends its energy on the work itself; the gap is what a kernel could still save.
+Beside it, the step's two floors: its bytes at the read sweep's bandwidth, and the time the power
+limit allows for its work's energy (t = work J / (limit - idle)).
 """
 
 from __future__ import annotations
@@ -56,6 +58,15 @@ WORKLOADS = (
 )
 
 
+def is_decode(name: str) -> bool:
+    """decode-B: the model's decode steps at batch B."""
+    return name.startswith("decode-") and name.removeprefix("decode-").isdigit()
+
+
+def is_model(name: str) -> bool:
+    return name == "prompt" or is_decode(name)
+
+
 def window_stats(samples: list[Sample], windows: list[tuple[float, float]]) -> dict[str, Any]:
     """Clocks and power over the samples inside any of the (start, end) monotonic windows, busy
     or not (the windows are known to be running the workload, or known idle)."""
@@ -83,6 +94,19 @@ def energy_estimate(
     return {**parts, "total_j": sum(parts.values())}
 
 
+def floor_seconds(
+    dram_bytes: float, flops: float, rates: dict[str, float], limit_w: float
+) -> dict[str, float]:
+    """The least time a span of that work can take: its bytes at the read sweep's bandwidth,
+    or, at the power limit, the time whose energy (idle power for it, plus the work's own)
+    the limit allows: t = work J / (limit - idle)."""
+    work_j = rates["j_per_byte"] * dram_bytes + rates["j_per_flop"] * flops
+    return {
+        "bandwidth_s": dram_bytes / rates["read_bytes_s"],
+        "power_s": work_j / (limit_w - rates["idle_w"]),
+    }
+
+
 def rates_from(rows: dict[str, dict[str, Any]]) -> dict[str, float] | None:
     """idle_w, j_per_byte (the read sweep's power beyond idle over its bandwidth) and j_per_flop
     (the GEMMs' beyond idle over their FLOP rate), from the rows measured; None without them."""
@@ -94,6 +118,7 @@ def rates_from(rows: dict[str, dict[str, Any]]) -> dict[str, float] | None:
         "idle_w": idle,
         "j_per_byte": (rows["read"]["power_w_mean"] - idle) / (rows["read"]["tb_s"] * 1e12),
         "j_per_flop": (rows["gemm"]["power_w_mean"] - idle) / (rows["gemm"]["tflops"] * 1e12),
+        "read_bytes_s": rows["read"]["tb_s"] * 1e12,
     }
 
 
@@ -193,7 +218,7 @@ def kernel_row(name: str, seconds: float, clocks_path: Path) -> dict[str, Any]:
 
 
 def model_rows(args: argparse.Namespace, names: list[str], clocks_dir: Path) -> list[dict]:
-    """prompt / decode-64 / decode-1 on one engine of --preset (dummy weights, CUDA graphs)."""
+    """prompt / decode-B on one engine of --preset (dummy weights, CUDA graphs)."""
     import torch
 
     from inferx_core.bench_offline import random_prompt, weight_bytes
@@ -252,7 +277,7 @@ def model_rows(args: argparse.Namespace, names: list[str], clocks_dir: Path) -> 
                         # causal attention: each token's q against its keys so far, QK and PV
                         flops += 16 * 4 * layers * heads * head_dim * 512 * 513 / 2
                 else:
-                    batch = 64 if name == "decode-64" else 1
+                    batch = int(name.removeprefix("decode-"))
                     n_steps = 256
                     prompts = [random_prompt(vocab, 512, rng) for _ in range(batch)]
                     params = SamplingParams(max_tokens=n_steps + 8, temperature=0, ignore_eos=True)
@@ -324,20 +349,21 @@ def main() -> None:
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--only", default=",".join(WORKLOADS))
     ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--power-limit", type=float, default=700.0, help="W (nvidia-smi power.limit)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n]
-    unknown = sorted(set(names) - set(WORKLOADS))
+    unknown = sorted(n for n in names if n not in WORKLOADS and not is_decode(n))
     if unknown:
         raise SystemExit(f"--only: unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            if name in ("prompt", "decode-64", "decode-1"):
+            if is_model(name):
                 continue
             rows[name] = kernel_row(name, args.seconds, Path(tmp) / f"{name}.csv")
             print_row(rows[name])
-        model = [n for n in names if n in ("prompt", "decode-64", "decode-1")]
+        model = [n for n in names if is_model(n)]
         if model:
             if not args.tokenizer:
                 raise SystemExit("--tokenizer is needed for prompt / decode-*")
@@ -351,7 +377,8 @@ def main() -> None:
         )
         print(
             f"{'step':<10} {'measured J':>10} {'idle J':>8} {'DRAM J':>8} {'FLOP J':>8} "
-            f"{'estimate':>9} {'gap':>6}"
+            f"{'estimate':>9} {'gap':>6} {'step ms':>8} {'floor ms: bytes':>15} "
+            f"{f'at {args.power_limit:.0f} W':>9}"
         )
         for r in rows.values():
             if "steps" not in r or not r.get("power_w_mean") or not r["steps"]:
@@ -363,10 +390,15 @@ def main() -> None:
             measured = r["power_w_mean"] * step_s
             r["energy_j_per_step"] = measured
             r["estimate"] = est
+            floor = floor_seconds(
+                r["dram_bytes"] / r["steps"], r["flops"] / r["steps"], rates, args.power_limit
+            )
+            r["floor"] = floor
             print(
                 f"{r['workload']:<10} {measured:>10.3f} {est['idle_j']:>8.3f} "
                 f"{est['dram_j']:>8.3f} {est['flop_j']:>8.3f} {est['total_j']:>9.3f} "
-                f"{100 * (measured / est['total_j'] - 1):>5.0f}%"
+                f"{100 * (measured / est['total_j'] - 1):>5.0f}% {step_s * 1e3:>8.3f} "
+                f"{floor['bandwidth_s'] * 1e3:>15.3f} {floor['power_s'] * 1e3:>9.3f}"
             )
     if args.json:
         Path(args.json).write_text(

@@ -505,7 +505,7 @@ def test_power_floor_windows_rates_and_estimate() -> None:
     """benchmarks/power_floor.py: a window takes the samples inside it, busy or not; the rates
     are each workload's power beyond idle over its rate; the estimate adds up their parts."""
     from gpu_clocks import Sample
-    from power_floor import energy_estimate, rates_from, window_stats
+    from power_floor import energy_estimate, floor_seconds, rates_from, window_stats
 
     samples = [Sample(t, mhz, 0.0, w, 50.0, r, u) for t, mhz, w, r, u in [
         (1.0, 1980, 100.0, 0x0, 0), (1.1, 1980, 110.0, 0x0, 0),  # idle
@@ -523,11 +523,15 @@ def test_power_floor_windows_rates_and_estimate() -> None:
         "gemm": {"power_w_mean": 700.0, "tflops": 600.0},
     }
     rates = rates_from(rows)
-    assert rates == pytest.approx({"idle_w": 100.0, "j_per_byte": 1e-10, "j_per_flop": 1e-12})
+    assert rates == pytest.approx(
+        {"idle_w": 100.0, "j_per_byte": 1e-10, "j_per_flop": 1e-12, "read_bytes_s": 4e12}
+    )
     assert rates_from({k: v for k, v in rows.items() if k != "gemm"}) is None
     est = energy_estimate(0.006, 2e10, 1e12, rates)
     assert est["idle_j"] == pytest.approx(0.6) and est["dram_j"] == pytest.approx(2.0)
     assert est["flop_j"] == pytest.approx(1.0) and est["total_j"] == pytest.approx(3.6)
+    floor = floor_seconds(2e10, 1e12, rates, limit_w=700.0)  # 3 J of work over 600 W beyond idle
+    assert floor == pytest.approx({"bandwidth_s": 0.005, "power_s": 0.005})
 
 
 @interpreted
