@@ -259,7 +259,7 @@ def model_rows(args: argparse.Namespace, names: list[str], clocks_dir: Path) -> 
         with GpuClocks(clocks_dir / f"{name}.csv") as clocks:
             t_end = time.monotonic() + args.seconds + 1.0
             warm = True
-            while warm or time.monotonic() < t_end:
+            while warm or not windows or time.monotonic() < t_end:  # at least one round
                 if name == "prompt":
                     prompts = [random_prompt(vocab, 512, rng) for _ in range(16)]
                     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
