@@ -2,7 +2,8 @@
 more energy than their bytes and FLOPs do.
 
     python benchmarks/power_floor.py --tokenizer DIR [--preset llama-3.1-8b-instruct]
-        [--only idle,copy,read,gemm,gemm-1e-3,gemm-zero,prompt,decode-64,decode-1,decode-256]
+        [--only idle,copy,read,read-zero,gemm,gemm-1e-3,gemm-zero,gemm-64,gemm-256,prompt,
+                read-weights,decode-64,decode-1,decode-256]
         [--seconds 4] [--json OUT.json]
 
 Sessions 35-36 found 8B's 64-client run and both offline runs power-capped: their figures follow
@@ -12,11 +13,14 @@ its measured windows (after a warm-up, so the clock has settled):
 
 - idle: the GPU with a context and nothing queued (all samples, busy or not);
 - copy / read: a 2 GiB device copy (bytes read plus written) and a read-only sweep of 4 GiB
-  (a Triton kernel that sums each 32 KB tile): energy per byte of DRAM traffic;
+  (a Triton kernel that sums each 32 KB tile) of N(0, 1) bf16: energy per byte of DRAM traffic;
+  read-zero sweeps zeros and read-weights the model's own weights (does the data matter?);
 - gemm: the 8B prompt step's four GEMMs of a layer at 8,192 rows through torch.mm (cuBLAS),
   weights uniform in +-0.02 (DummyFormat's range), activations N(0, 1): energy per FLOP;
   gemm-1e-3 with weights in +-1e-3 (vLLM's dummy range) and gemm-zero with zero activations
-  show how much of it is the data;
+  show how much of it is the data; gemm-64 / gemm-256 run the same four GEMMs at decode's 64 and
+  256 rows over 32 layers' weights (14 GB, read from DRAM as a decode step reads them), and
+  their FLOPs' energy is what is left after idle and their bytes at the read sweep's rate;
 - prompt: the model's 8,192-token prompt steps (16 prompts of 512, max_tokens 1, repeated);
   its DRAM figure counts the weights only, not the activations' ~2 GB a layer (a lower bound);
 - decode-B (decode-64, decode-1, any batch B): the model's decode steps (CUDA graphs) at batch
@@ -49,9 +53,12 @@ WORKLOADS = (
     "idle",
     "copy",
     "read",
+    "read-zero",
     "gemm",
     "gemm-1e-3",
     "gemm-zero",
+    "gemm-64",
+    "gemm-256",
     "prompt",
     "decode-64",
     "decode-1",
@@ -64,7 +71,7 @@ def is_decode(name: str) -> bool:
 
 
 def is_model(name: str) -> bool:
-    return name == "prompt" or is_decode(name)
+    return name in ("prompt", "read-weights") or is_decode(name)
 
 
 def window_stats(samples: list[Sample], windows: list[tuple[float, float]]) -> dict[str, Any]:
@@ -125,7 +132,7 @@ def rates_from(rows: dict[str, dict[str, Any]]) -> dict[str, float] | None:
 # -- the GPU workloads (imported lazily: the arithmetic above runs on the CPU VM too) -----------
 
 
-def timed_loop(fn: Callable[[], None], seconds: float, warm_s: float = 1.0) -> tuple[float, int]:
+def timed_loop(fn: Callable[[], Any], seconds: float, warm_s: float = 1.0) -> tuple[float, int]:
     """Run fn back to back for warm_s, then for `seconds`; (measured seconds, iterations)."""
     import torch
 
@@ -148,12 +155,34 @@ def read_kernel():  # the Triton kernel, built on first use
     import triton.language as tl
 
     @triton.jit
-    def _read(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    def _read(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(out_ptr + pid, tl.sum(tl.load(x_ptr + offs).to(tl.float32), axis=0))
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+        tl.store(out_ptr + pid, tl.sum(x.to(tl.float32), axis=0))
 
     return _read
+
+
+READ_BLOCK = 16384  # elements a program: 32 KB of bf16
+
+
+def read_all(tensors: list[Any]) -> Callable[[], list[Any]]:
+    """One sweep of the read kernel over each tensor (flattened, any size): reads every byte."""
+    import torch
+
+    kernel = read_kernel()
+    flat = [t.reshape(-1) for t in tensors]
+    outs = [
+        torch.empty(-(-t.numel() // READ_BLOCK), dtype=torch.float32, device=t.device) for t in flat
+    ]
+
+    def sweep() -> list[Any]:
+        for t, o in zip(flat, outs, strict=True):
+            kernel[(o.numel(),)](t, o, t.numel(), BLOCK=READ_BLOCK)
+        return outs  # each tensor's sums a tile
+
+    return sweep
 
 
 def kernel_row(name: str, seconds: float, clocks_path: Path) -> dict[str, Any]:
@@ -176,27 +205,31 @@ def kernel_row(name: str, seconds: float, clocks_path: Path) -> dict[str, Any]:
             secs, n = timed_loop(lambda: dst.copy_(src), seconds)
             windows = [(t0, t0 + secs)]
             row["tb_s"] = 2 * src.numel() * n / secs / 1e12
-        elif name == "read":
-            block = 16384
+        elif name in ("read", "read-zero"):
             x = torch.randn(1 << 31, dtype=torch.bfloat16, device=dev)  # 4 GiB
-            out = torch.empty(x.numel() // block, dtype=torch.float32, device=dev)
-            kernel = read_kernel()
+            if name == "read-zero":
+                x.zero_()
+            sweep = read_all([x])
             t0 = time.monotonic() + 1.0
-            secs, n = timed_loop(lambda: kernel[(out.numel(),)](x, out, BLOCK=block), seconds)
+            secs, n = timed_loop(sweep, seconds)
             windows = [(t0, t0 + secs)]
             row["tb_s"] = 2 * x.numel() * n / secs / 1e12
-            del x, out
-        else:  # gemm, gemm-1e-3, gemm-zero: the 8B layer's four prompt-step GEMMs
-            m, hidden, inter = 8192, 4096, 14336
+            del x
+        else:  # gemm, gemm-1e-3, gemm-zero, gemm-64, gemm-256: the 8B layer's four GEMMs
+            m = int(name.removeprefix("gemm-")) if name in ("gemm-64", "gemm-256") else 8192
+            hidden, inter = 4096, 14336
             shapes = [(hidden, 6144), (hidden, hidden), (hidden, 2 * inter), (inter, hidden)]
             bound = 1e-3 if name == "gemm-1e-3" else 0.02
             g = torch.Generator(device=dev).manual_seed(0)
+            copies = 32 if m < 8192 else 1  # skinny: every layer's weights, as decode reads them
             ws = [
                 torch.empty(n_, k, dtype=torch.bfloat16, device=dev).uniform_(
                     -bound, bound, generator=g
                 )
+                for _ in range(copies)
                 for k, n_ in shapes
             ]
+            shapes = shapes * copies
             xs = [
                 torch.randn(m, k, dtype=torch.bfloat16, device=dev, generator=g) for k, _ in shapes
             ]
@@ -213,6 +246,8 @@ def kernel_row(name: str, seconds: float, clocks_path: Path) -> dict[str, Any]:
             windows = [(t0, t0 + secs)]
             flops = sum(2 * m * k * n_ for k, n_ in shapes)
             row["tflops"] = flops * n / secs / 1e12
+            if copies > 1:
+                row["tb_s"] = sum(2 * k * n_ for k, n_ in shapes) * n / secs / 1e12
     row |= window_stats(clocks.samples, windows)
     return row
 
@@ -259,7 +294,13 @@ def model_rows(args: argparse.Namespace, names: list[str], clocks_dir: Path) -> 
         with GpuClocks(clocks_dir / f"{name}.csv") as clocks:
             t_end = time.monotonic() + args.seconds + 1.0
             warm = True
-            while warm or not windows or time.monotonic() < t_end:  # at least one round
+            if name == "read-weights":  # the model's own weights, swept like `read`
+                params = list({t.data_ptr(): t for t in ex.model.parameters()}.values())
+                sweep = read_all(params)
+                t0 = time.monotonic() + 1.0
+                secs, n = timed_loop(sweep, args.seconds)
+                windows.append((t0, t0 + secs))
+            while name != "read-weights" and (warm or not windows or time.monotonic() < t_end):
                 if name == "prompt":
                     prompts = [random_prompt(vocab, 512, rng) for _ in range(16)]
                     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -309,6 +350,12 @@ def model_rows(args: argparse.Namespace, names: list[str], clocks_dir: Path) -> 
                         )
                 warm = False
         secs = sum(b - a for a, b in windows)
+        if name == "read-weights":
+            row = {"workload": name, "tb_s": wbytes * n / secs / 1e12}
+            row |= window_stats(clocks.samples, windows)
+            rows.append(row)
+            print_row(row)
+            continue
         row = {
             "workload": name,
             "steps": steps,
@@ -326,17 +373,12 @@ def model_rows(args: argparse.Namespace, names: list[str], clocks_dir: Path) -> 
 
 
 def print_row(r: dict[str, Any]) -> None:
-    rate = (
-        f"{r['tb_s']:.2f} TB/s"
-        if "tb_s" in r
-        else f"{r['tflops']:.0f} TFLOPS"
-        if "tflops" in r
-        else f"{r['step_ms']:.3f} ms a step"
-        if "step_ms" in r
-        else ""
-    )
+    parts = [f"{r['tflops']:.0f} TFLOPS"] if "tflops" in r else []
+    parts += [f"{r['tb_s']:.2f} TB/s"] if "tb_s" in r else []
+    parts += [f"{r['step_ms']:.3f} ms a step"] if "step_ms" in r else []
+    rate = ", ".join(parts)
     print(
-        f"{r['workload']:<10} {rate:>18}  SM {r.get('sm_mhz_median', float('nan')):>6.0f} MHz  "
+        f"{r['workload']:<12} {rate:>24}  SM {r.get('sm_mhz_median', float('nan')):>6.0f} MHz  "
         f"{r.get('power_w_mean', float('nan')):>5.0f} W  capped "
         f"{100 * r.get('power_capped', 0):>3.0f}%  ({r.get('samples', 0)} samples)"
     )
@@ -365,6 +407,9 @@ def main() -> None:
             print_row(rows[name])
         model = [n for n in names if is_model(n)]
         if model:
+            import torch
+
+            torch.cuda.empty_cache()  # the kernel rows' buffers, before the engine sizes its cache
             if not args.tokenizer:
                 raise SystemExit("--tokenizer is needed for prompt / decode-*")
             for r in model_rows(args, model, Path(tmp)):
@@ -375,6 +420,16 @@ def main() -> None:
             f"\nrates: idle {rates['idle_w']:.0f} W; DRAM {rates['j_per_byte'] * 1e12:.1f} pJ "
             f"a byte beyond idle; GEMM {rates['j_per_flop'] * 1e12:.3f} pJ a FLOP beyond idle"
         )
+        for r in rows.values():
+            if "tflops" in r and "tb_s" in r and r.get("power_w_mean"):
+                beyond = (
+                    r["power_w_mean"] - rates["idle_w"] - rates["j_per_byte"] * r["tb_s"] * 1e12
+                )
+                r["j_per_flop_after_bytes"] = beyond / (r["tflops"] * 1e12)
+                print(
+                    f"{r['workload']}: {r['j_per_flop_after_bytes'] * 1e12:.3f} pJ a FLOP beyond "
+                    "idle and its weight bytes at the read rate"
+                )
         print(
             f"{'step':<10} {'measured J':>10} {'idle J':>8} {'DRAM J':>8} {'FLOP J':>8} "
             f"{'estimate':>9} {'gap':>6} {'step ms':>8} {'floor ms: bytes':>15} "

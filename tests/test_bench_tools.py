@@ -536,13 +536,20 @@ def test_power_floor_windows_rates_and_estimate() -> None:
 
 @interpreted
 def test_power_floor_read_kernel_sums_each_tile() -> None:
-    """The read sweep's Triton kernel, under the interpreter: one fp32 sum a 16-element tile."""
+    """The read sweep's Triton kernel, under the interpreter: one fp32 sum a 16-element tile,
+    nothing read past n; read_all sweeps tensors of any size."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
     from power_floor import read_kernel
 
     x = torch.randn(64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     out = torch.empty(4, dtype=torch.float32)
-    read_kernel()[(4,)](x, out, BLOCK=16)
-    want = x.double().view(4, 16).sum(dim=1)
+    read_kernel()[(4,)](x, out, 60, BLOCK=16)  # the last tile masked past 60
+    want = torch.cat([x[:60], torch.zeros(4, dtype=x.dtype)]).double().view(4, 16).sum(dim=1)
     torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5)
+    from power_floor import READ_BLOCK, read_all
+
+    odd = torch.ones(READ_BLOCK + 3, dtype=torch.bfloat16)
+    sums = read_all([odd, x.view(4, 16)])()  # a partial last tile; any shape
+    assert sums[0].tolist() == [READ_BLOCK, 3.0]
+    assert sums[1].item() == pytest.approx(x.double().sum().item(), abs=1e-4)
