@@ -395,7 +395,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n]
-    unknown = sorted(n for n in names if n not in WORKLOADS and not is_decode(n))
+    unknown = sorted(n for n in names if n not in WORKLOADS and not is_model(n))
     if unknown:
         raise SystemExit(f"--only: unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
     rows: dict[str, dict[str, Any]] = {}
