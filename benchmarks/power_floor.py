@@ -255,6 +255,7 @@ def kernel_row(name: str, seconds: float, clocks_path: Path) -> dict[str, Any]:
 def model_rows(args: argparse.Namespace, names: list[str], clocks_dir: Path) -> list[dict]:
     """prompt / decode-B on one engine of --preset (dummy weights, CUDA graphs)."""
     import torch
+    from profile_decode import not_started
 
     from inferx_core.bench_offline import random_prompt, weight_bytes
     from inferx_core.config import load_config
@@ -324,7 +325,7 @@ def model_rows(args: argparse.Namespace, names: list[str], clocks_dir: Path) -> 
                     params = SamplingParams(max_tokens=n_steps + 8, temperature=0, ignore_eos=True)
                     engine = llm.engine
                     ids = [engine.add_request(p, params) for p in prompts]
-                    while any(engine.requests[i].seq.num_output == 0 for i in ids):
+                    while not_started(engine, ids):  # prefill, first tokens
                         engine.step()
                     engine.step()
                     torch.cuda.synchronize()
