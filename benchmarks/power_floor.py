@@ -252,6 +252,20 @@ def kernel_row(name: str, seconds: float, clocks_path: Path) -> dict[str, Any]:
     return row
 
 
+def weights_row(model: Any, seconds: float, clocks_path: Path) -> dict[str, Any]:
+    """read-weights: the model's own weights (each parameter once), swept like `read`."""
+    from inferx_core.bench_offline import weight_bytes
+
+    params = list({t.data_ptr(): t for t in model.parameters()}.values())  # a tied head once
+    nbytes = weight_bytes(model)
+    sweep = read_all(params)
+    with GpuClocks(clocks_path) as clocks:
+        t0 = time.monotonic() + 1.0
+        secs, n = timed_loop(sweep, seconds)
+    row = {"workload": "read-weights", "tb_s": nbytes * n / secs / 1e12}
+    return row | window_stats(clocks.samples, [(t0, t0 + secs)])
+
+
 def model_rows(args: argparse.Namespace, names: list[str], clocks_dir: Path) -> list[dict]:
     """prompt / decode-B on one engine of --preset (dummy weights, CUDA graphs)."""
     import torch
@@ -289,19 +303,17 @@ def model_rows(args: argparse.Namespace, names: list[str], clocks_dir: Path) -> 
     rng = random.Random(0)
     rows = []
     for name in names:
+        if name == "read-weights":
+            rows.append(weights_row(ex.model, args.seconds, clocks_dir / f"{name}.csv"))
+            print_row(rows[-1])
+            continue
         windows: list[tuple[float, float]] = []
         steps = 0
         dram = flops = 0.0
         with GpuClocks(clocks_dir / f"{name}.csv") as clocks:
             t_end = time.monotonic() + args.seconds + 1.0
             warm = True
-            if name == "read-weights":  # the model's own weights, swept like `read`
-                params = list({t.data_ptr(): t for t in ex.model.parameters()}.values())
-                sweep = read_all(params)
-                t0 = time.monotonic() + 1.0
-                secs, n = timed_loop(sweep, args.seconds)
-                windows.append((t0, t0 + secs))
-            while name != "read-weights" and (warm or not windows or time.monotonic() < t_end):
+            while warm or not windows or time.monotonic() < t_end:  # at least one round
                 if name == "prompt":
                     prompts = [random_prompt(vocab, 512, rng) for _ in range(16)]
                     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -351,12 +363,6 @@ def model_rows(args: argparse.Namespace, names: list[str], clocks_dir: Path) -> 
                         )
                 warm = False
         secs = sum(b - a for a, b in windows)
-        if name == "read-weights":
-            row = {"workload": name, "tb_s": wbytes * n / secs / 1e12}
-            row |= window_stats(clocks.samples, windows)
-            rows.append(row)
-            print_row(row)
-            continue
         row = {
             "workload": name,
             "steps": steps,
