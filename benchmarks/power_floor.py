@@ -31,7 +31,9 @@ work would cost at the rates measured above: idle power x time + DRAM bytes (wei
 read by attention) x J per byte (read) + FLOPs x the GEMM's J per FLOP beyond idle. A step near
 that estimate spends its energy on the work itself; the gap is what a kernel could still save.
 Beside it, the step's two floors: its bytes at the read sweep's bandwidth, and the time the power
-limit allows for its work's energy (t = work J / (limit - idle)).
+limit allows for its work's energy (t = work J / (limit - idle)). With prompt and decode-64 (and
+decode-256) measured, it adds what 8B's 64-client run (and the offline run) could reach at the
+limit as those steps alone (RUNS), at the estimate's energy and at the measured.
 """
 
 from __future__ import annotations
@@ -112,6 +114,34 @@ def floor_seconds(
         "bandwidth_s": dram_bytes / rates["read_bytes_s"],
         "power_s": work_j / (limit_w - rates["idle_w"]),
     }
+
+
+# Issue 4's power-capped runs as steps of the rows above (512-token prompts, 256 out, prompt
+# steps of 8,192 tokens): 8B's 64-client run (two waves of 64) and the offline run (256 at once).
+RUNS = {
+    "c=64, 2 waves": {"steps": {"decode-64": 510, "prompt": 8}, "output_tokens": 128 * 256},
+    "offline 256": {"steps": {"decode-256": 255, "prompt": 16}, "output_tokens": 256 * 256},
+}
+
+
+def run_ceilings(
+    rows: dict[str, dict[str, Any]], idle_w: float, limit_w: float
+) -> dict[str, dict[str, float]]:
+    """Output tok/s each RUNS entry could reach with the power held at limit_w and nothing but
+    its steps: t = sum of the steps' work J (beyond idle) / (limit - idle), once with the work at
+    the rates' estimate ("floor") and once at the energy the steps measured. Runs whose steps
+    were not all measured are left out."""
+    out = {}
+    for name, run in RUNS.items():
+        if not all("work_j_estimate" in rows.get(w, {}) for w in run["steps"]):
+            continue
+        res = {}
+        for kind in ("estimate", "measured"):
+            joules = sum(n * rows[w][f"work_j_{kind}"] for w, n in run["steps"].items())
+            res[f"{kind}_s"] = joules / (limit_w - idle_w)
+            res[f"{kind}_tok_s"] = run["output_tokens"] / res[f"{kind}_s"]
+        out[name] = res
+    return out
 
 
 def rates_from(rows: dict[str, dict[str, Any]]) -> dict[str, float] | None:
@@ -456,18 +486,26 @@ def main() -> None:
                 r["dram_bytes"] / r["steps"], r["flops"] / r["steps"], rates, args.power_limit
             )
             r["floor"] = floor
+            r["work_j_estimate"] = est["total_j"] - est["idle_j"]
+            r["work_j_measured"] = measured - est["idle_j"]
             print(
                 f"{r['workload']:<10} {measured:>10.3f} {est['idle_j']:>8.3f} "
                 f"{est['dram_j']:>8.3f} {est['flop_j']:>8.3f} {est['total_j']:>9.3f} "
                 f"{100 * (measured / est['total_j'] - 1):>5.0f}% {step_s * 1e3:>8.3f} "
                 f"{floor['bandwidth_s'] * 1e3:>15.3f} {floor['power_s'] * 1e3:>9.3f}"
             )
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {"commit": commit_id(), "args": vars(args), "rates": rates, "rows": rows}, indent=1
+        ceilings = run_ceilings(rows, rates["idle_w"], args.power_limit)
+        for name, c in ceilings.items():
+            print(
+                f"{name} at {args.power_limit:.0f} W, its steps alone: at the estimate's energy "
+                f"{c['estimate_s']:.2f} s, {c['estimate_tok_s']:,.0f} tok/s; at the measured "
+                f"{c['measured_s']:.2f} s, {c['measured_tok_s']:,.0f} tok/s"
             )
-        )
+    else:
+        ceilings = {}
+    if args.json:
+        doc = {"commit": commit_id(), "args": vars(args), "rates": rates, "rows": rows}
+        Path(args.json).write_text(json.dumps(doc | {"ceilings": ceilings}, indent=1))
 
 
 if __name__ == "__main__":

@@ -534,6 +534,26 @@ def test_power_floor_windows_rates_and_estimate() -> None:
     assert floor == pytest.approx({"bandwidth_s": 0.005, "power_s": 0.005})
 
 
+def test_power_floor_run_ceilings_add_up_each_runs_steps() -> None:
+    """A run's ceiling is its steps' work J over the power beyond idle; a run with a step not
+    measured is left out."""
+    from power_floor import run_ceilings
+
+    rows = {
+        "decode-64": {"work_j_estimate": 3.0, "work_j_measured": 3.3},
+        "prompt": {"work_j_estimate": 100.0, "work_j_measured": 102.0},
+    }
+    got = run_ceilings(rows, idle_w=100.0, limit_w=700.0)
+    assert list(got) == ["c=64, 2 waves"]  # no decode-256: no offline ceiling
+    c = got["c=64, 2 waves"]
+    assert c["estimate_s"] == pytest.approx((510 * 3.0 + 8 * 100.0) / 600.0)
+    assert c["measured_s"] == pytest.approx((510 * 3.3 + 8 * 102.0) / 600.0)
+    assert c["estimate_tok_s"] == pytest.approx(128 * 256 / c["estimate_s"])
+    rows["decode-256"] = {"work_j_estimate": 7.0, "work_j_measured": 7.7}
+    off = run_ceilings(rows, idle_w=100.0, limit_w=700.0)["offline 256"]
+    assert off["measured_tok_s"] == pytest.approx(256 * 256 * 600.0 / (255 * 7.7 + 16 * 102.0))
+
+
 @interpreted
 def test_power_floor_read_kernel_sums_each_tile() -> None:
     """The read sweep's Triton kernel, under the interpreter: one fp32 sum a 16-element tile,
