@@ -2,7 +2,7 @@
 more energy than their bytes and FLOPs do.
 
     python benchmarks/power_floor.py --tokenizer DIR [--preset llama-3.1-8b-instruct]
-        [--only idle,copy,read,read-zero,gemm,gemm-1e-3,gemm-zero,gemm-64,gemm-256,prompt,
+        [--only idle,copy,read,read-zero,gemm,gemm-1e-3,gemm-zero,gemm-64,gemm-256,tma-64,prompt,
                 read-weights,decode-64,decode-1,decode-256]
         [--seconds 4] [--json OUT.json]
 
@@ -21,6 +21,8 @@ its measured windows (after a warm-up, so the clock has settled):
   show how much of it is the data; gemm-64 / gemm-256 run the same four GEMMs at decode's 64 and
   256 rows over 32 layers' weights (14 GB, read from DRAM as a decode step reads them), and
   their FLOPs' energy is what is left after idle and their bytes at the read sweep's rate;
+  tma-64 runs them as the model's decode steps do at 64 rows (our TMA GEMMs, in a CUDA graph),
+  tma-64-n128 with 128-row weight tiles;
 - prompt: the model's 8,192-token prompt steps (16 prompts of 512, max_tokens 1, repeated);
   its DRAM figure counts the weights only, not the activations' ~2 GB a layer (a lower bound);
 - decode-B (decode-64, decode-1, any batch B): the model's decode steps (CUDA graphs) at batch
@@ -61,6 +63,8 @@ WORKLOADS = (
     "gemm-zero",
     "gemm-64",
     "gemm-256",
+    "tma-64",
+    "tma-64-n128",
     "prompt",
     "decode-64",
     "decode-1",
@@ -245,8 +249,9 @@ def kernel_row(name: str, seconds: float, clocks_path: Path) -> dict[str, Any]:
             windows = [(t0, t0 + secs)]
             row["tb_s"] = 2 * x.numel() * n / secs / 1e12
             del x
-        else:  # gemm, gemm-1e-3, gemm-zero, gemm-64, gemm-256: the 8B layer's four GEMMs
-            m = int(name.removeprefix("gemm-")) if name in ("gemm-64", "gemm-256") else 8192
+        else:  # gemm*, tma-64*: the 8B layer's four GEMMs
+            m = 64 if name.startswith("tma-") else 8192
+            m = int(name.removeprefix("gemm-")) if name in ("gemm-64", "gemm-256") else m
             hidden, inter = 4096, 14336
             shapes = [(hidden, 6144), (hidden, hidden), (hidden, 2 * inter), (inter, hidden)]
             bound = 1e-3 if name == "gemm-1e-3" else 0.02
@@ -271,6 +276,9 @@ def kernel_row(name: str, seconds: float, clocks_path: Path) -> dict[str, Any]:
                 for x, w, o in zip(xs, ws, outs, strict=True):
                     torch.mm(x, w.t(), out=o)
 
+            if name.startswith("tma-"):
+                layer = tma_pass(xs, ws, 128 if name.endswith("-n128") else None)
+
             t0 = time.monotonic() + 1.0
             secs, n = timed_loop(layer, seconds)
             windows = [(t0, t0 + secs)]
@@ -280,6 +288,56 @@ def kernel_row(name: str, seconds: float, clocks_path: Path) -> dict[str, Any]:
                 row["tb_s"] = sum(2 * k * n_ for k, n_ in shapes) * n / secs / 1e12
     row |= window_stats(clocks.samples, windows)
     return row
+
+
+def tma_pass(xs: list[Any], ws: list[Any], block_n: int | None) -> Callable[[], None]:
+    """tma-64 / tma-64-n128: the decode step's TMA GEMMs (inferx_kernels_cuda.tma_gemv) over
+    gemm-64's weights, as the model runs them at 64 rows (QKV in 2 K-slices, o_proj and down in
+    4, gate_up with SiLU-and-mul), in one CUDA graph; block_n: weight rows a tile instead of the
+    model's 64 (fewer programs, each x tile read from L2 by fewer of them), 8 warps."""
+    import torch
+    import triton
+
+    from inferx_kernels_cuda.tma_gemv import (
+        TmaGemvConfig,
+        plain_config,
+        tma_linear_parts,
+        tma_linear_silu_and_mul,
+    )
+
+    sms = torch.cuda.get_device_properties(xs[0].device).multi_processor_count
+    rows = xs[0].shape[0]
+
+    def config(n: int, parts: int, gated: bool) -> TmaGemvConfig:
+        cfg = plain_config(n, parts, sms, rows, gated)
+        if block_n is None:
+            return cfg
+        tile_rows = (2 if gated else 1) * block_n + max(16, rows)
+        per_sm = triton.cdiv(triton.cdiv(n, block_n) * parts, sms)
+        stages = (228 * 1024 // per_sm - 1024) // (tile_rows * 128 * 2)
+        return TmaGemvConfig(block_n, 128, 8, min(4, stages))
+
+    calls = []
+    for x, w in zip(xs, ws, strict=True):
+        n, k = w.shape
+        if n == 2 * 14336:  # gate_up
+            cfg = config(n // 2, 1, True)
+            calls.append(lambda x=x, w=w, cfg=cfg: tma_linear_silu_and_mul(x, w, cfg))
+        else:
+            parts = 2 if n == 6144 else 4  # QKV; o_proj, down_proj
+            cfg = config(n, parts, False)
+            calls.append(lambda x=x, w=w, p=parts, cfg=cfg: tma_linear_parts(x, w, p, cfg))
+
+    def run() -> None:
+        for call in calls:
+            call()
+
+    run()  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph.replay
 
 
 def weights_row(model: Any, seconds: float, clocks_path: Path) -> dict[str, Any]:

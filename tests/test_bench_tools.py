@@ -534,6 +534,26 @@ def test_power_floor_windows_rates_and_estimate() -> None:
     assert floor == pytest.approx({"bandwidth_s": 0.005, "power_s": 0.005})
 
 
+def test_offline_gc_records_collections_by_generation() -> None:
+    """benchmarks/offline_gc.py: the callback times real collections; the summary counts them
+    by generation and lists generation 2's from the span's start."""
+    import gc
+
+    from offline_gc import Collections, summarize
+
+    record = Collections()
+    gc.callbacks.append(record)
+    try:
+        gc.collect(0)
+        gc.collect(2)
+    finally:
+        gc.callbacks.remove(record)
+    assert [e[0] for e in record.events] == [0, 2] and all(e[2] >= 0 for e in record.events)
+    got = summarize([(0, 10.0, 0.1, 0), (2, 11.5, 5.0, 3), (1, 10.2, 1.0, 0)], t0=10.0)
+    assert got["collections"] == {0: 1, 1: 1, 2: 1}
+    assert got["ms_total"] == {0: 0.1, 1: 1.0, 2: 5.0} and got["gen2"] == [(1.5, 5.0, 3)]
+
+
 def test_power_floor_run_ceilings_add_up_each_runs_steps() -> None:
     """A run's ceiling is its steps' work J over the power beyond idle; a run with a step not
     measured is left out."""
