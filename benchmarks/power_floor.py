@@ -250,8 +250,8 @@ def kernel_row(name: str, seconds: float, clocks_path: Path) -> dict[str, Any]:
             row["tb_s"] = 2 * x.numel() * n / secs / 1e12
             del x
         else:  # gemm*, tma-64*: the 8B layer's four GEMMs
-            m = 64 if name.startswith("tma-") else 8192
-            m = int(name.removeprefix("gemm-")) if name in ("gemm-64", "gemm-256") else m
+            skinny = {"gemm-64": 64, "gemm-256": 256, "tma-64": 64, "tma-64-n128": 64}
+            m = skinny.get(name, 8192)
             hidden, inter = 4096, 14336
             shapes = [(hidden, 6144), (hidden, hidden), (hidden, 2 * inter), (inter, hidden)]
             bound = 1e-3 if name == "gemm-1e-3" else 0.02
@@ -299,6 +299,7 @@ def tma_pass(xs: list[Any], ws: list[Any], block_n: int | None) -> Callable[[], 
     import triton
 
     from inferx_kernels_cuda.tma_gemv import (
+        SM_SHARED_BYTES,
         TmaGemvConfig,
         plain_config,
         tma_linear_parts,
@@ -314,12 +315,12 @@ def tma_pass(xs: list[Any], ws: list[Any], block_n: int | None) -> Callable[[], 
             return cfg
         tile_rows = (2 if gated else 1) * block_n + max(16, rows)
         per_sm = triton.cdiv(triton.cdiv(n, block_n) * parts, sms)
-        stages = (228 * 1024 // per_sm - 1024) // (tile_rows * 128 * 2)
+        stages = (SM_SHARED_BYTES // per_sm - 1024) // (tile_rows * 128 * 2)
         return TmaGemvConfig(block_n, 128, 8, min(4, stages))
 
     calls = []
     for x, w in zip(xs, ws, strict=True):
-        n, k = w.shape
+        n = w.shape[0]
         if n == 2 * 14336:  # gate_up
             cfg = config(n // 2, 1, True)
             calls.append(lambda x=x, w=w, cfg=cfg: tma_linear_silu_and_mul(x, w, cfg))
