@@ -34,7 +34,9 @@ def dense_reference(
 def run_step(backend, layers, qs, ks, vs, query_lens, context_lens, tables, scale):
     batch = make_attention_batch(query_lens, context_lens, tables, backend.block_size)
     backend.begin_step(batch)
-    return [backend.forward(i, qs[i], ks[i], vs[i], scale) for i in range(len(layers))]
+    return [
+        backend.forward(backend.layer(i, scale), qs[i], ks[i], vs[i]) for i in range(len(layers))
+    ]
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])

@@ -74,9 +74,9 @@ def check_static_step(static, eager, reference, batch, padded: int, dtype, label
         heads = (spec.num_q_heads, spec.num_kv_heads, spec.num_kv_heads)
         qkv = [torch.randn(padded, h, spec.head_dim).to(dtype) for h in heads]
         scale = spec.head_dim**-0.5
-        got = static.forward(layer, *qkv, scale)[:real]
-        want = eager.forward(layer, *(x[:real] for x in qkv), scale)
-        ref = reference.forward(layer, *(x[:real] for x in qkv), scale)
+        got = static.forward(static.layer(layer, scale), *qkv)[:real]
+        want = eager.forward(eager.layer(layer, scale), *(x[:real] for x in qkv))
+        ref = reference.forward(reference.layer(layer, scale), *(x[:real] for x in qkv))
         assert got.shape == want.shape == (real, spec.num_q_heads, spec.head_dim)
         err = rel_err(got, want)
         assert err <= TOL[dtype], f"{label}, layer {layer}: {err:.2e} vs eager"
@@ -696,7 +696,9 @@ def test_gpu_captured_attention_serves_any_context(dtype: torch.dtype) -> None:
     scales = [s.head_dim**-0.5 for s in layers]
 
     def step() -> list[torch.Tensor]:
-        return [graphed.forward(i, *inputs[i], scales[i]) for i in range(len(layers))]
+        return [
+            graphed.forward(graphed.layer(i, scales[i]), *inputs[i]) for i in range(len(layers))
+        ]
 
     graphed.init_graph_buffers(8, max_blocks)
     graphed.prepare_for_capture(padded)
@@ -720,8 +722,8 @@ def test_gpu_captured_attention_serves_any_context(dtype: torch.dtype) -> None:
         reference.begin_step(batch)
         for i in range(len(layers)):
             real = [x[:n] for x in inputs[i]]
-            want = eager.forward(i, *real, scales[i])
-            ref = reference.forward(i, *real, scales[i])
+            want = eager.forward(eager.layer(i, scales[i]), *real)
+            ref = reference.forward(reference.layer(i, scales[i]), *real)
             got = outs[i][:n]
             for other, label in ((want, "eager triton"), (ref, "torch")):
                 err = rel_err(got, other)

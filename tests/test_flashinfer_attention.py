@@ -299,8 +299,8 @@ def check_steps(backend, plan: list[tuple[int, int]], scale_factor: float = 1.0)
                 for j in range(3)
             )
             scale = spec.head_dim**-0.5 * scale_factor
-            got = backend.forward(layer, *fused_views(q, k, v), scale)
-            want = reference.forward(layer, q, k, v, scale)
+            got = backend.forward(backend.layer(layer, scale), *fused_views(q, k, v))
+            want = reference.forward(reference.layer(layer, scale), q, k, v)
             assert got.shape == (sum(query_lens), spec.num_q_heads, spec.head_dim)
             assert got.dtype == dtype
             dense = torch.cat(
@@ -430,9 +430,9 @@ def test_graph_life_cycle_replans_static_buffers() -> None:
             heads = (spec.num_q_heads, spec.num_kv_heads, spec.num_kv_heads)
             qkv = [torch.randn(size, h, spec.head_dim).to(dtype) for h in heads]
             scale = spec.head_dim**-0.5
-            got = static.forward(layer, *fused_views(*qkv), scale)[:n]
-            want = eager.forward(layer, *(x[:n] for x in qkv), scale)
-            ref = reference.forward(layer, *(x[:n] for x in qkv), scale)
+            got = static.forward(static.layer(layer, scale), *fused_views(*qkv))[:n]
+            want = eager.forward(eager.layer(layer, scale), *(x[:n] for x in qkv))
+            ref = reference.forward(reference.layer(layer, scale), *(x[:n] for x in qkv))
             for other, label in ((want, "eager"), (ref, "torch")):
                 err = rel_err(got, other)
                 assert err <= TOL[dtype], (
@@ -463,10 +463,12 @@ def test_graph_life_cycle_checks_its_inputs() -> None:
     fresh.allocate(8)
     x = torch.zeros(1, 4, 64, dtype=torch.float16)
     with pytest.raises(RuntimeError, match="begin_step"):
-        fresh.forward(0, x, x[:, :2], x[:, :2], 0.125)
+        fresh.forward(fresh.layer(0, 0.125), x, x[:, :2], x[:, :2])
     fresh.begin_step(decode)
     with pytest.raises(ValueError, match="planned for 1"):
-        fresh.forward(0, x.repeat(2, 1, 1), x[:, :2].repeat(2, 1, 1), x[:, :2].repeat(2, 1, 1), 1)
+        fresh.forward(
+            fresh.layer(0, 1), x.repeat(2, 1, 1), x[:, :2].repeat(2, 1, 1), x[:, :2].repeat(2, 1, 1)
+        )
 
 
 # -- on the GPU ---------------------------------------------------------------------------------
@@ -563,7 +565,10 @@ def test_gpu_captured_decode_serves_new_contexts(flashinfer) -> None:
         ]
 
         def step(inputs=inputs) -> list[torch.Tensor]:
-            return [graphed.forward(i, *fused_views(*inputs[i]), scales[i]) for i in range(3)]
+            return [
+                graphed.forward(graphed.layer(i, scales[i]), *fused_views(*inputs[i]))
+                for i in range(3)
+            ]
 
         graphed.prepare_for_capture(size)
         step()
@@ -594,8 +599,8 @@ def test_gpu_captured_decode_serves_new_contexts(flashinfer) -> None:
             real = [x[:n] for x in inputs[i]]
             got = outs[i][:n]
             for other, label in (
-                (eager.forward(i, *real, scales[i]), "eager flashinfer"),
-                (reference.forward(i, *real, scales[i]), "torch"),
+                (eager.forward(eager.layer(i, scales[i]), *real), "eager flashinfer"),
+                (reference.forward(reference.layer(i, scales[i]), *real), "torch"),
             ):
                 err = rel_err(got, other)
                 if err > TOL[dtype]:

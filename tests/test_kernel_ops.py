@@ -20,6 +20,7 @@ from inferx_core.batch import make_attention_batch  # noqa: E402
 from inferx_core.interfaces.attention import AttentionBackend  # noqa: E402
 from inferx_core.interfaces.model import BuildContext  # noqa: E402
 from inferx_core.interfaces.ops import KernelOps  # noqa: E402
+from inferx_core.interfaces.quant import LinearSpec  # noqa: E402
 from inferx_core.ops_torch import TorchOps  # noqa: E402
 from inferx_core.plugins import plugins  # noqa: E402
 from inferx_core.quant_none import DenseLinear, Unquantized  # noqa: E402
@@ -517,7 +518,7 @@ def test_gated_gemv_only_up_to_max_k(monkeypatch: pytest.MonkeyPatch) -> None:
     the GEMM and silu_and_mul as two, with the same result."""
     calls = count_skinny_linear(monkeypatch)
     torch.manual_seed(0)
-    linear = DenseLinear(64, [48], False, torch.float32, CPU)
+    linear = DenseLinear(LinearSpec("t", 64, (48,)), torch.float32, CPU)
     linear.weight.data.normal_()
     x = torch.randn(6, 64)
     ops = TritonOps()
@@ -796,7 +797,7 @@ def test_qkv_slices_halved_at_their_rows(monkeypatch: pytest.MonkeyPatch) -> Non
     torch.manual_seed(5)
     for k, rows, want in ((256, 1, ops.tma_parts), (256, 4, ops.tma_parts // 2),
                           (4096, 9, ops.tma_parts // 2)):  # fmt: skip
-        linear = DenseLinear(k, [48, 16, 16], False, torch.float32, CPU)
+        linear = DenseLinear(LinearSpec("t", k, (48, 16, 16)), torch.float32, CPU)
         linear.weight.data.normal_()
         x = torch.randn(rows, k)
         parts, bias = ops.linear_split(linear, x)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from conftest import on_gpu
 
 from inferx_core import quant_none
+from inferx_core.interfaces.quant import LinearSpec
 from inferx_core.quant_none import DenseLinear, split_k_bmm
 
 CPU = torch.device("cpu")
@@ -29,7 +30,7 @@ def test_split_k_bmm_adds_up_to_the_linear(parts: int, m: int, n: int, k: int) -
 
 
 def dense(n: int, k: int, bias: bool, device: torch.device, dtype: torch.dtype) -> DenseLinear:
-    layer = DenseLinear(k, [n], bias, dtype, device)
+    layer = DenseLinear(LinearSpec("t", k, (n,), bias), dtype, device)
     g = torch.Generator().manual_seed(n + k)
     layer.load("weight", (torch.randn(n, k, generator=g) * 0.05).to(dtype))
     if bias:

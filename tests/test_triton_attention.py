@@ -81,7 +81,9 @@ def check_steps(
                     torch.cat([hist[layer][i][j][slice(*spans[i])] for i in live]).to(device)
                     for j in range(3)
                 )
-                per_layer.append(b.forward(layer, *fused_views(q, k, v), spec.head_dim**-0.5))
+                per_layer.append(
+                    b.forward(b.layer(layer, spec.head_dim**-0.5), *fused_views(q, k, v))
+                )
             outs.append(per_layer)
         assert backend._plan is not None
         splits.append(backend._plan.num_splits)
@@ -194,7 +196,7 @@ def test_pdl_choices_by_rows_only_in_graph_decode_steps(monkeypatch: pytest.Monk
     backend.prepare_for_capture(3)  # a captured decode step of 3 rows: the static plan
     q = torch.zeros(3, 4, 16)
     kv = torch.zeros(3, 2, 16)
-    backend.forward(0, q, kv, kv.clone(), 1.0)
+    backend.forward(backend.layer(0, 1.0), q, kv, kv.clone())
     assert asked[0] == (3, 64)
 
 
@@ -325,7 +327,7 @@ def test_forward_before_begin_step_fails() -> None:
     backend.allocate(2)
     x = torch.zeros(1, 2, 16)
     with pytest.raises(RuntimeError, match="begin_step"):
-        backend.forward(0, x, x[:, :1], x[:, :1], 0.25)
+        backend.forward(backend.layer(0, 0.25), x, x[:, :1], x[:, :1])
 
 
 @interpreted
@@ -565,8 +567,10 @@ def test_qkv_parts_only_in_decode_only_steps() -> None:
     q, k = torch.zeros(4, 3, 4, 16), torch.zeros(4, 3, 2, 16)
     cos_sin = torch.zeros(8, 16)
     with pytest.raises(ValueError, match="takes_qkv_parts"):
-        backend.forward_with_rotary(0, q, k, k.clone(), 1.0, torch.zeros(3, dtype=torch.long),
-                                    cos_sin)  # fmt: skip
+        layer = backend.layer(0, 1.0)
+        backend.forward_with_rotary(
+            layer, q, k, k.clone(), torch.zeros(3, dtype=torch.long), cos_sin
+        )
 
 
 def check_decode_rotary(
@@ -641,15 +645,18 @@ def check_decode_rotary(
                 t.unflatten(-1, (h, head_dim))
                 for t, h in zip(pieces.split(sizes, -1), heads, strict=True)
             )
-            got = backend.forward_with_rotary(layer, pq, pk, pv, head_dim**-0.5, positions, cos_sin,
+            attn = backend.layer(layer, head_dim**-0.5)
+            got = backend.forward_with_rotary(attn, pq, pk, pv, positions, cos_sin,
                                               bias=tuple(bias.split(sizes)))  # fmt: skip
         else:
             q, k, v = (torch.randn(len(ends), h, head_dim, device=device).to(dtype) for h in heads)
             fq, fk, fv = fused_views(q.clone(), k.clone(), v.clone())
-            got = backend.forward_with_rotary(layer, fq, fk, fv, head_dim**-0.5, positions, cos_sin)
+            got = backend.forward_with_rotary(
+                backend.layer(layer, head_dim**-0.5), fq, fk, fv, positions, cos_sin
+            )
         splits.append(backend._plan.num_splits)
         rq, rk = ops.rotary(positions, q.clone(), k.clone(), cos_sin)
-        want = reference.forward(layer, rq, rk, v, head_dim**-0.5)
+        want = reference.forward(reference.layer(layer, head_dim**-0.5), rq, rk, v)
         assert rel_err(got, want) <= TOL[dtype]
         # bf16: the kernel and torch's ops round the two products of a rotated element
         # differently now and then, an ulp each (seen on the CPU for the separate rotary
@@ -697,9 +704,11 @@ def check_fused_rotary(
         heads = (spec.num_q_heads, kv_heads, kv_heads)
         q, k, v = (torch.randn(tokens, h, head_dim, device=device).to(dtype) for h in heads)
         fq, fk, fv = fused_views(q.clone(), k.clone(), v.clone())
-        got = backend.forward_with_rotary(layer, fq, fk, fv, head_dim**-0.5, positions, cos_sin)
+        got = backend.forward_with_rotary(
+            backend.layer(layer, head_dim**-0.5), fq, fk, fv, positions, cos_sin
+        )
         rq, rk = ops.rotary(positions, q.clone(), k.clone(), cos_sin)
-        want = reference.forward(layer, rq, rk, v, head_dim**-0.5)
+        want = reference.forward(reference.layer(layer, head_dim**-0.5), rq, rk, v)
         # Rounded like the reference: equal but for an occasional one-ulp flip (test_kernel_ops).
         assert rel_err(fq, rq) <= ROTARY_TOL[dtype], "q is rotated in place"
         assert rel_err(got, want) <= TOL[dtype]
@@ -724,6 +733,6 @@ def forward_padding_row(
     q, k, v = (torch.randn(1, h, spec.head_dim, device=device).to(dtype) for h in heads)
     position = torch.tensor([2], device=device)
     rotated = TorchOps().rotary(position, q.clone(), k.clone(), cos_sin)[0]
-    backend.forward_with_rotary(0, q, k, v, 1.0, position, cos_sin)
+    backend.forward_with_rotary(backend.layer(0, 1.0), q, k, v, position, cos_sin)
     assert torch.equal(backend.caches[0], before)
     return q, rotated

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inferx_core.interfaces.attention import AttentionBackend, AttentionBatch
+from inferx_core.interfaces.attention import AttentionBackend, AttentionBatch, AttentionLayer
 from inferx_core.interfaces.kv import KVLayerSpec
 
 
@@ -45,18 +45,10 @@ class TorchAttention(AttentionBackend):
         # Subclasses share the cache layout, so they share these limits (under their own name).
         name = self.name
         for i, spec in enumerate(layers):
-            if spec.kind != "full":
-                raise NotImplementedError(
-                    f"{name} supports only 'full' layers; layer {i} is {spec.kind!r}"
-                )
             if spec.v_head_dim not in (None, spec.head_dim):
                 raise NotImplementedError(
                     f"{name} needs v_head_dim == head_dim; layer {i} has "
                     f"{spec.v_head_dim} and {spec.head_dim}"
-                )
-            if spec.dtype is not None:
-                raise NotImplementedError(
-                    f"{name} keeps KV in the model dtype; layer {i} wants {spec.dtype!r}"
                 )
             if spec.num_q_heads % spec.num_kv_heads:
                 raise ValueError(
@@ -109,9 +101,10 @@ class TorchAttention(AttentionBackend):
             ctx_start += c
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        cache = self.caches[layer]
+        scale = layer.scale
+        cache = self.caches[layer.index]
         heads, dim = cache.shape[-2:]
         k_flat = cache[0].view(-1, heads, dim)
         v_flat = cache[1].view(-1, heads, dim)

@@ -31,6 +31,7 @@ from inferx_core.interfaces import (
     Executor,
     ModelArch,
     PendingStep,
+    QuantConfig,
     QuantScheme,
     SchedulerOutput,
     StepResult,
@@ -292,10 +293,15 @@ class ModelRunner(Executor):
             self.compile_threads = min(config.engine.compile_threads, os.cpu_count() or 1)
         backend_name = pick_attention_backend(config.engine.attention_backend, self.device, reg)
         backend_cls = reg.get("attention_backend", backend_name)
+        try:
+            backend_cls.check_layers(self.kv_layout, model=archs[0])  # type: ignore[attr-defined]
+        except NotImplementedError as exc:
+            raise LoadError(f"{exc}; pick another engine.attention_backend") from None
         self.attention: AttentionBackend = backend_cls(  # type: ignore[operator]
             self.kv_layout, self.block_size, self.dtype, self.device
         )
-        quant: QuantScheme = reg.get("quant_scheme", config.quantization.scheme)()  # type: ignore[operator]
+        quant_config = QuantConfig(dict(ckpt.hf_config.get("quantization_config") or {}))
+        quant: QuantScheme = reg.get("quant_scheme", config.quantization.scheme)(quant_config)  # type: ignore[operator]
         ops_cls = reg.get("kernel_ops", pick_kernel_ops(config.engine.kernels, self.device, reg))
         ctx = BuildContext(self.dtype, self.device, self.attention, quant, ops_cls())  # type: ignore[operator]
         self.report.seconds["open"] = time.perf_counter() - t0

@@ -45,6 +45,9 @@ class PagedKVManager(KVManager):
     def num_usable_blocks(self) -> int:
         return self.num_blocks - 1
 
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
     def num_free_blocks(self) -> int:
         return len(self._free) + (self.tree.evictable if self.tree else 0)
 

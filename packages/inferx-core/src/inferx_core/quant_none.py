@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inferx_core.interfaces.quant import QuantLinear, QuantScheme
+from inferx_core.interfaces.quant import LinearSpec, QuantLinear, QuantScheme
+from inferx_core.parallel import SINGLE, ParallelContext
 
 SPLIT_PARTS = 4
 SPLIT_MAX_ROWS = 64
@@ -13,6 +14,24 @@ SPLIT_MAX_ROWS = 64
 # short of bandwidth (6.4 -> 5.4 µs split at one row) but reads an 8B one (48 MiB) as fast
 # as the split does (15.5 / 15.2 µs at one row, 16.3 / 16.5 at 64; bench_split_gemm).
 SPLIT_QKV_MAX_BYTES = 16 << 20
+
+
+def shard_tensor(
+    tensor: torch.Tensor, kind: str, spec: LinearSpec, part: int, parallel: ParallelContext
+) -> torch.Tensor | None:
+    """This rank's share of a whole checkpoint tensor of a linear layer: a column-parallel
+    layer's slice of rows (of fused part `part`), a row-parallel one's slice of columns (dim 1 of
+    a 2-D tensor; its bias only on rank 0, else None). Tensors of other layouts (a scheme's
+    packed ones) pass `kind` as "weight" when they are sliced like the weight."""
+    if parallel.world_size == 1 or spec.parallel == "replicated":
+        return tensor
+    if spec.parallel == "column":
+        start, n = parallel.shard(tensor.shape[0], f"{spec.prefix}'s {kind} rows")
+        return tensor.narrow(0, start, n)
+    if kind == "bias" or tensor.dim() == 1:
+        return tensor if parallel.rank == 0 else None
+    start, n = parallel.shard(tensor.shape[1], f"{spec.prefix}'s {kind} columns")
+    return tensor.narrow(1, start, n)
 
 
 def split_k_bmm(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
@@ -25,41 +44,60 @@ def split_k_bmm(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tens
 
 
 class DenseLinear(QuantLinear):
-    """A plain linear layer whose output rows may be several fused checkpoint tensors."""
+    """A plain linear layer whose output rows may be several fused checkpoint tensors, holding
+    this rank's shard: column-parallel keeps each part's slice of rows, row-parallel a slice of
+    the input columns."""
 
     def __init__(
         self,
-        in_features: int,
-        output_sizes: list[int],
-        bias: bool,
+        spec: LinearSpec,
         dtype: torch.dtype,
         device: torch.device,
+        parallel: ParallelContext = SINGLE,
     ) -> None:
         super().__init__()
-        self.output_sizes = list(output_sizes)
-        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
-        out = sum(output_sizes)
+        self.spec = spec
+        self.parallel = parallel
+        sizes = list(spec.output_sizes)
+        in_features = spec.in_features
+        if spec.parallel == "column":
+            sizes = [parallel.shard(n, f"{spec.prefix}'s output rows")[1] for n in sizes]
+        elif spec.parallel == "row":
+            in_features = parallel.shard(in_features, f"{spec.prefix}'s input columns")[1]
+        self.output_sizes = sizes
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        out = sum(sizes)
         self.weight = torch.nn.Parameter(
             torch.empty(out, in_features, dtype=dtype, device=device), requires_grad=False
         )
+        # A row-parallel layer's bias is added once, by rank 0, so the all-reduce adds it once.
+        has_bias = spec.bias and (spec.parallel != "row" or parallel.rank == 0)
         self.bias = (
             torch.nn.Parameter(torch.empty(out, dtype=dtype, device=device), requires_grad=False)
-            if bias
+            if has_bias
             else None
         )
 
     def load(self, kind: str, tensor: torch.Tensor, part: int = 0) -> None:
-        target = {"weight": self.weight, "bias": self.bias}.get(kind)
+        if kind not in ("weight", "bias"):
+            raise ValueError(f"{self.spec.prefix}: unquantized linear has no {kind!r} tensor")
+        tensor = shard_tensor(tensor, kind, self.spec, part, self.parallel)
+        if tensor is None:
+            return  # a row-parallel bias on a rank other than 0
+        target = self.weight if kind == "weight" else self.bias
         if target is None:
-            raise ValueError(f"unquantized linear has no {kind!r} tensor")
+            raise ValueError(f"{self.spec.prefix}: the layer has no bias")
         rows = slice(self.offsets[part], self.offsets[part] + self.output_sizes[part])
         dest = target.data[rows]
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ValueError(
-                f"{kind} part {part}: checkpoint shape {tuple(tensor.shape)}, "
-                f"expected {tuple(dest.shape)}"
+                f"{self.spec.prefix}: {kind} part {part}: checkpoint shape "
+                f"{tuple(tensor.shape)}, expected {tuple(dest.shape)} on this rank"
             )
         dest.copy_(tensor)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -93,12 +131,13 @@ class DenseLinear(QuantLinear):
 
 
 class Unquantized(QuantScheme):
+    name = "none"
+
     def linear(
         self,
-        in_features: int,
-        output_sizes: list[int],
-        bias: bool,
+        spec: LinearSpec,
         dtype: torch.dtype,
         device: torch.device,
+        parallel: ParallelContext = SINGLE,
     ) -> QuantLinear:
-        return DenseLinear(in_features, output_sizes, bias, dtype, device)
+        return DenseLinear(spec, dtype, device, parallel)

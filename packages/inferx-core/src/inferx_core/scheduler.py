@@ -60,12 +60,11 @@ class ContinuousScheduler(Scheduler):
         # The last token is sampled, never run, so a sequence that ends at `final` tokens
         # stores KV for final - 1 of them.
         final = min(n + seq.params.max_tokens, max(self.max_model_len, n + 1))
-        blocks = -(-(final - 1) // self.kv.block_size)
-        if blocks > self.kv.num_usable_blocks:
+        if not self.kv.fits(final - 1):
             raise ValueError(
-                f"{seq.request_id}: {final} tokens need {blocks} KV blocks but the cache has "
-                f"{self.kv.num_usable_blocks}; shorten the prompt or max_tokens, or enlarge "
-                "the KV cache"
+                f"{seq.request_id}: {final} tokens need {self.kv.blocks_needed(final - 1)} KV "
+                f"blocks but the cache has {self.kv.num_usable_blocks}; shorten the prompt or "
+                "max_tokens, or enlarge the KV cache"
             )
         if seq.request_id in self._active:
             raise ValueError(f"request id {seq.request_id!r} is already queued or running")
@@ -108,7 +107,6 @@ class ContinuousScheduler(Scheduler):
         chunks = out.chunks
         budget = self.config.max_batched_tokens
         chunk_cap = self.config.prefill_chunk
-        bs = self.kv.block_size
         running = self.running
 
         max_len = self.max_model_len
@@ -122,7 +120,7 @@ class ContinuousScheduler(Scheduler):
             # A prompt chunk leaves one token of budget for each sequence after it, so a long
             # prompt never stalls the decodes behind it (max_running <= max_batched_tokens).
             n = 1 if left == 1 else min(left, chunk_cap, budget - (len(running) - i - 1))
-            if start + n > len(seq.block_table) * bs and not self._grow(seq, start + n, out):
+            if not self._grow(seq, start + n, out):
                 break  # seq was the last one and preempted itself
             chunks.append(ScheduledChunk(seq, start, n, n == left))
             seq.num_computed = start + n

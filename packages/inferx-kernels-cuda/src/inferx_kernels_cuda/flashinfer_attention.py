@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from inferx_core.attention_torch import TorchAttention
-from inferx_core.interfaces.attention import AttentionBatch
+from inferx_core.interfaces.attention import AttentionBatch, AttentionLayer
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda.ops import env_choice
 from inferx_kernels_cuda.triton_attention import checked_graph_buffers, write_kv
@@ -344,8 +344,9 @@ class FlashInferAttention(TorchAttention):
     # -- the layer ----------------------------------------------------------------------------
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self, attn: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
+        layer, scale = attn.index, attn.scale
         plan = self._plan
         if plan is None:
             raise RuntimeError("flashinfer attention: begin_step() must run before forward()")

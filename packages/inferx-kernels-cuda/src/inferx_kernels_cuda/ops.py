@@ -11,7 +11,8 @@ import triton
 
 from inferx_core.interfaces.attention import SplitAttention
 from inferx_core.interfaces.ops import KernelOps, check_parts
-from inferx_core.quant_none import SPLIT_PARTS, DenseLinear
+from inferx_core.interfaces.quant import QuantLinear
+from inferx_core.quant_none import SPLIT_PARTS
 from inferx_kernels_cuda import fused_kernels as kernels
 from inferx_kernels_cuda.gemv import MAX_ROWS, skinny_linear
 from inferx_kernels_cuda.pdl import (
@@ -40,6 +41,12 @@ from inferx_kernels_cuda.tma_gemv import input_problem as tma_input_problem
 _ROTARY_TILE = 2048
 _SILU_BLOCK = 1024
 _EMBED_BLOCK = 1024
+
+
+def _dense(linear: torch.nn.Module) -> bool:
+    """Whether the layer's quant method hands its weight out as a plain tensor for the fused
+    kernels (QuantLinear.dense_weight); others run their own forward methods."""
+    return isinstance(linear, QuantLinear) and linear.dense_weight() is not None
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -325,20 +332,20 @@ class TritonOps(KernelOps):
 
     def linear_silu_and_mul(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.tma_gated and linear.bias is None and self._takes_tma(linear, x):
-            cfg = self._tma_config(x, linear.weight.shape[0] // 2, 1, gated=True)
-            return tma_linear_silu_and_mul(x, linear.weight, cfg)
+            cfg = self._tma_config(x, linear.dense_weight().shape[0] // 2, 1, gated=True)
+            return tma_linear_silu_and_mul(x, linear.dense_weight(), cfg)
         if (
-            isinstance(linear, DenseLinear)
+            _dense(linear)
             and x.dim() == 2
             and self.gated_gemv_rows[0] <= x.shape[0] <= self.gated_gemv_rows[1]
             and x.shape[1] <= self.gated_gemv_max_k
             and (x.is_cuda or self._interpret)
-            and x.dtype == linear.weight.dtype
+            and x.dtype == linear.dense_weight().dtype
             and x.stride(1) == 1
         ):
-            return skinny_linear(x, linear.weight, linear.bias, gated=True)
+            return skinny_linear(x, linear.dense_weight(), linear.bias, gated=True)
         if linear.bias is None and self._takes_tma(linear, x):
-            return self.silu_and_mul(self._tma(x, linear.weight, 1)[0])
+            return self.silu_and_mul(self._tma(x, linear.dense_weight(), 1)[0])
         return self.silu_and_mul(linear(x))
 
     def _takes_tma(self, linear: torch.nn.Module, x: torch.Tensor) -> bool:
@@ -347,11 +354,11 @@ class TritonOps(KernelOps):
         TMA can address."""
         return (
             self.tma_gemv
-            and isinstance(linear, DenseLinear)
+            and _dense(linear)
             and self._tma_device(x)
             and x.dim() == 2
             and x.shape[0] <= self.tma_gemv_max_rows
-            and tma_input_problem(x, linear.weight) is None
+            and tma_input_problem(x, linear.dense_weight()) is None
         )
 
     def _tma_device(self, x: torch.Tensor) -> bool:
@@ -384,12 +391,12 @@ class TritonOps(KernelOps):
         [S, rows <= norm_max_rows(K), K] parts on a Hopper or newer GPU (or under the
         interpreter)."""
         return (
-            isinstance(linear, DenseLinear)
+            _dense(linear)
             and self._tma_device(x)
             and x.dim() == 3
             and x.shape[1] <= self.norm_max_rows(x.shape[-1])
-            and x.dtype == linear.weight.dtype
-            and tma_input_problem(residual, linear.weight) is None
+            and x.dtype == linear.dense_weight().dtype
+            and tma_input_problem(residual, linear.dense_weight()) is None
         )
 
     def rms_norm_linear_split(
@@ -405,7 +412,7 @@ class TritonOps(KernelOps):
         check_parts(x, residual)
         cfg = norm_config(x.shape[1], self.tma_parts, gated=False)
         out, residual = tma_norm_linear(
-            x, residual, weight, eps, linear.weight, self.tma_parts, False, cfg
+            x, residual, weight, eps, linear.dense_weight(), self.tma_parts, False, cfg
         )
         return out, linear.bias, residual
 
@@ -421,22 +428,22 @@ class TritonOps(KernelOps):
             return super().rms_norm_linear_silu_and_mul(x, weight, eps, residual, linear)
         check_parts(x, residual)
         cfg = norm_config(x.shape[1], 1, gated=True)
-        return tma_norm_linear(x, residual, weight, eps, linear.weight, 1, True, cfg)
+        return tma_norm_linear(x, residual, weight, eps, linear.dense_weight(), 1, True, cfg)
 
     def linear_parts(
         self, linear: torch.nn.Module, x: torch.Tensor | SplitAttention
     ) -> torch.Tensor:
         if isinstance(x, SplitAttention):
             if self._takes_reduce(linear, x):
-                return tma_reduce_linear(x, linear.weight, self.tma_parts)
+                return tma_reduce_linear(x, linear.dense_weight(), self.tma_parts)
             x = x.reduce().flatten(1)
         if linear.bias is None and self._takes_tma(linear, x):
             parts = self.tma_parts
-            n, k = linear.weight.shape
+            n, k = linear.dense_weight().shape
             if k > n and self.down_double_rows:
                 parts = filled_slices(parts, n, x.shape[0], self._sms(x), self.down_double_rows)
             # where INFERX_PDL_NORM takes the rows, the norm after it launches early
-            return self._tma(x, linear.weight, parts, norm_early(x.device, x.shape[0]))
+            return self._tma(x, linear.dense_weight(), parts, norm_early(x.device, x.shape[0]))
         return linear.forward_parts(x)
 
     def _takes_reduce(self, linear: torch.nn.Module, splits: SplitAttention) -> bool:
@@ -447,12 +454,12 @@ class TritonOps(KernelOps):
         5.520 ms on the H200, session 17)."""
         return (
             self.tma_gemv
-            and isinstance(linear, DenseLinear)
+            and _dense(linear)
             and linear.bias is None
             and self._tma_device(splits.part_o)
             and splits.rows <= self.tma_gemv_max_rows
-            and reduce_input_problem(splits, linear.weight, self.tma_parts) is None
-            and reduce_config(splits, linear.weight, self.tma_parts).block_k
+            and reduce_input_problem(splits, linear.dense_weight(), self.tma_parts) is None
+            and reduce_config(splits, linear.dense_weight(), self.tma_parts).block_k
             == splits.heads // self.tma_parts * splits.head_dim
         )
 
@@ -466,7 +473,7 @@ class TritonOps(KernelOps):
             parts = self.tma_parts
             if in_ranges(x.shape[0], self.qkv_half_rows):
                 parts = max(1, parts // 2)
-            return self._tma(x, linear.weight, parts, trigger), linear.bias
+            return self._tma(x, linear.dense_weight(), parts, trigger), linear.bias
         return linear.forward_split(x)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:

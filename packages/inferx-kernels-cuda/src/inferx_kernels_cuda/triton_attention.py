@@ -12,7 +12,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from inferx_core.attention_torch import TorchAttention
 from inferx_core.batch import pack_aligned, to_device
-from inferx_core.interfaces.attention import AttentionBatch, SplitAttention
+from inferx_core.interfaces.attention import AttentionBatch, AttentionLayer, SplitAttention
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda import triton_kernels as kernels
 from inferx_kernels_cuda.ops import _ROTARY_TILE, _has_tma, env_int, env_switch
@@ -705,9 +705,9 @@ class TritonAttention(TorchAttention):
         return checked_graph_buffers(self, batch_size)
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        return self._forward(layer, q, k, v, scale, None)
+        return self._forward(layer.index, q, k, v, layer.scale, None)
 
     def takes_qkv_parts(self) -> bool:
         """Decode-only steps with the rotary in the decode kernel, when qkv_parts is on."""
@@ -722,11 +722,10 @@ class TritonAttention(TorchAttention):
 
     def forward_with_rotary(
         self,
-        layer: int,
+        layer: AttentionLayer,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        scale: float,
         positions: torch.Tensor,
         cos_sin: torch.Tensor,
         bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -744,9 +743,10 @@ class TritonAttention(TorchAttention):
                 f"{tuple(cos_sin.shape)} {cos_sin.dtype}"
             )
         rotary = (positions, cos_sin)
+        index, scale = layer.index, layer.scale
         if q.dim() == 4 or bias is not None:
-            return self._forward_parts(layer, (q, k, v), scale, rotary, bias, keep_splits)
-        return self._forward(layer, q, k, v, scale, rotary, keep_splits=keep_splits)
+            return self._forward_parts(index, (q, k, v), scale, rotary, bias, keep_splits)
+        return self._forward(index, q, k, v, scale, rotary, keep_splits=keep_splits)
 
     def _forward_parts(
         self,

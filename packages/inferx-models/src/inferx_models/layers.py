@@ -10,6 +10,21 @@ from torch import nn
 
 from inferx_core.interfaces.attention import SplitAttention
 from inferx_core.interfaces.model import BuildContext
+from inferx_core.interfaces.quant import LinearSpec, ParallelStyle, QuantLinear
+
+
+def linear(
+    ctx: BuildContext,
+    prefix: str,
+    in_features: int,
+    output_sizes: list[int],
+    bias: bool,
+    parallel: ParallelStyle = "replicated",
+    part_names: tuple[str, ...] = (),
+) -> QuantLinear:
+    """The quant scheme's method for one linear layer (LinearSpec), built on ctx's device."""
+    spec = LinearSpec(prefix, in_features, tuple(output_sizes), bias, parallel, part_names)
+    return ctx.quant.linear(spec, ctx.dtype, ctx.device, ctx.parallel)
 
 
 class RMSNorm(nn.Module):
@@ -92,19 +107,27 @@ class Attention(nn.Module):
         ctx: BuildContext,
         qkv_bias: bool = False,
         o_bias: bool = False,
+        prefix: str = "",
     ) -> None:
         super().__init__()
+        prefix = prefix or f"model.layers.{layer}.self_attn"
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
-        self.scale = head_dim**-0.5
-        self.qkv_proj = ctx.quant.linear(
-            hidden_size, [self.q_size, self.kv_size, self.kv_size], qkv_bias, ctx.dtype, ctx.device
+        self.qkv_proj = linear(
+            ctx,
+            f"{prefix}.qkv_proj",
+            hidden_size,
+            [self.q_size, self.kv_size, self.kv_size],
+            qkv_bias,
+            "column",
+            ("q_proj", "k_proj", "v_proj"),
         )
-        self.o_proj = ctx.quant.linear(self.q_size, [hidden_size], o_bias, ctx.dtype, ctx.device)
+        self.o_proj = linear(ctx, f"{prefix}.o_proj", self.q_size, [hidden_size], o_bias, "row")
         self.rotary = rotary
         self.backend = ctx.attention
+        self.attn = ctx.attention.layer(layer, head_dim**-0.5)
         self.ops = ctx.ops
 
     def _takes_parts(self) -> bool:
@@ -156,12 +179,12 @@ class Attention(nn.Module):
             if parts and self.backend.keeps_splits:
                 extra["keep_splits"] = True
             out = self.backend.forward_with_rotary(
-                self.layer, q, k, v, self.scale, positions, self.rotary.cos_sin, **extra
+                self.attn, q, k, v, positions, self.rotary.cos_sin, **extra
             )
             if isinstance(out, SplitAttention):  # o_proj combines the context splits
                 return self.ops.linear_parts(self.o_proj, out)
         else:
             q, k = self.ops.rotary(positions, q, k, self.rotary.cos_sin)
-            out = self.backend.forward(self.layer, q, k, v, self.scale)
+            out = self.backend.forward(self.attn, q, k, v)
         out = out.reshape(-1, self.q_size)
         return self.ops.linear_parts(self.o_proj, out) if parts else self.o_proj(out)

@@ -11,7 +11,8 @@ from torch import nn
 
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_core.interfaces.model import BuildContext, ModelArch
-from inferx_models.layers import Attention, RMSNorm, RotaryEmbedding, rope_parameters
+from inferx_core.parallel import SINGLE, ParallelContext
+from inferx_models.layers import Attention, RMSNorm, RotaryEmbedding, linear, rope_parameters
 
 # Checkpoint projection -> (our linear layer, part of it): q/k/v and gate/up are fused.
 FUSED = {
@@ -33,12 +34,20 @@ def _dims(cfg: dict[str, Any]) -> tuple[int, int, int, int]:
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool, ctx: BuildContext) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, bias: bool, ctx: BuildContext, prefix: str
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = ctx.quant.linear(
-            hidden, [intermediate, intermediate], bias, ctx.dtype, ctx.device
+        self.gate_up_proj = linear(
+            ctx,
+            f"{prefix}.gate_up_proj",
+            hidden,
+            [intermediate, intermediate],
+            bias,
+            "column",
+            ("gate_proj", "up_proj"),
         )
-        self.down_proj = ctx.quant.linear(intermediate, [hidden], bias, ctx.dtype, ctx.device)
+        self.down_proj = linear(ctx, f"{prefix}.down_proj", intermediate, [hidden], bias, "row")
         self.ops = ctx.ops
 
     def forward_normed(
@@ -78,7 +87,7 @@ class DecoderLayer(nn.Module):
             layer, hidden, heads, kv_heads, head_dim, rotary, ctx, qkv_bias, o_bias
         )
         self.post_attention_layernorm = RMSNorm(hidden, eps, ctx)
-        self.mlp = MLP(hidden, cfg["intermediate_size"], mlp_bias, ctx)
+        self.mlp = MLP(hidden, cfg["intermediate_size"], mlp_bias, ctx, f"model.layers.{layer}.mlp")
 
     def forward(
         self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None
@@ -137,7 +146,9 @@ class LlamaForCausalLM(ModelArch):
         return attn, attn, bool(hf_config.get("mlp_bias", False))
 
     @classmethod
-    def kv_layout(cls, hf_config: dict[str, Any]) -> list[KVLayerSpec]:
+    def kv_layout(
+        cls, hf_config: dict[str, Any], parallel: ParallelContext = SINGLE, kv_dtype: str = "auto"
+    ) -> list[KVLayerSpec]:
         _, heads, kv_heads, head_dim = _dims(hf_config)
         n = hf_config["num_hidden_layers"]
         window = hf_config.get("sliding_window")
@@ -152,9 +163,9 @@ class LlamaForCausalLM(ModelArch):
             for i in range(n)
         ]
         return [
-            KVLayerSpec(heads, kv_heads, head_dim, kind="sliding", window=window)
+            KVLayerSpec(heads, kv_heads, head_dim, kind="sliding", window=window, dtype=kv_dtype)
             if t == "sliding_attention"
-            else KVLayerSpec(heads, kv_heads, head_dim)
+            else KVLayerSpec(heads, kv_heads, head_dim, dtype=kv_dtype)
             for t in types
         ]
 
@@ -188,9 +199,10 @@ class LlamaForCausalLM(ModelArch):
 
     def __init__(self, hf_config: dict[str, Any], ctx: BuildContext) -> None:
         super().__init__()
-        if ctx.tp_size != 1:
+        if ctx.parallel.world_size != 1:
             raise NotImplementedError(
-                f"{type(self).__name__} has no tensor parallelism yet (tp_size={ctx.tp_size})"
+                f"{type(self).__name__} has no tensor parallelism yet "
+                f"(parallel.tensor = {ctx.parallel.world_size})"
             )
         self.hf_config = hf_config
         self.tied = bool(hf_config.get("tie_word_embeddings", False))

@@ -1,11 +1,17 @@
 """The interfaces that plugins implement. Each is one small ABC; see docs/ARCHITECTURE.md."""
 
-from inferx_core.interfaces.attention import AttentionBackend, AttentionBatch, SplitAttention
+from inferx_core.interfaces.attention import (
+    AttentionBackend,
+    AttentionBatch,
+    AttentionLayer,
+    SplitAttention,
+)
 from inferx_core.interfaces.executor import DoneStep, Executor, PendingStep, StepResult
-from inferx_core.interfaces.kv import KVLayerSpec, KVManager
+from inferx_core.interfaces.kv import KVGroup, KVLayerSpec, KVManager, kv_groups
 from inferx_core.interfaces.model import BuildContext, Checkpoint, CheckpointFormat, ModelArch
+from inferx_core.interfaces.moe import ExpertsSpec, QuantExperts, RouterSpec
 from inferx_core.interfaces.ops import KernelOps
-from inferx_core.interfaces.quant import QuantLinear, QuantScheme
+from inferx_core.interfaces.quant import LinearSpec, QuantConfig, QuantLinear, QuantScheme
 from inferx_core.interfaces.scheduler import (
     QueueFullError,
     ScheduledChunk,
@@ -18,19 +24,26 @@ from inferx_core.interfaces.transport import Transport
 __all__ = [
     "AttentionBackend",
     "AttentionBatch",
+    "AttentionLayer",
     "BuildContext",
     "Checkpoint",
     "CheckpointFormat",
     "DoneStep",
     "Executor",
+    "ExpertsSpec",
+    "KVGroup",
     "KVLayerSpec",
     "KVManager",
     "KernelOps",
     "ModelArch",
+    "LinearSpec",
     "PendingStep",
+    "QuantConfig",
+    "QuantExperts",
     "QuantLinear",
     "QuantScheme",
     "QueueFullError",
+    "RouterSpec",
     "ScheduledChunk",
     "Scheduler",
     "SchedulerOutput",
@@ -38,4 +51,5 @@ __all__ = [
     "SplitAttention",
     "StepResult",
     "Transport",
+    "kv_groups",
 ]

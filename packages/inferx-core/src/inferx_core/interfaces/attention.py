@@ -8,7 +8,30 @@ from dataclasses import dataclass
 
 import torch
 
-from inferx_core.interfaces.kv import KVLayerSpec
+from inferx_core.interfaces.kv import KVGroup, KVLayerSpec, kv_groups
+
+# What a backend may support beyond plain full attention in the model's dtype
+# (KVLayerSpec.needs() names what a layer requires).
+FEATURES = ("sliding", "mla", "sinks", "softcap", "fp8_kv")
+
+
+@dataclass(eq=False)
+class AttentionLayer:
+    """One attention layer as the backend sees it: its spec and what it attends with.
+
+    Built by the model (one per layer, kept for the model's life) and passed to every forward().
+    index: the layer's position in ModelArch.kv_layout (its cache); group: its KV group
+    (kv_groups); scale: the softmax scale; sinks: [num_q_heads] float32 learned sink logits when
+    spec.learned_sinks; k_scale / v_scale: [1] float32 dequantization scales of an fp8 cache.
+    """
+
+    index: int
+    spec: KVLayerSpec
+    scale: float
+    group: int = 0
+    sinks: torch.Tensor | None = None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
 
 @dataclass
@@ -65,8 +88,12 @@ class AttentionBackend(ABC):
     """Paged attention for every layer of one model.
 
     Built once with the model's per-layer specs; allocates the cache; is told each step's layout
-    with begin_step() (plan kernels there, once per step); then forward() runs once per layer.
-    The model never sees metadata or cache tensors: its Attention layers call forward().
+    with begin_step() (plan kernels there, once per step); then forward() runs once per layer
+    with that layer's AttentionLayer. The model never sees metadata or cache tensors.
+
+    `features` says what the backend supports beyond plain full attention in the model's dtype
+    (FEATURES; KVLayerSpec.needs() says what a layer requires): start-up refuses a model whose
+    layers need what the chosen backend lacks, naming both (check_layers).
 
     CUDA graphs (decode only) are optional: a backend that sets `supports_cuda_graphs` keeps the
     metadata of decode batches in static buffers, so that kernels captured once read each later
@@ -79,15 +106,15 @@ class AttentionBackend(ABC):
     prepare_mixed_capture(t) before capturing a step of t tokens and prepare_mixed_replay()
     before each replay, with the same rules as the decode hooks.
 
-    A backend that sets `fuses_rotary` also offers forward_with_rotary(): the model then hands it
-    q and k before the rotary embedding, and the backend rotates them as it writes the cache
-    (one kernel instead of two per layer). Where takes_qkv_parts() says so for the current step,
-    q, k and v may come as partial results of the QKV GEMM split along K, with its bias apart
-    (QuantLinear.forward_split), and the backend sums them. A backend that sets `keeps_splits`
-    takes forward_with_rotary(..., keep_splits=True) from a layer whose output projection runs
-    as K-slice parts, and may then return a SplitAttention where its decode kernel split the
-    context: the layer hands it to KernelOps.linear_parts, which may combine the splits inside
-    the projection (one launch and its gap fewer a layer).
+    Optional capabilities beside the contract (a model asks before it uses them):
+    `fuses_rotary`: forward_with_rotary() takes q and k before the rotary embedding and rotates
+    them as it writes the cache (one kernel instead of two per layer). Where takes_qkv_parts()
+    says so for the current step, q, k and v may come as partial results of the QKV GEMM split
+    along K, with its bias apart (QuantLinear.forward_split), and the backend sums them.
+    `keeps_splits`: forward_with_rotary(..., keep_splits=True) from a layer whose output
+    projection runs as K-slice parts may return a SplitAttention where its decode kernel split
+    the context: the layer hands it to KernelOps.linear_parts, which may combine the splits
+    inside the projection (one launch and its gap fewer a layer).
 
     A backend that sets `replays_on_current_stream` enqueues everything prepare_for_replay()
     does on the current stream and reads its static buffers only inside forward(): the decode
@@ -95,6 +122,8 @@ class AttentionBackend(ABC):
     are still being computed (cuda_graphs.DecodeGraphRunner).
     """
 
+    name: str = "attention backend"  # in error messages
+    features: frozenset[str] = frozenset()
     supports_cuda_graphs: bool = False
     replays_on_current_stream: bool = False
     supports_mixed_graphs: bool = False
@@ -111,10 +140,40 @@ class AttentionBackend(ABC):
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
+        self.check_layers(layers)
         self.layers = layers
+        self.groups: list[KVGroup] = kv_groups(layers)
+        self._group_of = {i: g.index for g in self.groups for i in g.layers}
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
+
+    def layer(
+        self,
+        index: int,
+        scale: float,
+        sinks: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> AttentionLayer:
+        """The AttentionLayer of layer `index` (its spec and KV group from this backend), for
+        the model to keep and pass to forward()."""
+        return AttentionLayer(
+            index, self.layers[index], scale, self._group_of[index], sinks, k_scale, v_scale
+        )
+
+    @classmethod
+    def check_layers(cls, layers: list[KVLayerSpec], model: str = "the model") -> None:
+        """Raise NotImplementedError naming the layer, the feature and this backend when a
+        layer needs a feature the backend lacks."""
+        for i, spec in enumerate(layers):
+            missing = spec.needs() - cls.features
+            if missing:
+                raise NotImplementedError(
+                    f"{model} needs {', '.join(sorted(missing))} attention (layer {i}), which "
+                    f"the {cls.name} backend does not support (it supports: "
+                    f"{', '.join(sorted(cls.features)) or 'plain full attention'})"
+                )
 
     @abstractmethod
     def bytes_per_block(self) -> int:
@@ -131,20 +190,22 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """Write k, v ([T, Hkv, D]) to the cache, attend q ([T, Hq, D]); return [T, Hq, Dv].
+        """Write k, v ([T, Hkv, D]) to the layer's cache, attend q ([T, Hq, D]); return
+        [T, Hq, Dv].
 
-        Each sequence's queries attend causally to its whole cached context.
+        Each sequence's queries attend causally to its cached context (a sliding layer: the
+        last `window` tokens up to and including the query's own; learned sinks join the
+        softmax as one more column per head).
         """
 
     def forward_with_rotary(
         self,
-        layer: int,
+        layer: AttentionLayer,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        scale: float,
         positions: torch.Tensor,
         cos_sin: torch.Tensor,
         bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,

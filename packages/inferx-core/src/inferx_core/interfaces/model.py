@@ -14,19 +14,21 @@ from inferx_core.interfaces.attention import AttentionBackend
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_core.interfaces.ops import KernelOps
 from inferx_core.interfaces.quant import QuantScheme
+from inferx_core.parallel import SINGLE, ParallelContext
 
 
 @dataclass
 class BuildContext:
-    """What an architecture builds itself with. Layers call these, never a kernel directly."""
+    """What an architecture builds itself with. Layers call these, never a kernel directly.
+    A layer's AttentionLayer takes its spec from ctx.attention.layers (what the backend was
+    built with: ModelArch.kv_layout)."""
 
     dtype: torch.dtype
     device: torch.device
     attention: AttentionBackend
     quant: QuantScheme
     ops: KernelOps = field(default_factory=lambda: _reference_ops())
-    tp_rank: int = 0
-    tp_size: int = 1
+    parallel: ParallelContext = SINGLE
 
 
 def _reference_ops() -> KernelOps:
@@ -45,8 +47,11 @@ class ModelArch(torch.nn.Module, ABC):
 
     @classmethod
     @abstractmethod
-    def kv_layout(cls, hf_config: dict[str, Any]) -> list[KVLayerSpec]:
-        """One spec per attention layer, in layer order."""
+    def kv_layout(
+        cls, hf_config: dict[str, Any], parallel: ParallelContext = SINGLE, kv_dtype: str = "auto"
+    ) -> list[KVLayerSpec]:
+        """One spec per attention layer, in layer order, with this rank's heads (KV heads
+        replicated where there are fewer than ranks) and the cache dtype asked for."""
 
     @classmethod
     @abstractmethod

@@ -13,14 +13,16 @@ from inferx_core.interfaces import BuildContext, KVLayerSpec, ModelArch
 class CountingAttention(TorchAttention):
     calls = 0
 
-    def forward(self, layer, q, k, v, scale):  # type: ignore[override]
+    def forward(self, layer, q, k, v):  # type: ignore[override]
         CountingAttention.calls += 1
-        return super().forward(layer, q, k, v, scale)
+        return super().forward(layer, q, k, v)
 
 
 class ToyForCausalLM(ModelArch):
     @classmethod
-    def kv_layout(cls, hf_config: dict[str, Any]) -> list[KVLayerSpec]:
+    def kv_layout(
+        cls, hf_config: dict[str, Any], parallel=None, kv_dtype="auto"
+    ) -> list[KVLayerSpec]:
         return [KVLayerSpec(num_q_heads=2, num_kv_heads=1, head_dim=hf_config["hidden_size"] // 2)]
 
     @classmethod
@@ -33,6 +35,7 @@ class ToyForCausalLM(ModelArch):
         h, v = hf_config["hidden_size"], hf_config["vocab_size"]
         self.h = h
         self.attention = ctx.attention
+        self.attn = ctx.attention.layer(0, (h // 2) ** -0.5)
         self.embed = torch.nn.Embedding(v, h, dtype=ctx.dtype)
         # q (h: two heads), k and v (h/2 each: one kv head)
         self.qkv = torch.nn.Linear(h, 2 * h, bias=False, dtype=ctx.dtype)
@@ -43,7 +46,7 @@ class ToyForCausalLM(ModelArch):
         q, k, v = self.qkv(x).split([self.h, self.h // 2, self.h // 2], dim=-1)
         d = self.h // 2
         out = self.attention.forward(
-            0, q.view(-1, 2, d), k.view(-1, 1, d), v.view(-1, 1, d), d**-0.5
+            self.attn, q.view(-1, 2, d), k.view(-1, 1, d), v.view(-1, 1, d)
         )
         return x + out.reshape(-1, self.h)
 

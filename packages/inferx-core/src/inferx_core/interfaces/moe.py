@@ -1,0 +1,101 @@
+"""The fused-MoE contract: how a token picks its experts (RouterSpec) and the method that owns a
+layer's routed experts (QuantExperts, built by the quant scheme like a linear layer's)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """Routing of one MoE layer: from router logits [T, num_experts] to top_k (weight, expert)
+    pairs per token.
+
+    scoring: "softmax" over all experts, or "sigmoid" per expert (DeepSeek-V3).
+    softmax_after_topk: pick the top_k raw logits, then softmax over those k (gpt-oss, Mixtral);
+    otherwise score all experts first, then pick (Qwen-MoE, DeepSeek).
+    renormalize: scale the picked scores to sum to 1 (Qwen3-MoE's norm_topk_prob).
+    num_groups / topk_groups: group-limited routing (DeepSeek): experts form num_groups equal
+    groups, a group scores by its best expert ("max") or the sum of its best two ("top2"), and
+    tokens pick only among the best topk_groups groups.
+    selection_bias: a per-expert bias added to the scores for picking only, not to the weights
+    (DeepSeek-V3's e_score_correction_bias; the tensor is passed to route()).
+    scaling: the routed experts' output is multiplied by this (routed_scaling_factor).
+    """
+
+    num_experts: int
+    top_k: int
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    softmax_after_topk: bool = False
+    renormalize: bool = False
+    num_groups: int = 1
+    topk_groups: int = 1
+    group_score: Literal["max", "top2"] = "max"
+    selection_bias: bool = False
+    scaling: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k {self.top_k} must be 1..num_experts ({self.num_experts})")
+        if self.num_experts % self.num_groups or not 1 <= self.topk_groups <= self.num_groups:
+            raise ValueError(
+                f"{self.num_experts} experts in {self.num_groups} groups, {self.topk_groups} "
+                "picked: groups must divide the experts and 1 <= topk_groups <= num_groups"
+            )
+        if self.softmax_after_topk and (self.scoring != "softmax" or self.num_groups > 1):
+            raise ValueError("softmax_after_topk needs softmax scoring and no expert groups")
+
+
+# Activations between an expert's gate_up and down projections:
+# "silu": silu(gate) * up, gate the first half of gate_up's output and up the second.
+# "swiglu_oai": gpt-oss's: gate and up interleaved (even / odd columns), gate clamped above at
+#   `limit`, up to [-limit, limit], out = gate * sigmoid(alpha * gate) * (up + 1).
+Activation = Literal["silu", "swiglu_oai"]
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """One MoE layer's routed experts, before any sharding.
+
+    prefix: checkpoint prefix of the experts ("model.layers.0.mlp.experts"); per-expert
+    checkpoints name "{prefix}.{e}.gate_proj.weight" etc., stacked ones "{prefix}.gate_up_proj"
+    with a leading expert dimension (the model maps names to load() calls).
+    """
+
+    prefix: str
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    activation: Activation = "silu"
+    bias: bool = False
+    alpha: float = 1.702  # swiglu_oai
+    limit: float = 7.0  # swiglu_oai
+
+
+class QuantExperts(torch.nn.Module, ABC):
+    """The routed experts of one MoE layer bound to their tensors, however the scheme stores
+    them. Tensor-parallel ranks hold a slice of every expert's intermediate dimension (the
+    output is then this rank's partial sum, as a row-parallel linear's)."""
+
+    spec: ExpertsSpec
+
+    @abstractmethod
+    def load(self, kind: str, tensor: torch.Tensor, expert: int | None = None) -> None:
+        """Copy one checkpoint tensor. kind: "gate_up", "gate", "up" or "down" followed by
+        ".weight" / ".bias" or a scheme's own suffix (".blocks", ".scales", ...); expert: the
+        expert's index for a per-expert tensor, None for one stacked over all experts
+        ([num_experts, ...]). "gate_up" is stacked in the activation's layout."""
+
+    def finish_loading(self) -> None:
+        """Called once every tensor is loaded; raise ValueError naming a missing tensor."""
+
+    @abstractmethod
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, hidden], topk_weights [T, k] float32, topk_ids [T, k] int -> [T, hidden]:
+        sum over j of topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), in x's dtype."""
