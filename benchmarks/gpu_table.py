@@ -1,15 +1,17 @@
-"""Issue 4's whole benchmark table in one run: per model, decode, TTFT, offline and online
-throughput and start-up, beside vLLM 0.26.0's figures and the goals; raw results as JSON.
+"""The benchmark table in one run (docs/BENCHMARKS.md): per model, decode, TTFT, offline and
+online throughput and start-up, beside vLLM 0.26.0's figures and the goals; raw results as JSON.
+Runs on an H100 or an H200 (the vLLM column holds its H200 figures; its H100 figures are in
+docs/BENCHMARKS.md).
 
-    python3 benchmarks/h200_table.py                       # both models, all figures (H200)
-    python3 benchmarks/h200_table.py --models qwen2.5-3b-instruct --only decode,serve
-    python3 benchmarks/h200_table.py --quick --models tiny-qwen2 --tokenizers DIR  # CPU plumbing
+    python3 benchmarks/gpu_table.py                        # both models, all figures
+    python3 benchmarks/gpu_table.py --models qwen2.5-3b-instruct --only decode,serve
+    python3 benchmarks/gpu_table.py --quick --models tiny-qwen2 --tokenizers DIR  # CPU plumbing
 
 Models are presets (random bf16 weights, exact shapes) with their real tokenizers, looked up
 under --tokenizers (default .carry/tok/tokenizers): `qwen/` for Qwen, `llama3/` for Llama. Before
 the device call copy both there: `mkdir -p .carry/tok/tokenizers && cp -r
 ../shared/fixtures/tokenizers/{qwen,llama3} .carry/tok/tokenizers/` (11 + 9 MB), and carry
-.carry/tok (scripts/gpu_run.sh table runs this script after `bash .whl/setup.sh`).
+.carry/tok (scripts/gpu_run.sh table unpacks them and runs this script; docs/CONTRIBUTING.md).
 
 Figures (--only picks some): decode (batch 1, 128 in / 256 out, median of 3 after a whole warm-up
 request, the weight-bandwidth floor measured beside it), ttft (2048 and 8192-token prompts, fresh
@@ -29,7 +31,7 @@ prefill_chunk = 8192, CUDA graphs on; prefix caching off offline and on (the def
 serving, as the peer was measured.
 
 Clocks: every offline figure and every serve run samples the GPU's SM clock and power with
-nvidia-smi every 100 ms (benchmarks/gpu_clocks.py; the CSVs in h200-table-logs/), and the table
+nvidia-smi every 100 ms (benchmarks/gpu_clocks.py; the CSVs in gpu-table-logs/), and the table
 gives each throughput's median clock, mean power and power-capped share beside it: held at its
 700 W limit, an H200 runs compute-bound steps well under its 1980 MHz boost.
 
@@ -44,7 +46,7 @@ profiled sizing costs one start-up, not the table.
 Time: --budget-s (default 450) bounds the whole run. Each model gets an equal share of what is
 left when it starts; its offline child at most 45% of that share; the server at most 240 s to
 get ready and each serve run at most 100 s; what has no time left is recorded as skipped. The
-JSON (--json, default $OUT/h200-table.json; logs beside it in h200-table-logs/) is rewritten
+JSON (--json, default $OUT/gpu-table.json; logs beside it in gpu-table-logs/) is rewritten
 after every figure and each model's table is printed when that model is done, so a run stopped
 from outside keeps what it measured. Expected on an H200: ~1.5 min for the 3B, ~2.5 min for the
 8B, plus Triton compiling its kernels on a fresh machine.
@@ -389,7 +391,6 @@ def overrides_for(run: Run, preset: str, server: bool, fallback: bool) -> dict[s
         # As the peer was measured: prefix caching off offline, the default (on) when serving.
         "scheduler.prefix_cache": "true" if server else "false",
     }
-    o |= dict(kv.split("=", 1) for kv in a.set or [])
     if fallback:
         del o["kv_cache.memory"]
         o["kv_cache.num_blocks"] = str(fallback_blocks(preset))
@@ -477,7 +478,6 @@ def load(
     concurrency: int,
     s: Sizes,
     timeout: float,
-    no_keep_alive: bool = False,
 ) -> dict[str, Any]:
     """One `inferx-bench serve` run (its client and summary) over our exact prompts."""
     from inferx_server import bench
@@ -492,7 +492,7 @@ def load(
         request_rate=0.0,
         seed=0,
         timeout=timeout,
-        no_keep_alive=no_keep_alive,
+        no_keep_alive=False,
     )
 
     async def go() -> tuple[list[Any], float]:
@@ -596,15 +596,7 @@ def run_serve(
                         kernels = triton_kernels()
                         clocks = GpuClocks(run.logs / f"clocks-{preset}-c{c}-{i + 1}.csv")
                         with clocks:
-                            r = load(
-                                url,
-                                model,
-                                prompts[c][i],
-                                c,
-                                s,
-                                min(SERVE_RUN_CAP_S, left),
-                                no_keep_alive=run.args.no_keep_alive,
-                            )
+                            r = load(url, model, prompts[c][i], c, s, min(SERVE_RUN_CAP_S, left))
                         r["gpu_clocks"] = clocks.summary
                         # Kernels compiled mid-run: start-up's warm-up should have done them all.
                         r["triton_compiled"] = sorted(triton_kernels() - kernels)
@@ -832,7 +824,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_offline"]:
         return offline_child(argv[1])
-    ap = argparse.ArgumentParser(prog="h200_table.py", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="gpu_table.py", description=__doc__.split("\n")[0])
     ap.add_argument("--models", type=_list, help=f"presets, comma-separated (default: {MODELS})")
     ap.add_argument("--only", type=_list, default=list(FIGURES), help=",".join(FIGURES))
     ap.add_argument("--quick", action="store_true", help="tiny sizes: the plumbing, on a CPU")
@@ -840,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
         "--tokenizers", default=".carry/tok/tokenizers", help="directory holding qwen/ and llama3/"
     )
     ap.add_argument("--budget-s", type=float, default=450.0, help="wall-clock bound of the run")
-    ap.add_argument("--json", help="default: $OUT/h200-table.json, else ./h200-table.json")
+    ap.add_argument("--json", help="default: $OUT/gpu-table.json, else ./gpu-table.json")
     ap.add_argument("--dtype", help="default: bfloat16 (auto with --quick)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--attention-backend", help="default: triton (auto with --quick)")
@@ -849,18 +841,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--serve-rounds", type=int, default=1, help="runs at each concurrency (the median's)"
     )
-    ap.add_argument(
-        "--no-keep-alive",
-        action="store_true",
-        help="serve: a new connection per request (inferx-bench serve --no-keep-alive)",
-    )
-    ap.add_argument(
-        "--set", action="append", metavar="KEY=VALUE", help="more config, offline and server"
-    )
     args = ap.parse_args(argv)
-    bad = [kv for kv in args.set or [] if "=" not in kv]
-    if bad:
-        ap.error(f"--set takes KEY=VALUE, got {bad}")
     unknown = [f for f in args.only if f not in FIGURES]
     if unknown:
         ap.error(f"--only: unknown figure(s) {', '.join(unknown)}; known: {', '.join(FIGURES)}")
@@ -882,9 +863,9 @@ def main(argv: list[str] | None = None) -> int:
             missing[preset] = f"no {tok}: copy ../shared/fixtures/tokenizers/ there"
     if len(missing) == len(args.models):
         ap.error("; ".join(missing.values()))
-    out = Path(args.json or Path(os.environ.get("OUT", ".")) / "h200-table.json")
+    out = Path(args.json or Path(os.environ.get("OUT", ".")) / "gpu-table.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    logs = out.parent / "h200-table-logs"
+    logs = out.parent / "gpu-table-logs"
     logs.mkdir(exist_ok=True)
     sha = commit_id()
     run = Run(args, sizes, tuple(args.only), out, logs, time.monotonic() + args.budget_s)

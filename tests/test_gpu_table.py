@@ -1,6 +1,7 @@
-"""benchmarks/h200_table.py's plumbing on the CPU: --quick with the tiny-qwen2 preset and the Qwen
+"""benchmarks/gpu_table.py's plumbing on the CPU: --quick with the tiny-qwen2 preset and the Qwen
 tokenizer produces every figure (offline child, inferx-server, the serve client), prints the
-table, honours --only, and starts an engine again with kv_cache.num_blocks when it cannot start."""
+table, honours --only, and starts an engine again with kv_cache.num_blocks when it cannot start;
+benchmarks/gpu_clocks.py, which samples the GPU's clocks beside each figure."""
 
 from __future__ import annotations
 
@@ -10,18 +11,19 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import FIXTURES
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_table.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_table.py"
 TOKENIZERS = FIXTURES / "tokenizers"
 
 
 def run_table(tmp_path: Path, *extra: str) -> tuple[dict[str, Any], str]:
-    out = tmp_path / "h200-table.json"
+    out = tmp_path / "gpu-table.json"
     cmd = [sys.executable, str(SCRIPT), "--quick", "--models", "tiny-qwen2", "--tokenizers",
            str(TOKENIZERS), "--budget-s", "100", "--json", str(out), *extra]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
@@ -42,12 +44,12 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str
 
 
 def table_module(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """h200_table.py imported as a module."""
+    """gpu_table.py imported as a module."""
     monkeypatch.syspath_prepend(str(SCRIPT.parent))  # its own imports (commit_id) live there
-    spec = importlib.util.spec_from_file_location("h200_table", SCRIPT)
+    spec = importlib.util.spec_from_file_location("gpu_table", SCRIPT)
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "h200_table", mod)  # its dataclasses look their module up
+    monkeypatch.setitem(sys.modules, "gpu_table", mod)  # its dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
@@ -163,3 +165,75 @@ def test_serve_rounds_are_checked() -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--serve-rounds", "0"],
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 2 and "--serve-rounds must be at least 1" in proc.stderr
+
+
+def _smi_line(wall: float, sm: int, power: float, reasons: int, util: int) -> str:
+    """One nvidia-smi --query-gpu=gpu_clocks.QUERY --format=csv,noheader line."""
+    from datetime import datetime
+
+    stamp = datetime.fromtimestamp(wall).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+    return f"{stamp}, {sm} MHz, 3201 MHz, {power:.2f} W, 50, 0x{reasons:016x}, {util} %"
+
+
+def test_gpu_clocks_summarizes_busy_samples_on_the_monotonic_clock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """benchmarks/gpu_clocks.py: samples land on time.monotonic() through the file's offset;
+    the clock and power figures count busy samples only, the energy every sample's span."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    from gpu_clocks import describe, parse, summarize
+
+    offset = 1_700_000_000.0  # wall minus monotonic
+    rows = [  # (monotonic s, SM MHz, W, reasons, utilization %)
+        (10.0, 1980, 120.0, 0x0, 0),
+        (10.1, 1500, 690.0, 0x4, 100),
+        (10.2, 1600, 700.0, 0x4, 100),
+        (10.3, 1900, 650.0, 0x0, 100),
+        (10.4, 1980, 100.0, 0x1, 0),
+    ]
+    text = "\n".join(
+        [f"offset {offset:.6f}", *(_smi_line(offset + t, *r) for t, *r in rows), "2026/12/0"]
+    )
+    samples = parse(text)
+    assert len(samples) == 5  # the cut-off last line is skipped
+    assert [s.monotonic for s in samples] == pytest.approx([r[0] for r in rows], abs=2e-3)
+    got = summarize(samples)
+    assert got["busy_samples"] == 3 and got["sm_mhz_median"] == 1600
+    assert got["power_w_mean"] == pytest.approx(680.0)
+    assert got["power_capped"] == pytest.approx(2 / 3)
+    assert got["energy_j"] == pytest.approx(452.0 * 0.4, rel=1e-2)  # mean of all 5 x 0.4 s
+    window = summarize(samples, 10.15, 10.35)
+    assert window["busy_samples"] == 2 and window["power_capped"] == 0.5
+    assert "1750 MHz" in describe(window) and "capped 50%" in describe(window)
+    assert summarize(samples, 20.0, 21.0)["busy_samples"] == 0
+
+
+def test_gpu_clocks_samples_beside_a_block_and_survives_no_nvidia_smi(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GpuClocks runs its command while the block runs and summarizes what it wrote; a missing
+    command gives an error summary, not an exception."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    from gpu_clocks import GpuClocks
+
+    fake = (  # three busy samples of 1700-1702 MHz at the time it prints them, then waits
+        "import time\n"
+        "from datetime import datetime\n"
+        "for i in range(3):\n"
+        "    stamp = datetime.now().strftime('%Y/%m/%d %H:%M:%S.%f')[:-3]\n"
+        "    print(f'{stamp}, {1700 + i} MHz, 3201 MHz, 695.00 W, 50, 0x4, 100 %', flush=True)\n"
+        "    time.sleep(0.05)\n"
+        "time.sleep(30)\n"
+    )
+    clocks = GpuClocks(tmp_path / "c.csv", command=[sys.executable, "-c", fake])
+    with clocks:
+        deadline = time.monotonic() + 20
+        while (tmp_path / "c.csv").read_text().count("MHz") < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert clocks.proc is not None and clocks.proc.poll() is not None  # stopped
+    assert clocks.summary["busy_samples"] == 3 and clocks.summary["sm_mhz_median"] == 1701
+    assert clocks.summary["power_capped"] == 1.0
+    missing = GpuClocks(tmp_path / "m.csv", command=["no-such-nvidia-smi"])
+    with missing:
+        pass
+    assert "not found" in missing.summary["unavailable"] and not (tmp_path / "m.csv").exists()
