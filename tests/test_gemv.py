@@ -3,9 +3,6 @@ unsplit, ragged N and K, with and without bias; on the CPU under the interpreter
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,8 +20,11 @@ from inferx_kernels_cuda.gemv import (  # noqa: E402
 )
 from inferx_kernels_cuda.ops import TritonOps  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-from bench_gemv import candidate_configs, linear_shapes  # noqa: E402
+# (N, K) of the decode step's GEMMs: fused QKV, o_proj, fused gate_up, down_proj, lm_head.
+MODEL_SHAPES = {
+    "qwen2.5-3b": [(2560, 2048), (2048, 2048), (22016, 2048), (2048, 11008), (151936, 2048)],
+    "llama-3.1-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)],
+}
 
 # Half an ulp, relative, of the one rounding of the fp32 result to the output dtype (none in fp32).
 HALF_ULP = {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
@@ -228,85 +228,18 @@ def test_pick_config_on_the_real_shapes() -> None:
     """The heuristic's promises on every benchmarked shape: a valid config, a power-of-two
     split that fills two programs per SM unless splits would get shorter than 2 K blocks."""
     sms = 132
-    for model in ("qwen2.5-3b", "llama-3.1-8b"):
-        for shape in linear_shapes(model):
+    for shapes in MODEL_SHAPES.values():
+        for n, k in shapes:
             for m in range(1, MAX_ROWS + 1):
-                cfg = pick_config(m, shape.n, shape.k, sms)
+                cfg = pick_config(m, n, k, sms)
                 cfg.check()
                 assert cfg.use_dot == (m > 4)
                 s = cfg.split_k
                 assert s & (s - 1) == 0
-                programs = -(-shape.n // cfg.block_n) * s
-                assert programs >= 2 * sms or shape.k < 4 * cfg.block_k * s
-                assert s == 1 or shape.k >= 2 * cfg.block_k * s
-                grid = candidate_configs(m, shape.n, shape.k, sms, "small")
-                assert grid[0] == cfg and len(set(grid)) == len(grid)
+                programs = -(-n // cfg.block_n) * s
+                assert programs >= 2 * sms or k < 4 * cfg.block_k * s
+                assert s == 1 or k >= 2 * cfg.block_k * s
     assert split_for(blocks_n=1000, k=4096, block_k=256) == 1
-
-
-def test_bench_shapes_are_the_models() -> None:
-    qwen = {s.name: (s.n, s.k, s.bias) for s in linear_shapes("qwen2.5-3b")}
-    assert qwen == {
-        "qkv": (2560, 2048, True),
-        "o": (2048, 2048, False),
-        "gate_up": (22016, 2048, False),
-        "down": (2048, 11008, False),
-        "lm_head": (151936, 2048, False),
-        "gate_up_silu": (22016, 2048, False),
-    }
-    assert [s.name for s in linear_shapes("qwen2.5-3b") if s.gated] == ["gate_up_silu"]
-    llama = {s.name: (s.n, s.k, s.bias) for s in linear_shapes("llama-3.1-8b")}
-    assert llama["qkv"] == (6144, 4096, False) and llama["lm_head"] == (128256, 4096, False)
-    assert llama["down"] == (4096, 14336, False) and llama["gate_up"] == (28672, 4096, False)
-
-
-def test_bench_refuses_to_run_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    import bench_gemv
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit, match="needs a CUDA device"):
-        bench_gemv.main([])
-
-
-@interpreted
-@pytest.mark.parametrize("use_graph", [False, True])
-def test_bench_row_on_the_cpu(monkeypatch: pytest.MonkeyPatch, use_graph: bool) -> None:
-    """bench_gemv's bookkeeping on a tiny shape under the interpreter, timers faked: every
-    candidate runs and is checked, the row names pick_config's config and the best one."""
-    import bench_gemv
-
-    calls: list[int] = []
-
-    def fake_bench(fn):  # each config "takes" longer than the one before, cuBLAS the longest
-        fn()
-        calls.append(1)
-        return 100.0 if len(calls) == 1 else float(len(calls))
-
-    def fake_graph(call, weights):
-        for w in weights:
-            call(w)
-        return 50.0 + len(calls)
-
-    monkeypatch.setattr(bench_gemv, "bench_us", fake_bench)
-    monkeypatch.setattr(bench_gemv, "graph_us", fake_graph)
-    shape = bench_gemv.Shape("tiny", "qkv", 48, 64, True)
-    row = bench_gemv.run_pair(shape, 2, "small", use_graph, 132, pytest.fail, device=CPU)
-    names = [str(c) for c in candidate_configs(2, 48, 64, 132, "small")]
-    assert [r["config"] for r in row["configs"]] == names
-    assert all(r["rel_err"] <= bench_gemv.MAX_REL_ERR for r in row["configs"])
-    assert row["heuristic"] == names[0] and row["best"] == names[0]
-    assert row["copies"] == (20 if use_graph else 1)
-    # cuBLAS took 100 (bench) and 51 (graph); the first config 2 and 52.
-    assert bench_gemv.fmt_row(row).endswith("0.98x" if use_graph else "50.00x")
-    if use_graph:
-        return  # the gated row below once is enough (20 weight copies a config are slow here)
-    gated = bench_gemv.Shape("tiny", "gate_up_silu", 48, 64, False, gated=True)
-    calls.clear()
-    row = bench_gemv.run_pair(gated, 2, "small", use_graph, 132, pytest.fail, device=CPU)
-    assert [r["config"] for r in row["configs"]] == [
-        str(c) for c in candidate_configs(2, 48, 64, 132, "small")
-    ]
-    assert all(r["rel_err"] <= bench_gemv.MAX_REL_ERR for r in row["configs"])
 
 
 GPU_SHAPES = [

@@ -432,21 +432,3 @@ def test_gpu_norm_linear_bf16_real_shapes(model: str, m: int, gated: bool) -> No
     # the new residual: the same roundings as TorchOps, the four parts summed in another order
     torch.testing.assert_close(summed, ref_summed, rtol=2**-8, atol=0)
     assert rel_err(out if gated else out.float().sum(0), ref) < (parts + 3) * 2**-8
-
-
-def test_bench_grid_and_gpu_check(monkeypatch: pytest.MonkeyPatch) -> None:
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-    import bench_tma_gemv
-
-    small, full = bench_tma_gemv.configs("small"), bench_tma_gemv.configs("full")
-    assert len(set(small)) == len(small) == 8 and set(small) <= set(full)
-    entries = [{"parts": 4, "us": 5.0}, {"parts": 4, "us": 4.5}, {"parts": 1, "us": None},
-               {"parts": 1, "us": 6.0}, {"parts": 2, "us": None}]  # fmt: skip
-    assert bench_tma_gemv.best_per_parts(entries) == {4: entries[1], 1: entries[3]}
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(sys, "argv", ["bench_tma_gemv.py"])
-    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        bench_tma_gemv.main()
