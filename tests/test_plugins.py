@@ -157,3 +157,24 @@ def test_inferx_plugins_lists_third_party_package(toy_site, tmp_path):
     assert toy[("model_arch", "ToyForCausalLM")] == "inferx-toy"
     assert toy[("attention_backend", "toy")] == "inferx-toy"
     assert toy[("scheduler", "continuous")] == "inferx-core"
+
+
+def test_core_imports_no_plugin_package():
+    """inferx-core reaches every implementation through the registry: no module of it imports
+    another InferX package (presets included: `inferx checkpoint` asks the preset hook)."""
+    core = Path(__file__).parents[1] / "packages" / "inferx-core" / "src" / "inferx_core"
+    others = ("inferx_models", "inferx_kernels_cuda", "inferx_server", "inferx_quant")
+    offenders = [
+        f"{path.relative_to(core)}: {line.strip()}"
+        for path in core.rglob("*.py")
+        for line in path.read_text().splitlines()
+        if line.lstrip().startswith(("import ", "from "))
+        and any(line.split()[1].startswith(o) for o in others)
+    ]
+    assert not offenders, offenders
+
+
+def test_presets_are_registered_by_the_models_package():
+    reg = plugins()
+    assert "qwen2.5-3b-instruct" in reg.names("preset")
+    assert reg.entry("preset", "tiny-qwen2").package == "inferx-models"

@@ -107,10 +107,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     import torch
 
-    from inferx_models.presets import write_checkpoint
+    from inferx_core.plugins import plugins
 
+    write = plugins().get("preset", args.preset)
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    out = write_checkpoint(
+    out = write(  # type: ignore[operator]
         args.preset, args.out, tokenizer_dir=args.tokenizer, dtype=dtype[args.dtype], seed=args.seed
     )
     print(out)

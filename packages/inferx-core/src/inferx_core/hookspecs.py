@@ -55,3 +55,10 @@ def inferx_transports(register: Register) -> None:
 @hookspec
 def inferx_kernel_ops(register: Register) -> None:
     """Register KernelOps classes ("torch", "triton")."""
+
+
+@hookspec
+def inferx_presets(register: Register) -> None:
+    """Register checkpoint presets by name ("qwen2.5-3b-instruct"): the target is a function
+    `write(name, out, *, tokenizer_dir, dtype, seed) -> Path` that writes a random-weight
+    checkpoint of the preset's published layout (`inferx checkpoint --preset NAME OUT`)."""

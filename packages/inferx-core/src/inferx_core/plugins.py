@@ -26,6 +26,7 @@ KINDS = {
     "quant_scheme": "inferx_quant_schemes",
     "transport": "inferx_transports",
     "kernel_ops": "inferx_kernel_ops",
+    "preset": "inferx_presets",
 }
 ENTRY_POINT_GROUP = "inferx"
 # Comma-separated entry point names to load; unset loads all. "" loads only what is registered

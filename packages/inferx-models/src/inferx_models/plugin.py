@@ -1,4 +1,5 @@
-"""Registers inferx-models' architectures and checkpoint formats with InferX (lazily, by path)."""
+"""Registers inferx-models' architectures, checkpoint formats and presets with InferX (lazily,
+by path)."""
 
 from inferx_core.hookspecs import Register, hookimpl
 
@@ -15,3 +16,11 @@ def inferx_checkpoint_formats(register: Register) -> None:
     register("gguf", "inferx_models.gguf:GGUFFormat")
     register("dummy", "inferx_models.formats:DummyFormat")
     register("demo", "inferx_models.formats:DemoFormat")
+
+
+@hookimpl
+def inferx_presets(register: Register) -> None:
+    from inferx_models.preset_configs import PRESETS
+
+    for name in PRESETS:
+        register(name, "inferx_models.presets:write_checkpoint")
