@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -26,17 +25,17 @@ from test_engine import tiny_config  # noqa: E402
 from inferx_core.attention_torch import TorchAttention  # noqa: E402
 from inferx_core.batch import make_attention_batch  # noqa: E402
 from inferx_core.config import load_config  # noqa: E402
-from inferx_core.cuda_graphs import (  # noqa: E402
+from inferx_core.engine import LLM  # noqa: E402
+from inferx_core.interfaces.kv import KVLayerSpec  # noqa: E402
+from inferx_core.interfaces.scheduler import ScheduledChunk  # noqa: E402
+from inferx_core.sequence import SamplingParams, Sequence  # noqa: E402
+from inferx_kernels_cuda.cuda_graphs import (  # noqa: E402
     MAX_GRAPH_BATCH,
     DecodeGraphRunner,
     batch_ladder,
     eager_reason,
 )
-from inferx_core.engine import LLM  # noqa: E402
-from inferx_core.executor import ModelRunner  # noqa: E402
-from inferx_core.interfaces.kv import KVLayerSpec  # noqa: E402
-from inferx_core.interfaces.scheduler import ScheduledChunk  # noqa: E402
-from inferx_core.sequence import SamplingParams, Sequence  # noqa: E402
+from inferx_kernels_cuda.runtime import CudaModelRunner  # noqa: E402
 
 CPU = torch.device("cpu")
 # Largest |a - b| over the largest |b|, as in test_triton_attention.
@@ -189,17 +188,12 @@ def test_runner_pads_to_the_next_captured_size() -> None:
     assert [small.padded_size(n) for n in (9, 13, 14)] == [13, 13, None]
 
 
-@pytest.mark.parametrize("fill_last", ["1", "0", None])
 def test_runner_fills_pending_tokens_after_the_attention_copies(
-    monkeypatch: pytest.MonkeyPatch, fill_last: str | None
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A replay writes the PENDING tokens (fill) after the attention backend's metadata copies
-    by default (fewer switches of copy direction on the stream); INFERX_FILL_LAST=0 writes them
-    first, as before. Either way they land in the static input ids the forward pass reads."""
-    if fill_last is None:
-        monkeypatch.delenv("INFERX_FILL_LAST", raising=False)
-    else:
-        monkeypatch.setenv("INFERX_FILL_LAST", fill_last)
+    (fewer switches of copy direction on the stream), into the static input ids the forward
+    pass reads."""
     calls: list[str] = []
 
     class Recording(GraphCapable):
@@ -227,8 +221,7 @@ def test_runner_fills_pending_tokens_after_the_attention_copies(
     for i, c in enumerate(chunks):
         c.seq.block_table = [i + 1]
     runner.run(chunks, fill)
-    order = ["fill", "attention"] if fill_last == "0" else ["attention", "fill"]
-    assert calls == ["capture-plan", *order, "forward"]
+    assert calls == ["capture-plan", "attention", "fill", "forward"]
     assert seen == [[3, 42, 3, 0]]  # token 2 of [1, 2, 3] is 3; row 1 filled; row 3 padding
 
 
@@ -273,7 +266,7 @@ def test_model_runner_on_cpu_runs_eagerly(tmp_path_factory, caplog, overrides, r
         {"model.path": str(path), "model.dtype": "float32", "engine.device": "cpu", **overrides},
     )
     with caplog.at_level(logging.INFO, logger="inferx.executor"):
-        runner = ModelRunner(config)
+        runner = CudaModelRunner(config)
     assert runner.graphs is None
     assert runner.eager_reason == reason
     assert "cuda_graphs" not in runner.report.seconds
@@ -624,10 +617,9 @@ def test_gpu_graphs_generate_like_eager(arch: str, dtype: str, tmp_path_factory)
     ex_on, ex_off = on.engine.executor, off.engine.executor
     assert ex_on.graphs is not None, f"graphs were not captured: {ex_on.eager_reason}"
     assert ex_off.graphs is None and ex_off.eager_reason == "engine.cuda_graphs is false"
-    # The replays' copies go on their own stream behind the previous forward pass (unless
-    # INFERX_EARLY_COPIES=0): what is compared below covers that ordering.
-    early = os.environ.get("INFERX_EARLY_COPIES", "1") != "0"
-    assert (ex_on.graphs._input_stream is not None) == early
+    # The replays' copies go on their own stream behind the previous forward pass: what is
+    # compared below covers that ordering.
+    assert ex_on.graphs._input_stream is not None
     capture_s = ex_on.report.seconds.get("cuda_graphs", 0.0)
     print(
         f"{arch}/{dtype}: captured {len(ex_on.graphs.sizes)} sizes {ex_on.graphs.sizes} "

@@ -214,7 +214,10 @@ def test_seeded_sampling_is_reproducible_across_batches(checkpoint):
 def test_warm_up_steps_leave_generation_unchanged(checkpoint, expected):
     """The start-up warm-up (run on GPUs) writes into cache blocks nobody holds yet: greedy
     output after it still equals transformers'."""
-    llm = make_llm(checkpoint[0], **{"kv_cache.block_size": 4, "model.max_model_len": 128})
+    llm = make_llm(
+        checkpoint[0],
+        **{"kv_cache.block_size": 4, "model.max_model_len": 128, "engine.executor": "cuda"},
+    )
     llm.engine.executor._warm_up()
     assert generate(llm) == expected
 
@@ -223,7 +226,8 @@ def test_warm_up_runs_the_backends_prompt_lengths(checkpoint, expected):
     """A backend's warm_up_prompt_lens (kernel variants of their own, from those lengths) each
     get one fresh-prompt step at start-up's warm-up, where a chunk that long can be scheduled;
     generation after it is unchanged."""
-    llm = make_llm(checkpoint[0], **{"model.max_model_len": 128, "scheduler.prefill_chunk": 64})
+    overrides = {"model.max_model_len": 128, "scheduler.prefill_chunk": 64}
+    llm = make_llm(checkpoint[0], **overrides, **{"engine.executor": "cuda"})
     executor = llm.engine.executor
     executor.attention.warm_up_prompt_lens = (40, 64, 65)  # 65: past the chunk, never fresh
     seen = []

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from inferx_core.jit_compile import Compile, compiles_in_background, summarize
+from inferx_kernels_cuda.jit_compile import Compile, compiles_in_background, summarize
 
 triton = pytest.importorskip("triton")
 from triton.runtime.jit import JITFunction  # noqa: E402

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 import inferx_core.executor as executor_mod
+import inferx_kernels_cuda.runtime as runtime_mod
 from inferx_core.attention_torch import TorchAttention
 from inferx_core.config import load_config
-from inferx_core.executor import GiB, LoadError, MemoryProfile, ModelRunner, kv_cache_blocks
-from inferx_core.jit_compile import Compile
+from inferx_core.executor import GiB, LoadError
+from inferx_kernels_cuda.jit_compile import Compile
+from inferx_kernels_cuda.runtime import CudaModelRunner, MemoryProfile, kv_cache_blocks
 
 MiB = 1 << 20
 # A 100 GiB card: 1 GiB outside torch, 10 GiB of weights, 4 GiB of activations, 1 GiB of graphs.
@@ -52,7 +54,7 @@ def test_fewer_than_two_blocks_is_refused_by_key() -> None:
         kv_cache_blocks(BLOCK + 1, BLOCK, PROFILE)
 
 
-def tiny_runner(**overrides: object) -> ModelRunner:
+def tiny_runner(**overrides: object) -> CudaModelRunner:
     base = {
         "model.preset": "tiny-llama",
         "model.dtype": "float32",
@@ -62,7 +64,7 @@ def tiny_runner(**overrides: object) -> ModelRunner:
         "scheduler.prefill_chunk": 48,
         "scheduler.max_running": 8,
     }
-    return ModelRunner(load_config(None, {**base, **overrides}))
+    return CudaModelRunner(load_config(None, {**base, **overrides}))
 
 
 def test_cpu_keeps_the_configured_size() -> None:
@@ -107,7 +109,7 @@ def test_profile_layout_is_the_largest_step(monkeypatch: pytest.MonkeyPatch) -> 
     assert blocks == 8
     few = tiny_runner(**{"scheduler.max_running": 2, "scheduler.prefill_chunk": 16})
     assert few._profile_layout()[0] == [16, 16]  # no more chunks than running sequences
-    monkeypatch.setattr(executor_mod, "eager_reason", lambda *a: None)
+    monkeypatch.setattr(runtime_mod, "eager_reason", lambda *a: None)
     assert runner._profile_layout()[2:] == (8, 9)  # one block for each graph row
 
 
@@ -139,7 +141,7 @@ def test_profiling_pass_runs_both_steps_and_drops_its_cache(
         return logits
 
     monkeypatch.setattr(runner, "_profile_step", step)
-    monkeypatch.setattr(executor_mod, "eager_reason", lambda *a: None)
+    monkeypatch.setattr(runtime_mod, "eager_reason", lambda *a: None)
     fake = FakeCudaMemory(monkeypatch)
     profile = runner._profile_memory()
     vocab = runner.vocab_size
@@ -187,8 +189,8 @@ def test_profiling_compiles_in_a_dry_run_first(monkeypatch: pytest.MonkeyPatch) 
 
     runner.graphs, runner.mixed = Ladder(), Ladder()  # type: ignore[assignment]
     monkeypatch.setattr(runner, "_profile_step", step)
-    monkeypatch.setattr(executor_mod, "compiles_in_background", background)
-    monkeypatch.setattr(executor_mod, "eager_reason", lambda *a: None)
+    monkeypatch.setattr(runtime_mod, "compiles_in_background", background)
+    monkeypatch.setattr(runtime_mod, "eager_reason", lambda *a: None)
     fake = FakeCudaMemory(monkeypatch)
     profile = runner._profile_memory()
     assert steps[:2] == [([48, 48, 4], False, True), ([1] * 8, False, True)]
@@ -234,7 +236,7 @@ def test_profiled_cache_fits_and_too_large_a_budget_is_refused() -> None:
         "scheduler.max_running": 32,
     }
     fraction = 0.2
-    runner = ModelRunner(load_config(None, {**gpu, "kv_cache.memory": fraction}))
+    runner = CudaModelRunner(load_config(None, {**gpu, "kv_cache.memory": fraction}))
     try:
         mem = runner.report.memory
         total = mem["total"]  # what the driver reports; the card's properties may differ
@@ -255,6 +257,6 @@ def test_profiled_cache_fits_and_too_large_a_budget_is_refused() -> None:
         torch.cuda.empty_cache()
     card = torch.cuda.get_device_properties(0).total_memory
     with pytest.raises(LoadError, match=r"^kv_cache\.memory = .* GiB does not fit"):
-        ModelRunner(load_config(None, {**gpu, "kv_cache.memory": card}))
+        CudaModelRunner(load_config(None, {**gpu, "kv_cache.memory": card}))
     gc.collect()
     torch.cuda.empty_cache()

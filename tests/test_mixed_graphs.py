@@ -24,11 +24,11 @@ from test_cuda_graphs import (  # noqa: E402
 
 from inferx_core.batch import make_attention_batch  # noqa: E402
 from inferx_core.config import load_config  # noqa: E402
-from inferx_core.cuda_graphs import MixedGraphRunner, token_ladder  # noqa: E402
 from inferx_core.engine import LLM  # noqa: E402
-from inferx_core.executor import first_tokens  # noqa: E402
 from inferx_core.interfaces.kv import KVLayerSpec  # noqa: E402
 from inferx_core.sequence import SamplingParams  # noqa: E402
+from inferx_kernels_cuda.cuda_graphs import MixedGraphRunner, token_ladder  # noqa: E402
+from inferx_kernels_cuda.runtime import first_tokens  # noqa: E402
 
 CPU = torch.device("cpu")
 

@@ -26,3 +26,8 @@ def inferx_quant_schemes(register: Register) -> None:
 @hookimpl
 def inferx_kernel_ops(register: Register) -> None:
     register("torch", "inferx_core.ops_torch:TorchOps")
+
+
+@hookimpl
+def inferx_executors(register: Register) -> None:
+    register("torch", "inferx_core.executor:ModelRunner")

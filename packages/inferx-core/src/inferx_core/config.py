@@ -43,6 +43,9 @@ class EngineSection(Section):
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer (or a plugin's)
     kernels: str = "auto"  # fused norm/rotary/activation ops: auto | torch | triton
+    # The model runner: auto | torch (plain, eager) | cuda (inferx-kernels-cuda: CUDA graphs,
+    # memory profiling, kernels compiled ahead); auto takes cuda on a GPU where installed.
+    executor: str = "auto"
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (GPU and a capable backend)
     # Steps with prompt tokens of up to this many tokens also replay CUDA graphs (captured for a
     # ladder of token counts, when the attention backend supports it); 0: they run eagerly.

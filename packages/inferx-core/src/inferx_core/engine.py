@@ -108,9 +108,9 @@ class Engine:
         if config.engine.gc_freeze:
             thaw_heap()
         if executor is None:
-            from inferx_core.executor import ModelRunner
+            from inferx_core.executor import make_executor
 
-            executor = ModelRunner(config, reg)
+            executor = make_executor(config, reg)
         self.executor = executor
         self.tokenizer = (
             tokenizer if tokenizer is not None else getattr(executor, "tokenizer", None)

@@ -58,6 +58,12 @@ def inferx_kernel_ops(register: Register) -> None:
 
 
 @hookspec
+def inferx_executors(register: Register) -> None:
+    """Register Executor classes built as `Cls(config, plugins)` ("torch": the plain torch
+    model runner; "cuda": the CUDA runtime's)."""
+
+
+@hookspec
 def inferx_presets(register: Register) -> None:
     """Register checkpoint presets by name ("qwen2.5-3b-instruct"): the target is a function
     `write(name, out, *, tokenizer_dir, dtype, seed) -> Path` that writes a random-weight

@@ -26,6 +26,7 @@ KINDS = {
     "quant_scheme": "inferx_quant_schemes",
     "transport": "inferx_transports",
     "kernel_ops": "inferx_kernel_ops",
+    "executor": "inferx_executors",
     "preset": "inferx_presets",
 }
 ENTRY_POINT_GROUP = "inferx"

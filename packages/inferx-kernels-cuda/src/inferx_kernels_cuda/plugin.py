@@ -1,5 +1,5 @@
-"""Registers the Triton and FlashInfer attention backends and the Triton kernel ops (lazily:
-listing them imports neither Triton nor FlashInfer)."""
+"""Registers the Triton and FlashInfer attention backends, the Triton kernel ops and the CUDA
+runtime's executor (lazily: listing them imports neither Triton nor FlashInfer)."""
 
 from inferx_core.hookspecs import Register, hookimpl
 
@@ -15,3 +15,8 @@ def inferx_attention_backends(register: Register) -> None:
 @hookimpl
 def inferx_kernel_ops(register: Register) -> None:
     register("triton", "inferx_kernels_cuda.ops:TritonOps")
+
+
+@hookimpl
+def inferx_executors(register: Register) -> None:
+    register("cuda", "inferx_kernels_cuda.runtime:CudaModelRunner")

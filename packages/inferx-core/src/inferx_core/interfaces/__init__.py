@@ -6,7 +6,14 @@ from inferx_core.interfaces.attention import (
     AttentionLayer,
     SplitAttention,
 )
-from inferx_core.interfaces.executor import DoneStep, Executor, PendingStep, StepResult
+from inferx_core.interfaces.executor import (
+    DecodeGraphs,
+    DoneStep,
+    Executor,
+    MixedGraphs,
+    PendingStep,
+    StepResult,
+)
 from inferx_core.interfaces.kv import KVGroup, KVLayerSpec, KVManager, kv_groups
 from inferx_core.interfaces.model import BuildContext, Checkpoint, CheckpointFormat, ModelArch
 from inferx_core.interfaces.moe import ExpertsSpec, QuantExperts, RouterSpec
@@ -28,6 +35,7 @@ __all__ = [
     "BuildContext",
     "Checkpoint",
     "CheckpointFormat",
+    "DecodeGraphs",
     "DoneStep",
     "Executor",
     "ExpertsSpec",
@@ -35,6 +43,7 @@ __all__ = [
     "KVLayerSpec",
     "KVManager",
     "KernelOps",
+    "MixedGraphs",
     "ModelArch",
     "LinearSpec",
     "PendingStep",

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from inferx_core.interfaces.scheduler import SchedulerOutput
+import torch
+
+from inferx_core.interfaces.attention import AttentionBatch
+from inferx_core.interfaces.scheduler import ScheduledChunk, SchedulerOutput
+
+# Writes the tokens a step in flight is still sampling (PENDING on the host) into a step's
+# device input ids.
+Fill = Callable[[torch.Tensor], None]
 
 
 @dataclass
@@ -34,6 +42,30 @@ class DoneStep:
 
     def result(self) -> StepResult:
         return self.value
+
+
+class DecodeGraphs(Protocol):
+    """Decode steps replayed from captured graphs (a device runtime's; ModelRunner.graphs)."""
+
+    def fits(self, chunks: Sequence[ScheduledChunk]) -> bool:
+        """Whether this step (one new token per sequence) can replay."""
+        ...
+
+    def run(self, chunks: Sequence[ScheduledChunk], fill: Fill | None = None) -> torch.Tensor:
+        """Logits [len(chunks), vocab], row i for chunk i; valid until the next run."""
+        ...
+
+
+class MixedGraphs(Protocol):
+    """Steps with prompt tokens replayed from graphs by padded token count (ModelRunner.mixed)."""
+
+    def fits(self, num_tokens: int, num_seqs: int) -> bool: ...
+
+    def run(
+        self, ids: list[int], positions: list[int], batch: AttentionBatch, fill: Fill | None = None
+    ) -> torch.Tensor:
+        """Hidden states [len(ids), hidden], row t for token t; valid until the next run."""
+        ...
 
 
 class Executor(ABC):
