@@ -12,7 +12,7 @@ the way the block manager hands them out. µs a layer (mean of `--reps` after a 
 - `triton-dense`: the same backend with dense_prefill on: the write (keeping k), then
   dense_prefill_kernel over the step's own q, k, v by TMA; once per `--dense` config
   (BLOCK_M x BLOCK_N x warps x stages; none given: the backend's);
-- `fi-fa2`, `fi-fa3`: FlashInferAttention.forward with INFERX_FLASHINFER_PREFILL=fa2 / fa3, the
+- `fi-fa2`, `fi-fa3`: FlashInferAttention.forward with prefill_backend="fa2" / "fa3", the
   same write and then FlashInfer's paged prefill wrapper (planned once, as begin_step does);
 - `fi-fa3-ragged`: the write, then FlashInfer's ragged prefill (FA3) over the chunk's own
   contiguous K and V, which a step without a cached prefix could use instead of the pages;
@@ -27,10 +27,8 @@ Without a GPU only `triton` and `sdpa` run, in float32 under TRITON_INTERPRET=1 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable
-from unittest import mock
 
 import torch
 from tune_prefill_attention import (
@@ -54,8 +52,9 @@ def flashinfer_backend(prefill: str, spec: KVLayerSpec, layers: int, shape, devi
     """FlashInferAttention over the same block layout as `build`'s Triton backend."""
     from inferx_kernels_cuda.flashinfer_attention import FlashInferAttention
 
-    with mock.patch.dict(os.environ, {"INFERX_FLASHINFER_PREFILL": prefill}):
-        backend = FlashInferAttention([spec] * layers, BLOCK, torch.bfloat16, device)
+    backend = FlashInferAttention(
+        [spec] * layers, BLOCK, torch.bfloat16, device, prefill_backend=prefill
+    )
     n, length = shape
     backend.allocate(n * -(-length // BLOCK) + 1)
     backend.begin_step(batch)

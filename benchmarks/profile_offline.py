@@ -7,8 +7,8 @@ The run of `h200_table.py --only throughput` (max_batched_tokens = prefill_chunk
 cache off, kv_cache.memory 0.9): `--runs` times unprofiled (output tok/s), then once under
 torch.profiler. From that trace, for the whole run: the GPU's busy time against the run's wall
 time, its idle time by gap length and the longest gaps (what ran before and after each), and
-the kernels grouped (GEMM, attention, norm, ...) and one by one, in ms a run. Set environment
-switches (INFERX_TRITON_DENSE_PREFILL=0 ...) or --set KEY=VALUE for A/B runs, one process each.
+the kernels grouped (GEMM, attention, norm, ...) and one by one, in ms a run. --set KEY=VALUE
+for A/B runs of config keys, one process each.
 """
 
 from __future__ import annotations

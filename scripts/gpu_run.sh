@@ -6,7 +6,7 @@
 #   cp -r ../shared/fixtures/tokenizers/{qwen,llama3} .carry/tok/tokenizers/
 #   tar -C .carry/tok -cJf .carry/tokxz/tok.tar.xz tokenizers
 # then carry [".whl", ".carry/tokxz"] (unpacked below into .carry/tok on the machine).
-# Usage: bash scripts/gpu_run.sh [setup] [tests] [flashinfer] [profile] [pdl-edges] [pdl-late] [profile-prefill] [profile-offline] [prefill-peers] [decode-variants] [breakdown] [gemv] [tma-gemv] [mixed] [barrier] [regs] [tune] [tune-prefill] [split-gemm] [startup] [cold-start] [serve-ab] [bench] [demo]
+# Usage: bash scripts/gpu_run.sh [setup] [tests] [flashinfer] [profile] [profile-prefill] [profile-offline] [prefill-peers] [breakdown] [gemv] [tma-gemv] [mixed] [barrier] [regs] [tune] [tune-prefill] [split-gemm] [startup] [cold-start] [serve-ab] [bench] [demo]
 #        [table | table-3b | table-8b] [pack]
 #   pack (last): $OUT's files as one out.tar.gz (a call brings back at most 8 files).
 #   flashinfer: its conformance tests (FI_K: a pytest -k filter), then its compiled kernels packed into $OUT as
@@ -122,69 +122,6 @@ for step in "${steps[@]}"; do
             --batch 1,64 --steps 64 $flag "${sets[@]}" ${PROFILE_ARGS:-} \
             --json "$OUT/profile-$mode-$i.json" 2>&1 | grep -v Warning | tail -${PROFILE_TAIL:-40}
           i=$((i + 1))
-        done
-      done ;;
-    decode-variants)
-      # A/B of an environment switch (DECODE_ENV, default INFERX_TRITON_DECODE_ROTARY: rotary
-      # inside the decode kernel; INFERX_GATED_GEMV_ROWS: gate_up + SiLU-and-mul as one GEMV),
-      # alternating, each value profiled at batch 1 and 64 (PROFILE_ARGS="--batch 1,8" for
-      # others) in graphs with overlap: DECODE_VARIANTS (space-separated values) x
-      # DECODE_PROMPT_LENS (the context the decodes start from) x DECODE_ROUNDS; DECODE_TAG names
-      # the JSON files apart when one call runs this step twice. DECODE_ENV may name several
-      # variables (space-separated): each value sets them all.
-      env_name=${DECODE_ENV:-INFERX_TRITON_DECODE_ROTARY}
-      for r in $(seq 1 ${DECODE_ROUNDS:-1}); do
-        for len in ${DECODE_PROMPT_LENS:-128 640}; do
-          for v in ${DECODE_VARIANTS:-1 0}; do
-            echo "== round $r, prompt $len: $env_name=$v"
-            env $(for n in $env_name; do printf '%s=%s ' "$n" "$v"; done) \
-              timeout 300 python3 benchmarks/profile_decode.py \
-              --tokenizer $TOK --backend triton --batch 1,64 --steps 64 --overlap on \
-              --prompt-len $len ${PROFILE_ARGS:-} \
-              --json "$OUT/profile-decode-${env_name// /_}-$v-p$len-$r${DECODE_TAG:+-$DECODE_TAG}.json" 2>&1 \
-              | grep -E "^batch|decode_kernel|decode_reduce|rotary_kv|silu|skinny|split_k|rms_norm|tma_gemv|norm_gemv" \
-              | cut -c1-160
-          done
-        done
-      done ;;
-    pdl-edges)
-      # The two single PDL edges (INFERX_PDL_ATTENTION: QKV into the decode kernel;
-      # INFERX_PDL_NORM: down_proj into the next norm; default 1-48 since session 18): their GPU
-      # tests, the model's GPU tests with both on, then 3B steps at batch 1-16 for each of the
-      # four combinations at 128 and 640 tokens (PROFILE_ARGS for more: --preset, --batch ...).
-      timeout 150 python3 -m pytest tests/test_triton_attention.py tests/test_pdl.py -m gpu -q \
-        -k "early or attention or norm or wait or hopper" 2>&1 | tail -2
-      INFERX_PDL_ATTENTION=1-16 INFERX_PDL_NORM=1-16 INFERX_TEST_BACKENDS=torch,triton \
-        timeout 240 python3 -m pytest tests/test_cuda_graphs.py tests/test_gpu_correctness.py \
-        -m gpu -q -k "not demo" 2>&1 | tail -2
-      for len in 128 640; do
-        for pair in "0 0" "1-16 0" "0 1-16" "1-16 1-16"; do
-          set -- $pair
-          echo "== prompt $len: INFERX_PDL_ATTENTION=$1 INFERX_PDL_NORM=$2"
-          INFERX_PDL_ATTENTION=$1 INFERX_PDL_NORM=$2 timeout 200 python3 \
-            benchmarks/profile_decode.py --tokenizer $TOK --backend triton --batch 1,2,4,8,16 \
-            --steps 48 --overlap on --prompt-len $len ${PROFILE_ARGS:-} \
-            --json "$OUT/profile-pdl-edges-att$1-norm$2-p$len.json" 2>&1 | grep -E "^batch" \
-            | cut -c1-110
-        done
-      done ;;
-    pdl-late)
-      # INFERX_PDL_LATE (session 18; default 1-64 since session 19): GEMVs that do not trigger at their
-      # start trigger after their K loop (at batch 1: o_proj into gate_up, gate_up into down).
-      # Its GPU tests, the model's GPU tests with it on, then 3B steps off / on at batch 1-32 at
-      # 128 and 640 tokens (PROFILE_ARGS for more: --preset llama-3.1-8b-instruct ...).
-      timeout 150 python3 -m pytest tests/test_pdl.py -m gpu -q -k "late or wait or hopper" \
-        2>&1 | tail -2
-      INFERX_PDL_LATE=1-64 INFERX_TEST_BACKENDS=torch,triton timeout 240 python3 -m pytest \
-        tests/test_cuda_graphs.py tests/test_gpu_correctness.py -m gpu -q -k "not demo" 2>&1 \
-        | tail -2
-      for len in 128 640; do
-        for late in 0 1-64; do
-          echo "== prompt $len: INFERX_PDL_LATE=$late"
-          INFERX_PDL_LATE=$late timeout 200 python3 benchmarks/profile_decode.py --tokenizer $TOK \
-            --backend triton --batch 1,2,4,8,16,24,32 --steps 48 --overlap on --prompt-len $len \
-            ${PROFILE_ARGS:-} --json "$OUT/profile-pdl-late-$late-p$len.json" 2>&1 \
-            | grep -E "^batch" | cut -c1-110
         done
       done ;;
     prefill-peers)

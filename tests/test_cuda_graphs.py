@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -189,17 +188,13 @@ def test_runner_pads_to_the_next_captured_size() -> None:
     assert [small.padded_size(n) for n in (9, 13, 14)] == [13, 13, None]
 
 
-@pytest.mark.parametrize("fill_last", ["1", "0", None])
+@pytest.mark.parametrize("fill_last", [True, False, None])
 def test_runner_fills_pending_tokens_after_the_attention_copies(
-    monkeypatch: pytest.MonkeyPatch, fill_last: str | None
+    monkeypatch: pytest.MonkeyPatch, fill_last: bool | None
 ) -> None:
     """A replay writes the PENDING tokens (fill) after the attention backend's metadata copies
-    by default (fewer switches of copy direction on the stream); INFERX_FILL_LAST=0 writes them
+    by default (fewer switches of copy direction on the stream); fill_last False writes them
     first, as before. Either way they land in the static input ids the forward pass reads."""
-    if fill_last is None:
-        monkeypatch.delenv("INFERX_FILL_LAST", raising=False)
-    else:
-        monkeypatch.setenv("INFERX_FILL_LAST", fill_last)
     calls: list[str] = []
 
     class Recording(GraphCapable):
@@ -211,6 +206,9 @@ def test_runner_fills_pending_tokens_after_the_attention_copies(
 
     backend = Recording([KVLayerSpec(2, 1, 16)], 16, torch.float32, CPU)
     runner = DecodeGraphRunner(None, backend, CPU, 8, 64, 16)  # type: ignore[arg-type]
+    assert runner.fill_last  # the default
+    if fill_last is not None:
+        runner.fill_last = fill_last
     seen: list[list[int]] = []
 
     def forward(size: int) -> None:
@@ -227,7 +225,7 @@ def test_runner_fills_pending_tokens_after_the_attention_copies(
     for i, c in enumerate(chunks):
         c.seq.block_table = [i + 1]
     runner.run(chunks, fill)
-    order = ["fill", "attention"] if fill_last == "0" else ["attention", "fill"]
+    order = ["fill", "attention"] if fill_last is False else ["attention", "fill"]
     assert calls == ["capture-plan", *order, "forward"]
     assert seen == [[3, 42, 3, 0]]  # token 2 of [1, 2, 3] is 3; row 1 filled; row 3 padding
 
@@ -363,24 +361,24 @@ def test_runner_generates_like_eager_steps(tmp_path_factory, prefill_chunk: int)
 
 
 @interpreted
-def test_decode_rotary_generates_like_the_separate_kernel(tmp_path_factory, monkeypatch) -> None:
+def test_decode_rotary_generates_like_the_separate_kernel(tmp_path_factory) -> None:
     """decode_rotary (the default: the decode kernel rotates and writes the new tokens itself
-    in decode-only steps) against INFERX_TRITON_DECODE_ROTARY=0 (rotary_kv_write_kernel first):
+    in decode-only steps) against decode_rotary off (rotary_kv_write_kernel first):
     eager steps give the same tokens and logits within 1e-4, and the graph runner's steps
     (split in 4) the same as eager ones."""
     path = checkpoint("llama", tmp_path_factory)
     prompts = [list(range(3, 40)), [5, 9, 17, 33, 65, 129, 200], [7] * 3]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
-    def eager_run() -> tuple[LLM, list[list[int]], list[Step]]:
+    def eager_run(decode_rotary: bool = True) -> tuple[LLM, list[list[int]], list[Step]]:
         llm = cpu_triton_llm(path, 512)
+        if not decode_rotary:
+            llm.engine.executor.attention.decode_rotary = False
         recorder = llm.engine.executor.sampler = LogitsRecorder(llm.engine.executor.sampler)
         return llm, [c.token_ids for c in llm.generate(prompts, params)], recorder.take()
 
-    monkeypatch.setenv("INFERX_TRITON_DECODE_ROTARY", "0")
-    separate, tokens, logits = eager_run()
+    separate, tokens, logits = eager_run(decode_rotary=False)
     assert not separate.engine.executor.attention.decode_rotary
-    monkeypatch.delenv("INFERX_TRITON_DECODE_ROTARY")
     llm, variant_tokens, variant_logits = eager_run()
     ex = llm.engine.executor
     assert ex.attention.decode_rotary
@@ -624,10 +622,9 @@ def test_gpu_graphs_generate_like_eager(arch: str, dtype: str, tmp_path_factory)
     ex_on, ex_off = on.engine.executor, off.engine.executor
     assert ex_on.graphs is not None, f"graphs were not captured: {ex_on.eager_reason}"
     assert ex_off.graphs is None and ex_off.eager_reason == "engine.cuda_graphs is false"
-    # The replays' copies go on their own stream behind the previous forward pass (unless
-    # INFERX_EARLY_COPIES=0): what is compared below covers that ordering.
-    early = os.environ.get("INFERX_EARLY_COPIES", "1") != "0"
-    assert (ex_on.graphs._input_stream is not None) == early
+    # The replays' copies go on their own stream behind the previous forward pass: what is
+    # compared below covers that ordering.
+    assert ex_on.graphs._input_stream is not None
     capture_s = ex_on.report.seconds.get("cuda_graphs", 0.0)
     print(
         f"{arch}/{dtype}: captured {len(ex_on.graphs.sizes)} sizes {ex_on.graphs.sizes} "

@@ -7,8 +7,8 @@ sequences replays the smallest captured size >= n, its extra rows padding that t
 harmless. Sampling stays outside the graph, on the real rows.
 
 Steps with prompt tokens (MixedGraphRunner) are graphs too, by padded token count: launching
-their kernels one by one costs the host ~30 ms on an H200 machine whatever the chunk's length,
-several times the GPU's own time for a short chunk. They return hidden states; the vocabulary
+their kernels one by one costs the host more than the GPU's own time for a short chunk,
+whatever the chunk's length. They return hidden states; the vocabulary
 projection of the sampled rows runs after the replay.
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 import bisect
 import gc
 import logging
-import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -46,9 +45,8 @@ def batch_ladder(max_batch: int) -> list[int]:
 def token_ladder(max_tokens: int) -> list[int]:
     """Token counts to capture steps with prompt tokens at, ascending: 64, 128, 192, 256, 384,
     512, 768, then every 512, and max_tokens itself. Past 64 rows the GEMMs are cuBLAS's and
-    their time grows with the rows a graph was captured at: 64 decodes and a 32-token chunk
-    took 8.9 ms for Llama-3.1-8B on the H200 at a 256-token rung, against 5.9 for the decodes
-    alone (BENCHMARKS.md session 35), hence the close rungs up to 512."""
+    their time grows with the rows a graph was captured at (a few decodes and a short chunk
+    at a wide rung cost much more than the decodes alone), hence the close rungs up to 512."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
     sizes = [s for s in (64, 128, 192, 256, 384, 512, 768) if s < max_tokens]
@@ -117,22 +115,17 @@ class DecodeGraphRunner:
         # Early copies: the forward pass records `_inputs_free` (inside the graph, as an
         # external event node) once it has read the static inputs for the last time, and the
         # next step's copies go on a stream of their own behind it, so that they run beside
-        # this step's logits and sampling instead of after them. INFERX_EARLY_COPIES=0: on the
-        # step's stream after the step, for A/B runs.
+        # this step's logits and sampling instead of after them.
         self._inputs_free: torch.cuda.Event | None = None
         self._input_stream: torch.cuda.Stream | None = None
-        if (
-            device.type == "cuda"
-            and attention.replays_on_current_stream
-            and os.environ.get("INFERX_EARLY_COPIES", "1") != "0"
-        ):
+        if device.type == "cuda" and attention.replays_on_current_stream:
             self._inputs_free = torch.cuda.Event(external=True)
             self._input_stream = torch.cuda.Stream(device)
         # The PENDING tokens' device copy (fill) after the attention metadata's host copies,
         # not between them: the stream then switches between copy directions fewer times ahead
         # of the graph (measured with the executor's DtoH stream: ModelRunner._copy_stream).
-        # INFERX_FILL_LAST=0 puts it back first, for A/B runs.
-        self.fill_last = os.environ.get("INFERX_FILL_LAST", "1") != "0"
+        # An attribute for tests: False puts it back first.
+        self.fill_last = True
 
     def padded_size(self, num_seqs: int) -> int | None:
         """The captured size a batch of num_seqs runs at, or None when it is too large."""
@@ -221,7 +214,7 @@ class DecodeGraphRunner:
             width = max(width, len(t))
         # Only the columns some sequence of this step uses travel to the device: the whole
         # [n, max_model_len / block_size] table was 8.4 MB a step at 256 x Llama 3.1's 128k
-        # context (copies 168 -> 17 µs of an 8B decode step at batch 256 on the H200). The
+        # context (the copies of a large batch's step shrink about tenfold). The
         # slice is strided, so torch stages it through pageable memory: an asynchronous H2D
         # copy from pageable memory is staged at once and does not wait for the device.
         batch = AttentionBatch(

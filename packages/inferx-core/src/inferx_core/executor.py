@@ -128,7 +128,7 @@ def pick_attention_backend(name: str, device: torch.device, reg: Plugins) -> str
     if name != "auto":
         return name
     if device.type == "cuda":
-        # flashinfer moves first once tests/test_flashinfer_attention.py passes on the H200 and
+        # flashinfer moves first once tests/test_flashinfer_attention.py passes on a GPU and
         # it measures faster than triton; it is registered even where FlashInfer is not
         # installed (an optional extra) and runs fp16/bf16 only, so check both then.
         for candidate in ("triton", "flashinfer"):
@@ -310,12 +310,11 @@ class ModelRunner(Executor):
         self.sampler = Sampler(self.device, seed=config.model.seed, argmax=ctx.ops.argmax)
         # The sampled tokens (and logprobs) travel to the host on a stream of their own, so the
         # step's stream goes from sampling straight to the next step's host-to-device copies.
-        # With the fill last (cuda_graphs.DecodeGraphRunner.fill_last), H200 3B steps in two
-        # rounds (session 26): the GPU's 5-50 µs gaps 12.0-14.0 -> 7.4-9.2 µs a step, batch 1
-        # 2.017 / 2.019 -> 2.014 / 2.004 ms, batch 8 2.186 / 2.168 -> 2.172 / 2.171 (level to
-        # slightly faster). INFERX_DTOH_STREAM=0 keeps them on the step's stream, for A/B runs.
+        # With the fill last (cuda_graphs.DecodeGraphRunner.fill_last) the GPU's short gaps
+        # between steps shrink (steps level to slightly faster; docs/ARCHITECTURE.md's decision
+        # register).
         self._copy_stream: torch.cuda.Stream | None = None
-        if self.device.type == "cuda" and os.environ.get("INFERX_DTOH_STREAM", "1") != "0":
+        if self.device.type == "cuda":
             self._copy_stream = torch.cuda.Stream(self.device)
         # The graph runners (their static buffers) exist before the cache is sized: the
         # profiling step's dry run compiles their kernels too (_dry_run_start_up).

@@ -1,9 +1,9 @@
 """Compile Triton kernels on worker threads while start-up walks its step shapes.
 
-On a fresh machine (empty Triton cache) start-up spent ~14 of its 23.5 s compiling Triton
-kernel variants one after another, each where a warm-up forward first launched it (H200, 3B,
-BENCHMARKS.md session 9). Triton's compiler releases the GIL for much of its work, and ptxas
-runs as a process of its own, so variants compile side by side on threads.
+On a fresh machine (empty Triton cache) start-up spent most of its time compiling Triton
+kernel variants one after another, each where a warm-up forward first launched it. Triton's
+compiler releases the GIL for much of its work, and ptxas runs as a process of its own, so
+variants compile side by side on threads.
 
 `compiles_in_background(threads)` is a dry run: inside it, launching any Triton kernel (any
 `triton.jit` function, ours or a plugin's) submits the compile of that variant to a thread
@@ -14,9 +14,8 @@ first launch, as before.
 
 A worker also readies each variant for its first launch (`CompiledKernel._init_handles`):
 Triton loads the binary and, once per argument signature, builds a C launcher with the host's
-C compiler (~0.28 s each on the H200 machine). Left to the first launch, those builds ran one
-after another: 7 of them were 2.0 of the 2.3 s the 3B warm-up took on an empty cache
-(`benchmarks/cold_start.py --profile-phase warm_up`, session 19).
+C compiler. Left to the first launch, those builds ran one after another and were most of the
+warm-up's time on an empty cache (`benchmarks/cold_start.py --profile-phase warm_up`).
 """
 
 from __future__ import annotations
