@@ -356,24 +356,24 @@ def test_runner_generates_like_eager_steps(tmp_path_factory, prefill_chunk: int)
 
 
 @interpreted
-def test_decode_rotary_generates_like_the_separate_kernel(tmp_path_factory, monkeypatch) -> None:
+def test_decode_rotary_generates_like_the_separate_kernel(tmp_path_factory) -> None:
     """decode_rotary (the default: the decode kernel rotates and writes the new tokens itself
-    in decode-only steps) against INFERX_TRITON_DECODE_ROTARY=0 (rotary_kv_write_kernel first):
+    in decode-only steps) against decode_rotary off (rotary_kv_write_kernel first):
     eager steps give the same tokens and logits within 1e-4, and the graph runner's steps
     (split in 4) the same as eager ones."""
     path = checkpoint("llama", tmp_path_factory)
     prompts = [list(range(3, 40)), [5, 9, 17, 33, 65, 129, 200], [7] * 3]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
-    def eager_run() -> tuple[LLM, list[list[int]], list[Step]]:
+    def eager_run(decode_rotary: bool = True) -> tuple[LLM, list[list[int]], list[Step]]:
         llm = cpu_triton_llm(path, 512)
+        if not decode_rotary:
+            llm.engine.executor.attention.decode_rotary = False
         recorder = llm.engine.executor.sampler = LogitsRecorder(llm.engine.executor.sampler)
         return llm, [c.token_ids for c in llm.generate(prompts, params)], recorder.take()
 
-    monkeypatch.setenv("INFERX_TRITON_DECODE_ROTARY", "0")
-    separate, tokens, logits = eager_run()
+    separate, tokens, logits = eager_run(decode_rotary=False)
     assert not separate.engine.executor.attention.decode_rotary
-    monkeypatch.delenv("INFERX_TRITON_DECODE_ROTARY")
     llm, variant_tokens, variant_logits = eager_run()
     ex = llm.engine.executor
     assert ex.attention.decode_rotary

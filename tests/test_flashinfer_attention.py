@@ -246,7 +246,7 @@ class FakeFlashInfer:
     )
 
 
-def cpu_flashinfer(layers, block_size, dtype):
+def cpu_flashinfer(layers, block_size, dtype, **kwargs):
     """FlashInferAttention on the CPU with the stand-in; its KV writes run Triton's kernel
     under the interpreter."""
     fa = flashinfer_module()
@@ -258,7 +258,7 @@ def cpu_flashinfer(layers, block_size, dtype):
             return FakeFlashInfer.module
 
     FakeFlashInfer.created.clear()
-    return CpuFlashInfer(layers, block_size, dtype, CPU)
+    return CpuFlashInfer(layers, block_size, dtype, CPU, **kwargs)
 
 
 def check_steps(backend, plan: list[tuple[int, int]], scale_factor: float = 1.0) -> list[str]:
@@ -374,24 +374,21 @@ def test_steps_plan_what_flashinfer_reads(block_size: int, group: int, dtype: to
 
 
 @interpreted
-def test_prefill_module_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """INFERX_FLASHINFER_PREFILL picks the prefill wrappers' module (fa2 unless set); anything
-    but fa2, fa3 or auto is refused by name."""
+def test_prefill_module_argument() -> None:
+    """prefill_backend picks the prefill wrappers' module (fa2 by default); anything but fa2,
+    fa3 or auto is refused by name."""
     layers = [KVLayerSpec(4, 2, 64)]
 
-    def prefill_modules() -> set[str]:
+    def prefill_modules(**kwargs: str) -> set[str]:
         FakeFlashInfer.created.clear()
-        cpu_flashinfer(layers, 4, torch.float16)
+        cpu_flashinfer(layers, 4, torch.float16, **kwargs)
         return {w.backend for w in FakeFlashInfer.created if isinstance(w, FakePrefill)}
 
-    monkeypatch.delenv("INFERX_FLASHINFER_PREFILL", raising=False)
     assert prefill_modules() == {"fa2"}
     for module in ("fa3", "auto"):
-        monkeypatch.setenv("INFERX_FLASHINFER_PREFILL", module)
-        assert prefill_modules() == {module}
-    monkeypatch.setenv("INFERX_FLASHINFER_PREFILL", "fa4")
-    with pytest.raises(ValueError, match="INFERX_FLASHINFER_PREFILL must be one of fa2, fa3"):
-        cpu_flashinfer(layers, 4, torch.float16)
+        assert prefill_modules(prefill_backend=module) == {module}
+    with pytest.raises(ValueError, match="prefill_backend must be one of fa2, fa3"):
+        cpu_flashinfer(layers, 4, torch.float16, prefill_backend="fa4")
 
 
 @interpreted
@@ -480,10 +477,10 @@ def flashinfer():
     return pytest.importorskip("flashinfer", reason="FlashInfer is not installed")
 
 
-def gpu_backend(layers, block_size, dtype):
+def gpu_backend(layers, block_size, dtype, **kwargs):
     from inferx_kernels_cuda.flashinfer_attention import FlashInferAttention
 
-    return FlashInferAttention(layers, block_size, dtype, torch.device("cuda"))
+    return FlashInferAttention(layers, block_size, dtype, torch.device("cuda"), **kwargs)
 
 
 # The issue's conformance sizes, as in test_triton_attention: contexts up to 2049 tokens, a
@@ -512,14 +509,13 @@ def test_gpu_conformance_bf16(flashinfer, block_size: int, group: int, head_dim:
 @on_gpu
 @pytest.mark.parametrize("module", ["fa2", "fa3"])
 @pytest.mark.parametrize("group", [4, 8])
-def test_gpu_conformance_prefill_modules(
-    flashinfer, group: int, module: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The prefill wrappers on each of FlashInfer's modules (INFERX_FLASHINFER_PREFILL, fa2
-    unless set), the shapes of Llama-3.1-8B (group 4) and Qwen2.5-3B (group 8), bf16."""
-    monkeypatch.setenv("INFERX_FLASHINFER_PREFILL", module)
+def test_gpu_conformance_prefill_modules(flashinfer, group: int, module: str) -> None:
+    """The prefill wrappers on each of FlashInfer's modules (prefill_backend, fa2 by default),
+    the shapes of Llama-3.1-8B (group 4) and Qwen2.5-3B (group 8), bf16."""
     torch.manual_seed(group)
-    backend = gpu_backend([KVLayerSpec(2 * group, 2, 128)], 16, torch.bfloat16)
+    backend = gpu_backend(
+        [KVLayerSpec(2 * group, 2, 128)], 16, torch.bfloat16, prefill_backend=module
+    )
     for plan in GPU_PLANS:
         assert check_steps(backend, plan) == ["prefill", "prefill", "decode", "decode"]
 

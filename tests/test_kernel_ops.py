@@ -371,9 +371,18 @@ def test_tiny_model_logits_match_torch_ops(name: str) -> None:
     assert_steps_match_torch_ops(cfg, weights, ours)
 
 
+def triton_ops_with(**settings: Any) -> TritonOps:
+    """TritonOps with these attributes set (its settings: tma_gemv, tma_norm, ...)."""
+    ops = TritonOps()
+    for name, value in settings.items():
+        assert hasattr(ops, name), name
+        setattr(ops, name, value)
+    return ops
+
+
 def cublas_ops() -> TritonOps:
-    """TritonOps with the TMA GEMMs and the norm inside gate_up off (both on by default since
-    session 13): the cuBLAS, torch.bmm and skinny_linear paths the tests below count."""
+    """TritonOps with the TMA GEMMs and the norm inside gate_up off (both on by default): the
+    cuBLAS, torch.bmm and skinny_linear paths the tests below count."""
     ops = TritonOps()
     ops.tma_gemv = ops.tma_norm = False
     return ops
@@ -530,28 +539,15 @@ def test_gated_gemv_only_up_to_max_k(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(fused, unfused, rtol=1e-4, atol=1e-4 * unfused.abs().max().item())
 
 
-def test_gated_gemv_rows_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("INFERX_GATED_GEMV_ROWS", raising=False)
-    assert TritonOps().gated_gemv_rows == (5, 32)  # the default: graphs pad these to 8, 16, 32
-    for value, rows in (("8", (1, 8)), ("2-16", (2, 16)), ("3-3", (3, 3)), ("0", (1, 0))):
-        monkeypatch.setenv("INFERX_GATED_GEMV_ROWS", value)
-        assert TritonOps().gated_gemv_rows == rows, value
-    for bad in ("65", "x", "-1", "0-4", "5-4", "2-65", "1-", ""):
-        monkeypatch.setenv("INFERX_GATED_GEMV_ROWS", bad)
-        with pytest.raises(ValueError, match="INFERX_GATED_GEMV_ROWS must be LO-HI, N or 0"):
-            TritonOps()
-
-
-def test_tma_gemv_switch_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("INFERX_TMA_GEMV", raising=False)
-    assert TritonOps().tma_gemv  # on by default (BENCHMARKS.md, session 13)
-    monkeypatch.setenv("INFERX_TMA_GEMV", "0")
-    assert not TritonOps().tma_gemv
-    monkeypatch.setenv("INFERX_TMA_GEMV", "1")
-    assert TritonOps().tma_gemv
-    monkeypatch.setenv("INFERX_TMA_GEMV", "yes")
-    with pytest.raises(ValueError, match="INFERX_TMA_GEMV must be 0 or 1; got 'yes'"):
-        TritonOps()
+def test_triton_ops_defaults() -> None:
+    """TritonOps' settings and their defaults (attributes that tests and benchmarks may set)."""
+    ops = TritonOps()
+    assert ops.gated_gemv_rows == (5, 32)  # graphs pad these to 8, 16, 32
+    assert ops.tma_gemv and ops.tma_gated and ops.tma_norm and not ops.tma_norm_qkv
+    assert ops.tma_gemv_max_rows == 64 and ops.tma_norm_max_rows is None
+    assert ops.tma_parts == quant_none.SPLIT_PARTS
+    assert ops.qkv_half_rows == ((2, 64),) and ops.down_double_rows == ((4, 16),)
+    assert ops.embed_triton
 
 
 @interpreted
@@ -559,10 +555,9 @@ def test_tma_gemv_switch_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
 def test_embedding_kernel_gathers_the_rows(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """embedding_kernel (on by default; INFERX_EMBED_TRITON=0 for A/B): its rows equal
+    """embedding_kernel (on by default: embed_triton): its rows equal
     F.embedding's (TorchOps), for repeated ids, a hidden size past one column block and not a
     power of two, and a weight whose rows are strided."""
-    monkeypatch.delenv("INFERX_EMBED_TRITON", raising=False)
     ops = TritonOps()
     assert ops.embed_triton
     gen = torch.Generator().manual_seed(5)
@@ -576,52 +571,31 @@ def test_embedding_kernel_gathers_the_rows(
     strided = torch.stack([ids, ids.flip(0)], dim=1)[:, 1]  # ids reversed, stride 2
     assert torch.equal(ops.embedding(weight, strided), got.flip(0))
     assert ops.embedding(weight, ids[:0]).shape == (0, 2500)
-    monkeypatch.setenv("INFERX_EMBED_TRITON", "0")
-    assert not TritonOps().embed_triton
 
 
-def test_tma_row_limits_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("INFERX_TMA_GEMV_MAX_ROWS", "INFERX_TMA_NORM_MAX_ROWS"):
-        monkeypatch.delenv(name, raising=False)
+def test_tma_row_limits() -> None:
     ops = TritonOps()
-    # The norm's limit by the hidden size (session 20): 3B's 2048 at one row, 8B's 4096 at 4.
+    # The norm's limit by the hidden size: 3B's 2048 at one row, 8B's 4096 at 4.
     assert ops.tma_gemv_max_rows == 64 and ops.tma_norm_max_rows is None
     assert [ops.norm_max_rows(k) for k in (896, 2048, 3584, 4096, 8192)] == [1, 1, 4, 4, 4]
-    monkeypatch.setenv("INFERX_TMA_GEMV_MAX_ROWS", "128")  # past 64 only for A/B runs
-    monkeypatch.setenv("INFERX_TMA_NORM_MAX_ROWS", "0")
-    ops = TritonOps()
-    assert (ops.tma_gemv_max_rows, ops.tma_norm_max_rows) == (128, 0)
+    ops.tma_norm_max_rows = 0  # one limit for every shape
     assert ops.norm_max_rows(2048) == ops.norm_max_rows(4096) == 0
-    monkeypatch.setenv("INFERX_TMA_NORM_MAX_ROWS", "8")
-    assert TritonOps().norm_max_rows(2048) == 8
-    monkeypatch.setenv("INFERX_TMA_GEMV_MAX_ROWS", "129")
-    with pytest.raises(ValueError, match="INFERX_TMA_GEMV_MAX_ROWS must be an integer 0..128"):
-        TritonOps()
-    monkeypatch.setenv("INFERX_TMA_GEMV_MAX_ROWS", "16")
-    for bad in ("65", "-1", "x", ""):
-        monkeypatch.setenv("INFERX_TMA_NORM_MAX_ROWS", bad)
-        with pytest.raises(ValueError, match="INFERX_TMA_NORM_MAX_ROWS must be an integer 0..64"):
-            TritonOps()
+    ops.tma_norm_max_rows = 8
+    assert ops.norm_max_rows(2048) == 8
 
 
 @interpreted
-def test_tma_parts_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """INFERX_TMA_PARTS: the K-slices of o_proj / down_proj / QKV on tma_linear_parts (an
-    uneven 3 too); the tiny model's logits stay TorchOps'."""
-    monkeypatch.delenv("INFERX_TMA_PARTS", raising=False)
+def test_tma_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tma_parts: the K-slices of o_proj / down_proj / QKV on tma_linear_parts (an uneven 3
+    too); the tiny model's logits stay TorchOps'."""
     assert TritonOps().tma_parts == quant_none.SPLIT_PARTS
-    for bad in ("0", "9", "two"):
-        monkeypatch.setenv("INFERX_TMA_PARTS", bad)
-        with pytest.raises(ValueError, match=r"INFERX_TMA_PARTS must be an integer 1\.\.8"):
-            TritonOps()
-    monkeypatch.setenv("INFERX_TMA_PARTS", "3")
-    monkeypatch.setenv("INFERX_TMA_NORM", "0")
-    monkeypatch.setenv("INFERX_TMA_DOWN_DOUBLE", "0")  # down_proj's own: test_down_double_*
-    monkeypatch.setenv("INFERX_TMA_QKV_HALVED", "0")  # QKV's own: test_qkv_slices_halved_*
+    # down_double_rows: down_proj's own (test_slices_doubled); qkv_half_rows: QKV's own
+    # (test_qkv_slices_halved_*)
+    ops = triton_ops_with(tma_parts=3, tma_norm=False, down_double_rows=(), qkv_half_rows=())
     cfg = CONFIGS["qwen2-tied"]
     weights = model_weights(cfg, seed=17)
     calls = count_tma(monkeypatch)
-    ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, triton_with_qkv_parts)
+    ours = run_model(cfg, ops, weights, torch.float32, CPU, triton_with_qkv_parts)
     assert {parts for _, parts in calls} == {3}  # gate_up: tma_linear_silu_and_mul
     assert_steps_match_torch_ops(cfg, weights, ours)
 
@@ -664,18 +638,16 @@ def count_tma(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], in
 @interpreted
 @pytest.mark.parametrize("name", ["llama3-scaled", "qwen2-tied"])
 def test_tiny_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """INFERX_TMA_GEMV=1, the norm fusion and the gated form off: o_proj and down_proj as
+    """tma_gemv on, the norm fusion and the gated form off: o_proj and down_proj as
     SPLIT_PARTS parts for the norm, gate_up whole (outside the gated GEMV's rows), and (qwen2,
     on the triton backend with qkv_parts) the decode-only step's QKV as half as many parts plus
     the bias for the decode kernel, all by tma_linear_parts; logits stay the torch reference's."""
-    monkeypatch.setenv("INFERX_TMA_GEMV", "1")
-    monkeypatch.setenv("INFERX_TMA_NORM", "0")
-    monkeypatch.setenv("INFERX_TMA_GATED", "0")
+    ops = triton_ops_with(tma_gemv=True, tma_norm=False, tma_gated=False)
     cfg = CONFIGS[name]
     weights = model_weights(cfg, seed=11)
     calls = count_tma(monkeypatch)
     attention = triton_with_qkv_parts if name == "qwen2-tied" else TorchAttention
-    ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, attention)
+    ours = run_model(cfg, ops, weights, torch.float32, CPU, attention)
     layers = cfg["num_hidden_layers"]
     parted = [c for c in calls if c[1] == quant_none.SPLIT_PARTS]
     doubled = [c for c in calls if c[1] == 2 * quant_none.SPLIT_PARTS]
@@ -697,26 +669,21 @@ def test_tiny_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPa
 
 
 @interpreted
-@pytest.mark.parametrize("norm", ["0", "default"])
+@pytest.mark.parametrize("norm", ["off", "default"])
 @pytest.mark.parametrize("name", ["llama3-scaled", "qwen2-tied"])
 def test_tiny_model_logits_with_tma_gated(
     name: str, norm: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """INFERX_TMA_GATED=1, the norm fusion off, or on with its default row limit (one row at
+    """tma_gated on, the norm fusion off, or on with its default row limit (one row at
     these hidden sizes): every gate_up of up to 64 rows (the 27-row prefill, the 6- and 4-row
     steps) with its SiLU-and-mul in one tma_linear_silu_and_mul launch, ahead of the gated
     GEMV, and no norm inside a GEMM; logits stay the torch reference's."""
-    monkeypatch.setenv("INFERX_TMA_GATED", "1")
-    monkeypatch.delenv("INFERX_TMA_NORM_MAX_ROWS", raising=False)
-    if norm == "0":
-        monkeypatch.setenv("INFERX_TMA_NORM", "0")
-    else:
-        monkeypatch.delenv("INFERX_TMA_NORM", raising=False)
+    ops = triton_ops_with(tma_gated=True, tma_norm=norm != "off")
     cfg = CONFIGS[name]
     weights = model_weights(cfg, seed=17)
     calls = spy_calls(monkeypatch, "tma_linear_silu_and_mul", lambda x, *_: x.shape[0])
     fused = count_tma_norm(monkeypatch)
-    ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, TorchAttention)
+    ours = run_model(cfg, ops, weights, torch.float32, CPU, TorchAttention)
     assert sorted(calls) == sorted([27, 6, 4] * cfg["num_hidden_layers"])
     assert fused == []
     assert_steps_match_torch_ops(cfg, weights, ours)
@@ -730,19 +697,18 @@ def count_tma_norm(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool
 @interpreted
 @pytest.mark.parametrize("name", ["llama3-scaled", "qwen2-tied"])
 def test_tiny_model_logits_with_tma_norm(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """INFERX_TMA_NORM=1 and INFERX_TMA_NORM_QKV=1: in steps of up to tma_norm_max_rows rows
+    """tma_norm and tma_norm_qkv on: in steps of up to tma_norm_max_rows rows
     (the 6-row second and the 4-row third, not the 27-row prefill) every post-attention norm
     runs inside gate_up (SiLU after), and (qwen2, on the triton backend with qkv_parts, in the
     decode-only step) every input norm but the first layer's inside the QKV GEMM; logits stay
     TorchOps'."""
-    monkeypatch.setenv("INFERX_TMA_NORM", "1")
-    monkeypatch.setenv("INFERX_TMA_NORM_QKV", "1")
-    monkeypatch.setenv("INFERX_TMA_NORM_MAX_ROWS", "8")  # the tiny hidden size's default is 1
+    # tma_norm_max_rows 8: the tiny hidden size's default is 1
+    ops = triton_ops_with(tma_norm=True, tma_norm_qkv=True, tma_norm_max_rows=8)
     cfg = CONFIGS[name]
     weights = model_weights(cfg, seed=13)
     calls = count_tma_norm(monkeypatch)
     attention = triton_with_qkv_parts if name == "qwen2-tied" else TorchAttention
-    ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, attention)
+    ours = run_model(cfg, ops, weights, torch.float32, CPU, attention)
     layers = cfg["num_hidden_layers"]
     qkv = [(4, quant_none.SPLIT_PARTS, False)] * (layers - 1) if name == "qwen2-tied" else []
     assert sorted(calls) == sorted([(6, 1, True)] * layers + [(4, 1, True)] * layers + qkv)
@@ -762,36 +728,30 @@ def test_down_proj_doubles_its_slices_where_they_leave_sms_idle() -> None:
 
 
 @interpreted
-def test_slices_doubled_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """INFERX_TMA_DOWN_DOUBLE=1 (every row count): the tiny Qwen2's down_proj (K past N) in twice
+def test_slices_doubled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """down_double_rows at every row count: the tiny Qwen2's down_proj (K past N) in twice
     tma_parts K-slices, the rest (o_proj, QKV) in tma_parts; logits stay TorchOps'; the
-    default (4-16 rows); a bad value names the variable."""
-    name = "INFERX_TMA_DOWN_DOUBLE"
-    monkeypatch.setenv(name, "1")
-    monkeypatch.setenv("INFERX_TMA_QKV_HALVED", "0")  # QKV in tma_parts at every row
+    default (4-16 rows)."""
+    assert TritonOps().down_double_rows == ((4, 16),)
+    # qkv_half_rows (): QKV in tma_parts at every row
+    ops = triton_ops_with(down_double_rows=((1, 1 << 30),), qkv_half_rows=())
     cfg = CONFIGS["qwen2-tied"]
     weights = model_weights(cfg, seed=23)
     calls = spy_calls(
         monkeypatch, "tma_linear_parts", lambda x, w, parts=1, *_: (w.shape[1] > w.shape[0], parts)
     )
-    ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU, triton_with_qkv_parts)
+    ours = run_model(cfg, ops, weights, torch.float32, CPU, triton_with_qkv_parts)
     one, two = quant_none.SPLIT_PARTS, 2 * quant_none.SPLIT_PARTS
     assert {parts for wide, parts in calls if wide} == {two}
     assert {parts for wide, parts in calls if not wide} == {one}
     assert_steps_match_torch_ops(cfg, weights, ours)
-    monkeypatch.setenv(name, "4-x")
-    with pytest.raises(ValueError, match=name):
-        TritonOps()
-    monkeypatch.delenv(name)
-    assert TritonOps().down_double_rows == ((4, 16),)
 
 
 @interpreted
-def test_qkv_slices_halved_at_their_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_qkv_slices_halved_at_their_rows() -> None:
     """linear_split (the QKV GEMM) runs in half the tma_parts K-slices at qkv_half_rows
     (default 2-64), whatever its width, else in tma_parts; the parts sum to F.linear either
-    way. A bad INFERX_TMA_QKV_HALVED names the variable."""
-    monkeypatch.delenv("INFERX_TMA_QKV_HALVED", raising=False)
+    way."""
     ops = TritonOps()
     assert ops.qkv_half_rows == ((2, 64),)
     torch.manual_seed(5)
@@ -804,23 +764,6 @@ def test_qkv_slices_halved_at_their_rows(monkeypatch: pytest.MonkeyPatch) -> Non
         assert bias is None and parts.shape == (want, rows, 80), (k, rows)
         want_out = x.double() @ linear.weight.double().T
         torch.testing.assert_close(parts.double().sum(0), want_out, rtol=1e-4, atol=1e-3)
-    monkeypatch.setenv("INFERX_TMA_QKV_HALVED", "two")
-    with pytest.raises(ValueError, match="INFERX_TMA_QKV_HALVED"):
-        TritonOps()
-
-
-def test_tma_norm_switches_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("INFERX_TMA_NORM", "INFERX_TMA_NORM_QKV"):
-        monkeypatch.delenv(name, raising=False)
-    ops = TritonOps()
-    assert ops.tma_norm and not ops.tma_norm_qkv  # gate_up's on, QKV's off (session 13)
-    monkeypatch.setenv("INFERX_TMA_NORM", "0")
-    monkeypatch.setenv("INFERX_TMA_NORM_QKV", "1")
-    ops = TritonOps()
-    assert ops.tma_norm_qkv and not ops.tma_norm
-    monkeypatch.setenv("INFERX_TMA_NORM", "2")
-    with pytest.raises(ValueError, match="INFERX_TMA_NORM must be 0 or 1; got '2'"):
-        TritonOps()
 
 
 # --- GPU, compiled, bf16 at real sizes ---------------------------------------------------------
@@ -978,16 +921,15 @@ def test_gpu_model_logits_with_qkv_parts(name: str, monkeypatch: pytest.MonkeyPa
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["qwen2.5-3b-instruct", "llama-3.1-8b-instruct"])
 def test_gpu_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """INFERX_TMA_GEMV=1 (INFERX_TMA_NORM=0), two layers of the real shapes, bf16, the triton
+    """tma_gemv on (tma_norm off), two layers of the real shapes, bf16, the triton
     backend with qkv_parts: o_proj and down_proj (in the 27-row prefill and the 6- and 4-row
     steps) and the decode step's QKV (both models) on tma_linear_parts, gate_up on
     tma_linear_silu_and_mul; the logits stay TorchOps + TorchAttention's. 3B's down_proj runs
     in twice the slices at 6 and 4 rows (filled_slices: 4 slices are 128 programs); both
     models' QKV in half (qkv_half_rows)."""
-    monkeypatch.setenv("INFERX_TMA_GEMV", "1")
-    monkeypatch.setenv("INFERX_TMA_NORM", "0")
+    ops = triton_ops_with(tma_gemv=True, tma_norm=False)
     calls = count_tma(monkeypatch)
-    assert_two_layers_match_torch_ops(name, TritonOps(), triton_with_qkv_parts)
+    assert_two_layers_match_torch_ops(name, ops, triton_with_qkv_parts)
     # (TorchOps never calls tma_linear_parts: these are all the triton run's)
     doubled = 2 * 2 if "qwen" in name else 0  # 2 layers x the 6- and 4-row steps
     halved = 2  # the decode step's QKV, 2 layers
@@ -1001,16 +943,13 @@ def test_gpu_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPat
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["qwen2.5-3b-instruct", "llama-3.1-8b-instruct"])
 def test_gpu_model_logits_with_tma_norm(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """INFERX_TMA_NORM=1 and INFERX_TMA_GEMV=1, two layers of the real shapes, bf16, the triton
+    """tma_norm, tma_norm_qkv and tma_gemv on, two layers of the real shapes, bf16, the triton
     backend with qkv_parts: the norms inside the GEMMs after them in the 6- and 4-row steps
-    (INFERX_TMA_NORM_MAX_ROWS=8: by default the fusion stops at 1 row for 3B, 4 for 8B);
-    the logits stay TorchOps + TorchAttention's."""
-    monkeypatch.setenv("INFERX_TMA_NORM_MAX_ROWS", "8")
-    monkeypatch.setenv("INFERX_TMA_NORM", "1")
-    monkeypatch.setenv("INFERX_TMA_NORM_QKV", "1")
-    monkeypatch.setenv("INFERX_TMA_GEMV", "1")
+    (tma_norm_max_rows 8: by default the fusion stops at 1 row for 3B, 4 for 8B); the logits
+    stay TorchOps + TorchAttention's."""
+    ops = triton_ops_with(tma_norm_max_rows=8, tma_norm=True, tma_norm_qkv=True, tma_gemv=True)
     calls = count_tma_norm(monkeypatch)
-    assert_two_layers_match_torch_ops(name, TritonOps(), triton_with_qkv_parts)
+    assert_two_layers_match_torch_ops(name, ops, triton_with_qkv_parts)
     # post-attention norms: 2 layers x 2 steps; the input norm of layer 2 in the decode step
     assert (
         sorted(calls)

@@ -24,75 +24,49 @@ from inferx_kernels_cuda.tma_gemv import (  # noqa: E402
 
 @pytest.fixture
 def pdl_env(monkeypatch: pytest.MonkeyPatch):
-    """Set INFERX_PDL, INFERX_PDL_CHAIN, INFERX_PDL_ALL (None: unset) for one test; read afresh."""
+    """Set pdl's CHAIN_ROWS and ALL_ROWS (None: the default) for one test; the enabled check is
+    read afresh."""
 
-    def setenv(on: str | None, chain: str | None = None, all_: str | None = None) -> None:
-        names = ("INFERX_PDL", "INFERX_PDL_CHAIN", "INFERX_PDL_ALL")
-        for name, value in zip(names, (on, chain, all_), strict=True):
-            if value is None:
-                monkeypatch.delenv(name, raising=False)
-            else:
-                monkeypatch.setenv(name, value)
-        clear()
+    defaults = {"CHAIN_ROWS": pdl.CHAIN_ROWS, "ALL_ROWS": pdl.ALL_ROWS}
 
-    def clear() -> None:
-        for setting in (
-            pdl._enabled,
-            pdl._chain_rows,
-            pdl._all_rows,
-            pdl._attention_rows,
-            pdl._norm_rows,
-            pdl._late_rows,
-            pdl._chain,
-            pdl._all,
-        ):
-            setting.cache_clear()
+    def set_rows(chain: tuple | None = None, all_: tuple | None = None) -> None:
+        for name, value in (("CHAIN_ROWS", chain), ("ALL_ROWS", all_)):
+            monkeypatch.setattr(pdl, name, defaults[name] if value is None else value)
+        pdl._enabled.cache_clear()
 
-    yield setenv
+    yield set_rows
     monkeypatch.undo()
-    clear()
+    pdl._enabled.cache_clear()
 
 
 def test_off_on_the_cpu(pdl_env) -> None:
-    pdl_env(None)
+    pdl_env()
     cpu = torch.device("cpu")
     assert not pdl.pdl_enabled(cpu)
     off = {"PDL": False, "TRIGGER": False}
     assert pdl.gemv_launch(cpu, 1) == off and pdl.between_launch(cpu, 1, 2048) == off
 
 
-@pytest.mark.parametrize(
-    ("value", "rows"),
-    [
-        ("0", ()),
-        ("", ()),
-        ("1", ((1, 1 << 30),)),
-        ("5-8", ((5, 8),)),
-        ("5-8,33-64", ((5, 8), (33, 64))),
-        ("8", ((8, 8),)),
-    ],
-)
-def test_row_range_settings(pdl_env, value: str, rows: tuple) -> None:
-    pdl_env("1", value, value)
-    assert pdl._chain_rows() == rows and pdl._all_rows() == rows
-
-
-@pytest.mark.parametrize("value", ["8-5", "0-4", "a-b", "1,", "2-"])
-def test_row_range_settings_are_checked(pdl_env, value: str) -> None:
-    pdl_env("1", value, value)
-    with pytest.raises(ValueError, match="INFERX_PDL_CHAIN"):
-        pdl._chain_rows()
-    with pytest.raises(ValueError, match="INFERX_PDL_ALL"):
-        pdl._all_rows()
+def test_in_ranges() -> None:
+    assert not pdl.in_ranges(1, ())
+    assert pdl.in_ranges(1 << 20, ((1, 1 << 30),))
+    assert [pdl.in_ranges(m, ((5, 8), (33, 64))) for m in (4, 5, 8, 9, 33, 64, 65)] == [
+        False,
+        True,
+        True,
+        False,
+        True,
+        True,
+        False,
+    ]
 
 
 @pytest.mark.gpu
 @on_gpu
-def test_on_for_hopper_unless_switched_off(pdl_env, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_on_for_hopper(pdl_env) -> None:
     dev = torch.device("cuda")
     hopper = torch.cuda.get_device_capability() >= (9, 0)
-    monkeypatch.delenv("INFERX_PDL_LATE", raising=False)  # the defaults, whatever the shell set
-    pdl_env(None)  # (and clears the settings' caches)
+    pdl_env()  # (and clears the enabled check's cache)
     off = {"PDL": False, "TRIGGER": False}
     assert pdl.pdl_enabled(dev) == hopper
     # the defaults: at one row a GEMV that does not trigger at its start triggers late
@@ -114,22 +88,23 @@ def test_on_for_hopper_unless_switched_off(pdl_env, monkeypatch: pytest.MonkeyPa
         hopper,
         False,
     ]
-    pdl_env(None, "1")
+    every = ((1, 1 << 30),)
+    pdl_env(every)
     assert pdl.gemv_launch(dev, 1)["TRIGGER"] == hopper
     assert not pdl.between_launch(dev, 1, 2048)["PDL"]
-    pdl_env(None, "5-8,33-64", "0")
+    pdl_env(((5, 8), (33, 64)), ())
     assert (
         [pdl.gemv_launch(dev, m)["TRIGGER"] for m in (1, 4, 5, 8, 9, 32, 33, 64)]
         == [False, False, True, True, False, False, True, True]
         if hopper
         else [False] * 8
     )
-    pdl_env(None, None, "1")
+    pdl_env(None, every)
     assert pdl.gemv_launch(dev, 1)["TRIGGER"] == hopper
     assert pdl.between_launch(dev, 1, 2048) == (
         {"PDL": True, "TRIGGER": True, "launch_pdl": True} if hopper else off
     )
-    pdl_env(None, None, "2-16")
+    pdl_env(None, ((2, 16),))
     assert [pdl.between_launch(dev, m, 2048)["PDL"] for m in (1, 2, 16, 17)] == [
         False,
         *[hopper] * 2,
@@ -140,54 +115,40 @@ def test_on_for_hopper_unless_switched_off(pdl_env, monkeypatch: pytest.MonkeyPa
         *[hopper] * 2,
         False,
     ]
-    pdl_env("0", "1", "1")
-    assert not pdl.pdl_enabled(dev)
-    assert pdl.gemv_launch(dev, 1) == off and pdl.between_launch(dev, 1, 2048) == off
 
 
 @pytest.mark.parametrize(
-    ("name", "rows", "early"),
-    [
-        ("INFERX_PDL_ATTENTION", "_attention_rows", "attention_early"),
-        ("INFERX_PDL_NORM", "_norm_rows", "norm_early"),
-    ],
+    ("rows", "early"), [("ATTENTION_ROWS", "attention_early"), ("NORM_ROWS", "norm_early")]
 )
-def test_single_edge_rows(
-    pdl_env, monkeypatch: pytest.MonkeyPatch, name: str, rows: str, early: str
-) -> None:
-    """The single-edge settings: 1-48 rows by default; row ranges; checked; never on the CPU."""
-    setting = getattr(pdl, rows)
-    monkeypatch.delenv(name, raising=False)
-    pdl_env("1")
-    assert setting() == ((1, 48),)
-    monkeypatch.setenv(name, "0")
-    setting.cache_clear()
-    assert setting() == ()
-    monkeypatch.setenv(name, "1-4")
-    setting.cache_clear()
-    assert setting() == ((1, 4),)
+def test_single_edge_rows(pdl_env, monkeypatch: pytest.MonkeyPatch, rows: str, early: str) -> None:
+    """The single-edge settings: 1-48 rows by default; row ranges; never on the CPU."""
+    pdl_env()
+    assert getattr(pdl, rows) == ((1, 48),)
+    monkeypatch.setattr(pdl, rows, ((1, 4),))
     assert not getattr(pdl, early)(torch.device("cpu"), 1)
-    monkeypatch.setenv(name, "4-")
-    setting.cache_clear()
-    with pytest.raises(ValueError, match=name):
-        setting()
-    setting.cache_clear()
+    monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
+    assert [getattr(pdl, early)(torch.device("cpu"), m) for m in (1, 4, 5)] == [
+        True,
+        True,
+        False,
+    ]
+    monkeypatch.setattr(pdl, rows, ())
+    assert not getattr(pdl, early)(torch.device("cpu"), 1)
 
 
 def test_late_trigger_only_where_a_gemv_does_not_trigger_at_its_start(
     pdl_env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """INFERX_PDL_LATE (1-64 by default): a GEMV at its rows triggers after its K loop (LATE),
-    but only where it would not trigger at its start already (the chain, ALL, a caller's
-    edge); the LATE key is left out elsewhere and where it is "0"."""
-    pdl_env("1")
-    monkeypatch.setenv("INFERX_PDL_LATE", "0")
-    pdl._late_rows.cache_clear()
+    """LATE_ROWS (1-64 by default): a GEMV at its rows triggers after its K loop (LATE), but
+    only where it would not trigger at its start already (the chain, ALL, a caller's edge);
+    the LATE key is left out elsewhere and where it takes no rows."""
+    pdl_env()
+    assert pdl.LATE_ROWS == ((1, 64),)
+    monkeypatch.setattr(pdl, "LATE_ROWS", ())
     monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
     dev = torch.device("cpu")
     assert pdl.gemv_launch(dev, 1) == {"PDL": True, "TRIGGER": False, "launch_pdl": True}
-    monkeypatch.delenv("INFERX_PDL_LATE")
-    pdl._late_rows.cache_clear()
+    monkeypatch.setattr(pdl, "LATE_ROWS", ((1, 64),))
     assert pdl.gemv_launch(dev, 1) == {
         "PDL": True,
         "TRIGGER": False,
@@ -199,10 +160,6 @@ def test_late_trigger_only_where_a_gemv_does_not_trigger_at_its_start(
     assert pdl.gemv_launch(dev, 20).get("LATE")
     assert "LATE" not in pdl.gemv_launch(dev, 40)  # the chain (33-64)
     assert "LATE" not in pdl.gemv_launch(dev, 65)  # past the setting's rows
-    monkeypatch.setenv("INFERX_PDL_LATE", "9-")
-    pdl._late_rows.cache_clear()
-    with pytest.raises(ValueError, match="INFERX_PDL_LATE"):
-        pdl._late_rows()
 
 
 @pytest.mark.gpu
@@ -210,12 +167,10 @@ def test_late_trigger_only_where_a_gemv_does_not_trigger_at_its_start(
 def test_attention_early_on_hopper(pdl_env, monkeypatch: pytest.MonkeyPatch) -> None:
     dev = torch.device("cuda")
     hopper = torch.cuda.get_device_capability() >= (9, 0)
-    pdl_env(None)
-    monkeypatch.setenv("INFERX_PDL_ATTENTION", "1-4")
-    pdl._attention_rows.cache_clear()
+    pdl_env()
+    monkeypatch.setattr(pdl, "ATTENTION_ROWS", ((1, 4),))
     assert [pdl.attention_early(dev, m) for m in (1, 4, 5)] == [hopper, hopper, False]
     assert pdl.gemv_launch(dev, 1, trigger=True)["TRIGGER"] == hopper
-    pdl._attention_rows.cache_clear()
 
 
 @pytest.mark.gpu
@@ -229,21 +184,20 @@ def test_gemvs_wait_for_their_producers_inside_a_graph(
     (TRIGGER) reads it; the QKV-like GEMV (PDL) the norm's output; the norm + gate_up + SiLU GEMV
     (PDL) those parts and the residual; the down GEMV (PDL) its output; a last RMSNorm that.
     "chain": each GEMV also lets the next kernel launch early; "all": that, and the norms launch
-    with PDL too; "norm" (INFERX_PDL_NORM): the down GEMV triggers and the last norm launches
-    with PDL; "late" (INFERX_PDL_LATE, ALL off): the GEMVs that do not trigger at their start
+    with PDL too; "norm" (NORM_ROWS): the down GEMV triggers and the last norm launches
+    with PDL; "late" (LATE_ROWS, ALL off): the GEMVs that do not trigger at their start
     trigger after their K loop. Each replay's inputs are fresh: a kernel that ran ahead of its
     producer would read the last replay's values."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the TMA GEMVs and PDL need Hopper")
-    all_ = {"all": "1", "late": "0"}.get(mode)
-    pdl_env("1", "1" if mode == "chain" else None, all_)
+    every = ((1, 1 << 30),)
+    all_ = {"all": every, "late": ()}.get(mode)
+    pdl_env(every if mode == "chain" else None, all_)
     if mode == "late":
-        monkeypatch.setenv("INFERX_PDL_LATE", "1-64")
-        pdl._late_rows.cache_clear()
+        monkeypatch.setattr(pdl, "LATE_ROWS", ((1, 64),))
         assert pdl.gemv_launch(torch.device("cuda"), rows).get("LATE")
     if mode == "norm":
-        monkeypatch.setenv("INFERX_PDL_NORM", "1-64")
-        pdl._norm_rows.cache_clear()
+        monkeypatch.setattr(pdl, "NORM_ROWS", ((1, 64),))
         assert pdl.norm_early(torch.device("cuda"), rows)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     hidden, inter, eps = 2048, 11008, 1e-6

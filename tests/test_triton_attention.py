@@ -200,46 +200,20 @@ def test_pdl_choices_by_rows_only_in_graph_decode_steps(monkeypatch: pytest.Monk
     assert asked[0] == (3, 64)
 
 
-@pytest.mark.parametrize(
-    ("name", "attr"),
-    [("INFERX_TRITON_DECODE_ROTARY", "decode_rotary"), ("INFERX_TRITON_QKV_PARTS", "qkv_parts")],
-)
-def test_switches_from_the_environment(
-    name: str, attr: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    spec = [KVLayerSpec(4, 2, 16)]
-    cpu = torch.device("cpu")
-    monkeypatch.delenv(name, raising=False)
-    assert getattr(TritonAttention(spec, 16, torch.float32, cpu), attr)  # on by default
-    monkeypatch.setenv(name, "0")
-    assert not getattr(TritonAttention(spec, 16, torch.float32, cpu), attr)
-    monkeypatch.setenv(name, "yes")
-    with pytest.raises(ValueError, match=f"{name} must be 0 or 1; got 'yes'"):
-        TritonAttention(spec, 16, torch.float32, cpu)
+def test_switch_defaults() -> None:
+    """The settings' defaults (attributes that tests and benchmarks may set)."""
+    backend = TritonAttention([KVLayerSpec(4, 2, 16)], 16, torch.float32, torch.device("cpu"))
+    assert backend.decode_rotary and backend.qkv_parts
+    assert backend.keeps_splits and backend.keep_split_rows == ((1, 4),)
+    backend.keep_split_rows = ()
+    assert not backend.keeps_splits
 
 
-def test_keep_split_rows_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = [KVLayerSpec(4, 2, 16)]
-    cpu = torch.device("cpu")
-    monkeypatch.delenv("INFERX_TRITON_KEEP_SPLITS", raising=False)
-    backend = TritonAttention(spec, 16, torch.float32, cpu)
-    assert backend.keeps_splits and backend.keep_split_rows == ((1, 4),)  # the default
-    monkeypatch.setenv("INFERX_TRITON_KEEP_SPLITS", "0")
-    assert not TritonAttention(spec, 16, torch.float32, cpu).keeps_splits
-    monkeypatch.setenv("INFERX_TRITON_KEEP_SPLITS", "1-2,8")
-    assert TritonAttention(spec, 16, torch.float32, cpu).keep_split_rows == ((1, 2), (8, 8))
-    monkeypatch.setenv("INFERX_TRITON_KEEP_SPLITS", "4-1")
-    with pytest.raises(ValueError, match="INFERX_TRITON_KEEP_SPLITS"):
-        TritonAttention(spec, 16, torch.float32, cpu)
-
-
-def test_preload_rows_and_when_they_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_preload_rows_and_when_they_apply() -> None:
     """PRELOAD goes to the decode kernel at preload_rows (default: 1 row), and only where it
     launches early (EARLY) and writes the new token itself (rotary)."""
     spec = KVLayerSpec(4, 2, 16)
-    cpu = torch.device("cpu")
-    monkeypatch.delenv("INFERX_TRITON_DECODE_PRELOAD", raising=False)
-    backend = TritonAttention([spec], 16, torch.float32, cpu)
+    backend = TritonAttention([spec], 16, torch.float32, torch.device("cpu"))
     assert backend.preload_rows == ((1, 1),)
     early = {"PDL": True, "TRIGGER": True, "EARLY": True}
     backend._decode_pdl = lambda plan, spec: dict(early)
@@ -248,13 +222,12 @@ def test_preload_rows_and_when_they_apply(monkeypatch: pytest.MonkeyPatch) -> No
         assert backend._decode_launch_pdl(plan, spec, rotary).get("PRELOAD", False) == want
     backend._decode_pdl = lambda plan, spec: {"PDL": False, "TRIGGER": True}
     assert "PRELOAD" not in backend._decode_launch_pdl(SimpleNamespace(num_decode=1), spec, True)
-    monkeypatch.setenv("INFERX_TRITON_DECODE_PRELOAD", "0")
-    assert TritonAttention([spec], 16, torch.float32, cpu).preload_rows == ()
-    monkeypatch.setenv("INFERX_TRITON_DECODE_PRELOAD", "1-4")
-    assert TritonAttention([spec], 16, torch.float32, cpu).preload_rows == ((1, 4),)
-    monkeypatch.setenv("INFERX_TRITON_DECODE_PRELOAD", "yes")
-    with pytest.raises(ValueError, match="INFERX_TRITON_DECODE_PRELOAD"):
-        TritonAttention([spec], 16, torch.float32, cpu)
+    backend._decode_pdl = lambda plan, spec: dict(early)
+    backend.preload_rows = ((1, 4),)
+    plan = SimpleNamespace(num_decode=4)
+    assert backend._decode_launch_pdl(plan, spec, True).get("PRELOAD")
+    backend.preload_rows = ()
+    assert "PRELOAD" not in backend._decode_launch_pdl(SimpleNamespace(num_decode=1), spec, True)
 
 
 def test_reduce_heads_fit_the_layer_and_the_tile() -> None:
@@ -377,50 +350,50 @@ def test_dense_tiles_run_longest_first() -> None:
 
 def test_dense_prefill_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """On by default where the kernel runs (here the interpreter) for GQA groups that are
-    powers of two; INFERX_TRITON_DENSE_PREFILL=0 turns it off, =1 cannot force it past them."""
+    powers of two, never past them; off without TMA (and without the interpreter)."""
     cpu = torch.device("cpu")
 
     def dense(q_heads: int, kv_heads: int) -> bool:
         spec = KVLayerSpec(q_heads, kv_heads, 16)
         return TritonAttention([spec], 16, torch.float32, cpu).dense_prefill
 
-    monkeypatch.delenv("INFERX_TRITON_DENSE_PREFILL", raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert dense(4, 2) and dense(8, 2) and dense(16, 2) and not dense(6, 2)
-    monkeypatch.setenv("INFERX_TRITON_DENSE_PREFILL", "1")
-    assert dense(16, 2) and not dense(6, 2)
-    monkeypatch.setenv("INFERX_TRITON_DENSE_PREFILL", "0")
-    assert not dense(4, 2)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.delenv("INFERX_TRITON_DENSE_PREFILL")
     assert not dense(4, 2)
 
 
 def test_dense_config_ladder(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The config by the step's longest fresh prompt: the GQA group's default ladder or
-    INFERX_TRITON_DENSE_CONFIGS; a bad ladder is refused with the variable's name; start-up
-    warms the ladder's later steps."""
+    """The config by the step's longest fresh prompt: the GQA group's default ladder (or one
+    set on the backend); start-up warms the ladder's later steps. DenseConfig.parse reads a
+    config and refuses a bad one."""
     cpu = torch.device("cpu")
-    monkeypatch.delenv("INFERX_TRITON_DENSE_CONFIGS", raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     narrow = TritonAttention([KVLayerSpec(32, 8, 128)], 16, torch.bfloat16, cpu)
     wide = TritonAttention([KVLayerSpec(16, 2, 128)], 16, torch.bfloat16, cpu)
     assert [at for at, _ in narrow.dense_configs] == [0, 8192]
     assert [at for at, _ in wide.dense_configs] == [0, 2048, 8192]
-    assert narrow.dense_configs[0][1] == DenseConfig(64, 64, 4, 3)
-    assert narrow.warm_up_prompt_lens == ()  # no TMA here: dense off
-    monkeypatch.setenv("INFERX_TRITON_DENSE_CONFIGS", "0:64x64x4x2,1000:128x64x8x3")
-    backend = TritonAttention([KVLayerSpec(4, 2, 16)], 16, torch.float32, cpu)
-    assert backend.dense_configs == [
+    assert narrow.dense_configs == [
+        (0, DenseConfig(64, 64, 4, 3)),
+        (8192, DenseConfig(128, 128, 8, 3)),
+    ]
+    assert wide.dense_configs == [
         (0, DenseConfig(64, 64, 4, 2)),
+        (2048, DenseConfig(64, 32, 4, 3)),
+        (8192, DenseConfig(128, 128, 8, 3)),
+    ]
+    assert narrow.warm_up_prompt_lens == ()  # no TMA here: dense off
+    backend = TritonAttention([KVLayerSpec(4, 2, 16)], 16, torch.float32, cpu)
+    backend.dense_configs = [
+        (0, DenseConfig.parse("64x64x4x2")),
         (1000, DenseConfig(128, 64, 8, 3)),
     ]
     backend.dense_prefill = True
     assert backend.warm_up_prompt_lens == (1000,)
-    for bad in ("64x64x4x2", "0:64x64x4", "10:64x64x4x2", "0:64x64x4x2,0:64x64x4x3", "0:axbxcxd"):
-        monkeypatch.setenv("INFERX_TRITON_DENSE_CONFIGS", bad)
-        with pytest.raises(ValueError, match="INFERX_TRITON_DENSE_CONFIGS"):
-            TritonAttention([KVLayerSpec(4, 2, 16)], 16, torch.float32, cpu)
+    assert DenseConfig.parse("128x64x8x3") == DenseConfig(128, 64, 8, 3)
+    for bad in ("64x64x4", "0:64x64x4x2", "axbxcxd", "64x64x0x2"):
+        with pytest.raises(ValueError, match="BMxBNxWARPSxSTAGES"):
+            DenseConfig.parse(bad)
 
 
 # The issue's conformance sizes; the lead runs these on the H200 (pytest -m gpu).
@@ -588,7 +561,7 @@ def check_decode_rotary(
     not (the split holding the new token writes it); a padding row (slot -1) writes nothing.
     parts: q, k and v arrive as 4 partial sums plus a bias (qkv_parts), which the kernel adds
     up; the reference gets their fp32 sum rounded once, as the unsplit GEMM would write it.
-    early: the decode kernel's EARLY form (INFERX_PDL_ATTENTION: its metadata loaded before
+    early: the decode kernel's EARLY form (pdl.ATTENTION_ROWS: its metadata loaded before
     the PDL wait, with PDL where the device has it). preload: with early, its first K/V tile
     too (preload_rows); every decode launch is checked to have taken PRELOAD."""
     head_dim, kv_heads, bs = 32, 2, 4

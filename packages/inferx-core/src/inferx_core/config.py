@@ -49,25 +49,22 @@ class EngineSection(Section):
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (GPU and a capable backend)
     # Steps with prompt tokens of up to this many tokens also replay CUDA graphs (captured for a
     # ladder of token counts, when the attention backend supports it); 0: they run eagerly.
-    # 4096 over 2048: 3B serving at 8 clients, TTFT 72/57 against 84/83 ms, 2,752 against
-    # 2,682 tok/s (two rounds each on the H200, BENCHMARKS.md session 7).
+    # 4096 over 2048: lower TTFT and higher throughput in serving (docs/BENCHMARKS.md).
     graph_max_tokens: int = Field(default=4096, ge=0, le=16384)
     # ... and over at most this many sequences (more decodes beside a chunk: eager).
     graph_max_seqs: int = Field(default=128, ge=1)
     # Schedule and submit step N+1 while the device runs step N. auto: on, unless the executor
     # computes on the CPU, where submitting a step runs it, so overlap gains nothing and holds
-    # every output back one step (the demo model's first token: 57-61 -> 89-97 ms).
+    # every output back one step (a later first token).
     overlap: bool | Literal["auto"] = "auto"
     threads: int | None = Field(default=None, ge=1)  # torch CPU threads
     # Once started, collect and gc.freeze() the heap so that Python's full collections skip the
-    # ~190k objects start-up leaves (torch, triton, the model): one pass over them took 63 ms of
-    # a step on the CPU VM, the likely cause of a 157 ms stall in an 8B offline decode step on
-    # the H200 machine (BENCHMARKS.md, session 7).
+    # objects start-up leaves (torch, triton, the model): a pass over them inside a step
+    # stalls it (the decision register in docs/ARCHITECTURE.md).
     gc_freeze: bool = True
     # Start-up compiles Triton kernel variants on this many threads, in one dry run of every
     # phase's step shapes before the phases run them (0 or 1: one at a time, at first launch).
-    # H200, fresh Triton cache, 3B: start to ready 23.5 s with none (BENCHMARKS.md session 9),
-    # 16-19 s with 8 (session 18).
+    # On a fresh Triton cache this shortens start-up (docs/BENCHMARKS.md).
     compile_threads: int = Field(default=8, ge=0, le=64)
 
     @field_validator("device")
@@ -115,7 +112,16 @@ class KVCacheSection(Section):
     block_size: int = 16
     memory: float | int | str | None = None  # fraction or size; None: 0.9 on GPU, 1GiB on CPU
     num_blocks: int | None = Field(default=None, ge=2)  # overrides memory; block 0 is reserved
+    # auto: the model's dtype. fp8_e4m3 is refused until the FP8 KV cache lands (issue:
+    # quantization); until then it would run at the model's dtype without a word.
     dtype: Literal["auto", "fp8_e4m3"] = "auto"
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        if v == "fp8_e4m3":
+            raise ValueError("fp8_e4m3 is not implemented yet (issue: quantization)")
+        return v
 
     @field_validator("block_size")
     @classmethod
@@ -177,7 +183,16 @@ class ServerSection(Section):
 
 
 class ParallelSection(Section):
+    # GPUs to shard the model over. Only 1 until tensor parallelism lands (issue: tensor
+    # parallel); larger values would run on one GPU without a word, so they are refused.
     tensor: int = Field(default=1, ge=1)
+
+    @field_validator("tensor")
+    @classmethod
+    def _tensor(cls, v: int) -> int:
+        if v > 1:
+            raise ValueError(f"{v} is not implemented yet (issue: tensor parallel); only 1 runs")
+        return v
 
 
 class Config(Section):
@@ -188,14 +203,6 @@ class Config(Section):
     quantization: QuantizationSection = QuantizationSection()
     server: ServerSection = ServerSection()
     parallel: ParallelSection = ParallelSection()
-
-    @model_validator(mode="after")
-    def _combinations(self) -> Config:
-        if self.kv_cache.dtype == "fp8_e4m3" and self.engine.device == "cpu":
-            raise ValueError("kv_cache.dtype fp8_e4m3 needs a GPU (engine.device is cpu)")
-        if self.parallel.tensor > 1 and self.engine.device == "cpu":
-            raise ValueError("parallel.tensor > 1 needs GPUs (engine.device is cpu)")
-        return self
 
 
 # Short flags for the keys people type most.

@@ -367,8 +367,7 @@ def add_all(
 class _Parts:
     """One request's outputs so far, as flat lists. Keeping every RequestOutput instead left
     two tracked objects a token (65,536 of each in the offline benchmark) for Python's full
-    collections to walk: one 18 ms pause in an 8B offline run on the H200 (session 29's
-    step_breakdown), and one or two of 16-82 ms a run under the profiler (session 32)."""
+    collections to walk, each walk a pause of the engine's steps."""
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []

@@ -124,7 +124,7 @@ def pick_attention_backend(name: str, device: torch.device, reg: Plugins) -> str
     if name != "auto":
         return name
     if device.type == "cuda":
-        # flashinfer moves first once tests/test_flashinfer_attention.py passes on the H200 and
+        # flashinfer moves first once tests/test_flashinfer_attention.py passes on a GPU and
         # it measures faster than triton; it is registered even where FlashInfer is not
         # installed (an optional extra) and runs fp16/bf16 only, so check both then.
         for candidate in ("triton", "flashinfer"):
@@ -276,6 +276,7 @@ class ModelRunner(Executor):
         profiled = self.report.seconds.get("profile", 0.0)  # sizing's own part, reported apart
         self.report.seconds["kv_cache"] = time.perf_counter() - t0 - profiled
         self._start()
+
     def _prepare(self) -> None:
         """Called once the model is loaded, before the KV cache is sized."""
 
@@ -414,6 +415,3 @@ class ModelRunner(Executor):
         if top is not None and ks is not None:
             result.logprobs = top.copy_to_host().rows(ks)
         return DoneStep(result)
-
-
-

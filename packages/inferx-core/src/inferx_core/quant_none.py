@@ -10,9 +10,9 @@ from inferx_core.parallel import SINGLE, ParallelContext
 
 SPLIT_PARTS = 4
 SPLIT_MAX_ROWS = 64
-# forward_split splits only weights up to this size: on the H200 cuBLAS leaves a 3B QKV (10 MiB)
-# short of bandwidth (6.4 -> 5.4 µs split at one row) but reads an 8B one (48 MiB) as fast
-# as the split does (15.5 / 15.2 µs at one row, 16.3 / 16.5 at 64; bench_split_gemm).
+# forward_split splits only weights up to this size: cuBLAS leaves a 3B QKV (10 MiB) short of
+# bandwidth (the split is faster at one row) but reads an 8B one (48 MiB) as fast as the split
+# does (bench_split_gemm).
 SPLIT_QKV_MAX_BYTES = 16 << 20
 
 
@@ -105,9 +105,9 @@ class DenseLinear(QuantLinear):
     def forward_parts(self, x: torch.Tensor) -> torch.Tensor:
         """On a GPU, at most SPLIT_MAX_ROWS rows: SPLIT_PARTS GEMMs over slices of K in one
         batched call. cuBLAS runs the decode-sized o_proj and down_proj of 3B/8B models on too
-        few thread blocks to reach memory bandwidth (one 8 MB o_proj: 6.2 µs, 1.4 TB/s on an
-        H200) or splits K with a reduce kernel of its own; four slices take 4.9 µs, and the
-        caller's fused add + RMSNorm does the reduce (docs/BENCHMARKS.md, bench_split_gemm)."""
+        few thread blocks to reach memory bandwidth or splits K with a reduce kernel of its own;
+        four slices are faster, and the caller's fused add + RMSNorm does the reduce
+        (docs/BENCHMARKS.md, bench_split_gemm)."""
         if self.bias is not None or not self._splits(x):
             return super().forward_parts(x)
         return split_k_bmm(x, self.weight, SPLIT_PARTS)

@@ -7,8 +7,8 @@ sequences replays the smallest captured size >= n, its extra rows padding that t
 harmless. Sampling stays outside the graph, on the real rows.
 
 Steps with prompt tokens (MixedGraphRunner) are graphs too, by padded token count: launching
-their kernels one by one costs the host tens of milliseconds whatever the chunk's length,
-several times the GPU's own time for a short chunk. They return hidden states; the vocabulary
+their kernels one by one costs the host more than the GPU's own time for a short chunk,
+whatever the chunk's length. They return hidden states; the vocabulary
 projection of the sampled rows runs after the replay.
 """
 
@@ -45,9 +45,8 @@ def batch_ladder(max_batch: int) -> list[int]:
 def token_ladder(max_tokens: int) -> list[int]:
     """Token counts to capture steps with prompt tokens at, ascending: 64, 128, 192, 256, 384,
     512, 768, then every 512, and max_tokens itself. Past 64 rows the GEMMs are cuBLAS's and
-    their time grows with the rows a graph was captured at: 64 decodes and a 32-token chunk
-    cost several times the decodes alone at a 256-token rung for Llama-3.1-8B,
-    alone, hence the close rungs up to 512 (ARCHITECTURE.md's decision rows)."""
+    their time grows with the rows a graph was captured at (a few decodes and a short chunk
+    at a wide rung cost much more than the decodes alone), hence the close rungs up to 512."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
     sizes = [s for s in (64, 128, 192, 256, 384, 512, 768) if s < max_tokens]
@@ -209,7 +208,8 @@ class DecodeGraphRunner:
             table[i, : len(t)] = t
             width = max(width, len(t))
         # Only the columns some sequence of this step uses travel to the device: the whole
-        # [n, max_model_len / block_size] table is megabytes a step at long contexts. The
+        # [n, max_model_len / block_size] table was 8.4 MB a step at 256 x Llama 3.1's 128k
+        # context (the copies of a large batch's step shrink about tenfold). The
         # slice is strided, so torch stages it through pageable memory: an asynchronous H2D
         # copy from pageable memory is staged at once and does not wait for the device.
         batch = AttentionBatch(

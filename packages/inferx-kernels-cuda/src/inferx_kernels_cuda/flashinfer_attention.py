@@ -13,7 +13,6 @@ import torch
 from inferx_core.attention_torch import TorchAttention
 from inferx_core.interfaces.attention import AttentionBatch, AttentionLayer
 from inferx_core.interfaces.kv import KVLayerSpec
-from inferx_kernels_cuda.ops import env_choice
 from inferx_kernels_cuda.triton_attention import checked_graph_buffers, write_kv
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -23,15 +22,6 @@ _HEAD_DIMS = (64, 128, 256)
 _CUDA_CORE_GROUPS = (1, 2, 3, 4, 8)
 _INSTALL = "pip install 'inferx-kernels-cuda[flashinfer]' (flashinfer-python==0.6.14)"
 _PREFILL_BACKENDS = ("fa2", "fa3", "auto")
-
-
-def prefill_backend_from_env() -> str:
-    """FlashInfer's prefill module: INFERX_FLASHINFER_PREFILL, fa2 unless set (the module the
-    tensor-core decode shares); fa3, or auto (FlashInfer picks FA3 on an H100/H200), compiles
-    one more module. FA3 measured faster alone, not yet in the engine: H200, Llama-3.1-8B's
-    heads, µs a layer FA2 -> FA3 with the KV write (bench_prefill_peers.py, session 30): 16 x
-    512 173.5 -> 167.9, 1 x 2048 173.2 -> 101.3, 1 x 8192 1778 -> 1039."""
-    return env_choice("INFERX_FLASHINFER_PREFILL", "fa2", _PREFILL_BACKENDS)
 
 
 @dataclass
@@ -161,7 +151,18 @@ class FlashInferAttention(TorchAttention):
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        *,
+        prefill_backend: str = "fa2",
     ) -> None:
+        # prefill_backend: FlashInfer's prefill module, fa2 by default (the module the
+        # tensor-core decode shares); fa3, or auto (FlashInfer picks FA3 on Hopper), compiles
+        # one more module. FA3 is faster alone but not yet in the engine (the decision register
+        # in docs/ARCHITECTURE.md).
+        if prefill_backend not in _PREFILL_BACKENDS:
+            raise ValueError(
+                f"prefill_backend must be one of {', '.join(_PREFILL_BACKENDS)}; "
+                f"got {prefill_backend!r}"
+            )
         if dtype not in _DTYPES:
             raise NotImplementedError(
                 f"flashinfer attention runs float16 or bfloat16; got {dtype} (the triton and "
@@ -176,7 +177,7 @@ class FlashInferAttention(TorchAttention):
         super().__init__(layers, block_size, dtype, torch.device(device))  # + the shared checks
         fi = self._load_flashinfer()
         self._fi = fi
-        self.prefill_backend = prefill_backend_from_env()
+        self.prefill_backend = prefill_backend
         self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=self.device)
         self._shapes: list[_Shape] = []
         index: dict[tuple[int, int, int], int] = {}

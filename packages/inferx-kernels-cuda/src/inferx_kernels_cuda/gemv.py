@@ -1,7 +1,7 @@
 """Skinny GEMM for decode: y = x @ W.T + b with 1..64 rows of x, streaming each weight byte once.
 
-At batch-1 decode cuBLAS runs the small projections (QKV, o_proj: 8-10 MB of weights) at
-1.5-1.7 TB/s of an H200's ~4.3. `skinny_linear` is a split-K / wide-N Triton GEMV: a program
+At batch-1 decode cuBLAS runs the small projections (QKV, o_proj: 8-10 MB of weights) well
+short of the GPU's memory bandwidth. `skinny_linear` is a split-K / wide-N Triton GEMV: a program
 owns BLOCK_N output columns (rows of W, which is [N, K] row-major as nn.Linear keeps it) and one
 of SPLIT_K contiguous ranges of K, and reads that [BLOCK_N, K / SPLIT_K] slab of W exactly once,
 BLOCK_K columns at a time, with every row of x against it. Accumulation is fp32 either way:
@@ -28,9 +28,8 @@ are half gate rows and their up rows, and the activation runs in the epilogue (o
 reduce), so the decode step's SiLU-and-mul launch and its [M, 2I] intermediate go away.
 
 Only the gated form is wired in (TritonOps.linear_silu_and_mul, steps of 5-32 rows, hidden size
-at most 2048), where the H200 measured it faster than cuBLAS plus silu_and_mul; plain
-projections stay on cuBLAS, which this kernel does not beat (benchmarks/bench_gemv.py,
-BENCHMARKS.md sessions 6, 7 and 10).
+at most 2048), where it measured faster than cuBLAS plus silu_and_mul; plain projections
+stay on cuBLAS, which this kernel does not beat (benchmarks/bench_gemv.py, docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -14,15 +14,13 @@ from inferx_core.interfaces.ops import KernelOps, check_parts
 from inferx_core.interfaces.quant import QuantLinear
 from inferx_core.quant_none import SPLIT_PARTS
 from inferx_kernels_cuda import fused_kernels as kernels
-from inferx_kernels_cuda.gemv import MAX_ROWS, skinny_linear
+from inferx_kernels_cuda.gemv import skinny_linear
 from inferx_kernels_cuda.pdl import (
     attention_early,
     between_launch,
     in_ranges,
     norm_early,
-    row_ranges,
 )
-from inferx_kernels_cuda.tma_gemv import MAX_ROWS as TMA_MAX_ROWS
 from inferx_kernels_cuda.tma_gemv import (
     TmaGemvConfig,
     norm_config,
@@ -57,10 +55,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _norm_warps(block: int) -> int:
-    """Warps of rms_norm_kernel's one program a row. Past 1024 columns 16: on the H200 a 3B
-    norm (2048) took 2.21 -> 1.90 µs at one row and 2.40 -> 2.03 at 64 against 8 warps (steps
-    2.50 -> 2.48 ms and 2.90 -> 2.87); an 8B one (4096) 2.85 -> 2.80 and 2.96 -> 3.01, steps
-    level (BENCHMARKS.md, session 12)."""
+    """Warps of rms_norm_kernel's one program a row. Past 1024 columns 16: at batch 1 a norm is
+    one program, and more threads with fewer elements each made 3B's norm faster (8B's level)
+    than 8 warps; measured in docs/BENCHMARKS.md."""
     return 4 if block <= 1024 else 16
 
 
@@ -76,41 +73,12 @@ def _has_tma(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def env_switch(name: str, default: bool) -> bool:
-    """An on/off environment variable ("1" or "0"; unset: default), for A/B runs of a kernel
-    variant; anything else is refused with the variable's name."""
-    flag = os.environ.get(name, "1" if default else "0")
-    if flag not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1; got {flag!r}")
-    return flag == "1"
-
-
-def env_int(name: str, default: int, lo: int, hi: int) -> int:
-    """An integer lo..hi from the environment (unset: default), for A/B runs of a kernel
-    setting; anything else is refused with the variable's name."""
-    value = os.environ.get(name, str(default))
-    if not value.isdigit() or not lo <= int(value) <= hi:
-        raise ValueError(f"{name} must be an integer {lo}..{hi}; got {value!r}")
-    return int(value)
-
-
-def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
-    """One of `choices` from the environment (unset: default), for A/B runs of a kernel
-    variant; anything else is refused with the variable's name."""
-    value = os.environ.get(name, default)
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-    return value
-
-
 def fused_norm_max_rows(k: int) -> int:
     """The default row limit of the post-attention norm inside gate_up (tma_norm_linear), by the
-    hidden size k; past it the norm runs alone and gate_up as tma_gated. H200 decode steps at
-    640 tokens, limit 8 -> 1 (session 20, profile_decode, two rounds): 3B (k 2048) batch 2
-    2.200 / 2.211 -> 2.163 / 2.148 ms, 4 2.268 / 2.275 -> 2.238 / 2.251, 8 2.289 / 2.297 ->
-    2.259 / 2.271. Llama-3.1-8B (k 4096), 8 -> 1: batch 2 4.199 -> 4.205, 4 4.314 -> 4.344 (a
-    loss), 8 4.652 -> 4.563; so 4 there. At 8 rows every fused program re-reads all the rows'
-    fp32 parts and residual from L2 (~160 KB at 3B), which costs more than the norm's launch."""
+    hidden size k; past it the norm runs alone and gate_up as tma_gated. Every fused program
+    re-reads all the rows' fp32 parts and residual from L2, which past these rows costs more
+    than the norm's launch (at k 2048 from 2 rows; past 2048 a limit of 1 lost at 4 rows, so 4
+    there); measured in docs/BENCHMARKS.md."""
     return 1 if k <= 2048 else 4
 
 
@@ -118,31 +86,14 @@ def filled_slices(
     parts: int, n: int, rows: int, num_sms: int, double_rows: tuple[tuple[int, int], ...]
 ) -> int:
     """A split GEMM's K-slices: `parts`, doubled at double_rows rows where `parts` slices of n
-    output rows are fewer programs than SMs. Qwen2.5-3B's down_proj (N 2048: 128 programs in 4
-    slices, 256 in 8), H200 decode steps, ms, two rounds each, 4 -> 8 slices (session 23):
-    640 tokens, batch 4 2.226 / 2.224 -> 2.189 / 2.185, 8 2.261 / 2.260 -> 2.236 / 2.235, 16
-    2.378 / 2.376 -> 2.358 / 2.357; 128 tokens, batch 8 2.228 / 2.212 -> 2.207 / 2.207, 16
-    2.279 / 2.283 -> 2.228 / 2.235. Not at 1-2 rows (640 tokens: batch 2 2.128 / 2.121 ->
-    2.154 / 2.158) nor at 32-64 (level, 64 x 640: 2.897 / 2.900 -> 2.924 / 2.912). Llama-3.1-8B's
-    (N 4096, 256 programs in 4) lost at every row count in 8: batch 8 4.505 -> 4.622."""
+    output rows are fewer programs than SMs: Qwen2.5-3B's down_proj (N 2048: 128 programs in 4
+    slices, 256 in 8) is faster in 8 at 4-16 rows, slower at 1-2 and level at 32-64;
+    Llama-3.1-8B's (N 4096, 256 programs in 4) lost at every row count in 8. Measured in
+    docs/BENCHMARKS.md."""
     block_n = plain_config(n, parts, num_sms, rows).block_n
     if in_ranges(rows, double_rows) and triton.cdiv(n, block_n) * parts < num_sms:
         return 2 * parts
     return parts
-
-
-def gated_rows(value: str) -> tuple[int, int]:
-    """INFERX_GATED_GEMV_ROWS as the (lo, hi) rows a step takes the gated GEMV at: "LO-HI",
-    "N" (1-N) or "0" (never: an empty range)."""
-    lo, sep, hi = value.partition("-")
-    if not sep:
-        lo, hi = "1", value  # "0": (1, 0), an empty range
-    valid = lo.isdigit() and hi.isdigit() and int(lo) >= 1 and int(hi) <= MAX_ROWS
-    if not valid or (sep and int(lo) > int(hi)):
-        raise ValueError(
-            f"INFERX_GATED_GEMV_ROWS must be LO-HI, N or 0 with rows 1..{MAX_ROWS}; got {value!r}"
-        )
-    return int(lo), int(hi)
 
 
 class TritonOps(KernelOps):
@@ -155,18 +106,15 @@ class TritonOps(KernelOps):
     """
 
     def __init__(self) -> None:
+        # Each setting below is an attribute with its default, which tests and benchmarks may
+        # set on an instance; the reasons are rows of docs/ARCHITECTURE.md's decision register.
         # Steps of lo..hi rows run an unquantized gate_up and its SiLU-and-mul as one
         # skinny_linear(gated=True) launch: 5-32 (graphs pad them to 8, 16 or 32), and only
-        # where the GEMM's K (the hidden size) is at most gated_gemv_max_k. 3B decode steps on
-        # the H200, unfused -> fused: batch 8 2.600 -> 2.495 ms, 16 2.639 -> 2.546 (session 7);
-        # 24 (padded to 32) 2.652 -> 2.587, 32 2.665 -> 2.599; 64 3.211 -> 3.229, a loss
-        # (session 10). At 1 row it ties, and the FMA path of 2 and 4 rows loses (2.556 ->
-        # 2.718, 2.566 -> 3.102 ms). Llama-3.1-8B's gate_up (K 4096) gains nothing: level with
-        # cuBLAS at 8 rows in bench_gemv, 4.787 -> 4.835 ms at batch 32 in the model
-        # (BENCHMARKS.md, session 10).
+        # where the GEMM's K (the hidden size) is at most gated_gemv_max_k. It ties at 1 row,
+        # loses at 2-4 (the FMA path) and from 64, and gains nothing at larger K.
         # On a Hopper or newer GPU the TMA form (tma_gated below) takes these rows first.
-        # INFERX_GATED_GEMV_ROWS="LO-HI", "N" (1-N) or "0" (off).
-        self.gated_gemv_rows = gated_rows(os.environ.get("INFERX_GATED_GEMV_ROWS", "5-32"))
+        # (lo, hi); (1, 0) never.
+        self.gated_gemv_rows = (5, 32)
         self.gated_gemv_max_k = 2048
         self._interpret = os.environ.get("TRITON_INTERPRET") == "1"
         # Columns per program of argmax's first pass (a power of two).
@@ -175,62 +123,38 @@ class TritonOps(KernelOps):
         # a decode step's QKV as K-slice parts; gate_up whole) on tma_linear_parts instead of
         # cuBLAS / torch.bmm. Descriptors are built on the host per call, so it is meant for
         # CUDA-graph steps. tma_norm_linear: the post-attention norm inside gate_up (SiLU-and-mul
-        # after) at 1..norm_max_rows(K) rows; the input norm inside the QKV GEMM only under
-        # INFERX_TMA_NORM_QKV=1 (9.5 µs against 7.0 unfused at 3B, 20.1 against 17.4 at 8B).
-        # Both on, H200 decode steps (profile_decode, session 13), off -> on: 3B batch 1 2.502
-        # -> 2.254 ms, batch 8 2.437 -> 2.372; 8B batch 1 4.462 -> 4.119, batch 8 4.549 ->
-        # 4.317. INFERX_TMA_GEMV=0 / INFERX_TMA_NORM=0 turn them off; the row limits
-        # (INFERX_TMA_GEMV_MAX_ROWS, INFERX_TMA_NORM_MAX_ROWS) are what has been measured.
-        # tma_gemv to 64 rows (plain_config's tiles by rows), 16 -> 64 at 640 tokens (session
-        # 14): 3B batch 32 2.764 -> 2.705 ms, 64 3.169 -> 3.033; 8B batch 32 5.282 -> 5.202,
-        # 64 6.066 -> 5.981. The norm fusion past 8 rows loses (3B batch 32 2.786 -> 3.479).
-        self.tma_gemv = env_switch("INFERX_TMA_GEMV", default=True)
-        # (65-128 rows only for A/B runs: unmeasured.)
-        self.tma_gemv_max_rows = env_int("INFERX_TMA_GEMV_MAX_ROWS", 64, 0, TMA_MAX_ROWS)
+        # after) at 1..norm_max_rows(K) rows; the input norm inside the QKV GEMM only with
+        # tma_norm_qkv (slower than the norm and the GEMM apart). Both faster at decode sizes;
+        # the row limits are what has been measured (the norm fusion past 8 rows loses).
+        self.tma_gemv = True
+        # (65-128 rows unmeasured.)
+        self.tma_gemv_max_rows = 64
         # tma_gated: gate_up and SiLU-and-mul as one tma_linear_silu_and_mul launch where the
         # norm is not fused (past the norm's row limit, to tma_gemv_max_rows rows), ahead of
-        # the gated GEMV. H200 steps at 640 tokens, off -> on (session 14): 3B batch 16 2.554
-        # -> 2.524 ms, 32 2.733 -> 2.694, 64 3.063 -> 2.984; 8B batch 16 4.773 -> 4.718, 32
-        # 5.266 -> 5.203, 64 6.055 -> 5.953.
-        self.tma_gated = env_switch("INFERX_TMA_GATED", default=True)
-        self.tma_norm = env_switch("INFERX_TMA_NORM", default=True)
-        self.tma_norm_qkv = env_switch("INFERX_TMA_NORM_QKV", default=False)
-        # None: fused_norm_max_rows(K) by the model's hidden size; INFERX_TMA_NORM_MAX_ROWS sets
-        # one limit for every shape (A/B runs).
+        # the gated GEMV: faster than the GEMM and silu_and_mul apart.
+        self.tma_gated = True
+        self.tma_norm = True
+        self.tma_norm_qkv = False
+        # None: fused_norm_max_rows(K) by the model's hidden size; an int sets one limit for
+        # every shape.
         self.tma_norm_max_rows: int | None = None
-        if "INFERX_TMA_NORM_MAX_ROWS" in os.environ:
-            self.tma_norm_max_rows = env_int("INFERX_TMA_NORM_MAX_ROWS", 0, 0, MAX_ROWS)
-        # K-slices of the split TMA GEMMs (o_proj, down_proj, QKV; INFERX_TMA_PARTS, 1-8 for
-        # A/B): 4 as DenseLinear's split. H200 3B steps (session 21), ms at batch 1 / 8: 2
-        # slices 2.271 / 2.340, 4 2.068 / 2.240, 8 2.795 / 2.264 (the fused norm in gate_up
-        # re-reads every part); batch 64 at 640 tokens: 4 2.927, 8 3.009.
-        self.tma_parts = env_int("INFERX_TMA_PARTS", SPLIT_PARTS, 1, 8)
+        # K-slices of the split TMA GEMMs (o_proj, down_proj, QKV): 4 as DenseLinear's split
+        # (2 and 8 were slower).
+        self.tma_parts = SPLIT_PARTS
         # The QKV GEMM (linear_split) in half the tma_parts K-slices at these rows, at every
-        # width. H200 steps at 640 tokens, ms, 4 -> 2 slices: 3B (session 25) batch 2 2.113 ->
-        # 2.107, 4 2.212 -> 2.212, 8 2.222 -> 2.195, 16 2.337 -> 2.312, 32 2.616 -> 2.564, 64
-        # 2.892 -> 2.889, c=8 serving 3,318 / 3,312 -> 3,334 / 3,345 tok/s; 8B (session 26, two
-        # rounds) batch 8 4.476 / 4.485 -> 4.419 / 4.407, 16 4.696 / 4.696 -> 4.641 / 4.633, 32
-        # 5.171 / 5.172 -> 5.147 / 5.141, 64 5.847 / 5.848 -> 5.840 / 5.835; at 2-4 rows both
-        # within ~10 µs (3B a little faster halved, 8B a little slower). At 1 row 4 slices (3B
-        # 1.996 / 1.994 -> 1.999 / 2.000 at 128 tokens). INFERX_TMA_QKV_HALVED takes row ranges
-        # ("0" never) for A/B runs.
-        self.qkv_half_rows = row_ranges("INFERX_TMA_QKV_HALVED", "2-64")
+        # width (faster from 8 rows, level at 2-4; 4 slices at 1 row). Row ranges ((lo, hi),
+        # inclusive; () never).
+        self.qkv_half_rows: tuple[tuple[int, int], ...] = ((2, 64),)
         # down_proj (a linear_parts GEMM whose K exceeds its N; o_proj too where heads x
         # head_dim exceed the hidden size) in twice tma_parts K-slices at these rows where
-        # tma_parts slices leave SMs without a program (filled_slices).
-        # INFERX_TMA_DOWN_DOUBLE takes row ranges ("0" never) for A/B runs.
-        self.down_double_rows = row_ranges("INFERX_TMA_DOWN_DOUBLE", "4-16")
+        # tma_parts slices leave SMs without a program (filled_slices). Row ranges.
+        self.down_double_rows: tuple[tuple[int, int], ...] = ((4, 16),)
         # Not for o_proj (K at most N), though 3B's is 128 programs in 4 slices too: at 4-16
-        # rows in 8 it lost (session 24, 3B steps, ms, two rounds, 4 -> 8 slices: 128 tokens
-        # batch 8 2.189 / 2.202 -> 2.220 / 2.216, 16 2.223 / 2.221 -> 2.243 / 2.246; 640 tokens
-        # batch 8 2.236 / 2.242 -> 2.265 / 2.255; c=8 serving level or lower).
+        # rows in 8 it lost.
         # embed_triton: the embedding lookup as embedding_kernel (BLOCK columns a program)
-        # instead of F.embedding, whose index_select ran 1.9 / 6.9 µs at 1 / 8 ids in the 3B
-        # graph. H200 3B steps at 640 tokens, ms, two rounds, off -> on (session 23): batch 8
-        # 2.267 / 2.261 -> 2.247 / 2.251, 16 2.379 / 2.375 -> 2.361 / 2.358; batch 1 and 64
-        # level (2.091 / 2.088 -> 2.094 / 2.085; 2.929 / 2.921 -> 2.916 / 2.922). weight[ids]
-        # (the index kernel) had been level (session 16). INFERX_EMBED_TRITON=0 for A/B.
-        self.embed_triton = env_switch("INFERX_EMBED_TRITON", default=True)
+        # instead of F.embedding, whose index_select was slower in the decode graph
+        # (weight[ids], the index kernel, was level).
+        self.embed_triton = True
 
     def embedding(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if not (
@@ -442,7 +366,7 @@ class TritonOps(KernelOps):
             n, k = linear.dense_weight().shape
             if k > n and self.down_double_rows:
                 parts = filled_slices(parts, n, x.shape[0], self._sms(x), self.down_double_rows)
-            # where INFERX_PDL_NORM takes the rows, the norm after it launches early
+            # where pdl.NORM_ROWS takes the rows, the norm after it launches early
             return self._tma(x, linear.dense_weight(), parts, norm_early(x.device, x.shape[0]))
         return linear.forward_parts(x)
 
@@ -450,8 +374,8 @@ class TritonOps(KernelOps):
         """Whether tma_reduce_linear combines these splits inside this layer's GEMM: an
         unquantized layer without bias on the TMA path, at up to MAX_REDUCE_ROWS rows, each of
         its tma_parts K-slices narrow enough to load whole before the wait (Qwen2.5-3B's
-        o_proj; not Llama-3.1-8B's: at 8 slices, narrow enough, its batch-1 step went 4.147 ->
-        5.520 ms on the H200, session 17)."""
+        o_proj; not Llama-3.1-8B's: at 8 slices, narrow enough, its batch-1 step was much
+        slower)."""
         return (
             self.tma_gemv
             and _dense(linear)
@@ -467,7 +391,7 @@ class TritonOps(KernelOps):
         self, linear: torch.nn.Module, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._takes_tma(linear, x):
-            # The QKV GEMM of a decode-only step: where INFERX_PDL_ATTENTION takes the rows it
+            # The QKV GEMM of a decode-only step: where pdl.ATTENTION_ROWS takes the rows it
             # lets the decode kernel launch early (inferx_kernels_cuda.pdl).
             trigger = attention_early(x.device, x.shape[0])
             parts = self.tma_parts
@@ -479,8 +403,8 @@ class TritonOps(KernelOps):
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Two launches: each row's maximum and first index per segment of argmax_segment
         columns, then per row the first segment holding the row's maximum. torch's argmax runs
-        one block of threads a row: 8.4 µs at 1 row and 21.7 at 64 of Qwen2.5's 151,936 bf16
-        logits, 26.5 at 1 row of Llama 3's 128,256 on the H200 (bench_argmax, session 10).
+        one block of threads a row, several times slower at a 128-152k vocabulary
+        (bench_argmax).
         NaN logits give an unspecified token (torch's would be the NaN's)."""
         if x.dim() != 2:
             raise ValueError(f"argmax: logits must be [rows, vocab], got {tuple(x.shape)}")

@@ -1,14 +1,13 @@
 """A decode GEMM that reads its weight through Hopper's tensor memory accelerator (TMA).
 
-Session 12 (BENCHMARKS.md) found the limit of the Triton GEMVs here: with pointer loads,
-Triton pipelines the weight through cp.async, every thread issuing its share of each tile, and
-the tiles of a small-M product came in at 3.1-3.7 TB/s where cuBLAS (TMA and warp-specialised
-loads) reads at 3.4-4.1. Every fusion that needs our own GEMV (the MLP in one launch, the norm
-folded in) lost that way. `tma_linear_parts` is the same product with the weight and x read
-through tensor descriptors: one thread issues each tile's bulk copy, the hardware zero-fills
-what lies past the tensor's edges (no masks), and Triton pipelines the copies num_stages deep.
-On the H200 that reads the decode projections 0.4-1.3 µs faster each than cuBLAS or the split
-bmm (session 13), and it makes a fusion pay: `tma_norm_linear` (below) runs the norm before
+The Triton GEMVs with pointer loads hit a limit: Triton pipelines the weight through cp.async,
+every thread issuing its share of each tile, and the tiles of a small-M product came in slower
+than cuBLAS (TMA and warp-specialised loads) reads them. Every fusion that needs our own GEMV
+(the MLP in one launch, the norm folded in) lost that way. `tma_linear_parts` is the same
+product with the weight and x read through tensor descriptors: one thread issues each tile's
+bulk copy, the hardware zero-fills what lies past the tensor's edges (no masks), and Triton
+pipelines the copies num_stages deep. That reads the decode projections faster than cuBLAS or
+the split bmm, and it makes a fusion pay: `tma_norm_linear` (below) runs the norm before
 gate_up, gate_up and SiLU-and-mul in one launch. TritonOps runs both by default at decode sizes
 (linear_parts / linear_split / linear_silu_and_mul / rms_norm_linear_silu_and_mul).
 
@@ -250,7 +249,7 @@ class TmaNormConfig(TmaGemvConfig):
     """TmaGemvConfig plus how a program gets its own split's x columns: select_own takes them
     out of the all-splits tile it loads for the squares, else it loads them again (from L2).
     (A third knob, loading the next K step's x tiles by hand before this step's products, was
-    never the fastest: session 13, e4a1cb8.)"""
+    never the fastest: e4a1cb8.)"""
 
     select_own: bool = False
 
@@ -374,8 +373,8 @@ def tma_norm_gemv_kernel(
 
 
 def norm_config(rows: int, parts: int, gated: bool) -> TmaNormConfig:
-    """tma_norm_linear's tiles for `rows` rows, the fastest of bench_tma_gemv.py --norm on the
-    H200 (BENCHMARKS.md, session 13). Gated (gate_up, one split): 64 x 128 tiles 3 deep at up
+    """tma_norm_linear's tiles for `rows` rows, the fastest of bench_tma_gemv.py --norm
+    (docs/BENCHMARKS.md). Gated (gate_up, one split): 64 x 128 tiles 3 deep at up
     to 4 rows, 64 x 64 4 deep past that; x from the all-splits tile (select_own).
     Otherwise (K-split parts: QKV) every program holds each tile's columns in all `parts`
     splits of every part and the residual, num_stages deep, so K narrows as rows * parts grow
@@ -396,9 +395,7 @@ def plain_config(
     the deepest pipeline (up to 4 stages, 128 K columns a tile, else 64) that keeps every
     program resident at once, each SM's shared memory split between the programs it must hold.
     64-row weight tiles, 128 for a whole gate_up at up to 16 rows of x. From bench_tma_gemv.py
-    on the H200 (BENCHMARKS.md, sessions 13-14): a second wave costs more than a shallower
-    pipeline (8B's QKV, 384 programs, 15.07 µs 4 deep, 13.85 3 deep; 3B's QKV at 64 rows,
-    160 programs of 128 KB, 7.19 µs against 5.64 at 64 K columns 6 deep)."""
+    (docs/BENCHMARKS.md): a second wave of programs costs more than a shallower pipeline."""
     block_m = max(16, triton.next_power_of_2(rows))
     block_n = 128 if parts == 1 and block_m == 16 and not gated else 64
     tile_rows = (2 if gated else 1) * block_n + block_m  # weight and x rows a stage holds
@@ -474,11 +471,11 @@ def tma_norm_linear(
 # and their log2-sum-exp2s (a SplitAttention), and decode_reduce_kernel combines them before
 # o_proj reads the heads. tma_reduce_linear does that combine in o_proj's x tiles instead: a
 # K-slice of o_proj is a whole number of heads, so each program combines the splits of its own
-# heads (a few KB from L2). Alone that is level with reduce + GEMM (H200, session 15). What it
+# heads (a few KB from L2). Alone that is level with reduce + GEMM. What it
 # buys is adjacency: o_proj then follows the decode kernel, which lets it launch early (PDL),
 # and with `whole` each program loads its whole weight slice (one TMA copy of BLOCK_N rows x
 # the slice's heads) before it waits. At a few rows the decode kernel runs on a handful of SMs
-# for several µs; o_proj's weight arrives on the others meanwhile, and after the wait only the
+# for a while; o_proj's weight arrives on the others meanwhile, and after the wait only the
 # combine, the product from shared memory and the store are left.
 
 # Rows tma_reduce_linear takes: its x tiles are built in registers (rows x a slice's heads x

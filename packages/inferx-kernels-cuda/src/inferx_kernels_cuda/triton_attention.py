@@ -15,8 +15,8 @@ from inferx_core.batch import pack_aligned, to_device
 from inferx_core.interfaces.attention import AttentionBatch, AttentionLayer, SplitAttention
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda import triton_kernels as kernels
-from inferx_kernels_cuda.ops import _ROTARY_TILE, _has_tma, env_int, env_switch
-from inferx_kernels_cuda.pdl import attention_early, between_launch, in_ranges, row_ranges
+from inferx_kernels_cuda.ops import _ROTARY_TILE, _has_tma
+from inferx_kernels_cuda.pdl import attention_early, between_launch, in_ranges
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -58,25 +58,6 @@ class DenseConfig(NamedTuple):
         if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
             raise ValueError(f"a dense prefill config is BMxBNxWARPSxSTAGES; got {text!r}")
         return cls(*(int(p) for p in parts))
-
-
-def dense_configs_from_env(default: str) -> list[tuple[int, DenseConfig]]:
-    """INFERX_TRITON_DENSE_CONFIGS (unset: default): "TOKENS:CONFIG,...", each config taken by
-    steps whose longest fresh prompt has at least TOKENS tokens (the first must be 0)."""
-    name = "INFERX_TRITON_DENSE_CONFIGS"
-    text = os.environ.get(name, default)
-    ladder = []
-    for item in text.split(","):
-        tokens, _, config = item.partition(":")
-        if not tokens.isdigit():
-            raise ValueError(f"{name}: each entry is TOKENS:BMxBNxWARPSxSTAGES; got {item!r}")
-        try:
-            ladder.append((int(tokens), DenseConfig.parse(config)))
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
-    if ladder[0][0] != 0 or any(a[0] >= b[0] for a, b in zip(ladder, ladder[1:], strict=False)):
-        raise ValueError(f"{name}: thresholds must rise from 0; got {text!r}")
-    return ladder
 
 
 @dataclass
@@ -199,9 +180,9 @@ class TritonAttention(TorchAttention):
 
     min_split_len: fewest context tokens per split. target_programs: decode programs to aim
     for (default: twice the GPU's SM count); splitting stops there. The default of one 64-token
-    tile per split is what measured fastest on an H200 at batch 1-64: each tile iteration of
-    the decode loop costs ~2 us of dependent-load latency there, so short programs in parallel
-    beat long ones even after the reduce launch. Tile sizes and launch options are attributes
+    tile per split is what measured fastest at batch 1-64: each tile iteration of the decode
+    loop is mostly dependent-load latency, so short programs in parallel beat long ones even
+    after the reduce launch. Tile sizes and launch options are attributes
     so that tests and tuning can change them.
     """
 
@@ -239,9 +220,7 @@ class TritonAttention(TorchAttention):
             target_programs = 1
             if torch.device(device).type == "cuda":
                 props = torch.cuda.get_device_properties(device)
-                # INFERX_TRITON_DECODE_TARGET_X: programs an SM to aim for, for A/B runs.
-                per_sm = env_int("INFERX_TRITON_DECODE_TARGET_X", 2, 1, 8)
-                target_programs = per_sm * props.multi_processor_count
+                target_programs = 2 * props.multi_processor_count
         self.target_programs = target_programs
         # Under the interpreter, small tiles keep numpy's work down and still exercise loops
         # of several tiles on short test contexts.
@@ -253,74 +232,59 @@ class TritonAttention(TorchAttention):
         self.decode_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
         self.reduce_launch: dict[str, int] = {"num_warps": 4}  # Triton's default
         # Query heads per decode_reduce_kernel program (a power of two): more, fewer programs
-        # (batch 64 launches 1024 of them at one head for 1.5 MB). Capped by _reduce_heads. 2:
-        # a 3B layer's decode at 64 x 640 tokens 22.2 -> 20.0 µs on the H200, no loss at
-        # batch 1 or 8 (tune_decode_attention, BENCHMARKS.md session 7).
+        # (batch 64 launches 1024 of them at one head for 1.5 MB). Capped by _reduce_heads. 2
+        # is faster at batch 64 and no loss at batch 1 or 8 (tune_decode_attention).
         self.reduce_heads = 2
         self.prefill_launch: dict[str, int] = {"num_warps": 4, "num_stages": 1}
         # ... and for layers whose GQA group is at most 4: their K/V tiles pipelined 2 deep
-        # (Triton's num_stages). H200, Llama-3.1-8B's heads (32 / 8, group 4), µs a layer:
-        # 1 x 2048 tokens 174.7 -> 146.7, 1 x 8192 1946 -> 1598, 16 x 512 level; at the 3B's
-        # group of 8, 2 stages lost 12% at 16 x 512 (tune_prefill_attention.py, BENCHMARKS.md
-        # session 16). Groups 1-2 were not measured.
+        # (Triton's num_stages): faster for Llama-3.1-8B's heads (group 4) at long prompts,
+        # slower at the 3B's group of 8 (tune_prefill_attention.py). Groups 1-2 were not
+        # measured.
         self.prefill_launch_small_group: dict[str, int] = {"num_warps": 4, "num_stages": 2}
         # decode_rotary: decode-only steps rotate q and k and write the new k/v inside the
-        # decode kernel (ROTARY) instead of a rotary_kv_write_kernel launch before it; 2%
-        # faster a 3B step on the H200 (BENCHMARKS.md, session 6). INFERX_TRITON_DECODE_ROTARY=0
-        # turns it off for A/B runs.
-        self.decode_rotary = env_switch("INFERX_TRITON_DECODE_ROTARY", default=True)
+        # decode kernel (ROTARY) instead of a rotary_kv_write_kernel launch before it (a
+        # launch fewer a layer, a faster step).
+        self.decode_rotary = True
         # qkv_parts: in those steps the model hands q, k and v as the QKV GEMM's K-split partial
         # results (QuantLinear.forward_split: thinner GEMMs that read the weight faster) and the
-        # decode kernel sums them with the bias. H200, 3B: step 2.530 -> 2.498 ms at batch 1,
-        # 3.235 -> 3.217 at 64 x 640 (BENCHMARKS.md, session 11). INFERX_TRITON_QKV_PARTS=0
-        # turns it off for A/B runs.
-        self.qkv_parts = env_switch("INFERX_TRITON_QKV_PARTS", default=True)
+        # decode kernel sums them with the bias.
+        self.qkv_parts = True
         # keep_split_rows: decode-only steps of these many rows whose context is split leave
         # the combine of the splits to o_proj (forward_with_rotary(keep_splits=True) returns a
         # SplitAttention; TritonOps runs tma_reduce_linear, its weight slice loaded while the
-        # decode kernel runs). H200, 3B steps, ms at 128 / 640 tokens, off -> on (session 17):
-        # batch 1 2.271 -> 2.166 / 2.269 -> 2.182, 2 2.323 -> 2.227 / 2.321 -> 2.260, 4 2.343
-        # -> 2.268 / 2.352 -> 2.339, 8 2.386 -> 2.406 / 2.433 -> 2.569. INFERX_TRITON_KEEP_SPLITS
-        # takes row ranges ("0" none, "1" all) for A/B runs.
-        self.keep_split_rows = row_ranges("INFERX_TRITON_KEEP_SPLITS", "1-4")
+        # decode kernel runs): faster at 1-4 rows, slower at 8. Row ranges ((lo, hi),
+        # inclusive; () none).
+        self.keep_split_rows: tuple[tuple[int, int], ...] = ((1, 4),)
         # preload_rows: at these rows, where the decode kernel launches early behind the QKV
         # GEMV (EARLY) and rotates itself, each program loads its split's first K/V tile before
-        # its wait as well (PRELOAD). The tile's registers double the program's (126 -> 255 at
-        # 3B's heads), so it pays only while one program an SM is enough. H200, 3B steps, ms
-        # at 128 / 640 tokens, off -> on (session 25): batch 1 2.039 -> 1.991 / 2.056 ->
-        # 2.009; 2-4 level; 8 2.172 -> 2.248 / 2.203 -> 2.289 (272 programs, two an SM fit),
-        # 16-48 slower. INFERX_TRITON_DECODE_PRELOAD takes row ranges ("0" none) for A/B runs.
-        self.preload_rows = row_ranges("INFERX_TRITON_DECODE_PRELOAD", "1-1")
+        # its wait as well (PRELOAD). The tile's registers double the program's, so it pays
+        # only while one program an SM is enough: faster at 1 row, level at 2-4, slower from 8.
+        # Row ranges.
+        self.preload_rows: tuple[tuple[int, int], ...] = ((1, 1),)
         # dense_prefill: in eager steps, fresh prompts (no cached prefix) attend through
         # dense_prefill_kernel, over the step's own q, k (rotated in place) and v read by TMA,
         # instead of prefill_kernel over the paged cache; chunks over a cached prefix stay on
         # the latter. It needs GQA groups that are powers of two and a TMA GPU (or the
-        # interpreter). H200, µs a layer with the KV write, prefill_kernel -> dense at the
-        # ladder's config (session 31, bench_prefill_peers): 8B heads (group 4) 16 x 512
-        # 201.8 -> 148.6, 1 x 2048 145.5 -> 116.4, 4 x 2048 479 -> 312, 1 x 8192 1,609 -> 984;
-        # 3B heads (group 8) 99.6 -> 93.4, 104.9 -> 126.2, 253.5 -> 156.7, 873 -> 493. In the
-        # engine: 8B offline +0.5-1.2% and 8192-token TTFT -8%; 3B offline +0.3-2.6% (session
-        # 32, three alternated rounds; session 31's -2.4% did not come back) and 8192-token
-        # TTFT -12%. INFERX_TRITON_DENSE_PREFILL=0 turns it off for A/B runs.
+        # interpreter). Faster prompt steps and TTFT (bench_prefill_peers and the engine; the
+        # decision register in docs/ARCHITECTURE.md).
         groups = {s.num_q_heads // s.num_kv_heads for s in layers}
         tma = self.interpret or (torch.device(device).type == "cuda" and _has_tma(device))
-        self.dense_prefill = (
-            env_switch("INFERX_TRITON_DENSE_PREFILL", default=True)
-            and tma
-            and all(g & (g - 1) == 0 for g in groups)
-        )
+        self.dense_prefill = tma and all(g & (g - 1) == 0 for g in groups)
         # dense_configs: the kernel's config by the step's longest fresh prompt (at least
-        # that many tokens; session 31's sweep of 11 configs: three stages pay from 2048
-        # tokens, and at 16 x 512 for groups up to 4 only), INFERX_TRITON_DENSE_CONFIGS for
-        # A/B runs.
+        # that many tokens; from a sweep of configs: three stages pay from 2048 tokens, and at
+        # 16 x 512 for groups up to 4 only).
         wide = max(groups) >= 8
         ladder = (
-            "0:64x64x4x2,2048:64x32x4x3,8192:128x128x8x3"
+            [
+                (0, DenseConfig(64, 64, 4, 2)),
+                (2048, DenseConfig(64, 32, 4, 3)),
+                (8192, DenseConfig(128, 128, 8, 3)),
+            ]
             if wide
-            else "0:64x64x4x3,8192:128x128x8x3"
+            else [(0, DenseConfig(64, 64, 4, 3)), (8192, DenseConfig(128, 128, 8, 3))]
         )
-        self.dense_configs = (
-            [(0, DenseConfig(16, 16, 4, 1))] if small else dense_configs_from_env(ladder)
+        self.dense_configs: list[tuple[int, DenseConfig]] = (
+            [(0, DenseConfig(16, 16, 4, 1))] if small else ladder
         )
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         self._upcast = self.interpret and dtype == torch.bfloat16
@@ -557,9 +521,8 @@ class TritonAttention(TorchAttention):
     # one-query sequences (decodes), each split over _mixed_splits(t) programs as a decode
     # graph splits its rows (SEQ_SPLIT). Unused tiles, slots and padding tokens point at the
     # sequence row after the step's last, which has no queries and no context. The decode
-    # kernel, not 16-row prefill tiles, runs the decodes: on the H200, 3B's 64 decodes at 640
-    # tokens beside a 64-token chunk took 1.35 ms of attention a step in prefill tiles against
-    # 0.78 for a decode-only step (BENCHMARKS.md session 35).
+    # kernel, not 16-row prefill tiles, runs the decodes: decodes in prefill tiles took much
+    # longer than in a decode-only step (measured in docs/BENCHMARKS.md).
 
     def init_mixed_graph_buffers(
         self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int
@@ -793,18 +756,18 @@ class TritonAttention(TorchAttention):
 
     def _pdl(self, plan: _Plan, spec: KVLayerSpec) -> dict[str, Any]:
         """The decode kernel and the reduce let the kernel after them launch early (o_proj's
-        GEMV, or the reduce under INFERX_PDL_ALL), when that one launches with PDL
+        GEMV, or the reduce at pdl.ALL_ROWS), when that one launches with PDL
         (inferx_kernels_cuda.pdl). Only the CUDA-graph plans of decode-only steps (seq_split)
         take the per-row choices, which were measured there. In a step with prompt tokens
         (eager past the mixed graphs' sizes) the prefill kernel comes next, and a variant by
-        its decode count compiled mid-run (3B offline 24.3k -> 19.4k tok/s on the H200, session
-        17); eager decode-only steps (no graphs, or past their sizes) would compile variants of
-        their own at start-up's warm-up."""
+        its decode count compiled mid-run (a large loss offline); eager decode-only steps (no
+        graphs, or past their sizes) would compile variants of their own at start-up's
+        warm-up."""
         width = spec.num_q_heads * spec.head_dim
         return between_launch(torch.device(self.device), _graph_decode_rows(plan), width)
 
     def _decode_pdl(self, plan: _Plan, spec: KVLayerSpec) -> dict[str, Any]:
-        """The decode kernel's PDL arguments: _pdl's, or where INFERX_PDL_ATTENTION takes a
+        """The decode kernel's PDL arguments: _pdl's, or where pdl.ATTENTION_ROWS takes a
         CUDA-graph decode-only step's rows (the QKV GEMV then triggers) a PDL launch that loads
         the step's metadata before its wait (EARLY)."""
         if attention_early(torch.device(self.device), _graph_decode_rows(plan)):

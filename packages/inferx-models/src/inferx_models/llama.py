@@ -112,8 +112,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         hidden, _, _, head_dim = _dims(cfg)
         # Left uninitialised (the checkpoint fills it). Not skip_init: nn.Embedding's init on the
-        # meta device goes through a torch decomposition that imports torch._dynamo, 1.2-1.3 s
-        # of every start-up.
+        # meta device goes through a torch decomposition that imports torch._dynamo, a cost to
+        # every start-up.
         weight = torch.empty(cfg["vocab_size"], hidden, dtype=ctx.dtype, device=ctx.device)
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], hidden, _weight=weight, _freeze=True)
         rotary = RotaryEmbedding(

@@ -164,7 +164,7 @@ async def _encode(
     """Token ids of texts. Long ones are encoded in one encode_batch call on a worker thread,
     which tokenizers runs outside the GIL: the event loop keeps streaming meanwhile, and the
     prompts of a burst of requests are encoded on several cores at once instead of one after
-    another on the loop (64 prompts of 512 tokens: ~100 ms of the loop on the CPU VM)."""
+    another on the loop (a burst's prompts would otherwise hold the loop for long)."""
     tok = srv.tokenizer
     if sum(map(len, texts)) < _OFF_LOOP_CHARS or not hasattr(tok, "encode_batch"):
         return [tok.encode(t, add_special_tokens=add_special_tokens) for t in texts]
