@@ -4,9 +4,15 @@ every faster MoE kernel is tested against; it runs on the CPU."""
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
-from inferx_core.interfaces.moe import RouterSpec
+import torch
+import torch.nn.functional as F
+
+from inferx_core.interfaces.model import BuildContext
+from inferx_core.interfaces.moe import ExpertsSpec, QuantExperts, RouterSpec
+from inferx_core.interfaces.quant import LinearSpec
+from inferx_core.parallel import SINGLE, ParallelContext
 
 
 def route(
@@ -38,3 +44,219 @@ def route(
     if spec.scaling != 1.0:
         weights = weights * spec.scaling
     return weights, ids
+
+
+def activate(h: torch.Tensor, spec: ExpertsSpec) -> torch.Tensor:
+    """An expert's gate_up output [N, 2I] (in the activation's layout) -> [N, I]."""
+    if spec.activation == "silu":
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    gate = h[..., 0::2].clamp(max=spec.limit)
+    up = h[..., 1::2].clamp(min=-spec.limit, max=spec.limit)
+    return gate * torch.sigmoid(spec.alpha * gate) * (up + 1)
+
+
+def expert_mlp(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
+    down: torch.Tensor,
+    down_bias: torch.Tensor | None,
+    spec: ExpertsSpec,
+) -> torch.Tensor:
+    """One expert on its tokens: x [N, H] -> down(activate(gate_up(x))) [N, H]."""
+    return F.linear(activate(F.linear(x, gate_up, gate_up_bias), spec), down, down_bias)
+
+
+def run_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * expert(topk_ids[t, j], x[t]), looping over the experts that
+    have tokens; expert(e, rows [N, H]) -> [N, H]. The weighted sum is kept in float32 (or x's
+    wider dtype) and cast to x's dtype once, so the order experts are added in barely matters.
+    Reads the per-expert counts on the host (one sync): not for CUDA graphs."""
+    t, k = topk_ids.shape
+    flat = topk_ids.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    tokens = order // k
+    acc = torch.promote_types(x.dtype, torch.float32)
+    weights = topk_weights.flatten()[order].to(acc).unsqueeze(1)
+    out = torch.zeros(t, x.shape[1], dtype=acc, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            rows = tokens[start : start + n]
+            y = expert(e, x.index_select(0, rows))
+            out.index_add_(0, rows, y.to(acc) * weights[start : start + n])
+        start += n
+    return out.to(x.dtype)
+
+
+# An expert's projections, as its checkpoint names them ("{e}.gate_proj.weight").
+_PARTS = ("gate", "up", "down")
+
+
+class UnquantizedExperts(QuantExperts):
+    """A MoE layer's routed experts in the serving dtype, stacked: gate_up [E, 2n, H] in the
+    activation's layout ("silu": gate rows then up rows; "swiglu_oai": interleaved) and down
+    [E, H, n], with optional biases [E, 2n] / [E, H]; n is this rank's share of the
+    intermediate size.
+
+    load() takes weights as [out, in] (a linear layer's layout), per expert (expert=e) or
+    stacked (expert=None, a leading [E] dimension), by kind: "gate.weight", "up.weight",
+    "down.weight", "gate_up.weight" (gate and up in the activation's layout) and the same with
+    ".bias". Checkpoints that store experts as [in, out] (gpt-oss: gate_up_proj [E, H, 2I],
+    down_proj [E, I, H]) are passed as transposed views: tensor.transpose(-1, -2). Each rank
+    keeps the same slice of every expert's gate and up rows and down columns; the down bias
+    lives on rank 0 only, so the all-reduce adds it once.
+    """
+
+    def __init__(
+        self,
+        spec: ExpertsSpec,
+        dtype: torch.dtype,
+        device: torch.device,
+        parallel: ParallelContext = SINGLE,
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.parallel = parallel
+        e, h = spec.num_experts, spec.hidden_size
+        self.start, n = parallel.shard(spec.intermediate_size, f"{spec.prefix}'s intermediate size")
+        self.n = n
+
+        def param(*shape: int) -> torch.nn.Parameter:
+            return torch.nn.Parameter(
+                torch.empty(*shape, dtype=dtype, device=device), requires_grad=False
+            )
+
+        self.gate_up = param(e, 2 * n, h)
+        self.down = param(e, h, n)
+        self.gate_up_bias = param(e, 2 * n) if spec.bias else None
+        self.down_bias = param(e, h) if spec.bias and parallel.rank == 0 else None
+        self._loaded: dict[str, set[int]] = {}
+
+    def load(self, kind: str, tensor: torch.Tensor, expert: int | None = None) -> None:
+        part, _, what = kind.partition(".")
+        if part not in (*_PARTS, "gate_up") or what not in ("weight", "bias"):
+            raise ValueError(f"{self.spec.prefix}: unquantized experts have no {kind!r} tensor")
+        if what == "bias" and not self.spec.bias:
+            raise ValueError(f"{self.spec.prefix}: the experts have no biases ({kind!r})")
+        spec = self.spec
+        if expert is None:
+            experts = range(spec.num_experts)
+        else:
+            if not 0 <= expert < spec.num_experts:
+                raise ValueError(f"{spec.prefix}: no expert {expert} ({spec.num_experts} experts)")
+            experts = range(expert, expert + 1)
+            tensor = tensor.unsqueeze(0)
+        inter = spec.intermediate_size
+        rows = {"gate_up": 2 * inter, "down": spec.hidden_size}.get(part, inter)
+        cols = inter if part == "down" else spec.hidden_size
+        expected = (len(experts), rows, cols) if what == "weight" else (len(experts), rows)
+        if tuple(tensor.shape) != expected:
+            lead = 0 if expert is None else 1  # a per-expert tensor's shape without the [1]
+            raise ValueError(
+                f"{spec.prefix}: {kind} of expert {'all' if expert is None else expert} has "
+                f"shape {tuple(tensor.shape)[lead:]}, expected {expected[lead:]}"
+            )
+        index = slice(experts.start, experts.stop)
+        if part == "gate_up":
+            if spec.activation == "silu":
+                gate, up = tensor.split(inter, 1)
+            else:
+                gate, up = tensor[:, 0::2], tensor[:, 1::2]
+            self._copy("gate", what, gate, index)
+            self._copy("up", what, up, index)
+            parts: tuple[str, ...] = ("gate", "up")
+        else:
+            self._copy(part, what, tensor, index)
+            parts = (part,)
+        for p in parts:
+            self._loaded.setdefault(f"{p}.{what}", set()).update(experts)
+
+    def _copy(self, part: str, what: str, tensor: torch.Tensor, index: slice) -> None:
+        """Copy this rank's share of whole gate / up / down tensors [E', ...] to experts index."""
+        if part == "down":
+            if what == "weight":
+                self.down.data[index].copy_(tensor.narrow(2, self.start, self.n))
+            elif self.down_bias is not None:  # rank 0's
+                self.down_bias.data[index].copy_(tensor)
+            return
+        dest = (self.gate_up if what == "weight" else self.gate_up_bias).data[index]
+        n = self.n
+        if self.spec.activation == "silu":
+            dest = dest[:, :n] if part == "gate" else dest[:, n:]
+        else:
+            dest = dest[:, 0::2] if part == "gate" else dest[:, 1::2]
+        dest.copy_(tensor.narrow(1, self.start, n))
+
+    def finish_loading(self) -> None:
+        whats = ("weight", "bias") if self.spec.bias else ("weight",)
+        for e in range(self.spec.num_experts):
+            for what in whats:
+                for part in _PARTS:
+                    if e not in self._loaded.get(f"{part}.{what}", ()):
+                        raise ValueError(
+                            f"checkpoint lacks {self.spec.prefix}.{e}.{part}_proj.{what}"
+                        )
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        b13 = None if self.gate_up_bias is None else self.gate_up_bias[e]
+        b2 = None if self.down_bias is None else self.down_bias[e]
+        return expert_mlp(x, self.gate_up[e], b13, self.down[e], b2, self.spec)
+
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return run_experts(x, topk_weights, topk_ids, self.spec.num_experts, self._expert)
+
+
+class FusedMoE(torch.nn.Module):
+    """A MoE layer: router, routed experts and optional shared experts, x [T, H] -> [T, H].
+
+    The router ("{prefix}.gate") is a replicated linear layer from ctx.quant like any other, so
+    the scheme decides whether it is quantized (schemes usually leave routers alone: a flipped
+    choice of expert changes a token's whole output). Its selection bias (RouterSpec's, float32)
+    is the parameter `selection_bias`. The experts come from ctx.quant.experts; routing from
+    ctx.ops.route_experts, which a kernel package may fuse. `shared` (x -> [T, H]) returns this
+    rank's partial sum like the experts do: the layer adds them and all-reduces once.
+    """
+
+    def __init__(
+        self,
+        ctx: BuildContext,
+        prefix: str,
+        hidden: int,
+        router: RouterSpec,
+        experts: ExpertsSpec,
+        router_bias: bool = False,
+        shared: torch.nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.router = router
+        gate = LinearSpec(f"{prefix}.gate", hidden, (router.num_experts,), router_bias)
+        self.gate = ctx.quant.linear(gate, ctx.dtype, ctx.device, ctx.parallel)
+        self.selection_bias = None
+        if router.selection_bias:
+            self.selection_bias = torch.nn.Parameter(
+                torch.zeros(router.num_experts, device=ctx.device), requires_grad=False
+            )
+        self.experts = ctx.quant.experts(experts, ctx.dtype, ctx.device, ctx.parallel)
+        self.shared = shared
+        self.ops = ctx.ops
+        self.parallel = ctx.parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.ops.route_experts(self.gate(x), self.router, self.selection_bias)
+        out = self.experts(x, weights, ids)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        if self.parallel.world_size > 1:
+            out = self.parallel.all_reduce(out)
+        return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from inferx_core.interfaces.moe import ExpertsSpec, QuantExperts
 from inferx_core.interfaces.quant import LinearSpec, QuantLinear, QuantScheme
 from inferx_core.parallel import SINGLE, ParallelContext
 
@@ -141,3 +142,14 @@ class Unquantized(QuantScheme):
         parallel: ParallelContext = SINGLE,
     ) -> QuantLinear:
         return DenseLinear(spec, dtype, device, parallel)
+
+    def experts(
+        self,
+        spec: ExpertsSpec,
+        dtype: torch.dtype,
+        device: torch.device,
+        parallel: ParallelContext = SINGLE,
+    ) -> QuantExperts:
+        from inferx_core.moe import UnquantizedExperts
+
+        return UnquantizedExperts(spec, dtype, device, parallel)

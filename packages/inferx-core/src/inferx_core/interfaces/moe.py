@@ -88,7 +88,9 @@ class QuantExperts(torch.nn.Module, ABC):
         """Copy one checkpoint tensor. kind: "gate_up", "gate", "up" or "down" followed by
         ".weight" / ".bias" or a scheme's own suffix (".blocks", ".scales", ...); expert: the
         expert's index for a per-expert tensor, None for one stacked over all experts
-        ([num_experts, ...]). "gate_up" is stacked in the activation's layout."""
+        ([num_experts, ...]). "gate_up" is stacked in the activation's layout. Weights are
+        [out, in] like a linear layer's: a model whose checkpoint stores them [in, out]
+        (gpt-oss's gate_up_proj / down_proj) passes tensor.transpose(-1, -2)."""
 
     def finish_loading(self) -> None:
         """Called once every tensor is loaded; raise ValueError naming a missing tensor."""

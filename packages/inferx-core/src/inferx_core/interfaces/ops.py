@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from inferx_core.interfaces.attention import SplitAttention
+from inferx_core.interfaces.moe import RouterSpec
 
 
 class KernelOps(ABC):
@@ -92,6 +93,15 @@ class KernelOps(ABC):
         the first index among equal maxima. A kernel package may reduce a row in more programs
         than torch's one block of threads a row."""
         return x.argmax(dim=1)
+
+    def route_experts(
+        self, logits: torch.Tensor, spec: RouterSpec, selection_bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A MoE router's logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k]):
+        inferx_core.moe.route, which a kernel package may fuse (softmax, top-k, renormalize)."""
+        from inferx_core.moe import route
+
+        return route(logits, spec, selection_bias)
 
     @abstractmethod
     def rotary(
