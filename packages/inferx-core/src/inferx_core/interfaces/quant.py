@@ -100,15 +100,24 @@ class QuantScheme(ABC):
 
     `checkpoint_methods`: the `quantization_config.quant_method` values (and, for
     compressed-tensors, format names) this scheme reads from checkpoints; `online`: whether it
-    can quantize an unquantized checkpoint at load.
+    can quantize an unquantized checkpoint at load; `option_names`: the [quantization] keys it
+    takes (any other is refused at construction, naming the key).
     """
 
     name: str = "none"
     checkpoint_methods: tuple[str, ...] = ()
     online: bool = False
+    option_names: tuple[str, ...] = ()
 
     def __init__(self, config: QuantConfig | None = None) -> None:
         self.config = config or QuantConfig()
+        for key in self.config.options:
+            if key not in self.option_names:
+                takes = ", ".join(self.option_names) or "none"
+                raise ValueError(
+                    f"quantization.{key}: unknown option of scheme {self.name!r} "
+                    f"(its options: {takes})"
+                )
 
     @abstractmethod
     def linear(
