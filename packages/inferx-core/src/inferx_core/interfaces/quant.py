@@ -27,6 +27,10 @@ class LinearSpec:
     fused layer: a scheme matches ignore lists and per-layer settings against it and against
     `part_names`, the checkpoint names of its fused parts, e.g. ("q_proj", "k_proj", "v_proj")).
     output_sizes: the fused parts' output rows (q, k, v or gate, up), whole-model sizes.
+    part_heads: for a column-parallel layer, each part's rows as this many equal heads that a
+    rank never splits (0 or absent: rows split evenly). Fewer heads than ranks replicate each
+    head over world_size / heads ranks (the KV heads of a GQA model on many ranks): rank r keeps
+    head r * heads // world_size.
     """
 
     prefix: str
@@ -35,6 +39,7 @@ class LinearSpec:
     bias: bool = False
     parallel: ParallelStyle = "replicated"
     part_names: tuple[str, ...] = ()
+    part_heads: tuple[int, ...] = ()
 
     @property
     def out_features(self) -> int:
