@@ -71,7 +71,9 @@ def _logits(cfg: dict[str, Any], parallel: ParallelContext) -> list[torch.Tensor
     steps = [([5, 3], [5, 3], [11, 4, 250, 9, 299, 17, 3, 140]), ([1, 1], [6, 4], [23, 298])]
     out = []
     for query_lens, context_lens, ids in steps:
-        positions = [p for q, c in zip(query_lens, context_lens) for p in range(c - q, c)]
+        positions = [
+            p for q, c in zip(query_lens, context_lens, strict=True) for p in range(c - q, c)
+        ]
         backend.begin_step(make_attention_batch(query_lens, context_lens, tables, BLOCK))
         with torch.no_grad():
             hidden = model(torch.tensor(ids), torch.tensor(positions))
@@ -90,7 +92,7 @@ def _rank(rank: int, world_size: int, port: int, names: list[str]) -> None:
             cfg = CONFIGS[name]
             got = _logits(cfg, parallel)
             if rank == 0:
-                for step, (ours, ref) in enumerate(zip(got, _logits(cfg, SINGLE))):
+                for step, (ours, ref) in enumerate(zip(got, _logits(cfg, SINGLE), strict=True)):
                     assert ours.shape == ref.shape, (name, step, ours.shape, ref.shape)
                     err = (ours - ref).abs().max().item()
                     assert err <= ATOL, f"{name} at world size {world_size}, step {step}: {err}"
