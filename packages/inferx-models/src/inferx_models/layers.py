@@ -37,7 +37,7 @@ def heads_per_rank(heads: int, kv_heads: int, parallel: ParallelContext) -> tupl
     """(query heads, KV heads) of this rank: both split evenly over the ranks, except that with
     fewer KV heads than ranks each KV head is replicated on world_size / kv_heads ranks (rank r
     keeps KV head r * kv_heads // world_size, the one its query heads read). A world size that
-    fits neither is a ValueError naming parallel.tensor."""
+    does not fit them is a ValueError naming parallel.tensor."""
     n = parallel.world_size
     if heads % n:
         raise ValueError(f"parallel.tensor = {n} does not divide num_attention_heads ({heads})")
@@ -73,12 +73,12 @@ class VocabShard(nn.Module):
         self, vocab: int, hidden: int, ctx: BuildContext, weight: nn.Parameter | None = None
     ) -> None:
         super().__init__()
-        self.vocab, self.parallel = vocab, ctx.parallel
+        self.vocab = vocab
         self.rows = -(-vocab // ctx.parallel.world_size)
         self.start = ctx.parallel.rank * self.rows
         if weight is None:
-            # Left uninitialised (the checkpoint fills it). Not nn.Embedding / skip_init: their
-            # init on the meta device imports torch._dynamo, over a second of every start-up.
+            # Left uninitialised (the checkpoint fills it). Not nn.Embedding: its init on the
+            # meta device imports torch._dynamo, over a second of every start-up.
             weight = torch.empty(self.rows, hidden, dtype=ctx.dtype, device=ctx.device)
             weight = nn.Parameter(weight, requires_grad=False)
         self.weight = weight
@@ -233,7 +233,7 @@ class Attention(nn.Module):
         self.o_proj = linear(
             ctx, f"{prefix}.o_proj", num_heads * head_dim, [hidden_size], o_bias, "row"
         )
-        self.tp = _tp(ctx)  # o_proj's partial sums are all-reduced where this is set
+        self.tp = _tp(ctx)
         self.rotary = rotary
         self.backend = ctx.attention
         self.attn = ctx.attention.layer(layer, head_dim**-0.5)
@@ -291,17 +291,15 @@ class Attention(nn.Module):
                 self.attn, q, k, v, positions, self.rotary.cos_sin, **extra
             )
             if isinstance(out, SplitAttention):  # o_proj combines the context splits
-                return self._output(self.ops.linear_parts(self.o_proj, out), True)
+                y = self.ops.linear_parts(self.o_proj, out)
+                return y if self.tp is None else reduce_parts(self.tp, y)
         else:
             q, k = self.ops.rotary(positions, q, k, self.rotary.cos_sin)
             out = self.backend.forward(self.attn, q, k, v)
         out = out.reshape(-1, self.q_size)
+        # o_proj is row-parallel: over several ranks each holds a partial sum
         if parts:
-            return self._output(self.ops.linear_parts(self.o_proj, out), True)
-        return self._output(self.o_proj(out), False)
-
-    def _output(self, y: torch.Tensor, parts: bool) -> torch.Tensor:
-        """o_proj's result summed over the ranks (row-parallel: each holds a partial sum)."""
-        if self.tp is None:
-            return y
-        return reduce_parts(self.tp, y) if parts else self.tp.all_reduce(y)
+            y = self.ops.linear_parts(self.o_proj, out)
+            return y if self.tp is None else reduce_parts(self.tp, y)
+        y = self.o_proj(out)
+        return y if self.tp is None else self.tp.all_reduce(y)
