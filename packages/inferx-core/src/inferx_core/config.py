@@ -160,7 +160,14 @@ class SchedulerSection(Section):
 
 
 class QuantizationSection(Section):
-    scheme: str = "none"
+    # auto: the scheme that reads the checkpoint's quantization_config (none without one). The
+    # table's other keys are the scheme's options (QuantConfig.options), which it checks itself.
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    scheme: str = "auto"
+
+    def options(self) -> dict[str, Any]:
+        """The keys besides `scheme`."""
+        return dict(self.model_extra or {})
 
 
 class ServerSection(Section):

@@ -135,6 +135,82 @@ def pick_attention_backend(name: str, device: torch.device, reg: Plugins) -> str
     return "torch"
 
 
+def quant_method_keys(checkpoint: dict[str, Any]) -> list[str]:
+    """What identifies a quantization_config's format, most specific first: a compressed-tensors
+    checkpoint's format names (top level, then its config groups'), then quant_method."""
+    method = str(checkpoint.get("quant_method", "")).lower()
+    keys: list[str] = []
+    if method == "compressed-tensors":
+        groups = checkpoint.get("config_groups") or {}
+        formats = [checkpoint.get("format")] + [g.get("format") for g in groups.values()]
+        keys += [f for f in dict.fromkeys(formats) if f]
+    return keys + [method]
+
+
+def pick_quant_scheme(name: str, checkpoint: dict[str, Any], reg: Plugins) -> str:
+    """The [quantization] scheme to build for a checkpoint whose quantization_config (Hugging
+    Face's convention; empty when unquantized) is `checkpoint`; logs why. auto: the registered
+    scheme whose checkpoint_methods name the checkpoint's format or quant_method, "none" for
+    an unquantized one. Raises LoadError where the weights could not load as asked."""
+    keys = quant_method_keys(checkpoint) if checkpoint else []
+    method = keys[-1] if keys else ""
+    schemes: dict[str, type[QuantScheme]] = {}
+    for n in reg.names("quant_scheme"):
+        try:
+            schemes[n] = reg.get("quant_scheme", n)  # type: ignore[assignment]
+        except PluginError as exc:
+            log.warning("skipping quant scheme %r: %s", n, exc)
+    if name == "auto":
+        if not checkpoint:
+            log.info("quantization scheme auto -> none (the checkpoint has no quantization_config)")
+            return "none"
+        for key in keys:
+            for n, cls in schemes.items():
+                if key in cls.checkpoint_methods:
+                    log.info("quantization scheme auto -> %s (it reads %r checkpoints)", n, key)
+                    return n
+        known = "; ".join(
+            f"{n} ({', '.join(cls.checkpoint_methods) or 'unquantized'})"
+            for n, cls in schemes.items()
+        )
+        raise LoadError(
+            f"the checkpoint's quantization_config has quant_method {method!r}"
+            + (f" (format {', '.join(keys[:-1])})" if len(keys) > 1 else "")
+            + f", which no installed quantization scheme reads; known schemes: {known}"
+        )
+    if name not in schemes:
+        raise LoadError(
+            f"quantization.scheme: unknown scheme {name!r}; known: {', '.join(schemes)}"
+        )
+    cls = schemes[name]
+    if checkpoint and not any(k in cls.checkpoint_methods for k in keys):
+        what = "it would not load" if name == "none" else f"{name!r} does not read it"
+        raise LoadError(
+            f"quantization.scheme = {name!r}, but the checkpoint is quantized with quant_method "
+            f"{method!r} and {what}; leave quantization.scheme at 'auto'"
+        )
+    if not checkpoint and name != "none" and not cls.online:
+        raise LoadError(
+            f"quantization.scheme = {name!r} needs a checkpoint quantized with it (quant_method "
+            f"{', '.join(cls.checkpoint_methods) or '?'}); this one has no quantization_config"
+        )
+    log.info("quantization scheme %s (set in [quantization])", name)
+    return name
+
+
+def build_quant_scheme(config: Config, hf_config: dict[str, Any], reg: Plugins) -> QuantScheme:
+    """The quant scheme pick_quant_scheme chooses, built from the checkpoint's
+    quantization_config and the [quantization] table's other keys (ConfigError for an option
+    the scheme does not take)."""
+    checkpoint = dict(hf_config.get("quantization_config") or {})
+    name = pick_quant_scheme(config.quantization.scheme, checkpoint, reg)
+    cls = reg.get("quant_scheme", name)
+    try:
+        return cls(QuantConfig(checkpoint, config.quantization.options()))  # type: ignore[operator]
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def pick_kernel_ops(name: str, device: torch.device, reg: Plugins) -> str:
     """auto: fused Triton kernels on a GPU when installed, the torch reference otherwise."""
     if name != "auto":
@@ -242,8 +318,7 @@ class ModelRunner(Executor):
         self.attention: AttentionBackend = backend_cls(  # type: ignore[operator]
             self.kv_layout, self.block_size, self.dtype, self.device
         )
-        quant_config = QuantConfig(dict(ckpt.hf_config.get("quantization_config") or {}))
-        quant: QuantScheme = reg.get("quant_scheme", config.quantization.scheme)(quant_config)  # type: ignore[operator]
+        quant = build_quant_scheme(config, ckpt.hf_config, reg)
         ops_cls = reg.get("kernel_ops", pick_kernel_ops(config.engine.kernels, self.device, reg))
         ctx = BuildContext(self.dtype, self.device, self.attention, quant, ops_cls())  # type: ignore[operator]
         self.report.seconds["open"] = time.perf_counter() - t0

@@ -17,17 +17,37 @@ SPLIT_MAX_ROWS = 64
 SPLIT_QKV_MAX_BYTES = 16 << 20
 
 
+def part_shard(
+    rows: int, spec: LinearSpec, part: int, parallel: ParallelContext
+) -> tuple[int, int]:
+    """(start, length) of this rank's rows of fused part `part` of a column-parallel layer,
+    whose whole part has `rows` rows (a scheme's own tensors may have fewer rows than the
+    weight, in proportion): an equal slice, or by whole heads (LinearSpec.part_heads), one
+    head replicated over several ranks where there are fewer heads than ranks."""
+    n = parallel.world_size
+    heads = spec.part_heads[part] if spec.part_heads else 0
+    what = f"{spec.prefix}'s part {part} ({heads} heads)" if heads else f"{spec.prefix}'s rows"
+    if not heads or heads >= n:
+        if heads % n:
+            raise ValueError(f"parallel.tensor = {n} does not divide {what}")
+        return parallel.shard(rows, what)
+    if n % heads:
+        raise ValueError(f"parallel.tensor = {n} is not a multiple of {what}")
+    per = rows // heads
+    return parallel.rank * heads // n * per, per
+
+
 def shard_tensor(
     tensor: torch.Tensor, kind: str, spec: LinearSpec, part: int, parallel: ParallelContext
 ) -> torch.Tensor | None:
     """This rank's share of a whole checkpoint tensor of a linear layer: a column-parallel
-    layer's slice of rows (of fused part `part`), a row-parallel one's slice of columns (dim 1 of
+    layer's rows of fused part `part` (part_shard), a row-parallel one's slice of columns (dim 1 of
     a 2-D tensor; its bias only on rank 0, else None). Tensors of other layouts (a scheme's
     packed ones) pass `kind` as "weight" when they are sliced like the weight."""
     if parallel.world_size == 1 or spec.parallel == "replicated":
         return tensor
     if spec.parallel == "column":
-        start, n = parallel.shard(tensor.shape[0], f"{spec.prefix}'s {kind} rows")
+        start, n = part_shard(tensor.shape[0], spec, part, parallel)
         return tensor.narrow(0, start, n)
     if kind == "bias" or tensor.dim() == 1:
         return tensor if parallel.rank == 0 else None
@@ -62,7 +82,7 @@ class DenseLinear(QuantLinear):
         sizes = list(spec.output_sizes)
         in_features = spec.in_features
         if spec.parallel == "column":
-            sizes = [parallel.shard(n, f"{spec.prefix}'s output rows")[1] for n in sizes]
+            sizes = [part_shard(n, spec, i, parallel)[1] for i, n in enumerate(sizes)]
         elif spec.parallel == "row":
             in_features = parallel.shard(in_features, f"{spec.prefix}'s input columns")[1]
         self.output_sizes = sizes

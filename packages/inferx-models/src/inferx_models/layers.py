@@ -1,4 +1,5 @@
-"""Building blocks of decoder models: RMSNorm, the rotary table, attention; math via ctx.ops."""
+"""Building blocks of decoder models: RMSNorm, the rotary table, attention, vocab-parallel
+embedding and head; math via ctx.ops."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from inferx_core.interfaces.attention import SplitAttention
 from inferx_core.interfaces.model import BuildContext
 from inferx_core.interfaces.quant import LinearSpec, ParallelStyle, QuantLinear
+from inferx_core.parallel import ParallelContext
 
 
 def linear(
@@ -21,10 +24,110 @@ def linear(
     bias: bool,
     parallel: ParallelStyle = "replicated",
     part_names: tuple[str, ...] = (),
+    part_heads: tuple[int, ...] = (),
 ) -> QuantLinear:
     """The quant scheme's method for one linear layer (LinearSpec), built on ctx's device."""
-    spec = LinearSpec(prefix, in_features, tuple(output_sizes), bias, parallel, part_names)
+    spec = LinearSpec(
+        prefix, in_features, tuple(output_sizes), bias, parallel, part_names, part_heads
+    )
     return ctx.quant.linear(spec, ctx.dtype, ctx.device, ctx.parallel)
+
+
+def heads_per_rank(heads: int, kv_heads: int, parallel: ParallelContext) -> tuple[int, int]:
+    """(query heads, KV heads) of this rank: both split evenly over the ranks, except that with
+    fewer KV heads than ranks each KV head is replicated on world_size / kv_heads ranks (rank r
+    keeps KV head r * kv_heads // world_size, the one its query heads read). A world size that
+    does not fit them is a ValueError naming parallel.tensor."""
+    n = parallel.world_size
+    if heads % n:
+        raise ValueError(f"parallel.tensor = {n} does not divide num_attention_heads ({heads})")
+    if kv_heads >= n and kv_heads % n:
+        raise ValueError(f"parallel.tensor = {n} does not divide num_key_value_heads ({kv_heads})")
+    if kv_heads < n and n % kv_heads:
+        raise ValueError(
+            f"parallel.tensor = {n} is not a multiple of num_key_value_heads ({kv_heads})"
+        )
+    return heads // n, max(kv_heads // n, 1)
+
+
+def reduce_parts(parallel: ParallelContext, parts: torch.Tensor) -> torch.Tensor:
+    """A row-parallel layer's output as partial results [S, ...] (QuantLinear.forward_parts)
+    summed over the ranks: each rank's parts added up (in float32, as the norm would), then
+    all-reduced, as one part. Callers skip it at world size 1."""
+    x = parts[0] if parts.shape[0] == 1 else parts.float().sum(0).to(parts.dtype)
+    return parallel.all_reduce(x.contiguous()).unsqueeze(0)
+
+
+def _tp(ctx: BuildContext) -> ParallelContext | None:
+    """ctx.parallel where there is more than one rank, else None: the hot path tests for None
+    and calls no collective at world size 1."""
+    return ctx.parallel if ctx.parallel.world_size > 1 else None
+
+
+class VocabShard(nn.Module):
+    """A [vocab, hidden] table split by rows over the ranks: each holds ceil(vocab / world size)
+    rows from rank * that, the last rank's padded with zero rows where the world size does not
+    divide the vocabulary (the padding never reaches the caller)."""
+
+    def __init__(
+        self, vocab: int, hidden: int, ctx: BuildContext, weight: nn.Parameter | None = None
+    ) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.rows = -(-vocab // ctx.parallel.world_size)
+        self.start = ctx.parallel.rank * self.rows
+        if weight is None:
+            # Left uninitialised (the checkpoint fills it). Not nn.Embedding: its init on the
+            # meta device imports torch._dynamo, over a second of every start-up.
+            weight = torch.empty(self.rows, hidden, dtype=ctx.dtype, device=ctx.device)
+            weight = nn.Parameter(weight, requires_grad=False)
+        self.weight = weight
+
+    def load(self, kind: str, tensor: torch.Tensor) -> None:
+        """Copy this rank's rows of the whole checkpoint table."""
+        whole = (self.vocab, self.weight.shape[1])
+        if kind != "weight" or tuple(tensor.shape) != whole:
+            raise ValueError(f"{kind} of shape {tuple(tensor.shape)}, expected weight {whole}")
+        mine = tensor[self.start : self.start + self.rows]
+        self.weight.data[: mine.shape[0]].copy_(mine)
+        self.weight.data[mine.shape[0] :].zero_()
+
+
+class VocabEmbedding(VocabShard):
+    """Input embeddings, vocab-parallel: each rank looks up the ids in its rows, zeroes the
+    others, and the all-reduce adds the ranks' rows (one holds each id)."""
+
+    def __init__(self, vocab: int, hidden: int, ctx: BuildContext) -> None:
+        super().__init__(vocab, hidden, ctx)
+        self.ops = ctx.ops
+        self.tp = _tp(ctx)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.ops.embedding(self.weight, ids)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.rows)
+        out = self.ops.embedding(self.weight, torch.where(inside, local, 0))
+        out = out.masked_fill(~inside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelHead(VocabShard):
+    """The vocabulary projection, vocab-parallel: each rank computes the logits of its rows and
+    the all-gather concatenates them. `weight`: the embedding's, for tied embeddings."""
+
+    def __init__(
+        self, vocab: int, hidden: int, ctx: BuildContext, weight: nn.Parameter | None = None
+    ) -> None:
+        super().__init__(vocab, hidden, ctx, weight)
+        self.tp = _tp(ctx)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp is None:
+            return logits
+        logits = self.tp.all_gather(logits, dim=-1)
+        return logits if logits.shape[-1] == self.vocab else logits[..., : self.vocab].contiguous()
 
 
 class RMSNorm(nn.Module):
@@ -112,19 +215,25 @@ class Attention(nn.Module):
         super().__init__()
         prefix = prefix or f"model.layers.{layer}.self_attn"
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_size = num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
+        # this rank's heads; the projections are declared whole and shard themselves
+        self.num_heads, self.num_kv_heads = heads_per_rank(num_heads, num_kv_heads, ctx.parallel)
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
         self.qkv_proj = linear(
             ctx,
             f"{prefix}.qkv_proj",
             hidden_size,
-            [self.q_size, self.kv_size, self.kv_size],
+            [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
             qkv_bias,
             "column",
             ("q_proj", "k_proj", "v_proj"),
+            (num_heads, num_kv_heads, num_kv_heads),
         )
-        self.o_proj = linear(ctx, f"{prefix}.o_proj", self.q_size, [hidden_size], o_bias, "row")
+        self.o_proj = linear(
+            ctx, f"{prefix}.o_proj", num_heads * head_dim, [hidden_size], o_bias, "row"
+        )
+        self.tp = _tp(ctx)
         self.rotary = rotary
         self.backend = ctx.attention
         self.attn = ctx.attention.layer(layer, head_dim**-0.5)
@@ -182,9 +291,15 @@ class Attention(nn.Module):
                 self.attn, q, k, v, positions, self.rotary.cos_sin, **extra
             )
             if isinstance(out, SplitAttention):  # o_proj combines the context splits
-                return self.ops.linear_parts(self.o_proj, out)
+                y = self.ops.linear_parts(self.o_proj, out)
+                return y if self.tp is None else reduce_parts(self.tp, y)
         else:
             q, k = self.ops.rotary(positions, q, k, self.rotary.cos_sin)
             out = self.backend.forward(self.attn, q, k, v)
         out = out.reshape(-1, self.q_size)
-        return self.ops.linear_parts(self.o_proj, out) if parts else self.o_proj(out)
+        # o_proj is row-parallel: over several ranks each holds a partial sum
+        if parts:
+            y = self.ops.linear_parts(self.o_proj, out)
+            return y if self.tp is None else reduce_parts(self.tp, y)
+        y = self.o_proj(out)
+        return y if self.tp is None else self.tp.all_reduce(y)

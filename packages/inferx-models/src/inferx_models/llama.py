@@ -6,13 +6,23 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_core.interfaces.model import BuildContext, ModelArch
 from inferx_core.parallel import SINGLE, ParallelContext
-from inferx_models.layers import Attention, RMSNorm, RotaryEmbedding, linear, rope_parameters
+from inferx_models.layers import (
+    Attention,
+    ParallelHead,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabEmbedding,
+    VocabShard,
+    heads_per_rank,
+    linear,
+    reduce_parts,
+    rope_parameters,
+)
 
 # Checkpoint projection -> (our linear layer, part of it): q/k/v and gate/up are fused.
 FUSED = {
@@ -49,6 +59,7 @@ class MLP(nn.Module):
         )
         self.down_proj = linear(ctx, f"{prefix}.down_proj", intermediate, [hidden], bias, "row")
         self.ops = ctx.ops
+        self.tp = ctx.parallel if ctx.parallel.world_size > 1 else None
 
     def forward_normed(
         self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
@@ -60,7 +71,10 @@ class MLP(nn.Module):
         h, residual = self.ops.rms_norm_linear_silu_and_mul(
             x, norm.weight, norm.eps, residual, self.gate_up_proj
         )
-        return self.ops.linear_parts(self.down_proj, h), residual
+        out = self.ops.linear_parts(self.down_proj, h)
+        if self.tp is not None:  # down_proj is row-parallel: each rank holds a partial sum
+            out = reduce_parts(self.tp, out)
+        return out, residual
 
 
 class DecoderLayer(nn.Module):
@@ -111,11 +125,7 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         hidden, _, _, head_dim = _dims(cfg)
-        # Left uninitialised (the checkpoint fills it). Not skip_init: nn.Embedding's init on the
-        # meta device goes through a torch decomposition that imports torch._dynamo, a cost to
-        # every start-up.
-        weight = torch.empty(cfg["vocab_size"], hidden, dtype=ctx.dtype, device=ctx.device)
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], hidden, _weight=weight, _freeze=True)
+        self.embed_tokens = VocabEmbedding(cfg["vocab_size"], hidden, ctx)
         rotary = RotaryEmbedding(
             head_dim, cfg.get("max_position_embeddings", 2048), rope_parameters(cfg), ctx.device
         )
@@ -126,7 +136,7 @@ class LlamaModel(nn.Module):
         self.ops = ctx.ops
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.ops.embedding(self.embed_tokens.weight, input_ids)
+        h = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
             h, residual = layer(positions, h, residual)
@@ -150,6 +160,7 @@ class LlamaForCausalLM(ModelArch):
         cls, hf_config: dict[str, Any], parallel: ParallelContext = SINGLE, kv_dtype: str = "auto"
     ) -> list[KVLayerSpec]:
         _, heads, kv_heads, head_dim = _dims(hf_config)
+        heads, kv_heads = heads_per_rank(heads, kv_heads, parallel)
         n = hf_config["num_hidden_layers"]
         window = hf_config.get("sliding_window")
         # Qwen2's optional sliding window applies from layer max_window_layers on; transformers 5
@@ -199,40 +210,32 @@ class LlamaForCausalLM(ModelArch):
 
     def __init__(self, hf_config: dict[str, Any], ctx: BuildContext) -> None:
         super().__init__()
-        if ctx.parallel.world_size != 1:
-            raise NotImplementedError(
-                f"{type(self).__name__} has no tensor parallelism yet "
-                f"(parallel.tensor = {ctx.parallel.world_size})"
+        n = ctx.parallel.world_size
+        heads_per_rank(_dims(hf_config)[1], _dims(hf_config)[2], ctx.parallel)  # checks n
+        if hf_config["intermediate_size"] % n:
+            raise ValueError(
+                f"parallel.tensor = {n} does not divide intermediate_size "
+                f"({hf_config['intermediate_size']})"
             )
         self.hf_config = hf_config
         self.tied = bool(hf_config.get("tie_word_embeddings", False))
         self.model = LlamaModel(hf_config, self.biases(hf_config), ctx)
         # The vocabulary projection stays in the serving dtype, like the embedding it is often
-        # tied to; quantized checkpoints leave it unquantized too.
-        self.lm_head = None
-        if not self.tied:
-            self.lm_head = nn.utils.skip_init(
-                nn.Linear,
-                _dims(hf_config)[0],
-                hf_config["vocab_size"],
-                bias=False,
-                dtype=ctx.dtype,
-                device=ctx.device,
-            )
+        # tied to (then it shares its weight); quantized checkpoints leave it unquantized too.
+        tied = self.model.embed_tokens.weight if self.tied else None
+        self.lm_head = ParallelHead(hf_config["vocab_size"], _dims(hf_config)[0], ctx, tied)
         self.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def _head_weight(self) -> torch.Tensor:
-        return (self.model.embed_tokens if self.lm_head is None else self.lm_head).weight
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self._head_weight())
+        return self.lm_head(hidden)
 
     def compute_logits_into(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        weight = self._head_weight()
-        if out.dtype != weight.dtype or hidden.dtype != weight.dtype:
+        weight = self.lm_head.weight
+        gathered = self.lm_head.tp is not None  # the ranks' logits are concatenated first
+        if gathered or out.dtype != weight.dtype or hidden.dtype != weight.dtype:
             return super().compute_logits_into(hidden, out)
         return torch.mm(hidden, weight.t(), out=out)  # the GEMM F.linear runs, written in place
 
@@ -251,8 +254,13 @@ class LlamaForCausalLM(ModelArch):
             if leaf in FUSED:
                 fused, part = FUSED[leaf]
                 self._submodule(f"{parent}.{fused}", name).load(kind, tensor, part)
+            elif isinstance(module := self._submodule(path, name), VocabShard):
+                try:
+                    module.load(kind, tensor)  # keeps this rank's rows
+                except ValueError as exc:
+                    raise ValueError(f"{arch}: checkpoint tensor {name!r}: {exc}") from None
             else:
-                param = getattr(self._submodule(path, name), kind, None)
+                param = getattr(module, kind, None)
                 if not isinstance(param, nn.Parameter):
                     raise ValueError(f"{arch}: unexpected checkpoint tensor {name!r}")
                 if param.shape != tensor.shape:

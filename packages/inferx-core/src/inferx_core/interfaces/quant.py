@@ -27,6 +27,10 @@ class LinearSpec:
     fused layer: a scheme matches ignore lists and per-layer settings against it and against
     `part_names`, the checkpoint names of its fused parts, e.g. ("q_proj", "k_proj", "v_proj")).
     output_sizes: the fused parts' output rows (q, k, v or gate, up), whole-model sizes.
+    part_heads: for a column-parallel layer, each part's rows as this many equal heads that a
+    rank never splits (0 or absent: rows split evenly). Fewer heads than ranks replicate each
+    head over world_size / heads ranks (the KV heads of a GQA model on many ranks): rank r keeps
+    head r * heads // world_size.
     """
 
     prefix: str
@@ -35,6 +39,7 @@ class LinearSpec:
     bias: bool = False
     parallel: ParallelStyle = "replicated"
     part_names: tuple[str, ...] = ()
+    part_heads: tuple[int, ...] = ()
 
     @property
     def out_features(self) -> int:
@@ -100,15 +105,24 @@ class QuantScheme(ABC):
 
     `checkpoint_methods`: the `quantization_config.quant_method` values (and, for
     compressed-tensors, format names) this scheme reads from checkpoints; `online`: whether it
-    can quantize an unquantized checkpoint at load.
+    can quantize an unquantized checkpoint at load; `option_names`: the [quantization] keys it
+    takes (any other is refused at construction, naming the key).
     """
 
     name: str = "none"
     checkpoint_methods: tuple[str, ...] = ()
     online: bool = False
+    option_names: tuple[str, ...] = ()
 
     def __init__(self, config: QuantConfig | None = None) -> None:
         self.config = config or QuantConfig()
+        for key in self.config.options:
+            if key not in self.option_names:
+                takes = ", ".join(self.option_names) or "none"
+                raise ValueError(
+                    f"quantization.{key}: unknown option of scheme {self.name!r} "
+                    f"(its options: {takes})"
+                )
 
     @abstractmethod
     def linear(
