@@ -41,9 +41,14 @@ def expected_output(
 class FakeExecutor(Executor):
     supports_overlap = True
 
-    def __init__(self, num_kv_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_kv_blocks: int, block_size: int, windows: dict[int, int] | None = None
+    ) -> None:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
+        # KV groups past group 0 (full): group -> its window (sliding) or 0 (full). Every
+        # group's table is written; a sliding one is read back over the window only.
+        self.windows = windows or {}
         self.cache: list[list[int | None]] = [[None] * block_size for _ in range(num_kv_blocks)]
         self.tokens_run = 0
         self.pending_inputs = 0  # PENDING tokens read from the step before
@@ -65,7 +70,11 @@ class FakeExecutor(Executor):
             table = c.seq.block_table
             assert 0 not in table, f"{c.seq.request_id} holds the reserved block 0"
             for pos in range(c.start, c.start + c.num_tokens):
-                self.cache[table[pos // bs]][pos % bs] = token(c.seq, pos)
+                t = token(c.seq, pos)
+                for g in (0, *self.windows):
+                    b = c.seq.block_tables[g][pos // bs]
+                    assert b, f"{c.seq.request_id} writes group {g} into block 0"
+                    self.cache[b][pos % bs] = t
             self.tokens_run += c.num_tokens
         sampled = []
         for c in out.chunks:
@@ -78,6 +87,12 @@ class FakeExecutor(Executor):
             context = [self.cache[table[p // bs]][p % bs] for p in range(end)]
             want = [t if t != PENDING else last[id(seq)] for t in seq.token_ids[:end]]
             assert context == want, f"{seq.request_id} reads corrupt KV"
+            for g, window in self.windows.items():
+                table = seq.block_tables[g]
+                first = max(0, end - window) if window else 0  # the last query's keys
+                seen = [self.cache[table[p // bs]][p % bs] for p in range(first, end)]
+                assert 0 not in {table[p // bs] for p in range(first, end)}, "a freed block read"
+                assert seen == want[first:], f"{seq.request_id} reads corrupt group {g} KV"
             sampled.append(next_token(context))  # type: ignore[arg-type]
             self.last[id(seq)] = sampled[-1]
         return StepResult(sampled)

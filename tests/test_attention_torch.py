@@ -131,13 +131,7 @@ def test_decode_steps_after_prefill() -> None:
         assert rel_err(out, expected) <= RTOL
 
 
-@pytest.mark.parametrize(
-    "spec",
-    [
-        KVLayerSpec(4, 2, 16, kind="sliding", window=8),
-        KVLayerSpec(4, 1, 32, kind="mla", v_head_dim=0),
-    ],
-)
+@pytest.mark.parametrize("spec", [KVLayerSpec(4, 1, 32, kind="mla", v_head_dim=0)])
 def test_unsupported_kinds_are_named(spec: KVLayerSpec) -> None:
     with pytest.raises(NotImplementedError, match=spec.kind):
         TorchAttention([spec], 16, torch.float32, torch.device("cpu"))
@@ -165,3 +159,152 @@ def test_pack_aligned_keeps_every_part_at_16_bytes():
             view = packed[a : a + len(part)]
             assert view.tolist() == part
             assert not part or view.data_ptr() % 16 == packed.data_ptr() % 16
+
+
+# -- KV groups: sliding window, learned sinks, softcap -------------------------------------------
+
+# float64 inputs and cache; the plain decode path takes its softmax in float32 (~1e-7).
+RTOL64 = 1e-6
+
+
+def featured_reference(q, k, v, scale, window=None, softcap=0.0, sinks=None) -> torch.Tensor:
+    """dense_reference with a window (a query at p sees keys in (p - window, p]), a softcap on
+    the logits before the mask, and a learned sink logit per head joining the softmax."""
+    n, c = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    key_pos, query_pos = torch.arange(c)[None, :], torch.arange(c - n, c)[:, None]
+    visible = key_pos <= query_pos
+    if window is not None:
+        visible &= key_pos > query_pos - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink = sinks.double()[:, None, None].expand(-1, n, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+WINDOW = 5
+# Two groups (full: layers 0, 3; sliding: 1, 2), every combination of the features.
+GROUP_LAYERS = [
+    KVLayerSpec(4, 2, 8),
+    KVLayerSpec(4, 2, 8, kind="sliding", window=WINDOW),
+    KVLayerSpec(4, 2, 8, kind="sliding", window=WINDOW, learned_sinks=True, softcap=1.0),
+    KVLayerSpec(4, 2, 8, learned_sinks=True, softcap=1.5),
+]
+
+
+def test_sliding_sinks_softcap_match_float64_reference() -> None:
+    """Prefill, chunked prefill over the cached prefix and decode, packed in shared steps, with
+    block tables from a two-group PagedKVManager: sliding tables lose their blocks behind the
+    window (entry 0). Freed blocks and block 0 hold NaN, so reading one would show."""
+    from inferx_core.interfaces.kv import kv_groups
+    from inferx_core.kv_manager import PagedKVManager
+    from inferx_core.sequence import SamplingParams, Sequence
+
+    bs, scale = 4, 0.5
+    backend = TorchAttention(GROUP_LAYERS, bs, torch.float64, torch.device("cpu"))
+    assert len(backend.groups) == 2
+    backend.allocate(40)
+    # The i-th layers of the two groups share a cache tensor: two tensors for four layers.
+    assert len({c.data_ptr() for c in backend.caches}) == 2
+    allocated = sum(
+        c.numel() * c.element_size() for c in {id(c): c for c in backend.caches}.values()
+    )
+    assert allocated == 40 * backend.bytes_per_block()
+    kv = PagedKVManager(40, bs, prefix_cache=False, groups=kv_groups(GROUP_LAYERS), max_chunk=8)
+    gen = torch.Generator().manual_seed(0)
+    sinks = [
+        torch.randn(4, generator=gen, dtype=torch.float32) if s.learned_sinks else None
+        for s in GROUP_LAYERS
+    ]
+    layers = [backend.layer(i, scale, sinks=sinks[i]) for i in range(len(GROUP_LAYERS))]
+    total = {"a": 24, "b": 13, "c": 7}
+    qkv = {
+        name: [
+            [torch.randn(n, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2)]
+            for _ in GROUP_LAYERS
+        ]
+        for name, n in total.items()
+    }
+    seqs = {name: Sequence([1] * n, SamplingParams()) for name, n in total.items()}
+    schedule = [
+        [("a", 0, 7), ("b", 0, 3)],  # prefills within and past the window
+        [("a", 7, 15), ("b", 3, 4), ("c", 0, 7)],  # a chunk over a cached prefix, a decode
+        [("a", 15, 21), ("b", 4, 12)],
+        [("a", 21, 22), ("b", 12, 13)],
+        [("a", 22, 23)],
+        [("a", 23, 24)],
+    ]
+    for step in schedule:
+        for name, a, b in step:
+            s = seqs[name]
+            assert s.num_computed == a and kv.allocate(s, b)
+            s.num_computed = b
+        for cache in backend.caches:  # nobody holds block 0 or a free block: poison them
+            cache[:, [0, *kv._free]] = float("nan")
+        chunks = [(seqs[n], a, b) for n, a, b in step]
+        group_tables = [[s.block_tables[g] for s, _, _ in chunks] for g in range(2)]
+        batch = make_attention_batch(
+            [b - a for _, a, b in chunks],
+            [b for _, _, b in chunks],
+            group_tables[0],
+            bs,
+            group_tables=group_tables,
+        )
+        backend.begin_step(batch)
+        for i, layer in enumerate(layers):
+            q, k, v = (torch.cat([qkv[n][i][j][a:b] for n, a, b in step]) for j in range(3))
+            out = backend.forward(layer, q, k, v)
+            spec = GROUP_LAYERS[i]
+            row = 0
+            for n, a, b in step:
+                full_q, full_k, full_v = qkv[n][i]
+                window = spec.window if spec.kind == "sliding" else None
+                expected = featured_reference(
+                    full_q[a:b], full_k[:b], full_v[:b], scale, window, spec.softcap, sinks[i]
+                )
+                got = out[row : row + b - a]
+                assert not got.isnan().any(), (i, n, a, b)
+                assert rel_err(got, expected) <= RTOL64, (i, n, a, b)
+                row += b - a
+    # The sliding table of a lost its blocks behind the window; the full one kept them all.
+    table = seqs["a"].block_tables[1]
+    assert table[: (23 - WINDOW + 1) // bs] == [0] * ((23 - WINDOW + 1) // bs)
+    assert all(seqs["a"].block_tables[0])
+
+
+def test_sliding_window_edge_is_inclusive_of_window_keys() -> None:
+    """A query at position p sees exactly `window` keys, p - window + 1 to p (transformers'
+    sliding_window_overlay: kv_idx > q_idx - window): one value per position shows which."""
+    bs, window = 4, 3
+    spec = KVLayerSpec(1, 1, 1, kind="sliding", window=window)
+    backend = TorchAttention([spec], bs, torch.float64, torch.device("cpu"))
+    backend.allocate(8)
+    n = 10
+    q = torch.zeros(n, 1, 1, dtype=torch.float64)  # equal scores: the mean of visible values
+    k = torch.zeros(n, 1, 1, dtype=torch.float64)
+    v = torch.arange(n, dtype=torch.float64).view(n, 1, 1)
+    out = run_step(backend, [spec], [q], [k], [v], [n], [n], [[1, 2, 3]], 1.0)[0]
+    expected = [sum(range(max(0, p - window + 1), p + 1)) / min(p + 1, window) for p in range(n)]
+    assert out.view(-1).tolist() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("backend_path", ["triton_attention:TritonAttention"])
+def test_kernel_backends_refuse_sliding_models(backend_path: str) -> None:
+    module, name = backend_path.split(":")
+    cls = getattr(__import__(f"inferx_kernels_cuda.{module}", fromlist=[name]), name)
+    assert cls.features == frozenset() and not cls.supports_kv_groups
+    with pytest.raises(NotImplementedError, match="sliding.*triton attention"):
+        cls.check_layers(GROUP_LAYERS[:2], model="Qwen2ForCausalLM")
+    # A backend with the feature but one block table a sequence refuses several groups.
+    one_table = type("OneTable", (cls,), {"features": frozenset({"sliding"})})
+    with pytest.raises(NotImplementedError, match="2 KV cache groups"):
+        one_table.check_layers(GROUP_LAYERS[:2])
+    one_table.check_layers(GROUP_LAYERS[1:2])  # one sliding group is one table

@@ -278,3 +278,68 @@ def test_gemms_split_along_k_still_equal_transformers(checkpoint, expected, monk
     monkeypatch.setattr(quant_none, "split_k_bmm", lambda *a: calls.append(a[2]) or real(*a))
     assert generate(make_llm(checkpoint[0])) == expected
     assert calls and set(calls) == {4}
+
+
+# -- a model with sliding-window layers (two KV groups) ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sliding_checkpoint(tmp_path_factory):
+    """Qwen2 with a window of 8 tokens on layers 1 and 2 (max_window_layers=1): layer 0 is one
+    KV group, the sliding layers another."""
+    torch.manual_seed(0)
+    base = tiny_config("qwen2").to_dict()
+    for key in ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"):
+        base.pop(key, None)
+    cfg = transformers.Qwen2Config(
+        **{k: v for k, v in base.items() if k in tiny_config("qwen2").to_diff_dict()},
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+    )
+    assert cfg.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    path = tmp_path_factory.mktemp("qwen2-sliding")
+    model.save_pretrained(path)
+    return path, model, reference(model, PROMPTS)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {
+            "scheduler.prefill_chunk": 7,
+            "scheduler.max_batched_tokens": 16,
+            "scheduler.max_running": 4,
+            "kv_cache.block_size": 4,
+        },
+        # 39 usable blocks: a request of 112 tokens needs 28 full and 5 sliding ones at once
+        {"kv_cache.block_size": 4, "kv_cache.num_blocks": 40, "scheduler.prefill_chunk": 8},
+    ],
+    ids=["batched", "chunked", "preempted"],
+)
+def test_sliding_window_greedy_equals_transformers(sliding_checkpoint, overrides):
+    path, _, expected = sliding_checkpoint
+    assert max(map(len, PROMPTS)) > 8, "prompts longer than the window"
+    llm = make_llm(path, **overrides)
+    kv = llm.engine.kv
+    assert [(g.kind, g.window, g.layers) for g in kv.groups] == [
+        ("full", None, (0,)),
+        ("sliding", 8, (1, 2)),
+    ]
+    assert generate(llm) == expected
+    if "kv_cache.num_blocks" in overrides:
+        assert llm.engine.scheduler.stats().preemptions > 0
+    assert kv.usage() == 0.0
+
+
+def test_sliding_model_on_the_triton_backend_is_refused(sliding_checkpoint):
+    from inferx_core.executor import LoadError
+
+    with pytest.raises(LoadError, match="needs sliding attention .*triton attention backend"):
+        make_llm(sliding_checkpoint[0], **{"engine.attention_backend": "triton"})

@@ -8,6 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from inferx_core.interfaces.kv import KVLayerSpec, kv_groups
 from inferx_core.kv_manager import PagedKVManager
 from inferx_core.sequence import SamplingParams, Sequence
 
@@ -25,10 +26,12 @@ def computed(kv: PagedKVManager, s: Sequence, n: int) -> None:
 
 
 def tree_blocks(kv: PagedKVManager) -> list[int]:
+    """Every block id in the prefix tree (an entry is a tuple of one per group with groups)."""
     out, stack = [], list(kv.tree.root.children.values()) if kv.tree else []
     while stack:
         n = stack.pop()
-        out.extend(n.blocks)
+        for entry in n.blocks:
+            out.extend(entry if isinstance(entry, tuple) else [entry])
         stack.extend(n.children.values())
     return out
 
@@ -37,8 +40,10 @@ def check_accounting(kv: PagedKVManager, live: list[Sequence]) -> None:
     """Every usable block is exactly one of free, held by sequences, or cached only."""
     ref = [0] * kv.num_blocks
     for s in live:
-        for b in s.block_table:
-            ref[b] += 1
+        for table in s.block_tables:
+            for b in table:
+                if b:  # 0: a sliding group's block behind its window, given back
+                    ref[b] += 1
     assert ref == kv._ref, "reference counts disagree with the block tables"
     free = list(kv._free)
     assert len(set(free)) == len(free), "a block is on the free list twice"
@@ -50,7 +55,7 @@ def check_accounting(kv: PagedKVManager, live: list[Sequence]) -> None:
     assert not set(free) & (held | set(cached)), "a block in use is on the free list"
     assert set(free) | held | set(cached) == set(range(1, kv.num_blocks)), "a block leaked"
     assert 0 not in held | set(cached) | set(free)
-    evictable = kv.tree.evictable if kv.tree else 0
+    evictable = kv.tree.evictable * len(kv.groups) if kv.tree else 0
     assert evictable == len(cached_only), "a cached block is held but evictable, or stuck"
     assert kv.num_free_blocks() == len(free) + len(cached_only)
 
@@ -174,6 +179,52 @@ def test_blocks_in_use_are_not_evictable():
     check_accounting(kv, [a])
 
 
+# -- KV groups -----------------------------------------------------------------------------------
+
+FULL = KVLayerSpec(4, 2, 8)
+SLIDING = KVLayerSpec(4, 2, 8, kind="sliding", window=6)
+
+
+def test_groups_get_a_table_each_and_sliding_blocks_go_back():
+    kv = PagedKVManager(40, 4, groups=kv_groups([FULL, SLIDING, FULL]), max_chunk=4)
+    assert kv.tree is None, "no prefix cache with a sliding group"
+    s = seq(range(30))
+    computed(kv, s, 8)
+    assert [len(t) for t in s.block_tables] == [2, 2]
+    assert not set(s.block_tables[0]) & set(s.block_tables[1])
+    computed(kv, s, 4)  # queries from 8 see keys from 3: block 0 stays
+    assert s.block_tables[1][0] != 0
+    computed(kv, s, 1)  # from 12: keys from 7, so block 0 (positions 0-3) goes back
+    assert s.block_tables[1][0] == 0 and s.block_tables[1][1] != 0
+    assert len(s.block_tables[0]) == len(s.block_tables[1]) == 4
+    check_accounting(kv, [s])
+    # full: cdiv(n, 4); sliding: at most the 5 keys behind a 4-token chunk and the chunk
+    assert kv.blocks_needed(40) == 10 + min(10, -(-(6 - 1 + 4) // 4) + 1)
+    assert kv.blocks_needed(5) == 2 + 2
+    kv.free(s)
+    check_accounting(kv, [])
+    assert kv.num_free_blocks() == 39
+
+
+def test_prefix_cache_shares_every_groups_blocks():
+    kv = PagedKVManager(40, 4, groups=kv_groups([FULL, KVLayerSpec(4, 1, 8, kind="mla")]))
+    a = seq(range(14))
+    computed(kv, a, 14)
+    kv.commit(a)
+    b = seq(list(range(12)) + [99, 98])
+    assert kv.match_prefix(b) == 12
+    for g in range(2):
+        assert b.block_tables[g] == a.block_tables[g][:3]
+    check_accounting(kv, [a, b])
+    kv.free(a)
+    kv.free(b)
+    assert kv.num_free_blocks() == 39 and kv.usage() == 0.0
+    # Evicting frees whole entries: a's 3 cached entries are 6 blocks.
+    c = seq(range(200, 200 + 4 * 19))
+    assert kv.allocate(c, 4 * 19) and kv.tree.size == 0
+    check_accounting(kv, [c])
+
+
 # -- random operation sequences ------------------------------------------------------------------
 
 BS = 2
@@ -189,10 +240,14 @@ class KVMachine(RuleBasedStateMachine):
     """
 
     prefix_cache = True
+    layers: list[KVLayerSpec] | None = None  # None: one full group
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv = PagedKVManager(NUM_BLOCKS, BS, prefix_cache=self.prefix_cache)
+        groups = kv_groups(self.layers) if self.layers else None
+        self.kv = PagedKVManager(NUM_BLOCKS, BS, self.prefix_cache, groups=groups, max_chunk=6)
+        # group -> its window, or None (full): what the sequence's queries may still read
+        self.windows = [g.window for g in self.kv.groups]
         self.live: list[Sequence] = []
         self.content: dict[int, list[int | None]] = {}
 
@@ -200,7 +255,8 @@ class KVMachine(RuleBasedStateMachine):
     def admit(self, tokens: list[int]) -> None:
         s = seq(tokens)
         got = self.kv.match_prefix(s)
-        assert got % BS == 0 and got < len(tokens) and len(s.block_table) * BS == got
+        assert got % BS == 0 and got < len(tokens)
+        assert all(len(t) * BS == got for t in s.block_tables)
         s.num_computed = got
         self.live.append(s)
 
@@ -210,14 +266,13 @@ class KVMachine(RuleBasedStateMachine):
         s = data.draw(st.sampled_from(self.live))
         while s.num_computed + n > s.num_tokens:
             s.token_ids.append(data.draw(st.integers(1, 2)))  # a generated token
-        before = list(s.block_table)
         if not self.kv.allocate(s, s.num_computed + n):
-            assert s.block_table == before
-            return
+            return  # (a sliding group may have given back blocks behind its window)
         for p in range(s.num_computed, s.num_computed + n):
-            b = s.block_table[p // BS]
-            assert self.kv._ref[b] == 1 and not self.kv._cached[b], "write into a shared block"
-            self.content.setdefault(b, [None] * BS)[p % BS] = s.token_ids[p]
+            for table in s.block_tables:
+                b = table[p // BS]
+                assert b and self.kv._ref[b] == 1 and not self.kv._cached[b], "shared write"
+                self.content.setdefault(b, [None] * BS)[p % BS] = s.token_ids[p]
         s.num_computed += n
 
     @precondition(lambda self: self.live)
@@ -242,15 +297,19 @@ class KVMachine(RuleBasedStateMachine):
     @invariant()
     def kv_contents(self) -> None:
         for s in self.live:
-            for p in range(s.num_computed):
-                assert self.content[s.block_table[p // BS]][p % BS] == s.token_ids[p]
+            for table, window in zip(s.block_tables, self.windows, strict=False):
+                # A sliding group keeps at least the keys the next token's query reads.
+                first = max(0, s.num_computed - window + 1) if window else 0
+                for p in range(first, s.num_computed):
+                    assert self.content[table[p // BS]][p % BS] == s.token_ids[p]
         if self.kv.tree is None:
             return
         stack = list(self.kv.tree.root.children.values())
         while stack:
             node = stack.pop()
-            for i, b in enumerate(node.blocks):
-                assert self.content[b] == node.key[i * BS : (i + 1) * BS]
+            for i, entry in enumerate(node.blocks):
+                for b in entry if isinstance(entry, tuple) else [entry]:
+                    assert self.content[b] == node.key[i * BS : (i + 1) * BS]
             stack.extend(node.children.values())
 
     def teardown(self) -> None:
@@ -264,7 +323,27 @@ class KVMachineNoCache(KVMachine):
     prefix_cache = False
 
 
+class KVMachineSliding(KVMachine):
+    """A full and a sliding group (window 3 tokens, blocks of 2): no prefix cache."""
+
+    layers = [FULL, KVLayerSpec(4, 2, 8, kind="sliding", window=3)]
+
+
+class KVMachineTwoFull(KVMachine):
+    """A full and an MLA group: tree entries hold one block of each."""
+
+    layers = [FULL, KVLayerSpec(4, 1, 8, kind="mla")]
+
+
 TestKVManagerRandom = KVMachine.TestCase
+TestKVManagerRandomSliding = KVMachineSliding.TestCase
+TestKVManagerRandomSliding.settings = settings(
+    max_examples=40, stateful_step_count=40, deadline=None
+)
+TestKVManagerRandomTwoFull = KVMachineTwoFull.TestCase
+TestKVManagerRandomTwoFull.settings = settings(
+    max_examples=40, stateful_step_count=40, deadline=None
+)
 TestKVManagerRandom.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestKVManagerRandomNoCache = KVMachineNoCache.TestCase
 TestKVManagerRandomNoCache.settings = settings(

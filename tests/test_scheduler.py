@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inferx_core.config import SchedulerSection
-from inferx_core.interfaces import QueueFullError, SchedulerOutput
+from inferx_core.interfaces import KVLayerSpec, QueueFullError, SchedulerOutput, kv_groups
 from inferx_core.kv_manager import PagedKVManager
 from inferx_core.scheduler import ContinuousScheduler
 from inferx_core.sequence import PENDING, SamplingParams, Sequence, Status
@@ -42,15 +42,20 @@ def _all_blocks_come_back():
     _made.clear()
 
 
-def make(num_blocks=200, block_size=4, prefix_cache=True, max_model_len=MAX_LEN, **cfg):
+def make(
+    num_blocks=200, block_size=4, prefix_cache=True, max_model_len=MAX_LEN, groups=None, **cfg
+):
     cfg.setdefault("max_batched_tokens", 64)
     cfg.setdefault("prefill_chunk", 16)
     cfg.setdefault("max_running", 8)
     config = SchedulerSection(prefix_cache=prefix_cache, **cfg)
-    kv = PagedKVManager(num_blocks, block_size, prefix_cache=prefix_cache)
+    kv = PagedKVManager(
+        num_blocks, block_size, prefix_cache, groups=groups, max_chunk=cfg["prefill_chunk"]
+    )
     sched = ContinuousScheduler(config, kv, max_model_len)
     _made.append(sched)
-    return sched, FakeExecutor(num_blocks, block_size)
+    windows = {g.index: g.window or 0 for g in groups[1:]} if groups else None
+    return sched, FakeExecutor(num_blocks, block_size, windows)
 
 
 def seq(prompt, max_tokens=8, rid=None, eos=frozenset(), **params):
@@ -80,7 +85,7 @@ def check_step(sched: ContinuousScheduler, out: SchedulerOutput, before: list[Se
         assert len(s.block_table) * bs >= end, "chunk without blocks"
         assert s.num_pending <= 2 and all(t != PENDING for t in s.known_ids)
     for p in out.preempted:
-        assert p.status is Status.WAITING and p.num_computed == 0 and not p.block_table
+        assert p.status is Status.WAITING and p.num_computed == 0 and not any(p.block_tables)
         assert p not in seqs
     # Every running sequence that was not preempted gets its turn: decodes never stall. Only
     # a sequence whose pending token is its last (overlap) waits for update() to finish it.
@@ -91,12 +96,14 @@ def check_step(sched: ContinuousScheduler, out: SchedulerOutput, before: list[Se
     # A chunk writes only into blocks that no other running sequence can see.
     owners: dict[int, int] = {}
     for s in sched.running:
-        for b in s.block_table:
-            owners[b] = owners.get(b, 0) + 1
+        for table in s.block_tables:
+            for b in table:
+                if b:  # 0: a sliding group's block behind its window, freed
+                    owners[b] = owners.get(b, 0) + 1
     for c in out.chunks:
-        table = c.seq.block_table
-        for b in {table[p // bs] for p in range(c.start, c.start + c.num_tokens)}:
-            assert owners[b] == 1, f"{c.seq.request_id} writes into shared block {b}"
+        for table in c.seq.block_tables:
+            for b in {table[p // bs] for p in range(c.start, c.start + c.num_tokens)}:
+                assert owners[b] == 1, f"{c.seq.request_id} writes into shared block {b}"
     assert len(owners) == kv.num_usable_blocks - kv.num_free_blocks()
 
 
@@ -292,6 +299,44 @@ def test_preemption_keeps_outputs_identical(prefix_cache):
     assert sum(s.num_preemptions for s in seqs) == sched.stats().preemptions
     # Newest first: the first request admitted is never the one preempted.
     assert seqs[0].num_preemptions == 0
+
+
+SLIDING_GROUPS = kv_groups(
+    [KVLayerSpec(4, 2, 8), KVLayerSpec(4, 2, 8, kind="sliding", window=8), KVLayerSpec(4, 2, 8)]
+)
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_sliding_model_frees_its_window_and_never_preempts(prefix_cache):
+    # Per request of 40 + 40 tokens (79 stored): 20 full blocks of 4, and at most 7 sliding ones
+    # (the 7 keys behind a 16-token chunk and the chunk); 54 usable blocks hold two requests
+    # whole, though their sliding tables alone would need 40 blocks without freeing.
+    sched, ex = make(
+        num_blocks=55,
+        block_size=4,
+        prefix_cache=prefix_cache,
+        groups=SLIDING_GROUPS,
+        max_running=2,
+    )
+    assert sched.kv.blocks_needed(79) == 27
+    rng = random.Random(3)
+    seqs = [seq(p, max_tokens=40) for p in prompts(2, rng, lo=40, hi=41)]
+    done = run(sched, ex, [(0, s) for s in seqs])
+    check_outputs(done, seqs)
+    assert sched.stats().preemptions == 0
+    # A request that could never be held alone is refused up front, not preempted forever.
+    small, _ = make(num_blocks=27, block_size=4, prefix_cache=False, groups=SLIDING_GROUPS)
+    with pytest.raises(ValueError, match="27 KV blocks"):
+        small.add(seq(list(range(3, 43)), max_tokens=40))
+
+
+def test_sliding_model_preempts_and_recomputes_correctly():
+    # Six requests in 40 blocks: preemption frees both groups' tables and recompute refills them.
+    sched, ex = make(num_blocks=40, block_size=4, prefix_cache=False, groups=SLIDING_GROUPS)
+    seqs = [seq(p, max_tokens=30) for p in prompts(6, random.Random(4), lo=20, hi=40)]
+    done = run(sched, ex, [(0, s) for s in seqs])
+    check_outputs(done, seqs)
+    assert sched.stats().preemptions > 0
 
 
 def test_preempted_sequence_goes_to_the_front_of_the_queue():

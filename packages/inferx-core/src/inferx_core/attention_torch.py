@@ -23,16 +23,33 @@ class _Seq:
     causal: bool  # the queries are the whole context: SDPA's own causal mask is the right one
 
 
+@dataclass
+class _GroupStep:
+    """One KV group's part of the step: where new tokens go and which slots each layer reads."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    slots: torch.Tensor  # every sequence's visible context slots, in batch order
+    seqs: list[_Seq]
+
+
 class TorchAttention(AttentionBackend):
     """Gathers each sequence's context from the paged cache and runs SDPA on it, one sequence at
     a time.
 
     Cache layout, one tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim], K at
     index 0 and V at index 1, so that each of K and V flattens to [slots, heads, dim] as a view and
-    a slot (block_id * block_size + offset) indexes it directly.
+    a slot (block_id * block_size + offset) indexes it directly. With several KV groups the i-th
+    layers of the groups share one tensor where their shapes match: the groups draw blocks from
+    one pool, so their layers never use a block id at the same time.
+
+    Sliding layers gather only the context inside their window (a query at position p sees keys
+    in (p - window, p], as transformers' sliding_window_overlay); layers with learned sinks or a
+    softcap take a plain, slower path (_attend).
     """
 
     name = "torch attention"  # in error messages
+    features = frozenset({"sliding", "sinks", "softcap"})
+    supports_kv_groups = True
 
     def __init__(
         self,
@@ -56,68 +73,113 @@ class TorchAttention(AttentionBackend):
                     f"num_kv_heads {spec.num_kv_heads}"
                 )
         self.caches: list[torch.Tensor] = []
-        self._seqs: list[_Seq] = []
-        self._slots = torch.empty(0, dtype=torch.int64, device=device)
-        self._slot_mapping = torch.empty(0, dtype=torch.int64, device=device)
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        self._steps: list[_GroupStep] = [_GroupStep(empty, empty, [])]
+        # Each layer's cache tensor: (its rank in its group, its shape) names it.
+        rank = {i: k for g in self.groups for k, i in enumerate(g.layers)}
+        self._cache_keys = [(rank[i], s.num_kv_heads, s.head_dim) for i, s in enumerate(layers)]
 
     def bytes_per_block(self) -> int:
-        per_token = sum(2 * s.num_kv_heads * s.head_dim for s in self.layers)
+        per_token = sum(2 * heads * dim for _, heads, dim in set(self._cache_keys))
         return per_token * self.block_size * self.dtype.itemsize
 
     def allocate(self, num_blocks: int) -> None:
         self.caches = []
-        for s in self.layers:
-            shape = (2, num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
-            self.caches.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+        made: dict[tuple[int, int, int], torch.Tensor] = {}
+        for key in self._cache_keys:
+            if key not in made:
+                shape = (2, num_blocks, self.block_size, key[1], key[2])
+                made[key] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.caches.append(made[key])
 
     def begin_step(self, batch: AttentionBatch) -> None:
-        # The slots of every sequence's whole context, concatenated in batch order: each layer
+        tables = batch.group_block_tables or [batch.block_table]
+        mappings = batch.group_slot_mappings or [batch.slot_mapping]
+        steps = []
+        for g in self.groups:
+            i = g.index if len(tables) > 1 else 0
+            window = g.window if g.kind == "sliding" else None
+            steps.append(self._group_step(batch, tables[i], mappings[i], window))
+        self._steps = steps
+
+    def _group_step(
+        self,
+        batch: AttentionBatch,
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        window: int | None,
+    ) -> _GroupStep:
+        # The slots of every sequence's visible context, concatenated in batch order: each layer
         # gathers them with one index_select instead of one per sequence.
-        self._slot_mapping = batch.slot_mapping.to(self.device, torch.int64)
+        device = self.device
         bs = self.block_size
-        num_seqs, width = batch.block_table.shape
-        offsets = torch.arange(bs, device=self.device)
-        slots = (batch.block_table.to(self.device, torch.int64)[:, :, None] * bs + offsets).reshape(
+        num_seqs, width = block_table.shape
+        offsets = torch.arange(bs, device=device)
+        slots = (block_table.to(device, torch.int64)[:, :, None] * bs + offsets).reshape(
             num_seqs, width * bs
         )
-        positions = torch.arange(width * bs, device=self.device)
-        context_len = batch.context_len.to(self.device, torch.int64)
-        self._slots = slots[positions[None, :] < context_len[:, None]]
+        positions = torch.arange(width * bs, device=device)
+        context_len = batch.context_len.to(device, torch.int64)
+        visible = positions[None, :] < context_len[:, None]
+        # A sliding layer's earliest visible key: the first query's position - window + 1.
+        firsts = [0] * num_seqs
+        if window is not None:
+            firsts = [
+                max(0, c - q - window + 1)
+                for q, c in zip(batch.query_lens, batch.context_lens, strict=True)
+            ]
+            first = torch.tensor(firsts, dtype=torch.int64, device=device)
+            visible &= positions[None, :] >= first[:, None]
 
-        self._seqs = []
+        seqs = []
         q_start = ctx_start = 0
-        for q, c in zip(batch.query_lens, batch.context_lens, strict=True):
-            # A decode query sees every key; a fresh prompt is plain causal (and a mask of its
-            # size could be large); a chunk over a cached prefix needs its offset spelled out:
-            # query i is at position c - q + i and sees keys at positions up to that.
+        for q, c, lo in zip(batch.query_lens, batch.context_lens, firsts, strict=True):
+            # A decode query sees every gathered key; a fresh prompt within the window is plain
+            # causal (and a mask of its size could be large); a chunk over a cached prefix or
+            # past the window needs its mask spelled out: query i is at position c - q + i and
+            # sees keys up to that (and, sliding, after that - window).
             mask = None
-            if 1 < q < c:
-                key_pos = torch.arange(c, device=self.device)
-                query_pos = torch.arange(c - q, c, device=self.device)
+            causal = 1 < q == c and (window is None or q <= window)
+            if q > 1 and not causal:
+                key_pos = torch.arange(lo, c, device=device)
+                query_pos = torch.arange(c - q, c, device=device)
                 mask = key_pos[None, :] <= query_pos[:, None]
-            causal = 1 < q == c
-            self._seqs.append(_Seq(q_start, q_start + q, ctx_start, ctx_start + c, mask, causal))
+                if window is not None:
+                    mask &= key_pos[None, :] > query_pos[:, None] - window
+            seqs.append(_Seq(q_start, q_start + q, ctx_start, ctx_start + c - lo, mask, causal))
             q_start += q
-            ctx_start += c
+            ctx_start += c - lo
+        return _GroupStep(slot_mapping.to(device, torch.int64), slots[visible], seqs)
 
     def forward(
         self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         scale = layer.scale
+        step = self._steps[layer.group]
         cache = self.caches[layer.index]
         heads, dim = cache.shape[-2:]
         k_flat = cache[0].view(-1, heads, dim)
         v_flat = cache[1].view(-1, heads, dim)
         # Write first: the step's own tokens are part of the context the queries attend to.
-        k_flat.index_copy_(0, self._slot_mapping, k.to(cache.dtype))
-        v_flat.index_copy_(0, self._slot_mapping, v.to(cache.dtype))
-        keys = k_flat.index_select(0, self._slots).to(q.dtype)
-        values = v_flat.index_select(0, self._slots).to(q.dtype)
+        k_flat.index_copy_(0, step.slot_mapping, k.to(cache.dtype))
+        v_flat.index_copy_(0, step.slot_mapping, v.to(cache.dtype))
+        keys = k_flat.index_select(0, step.slots).to(q.dtype)
+        values = v_flat.index_select(0, step.slots).to(q.dtype)
 
         out = q.new_empty(q.shape[0], q.shape[1], dim)
         gqa = q.shape[1] != heads
         group = q.shape[1] // heads
-        for s in self._seqs:
+        plain = layer.sinks is None and not layer.spec.softcap
+        for s in step.seqs:
+            if not plain:
+                out[s.q_start : s.q_end] = _attend(
+                    q[s.q_start : s.q_end],
+                    keys[s.ctx_start : s.ctx_end],
+                    values[s.ctx_start : s.ctx_end],
+                    s,
+                    layer,
+                )
+                continue
             if s.q_end - s.q_start == 1:
                 # Decode: two small batched matmuls over [kv head, group, ...] cost half of what
                 # SDPA's set-up does at one query (measured on the CPU), same result to 1e-7.
@@ -139,3 +201,31 @@ class TorchAttention(AttentionBackend):
             )
             out[s.q_start : s.q_end] = o.transpose(0, 1)
         return out
+
+
+def _attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s: _Seq, layer: AttentionLayer
+) -> torch.Tensor:
+    """One sequence's attention with a softcap and/or learned sinks, in at least float32:
+    q [Q, Hq, D], keys / values [C, Hkv, D] -> [Q, Hq, D]."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    group = q.shape[1] // keys.shape[1]
+    k = keys.to(acc).repeat_interleave(group, dim=1)
+    v = values.to(acc).repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.to(acc), k) * layer.scale
+    cap = layer.spec.softcap
+    if cap:
+        scores = cap * torch.tanh(scores / cap)
+    mask = s.mask
+    if s.causal:
+        n = q.shape[0]
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if layer.sinks is not None:
+        # The sink is one more logit per head in the softmax, with no value: drop its column.
+        sink = layer.sinks.to(acc)[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)

@@ -49,18 +49,10 @@ def pack_aligned(parts: list[list[int]], dtype: torch.dtype) -> tuple[torch.Tens
     return host_tensor(flat, dtype), offsets
 
 
-def make_attention_batch(
-    query_lens: list[int],
-    context_lens: list[int],
-    block_tables: list[list[int]],
-    block_size: int,
-    device: torch.device | str = "cpu",
-) -> AttentionBatch:
-    """Layout for sequences whose last query_lens[i] tokens (of context_lens[i]) are new.
-
-    The new tokens' cache slots follow from each block table; tables are padded with 0 into one
-    [num_seqs, max_blocks] tensor.
-    """
+def _slots(
+    query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> list[int]:
+    """The cache slots of every sequence's new tokens, in order."""
     slots: list[int] = []
     for q, c, table in zip(query_lens, context_lens, block_tables, strict=True):
         if len(table) * block_size < c:
@@ -72,16 +64,38 @@ def make_attention_batch(
             first = table[block] * block_size + offset
             slots.extend(range(first, first + n))
             pos += n
+    return slots
+
+
+def _padded(block_tables: list[list[int]]) -> tuple[list[int], int]:
+    """The tables flattened row by row, each padded with 0 to the longest; and that width."""
     width = max((len(t) for t in block_tables), default=0)
-    padded = [t + [0] * (width - len(t)) for t in block_tables]
+    return [b for t in block_tables for b in t + [0] * (width - len(t))], width
+
+
+def make_attention_batch(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    group_tables: list[list[list[int]]] | None = None,
+) -> AttentionBatch:
+    """Layout for sequences whose last query_lens[i] tokens (of context_lens[i]) are new.
+
+    The new tokens' cache slots follow from each block table; tables are padded with 0 into one
+    [num_seqs, max_blocks] tensor. group_tables: for a model of several KV groups, each group's
+    tables (group_tables[0] is block_tables), which fill the batch's per-group fields.
+    """
+    slots = _slots(query_lens, context_lens, block_tables, block_size)
+    flat, width = _padded(block_tables)
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
     n = len(query_lens)
-    flat = [b for t in padded for b in t]
     packed, (_, at_ctx, at_table) = pack_aligned([starts, list(context_lens), flat], torch.int32)
     ints = to_device(packed, device)
-    return AttentionBatch(
+    batch = AttentionBatch(
         query_lens=list(query_lens),
         context_lens=list(context_lens),
         block_tables=[list(t) for t in block_tables],
@@ -90,3 +104,13 @@ def make_attention_batch(
         block_table=ints[at_table : at_table + n * width].view(n, width),
         context_len=ints[at_ctx : at_ctx + n],
     )
+    if group_tables is not None and len(group_tables) > 1:
+        batch.group_block_tables.append(batch.block_table)
+        batch.group_slot_mappings.append(batch.slot_mapping)
+        for tables in group_tables[1:]:
+            g_slots = _slots(query_lens, context_lens, tables, block_size)
+            g_flat, g_width = _padded(tables)
+            g_table = to_device(host_tensor(g_flat, torch.int32), device).view(n, g_width)
+            batch.group_block_tables.append(g_table)
+            batch.group_slot_mappings.append(to_device(host_tensor(g_slots, torch.int64), device))
+    return batch

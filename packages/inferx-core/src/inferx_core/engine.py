@@ -119,8 +119,17 @@ class Engine:
             config.model.max_model_len or 4096
         )
         kv_cls = reg.get("kv_manager", config.kv_cache.manager)
+        # A model of several KV groups (or a sliding one) tells the manager its groups, and the
+        # most tokens a step adds to a sequence, which bounds what a sliding group holds.
+        kv_args: dict[str, Any] = {}
+        groups = getattr(executor, "kv_groups", None)
+        if groups and (len(groups) > 1 or groups[0].kind != "full"):
+            kv_args = {"groups": groups, "max_chunk": config.scheduler.prefill_chunk}
         self.kv: KVManager = kv_cls(  # type: ignore[operator]
-            executor.num_kv_blocks, executor.block_size, prefix_cache=config.scheduler.prefix_cache
+            executor.num_kv_blocks,
+            executor.block_size,
+            prefix_cache=config.scheduler.prefix_cache,
+            **kv_args,
         )
         sched_cls = reg.get("scheduler", config.scheduler.name)
         self.scheduler: Scheduler = sched_cls(  # type: ignore[operator]

@@ -318,6 +318,7 @@ class ModelRunner(Executor):
         self.attention: AttentionBackend = backend_cls(  # type: ignore[operator]
             self.kv_layout, self.block_size, self.dtype, self.device
         )
+        self.kv_groups = self.attention.groups  # for the KV manager: one block table per group
         quant = build_quant_scheme(config, ckpt.hf_config, reg)
         ops_cls = reg.get("kernel_ops", pick_kernel_ops(config.engine.kernels, self.device, reg))
         ctx = BuildContext(self.dtype, self.device, self.attention, quant, ops_cls())  # type: ignore[operator]
@@ -431,7 +432,10 @@ class ModelRunner(Executor):
             hidden = self.mixed.run(ids, positions, make_attention_batch(*layout), fill)
             rows = to_device(torch.tensor(sample_rows, dtype=torch.long), self.device)
         else:
-            self.attention.begin_step(make_attention_batch(*layout, self.device))
+            groups = None  # one group: its tables are the layout's (graphs run single-group only)
+            if len(self.kv_groups) > 1:
+                groups = [[c.seq.block_tables[g.index] for c in chunks] for g in self.kv_groups]
+            self.attention.begin_step(make_attention_batch(*layout, self.device, groups))
             # Each part 16-byte aligned: a slice at an odd token count would be a pointer
             # alignment Triton compiles another kernel variant for, mid-serving.
             host, (_, at_pos, at_rows) = pack_aligned([ids, positions, sample_rows], torch.long)

@@ -77,7 +77,9 @@ class Sequence:
         step in flight); update() fills them in.
     num_computed: tokens at the front of `token_ids` whose KV is in the cache or is being written
         by a step already scheduled (the device runs steps in order).
-    block_table: KV block ids, in order, covering at least `num_computed` tokens.
+    block_tables: one table of KV block ids per KV group (group 0 first), in order, covering at
+        least `num_computed` tokens; a sliding group's entries behind its window are 0 (freed).
+        `block_table` is group 0's.
     num_cached: prompt tokens that the prefix cache supplied at the last admission.
     """
 
@@ -86,7 +88,7 @@ class Sequence:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     num_prompt: int = -1  # set from token_ids at construction
     status: Status = Status.WAITING
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
     num_computed: int = 0
     num_cached: int = 0
     num_preemptions: int = 0
@@ -99,6 +101,15 @@ class Sequence:
         self.token_ids = list(self.token_ids)
         if self.num_prompt < 0:
             self.num_prompt = len(self.token_ids)
+
+    @property
+    def block_table(self) -> list[int]:
+        """Group 0's block table (the only one of a single-group model)."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
 
     @property
     def prompt_ids(self) -> list[int]:

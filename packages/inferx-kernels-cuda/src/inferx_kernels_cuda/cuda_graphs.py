@@ -62,6 +62,9 @@ def eager_reason(enabled: bool, device: torch.device, attention: AttentionBacken
         return f"the device is {device.type}, not cuda"
     if not attention.supports_cuda_graphs:
         return f"the {type(attention).__name__} attention backend does not support CUDA graphs"
+    if len(attention.groups) > 1:
+        # The graph runners' static buffers hold one block table a sequence.
+        return f"the model has {len(attention.groups)} KV cache groups; CUDA graphs handle one"
     return None
 
 

@@ -139,6 +139,10 @@ class FlashInferAttention(TorchAttention):
     """
 
     name = "flashinfer attention"
+    # Not TorchAttention's: these kernels read one full-attention block table, no window, sinks
+    # or softcap, so start-up refuses models that need them (check_layers).
+    features: frozenset[str] = frozenset()
+    supports_kv_groups = False
     supports_cuda_graphs = True
     # Split-KV partial outputs (fp32), shared by every wrapper. FlashInfer suggests 128 MiB, but
     # a prompt chunk over a long cached context with Qwen2.5-3B's 16 query heads plans 132 MiB.

@@ -187,6 +187,10 @@ class TritonAttention(TorchAttention):
     """
 
     name = "triton attention"
+    # Not TorchAttention's: these kernels read one full-attention block table, no window, sinks
+    # or softcap, so start-up refuses models that need them (check_layers).
+    features: frozenset[str] = frozenset()
+    supports_kv_groups = False
     max_splits = 64
     supports_cuda_graphs = True
     replays_on_current_stream = True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,12 @@ class AttentionBatch:
     query_lens[i]: new tokens of sequence i this step; context_lens[i]: its tokens in the cache
     once this step has written them (start + query_len). slot_mapping[t]: the cache slot
     (block_id * block_size + offset) that new token t is written to.
+
+    KV groups: block_tables, block_table and slot_mapping are group 0's. A model of several
+    groups gets every group's in group_block_tables / group_slot_mappings (index 0: the same
+    tensors as block_table / slot_mapping); a layer reads those of its AttentionLayer.group. They
+    are empty for a single group, and also in the executor's profiling and warm-up steps, whose
+    groups all read group 0's fields (dry runs over fresh blocks).
     """
 
     query_lens: list[int]
@@ -54,6 +60,8 @@ class AttentionBatch:
     # (make_attention_batch writes 0; the CUDA-graph runner leaves older ids there)
     block_table: torch.Tensor
     context_len: torch.Tensor  # [num_seqs] int32
+    group_block_tables: list[torch.Tensor] = field(default_factory=list)
+    group_slot_mappings: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:
@@ -93,7 +101,9 @@ class AttentionBackend(ABC):
 
     `features` says what the backend supports beyond plain full attention in the model's dtype
     (FEATURES; KVLayerSpec.needs() says what a layer requires): start-up refuses a model whose
-    layers need what the chosen backend lacks, naming both (check_layers).
+    layers need what the chosen backend lacks, naming both (check_layers). A model whose layers
+    form several KV groups (kv_groups) needs `supports_kv_groups`: forward() then reads the
+    layer's group's block tables and slot mapping (AttentionBatch.group_block_tables).
 
     CUDA graphs (decode only) are optional: a backend that sets `supports_cuda_graphs` keeps the
     metadata of decode batches in static buffers, so that kernels captured once read each later
@@ -124,6 +134,7 @@ class AttentionBackend(ABC):
 
     name: str = "attention backend"  # in error messages
     features: frozenset[str] = frozenset()
+    supports_kv_groups: bool = False
     supports_cuda_graphs: bool = False
     replays_on_current_stream: bool = False
     supports_mixed_graphs: bool = False
@@ -165,7 +176,8 @@ class AttentionBackend(ABC):
     @classmethod
     def check_layers(cls, layers: list[KVLayerSpec], model: str = "the model") -> None:
         """Raise NotImplementedError naming the layer, the feature and this backend when a
-        layer needs a feature the backend lacks."""
+        layer needs a feature the backend lacks, or the layers form several KV groups and the
+        backend reads one."""
         for i, spec in enumerate(layers):
             missing = spec.needs() - cls.features
             if missing:
@@ -174,6 +186,13 @@ class AttentionBackend(ABC):
                     f"the {cls.name} backend does not support (it supports: "
                     f"{', '.join(sorted(cls.features)) or 'plain full attention'})"
                 )
+        groups = kv_groups(layers)
+        if len(groups) > 1 and not cls.supports_kv_groups:
+            kinds = ", ".join(g.kind + (f" {g.window}" if g.window else "") for g in groups)
+            raise NotImplementedError(
+                f"{model} has {len(groups)} KV cache groups ({kinds}), which the {cls.name} "
+                "backend does not support (it reads one block table a sequence)"
+            )
 
     @abstractmethod
     def bytes_per_block(self) -> int:
