@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import interpreted  # noqa: E402
 from test_models import Runner, hf_logits, rel_err  # noqa: E402
 
 from inferx_core.cli import main  # noqa: E402
@@ -23,6 +24,7 @@ from inferx_core.interfaces.model import BuildContext  # noqa: E402
 from inferx_core.plugins import plugins  # noqa: E402
 from inferx_core.quant_none import Unquantized  # noqa: E402
 from inferx_core.sequence import SamplingParams  # noqa: E402
+from inferx_models.presets import preset  # noqa: E402
 from inferx_models.qwen3 import (  # noqa: E402
     Qwen3ForCausalLM,
     Qwen3MoeForCausalLM,
@@ -268,9 +270,35 @@ def test_checkpoint_command_writes_a_loadable_preset(tmp_path: Path, capsys, nam
     )
 
 
-def test_published_presets_have_the_published_shapes():
-    from inferx_models.presets import preset
+@interpreted
+def test_fused_rotary_backend_gets_normed_q_and_k(monkeypatch: pytest.MonkeyPatch):
+    """The triton backend rotates q and k itself (forward_with_rotary): the q/k norm runs
+    before it. In decode-only steps, where the backend would take the QKV GEMM's K-split parts,
+    the norm needs the whole product and the backend gets that. TritonOps and TritonAttention
+    against TorchOps and TorchAttention, fp32."""
+    pytest.importorskip("triton")
+    from test_kernel_ops import assert_steps_match_torch_ops, model_weights, run_model
 
+    from inferx_kernels_cuda.ops import TritonOps
+    from inferx_kernels_cuda.triton_attention import TritonAttention
+
+    calls: list[tuple[bool, int]] = []
+    real = TritonAttention.forward_with_rotary
+
+    def spy(self: TritonAttention, layer: Any, q: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        calls.append((self.takes_qkv_parts(), q.dim()))
+        return real(self, layer, q, *args, **kw)
+
+    monkeypatch.setattr(TritonAttention, "forward_with_rotary", spy)
+    cfg = preset("tiny-qwen3") | {"head_dim": 32}  # a head dim the triton backend takes
+    weights = model_weights(cfg, seed=3)
+    cpu = torch.device("cpu")
+    ours = run_model(cfg, TritonOps(), weights, torch.float32, cpu, TritonAttention)
+    assert_steps_match_torch_ops(cfg, weights, ours)
+    assert (True, 3) in calls and all(dim == 3 for _, dim in calls)  # whole q, never parts
+
+
+def test_published_presets_have_the_published_shapes():
     dense = Qwen3ForCausalLM.checkpoint_shapes(preset("qwen3-8b"))
     assert dense["model.layers.35.self_attn.q_proj.weight"] == (4096, 4096)
     assert dense["model.layers.0.self_attn.k_norm.weight"] == (128,)
