@@ -197,7 +197,8 @@ class RotaryEmbedding(nn.Module):
 
 class Attention(nn.Module):
     """Self-attention of one layer: fused QKV projection, rotary positions, the backend's paged
-    attention (which owns the cache), output projection."""
+    attention (which owns the cache), output projection. With `qk_norm_eps` (Qwen3) each q and
+    k head is RMS-normed over head_dim before the rotary (weights `q_norm`, `k_norm`)."""
 
     def __init__(
         self,
@@ -211,6 +212,7 @@ class Attention(nn.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         prefix: str = "",
+        qk_norm_eps: float | None = None,
     ) -> None:
         super().__init__()
         prefix = prefix or f"model.layers.{layer}.self_attn"
@@ -233,6 +235,11 @@ class Attention(nn.Module):
         self.o_proj = linear(
             ctx, f"{prefix}.o_proj", num_heads * head_dim, [hidden_size], o_bias, "row"
         )
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, ctx)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, ctx)
         self.tp = _tp(ctx)
         self.rotary = rotary
         self.backend = ctx.attention
@@ -241,8 +248,9 @@ class Attention(nn.Module):
 
     def _takes_parts(self) -> bool:
         # A backend may take the QKV GEMM's K-split partial results and add them up (and the
-        # bias) itself, where the thinner GEMMs read the weight faster (decode steps).
-        return self.backend.fuses_rotary and self.backend.takes_qkv_parts()
+        # bias) itself, where the thinner GEMMs read the weight faster (decode steps). A q/k
+        # norm needs the whole q and k, so it takes the summed product.
+        return self.q_norm is None and self.backend.fuses_rotary and self.backend.takes_qkv_parts()
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, parts: bool = False
@@ -281,6 +289,8 @@ class Attention(nn.Module):
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.q_norm is not None and self.k_norm is not None:  # never parted (_takes_parts)
+            q, k = self.q_norm(q), self.k_norm(k)  # before the rotary, fused or not
         if self.backend.fuses_rotary:
             # bias= only with parts, keep_splits= only where the backend keeps splits: a
             # backend that never takes them need not know the keywords

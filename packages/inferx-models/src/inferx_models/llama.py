@@ -10,6 +10,7 @@ from torch import nn
 
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_core.interfaces.model import BuildContext, ModelArch
+from inferx_core.interfaces.quant import QuantLinear
 from inferx_core.parallel import SINGLE, ParallelContext
 from inferx_models.layers import (
     Attention,
@@ -89,19 +90,29 @@ class DecoderLayer(nn.Module):
         cfg: dict[str, Any],
         layer: int,
         rotary: RotaryEmbedding,
-        biases: tuple[bool, bool, bool],
+        arch: type[LlamaForCausalLM],
         ctx: BuildContext,
     ) -> None:
         super().__init__()
         hidden, heads, kv_heads, head_dim = _dims(cfg)
-        qkv_bias, o_bias, mlp_bias = biases
+        qkv_bias, o_bias, _ = arch.biases(cfg)
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(hidden, eps, ctx)
+        qk_norm_eps = eps if arch.qk_norm else None
         self.self_attn = Attention(
-            layer, hidden, heads, kv_heads, head_dim, rotary, ctx, qkv_bias, o_bias
+            layer,
+            hidden,
+            heads,
+            kv_heads,
+            head_dim,
+            rotary,
+            ctx,
+            qkv_bias,
+            o_bias,
+            qk_norm_eps=qk_norm_eps,
         )
         self.post_attention_layernorm = RMSNorm(hidden, eps, ctx)
-        self.mlp = MLP(hidden, cfg["intermediate_size"], mlp_bias, ctx, f"model.layers.{layer}.mlp")
+        self.mlp = arch.build_mlp(cfg, layer, ctx)
 
     def forward(
         self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None
@@ -121,7 +132,7 @@ class LlamaModel(nn.Module):
     """The decoder stack, named as in Hugging Face checkpoints (the "model." prefix)."""
 
     def __init__(
-        self, cfg: dict[str, Any], biases: tuple[bool, bool, bool], ctx: BuildContext
+        self, cfg: dict[str, Any], arch: type[LlamaForCausalLM], ctx: BuildContext
     ) -> None:
         super().__init__()
         hidden, _, _, head_dim = _dims(cfg)
@@ -130,7 +141,7 @@ class LlamaModel(nn.Module):
             head_dim, cfg.get("max_position_embeddings", 2048), rope_parameters(cfg), ctx.device
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, rotary, biases, ctx) for i in range(cfg["num_hidden_layers"])
+            DecoderLayer(cfg, i, rotary, arch, ctx) for i in range(cfg["num_hidden_layers"])
         )
         self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6), ctx)
         self.ops = ctx.ops
@@ -147,13 +158,38 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(ModelArch):
     """LlamaForCausalLM: Llama 1, 2, 3, 3.1 (llama3 rope scaling), 3.2, and look-alikes such as
-    SmolLM2. `attention_bias` and `mlp_bias` from the config are honoured."""
+    SmolLM2. `attention_bias` and `mlp_bias` from the config are honoured.
+
+    Subclasses vary it through `biases`, `qk_norm` and `build_mlp` / `mlp_shapes` (a layer's
+    MLP and its checkpoint tensors)."""
+
+    # RMSNorm of each q and k head over head_dim before the rotary (Qwen3)
+    qk_norm = False
 
     @classmethod
     def biases(cls, hf_config: dict[str, Any]) -> tuple[bool, bool, bool]:
         """Which projections carry a bias: (q/k/v, o, mlp)."""
         attn = bool(hf_config.get("attention_bias", False))
         return attn, attn, bool(hf_config.get("mlp_bias", False))
+
+    @classmethod
+    def build_mlp(cls, hf_config: dict[str, Any], layer: int, ctx: BuildContext) -> nn.Module:
+        """Layer `layer`'s MLP: a module with forward_normed(x, residual, norm) (MLP's)."""
+        hidden, inter = hf_config["hidden_size"], hf_config["intermediate_size"]
+        bias = cls.biases(hf_config)[2]
+        return MLP(hidden, inter, bias, ctx, f"model.layers.{layer}.mlp")
+
+    @classmethod
+    def mlp_shapes(cls, hf_config: dict[str, Any], layer: int) -> list[tuple[str, int, int, bool]]:
+        """Layer `layer`'s MLP projections in the checkpoint: (name below the layer, rows,
+        columns, whether it has a bias)."""
+        hidden, inter = hf_config["hidden_size"], hf_config["intermediate_size"]
+        bias = cls.biases(hf_config)[2]
+        return [
+            ("mlp.gate_proj", inter, hidden, bias),
+            ("mlp.up_proj", inter, hidden, bias),
+            ("mlp.down_proj", hidden, inter, bias),
+        ]
 
     @classmethod
     def kv_layout(
@@ -183,23 +219,23 @@ class LlamaForCausalLM(ModelArch):
     @classmethod
     def checkpoint_shapes(cls, hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         hidden, heads, kv_heads, head_dim = _dims(hf_config)
-        inter, vocab = hf_config["intermediate_size"], hf_config["vocab_size"]
-        qkv_bias, o_bias, mlp_bias = cls.biases(hf_config)
-        projections = [
+        vocab = hf_config["vocab_size"]
+        qkv_bias, o_bias, _ = cls.biases(hf_config)
+        attention = [
             ("self_attn.q_proj", heads * head_dim, hidden, qkv_bias),
             ("self_attn.k_proj", kv_heads * head_dim, hidden, qkv_bias),
             ("self_attn.v_proj", kv_heads * head_dim, hidden, qkv_bias),
             ("self_attn.o_proj", hidden, heads * head_dim, o_bias),
-            ("mlp.gate_proj", inter, hidden, mlp_bias),
-            ("mlp.up_proj", inter, hidden, mlp_bias),
-            ("mlp.down_proj", hidden, inter, mlp_bias),
         ]
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
         for i in range(hf_config["num_hidden_layers"]):
             prefix = f"model.layers.{i}."
             shapes[prefix + "input_layernorm.weight"] = (hidden,)
             shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
-            for name, rows, cols, bias in projections:
+            if cls.qk_norm:
+                shapes[prefix + "self_attn.q_norm.weight"] = (head_dim,)
+                shapes[prefix + "self_attn.k_norm.weight"] = (head_dim,)
+            for name, rows, cols, bias in attention + cls.mlp_shapes(hf_config, i):
                 shapes[f"{prefix}{name}.weight"] = (rows, cols)
                 if bias:
                     shapes[f"{prefix}{name}.bias"] = (rows,)
@@ -219,7 +255,7 @@ class LlamaForCausalLM(ModelArch):
             )
         self.hf_config = hf_config
         self.tied = bool(hf_config.get("tie_word_embeddings", False))
-        self.model = LlamaModel(hf_config, self.biases(hf_config), ctx)
+        self.model = LlamaModel(hf_config, type(self), ctx)
         # The vocabulary projection stays in the serving dtype, like the embedding it is often
         # tied to (then it shares its weight); quantized checkpoints leave it unquantized too.
         tied = self.model.embed_tokens.weight if self.tied else None
@@ -242,7 +278,6 @@ class LlamaForCausalLM(ModelArch):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         arch = type(self).__name__
-        expected = self.checkpoint_shapes(self.hf_config)
         seen: set[str] = set()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
@@ -254,9 +289,9 @@ class LlamaForCausalLM(ModelArch):
             if leaf in FUSED:
                 fused, part = FUSED[leaf]
                 self._submodule(f"{parent}.{fused}", name).load(kind, tensor, part)
-            elif isinstance(module := self._submodule(path, name), VocabShard):
+            elif isinstance(module := self._submodule(path, name), VocabShard | QuantLinear):
                 try:
-                    module.load(kind, tensor)  # keeps this rank's rows
+                    module.load(kind, tensor)  # keeps this rank's share
                 except ValueError as exc:
                     raise ValueError(f"{arch}: checkpoint tensor {name!r}: {exc}") from None
             else:
@@ -270,10 +305,14 @@ class LlamaForCausalLM(ModelArch):
                     )
                 param.copy_(tensor)
             seen.add(name)
-        missing = sorted(set(expected) - seen)
+        missing = sorted(self._expected_names() - seen)
         if missing:
             listed = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
             raise ValueError(f"{arch}: checkpoint lacks {len(missing)} tensors: {listed}")
+
+    def _expected_names(self) -> set[str]:
+        """The checkpoint tensors load_weights requires by name."""
+        return set(self.checkpoint_shapes(self.hf_config))
 
     def _submodule(self, path: str, name: str) -> nn.Module:
         try:

@@ -8,6 +8,8 @@ from inferx_core.hookspecs import Register, hookimpl
 def inferx_model_archs(register: Register) -> None:
     register("LlamaForCausalLM", "inferx_models.llama:LlamaForCausalLM")
     register("Qwen2ForCausalLM", "inferx_models.llama:Qwen2ForCausalLM")
+    register("Qwen3ForCausalLM", "inferx_models.qwen3:Qwen3ForCausalLM")
+    register("Qwen3MoeForCausalLM", "inferx_models.qwen3:Qwen3MoeForCausalLM")
 
 
 @hookimpl
