@@ -223,8 +223,6 @@ def create_app(srv: ServerState) -> Litestar:
         """OpenAI's chat completions, rendered with the model's chat template."""
         _check_accepting(srv)
         _check_model(srv, data.model)
-        if not data.messages:
-            raise OpenAIError(400, "messages must not be empty", param="messages")
         _check_stream_options(data)
         if data.top_logprobs is not None and not data.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -311,12 +309,12 @@ def create_app(srv: ServerState) -> Litestar:
     async def tokenize(data: JSONBody[TokenizeRequest]) -> TokenizeResponse:
         """Token ids of a prompt (as /v1/completions encodes it) or of chat messages."""
         _check_model(srv, data.model)
-        if (data.prompt is None) == (data.messages is None):
-            raise OpenAIError(400, "give either prompt or messages", param="prompt")
-        if data.messages is not None:
-            ids = await _chat_ids(srv, data.messages, data.add_generation_prompt)
+        if (data.prompt is UNSET) == (data.messages is UNSET):
+            raise OpenAIError(400, "give either prompt or messages, not both", param="prompt")
+        if data.messages is not UNSET:
+            ids = await _chat_ids(srv, data.messages, bool(data.add_generation_prompt))
         else:
-            ids = (await _encode(srv, [data.prompt], data.add_special_tokens))[0]
+            ids = (await _encode(srv, [data.prompt], bool(data.add_special_tokens)))[0]
         return TokenizeResponse(ids, len(ids), srv.max_model_len)
 
     @post(
@@ -356,7 +354,11 @@ def create_app(srv: ServerState) -> Litestar:
         """Prometheus text format."""
         return srv.metrics.render()
 
-    async def check_key(request: Request) -> None:
+    async def before(request: Request) -> None:
+        # litestar hands an empty body to no decoder and reports the missing handler argument
+        # ('data'); say what is missing instead.
+        if request.method == "POST" and not await request.body():
+            raise OpenAIError(400, "the request body is empty; expected a JSON object")
         if srv.api_key is None or not request.url.path.startswith("/v1/"):
             return
         if request.headers.get("authorization", "") != f"Bearer {srv.api_key}":
@@ -374,7 +376,7 @@ def create_app(srv: ServerState) -> Litestar:
 
     return Litestar(
         [completions, chat_completions, models, model, tokenize, detokenize, health, metrics],
-        before_request=check_key,
+        before_request=before,
         exception_handlers={
             OpenAIError: _openai_error,
             HTTPException: _http_error,

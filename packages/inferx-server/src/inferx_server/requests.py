@@ -119,6 +119,8 @@ def _sampling(
 ) -> list[SamplingParams]:
     """One SamplingParams per choice; a seeded request gives choice i the seed seed + i, so the
     choices differ from each other and each is reproducible."""
+    if req.logit_bias:
+        raise OpenAIError(400, "logit_bias is not supported yet", param="logit_bias")
     stop = req.stop if isinstance(req.stop, list) else [req.stop] if req.stop else []
     if any(not s for s in stop):
         raise OpenAIError(400, "stop strings must not be empty", param="stop")
@@ -179,10 +181,20 @@ async def _chat_ids(
     srv: ServerState, messages: list[ChatMessage], add_generation_prompt: bool
 ) -> list[int]:
     chat = []
-    for m in messages:
+    for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
+        elif content is None:
+            # An assistant turn may be empty (SDKs send null for a reply that was all tool
+            # calls); templates would fail on None with a message about their own internals.
+            if m.role != "assistant":
+                raise OpenAIError(
+                    400,
+                    f"messages[{i}].content is null; only an assistant message may be empty",
+                    param=f"messages[{i}].content",
+                )
+            content = ""
         # Templates know "system"; OpenAI's newer "developer" role means the same to them.
         message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
         message["content"] = content
