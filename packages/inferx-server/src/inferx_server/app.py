@@ -150,7 +150,7 @@ def create_app(srv: ServerState) -> Litestar:
             ids = next(encoded) if isinstance(p, str) else p
             _check_ids(srv, ids, "prompt")
             max_tokens = _max_tokens(srv, data.max_tokens, 16, len(ids), "max_tokens", "prompt")
-            items += [(ids, sp) for sp in _sampling(data, max_tokens, data.logprobs)]
+            items += [(ids, sp) for sp in _sampling(srv, data, max_tokens, data.logprobs)]
         rid = f"cmpl-{uuid.uuid4().hex}"
         sub = await _start(srv, items, rid)
         created = int(time.time())
@@ -238,7 +238,7 @@ def create_app(srv: ServerState) -> Litestar:
         max_tokens = _max_tokens(srv, requested, None, len(ids), param, "messages")
         top_n = data.top_logprobs or 0
         logprobs = top_n if data.logprobs else None
-        items = [(ids, sp) for sp in _sampling(data, max_tokens, logprobs)]
+        items = [(ids, sp) for sp in _sampling(srv, data, max_tokens, logprobs)]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         sub = await _start(srv, items, rid)
         created = int(time.time())

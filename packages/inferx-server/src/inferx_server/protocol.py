@@ -225,7 +225,8 @@ def decode_request(body: bytes, type_: type[Any]) -> Any:
     except msgspec.ValidationError as exc:
         m = _AT.match(str(exc))
         assert m is not None  # the pattern matches any string
-        msg, path = m.group("msg"), (m.group("path") or "").lstrip(".")
+        # A dict's values are at `$.name[...]`: the parameter is the dict.
+        msg, path = m.group("msg"), (m.group("path") or "").lstrip(".").replace("[...]", "")
         top = path.split("[", 1)[0].split(".", 1)[0]
         if top in NOOP_ONLY:
             raise OpenAIError(

@@ -114,20 +114,38 @@ def _max_tokens(
     return requested
 
 
+def _token_params(srv: ServerState, req: CompletionRequest | ChatCompletionRequest) -> None:
+    """stop_token_ids and logit_bias name token ids of the vocabulary."""
+    vocab = srv.tokenizer.vocab_size
+    for t in req.stop_token_ids or ():
+        if t >= vocab:
+            raise OpenAIError(
+                400, f"token id {t} is outside the vocabulary [0, {vocab})", param="stop_token_ids"
+            )
+    for key in req.logit_bias or {}:
+        if int(key) >= vocab:
+            raise OpenAIError(
+                400,
+                f"token id {key} is outside the vocabulary [0, {vocab})",
+                param=f"logit_bias.{key}",
+            )
+
+
 def _sampling(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
+    srv: ServerState,
+    req: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    logprobs: int | None,
 ) -> list[SamplingParams]:
     """One SamplingParams per choice; a seeded request gives choice i the seed seed + i, so the
     choices differ from each other and each is reproducible."""
-    if req.logit_bias:
-        raise OpenAIError(400, "logit_bias is not supported yet", param="logit_bias")
-    stop = req.stop if isinstance(req.stop, list) else [req.stop] if req.stop else []
-    if any(not s for s in stop):
-        raise OpenAIError(400, "stop strings must not be empty", param="stop")
+    _token_params(srv, req)
+    stop = req.stop if isinstance(req.stop, list) else [req.stop]
     kw: dict[str, Any] = dict(
         max_tokens=max_tokens,
-        stop=tuple(stop),
+        stop=tuple(s for s in stop if s),  # an empty stop string stops nothing, as in OpenAI
         stop_token_ids=tuple(req.stop_token_ids or ()),
+        logit_bias=tuple((int(k), v) for k, v in (req.logit_bias or {}).items()),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
