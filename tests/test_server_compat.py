@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from test_server_api import _error, serve
+from test_server_api import FakeExecutor, _error, serve
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -151,3 +151,17 @@ def test_empty_body_says_so(server: Any) -> None:
             r = httpx.post(server.url + path, content=body)
             err = _error(r, 400)
             assert err["message"] == "the request body is empty; expected a JSON object", path
+
+
+def test_a_request_that_can_never_fit_is_a_400_not_a_429() -> None:
+    with serve(FakeExecutor(num_kv_blocks=8), **{"scheduler.max_waiting": 10}) as t:
+        url = t.url + "/v1/completions"
+        err = _error(httpx.post(url, json={"prompt": ["a", "b", "c"], "n": 4}), 400, "prompt")
+        assert "12 sequences" in err["message"] and "scheduler.max_waiting" in err["message"]
+        err = _error(httpx.post(url, json={"prompt": "a", "n": 11}), 400, "n")
+        assert err["code"] == "request_too_large"
+        ok = httpx.post(url, json={"prompt": ["a", "b"], "n": 5, "max_tokens": 2})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 10
+        # One sequence longer than the whole KV cache (7 usable blocks of 16 tokens).
+        err = _error(httpx.post(url, json={"prompt": "a", "max_tokens": 200}), 400)
+        assert "KV blocks" in err["message"]

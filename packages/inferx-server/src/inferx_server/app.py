@@ -48,6 +48,7 @@ from inferx_server.requests import (
     RETRY_AFTER,
     _chat_ids,
     _check_accepting,
+    _check_fits,
     _check_ids,
     _check_model,
     _check_stream_options,
@@ -83,6 +84,7 @@ class ServerState:
     max_model_len: int
     metrics: Metrics
     aliases: frozenset[str] = frozenset()  # other names a request's `model` may use
+    max_waiting: int | None = None  # scheduler.max_waiting: the most sequences ever queued
     api_key: str | None = None
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
@@ -143,6 +145,7 @@ def create_app(srv: ServerState) -> Litestar:
                 param="prompt",
             )
         _check_stream_options(data)
+        _check_fits(srv, len(prompts), data.n)
         texts = [p for p in prompts if isinstance(p, str)]
         encoded = iter(await _encode(srv, texts))  # no texts: [] on the loop, no thread
         items = []
@@ -224,6 +227,7 @@ def create_app(srv: ServerState) -> Litestar:
         _check_accepting(srv)
         _check_model(srv, data.model)
         _check_stream_options(data)
+        _check_fits(srv, 1, data.n)
         if data.top_logprobs is not None and not data.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         requested, param = data.max_completion_tokens, "max_completion_tokens"

@@ -73,6 +73,23 @@ def _check_stream_options(req: CompletionRequest | ChatCompletionRequest) -> Non
         raise OpenAIError(400, "stream_options needs stream: true", param="stream_options")
 
 
+def _check_fits(srv: ServerState, prompts: int, n: int) -> None:
+    """A request is queued whole (all its sequences or none), so one with more sequences than
+    the queue holds could never start: a 400 that says so, not a 429 that invites a retry. (Its
+    sequences need not run at once: beyond scheduler.max_running, or beyond what the KV cache
+    holds, they run in turn. One sequence that the cache cannot hold is refused on submission.)
+    """
+    if srv.max_waiting is not None and prompts * n > srv.max_waiting:
+        raise OpenAIError(
+            400,
+            f"the request makes {prompts * n} sequences ({prompts} prompts x n={n}), more than "
+            f"this server queues at once (scheduler.max_waiting = {srv.max_waiting}); send fewer "
+            "prompts or a smaller n",
+            param="n" if prompts == 1 else "prompt",
+            code="request_too_large",
+        )
+
+
 def _check_ids(srv: ServerState, ids: list[int], param: str) -> None:
     vocab = srv.tokenizer.vocab_size
     bad = next((t for t in ids if not 0 <= t < vocab), None)

@@ -64,6 +64,7 @@ class LitestarTransport(Transport):
             metrics=metrics,
             aliases=aliases,
             api_key=config.server.api_key,
+            max_waiting=config.scheduler.max_waiting,
         )
         self.app = create_app(self.state)
         self.server: _DrainingServer | None = None
