@@ -4,6 +4,8 @@ the refusals of values that would change the output."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -165,3 +167,25 @@ def test_a_request_that_can_never_fit_is_a_400_not_a_429() -> None:
         # One sequence longer than the whole KV cache (7 usable blocks of 16 tokens).
         err = _error(httpx.post(url, json={"prompt": "a", "max_tokens": 200}), 400)
         assert "KV blocks" in err["message"]
+
+
+def test_drain_timeout_ends_requests_with_an_error_not_abort() -> None:
+    with serve(FakeExecutor(step_delay=0.01), **{"server.drain_timeout": 0.3}) as t:
+        url = t.url + "/v1/completions"
+        body = {"prompt": "drain", "max_tokens": 400, "ignore_eos": True}
+
+        async def main() -> tuple[str, httpx.Response]:
+            async with httpx.AsyncClient(timeout=30) as c:
+                whole = asyncio.ensure_future(c.post(url, json=body))
+                async with c.stream("POST", url, json={**body, "stream": True}) as r:
+                    it = r.aiter_lines()
+                    lines = [await it.__anext__()]
+                    t.drain()
+                    lines += [line async for line in it]
+                return "\n".join(lines), await whole
+
+        text, whole = asyncio.run(main())
+        events = [line.removeprefix("data: ") for line in text.split("\n") if line]
+        assert events[-1] == "[DONE]" and "abort" not in text
+        assert json.loads(events[-2])["error"]["code"] == "draining"
+        assert _error(whole, 503)["code"] == "draining"
