@@ -17,6 +17,7 @@ from typing import Any
 from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig, ResponseSpec
+from litestar.openapi.spec import OpenAPI, OpenAPIMediaType, OpenAPIType, Schema
 from litestar.params import FromPath, JSONBody
 
 from inferx_core.engine import RequestOutput
@@ -108,6 +109,98 @@ _ERRORS = {
         ErrorResponse, description="Draining; see Retry-After", generate_examples=False
     ),
 }
+
+
+def _needs(param: str, needs: str) -> Schema:
+    """`param` absent or null, or `needs` true."""
+    return Schema(
+        any_of=[
+            Schema(schema_not=Schema(required=[param])),
+            Schema(properties={param: Schema(type=OpenAPIType.NULL)}),
+            Schema(required=[needs], properties={needs: Schema(const=True)}),
+        ]
+    )
+
+
+def _refine_openapi(openapi: OpenAPI, vocab: int) -> None:
+    """Bounds of the request schemas that the structs cannot carry, so the schema says what the
+    server accepts: token ids below the vocabulary size, the exact shapes of `prompt`, logit_bias
+    keys, /tokenize's one of prompt or messages, and content that only an assistant may omit."""
+    schemas = openapi.components.schemas
+    token = Schema(type=OpenAPIType.INTEGER, minimum=0, maximum=vocab - 1)
+    ids = Schema(type=OpenAPIType.ARRAY, items=token, min_items=1)
+
+    def array(items: Schema) -> Schema:
+        return Schema(type=OpenAPIType.ARRAY, items=items, min_items=1)
+
+    text = Schema(type=OpenAPIType.STRING, min_length=1)  # "" encodes to no token with some
+    schemas["CompletionRequest"].properties["prompt"] = Schema(
+        one_of=[text, array(text), ids, array(ids)]
+    )
+    bias = Schema(
+        one_of=[
+            Schema(
+                type=OpenAPIType.OBJECT,
+                property_names=Schema(pattern=r"^[0-9]{1,10}$"),
+                additional_properties=Schema(type=OpenAPIType.NUMBER, minimum=-100, maximum=100),
+            ),
+            Schema(type=OpenAPIType.NULL),
+        ]
+    )
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = schemas[name].properties
+        for positive in ("top_p", "repetition_penalty"):  # litestar drops Meta(gt=0)
+            props[positive].exclusive_minimum = 0.0
+        for natural in ("temperature", "min_p", "logprobs", "top_logprobs"):  # and ge=0
+            if natural in props:
+                props[natural].minimum = 0
+        props["tools"] = Schema(  # ... and Meta(max_length=0)
+            one_of=[Schema(type=OpenAPIType.ARRAY, max_items=0), Schema(type=OpenAPIType.NULL)]
+        )
+        props["logit_bias"] = bias
+        props["stop_token_ids"] = Schema(
+            one_of=[Schema(type=OpenAPIType.ARRAY, items=token), Schema(type=OpenAPIType.NULL)]
+        )
+    # Parameters that need another's value: null or absent, or with it.
+    for name, param, needs in (
+        ("CompletionRequest", "stream_options", "stream"),
+        ("ChatCompletionRequest", "stream_options", "stream"),
+        ("ChatCompletionRequest", "top_logprobs", "logprobs"),
+    ):
+        schemas[name].all_of = [*(schemas[name].all_of or []), _needs(param, needs)]
+    # Unknown parameters are refused (the structs forbid unknown fields).
+    for name in (
+        "CompletionRequest",
+        "ChatCompletionRequest",
+        "TokenizeRequest",
+        "DetokenizeRequest",
+        "ChatMessage",
+        "TextPart",
+        "StreamOptions",
+        "ResponseFormatText",
+    ):
+        schemas[name].additional_properties = False
+    # With stream: true the 200 is server-sent events, each a JSON chunk (or an error) in
+    # `data`, the last "[DONE]".
+    event = Schema(
+        type=OpenAPIType.OBJECT,
+        required=["data"],
+        properties={"data": Schema(type=OpenAPIType.STRING)},
+    )
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        ok = openapi.paths[path].post.responses["200"]
+        ok.content["text/event-stream"] = OpenAPIMediaType(schema=event)
+    schemas["DetokenizeRequest"].properties["tokens"] = Schema(type=OpenAPIType.ARRAY, items=token)
+    schemas["TokenizeRequest"].one_of = [
+        Schema(required=[name]) for name in TokenizeRequest.__openapi_one_of__
+    ]
+    schemas["ChatMessage"].any_of = [
+        Schema(properties={"role": Schema(const="assistant")}),
+        Schema(
+            required=["content"],
+            properties={"content": Schema(type=[OpenAPIType.STRING, OpenAPIType.ARRAY])},
+        ),
+    ]
 
 
 def create_app(srv: ServerState) -> Litestar:
@@ -378,7 +471,7 @@ def create_app(srv: ServerState) -> Litestar:
     async def stop_loop() -> None:
         await asyncio.to_thread(srv.loop.stop)
 
-    return Litestar(
+    app = Litestar(
         [completions, chat_completions, models, model, tokenize, detokenize, health, metrics],
         before_request=before,
         exception_handlers={
@@ -391,3 +484,5 @@ def create_app(srv: ServerState) -> Litestar:
         openapi_config=OpenAPIConfig(title="InferX", version="0.1.0"),
         logging_config=None,  # the process's logging belongs to whoever runs the server
     )
+    _refine_openapi(app.openapi_schema, srv.tokenizer.vocab_size)
+    return app
