@@ -91,3 +91,34 @@ def test_bad_sampling_flags_are_one_line_each_by_name(capsys):
         "error: max_tokens: Input should be greater than or equal to 1",
         "error: temperature: Input should be greater than or equal to 0",
     ]
+
+
+def test_server_flags_show_type_default_and_choices(capsys):
+    from inferx_server.cli import build_parser
+
+    text = build_parser().format_help()
+    assert "VALUE" not in text
+    assert "--model-dtype {auto,float32,float16,bfloat16}" in text
+    assert "--server-port INT" in text and "server.port; default: 8000" in text
+    assert "--engine-overlap {true,false,auto}" in text
+
+
+def test_bench_hides_its_internal_subcommand():
+    from inferx_server.bench import build_parser
+
+    assert "_stub-server" not in build_parser().format_help()
+
+
+def test_a_taken_port_is_reported_before_the_model_loads(monkeypatch, capsys):
+    import inferx_server.cli as server_cli
+    from inferx_server.listen import bind
+
+    taken = bind("127.0.0.1", 0)
+    port = taken.getsockname()[1]
+    monkeypatch.setattr(server_cli, "engine_in_process", lambda c: pytest.fail("model loaded"))
+    try:
+        assert server_cli.main(["--port", str(port)]) == 2
+    finally:
+        taken.close()
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port} (server.host, server.port)" in err

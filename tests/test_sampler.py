@@ -341,3 +341,38 @@ def test_sampler_never_reads_a_tensor_on_the_host(monkeypatch):
     assert again.tolist()[4] == tokens[4] and again.tolist()[6] == tokens[6]  # seeded
     ks = [p.logprobs for p in params]
     assert_logprobs_close(top.copy_to_host().rows(ks), reference_logprobs(logits, tokens, ks))
+
+
+def test_logit_bias_forces_and_bans_tokens_greedy_or_not():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 40, generator=g)
+    best = logits.argmax(dim=1).tolist()
+    params = [
+        SamplingParams(temperature=0, logit_bias={7: 100.0}),
+        SamplingParams(temperature=0, logit_bias={best[1]: -100.0}),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, seed=5, logit_bias={11: 100.0}),
+    ]
+    tokens, _ = Sampler(torch.device("cpu"))(logits.clone(), seqs(params))
+    assert tokens.tolist()[0] == 7
+    assert tokens.tolist()[1] == logits[1].topk(2).indices[1].item()  # the runner-up
+    assert tokens.tolist()[2] == best[2]  # no bias: untouched
+    assert tokens.tolist()[3] == 11
+
+
+def test_logit_bias_leaves_logprobs_raw():
+    logits = torch.randn(1, 30, generator=torch.Generator().manual_seed(4))
+    p = SamplingParams(temperature=0, logprobs=1, logit_bias=((5, 100.0),))
+    tokens, lp = Sampler(torch.device("cpu"))(logits.clone(), seqs([p]))
+    assert tokens.tolist() == [5]
+    want = torch.log_softmax(logits, dim=1)[0]
+    assert lp.sampled.item() == pytest.approx(want[5].item(), abs=1e-5)
+
+
+def test_logit_bias_params_are_hashable_and_checked():
+    p = SamplingParams(logit_bias={3: 1.5, 1: -2})
+    assert p.logit_bias == ((1, -2.0), (3, 1.5)) and hash(p) == hash(SamplingParams(**p.__dict__))
+    with pytest.raises(ValueError, match="outside"):
+        SamplingParams(logit_bias={1: 101})
+    with pytest.raises(ValueError, match="negative"):
+        SamplingParams(logit_bias={-1: 1})

@@ -67,6 +67,23 @@ def test_streaming_equals_whole(client: openai.OpenAI) -> None:
     assert chunks[-1].usage.completion_tokens == 8
 
 
+def test_logit_bias_forces_and_bans_a_token(client: openai.OpenAI) -> None:
+    model = client.models.list().data[0].id
+    kw = dict(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
+    plain = client.completions.create(**kw, logprobs=0)
+    first = plain.choices[0].logprobs.tokens[0]
+    forced = client.completions.create(**kw, logit_bias={str(_id(client, "=")): 100})
+    assert forced.choices[0].text == "===="
+    banned = client.completions.create(**kw, logprobs=0, logit_bias={str(_id(client, first)): -100})
+    assert banned.choices[0].logprobs.tokens[0] != first
+
+
+def _id(client: openai.OpenAI, token: str) -> int:
+    r = httpx.post(str(client.base_url).removesuffix("/v1/") + "/tokenize",
+                   json={"prompt": token, "add_special_tokens": False})  # fmt: skip
+    return r.json()["tokens"][0]
+
+
 def test_sigterm_exits_zero(server: tuple[subprocess.Popen, str]) -> None:
     proc, url = server
     assert httpx.get(url + "/health").status_code == 200

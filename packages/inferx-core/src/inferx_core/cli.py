@@ -9,7 +9,7 @@ from typing import Any
 
 import pydantic
 
-from inferx_core.config import ConfigError, config_keys, error_lines, load_config
+from inferx_core.config import ConfigError, config_keys, error_lines, flag_help, load_config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -22,12 +22,17 @@ class UsageError(Exception):
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """--config FILE, and a flag for every config key (see config.ALIASES for the short ones)."""
+    """--config FILE, and a flag for every config key (see config.ALIASES for the short ones),
+    its help the key's description, default and choices (config.flag_help)."""
     parser.add_argument("--config", metavar="FILE", help="deploy.toml; flags override it")
     group = parser.add_argument_group("config keys (override the file)")
     for flag, (section, key, _) in config_keys().items():
+        metavar, text = flag_help(section, key)
         group.add_argument(
-            f"--{flag}", dest=f"cfg:{section}.{key}", metavar="VALUE", help=f"{section}.{key}"
+            f"--{flag}",
+            dest=f"cfg:{section}.{key}",
+            metavar=metavar,
+            help=text.replace("%", "%%"),  # argparse formats help with %
         )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -249,6 +250,31 @@ def config_keys() -> dict[str, tuple[str, str, Any]]:
             Config.model_fields[section].annotation.model_fields[key].annotation,
         )
     return keys
+
+
+def flag_help(section: str, key: str) -> tuple[str, str]:
+    """(metavar, help) of a key's flag, from its field: the type's name, or the choices where
+    the key has a fixed set; the field's description where it has one; the default."""
+    field = Config.model_fields[section].annotation.model_fields[key]
+    ann = field.annotation
+    args = (ann,) if typing.get_origin(ann) is Literal else typing.get_args(ann) or (ann,)
+    types: list[str] = []
+    choices: list[str] = []
+    for arg in args:
+        if typing.get_origin(arg) is Literal:
+            choices += [str(c).lower() for c in typing.get_args(arg)]
+        elif arg is bool:
+            choices += ["true", "false"]
+        elif arg is not type(None):
+            types.append({int: "INT", float: "FLOAT", str: "STR"}.get(arg, "VALUE"))
+    metavar = "|".join(types) if types else "{" + ",".join(choices) + "}"
+    default = field.default
+    shown = "none" if default is None else str(default).lower()
+    parts = [field.description] if field.description else []
+    parts.append(f"{section}.{key}; default: {shown}")
+    if choices and types:
+        parts.append("or one of " + ", ".join(choices))
+    return metavar, "; ".join(parts)
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:

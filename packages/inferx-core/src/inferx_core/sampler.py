@@ -1,5 +1,5 @@
-"""Turns a step's logits into tokens on the logits' own device: penalties, temperature, top-k,
-top-p, min-p, per-request seeds, and the logprobs a request asked for.
+"""Turns a step's logits into tokens on the logits' own device: penalties, logit biases,
+temperature, top-k, top-p, min-p, per-request seeds, and the logprobs a request asked for.
 
 Seeded requests draw from a generator seeded by (seed, output position), so a request's tokens do
 not depend on what else is in the batch or on whether it was preempted and recomputed.
@@ -98,6 +98,27 @@ def apply_penalties(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    """Add each row's logit_bias to its logits, in place, for the rows that have one: the
+    (row, token) pairs in one int copy, the biases in one float copy, one scatter-add."""
+    rows: list[int] = []
+    toks: list[int] = []
+    vals: list[float] = []
+    for i, seq in enumerate(seqs):
+        for tok, bias in seq.params.logit_bias:
+            rows.append(i)
+            toks.append(tok)
+            vals.append(bias)
+    if not rows:
+        return logits
+    dev = logits.device
+    ints = to_device(torch.tensor(rows + toks), dev)
+    floats = to_device(torch.tensor(vals, dtype=torch.float32), dev)
+    n = len(rows)
+    logits.index_put_((ints[:n], ints[n:]), floats, accumulate=True)
+    return logits
+
+
 def filter_logits(
     logits: torch.Tensor,
     top_k: torch.Tensor,
@@ -166,10 +187,16 @@ class Sampler:
         steps without penalties or logprobs take the argmax of them as they are (upcasting is
         exact, so it is the same token); everything else computes in float32."""
         params = [s.params for s in seqs]
-        if all(p.greedy and not p.needs_history and p.logprobs is None for p in params):
+        plain = not any(p.needs_history or p.logit_bias for p in params)
+        if plain and all(p.greedy and p.logprobs is None for p in params):
             return self.argmax(logits), None
         raw = logits.float()
-        logits = apply_penalties(raw.clone(), seqs) if any(p.needs_history for p in params) else raw
+        # Logprobs are of the raw logits; penalties and biases change a copy.
+        logits = raw if plain else raw.clone()
+        if any(p.needs_history for p in params):
+            logits = apply_penalties(logits, seqs)
+        if any(p.logit_bias for p in params):
+            logits = apply_logit_bias(logits, seqs)
         tokens = self._draw(logits, seqs)
         ks = [p.logprobs for p in params if p.logprobs is not None]
         return tokens, top_logprobs(raw, tokens, max(ks)) if ks else None

@@ -7,7 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class SamplingParams(BaseModel):
@@ -30,6 +30,9 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias); a dict
+    # {id: bias} is taken too. A tuple keeps the params hashable.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -40,7 +43,19 @@ class SamplingParams(BaseModel):
                 data["top_k"] = 0
             if isinstance(data.get("stop"), str):
                 data["stop"] = (data["stop"],)
+            if isinstance(data.get("logit_bias"), dict):
+                data["logit_bias"] = tuple(sorted(data["logit_bias"].items()))
         return data
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        for token, bias in v:
+            if token < 0:
+                raise ValueError(f"token id {token} is negative")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"the bias of token {token} is {bias}, outside [-100, 100]")
+        return v
 
     @property
     def greedy(self) -> bool:

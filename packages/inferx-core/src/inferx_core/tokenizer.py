@@ -244,7 +244,8 @@ def _compile(source: str) -> jinja2.Template:
 class IncrementalDetokenizer:
     """Turns a stream of output ids into text deltas.
 
-    The deltas, followed by flush(), add up to tokenizer.decode(output ids) exactly. Each push
+    The deltas, followed by flush(), add up to tokenizer.decode(output ids), less a trailing
+    U+FFFD (an incomplete last character: see _whole). Each push
     is one step of the tokenizer's decode_stream() (tokenizers' DecodeStream, in Rust: a short
     window of the last tokens, so the cost per token does not grow with the output), which
     holds text back while the last tokens are the first bytes of a character. flush() decodes
@@ -276,11 +277,12 @@ class IncrementalDetokenizer:
         return text
 
     def flush(self) -> str:
-        """The text still held back, U+FFFD included, once generation has ended."""
+        """The text still held back once generation has ended, up to its last whole character
+        (see _whole)."""
         full = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
         tail = full[self.emitted :]
         self.emitted = len(full)
-        return tail
+        return _whole(tail)
 
 
 class FinalDetokenizer:
@@ -300,7 +302,15 @@ class FinalDetokenizer:
         return ""
 
     def flush(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
+        return _whole(self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens))
+
+
+def _whole(text: str) -> str:
+    """The text without the U+FFFD that ends it. Output cut short (max_tokens, a stop token)
+    can end in the first bytes of a character, which decode as U+FFFD: no use to anyone, and
+    the stream, which never emits text ending in U+FFFD, never shows it either. The stream's
+    deltas never end in it, so this trims only what flush adds."""
+    return text.rstrip("\ufffd")
 
 
 class StopChecker:

@@ -17,6 +17,7 @@ from typing import Any
 from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig, ResponseSpec
+from litestar.openapi.spec import OpenAPI, OpenAPIMediaType, OpenAPIType, Schema
 from litestar.params import FromPath, JSONBody
 
 from inferx_core.engine import RequestOutput
@@ -48,6 +49,7 @@ from inferx_server.requests import (
     RETRY_AFTER,
     _chat_ids,
     _check_accepting,
+    _check_fits,
     _check_ids,
     _check_model,
     _check_stream_options,
@@ -83,6 +85,7 @@ class ServerState:
     max_model_len: int
     metrics: Metrics
     aliases: frozenset[str] = frozenset()  # other names a request's `model` may use
+    max_waiting: int | None = None  # scheduler.max_waiting: the most sequences ever queued
     api_key: str | None = None
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
@@ -106,6 +109,98 @@ _ERRORS = {
         ErrorResponse, description="Draining; see Retry-After", generate_examples=False
     ),
 }
+
+
+def _needs(param: str, needs: str) -> Schema:
+    """`param` absent or null, or `needs` true."""
+    return Schema(
+        any_of=[
+            Schema(schema_not=Schema(required=[param])),
+            Schema(properties={param: Schema(type=OpenAPIType.NULL)}),
+            Schema(required=[needs], properties={needs: Schema(const=True)}),
+        ]
+    )
+
+
+def _refine_openapi(openapi: OpenAPI, vocab: int) -> None:
+    """Bounds of the request schemas that the structs cannot carry, so the schema says what the
+    server accepts: token ids below the vocabulary size, the exact shapes of `prompt`, logit_bias
+    keys, /tokenize's one of prompt or messages, and content that only an assistant may omit."""
+    schemas = openapi.components.schemas
+    token = Schema(type=OpenAPIType.INTEGER, minimum=0, maximum=vocab - 1)
+    ids = Schema(type=OpenAPIType.ARRAY, items=token, min_items=1)
+
+    def array(items: Schema) -> Schema:
+        return Schema(type=OpenAPIType.ARRAY, items=items, min_items=1)
+
+    text = Schema(type=OpenAPIType.STRING, min_length=1)  # "" encodes to no token with some
+    schemas["CompletionRequest"].properties["prompt"] = Schema(
+        one_of=[text, array(text), ids, array(ids)]
+    )
+    bias = Schema(
+        one_of=[
+            Schema(
+                type=OpenAPIType.OBJECT,
+                property_names=Schema(pattern=r"^[0-9]{1,10}$"),
+                additional_properties=Schema(type=OpenAPIType.NUMBER, minimum=-100, maximum=100),
+            ),
+            Schema(type=OpenAPIType.NULL),
+        ]
+    )
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = schemas[name].properties
+        for positive in ("top_p", "repetition_penalty"):  # litestar drops Meta(gt=0)
+            props[positive].exclusive_minimum = 0.0
+        for natural in ("temperature", "min_p", "logprobs", "top_logprobs"):  # and ge=0
+            if natural in props:
+                props[natural].minimum = 0
+        props["tools"] = Schema(  # ... and Meta(max_length=0)
+            one_of=[Schema(type=OpenAPIType.ARRAY, max_items=0), Schema(type=OpenAPIType.NULL)]
+        )
+        props["logit_bias"] = bias
+        props["stop_token_ids"] = Schema(
+            one_of=[Schema(type=OpenAPIType.ARRAY, items=token), Schema(type=OpenAPIType.NULL)]
+        )
+    # Parameters that need another's value: null or absent, or with it.
+    for name, param, needs in (
+        ("CompletionRequest", "stream_options", "stream"),
+        ("ChatCompletionRequest", "stream_options", "stream"),
+        ("ChatCompletionRequest", "top_logprobs", "logprobs"),
+    ):
+        schemas[name].all_of = [*(schemas[name].all_of or []), _needs(param, needs)]
+    # Unknown parameters are refused (the structs forbid unknown fields).
+    for name in (
+        "CompletionRequest",
+        "ChatCompletionRequest",
+        "TokenizeRequest",
+        "DetokenizeRequest",
+        "ChatMessage",
+        "TextPart",
+        "StreamOptions",
+        "ResponseFormatText",
+    ):
+        schemas[name].additional_properties = False
+    # With stream: true the 200 is server-sent events, each a JSON chunk (or an error) in
+    # `data`, the last "[DONE]".
+    event = Schema(
+        type=OpenAPIType.OBJECT,
+        required=["data"],
+        properties={"data": Schema(type=OpenAPIType.STRING)},
+    )
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        ok = openapi.paths[path].post.responses["200"]
+        ok.content["text/event-stream"] = OpenAPIMediaType(schema=event)
+    schemas["DetokenizeRequest"].properties["tokens"] = Schema(type=OpenAPIType.ARRAY, items=token)
+    schemas["TokenizeRequest"].one_of = [
+        Schema(required=[name]) for name in TokenizeRequest.__openapi_one_of__
+    ]
+    schemas["ChatMessage"].any_of = [
+        Schema(properties={"role": Schema(const="assistant")}),
+        Schema(
+            required=["content"],
+            properties={"content": Schema(type=[OpenAPIType.STRING, OpenAPIType.ARRAY])},
+        ),
+    ]
 
 
 def create_app(srv: ServerState) -> Litestar:
@@ -143,6 +238,7 @@ def create_app(srv: ServerState) -> Litestar:
                 param="prompt",
             )
         _check_stream_options(data)
+        _check_fits(srv, len(prompts), data.n)
         texts = [p for p in prompts if isinstance(p, str)]
         encoded = iter(await _encode(srv, texts))  # no texts: [] on the loop, no thread
         items = []
@@ -150,7 +246,7 @@ def create_app(srv: ServerState) -> Litestar:
             ids = next(encoded) if isinstance(p, str) else p
             _check_ids(srv, ids, "prompt")
             max_tokens = _max_tokens(srv, data.max_tokens, 16, len(ids), "max_tokens", "prompt")
-            items += [(ids, sp) for sp in _sampling(data, max_tokens, data.logprobs)]
+            items += [(ids, sp) for sp in _sampling(srv, data, max_tokens, data.logprobs)]
         rid = f"cmpl-{uuid.uuid4().hex}"
         sub = await _start(srv, items, rid)
         created = int(time.time())
@@ -223,9 +319,8 @@ def create_app(srv: ServerState) -> Litestar:
         """OpenAI's chat completions, rendered with the model's chat template."""
         _check_accepting(srv)
         _check_model(srv, data.model)
-        if not data.messages:
-            raise OpenAIError(400, "messages must not be empty", param="messages")
         _check_stream_options(data)
+        _check_fits(srv, 1, data.n)
         if data.top_logprobs is not None and not data.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         requested, param = data.max_completion_tokens, "max_completion_tokens"
@@ -240,7 +335,7 @@ def create_app(srv: ServerState) -> Litestar:
         max_tokens = _max_tokens(srv, requested, None, len(ids), param, "messages")
         top_n = data.top_logprobs or 0
         logprobs = top_n if data.logprobs else None
-        items = [(ids, sp) for sp in _sampling(data, max_tokens, logprobs)]
+        items = [(ids, sp) for sp in _sampling(srv, data, max_tokens, logprobs)]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         sub = await _start(srv, items, rid)
         created = int(time.time())
@@ -311,12 +406,12 @@ def create_app(srv: ServerState) -> Litestar:
     async def tokenize(data: JSONBody[TokenizeRequest]) -> TokenizeResponse:
         """Token ids of a prompt (as /v1/completions encodes it) or of chat messages."""
         _check_model(srv, data.model)
-        if (data.prompt is None) == (data.messages is None):
-            raise OpenAIError(400, "give either prompt or messages", param="prompt")
-        if data.messages is not None:
-            ids = await _chat_ids(srv, data.messages, data.add_generation_prompt)
+        if (data.prompt is UNSET) == (data.messages is UNSET):
+            raise OpenAIError(400, "give either prompt or messages, not both", param="prompt")
+        if data.messages is not UNSET:
+            ids = await _chat_ids(srv, data.messages, bool(data.add_generation_prompt))
         else:
-            ids = (await _encode(srv, [data.prompt], data.add_special_tokens))[0]
+            ids = (await _encode(srv, [data.prompt], bool(data.add_special_tokens)))[0]
         return TokenizeResponse(ids, len(ids), srv.max_model_len)
 
     @post(
@@ -356,7 +451,11 @@ def create_app(srv: ServerState) -> Litestar:
         """Prometheus text format."""
         return srv.metrics.render()
 
-    async def check_key(request: Request) -> None:
+    async def before(request: Request) -> None:
+        # litestar hands an empty body to no decoder and reports the missing handler argument
+        # ('data'); say what is missing instead.
+        if request.method == "POST" and not await request.body():
+            raise OpenAIError(400, "the request body is empty; expected a JSON object")
         if srv.api_key is None or not request.url.path.startswith("/v1/"):
             return
         if request.headers.get("authorization", "") != f"Bearer {srv.api_key}":
@@ -372,9 +471,9 @@ def create_app(srv: ServerState) -> Litestar:
     async def stop_loop() -> None:
         await asyncio.to_thread(srv.loop.stop)
 
-    return Litestar(
+    app = Litestar(
         [completions, chat_completions, models, model, tokenize, detokenize, health, metrics],
-        before_request=check_key,
+        before_request=before,
         exception_handlers={
             OpenAIError: _openai_error,
             HTTPException: _http_error,
@@ -385,3 +484,5 @@ def create_app(srv: ServerState) -> Litestar:
         openapi_config=OpenAPIConfig(title="InferX", version="0.1.0"),
         logging_config=None,  # the process's logging belongs to whoever runs the server
     )
+    _refine_openapi(app.openapi_schema, srv.tokenizer.vocab_size)
+    return app

@@ -631,7 +631,11 @@ def _floats(value: str) -> list[float]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inferx-bench", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    # The metavar lists the public commands: _stub-server is internal (the transport benchmark
+    # runs it as a child process) and stays out of --help.
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{latency,throughput,serve,transport}"
+    )
     for mode in ("latency", "throughput"):  # handled in main(); listed here for --help
         sub.add_parser(
             mode, help=f"offline {mode} of the engine itself (see inferx_core.bench_offline)"

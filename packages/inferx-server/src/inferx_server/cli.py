@@ -7,6 +7,7 @@ LitestarTransport.drain) and exits 0.
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import time
 from functools import partial
@@ -14,6 +15,7 @@ from functools import partial
 from inferx_core.cli import UsageError, _Parser, add_config_flags, config_from_args
 from inferx_core.config import Config, ConfigError
 from inferx_server.engine_process import EngineProcess, build_engine
+from inferx_server.listen import bind
 
 
 def build_parser() -> _Parser:
@@ -61,9 +63,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="inferx-server: %(message)s")
-    engine = None
+    engine = sock = None
     try:
         config = config_from_args(build_parser().parse_args(argv))
+        # Listening first: a taken port is reported now, not after the model has loaded.
+        sock = bind(config.server.host, config.server.port)
         t0 = time.perf_counter()
         if engine_in_process(config):
             # Started first: this process's own imports below (torch, the transport's) then
@@ -80,20 +84,23 @@ def main(argv: list[str] | None = None) -> int:
             engine.wait_ready()
         transport = transport_cls(engine, config)  # type: ignore[operator]
         loaded = time.perf_counter() - t0
-        from inferx_server.transport import bind
-
-        sock = bind(config.server.host, config.server.port)
     except _user_errors() as exc:
-        _close(engine)
+        _close(engine, sock)
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # the port is taken, or the host is not ours
-        _close(engine)
+    except OSError as exc:
+        _close(engine, sock)
+        if sock is not None:  # listening already: the model's files
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         where = f"{config.server.host}:{config.server.port}"
-        print(f"error: cannot listen on {where}: {exc}", file=sys.stderr)
+        print(
+            f"error: cannot listen on {where} (server.host, server.port): {exc.strerror or exc}",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
-        _close(engine)
+        _close(engine, sock)
         return 130
 
     def ready(url: str) -> None:
@@ -104,10 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _close(engine: object) -> None:
-    """Stop an engine process that was started before start-up failed."""
+def _close(engine: object, sock: socket.socket | None = None) -> None:
+    """Stop an engine process that was started before start-up failed; free the port."""
     if isinstance(engine, EngineProcess):
         engine.close()
+    if sock is not None:
+        sock.close()
 
 
 if __name__ == "__main__":

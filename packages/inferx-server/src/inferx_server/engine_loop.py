@@ -193,7 +193,8 @@ class EngineLoop:
             self._inbox.put(("abort", (live, notify)))
 
     def abort_all(self) -> None:
-        """End every request now (drain timeout): streams finish with reason "abort"."""
+        """End every request now (drain timeout): the server answers each with an error
+        (responses._CUT), as no finish_reason of OpenAI's says "cut short by the server"."""
         for sub in list(self._subs):
             self.abort(sub, notify=True)
 

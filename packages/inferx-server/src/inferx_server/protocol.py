@@ -3,12 +3,18 @@
 Requests forbid unknown fields, so a parameter we do not implement is refused by name instead of
 being ignored. OpenAI parameters we know but do not implement get their own message
 (UNSUPPORTED); anything else is reported as unknown. Ranges mirror OpenAI's documented ones.
+
+SDKs and frameworks send parameters that change nothing: `null` for any optional one (it means
+the default, as OpenAI reads it), and no-op values of features we lack (`tools: []`,
+`tool_choice: "none"`, `response_format: {"type": "text"}`, `store: false`). Those are accepted;
+the types below admit only the no-op values, so the OpenAPI schema says exactly what runs, and
+any other value is refused by name (NOOP_ONLY).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
@@ -21,29 +27,36 @@ UNSUPPORTED = frozenset(
         "echo",
         "function_call",
         "functions",
-        "logit_bias",
-        "metadata",
         "modalities",
-        "parallel_tool_calls",
         "prediction",
         "prompt_cache_key",
         "reasoning_effort",
-        "response_format",
         "safety_identifier",
         "service_tier",
-        "store",
         "suffix",
-        "tool_choice",
-        "tools",
         "verbosity",
         "web_search_options",
     }
 )
 
+# Parameters accepted only at their no-op values, and what to say about any other value.
+NOOP_ONLY = {
+    "tools": "tools are not supported by this server; only [] is accepted",
+    "tool_choice": 'tools are not supported by this server; only "none" or "auto" is accepted',
+    "response_format": 'structured output is not supported by this server; only {"type": "text"} '
+    "is accepted",
+    "store": "this server stores nothing; only false is accepted",
+}
+
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 PositiveInt = Annotated[int, Meta(ge=1)]
+TokenId = Annotated[int, Meta(ge=0, description="a token id")]
+# OpenAI's logit_bias: token ids (as JSON object keys, so strings) to a bias added to the logit.
+LogitBias = dict[
+    Annotated[str, Meta(pattern=r"^[0-9]{1,10}$")], Annotated[float, Meta(ge=-100, le=100)]
+]
 
 
 class OpenAIError(Exception):
@@ -85,15 +98,40 @@ class ErrorResponse(Struct):
 # -- requests --------------------------------------------------------------------------------
 
 
-class StreamOptions(Struct, forbid_unknown_fields=True):
-    include_usage: bool = False
+_NULLABLE: dict[type, list[tuple[str, Any]]] = {}
 
 
-class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
-    """Parameters both endpoints share. The last group are vLLM's extensions to OpenAI's API."""
+class _Body(Struct, forbid_unknown_fields=True, kw_only=True):
+    """A request body whose optional fields read `null` as their default."""
+
+    def __post_init__(self) -> None:
+        cls = type(self)
+        defaults = _NULLABLE.get(cls)
+        if defaults is None:
+            defaults = _NULLABLE[cls] = [
+                (f.name, f.default)
+                for f in msgspec.structs.fields(cls)
+                if f.default is not None and f.default is not msgspec.NODEFAULT
+            ]
+        for name, default in defaults:
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = False
+
+
+class ResponseFormatText(Struct, forbid_unknown_fields=True):
+    type: Literal["text"]
+
+
+class _Sampling(_Body, kw_only=True):
+    """Parameters both endpoints share. The vLLM group are its extensions to OpenAI's API; the
+    last group are accepted only at no-op values (see NOOP_ONLY)."""
 
     model: str | None = None
-    n: Annotated[int, Meta(ge=1, le=64)] = 1
+    n: Annotated[int, Meta(ge=1, le=64)] | None = 1
     max_tokens: PositiveInt | None = None
     temperature: Temperature | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
@@ -101,16 +139,25 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
     stop: str | list[str] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
+    logit_bias: LogitBias | None = None
     user: str | None = None  # an end-user id, as in OpenAI's API: recorded nowhere
+    metadata: dict[str, Any] | None = None  # recorded nowhere, like `user`
+    # vLLM's extensions
     top_k: Annotated[int, Meta(ge=-1)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+    # no-ops only
+    tools: Annotated[list[Any], Meta(max_length=0)] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None  # means nothing without tools
+    response_format: ResponseFormatText | None = None
+    store: Literal[False] | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -126,33 +173,43 @@ class TextPart(Struct, forbid_unknown_fields=True):
 
 
 class ChatMessage(Struct, forbid_unknown_fields=True, kw_only=True):
+    """`content: null` is an assistant message's empty reply; other roles must say something."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
 
-class ChatCompletionRequest(_Sampling, kw_only=True):
-    """POST /v1/chat/completions, rendered with the model's chat template."""
+Messages = Annotated[list[ChatMessage], Meta(min_length=1)]
 
-    messages: list[ChatMessage]
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    """POST /v1/chat/completions, rendered with the model's chat template.
+    `max_completion_tokens` is OpenAI's newer name for `max_tokens`."""
+
+    messages: Messages
     max_completion_tokens: PositiveInt | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: TopLogprobs | None = None
 
 
-class TokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
-    """POST /tokenize: `prompt` as /v1/completions encodes it, or `messages` as chat does."""
+class TokenizeRequest(_Body, kw_only=True):
+    """POST /tokenize: `prompt` as /v1/completions encodes it, or `messages` as chat does;
+    exactly one of them (the schema's oneOf)."""
+
+    # Exactly one of the two, so neither may be null: JSON Schema's `required` counts a null.
+    __openapi_one_of__: ClassVar[tuple[str, ...]] = ("prompt", "messages")
 
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    prompt: str | UnsetType = UNSET
+    messages: Messages | UnsetType = UNSET
+    add_special_tokens: bool | None = True
+    add_generation_prompt: bool | None = True
 
 
-class DetokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+class DetokenizeRequest(_Body, kw_only=True):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 _AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
@@ -161,12 +218,20 @@ _UNKNOWN = re.compile(r"unknown field `(?P<name>[^`]+)`")
 
 def decode_request(body: bytes, type_: type[Any]) -> Any:
     """Strictly decode a JSON body; any problem becomes a 400 that names the parameter."""
+    if not body.strip():
+        raise OpenAIError(400, "the request body is empty; expected a JSON object")
     try:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
         m = _AT.match(str(exc))
         assert m is not None  # the pattern matches any string
-        msg, path = m.group("msg"), (m.group("path") or "").lstrip(".")
+        # A dict's values are at `$.name[...]`: the parameter is the dict.
+        msg, path = m.group("msg"), (m.group("path") or "").lstrip(".").replace("[...]", "")
+        top = path.split("[", 1)[0].split(".", 1)[0]
+        if top in NOOP_ONLY:
+            raise OpenAIError(
+                400, f"'{path}': {NOOP_ONLY[top]}", param=top, code="unsupported_parameter"
+            ) from None
         if unknown := _UNKNOWN.search(msg):
             name = unknown.group("name")
             param = f"{path}.{name}" if path else name

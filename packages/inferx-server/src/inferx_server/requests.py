@@ -73,6 +73,23 @@ def _check_stream_options(req: CompletionRequest | ChatCompletionRequest) -> Non
         raise OpenAIError(400, "stream_options needs stream: true", param="stream_options")
 
 
+def _check_fits(srv: ServerState, prompts: int, n: int) -> None:
+    """A request is queued whole (all its sequences or none), so one with more sequences than
+    the queue holds could never start: a 400 that says so, not a 429 that invites a retry. (Its
+    sequences need not run at once: beyond scheduler.max_running, or beyond what the KV cache
+    holds, they run in turn. One sequence that the cache cannot hold is refused on submission.)
+    """
+    if srv.max_waiting is not None and prompts * n > srv.max_waiting:
+        raise OpenAIError(
+            400,
+            f"the request makes {prompts * n} sequences ({prompts} prompts x n={n}), more than "
+            f"this server queues at once (scheduler.max_waiting = {srv.max_waiting}); send fewer "
+            "prompts or a smaller n",
+            param="n" if prompts == 1 else "prompt",
+            code="request_too_large",
+        )
+
+
 def _check_ids(srv: ServerState, ids: list[int], param: str) -> None:
     vocab = srv.tokenizer.vocab_size
     bad = next((t for t in ids if not 0 <= t < vocab), None)
@@ -114,18 +131,38 @@ def _max_tokens(
     return requested
 
 
+def _token_params(srv: ServerState, req: CompletionRequest | ChatCompletionRequest) -> None:
+    """stop_token_ids and logit_bias name token ids of the vocabulary."""
+    vocab = srv.tokenizer.vocab_size
+    for t in req.stop_token_ids or ():
+        if t >= vocab:
+            raise OpenAIError(
+                400, f"token id {t} is outside the vocabulary [0, {vocab})", param="stop_token_ids"
+            )
+    for key in req.logit_bias or {}:
+        if int(key) >= vocab:
+            raise OpenAIError(
+                400,
+                f"token id {key} is outside the vocabulary [0, {vocab})",
+                param=f"logit_bias.{key}",
+            )
+
+
 def _sampling(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
+    srv: ServerState,
+    req: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    logprobs: int | None,
 ) -> list[SamplingParams]:
     """One SamplingParams per choice; a seeded request gives choice i the seed seed + i, so the
     choices differ from each other and each is reproducible."""
-    stop = req.stop if isinstance(req.stop, list) else [req.stop] if req.stop else []
-    if any(not s for s in stop):
-        raise OpenAIError(400, "stop strings must not be empty", param="stop")
+    _token_params(srv, req)
+    stop = req.stop if isinstance(req.stop, list) else [req.stop]
     kw: dict[str, Any] = dict(
         max_tokens=max_tokens,
-        stop=tuple(stop),
+        stop=tuple(s for s in stop if s),  # an empty stop string stops nothing, as in OpenAI
         stop_token_ids=tuple(req.stop_token_ids or ()),
+        logit_bias=tuple((int(k), v) for k, v in (req.logit_bias or {}).items()),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
@@ -179,10 +216,20 @@ async def _chat_ids(
     srv: ServerState, messages: list[ChatMessage], add_generation_prompt: bool
 ) -> list[int]:
     chat = []
-    for m in messages:
+    for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
+        elif content is None:
+            # An assistant turn may be empty (SDKs send null for a reply that was all tool
+            # calls); templates would fail on None with a message about their own internals.
+            if m.role != "assistant":
+                raise OpenAIError(
+                    400,
+                    f"messages[{i}].content is null; only an assistant message may be empty",
+                    param=f"messages[{i}].content",
+                )
+            content = ""
         # Templates know "system"; OpenAI's newer "developer" role means the same to them.
         message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
         message["content"] = content

@@ -140,11 +140,31 @@ async def _abort_on_disconnect(request: Request, srv: ServerState, sub: Submissi
             return
 
 
+# OpenAI has no finish_reason for a request the server ended: a request cut by the drain timeout
+# gets this error instead (the JSON response's status; a stream's last event before [DONE]).
+_CUT = OpenAIError(
+    503,
+    "the server is shutting down and ended this request at its drain timeout "
+    "(server.drain_timeout); the output is incomplete",
+    type="service_unavailable",
+    code="draining",
+)
+
+
+def _cut(batch: list[tuple[int, RequestOutput]]) -> tuple[list[tuple[int, RequestOutput]], bool]:
+    """The batch without the drain's closing "abort" outputs, and whether it had any."""
+    kept = [(i, out) for i, out in batch if out.finish_reason != "abort"]
+    return kept, len(kept) < len(batch)
+
+
 async def _collect(srv: ServerState, sub: Submission, request: Request) -> list[_Choice]:
     choices = [_Choice() for _ in sub.rids]
     watch = asyncio.ensure_future(_abort_on_disconnect(request, srv, sub))
     try:
         async for batch in srv.loop.outputs(sub):
+            batch, cut = _cut(batch)
+            if cut:
+                raise _CUT
             for index, out in batch:
                 choices[index].add(out)
     except EngineDead as exc:
@@ -158,17 +178,23 @@ async def _collect(srv: ServerState, sub: Submission, request: Request) -> list[
 async def _sse(
     srv: ServerState, sub: Submission, first: bytes, render: Any
 ) -> AsyncIterator[bytes]:
-    """Server-sent events: `first`, then render(batch) per batch of outputs, then [DONE].
+    """Server-sent events: `first`, then render(batch) per batch of outputs, then [DONE]. A
+    stream the drain timeout cuts ends with an error event (_CUT) in place of the last chunks.
 
     Leaving early (client gone: litestar cancels the stream) aborts the engine requests.
     """
     try:
         if first:
             yield first
+        cut = False
         async for batch in srv.loop.outputs(sub):
-            if data := render(batch):
+            batch, dropped = _cut(batch)
+            cut |= dropped
+            if batch and (data := render(batch)):
                 yield data
-        if data := render(None):
+        if cut:
+            yield b"data: " + _encode(_CUT.body()) + b"\n\n"
+        elif data := render(None):
             yield data
     except EngineDead as exc:
         err = OpenAIError(500, f"the engine failed: {exc}", type="server_error")

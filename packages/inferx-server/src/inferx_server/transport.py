@@ -15,6 +15,7 @@ from inferx_core.interfaces import Transport
 from inferx_server.app import ServerState, create_app
 from inferx_server.engine_loop import EngineLoop, ProcessEngineLoop
 from inferx_server.engine_process import EngineProcess, checkpoint_source
+from inferx_server.listen import bind
 from inferx_server.metrics import Metrics
 
 log = logging.getLogger("inferx.server")
@@ -28,16 +29,6 @@ def served_model_name(config: Any, engine: Any) -> str:
     source = source or config.model.path or config.model.preset or "model"
     name = Path(source.removeprefix("dummy:").rstrip("/")).name
     return name.removesuffix(".gguf") or "model"
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket; port 0 picks a free one (see getsockname())."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    return sock
 
 
 class LitestarTransport(Transport):
@@ -64,6 +55,7 @@ class LitestarTransport(Transport):
             metrics=metrics,
             aliases=aliases,
             api_key=config.server.api_key,
+            max_waiting=config.scheduler.max_waiting,
         )
         self.app = create_app(self.state)
         self.server: _DrainingServer | None = None
