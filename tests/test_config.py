@@ -138,3 +138,16 @@ def test_cli_missing_model_path_is_one_line(capsys, tmp_path):
     assert main(["generate", "--prompt", "x", "--model", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not exist" in err[0]
+
+
+def test_every_key_has_a_description() -> None:
+    """--help shows each flag's description beside its default (config.flag_help)."""
+    from inferx_core.config import Config
+
+    missing = [
+        f"{section}.{key}"
+        for section, info in Config.model_fields.items()
+        for key, field in info.annotation.model_fields.items()
+        if not field.description
+    ]
+    assert not missing, missing

@@ -343,3 +343,15 @@ def test_sliding_model_on_the_triton_backend_is_refused(sliding_checkpoint):
 
     with pytest.raises(LoadError, match="needs sliding attention .*triton attention backend"):
         make_llm(sliding_checkpoint[0], **{"engine.attention_backend": "triton"})
+
+
+def test_start_up_says_each_phase(caplog):
+    """The executor logs a line per start-up phase as it ends ("inferx.startup"; inferx-server
+    shows them on a terminal)."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="inferx.startup"):
+        LLM(load_config(None, {"model.preset": "tiny-qwen2", "model.dtype": "float32"}))
+    said = [r.getMessage() for r in caplog.records if r.name == "inferx.startup"]
+    assert [m.split(" (")[0].split(":")[0] for m in said] == ["open", "weights", "kv cache"]
+    assert "blocks" in said[-1]

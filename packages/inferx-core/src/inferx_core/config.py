@@ -24,14 +24,29 @@ class Section(BaseModel):
 
 
 class ModelSection(Section):
-    path: str | None = None  # checkpoint directory or .gguf file; none of path/preset: the demo
-    preset: str | None = None  # random weights with the exact shapes of a known model
-    tokenizer: str | None = None  # directory with tokenizer.json, if not beside the weights
-    load_format: str = "auto"  # auto | safetensors | gguf | dummy (or a plugin's)
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    max_model_len: int | None = Field(default=None, ge=1)
-    seed: int = 0  # for dummy weights and unseeded sampling
-    served_name: str | None = None
+    path: str | None = Field(
+        default=None,
+        description="checkpoint directory or .gguf file (neither path nor preset: the demo model)",
+    )
+    preset: str | None = Field(
+        default=None, description="random weights with the exact shapes of a known model"
+    )
+    tokenizer: str | None = Field(
+        default=None, description="directory with tokenizer.json, if not beside the weights"
+    )
+    load_format: str = Field(
+        default="auto", description="auto, safetensors, gguf, dummy (or a plugin's format)"
+    )
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        default="auto", description="auto: the checkpoint's on a GPU, float32 on the CPU"
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=1, description="context length (default: the checkpoint's)"
+    )
+    seed: int = Field(default=0, description="seed of dummy weights and unseeded sampling")
+    served_name: str | None = Field(
+        default=None, description="model name the API reports (default: the path or preset)"
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
@@ -41,32 +56,51 @@ class ModelSection(Section):
 
 
 class EngineSection(Section):
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    attention_backend: str = "auto"  # auto | torch | triton | flashinfer (or a plugin's)
-    kernels: str = "auto"  # fused norm/rotary/activation ops: auto | torch | triton
-    # The model runner: auto | torch (plain, eager) | cuda (inferx-kernels-cuda: CUDA graphs,
-    # memory profiling, kernels compiled ahead); auto takes cuda on a GPU where installed.
-    executor: str = "auto"
-    cuda_graphs: bool = True  # capture decode steps in CUDA graphs (GPU and a capable backend)
+    device: str = Field(default="auto", description="auto, cpu, cuda or cuda:N")
+    attention_backend: str = Field(
+        default="auto", description="auto, torch, triton, flashinfer (or a plugin's backend)"
+    )
+    kernels: str = Field(
+        default="auto", description="fused norm/rotary/activation ops: auto, torch, triton"
+    )
+    # auto takes cuda on a GPU where inferx-kernels-cuda is installed.
+    executor: str = Field(
+        default="auto",
+        description="model runner: auto, torch (plain, eager), cuda (CUDA graphs, memory "
+        "profiling, kernels compiled ahead)",
+    )
+    cuda_graphs: bool = Field(
+        default=True, description="replay steps from CUDA graphs (GPU and a capable backend)"
+    )
     # Steps with prompt tokens of up to this many tokens also replay CUDA graphs (captured for a
     # ladder of token counts, when the attention backend supports it); 0: they run eagerly.
     # 4096 over 2048: lower TTFT and higher throughput in serving (docs/BENCHMARKS.md).
-    graph_max_tokens: int = Field(default=4096, ge=0, le=16384)
+    graph_max_tokens: int = Field(
+        default=4096, ge=0, le=16384, description="largest step with prompt tokens in a graph"
+    )
     # ... and over at most this many sequences (more decodes beside a chunk: eager).
-    graph_max_seqs: int = Field(default=128, ge=1)
+    graph_max_seqs: int = Field(
+        default=128, ge=1, description="most sequences in a graph step with prompt tokens"
+    )
     # Schedule and submit step N+1 while the device runs step N. auto: on, unless the executor
     # computes on the CPU, where submitting a step runs it, so overlap gains nothing and holds
     # every output back one step (a later first token).
-    overlap: bool | Literal["auto"] = "auto"
-    threads: int | None = Field(default=None, ge=1)  # torch CPU threads
+    overlap: bool | Literal["auto"] = Field(
+        default="auto", description="prepare step N+1 while the device runs step N"
+    )
+    threads: int | None = Field(default=None, ge=1, description="torch CPU threads")
     # Once started, collect and gc.freeze() the heap so that Python's full collections skip the
     # objects start-up leaves (torch, triton, the model): a pass over them inside a step
     # stalls it (the decision register in docs/ARCHITECTURE.md).
-    gc_freeze: bool = True
+    gc_freeze: bool = Field(
+        default=True, description="freeze the heap once started (shorter garbage collections)"
+    )
     # Start-up compiles Triton kernel variants on this many threads, in one dry run of every
     # phase's step shapes before the phases run them (0 or 1: one at a time, at first launch).
     # On a fresh Triton cache this shortens start-up (docs/BENCHMARKS.md).
-    compile_threads: int = Field(default=8, ge=0, le=64)
+    compile_threads: int = Field(
+        default=8, ge=0, le=64, description="threads compiling Triton kernels at start-up"
+    )
 
     @field_validator("device")
     @classmethod
@@ -109,13 +143,18 @@ def parse_memory(value: float | int | str) -> float | int:
 
 
 class KVCacheSection(Section):
-    manager: str = "paged"
-    block_size: int = 16
-    memory: float | int | str | None = None  # fraction or size; None: 0.9 on GPU, 1GiB on CPU
-    num_blocks: int | None = Field(default=None, ge=2)  # overrides memory; block 0 is reserved
+    manager: str = Field(default="paged", description="KV manager (or a plugin's)")
+    block_size: int = Field(default=16, description="tokens a KV block holds (a power of two)")
+    memory: float | int | str | None = Field(
+        default=None,
+        description="a fraction of the GPU (0.9 by default) or a size like '4GiB' (1GiB on CPU)",
+    )
+    num_blocks: int | None = Field(
+        default=None, ge=2, description="KV blocks, overriding memory (block 0 is reserved)"
+    )
     # auto: the model's dtype. fp8_e4m3 is refused until the FP8 KV cache lands (issue:
     # quantization); until then it would run at the model's dtype without a word.
-    dtype: Literal["auto", "fp8_e4m3"] = "auto"
+    dtype: Literal["auto", "fp8_e4m3"] = Field(default="auto", description="the cache's dtype")
 
     @field_validator("dtype")
     @classmethod
@@ -138,12 +177,16 @@ class KVCacheSection(Section):
 
 
 class SchedulerSection(Section):
-    name: str = "continuous"
-    max_running: int = Field(default=256, ge=1)  # sequences in one step
-    max_batched_tokens: int = Field(default=2048, ge=1)  # tokens in one step
-    prefill_chunk: int = Field(default=512, ge=1)  # most prompt tokens of one sequence per step
-    prefix_cache: bool = True
-    max_waiting: int = Field(default=4096, ge=0)  # queued requests before new ones are refused
+    name: str = Field(default="continuous", description="scheduler (or a plugin's)")
+    max_running: int = Field(default=256, ge=1, description="most sequences in one step")
+    max_batched_tokens: int = Field(default=2048, ge=1, description="most tokens in one step")
+    prefill_chunk: int = Field(
+        default=512, ge=1, description="most prompt tokens of one sequence in one step"
+    )
+    prefix_cache: bool = Field(default=True, description="reuse cached prompt prefixes")
+    max_waiting: int = Field(
+        default=4096, ge=0, description="queued requests before new ones are refused (429)"
+    )
 
     @model_validator(mode="after")
     def _budget(self) -> SchedulerSection:
@@ -164,7 +207,10 @@ class QuantizationSection(Section):
     # auto: the scheme that reads the checkpoint's quantization_config (none without one). The
     # table's other keys are the scheme's options (QuantConfig.options), which it checks itself.
     model_config = ConfigDict(extra="allow", validate_assignment=True)
-    scheme: str = "auto"
+    scheme: str = Field(
+        default="auto",
+        description="quantization scheme: auto (the checkpoint's), none, or a plugin's",
+    )
 
     def options(self) -> dict[str, Any]:
         """The keys besides `scheme`."""
@@ -172,28 +218,37 @@ class QuantizationSection(Section):
 
 
 class ServerSection(Section):
-    transport: str = "litestar"
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
-    drain_timeout: float = Field(default=30.0, ge=0)  # seconds SIGTERM waits for requests
-    api_key: str | None = None
-    # /health fails once the engine loop has gone this many seconds without finishing a step
-    health_timeout: float = Field(default=30.0, gt=0)
+    transport: str = Field(default="litestar", description="HTTP transport (or a plugin's)")
+    host: str = Field(default="127.0.0.1", description="address to listen on")
+    port: int = Field(default=8000, ge=0, le=65535, description="port to listen on")
+    drain_timeout: float = Field(
+        default=30.0, ge=0, description="seconds SIGTERM lets running requests finish"
+    )
+    api_key: str | None = Field(default=None, description="bearer token clients must send")
+    health_timeout: float = Field(
+        default=30.0,
+        gt=0,
+        description="seconds without a finished step (while busy) before /health fails",
+    )
     # Run the engine in a child process (its own GIL) rather than on a thread of the server's:
     # for many streams, where the engine's and the SSE loop's Python work share one GIL. auto: a
     # process when the engine runs on a GPU (measured faster there), a thread on a CPU (where
     # the child and the HTTP side would share the few cores).
-    engine_process: bool | Literal["auto"] = "auto"
+    engine_process: bool | Literal["auto"] = Field(
+        default="auto", description="run the engine in a child process (auto: on a GPU)"
+    )
     # An idle engine handed a request while others are still being tokenized (a burst of
     # clients) waits up to this long for them, so that their prompts share one prompt step
     # instead of the first running alone and the rest queueing behind it. 0: never waits.
-    intake_wait_ms: float = Field(default=5.0, ge=0, le=1000)
+    intake_wait_ms: float = Field(
+        default=5.0, ge=0, le=1000, description="ms an idle engine waits for a burst's prompts"
+    )
 
 
 class ParallelSection(Section):
     # GPUs to shard the model over. Only 1 until tensor parallelism lands (issue: tensor
     # parallel); larger values would run on one GPU without a word, so they are refused.
-    tensor: int = Field(default=1, ge=1)
+    tensor: int = Field(default=1, ge=1, description="GPUs to shard the model over")
 
     @field_validator("tensor")
     @classmethod

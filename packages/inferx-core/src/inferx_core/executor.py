@@ -37,6 +37,7 @@ from inferx_core.sampler import Sampler, TopLogprobs
 from inferx_core.sequence import PENDING
 
 log = logging.getLogger("inferx.executor")
+startup_log = logging.getLogger("inferx.startup")  # one line per start-up phase, as it ends
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -252,6 +253,17 @@ class LoadReport:
     def total(self) -> float:
         return sum(self.seconds.values())
 
+    def done(self, phase: str, since: float, what: str = "") -> None:
+        """Record that `phase` took the time since `since` (a perf_counter reading) and say so
+        on the "inferx.startup" logger (inferx-server shows it on a terminal)."""
+        self.seconds[phase] = time.perf_counter() - since
+        startup_log.info(
+            "%s%s: %.1f s",
+            phase.replace("_", " "),
+            f" ({what})" if what else "",
+            self.seconds[phase],
+        )
+
 
 GiB = 1 << 30
 
@@ -322,13 +334,13 @@ class ModelRunner(Executor):
         quant = build_quant_scheme(config, ckpt.hf_config, reg)
         ops_cls = reg.get("kernel_ops", pick_kernel_ops(config.engine.kernels, self.device, reg))
         ctx = BuildContext(self.dtype, self.device, self.attention, quant, ops_cls())  # type: ignore[operator]
-        self.report.seconds["open"] = time.perf_counter() - t0
+        self.report.done("open", t0, f"{archs[0]}, {self.dtype}, {backend_name} attention")
         t0 = time.perf_counter()
         with torch.device(self.device):
             self.model = arch(ckpt.hf_config, ctx)
         self.model.load_weights(ckpt.weights)
         self.model.eval()
-        self.report.seconds["weights"] = time.perf_counter() - t0
+        self.report.done("weights", t0)
         t0 = time.perf_counter()
         self.vocab_size = int(ckpt.hf_config["vocab_size"])
         self.sampler = Sampler(self.device, seed=config.model.seed, argmax=ctx.ops.argmax)
@@ -349,8 +361,10 @@ class ModelRunner(Executor):
             ) from exc
         # What the last submitted step sampled, on the device, and each sequence's row in it.
         self._last_sampled: tuple[torch.Tensor | None, dict[int, int]] = (None, {})
-        profiled = self.report.seconds.get("profile", 0.0)  # sizing's own part, reported apart
-        self.report.seconds["kv_cache"] = time.perf_counter() - t0 - profiled
+        # the profiling step's part of sizing is reported apart
+        t0 += self.report.seconds.get("profile", 0.0)
+        size = self.num_kv_blocks * self.attention.bytes_per_block() / GiB
+        self.report.done("kv_cache", t0, f"{self.num_kv_blocks} blocks, {size:.2f} GiB")
         self._start()
 
     def _prepare(self) -> None:

@@ -151,26 +151,22 @@ class CudaModelRunner(ModelRunner):
                     self._dry_run_start_up(self.num_kv_blocks)
                 self.report.compiles = summarize(compiles, time.perf_counter() - t0)
             self._warm_up()
-            self.report.seconds["warm_up"] = time.perf_counter() - t0
+            variants = self.report.compiles.get("variants", 0)
+            self.report.done("warm_up", t0, f"{variants} Triton kernel variants compiled ahead")
         if isinstance(self.graphs, DecodeGraphRunner):
             t0 = time.perf_counter()
             pool = self.mixed.capture() if self.mixed is not None else None
             self.graphs.capture(pool)
-            self.report.seconds["cuda_graphs"] = time.perf_counter() - t0
-            log.info(
-                "captured CUDA graphs in %.2f s: decode at %d batch sizes (1 to %d); steps "
-                "with prompt tokens at %s tokens",
-                self.report.seconds["cuda_graphs"],
-                len(self.graphs.sizes),
-                self.graphs.max_batch,
-                self.mixed.sizes if self.mixed else "no",
+            mixed = len(self.mixed.sizes) if self.mixed else 0
+            self.report.done(
+                "cuda_graphs", t0, f"{len(self.graphs.sizes)} decode sizes, {mixed} mixed sizes"
             )
 
     def _device_kv_blocks(self, per_block: int, budget: float | int | None) -> int:
         """What kv_cache.memory allows after a profiling step (kv_cache_blocks)."""
         t0 = time.perf_counter()
         profile = self._profile_memory()
-        self.report.seconds["profile"] = time.perf_counter() - t0
+        self.report.done("profile", t0, "a worst-case step sizes the KV cache")
         blocks = kv_cache_blocks(0.9 if budget is None else budget, per_block, profile)
         self.report.memory = {
             "total": profile.total,

@@ -14,7 +14,7 @@ from functools import partial
 
 from inferx_core.cli import UsageError, _Parser, add_config_flags, config_from_args
 from inferx_core.config import Config, ConfigError
-from inferx_server.engine_process import EngineProcess, build_engine
+from inferx_server.engine_process import EngineProcess, build_engine, show_startup_progress
 from inferx_server.listen import bind
 
 
@@ -63,6 +63,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="inferx-server: %(message)s")
+    show_startup_progress()
     engine = sock = None
     try:
         config = config_from_args(build_parser().parse_args(argv))

@@ -26,6 +26,7 @@ import gc
 import logging
 import multiprocessing as mp
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -62,7 +63,16 @@ def checkpoint_source(engine: Any) -> str:
     return getattr(checkpoint, "source", "")
 
 
+def show_startup_progress() -> None:
+    """On a terminal, a line per start-up phase as it ends (weights, KV cache, compiles,
+    graphs: the executor's "inferx.startup" logger)."""
+    if sys.stderr.isatty():
+        logging.getLogger("inferx.startup").setLevel(logging.INFO)
+
+
 def _child(conn: Connection, factory: Callable[[], Any]) -> None:
+    logging.basicConfig(level=logging.WARNING, format="inferx-server: %(message)s")
+    show_startup_progress()
     try:
         engine = factory()
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
