@@ -33,10 +33,26 @@ def _no_heap_freeze(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPa
         monkeypatch.setattr(inferx_core.engine, "thaw_heap", lambda: None)
 
 
-# The steering repo's shared/ sits beside the checkout, in a session and in CI alike.
-FIXTURES = Path(
-    os.environ.get("INFERX_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures")
-)
+def _fixtures() -> Path:
+    """The tokenizer fixtures: INFERX_FIXTURES, else the shared/ folder beside the checkout (a
+    session's and CI's), else the copy vendored in tests/fixtures (MIT-licensed tokenizers,
+    unpacked once into tests/fixtures/unpacked), so that a fresh clone alone runs every test."""
+    if "INFERX_FIXTURES" in os.environ:
+        return Path(os.environ["INFERX_FIXTURES"])
+    shared = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+    if shared.is_dir():
+        return shared
+    here = Path(__file__).parent / "fixtures"
+    unpacked = here / "unpacked"
+    if not (unpacked / "tokenizers").is_dir():
+        import tarfile
+
+        with tarfile.open(here / "tokenizers.tar.xz") as tar:
+            tar.extractall(unpacked, filter="data")
+    return unpacked
+
+
+FIXTURES = _fixtures()
 
 
 def fused_views(
