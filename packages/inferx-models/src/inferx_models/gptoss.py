@@ -236,7 +236,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
         experts = self._submodule(f"{layer}.mlp.experts", name)
         proj = "gate_up" if rest.startswith("gate_up_proj") else "down"
         kind = _EXPERT_KINDS.get(rest.removeprefix(f"{proj}_proj"))
-        if not isinstance(experts, QuantExperts) or not rest.startswith(proj) or kind is None:
+        if not isinstance(experts, QuantExperts) or kind is None:
             raise ValueError(f"{arch}: unexpected checkpoint tensor {name!r}")
         if kind == "weight":
             tensor = tensor.transpose(-1, -2)  # stored [E, in, out]; load() takes [out, in]
