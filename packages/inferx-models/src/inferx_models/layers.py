@@ -156,6 +156,12 @@ def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
     params = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
     params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    # transformers prefers a top-level original_max_position_embeddings (Phi-3 keeps it there)
+    if (
+        params["rope_type"] in ("llama3", "yarn")
+        and "original_max_position_embeddings" in hf_config
+    ):
+        params["original_max_position_embeddings"] = hf_config["original_max_position_embeddings"]
     return params
 
 
@@ -171,34 +177,91 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     return (1 - blend) * inv_freq / factor + blend * inv_freq
 
 
+def _yarn_inv_freq(
+    head_dim: int, max_positions: int, params: dict[str, Any]
+) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss, DeepSeek): (inverse frequencies, attention scaling of cos and sin).
+
+    Dimensions that turn more than beta_fast times over the original context keep their
+    frequency, those turning fewer than beta_slow times are slowed by `factor`, and a linear ramp
+    over the dimension index blends the band between. `truncate` (default true) widens that band
+    to whole dimensions. The float32 arithmetic follows transformers' _compute_yarn_parameters
+    step for step, so that the tables agree to the last bit at long positions.
+    """
+    base = params["rope_theta"]
+    original = params.get("original_max_position_embeddings") or max_positions
+    factor = params.get("factor") or max_positions / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        if params.get("mscale") and params.get("mscale_all_dim"):
+            attention_factor = mscale(factor, params["mscale"]) / mscale(
+                factor, params["mscale_all_dim"]
+            )
+        else:
+            attention_factor = mscale(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        # the dimension whose wavelength fits `rotations` times into the original context
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the dimension keeps its original frequency
+    inv_freq = interpolation * (1 - keep) + extrapolation * keep
+    return inv_freq, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     """The cos/sin table for rotating q and k by position (the "rotate half" layout of Llama and
     Qwen2) with ctx.ops.rotary.
 
     cos and sin are tabulated in float32 for every position up to max_positions once, so each
-    layer does a lookup rather than trigonometry.
+    layer does a lookup rather than trigonometry. YaRN's attention scaling is folded into the
+    table (cos and sin both scaled), as transformers does.
     """
 
     def __init__(
         self, head_dim: int, max_positions: int, params: dict[str, Any], device: torch.device
     ) -> None:
         super().__init__()
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+        scaling = 1.0
         kind = params["rope_type"]
+        if kind == "yarn":
+            inv_freq, scaling = _yarn_inv_freq(head_dim, max_positions, params)
+        else:
+            exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+            inv_freq = 1.0 / (params["rope_theta"] ** exponents)
         if kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, params)
-        elif kind != "default":
-            raise NotImplementedError(f"rope_type {kind!r} is not supported (default, llama3)")
+        elif kind not in ("default", "yarn"):
+            raise NotImplementedError(
+                f"rope_type {kind!r} is not supported (default, llama3, yarn)"
+            )
         angles = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
-        table = torch.cat([angles.cos(), angles.sin()], dim=-1)
+        table = torch.cat([angles.cos() * scaling, angles.sin() * scaling], dim=-1)
         self.register_buffer("cos_sin", table.to(device), persistent=False)
 
 
 class Attention(nn.Module):
     """Self-attention of one layer: fused QKV projection, rotary positions, the backend's paged
     attention (which owns the cache), output projection. With `qk_norm_eps` (Qwen3) each q and
-    k head is RMS-normed over head_dim before the rotary (weights `q_norm`, `k_norm`)."""
+    k head is RMS-normed over head_dim before the rotary (weights `q_norm`, `k_norm`); with
+    `sinks` (gpt-oss) each query head has a learned sink logit (`sinks`, this rank's heads)."""
 
     def __init__(
         self,
@@ -213,6 +276,7 @@ class Attention(nn.Module):
         o_bias: bool = False,
         prefix: str = "",
         qk_norm_eps: float | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         prefix = prefix or f"model.layers.{layer}.self_attn"
@@ -243,7 +307,13 @@ class Attention(nn.Module):
         self.tp = _tp(ctx)
         self.rotary = rotary
         self.backend = ctx.attention
-        self.attn = ctx.attention.layer(layer, head_dim**-0.5)
+        # gpt-oss: a learned logit per query head (this rank's) joins the softmax; float32, as
+        # the backends take it
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            zeros = torch.zeros(self.num_heads, dtype=torch.float32, device=ctx.device)
+            self.sinks = nn.Parameter(zeros, requires_grad=False)
+        self.attn = ctx.attention.layer(layer, head_dim**-0.5, sinks=self.sinks)
         self.ops = ctx.ops
 
     def _takes_parts(self) -> bool:

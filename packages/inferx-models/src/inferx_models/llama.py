@@ -110,6 +110,7 @@ class DecoderLayer(nn.Module):
             qkv_bias,
             o_bias,
             qk_norm_eps=qk_norm_eps,
+            sinks=arch.sinks,
         )
         self.post_attention_layernorm = RMSNorm(hidden, eps, ctx)
         self.mlp = arch.build_mlp(cfg, layer, ctx)
@@ -160,11 +161,13 @@ class LlamaForCausalLM(ModelArch):
     """LlamaForCausalLM: Llama 1, 2, 3, 3.1 (llama3 rope scaling), 3.2, and look-alikes such as
     SmolLM2. `attention_bias` and `mlp_bias` from the config are honoured.
 
-    Subclasses vary it through `biases`, `qk_norm` and `build_mlp` / `mlp_shapes` (a layer's
-    MLP and its checkpoint tensors)."""
+    Subclasses vary it through `biases`, `qk_norm`, `sinks` and `build_mlp` / `mlp_shapes` (a
+    layer's MLP and its checkpoint tensors)."""
 
     # RMSNorm of each q and k head over head_dim before the rotary (Qwen3)
     qk_norm = False
+    # a learned sink logit per query head in every softmax (gpt-oss)
+    sinks = False
 
     @classmethod
     def biases(cls, hf_config: dict[str, Any]) -> tuple[bool, bool, bool]:

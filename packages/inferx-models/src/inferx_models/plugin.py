@@ -10,6 +10,7 @@ def inferx_model_archs(register: Register) -> None:
     register("Qwen2ForCausalLM", "inferx_models.llama:Qwen2ForCausalLM")
     register("Qwen3ForCausalLM", "inferx_models.qwen3:Qwen3ForCausalLM")
     register("Qwen3MoeForCausalLM", "inferx_models.qwen3:Qwen3MoeForCausalLM")
+    register("GptOssForCausalLM", "inferx_models.gptoss:GptOssForCausalLM")
 
 
 @hookimpl

@@ -66,6 +66,48 @@ _LLAMA3 = {
     "torch_dtype": "bfloat16",
 }
 
+# gpt-oss as published: experts in MXFP4, everything else bf16 (modules_to_not_convert).
+_GPT_OSS = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "hidden_act": "silu",
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "initial_context_length": 4096,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 150000,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "swiglu_limit": 7.0,
+    "router_aux_loss_coef": 0.9,
+    "output_router_logits": False,
+    "use_cache": True,
+    "tie_word_embeddings": False,
+    "quantization_config": {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    },
+    "torch_dtype": "bfloat16",
+}
+
+
+def _alternating(layers: int) -> list[str]:
+    """gpt-oss's layer_types: sliding-window attention on even layers, full on odd ones."""
+    return ["full_attention" if i % 2 else "sliding_attention" for i in range(layers)]
+
 
 def _llama3_scaling(factor: float) -> dict[str, Any]:
     return {
@@ -142,6 +184,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_experts": 128,
         "num_experts_per_tok": 8,
         "tie_word_embeddings": False,
+    },
+    "gpt-oss-20b": _GPT_OSS
+    | {
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": 24,
+        "layer_types": _alternating(24),
+        "sliding_window": 128,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "experts_per_token": 4,
+        "vocab_size": 201088,
+        "pad_token_id": 199999,
+        "eos_token_id": 200002,
     },
     "llama-3.1-8b-instruct": _LLAMA3
     | {
@@ -263,6 +322,27 @@ PRESETS: dict[str, dict[str, Any]] = {
         "vocab_size": 320,
         "max_position_embeddings": 256,
         "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    },
+    # gpt-oss test shapes, MXFP4 experts: a window of 8 that short prompts already pass, and
+    # YaRN over an original context of 64 so the blended frequency band occurs at head_dim 16.
+    "tiny-gpt-oss": _GPT_OSS
+    | {
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "layer_types": _alternating(2),
+        "sliding_window": 8,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "vocab_size": 320,
+        "max_position_embeddings": 256,
+        "rope_scaling": _GPT_OSS["rope_scaling"] | {"original_max_position_embeddings": 64},
         "bos_token_id": 1,
         "eos_token_id": 2,
         "torch_dtype": "float32",

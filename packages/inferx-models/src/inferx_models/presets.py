@@ -33,6 +33,11 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+# Quantized payloads (ModelArch.checkpoint_dtypes) besides the float ones.
+_PAYLOAD_DTYPES = {torch.uint8: "U8"}
+# MXFP4 scales drawn in 2^-8 .. 2^-6: times e2m1 values (mean magnitude about 2) that keeps
+# weights around +-0.02 like the float tensors.
+_E8M0_SCALES = (119, 122)
 
 
 def preset(name: str) -> dict[str, Any]:
@@ -60,10 +65,25 @@ def random_weights(
     device: str | torch.device = "cpu",
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every checkpoint tensor of the config, one at a time, uniform in +-0.02 (norm weights
-    around 1) so activations and logits stay finite. Same seed, dtype and device type, same
-    tensors (a GPU draws other numbers than the CPU: making 6 GB on the host takes ~20 s)."""
+    around 1) so activations and logits stay finite; quantized payloads (uint8) random bytes,
+    MXFP4 scales ("*_scales") near 2^-7 so their weights are that size too. Same seed, dtype
+    and device type, same tensors (a GPU draws other numbers than the CPU: making 6 GB on the
+    host takes ~20 s)."""
     generator = torch.Generator(device=device).manual_seed(seed)
-    for name, shape in arch_class(hf_config).checkpoint_shapes(hf_config).items():
+    arch = arch_class(hf_config)
+    payloads = arch.checkpoint_dtypes(hf_config)
+    for name, shape in arch.checkpoint_shapes(hf_config).items():
+        if name in payloads:
+            if payloads[name] != torch.uint8:
+                raise ValueError(f"{name}: no random {payloads[name]} payloads (only uint8)")
+            low, high = _E8M0_SCALES if name.endswith("_scales") else (0, 256)
+            yield (
+                name,
+                torch.randint(
+                    low, high, shape, generator=generator, dtype=torch.uint8, device=device
+                ),
+            )
+            continue
         # Drawn in the target dtype: a float32 draw of a 7B embedding would double peak memory.
         tensor = torch.empty(shape, dtype=dtype, device=device)
         tensor.uniform_(-0.02, 0.02, generator=generator)
@@ -94,11 +114,13 @@ def write_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
-    shapes = arch_class(config).checkpoint_shapes(config)
+    arch = arch_class(config)
+    shapes = arch.checkpoint_shapes(config)
+    dtypes = {name: dtype for name in shapes} | arch.checkpoint_dtypes(config)
     shards: list[list[str]] = [[]]
     size = 0
     for name, shape in shapes.items():
-        nbytes = math.prod(shape) * dtype.itemsize
+        nbytes = math.prod(shape) * dtypes[name].itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -113,13 +135,13 @@ def write_checkpoint(
         weight_map = {
             name: file for file, names in zip(files, shards, strict=True) for name in names
         }
-        total = sum(math.prod(s) for s in shapes.values()) * dtype.itemsize
+        total = sum(math.prod(s) * dtypes[n].itemsize for n, s in shapes.items())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
     weights = random_weights(config, dtype, seed)
     for file, names in zip(files, shards, strict=True):
-        _write_safetensors(out / file, {n: shapes[n] for n in names}, dtype, weights)
+        _write_safetensors(out / file, {n: shapes[n] for n in names}, dtypes, weights)
 
     if tokenizer_dir is not None:
         found = [Path(tokenizer_dir) / f for f in TOKENIZER_FILES]
@@ -134,7 +156,7 @@ def write_checkpoint(
 def _write_safetensors(
     path: Path,
     shapes: dict[str, tuple[int, ...]],
-    dtype: torch.dtype,
+    dtypes: dict[str, torch.dtype],
     tensors: Iterator[tuple[str, torch.Tensor]],
 ) -> None:
     """Write the safetensors layout (u64 header length, JSON header, raw little-endian data)
@@ -143,8 +165,10 @@ def _write_safetensors(
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape in shapes.items():
+        dtype = dtypes[name]
         nbytes = math.prod(shape) * dtype.itemsize
-        entry = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape)}
+        code = _SAFETENSORS_DTYPES.get(dtype) or _PAYLOAD_DTYPES[dtype]
+        entry = {"dtype": code, "shape": list(shape)}
         header[name] = entry | {"data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -155,4 +179,5 @@ def _write_safetensors(
         for expected in shapes:
             name, tensor = next(tensors)
             assert name == expected, f"weights out of order: {name} where {expected} belongs"
+            assert tensor.dtype == dtypes[name], f"{name} is {tensor.dtype}, not {dtypes[name]}"
             f.write(tensor.contiguous().view(torch.uint8).numpy())

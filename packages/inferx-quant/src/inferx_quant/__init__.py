@@ -1,2 +1,2 @@
-"""InferX quantization schemes. None is implemented yet: FP8, W4A16 and MXFP4 arrive here; the
-unquantized default ("none") lives in inferx-core."""
+"""InferX quantization schemes: MXFP4 (gpt-oss's experts) so far; FP8 and W4A16 arrive here.
+The unquantized default ("none") lives in inferx-core."""

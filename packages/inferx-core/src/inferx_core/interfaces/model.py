@@ -58,6 +58,13 @@ class ModelArch(torch.nn.Module, ABC):
     def checkpoint_shapes(cls, hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         """Every tensor a Hugging Face checkpoint of this config holds, by name (dummy weights)."""
 
+    @classmethod
+    def checkpoint_dtypes(cls, hf_config: dict[str, Any]) -> dict[str, torch.dtype]:
+        """The checkpoint tensors stored in a dtype of their own, by name (quantized payloads
+        such as MXFP4's uint8 blocks and scales); every other one is in the checkpoint's float
+        dtype. Dummy weights draw these as random bytes."""
+        return {}
+
     @abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[T] token ids and positions -> [T, hidden] final hidden states."""
