@@ -1,1 +1,8 @@
-"""Registers inferx-quant's schemes. It registers none yet (see the package docstring)."""
+"""Registers inferx-quant's schemes (lazily, by path)."""
+
+from inferx_core.hookspecs import Register, hookimpl
+
+
+@hookimpl
+def inferx_quant_schemes(register: Register) -> None:
+    register("fp8", "inferx_quant.fp8:Fp8")
