@@ -518,5 +518,21 @@ def test_a_checkpoint_missing_a_scale_names_it(llama, tmp_path) -> None:
     tensors = load_file(quant / "model.safetensors")
     del tensors["model.layers.1.self_attn.v_proj.weight_scale"]
     save_file(tensors, quant / "model.safetensors")
-    with pytest.raises(Exception, match=r"lacks model\.layers\.1\.self_attn\.v_proj\.weight_scale"):
+    with pytest.raises(
+        ValueError, match=r"lacks model\.layers\.1\.self_attn\.v_proj\.weight_scale"
+    ):
         make_llm(quant)
+
+
+def test_scales_keep_their_stored_dtype_under_a_bfloat16_model(llama128, tmp_path) -> None:
+    """The safetensors reader casts weights to the serving dtype but not a float32 scale, whose
+    rounding to bfloat16 would move every weight of its block."""
+    from inferx_models.formats import SafetensorsFormat
+
+    quant, _ = write_quantized(
+        llama128, tmp_path / "block", HF_BLOCK, quantize_block, "weight_scale_inv"
+    )
+    weights = dict(SafetensorsFormat().open(quant, torch.bfloat16).weights)
+    assert weights["model.layers.0.mlp.up_proj.weight_scale_inv"].dtype == torch.float32
+    assert weights["model.layers.0.mlp.up_proj.weight"].dtype == FP8
+    assert weights["model.norm.weight"].dtype == torch.bfloat16
