@@ -16,6 +16,9 @@ from inferx_models.presets import PRESETS, preset, random_weights
 # Stored dtypes that are cast to the serving dtype; anything else (integer or FP8 payloads of
 # quantized checkpoints) is yielded as stored, for the quantization scheme to interpret.
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+# A quantized checkpoint's scales keep their stored dtype too: a float32 scale cast to bfloat16
+# would shift every weight it scales.
+_SCALES = ("_scale", "_scale_inv")
 
 
 def _tokenizer(path: Path) -> Any:
@@ -46,7 +49,8 @@ def _read(
         with safe_open(file, framework="pt", device=str(device)) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 tensor = f.get_tensor(name)
-                yield name, tensor.to(dtype) if tensor.dtype in _CASTABLE else tensor
+                cast = tensor.dtype in _CASTABLE and not name.endswith(_SCALES)
+                yield name, tensor.to(dtype) if cast else tensor
 
 
 class SafetensorsFormat(CheckpointFormat):

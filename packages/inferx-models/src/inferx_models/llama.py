@@ -312,6 +312,12 @@ class LlamaForCausalLM(ModelArch):
         if missing:
             listed = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
             raise ValueError(f"{arch}: checkpoint lacks {len(missing)} tensors: {listed}")
+        for module in self.modules():
+            if isinstance(module, QuantLinear):
+                try:
+                    module.finish_loading()  # a quantized layer checks its scales here
+                except ValueError as exc:
+                    raise ValueError(f"{arch}: {exc}") from None
 
     def _expected_names(self) -> set[str]:
         """The checkpoint tensors load_weights requires by name."""

@@ -5,4 +5,5 @@ from inferx_core.hookspecs import Register, hookimpl
 
 @hookimpl
 def inferx_quant_schemes(register: Register) -> None:
+    register("fp8", "inferx_quant.fp8:Fp8")
     register("mxfp4", "inferx_quant.mxfp4:Mxfp4")
