@@ -355,3 +355,39 @@ def test_start_up_says_each_phase(caplog):
     said = [r.getMessage() for r in caplog.records if r.name == "inferx.startup"]
     assert [m.split(" (")[0].split(":")[0] for m in said] == ["open", "weights", "kv cache"]
     assert "blocks" in said[-1]
+
+
+# A head five windows long: a later request reuses it from the prefix cache, which must then hold
+# the sliding layers' blocks that its first query reads (the head's last 8 tokens).
+HEAD = list(range(3, 43))
+SHARED = [HEAD + [50, 51, 52], HEAD + [60, 61, 62, 63, 64], HEAD + [7, 7], HEAD + [200] * 9]
+
+
+@pytest.fixture(scope="module")
+def shared_expected(sliding_checkpoint):
+    return reference(sliding_checkpoint[1], SHARED)
+
+
+def test_sliding_model_reuses_a_long_prefix(sliding_checkpoint, shared_expected):
+    llm = make_llm(sliding_checkpoint[0], **{"kv_cache.block_size": 4})
+    assert llm.engine.kv.tree is not None, "the prefix cache is on for a sliding model"
+    assert generate(llm, SHARED[:1]) == shared_expected[:1]
+    stats = llm.engine.scheduler.stats()
+    assert stats.prefix_hits == 0
+    assert generate(llm, SHARED[1:2]) == shared_expected[1:2]
+    assert llm.engine.scheduler.stats().prefix_hits == len(HEAD), "the whole head was reused"
+    assert llm.engine.kv.usage() == 0.0
+
+
+def test_sliding_model_reuses_prefixes_under_preemption(sliding_checkpoint, shared_expected):
+    # 39 usable blocks: one request of 45 + 32 tokens holds up to 19 full and 5 sliding blocks,
+    # so four of them, sharing only the head, preempt one another and evict from the cache.
+    llm = make_llm(
+        sliding_checkpoint[0],
+        **{"kv_cache.block_size": 4, "kv_cache.num_blocks": 40, "scheduler.prefill_chunk": 8},
+    )
+    assert generate(llm, SHARED) == shared_expected
+    assert generate(llm, SHARED) == shared_expected
+    stats = llm.engine.scheduler.stats()
+    assert stats.preemptions > 0 and stats.prefix_hits > 0
+    assert llm.engine.kv.usage() == 0.0

@@ -25,15 +25,48 @@ def computed(kv: PagedKVManager, s: Sequence, n: int) -> None:
     s.num_computed += n
 
 
+def components(entry) -> list[int | None]:
+    """A tree entry's block ids: an int with one group, a list of one per group (None: a hole
+    a sliding group's eviction left) with several."""
+    return entry if isinstance(entry, list) else [entry]
+
+
 def tree_blocks(kv: PagedKVManager) -> list[int]:
-    """Every block id in the prefix tree (an entry is a tuple of one per group with groups)."""
+    """Every block id in the prefix tree."""
     out, stack = [], list(kv.tree.root.children.values()) if kv.tree else []
     while stack:
         n = stack.pop()
         for entry in n.blocks:
-            out.extend(entry if isinstance(entry, tuple) else [entry])
+            out.extend(b for b in components(entry) if b is not None)
         stack.extend(n.children.values())
     return out
+
+
+def sliding_tree_blocks(kv: PagedKVManager) -> dict[int, tuple[list, int]]:
+    """Every sliding group's block in the tree -> (its entry, its group)."""
+    out, stack = {}, list(kv.tree.root.children.values()) if kv.tree else []
+    while stack:
+        n = stack.pop()
+        for entry in n.blocks:
+            for g, b in enumerate(components(entry)):
+                if b is not None and kv.groups[g].kind == "sliding":
+                    out[b] = (entry, g)
+        stack.extend(n.children.values())
+    return out
+
+
+def path_nodes(kv: PagedKVManager, tokens) -> list:
+    """The tree nodes along tokens' path from the root."""
+    tokens, node, out, i = list(tokens), kv.tree.root, [], 0
+    while i < len(tokens) and (child := node.children.get(tuple(tokens[i : i + kv.block_size]))):
+        out.append(child)
+        node, i = child, i + len(child.key)
+    return out
+
+
+def sliding_ids(kv: PagedKVManager, tokens) -> list[int | None]:
+    """Group 1's block (None: a hole) in each tree entry along tokens' path."""
+    return [e[1] for n in path_nodes(kv, tokens) for e in n.blocks]
 
 
 def check_accounting(kv: PagedKVManager, live: list[Sequence]) -> None:
@@ -55,9 +88,17 @@ def check_accounting(kv: PagedKVManager, live: list[Sequence]) -> None:
     assert not set(free) & (held | set(cached)), "a block in use is on the free list"
     assert set(free) | held | set(cached) == set(range(1, kv.num_blocks)), "a block leaked"
     assert 0 not in held | set(cached) | set(free)
-    evictable = kv.tree.evictable * len(kv.groups) if kv.tree else 0
+    whole = sum(g.kind != "sliding" for g in kv.groups)
+    evictable = kv.tree.evictable * whole + len(kv._idle) if kv.tree else 0
     assert evictable == len(cached_only), "a cached block is held but evictable, or stuck"
     assert kv.num_free_blocks() == len(free) + len(cached_only)
+    # Idle: exactly the sliding blocks in the tree that no sequence holds, each knowing its entry.
+    sliding = sliding_tree_blocks(kv)
+    assert set(kv._idle) == {b for b in sliding if not ref[b]}
+    for b, (entry, g) in sliding.items():
+        assert kv._home[b][0] is entry and kv._home[b][1] == g
+    stamps = list(kv._idle.values())
+    assert stamps == sorted(stamps), "idle blocks out of age order"
 
 
 # -- unit tests ----------------------------------------------------------------------------------
@@ -187,7 +228,6 @@ SLIDING = KVLayerSpec(4, 2, 8, kind="sliding", window=6)
 
 def test_groups_get_a_table_each_and_sliding_blocks_go_back():
     kv = PagedKVManager(40, 4, groups=kv_groups([FULL, SLIDING, FULL]), max_chunk=4)
-    assert kv.tree is None, "no prefix cache with a sliding group"
     s = seq(range(30))
     computed(kv, s, 8)
     assert [len(t) for t in s.block_tables] == [2, 2]
@@ -225,6 +265,74 @@ def test_prefix_cache_shares_every_groups_blocks():
     check_accounting(kv, [c])
 
 
+def run_chunks(kv: PagedKVManager, s: Sequence, chunks: list[int], commit: bool = True) -> None:
+    for n in chunks:
+        computed(kv, s, n)
+        if commit:
+            kv.commit(s)
+
+
+def test_sliding_blocks_behind_the_window_stay_cached_but_idle():
+    kv = PagedKVManager(40, 4, groups=kv_groups([FULL, SLIDING]), max_chunk=4)
+    a = seq(range(30))
+    run_chunks(kv, a, [4] * 7)
+    # The allocate at 24 gave back sliding blocks 0-3 (keys before 19): committed, so idle.
+    assert a.block_tables[1][:4] == [0] * 4 and all(a.block_tables[1][4:])
+    assert len(kv._idle) == 4 and kv.tree.size == 7
+    assert kv.num_free_blocks() == 39 - 7 - 3, "idle blocks count as free"
+    check_accounting(kv, [a])
+    # The query at 24 reads keys 19-23: blocks 4 and 5, which a still holds.
+    b = seq(list(range(24)) + [99, 98])
+    assert kv.match_prefix(b) == 24
+    assert b.block_tables[0] == a.block_tables[0][:6]
+    assert b.block_tables[1] == [0] * 4 + a.block_tables[1][4:6]
+    # The query at 12 reads keys 7-11: blocks 1 and 2, idle, now held again.
+    c = seq(list(range(12)) + [7])
+    assert kv.match_prefix(c) == 12
+    assert c.block_tables[1][0] == 0 and all(c.block_tables[1][1:])
+    assert len(kv._idle) == 2
+    check_accounting(kv, [a, b, c])
+    for s in (a, b, c):
+        kv.free(s)
+    check_accounting(kv, [])
+    assert kv.num_free_blocks() == 39 and kv.usage() == 0.0
+    # 25 blocks are on the free list. Reclaiming 3 more takes the idle blocks that went idle
+    # before the last leaf was unlocked (0 and 3 at the window, 6 as a was freed), not entries.
+    big = seq(range(500, 500 + 4 * 14))
+    assert len(kv._free) == 25 and kv.allocate(big, 4 * 14)
+    assert kv.tree.size == 7
+    holes = [b is None for b in sliding_ids(kv, range(28))]
+    assert holes == [True, False, False, True, False, False, True]
+    check_accounting(kv, [big])
+
+
+def test_sliding_match_backs_off_to_a_cached_window_and_commit_fills_holes():
+    kv = PagedKVManager(60, 4, groups=kv_groups([FULL, SLIDING]), max_chunk=4)
+    a = seq(range(30))
+    run_chunks(kv, a, [12])
+    run_chunks(kv, a, [4, 4, 4, 4], commit=False)  # sliding block 3 is freed before its commit
+    kv.commit(a)
+    ids = sliding_ids(kv, range(28))
+    assert [b is not None for b in ids] == [True, True, True, False, True, True, True]
+    check_accounting(kv, [a])
+    # At 20 the query reads blocks 3-4; at 16, 2-3: block 3 is a hole. At 12 (1-2) all is there.
+    b = seq(list(range(20)) + [99])
+    assert kv.match_prefix(b) == 12
+    assert b.block_tables[1] == [0] + ids[1:3]
+    c = seq(range(29))
+    assert kv.match_prefix(c) == 28, "at 28 the query reads blocks 5-6, both cached"
+    check_accounting(kv, [a, b, c])
+    # A sequence that computes block 3 itself fills the hole when it commits.
+    d = seq(list(range(16)) + [5])
+    run_chunks(kv, d, [16])
+    assert sliding_ids(kv, range(28))[3] == d.block_tables[1][3]
+    assert d.block_tables[0] == a.block_tables[0][:4], "the full group's copies were swapped"
+    check_accounting(kv, [a, b, c, d])
+    e = seq(list(range(20)) + [99])
+    assert kv.match_prefix(e) == 20
+    check_accounting(kv, [a, b, c, d, e])
+
+
 # -- random operation sequences ------------------------------------------------------------------
 
 BS = 2
@@ -257,6 +365,10 @@ class KVMachine(RuleBasedStateMachine):
         got = self.kv.match_prefix(s)
         assert got % BS == 0 and got < len(tokens)
         assert all(len(t) * BS == got for t in s.block_tables)
+        for table, window in zip(s.block_tables, self.windows, strict=False):
+            # Attached: exactly the blocks the next query reads (all, for a full group).
+            first = max(0, got - window + 1) // BS if window else 0
+            assert not any(table[:first]) and all(table[first:])
         s.num_computed = got
         self.live.append(s)
 
@@ -301,15 +413,18 @@ class KVMachine(RuleBasedStateMachine):
                 # A sliding group keeps at least the keys the next token's query reads.
                 first = max(0, s.num_computed - window + 1) if window else 0
                 for p in range(first, s.num_computed):
-                    assert self.content[table[p // BS]][p % BS] == s.token_ids[p]
+                    b = table[p // BS]
+                    assert b and self.kv._ref[b] > 0, "a block the next query reads is gone"
+                    assert self.content[b][p % BS] == s.token_ids[p]
         if self.kv.tree is None:
             return
         stack = list(self.kv.tree.root.children.values())
         while stack:
             node = stack.pop()
             for i, entry in enumerate(node.blocks):
-                for b in entry if isinstance(entry, tuple) else [entry]:
-                    assert self.content[b] == node.key[i * BS : (i + 1) * BS]
+                for b in components(entry):
+                    if b is not None:
+                        assert self.content[b] == node.key[i * BS : (i + 1) * BS]
             stack.extend(node.children.values())
 
     def teardown(self) -> None:
@@ -324,9 +439,29 @@ class KVMachineNoCache(KVMachine):
 
 
 class KVMachineSliding(KVMachine):
-    """A full and a sliding group (window 3 tokens, blocks of 2): no prefix cache."""
+    """A full and a sliding group (window 3 tokens, blocks of 2) with the prefix cache."""
 
     layers = [FULL, KVLayerSpec(4, 2, 8, kind="sliding", window=3)]
+
+
+class KVMachineSlidingNoCache(KVMachineSliding):
+    prefix_cache = False
+
+
+class KVMachineTwoWindows(KVMachine):
+    """Two sliding groups, one window aligned to blocks and one not, and a full one."""
+
+    layers = [
+        KVLayerSpec(4, 2, 8, kind="sliding", window=4),
+        FULL,
+        KVLayerSpec(4, 2, 8, kind="sliding", window=5),
+    ]
+
+
+class KVMachineOnlySliding(KVMachine):
+    """Every layer slides: a tree entry may end up with no block at all."""
+
+    layers = [KVLayerSpec(4, 2, 8, kind="sliding", window=2)]
 
 
 class KVMachineTwoFull(KVMachine):
@@ -337,8 +472,17 @@ class KVMachineTwoFull(KVMachine):
 
 TestKVManagerRandom = KVMachine.TestCase
 TestKVManagerRandomSliding = KVMachineSliding.TestCase
+TestKVManagerRandomSlidingNoCache = KVMachineSlidingNoCache.TestCase
+TestKVManagerRandomTwoWindows = KVMachineTwoWindows.TestCase
+TestKVManagerRandomOnlySliding = KVMachineOnlySliding.TestCase
+for case in (
+    TestKVManagerRandomSlidingNoCache,
+    TestKVManagerRandomTwoWindows,
+    TestKVManagerRandomOnlySliding,
+):
+    case.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
 TestKVManagerRandomSliding.settings = settings(
-    max_examples=40, stateful_step_count=40, deadline=None
+    max_examples=150, stateful_step_count=40, deadline=None
 )
 TestKVManagerRandomTwoFull = KVMachineTwoFull.TestCase
 TestKVManagerRandomTwoFull.settings = settings(

@@ -339,6 +339,21 @@ def test_sliding_model_preempts_and_recomputes_correctly():
     assert sched.stats().preemptions > 0
 
 
+@pytest.mark.parametrize("num_blocks", [200, 40], ids=["roomy", "preempting"])
+def test_sliding_model_shares_prefixes_through_the_cache(num_blocks):
+    # A 40-token head, five windows long: later requests match it, attaching only the sliding
+    # blocks their first query reads. In 40 blocks they also preempt one another and evict.
+    sched, ex = make(num_blocks=num_blocks, block_size=4, groups=SLIDING_GROUPS)
+    rng = random.Random(5)
+    head = [rng.randrange(50) for _ in range(40)]
+    seqs = [seq(head + p, max_tokens=20) for p in prompts(8, rng, lo=1, hi=12)]
+    done = run(sched, ex, [(3 * i, s) for i, s in enumerate(seqs)])
+    check_outputs(done, seqs)
+    stats = sched.stats()
+    assert stats.prefix_hits >= 40 * 4, "most requests after the first reuse the whole head"
+    assert (stats.preemptions > 0) == (num_blocks == 40)
+
+
 def test_preempted_sequence_goes_to_the_front_of_the_queue():
     # 12 usable blocks: a and b fit while prefilling, not both at 25+ tokens.
     sched, ex = make(num_blocks=13, block_size=4, max_running=2, prefix_cache=False)
@@ -502,7 +517,7 @@ def test_update_checks_the_number_of_sampled_tokens():
 # -- random workloads ----------------------------------------------------------------------------
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     block_size=st.sampled_from([1, 2, 4, 8]),
@@ -511,9 +526,10 @@ def test_update_checks_the_number_of_sampled_tokens():
     chunk_frac=st.floats(0.1, 1.0),
     max_running=st.integers(1, 8),
     prefix_cache=st.booleans(),
+    window=st.one_of(st.none(), st.integers(1, 12)),
 )
 def test_random_workloads(
-    seed, block_size, extra_blocks, budget, chunk_frac, max_running, prefix_cache
+    seed, block_size, extra_blocks, budget, chunk_frac, max_running, prefix_cache, window
 ):
     rng = random.Random(seed)
     max_running = min(max_running, budget)
@@ -525,11 +541,18 @@ def test_random_workloads(
         p = rng.choice(heads) + [rng.randrange(3) for _ in range(rng.randint(1, 16))]
         seqs.append(seq(p, max_tokens=rng.randint(1, 24)))
     longest = max(len(s.prompt_ids) + s.params.max_tokens - 1 for s in seqs)
-    num_blocks = -(-longest // block_size) + 1 + extra_blocks
+    # window: a full, a sliding and a full layer (two KV groups), else one full group.
+    groups = None
+    if window is not None:
+        full = KVLayerSpec(4, 2, 8)
+        groups = kv_groups([full, KVLayerSpec(4, 2, 8, kind="sliding", window=window), full])
+    need = PagedKVManager(2, block_size, groups=groups, max_chunk=chunk).blocks_needed(longest)
+    num_blocks = need + 1 + extra_blocks
     sched, ex = make(
         num_blocks,
         block_size,
         prefix_cache,
+        groups=groups,
         max_batched_tokens=budget,
         prefill_chunk=chunk,
         max_running=max_running,

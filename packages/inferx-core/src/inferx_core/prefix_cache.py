@@ -5,7 +5,9 @@ whole blocks of tokens and the KV block ids that hold them. A node's `lock` coun
 using it or any node below it, so a locked node is never evicted and neither is any ancestor of
 one; unlocked leaves are evicted least recently used first, from the end of their edge.
 
-Pure bookkeeping over ints: the tree never frees a block itself, it hands evicted ids back.
+Pure bookkeeping: the tree never frees a block itself, it hands evicted ids back. It never looks
+inside a block entry either, so the KV manager may store one id per KV group there (a list it
+edits in place; see kv_manager).
 """
 
 from __future__ import annotations
@@ -190,6 +192,21 @@ class RadixCache:
             self.num_nodes -= 1
             self._offer(parent)  # type: ignore[arg-type]
         return freed
+
+    def oldest(self) -> int | None:
+        """The last_access of the leaf evict() takes next; None when nothing is evictable."""
+        heap = self._heap
+        while heap:
+            stamp, _, node = heap[0]
+            if self._evictable_leaf(node) and stamp == node.last_access:
+                return stamp
+            heapq.heappop(heap)
+        return None
+
+    def tick(self) -> int:
+        """A new time on the tree's logical clock, for callers that age their own entries
+        alongside the tree's (comparable with oldest())."""
+        return self._tick()
 
     # -- helpers -------------------------------------------------------------------------------
 

@@ -124,7 +124,8 @@ class KVManager(ABC):
 
         Called once when a waiting sequence is admitted (with empty block tables). Sets
         seq.block_tables and returns the number of tokens covered, which the scheduler then
-        treats as computed. Must leave at least one token uncomputed.
+        treats as computed. Must leave at least one token uncomputed. A sliding group needs only
+        the blocks the next query reads; its entries behind the window are 0, as if freed.
         """
 
     @abstractmethod
