@@ -157,8 +157,8 @@ class ContinuousScheduler(Scheduler):
         return out
 
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
-        bs = self.kv.block_size
         commit = self.config.prefix_cache
+        fills_block = self.kv.fills_block
         max_len = self.max_model_len
         running = Status.RUNNING
         finished: list[Sequence] = []
@@ -175,8 +175,8 @@ class ContinuousScheduler(Scheduler):
             if c.sample:
                 seq.token_ids[end] = token  # first, so that a commit below sees it
                 seq.num_pending -= 1
-            if commit and seq.status is running and end // bs != c.start // bs:
-                self.kv.commit(seq)  # a block filled up: offer it to the prefix cache
+            if commit and seq.status is running and fills_block(c.start, end):
+                self.kv.commit(seq)  # offer the full block to the prefix cache
             if not c.sample:
                 continue
             p = seq.params

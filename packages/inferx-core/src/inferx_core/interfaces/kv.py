@@ -114,6 +114,11 @@ class KVManager(ABC):
         cache): the scheduler refuses a request that cannot, rather than preempting forever."""
         return self.blocks_needed(num_tokens) <= self.num_usable_blocks
 
+    def fills_block(self, start: int, end: int) -> bool:
+        """Whether computing tokens [start, end) of a sequence completes a block (then the
+        scheduler offers it to the prefix cache with commit())."""
+        return end // self.block_size != start // self.block_size
+
     @abstractmethod
     def num_free_blocks(self) -> int:
         """Blocks that could be handed out now (free, or evictable from the prefix cache)."""
