@@ -175,14 +175,16 @@ class HarmonyParser:
     The final channel is the content; every other channel (analysis, and commentary: preambles
     and, until tool calling exists, a tool call's raw arguments) is reasoning_content, vLLM's
     convention. Deltas never end inside a UTF-8 character (openai-harmony holds the bytes back),
-    and the deltas of a reply add up to what the whole reply parses to. Tokens that do not
-    follow the format (a model that ignores it) show nowhere, as in openai-harmony.
+    and the deltas of a reply add up to what the whole reply parses to. The parser is lenient
+    (strict=False): text before the first header, which a model sometimes writes, is skipped
+    rather than failing the messages after it. Text it cannot place shows nowhere, and a reply
+    that breaks the format past recovery (text after <|end|> without a <|start|>) ends there.
     """
 
     def __init__(self, fmt: HarmonyFormat) -> None:
         oh = fmt._oh
         self._error = oh.HarmonyError
-        self._parser = oh.StreamableParser(fmt.encoding, role=oh.Role.ASSISTANT)
+        self._parser = oh.StreamableParser(fmt.encoding, role=oh.Role.ASSISTANT, strict=False)
         self._broken = False
 
     def push(self, token_ids: Sequence[int]) -> tuple[str, str]:
