@@ -57,6 +57,14 @@ def test_harmony_is_picked_by_the_tokenizer(tok: Tokenizer) -> None:
     assert harmony_format(tok).stop_token_ids == (RETURN, CALL)
 
 
+def test_missing_library_is_a_clear_error(tok: Tokenizer, monkeypatch: Any) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "openai_harmony", None)  # import fails
+    with pytest.raises(RuntimeError, match=r"inferx-models\[gptoss\]"):
+        harmony_format(tok)
+
+
 def test_render_matches_the_documented_prompt(tok: Tokenizer, fmt: Any) -> None:
     """openai-harmony's test-data/test_simple_convo_high_effort.txt (v0.0.8), with the
     "Current date" line its docs/format.md system message has. OpenAI's system and developer

@@ -113,10 +113,10 @@ class HarmonyFormat:
     """
 
     def __init__(self, tokenizer: Any) -> None:
+        self.encoding = _load_encoding(tokenizer)  # first: it explains a missing library
         import openai_harmony as oh
 
         self._oh = oh
-        self.encoding = _load_encoding(tokenizer)
         # Harmony's two ends of a reply: <|return|> (done) and <|call|> (a tool call).
         stops = self.encoding.stop_tokens_for_assistant_actions()
         self.stop_token_ids: tuple[int, ...] = tuple(sorted(stops))
