@@ -302,12 +302,21 @@ class LLM:
         self.engine = Engine(config, **engine_kwargs)
         self.tokenizer = self.engine.tokenizer
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of a chat rendered with the model's template, ready for generation."""
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], reasoning_effort: str | None = None
+    ) -> list[int]:
+        """Token ids of a chat rendered with the model's template (in harmony for gpt-oss: then
+        give SamplingParams the format's stop_token_ids, and split the reply with its parse()),
+        ready for generation."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
+        from inferx_core.chat_formats import harmony_format
+
+        if (fmt := harmony_format(self.tokenizer)) is not None:
+            return fmt.render(messages, reasoning_effort=reasoning_effort)
         # The template writes the special tokens itself, as transformers' tokenize=True does.
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        kwargs = {} if reasoning_effort is None else {"reasoning_effort": reasoning_effort}
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def generate(

@@ -87,6 +87,7 @@ class ServerState:
     aliases: frozenset[str] = frozenset()  # other names a request's `model` may use
     max_waiting: int | None = None  # scheduler.max_waiting: the most sequences ever queued
     api_key: str | None = None
+    chat_format: Any = None  # harmony for gpt-oss (chat_formats.harmony_format); None: template
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     _token_strs: dict[int, str] = field(default_factory=dict)
@@ -316,7 +317,8 @@ def create_app(srv: ServerState) -> Litestar:
         },
     )
     async def chat_completions(data: JSONBody[ChatCompletionRequest], request: Request) -> Response:
-        """OpenAI's chat completions, rendered with the model's chat template."""
+        """OpenAI's chat completions, rendered with the model's chat template, or in harmony
+        for gpt-oss (its analysis channel then comes back as `reasoning_content`)."""
         _check_accepting(srv)
         _check_model(srv, data.model)
         _check_stream_options(data)
@@ -330,17 +332,27 @@ def create_app(srv: ServerState) -> Litestar:
             raise OpenAIError(
                 400, "max_tokens and max_completion_tokens differ; give one", param="max_tokens"
             )
-        ids = await _chat_ids(srv, data.messages, add_generation_prompt=True)
+        ids = await _chat_ids(srv, data.messages, True, data.reasoning_effort)
         _check_ids(srv, ids, "messages")
         max_tokens = _max_tokens(srv, requested, None, len(ids), param, "messages")
         top_n = data.top_logprobs or 0
         logprobs = top_n if data.logprobs else None
-        items = [(ids, sp) for sp in _sampling(srv, data, max_tokens, logprobs)]
+        fmt = srv.chat_format
+        stops = fmt.stop_token_ids if fmt is not None else ()
+        items = [(ids, sp) for sp in _sampling(srv, data, max_tokens, logprobs, stops)]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         sub = await _start(srv, items, rid)
         created = int(time.time())
+        # A harmony reply is parsed from its token ids, per choice (responses._Choice).
+        parsers = [fmt.parser() for _ in sub.rids] if fmt is not None else None
+
+        def message(c: _Choice) -> AssistantMessage:
+            if parsers is None:
+                return AssistantMessage("".join(c.text))
+            return AssistantMessage("".join(c.text), reasoning_content="".join(c.reasoning) or None)
+
         if not data.stream:
-            choices = await _collect(srv, sub, request)
+            choices = await _collect(srv, sub, request, parsers)
             return Response(
                 ChatCompletionResponse(
                     rid,
@@ -349,7 +361,7 @@ def create_app(srv: ServerState) -> Litestar:
                     [
                         ChatChoice(
                             i,
-                            AssistantMessage("".join(c.text)),
+                            message(c),
                             _chat_logprobs(srv, c, top_n) if data.logprobs else None,
                             c.finish_reason,
                         )
@@ -376,9 +388,11 @@ def create_app(srv: ServerState) -> Litestar:
             if batch is None:
                 return chunk([], _usage(totals, data.n)) if include_usage else b""
             events = []
-            for index, text, c in _deltas(batch, totals, bool(data.logprobs)):
+            for index, text, c in _deltas(batch, totals, bool(data.logprobs), parsers):
                 lp = _chat_logprobs(srv, c, top_n) if data.logprobs else None
                 delta = Delta(content=text) if text else Delta()
+                if reasoning := "".join(c.reasoning):
+                    delta.reasoning_content = reasoning
                 events.append(
                     chunk([ChatChunkChoice(index, delta, lp, c.finish_reason)], usage_field)
                 )

@@ -30,7 +30,6 @@ UNSUPPORTED = frozenset(
         "modalities",
         "prediction",
         "prompt_cache_key",
-        "reasoning_effort",
         "safety_identifier",
         "service_tier",
         "suffix",
@@ -184,13 +183,16 @@ Messages = Annotated[list[ChatMessage], Meta(min_length=1)]
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
-    """POST /v1/chat/completions, rendered with the model's chat template.
-    `max_completion_tokens` is OpenAI's newer name for `max_tokens`."""
+    """POST /v1/chat/completions, rendered with the model's chat template (or in harmony, for
+    gpt-oss). `max_completion_tokens` is OpenAI's newer name for `max_tokens`.
+    `reasoning_effort` goes into harmony's system message (default medium); a jinja template
+    gets it as the variable `reasoning_effort`, which most ignore."""
 
     messages: Messages
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = False
     top_logprobs: TopLogprobs | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
 
 class TokenizeRequest(_Body, kw_only=True):
@@ -308,8 +310,12 @@ class ChatLogprobs(Struct):
 
 
 class AssistantMessage(Struct):
+    """`reasoning_content` (vLLM's field): a reasoning model's thinking, beside its answer in
+    `content`; absent for other models."""
+
     content: str
     role: str = "assistant"
+    reasoning_content: str | None | UnsetType = UNSET
 
 
 class ChatChoice(Struct):
@@ -330,6 +336,7 @@ class ChatCompletionResponse(Struct):
 
 class Delta(Struct):
     role: str | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
 
 

@@ -7,6 +7,7 @@ chat messages, one SamplingParams per choice, and submission to the EngineLoop.
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import TYPE_CHECKING, Any
 
 import jinja2
@@ -153,15 +154,17 @@ def _sampling(
     req: CompletionRequest | ChatCompletionRequest,
     max_tokens: int,
     logprobs: int | None,
+    stop_token_ids: tuple[int, ...] = (),
 ) -> list[SamplingParams]:
     """One SamplingParams per choice; a seeded request gives choice i the seed seed + i, so the
-    choices differ from each other and each is reproducible."""
+    choices differ from each other and each is reproducible. `stop_token_ids` are the chat
+    format's own, beside the request's."""
     _token_params(srv, req)
     stop = req.stop if isinstance(req.stop, list) else [req.stop]
     kw: dict[str, Any] = dict(
         max_tokens=max_tokens,
         stop=tuple(s for s in stop if s),  # an empty stop string stops nothing, as in OpenAI
-        stop_token_ids=tuple(req.stop_token_ids or ()),
+        stop_token_ids=tuple(req.stop_token_ids or ()) + stop_token_ids,
         logit_bias=tuple((int(k), v) for k, v in (req.logit_bias or {}).items()),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
@@ -213,7 +216,10 @@ async def _encode(
 
 
 async def _chat_ids(
-    srv: ServerState, messages: list[ChatMessage], add_generation_prompt: bool
+    srv: ServerState,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    reasoning_effort: str | None = None,
 ) -> list[int]:
     chat = []
     for i, m in enumerate(messages):
@@ -236,8 +242,21 @@ async def _chat_ids(
         if m.name is not None:
             message["name"] = m.name
         chat.append(message)
+    if srv.chat_format is not None:  # harmony (gpt-oss), rendered straight to token ids
+        render = functools.partial(
+            srv.chat_format.render, chat, add_generation_prompt, reasoning_effort
+        )
+        try:
+            if sum(len(m["content"]) for m in chat) < _OFF_LOOP_CHARS:
+                return render()
+            return await asyncio.to_thread(render)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param="messages") from None
+    kwargs = {} if reasoning_effort is None else {"reasoning_effort": reasoning_effort}
     try:
-        text = srv.tokenizer.apply_chat_template(chat, add_generation_prompt=add_generation_prompt)
+        text = srv.tokenizer.apply_chat_template(
+            chat, add_generation_prompt=add_generation_prompt, **kwargs
+        )
     except (jinja2.TemplateError, ValueError) as exc:
         raise OpenAIError(
             400, f"the chat template refused the messages: {exc}", param="messages"

@@ -42,19 +42,33 @@ _encode = msgspec.json.Encoder().encode
 
 
 class _Choice:
-    """One choice's outputs so far: the full text for a response, the counts for usage."""
+    """One choice's outputs so far: the full text for a response, the counts for usage.
 
-    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "prompt", "cached", "output")
+    With a `parser` (a harmony chat's HarmonyParser, which keeps its state across the outputs of
+    one choice) the text is the reply's final channel, parsed from the token ids, and
+    `reasoning` the other channels; without one, the engine's text."""
 
-    def __init__(self) -> None:
+    __slots__ = (
+        "text", "reasoning", "parser", "token_ids", "logprobs", "finish_reason", "prompt",
+        "cached", "output",
+    )  # fmt: skip
+
+    def __init__(self, parser: Any = None) -> None:
         self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.parser = parser
         self.token_ids: list[int] = []
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
         self.finish_reason: str | None = None
         self.prompt = self.cached = self.output = 0
 
     def add(self, out: RequestOutput) -> None:
-        self.text.append(out.text)
+        if self.parser is None:
+            self.text.append(out.text)
+        else:
+            reasoning, content = self.parser.push(out.token_ids)
+            self.reasoning.append(reasoning)
+            self.text.append(content)
         self.token_ids += out.token_ids
         if out.logprobs:
             self.logprobs += out.logprobs
@@ -69,28 +83,35 @@ class _Choice:
         self.output = max(self.output, out.num_output_tokens)
 
 
-def _merge(batch: list[tuple[int, RequestOutput]]) -> dict[int, _Choice]:
-    """A batch's outputs joined per choice, in the order the choices first appear."""
+def _merge(
+    batch: list[tuple[int, RequestOutput]], parsers: list[Any] | None = None
+) -> dict[int, _Choice]:
+    """A batch's outputs joined per choice, in the order the choices first appear; `parsers`:
+    each choice's reply parser, if any (see _Choice)."""
     merged: dict[int, _Choice] = {}
     for index, out in batch:
         choice = merged.get(index)
         if choice is None:
-            choice = merged[index] = _Choice()
+            choice = merged[index] = _Choice(parsers[index] if parsers else None)
         choice.add(out)
     return merged
 
 
 def _deltas(
-    batch: list[tuple[int, RequestOutput]], totals: list[_Choice], want_lp: bool
+    batch: list[tuple[int, RequestOutput]],
+    totals: list[_Choice],
+    want_lp: bool,
+    parsers: list[Any] | None = None,
 ) -> list[tuple[int, str, _Choice]]:
     """A streamed batch as (index, text, outputs) per choice that has something to show, after
     counting each output into `totals` for the closing usage."""
     for index, out in batch:
         totals[index].count(out)
     deltas = []
-    for index, c in _merge(batch).items():
+    for index, c in _merge(batch, parsers).items():
         text = "".join(c.text)
-        if not text and c.finish_reason is None and not (want_lp and c.token_ids):
+        shown = text or any(c.reasoning)
+        if not shown and c.finish_reason is None and not (want_lp and c.token_ids):
             continue  # nothing to show yet: held back text
         deltas.append((index, text, c))
     return deltas
@@ -157,8 +178,10 @@ def _cut(batch: list[tuple[int, RequestOutput]]) -> tuple[list[tuple[int, Reques
     return kept, len(kept) < len(batch)
 
 
-async def _collect(srv: ServerState, sub: Submission, request: Request) -> list[_Choice]:
-    choices = [_Choice() for _ in sub.rids]
+async def _collect(
+    srv: ServerState, sub: Submission, request: Request, parsers: list[Any] | None = None
+) -> list[_Choice]:
+    choices = [_Choice(parsers[i] if parsers else None) for i in range(len(sub.rids))]
     watch = asyncio.ensure_future(_abort_on_disconnect(request, srv, sub))
     try:
         async for batch in srv.loop.outputs(sub):

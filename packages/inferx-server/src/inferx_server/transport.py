@@ -11,6 +11,7 @@ from typing import Any
 
 import uvicorn
 
+from inferx_core.chat_formats import harmony_format
 from inferx_core.interfaces import Transport
 from inferx_server.app import ServerState, create_app
 from inferx_server.engine_loop import EngineLoop, ProcessEngineLoop
@@ -56,6 +57,7 @@ class LitestarTransport(Transport):
             aliases=aliases,
             api_key=config.server.api_key,
             max_waiting=config.scheduler.max_waiting,
+            chat_format=harmony_format(engine.tokenizer),
         )
         self.app = create_app(self.state)
         self.server: _DrainingServer | None = None
