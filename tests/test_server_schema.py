@@ -54,4 +54,12 @@ def map_body(context: Any, body: Any) -> Any:
     derandomize=True,  # the same cases every run
 )
 def test_server_matches_its_schema(case: Any) -> None:
-    case.call_and_validate(timeout=30)
+    response = case.call(timeout=30)
+    excluded = []
+    if response.status_code == 400 and "context_length_exceeded" in response.text:
+        # The prompt's token count against the model's context is a fact of the tokenizer and
+        # the model, not of the request's shape: a schema-valid request may still be too long.
+        from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+        excluded.append(positive_data_acceptance)
+    case.validate_response(response, excluded_checks=excluded)
