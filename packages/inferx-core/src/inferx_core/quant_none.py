@@ -152,16 +152,9 @@ class DenseLinear(QuantLinear):
 
 
 class Unquantized(QuantScheme):
-    name = "none"
+    """Every layer in the serving dtype: QuantScheme's default DenseLinear, and plain experts."""
 
-    def linear(
-        self,
-        spec: LinearSpec,
-        dtype: torch.dtype,
-        device: torch.device,
-        parallel: ParallelContext = SINGLE,
-    ) -> QuantLinear:
-        return DenseLinear(spec, dtype, device, parallel)
+    name = "none"
 
     def experts(
         self,

@@ -15,10 +15,9 @@ import re
 import torch
 
 from inferx_core.interfaces.moe import ExpertsSpec, QuantExperts
-from inferx_core.interfaces.quant import LinearSpec, QuantConfig, QuantLinear, QuantScheme
+from inferx_core.interfaces.quant import QuantConfig, QuantScheme
 from inferx_core.moe import UnquantizedExperts, expert_mlp, run_experts
 from inferx_core.parallel import SINGLE, ParallelContext
-from inferx_core.quant_none import DenseLinear
 
 BLOCK = 32  # elements per e8m0 scale
 # e2m1 by its 4-bit code: sign bit 3, then 2 exponent bits and 1 mantissa bit.
@@ -169,15 +168,6 @@ class Mxfp4(QuantScheme):
         self.not_convert: list[str] = list(
             self.config.checkpoint.get("modules_to_not_convert") or []
         )
-
-    def linear(
-        self,
-        spec: LinearSpec,
-        dtype: torch.dtype,
-        device: torch.device,
-        parallel: ParallelContext = SINGLE,
-    ) -> QuantLinear:
-        return DenseLinear(spec, dtype, device, parallel)
 
     def experts(
         self,

@@ -98,7 +98,7 @@ class QuantConfig:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-class QuantScheme(ABC):
+class QuantScheme:
     """Chosen by name ([quantization] scheme, or the checkpoint's quant_method). "none" is the
     unquantized default. Built as `Scheme(QuantConfig)`; it answers, for each layer by its spec
     (prefix and kind), with a method object that owns the layer's tensors.
@@ -124,7 +124,6 @@ class QuantScheme(ABC):
                     f"(its options: {takes})"
                 )
 
-    @abstractmethod
     def linear(
         self,
         spec: LinearSpec,
@@ -132,8 +131,11 @@ class QuantScheme(ABC):
         device: torch.device,
         parallel: ParallelContext,
     ) -> QuantLinear:
-        """The method for one linear layer (a scheme returns the unquantized one for layers it
-        leaves alone: ignore lists, an lm_head)."""
+        """The method for one linear layer. The default is the unquantized one, which a scheme
+        also returns for layers it leaves alone (ignore lists, routers, an lm_head)."""
+        from inferx_core.quant_none import DenseLinear
+
+        return DenseLinear(spec, dtype, device, parallel)
 
     def experts(
         self,
