@@ -101,6 +101,33 @@ def run_experts(
 _PARTS = ("gate", "up", "down")
 
 
+def expert_rows(
+    spec: ExpertsSpec,
+    kind: str,
+    tensor: torch.Tensor,
+    expert: int | None,
+    shape: tuple[int, ...],
+) -> tuple[range, torch.Tensor]:
+    """What a QuantExperts.load() call covers: the experts (all for a stacked tensor, expert
+    alone for a per-expert one) and the tensor with a leading expert dimension, checked against
+    one expert's `shape`; errors name the layer, the tensor and the expert."""
+    if expert is None:
+        experts = range(spec.num_experts)
+    else:
+        if not 0 <= expert < spec.num_experts:
+            raise ValueError(f"{spec.prefix}: no expert {expert} ({spec.num_experts} experts)")
+        experts = range(expert, expert + 1)
+        tensor = tensor.unsqueeze(0)
+    if tuple(tensor.shape) != (len(experts), *shape):
+        got = tuple(tensor.shape)[0 if expert is None else 1 :]
+        want = shape if expert is not None else (len(experts), *shape)
+        raise ValueError(
+            f"{spec.prefix}: {kind} of expert {'all' if expert is None else expert} has "
+            f"shape {got}, expected {want}"
+        )
+    return experts, tensor
+
+
 class UnquantizedExperts(QuantExperts):
     """A MoE layer's routed experts in the serving dtype, stacked: gate_up [E, 2n, H] in the
     activation's layout ("silu": gate rows then up rows; "swiglu_oai": interleaved) and down
@@ -148,23 +175,11 @@ class UnquantizedExperts(QuantExperts):
         if what == "bias" and not self.spec.bias:
             raise ValueError(f"{self.spec.prefix}: the experts have no biases ({kind!r})")
         spec = self.spec
-        if expert is None:
-            experts = range(spec.num_experts)
-        else:
-            if not 0 <= expert < spec.num_experts:
-                raise ValueError(f"{spec.prefix}: no expert {expert} ({spec.num_experts} experts)")
-            experts = range(expert, expert + 1)
-            tensor = tensor.unsqueeze(0)
         inter = spec.intermediate_size
         rows = {"gate_up": 2 * inter, "down": spec.hidden_size}.get(part, inter)
         cols = inter if part == "down" else spec.hidden_size
-        expected = (len(experts), rows, cols) if what == "weight" else (len(experts), rows)
-        if tuple(tensor.shape) != expected:
-            lead = 0 if expert is None else 1  # a per-expert tensor's shape without the [1]
-            raise ValueError(
-                f"{spec.prefix}: {kind} of expert {'all' if expert is None else expert} has "
-                f"shape {tuple(tensor.shape)[lead:]}, expected {expected[lead:]}"
-            )
+        shape = (rows, cols) if what == "weight" else (rows,)
+        experts, tensor = expert_rows(spec, kind, tensor, expert, shape)
         index = slice(experts.start, experts.stop)
         if part == "gate_up":
             if spec.activation == "silu":

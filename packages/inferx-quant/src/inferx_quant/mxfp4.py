@@ -16,7 +16,7 @@ import torch
 
 from inferx_core.interfaces.moe import ExpertsSpec, QuantExperts
 from inferx_core.interfaces.quant import QuantConfig, QuantScheme
-from inferx_core.moe import UnquantizedExperts, expert_mlp, run_experts
+from inferx_core.moe import UnquantizedExperts, expert_mlp, expert_rows, run_experts
 from inferx_core.parallel import SINGLE, ParallelContext
 
 BLOCK = 32  # elements per e8m0 scale
@@ -107,20 +107,7 @@ class Mxfp4Experts(QuantExperts):
         if what == "bias" and not spec.bias:
             raise ValueError(f"{spec.prefix}: the experts have no biases ({kind!r})")
         dest = getattr(self, f"{part}_{what}")
-        if expert is None:
-            experts = range(spec.num_experts)
-        else:
-            if not 0 <= expert < spec.num_experts:
-                raise ValueError(f"{spec.prefix}: no expert {expert} ({spec.num_experts} experts)")
-            experts = range(expert, expert + 1)
-            tensor = tensor.unsqueeze(0)
-        expected = (len(experts), *dest.shape[1:])
-        if tuple(tensor.shape) != expected:
-            lead = 0 if expert is None else 1  # a per-expert tensor's shape without the [1]
-            raise ValueError(
-                f"{spec.prefix}: {kind} of expert {'all' if expert is None else expert} has "
-                f"shape {tuple(tensor.shape)[lead:]}, expected {expected[lead:]}"
-            )
+        experts, tensor = expert_rows(spec, kind, tensor, expert, tuple(dest.shape[1:]))
         if what != "bias" and tensor.dtype != torch.uint8:
             raise ValueError(f"{spec.prefix}: {kind} is {tensor.dtype}, expected torch.uint8")
         dest.data[experts.start : experts.stop].copy_(tensor)
