@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
+from test_engine import NEW_TOKENS, reference  # noqa: E402
 from test_models import Runner, hf_logits, rel_err  # noqa: E402
 
 from inferx_core.attention_torch import TorchAttention  # noqa: E402
@@ -31,7 +32,6 @@ from inferx_models.layers import RotaryEmbedding, rope_parameters  # noqa: E402
 from inferx_models.presets import preset  # noqa: E402
 from inferx_quant.mxfp4 import Mxfp4, Mxfp4Experts, dequant_mxfp4  # noqa: E402
 
-NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 RTOL = 1e-4
 WINDOW = 8
@@ -91,23 +91,6 @@ def hf_model() -> torch.nn.Module:
             else:
                 p.normal_(0, 0.08)
     return model
-
-
-def reference(model: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            outs.append(gen[0, len(p) :].tolist())
-    return outs
 
 
 def e2m1(code: int) -> float:

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 
 from conftest import interpreted  # noqa: E402
+from test_engine import PROMPTS, generate, reference  # noqa: E402
 from test_models import Runner, hf_logits, rel_err  # noqa: E402
 
 from inferx_core.cli import main  # noqa: E402
@@ -23,7 +24,6 @@ from inferx_core.engine import LLM  # noqa: E402
 from inferx_core.interfaces.model import BuildContext  # noqa: E402
 from inferx_core.plugins import plugins  # noqa: E402
 from inferx_core.quant_none import Unquantized  # noqa: E402
-from inferx_core.sequence import SamplingParams  # noqa: E402
 from inferx_models.presets import preset  # noqa: E402
 from inferx_models.qwen3 import (  # noqa: E402
     Qwen3ForCausalLM,
@@ -32,8 +32,6 @@ from inferx_models.qwen3 import (  # noqa: E402
     is_moe_layer,
 )
 
-NEW_TOKENS = 32
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 RTOL = 1e-4
 VOCAB = 256
 
@@ -89,32 +87,6 @@ def checkpoint(request, tmp_path_factory):
     return path, model
 
 
-PROMPTS = [
-    list(range(3, 40)),
-    [5, 9, 17, 33, 65, 129, 200],
-    [7] * 3,
-    list(range(100, 180)),
-    [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23],
-]
-
-
-def reference(model: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            outs.append(gen[0, len(p) :].tolist())
-    return outs
-
-
 @pytest.fixture(scope="module")
 def expected(checkpoint):
     return reference(checkpoint[1], PROMPTS)
@@ -123,10 +95,6 @@ def expected(checkpoint):
 def make_llm(path: Path, **overrides: Any) -> LLM:
     base = {"model.path": str(path), "model.dtype": "float32", "engine.device": "cpu"}
     return LLM(load_config(None, {**base, **overrides}))
-
-
-def generate(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
-    return [c.token_ids for c in llm.generate(prompts, GREEDY)]
 
 
 def test_published_layout_is_what_transformers_writes(checkpoint):
