@@ -2,6 +2,6 @@
 # Installs InferX with its test dependencies and runs the whole test suite (no GPU needed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh -e ".[dev]"
+INFERX_KERNELS=1 bash scripts/install.sh -e ".[dev]"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 python -m pytest "$@"

@@ -26,7 +26,11 @@ class Section(BaseModel):
 class ModelSection(Section):
     path: str | None = Field(
         default=None,
-        description="checkpoint directory or .gguf file (neither path nor preset: the demo model)",
+        description="checkpoint directory, .gguf file or Hugging Face hub id org/name "
+        "(neither path nor preset: the demo model)",
+    )
+    revision: str | None = Field(
+        default=None, description="hub branch, tag or commit when path is a hub id (default: main)"
     )
     preset: str | None = Field(
         default=None, description="random weights with the exact shapes of a known model"
@@ -272,6 +276,7 @@ class Config(Section):
 ALIASES = {
     "model": "model.path",
     "preset": "model.preset",
+    "revision": "model.revision",
     "tokenizer": "model.tokenizer",
     "load-format": "model.load_format",
     "dtype": "model.dtype",

@@ -91,7 +91,11 @@ def open_checkpoint(
     else:
         source = m.path
         if not Path(source).exists():
-            raise LoadError(f"model.path {source} does not exist")
+            from inferx_core import hub
+
+            if not hub.is_hub_id(source):
+                raise LoadError(f"model.path {source} does not exist")
+            source = str(hub.resolve(source, m.revision))
         name = m.load_format
         if name == "auto":
             found = [

@@ -12,6 +12,7 @@ from typing import Any
 import uvicorn
 
 from inferx_core.chat_formats import harmony_format
+from inferx_core.hub import is_hub_id
 from inferx_core.interfaces import Transport
 from inferx_server.app import ServerState, create_app
 from inferx_server.engine_loop import EngineLoop, ProcessEngineLoop
@@ -26,6 +27,8 @@ def served_model_name(config: Any, engine: Any) -> str:
     """model.served_name, else the checkpoint's file or directory name (without .gguf)."""
     if config.model.served_name:
         return config.model.served_name
+    if config.model.path and is_hub_id(config.model.path):
+        return config.model.path  # org/name, as the hub and vLLM name it
     source = checkpoint_source(engine) or getattr(engine, "source", "")  # an EngineProcess's
     source = source or config.model.path or config.model.preset or "model"
     name = Path(source.removeprefix("dummy:").rstrip("/")).name
