@@ -536,3 +536,29 @@ def test_scales_keep_their_stored_dtype_under_a_bfloat16_model(llama128, tmp_pat
     assert weights["model.layers.0.mlp.up_proj.weight_scale_inv"].dtype == torch.float32
     assert weights["model.layers.0.mlp.up_proj.weight"].dtype == FP8
     assert weights["model.norm.weight"].dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["dynamic", "block", "online"])
+def test_fp8_gemms_on_the_gpu_agree_with_the_dequantized_weights(
+    kind, llama, llama128, tmp_path
+) -> None:
+    """The GPU path (inferx_kernels_cuda.fp8_gemm: cuBLASLt and Triton) in bfloat16, with CUDA
+    graphs, against the bfloat16 model holding the exact dequantized weights."""
+    gpu = {"engine.device": "cuda", "model.dtype": "bfloat16", "kv_cache.memory": "1GiB"}
+    if kind == "dynamic":
+        quant, ref = write_quantized(
+            llama, tmp_path / "q", FP8_DYNAMIC, quantize_channel, "weight_scale"
+        )
+    elif kind == "block":
+        quant, ref = write_quantized(
+            llama128, tmp_path / "q", HF_BLOCK, quantize_block, "weight_scale_inv"
+        )
+    else:
+        quant, ref = llama, llama
+        gpu["quantization.scheme"] = "fp8"
+    llm = make_llm(quant, **gpu)
+    assert isinstance(layers_of(llm)["model.layers.0.mlp.down_proj"], Fp8Linear)
+    reference = {k: v for k, v in gpu.items() if k != "quantization.scheme"}
+    agree_in_top5(run(llm), run(make_llm(ref, **reference)))

@@ -303,10 +303,17 @@ class Fp8Linear(QuantLinear):
         return w * scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The reference path: activations quantized (quantize_activations) and dequantized,
-        the weight dequantized, one float32 GEMM, cast back to x's dtype; then the bias."""
+        """On a GPU, inferx-kernels-cuda's FP8 GEMMs (fp8_gemm.fp8_linear). Elsewhere the
+        reference path: activations quantized (quantize_activations) and dequantized, the
+        weight dequantized, one float32 GEMM, cast back to x's dtype; then the bias."""
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
+        if x.is_cuda:
+            y = _gpu_kernels().fp8_linear(
+                x2, self.weight, self.weight_scale, self.bias, self.fmt.activations,
+                self.fmt.block if self.fmt.weights == "block" else None, self.input_scale,
+            )  # fmt: skip
+            return y.reshape(*lead, y.shape[-1])
         if self.fmt.activations == "none":
             xd = x2.float()
         else:
@@ -320,9 +327,23 @@ class Fp8Linear(QuantLinear):
         return y.reshape(*lead, y.shape[-1])
 
 
+def _gpu_kernels() -> Any:
+    """inferx_kernels_cuda.fp8_gemm, imported when a GPU layer first needs it."""
+    from inferx_kernels_cuda import fp8_gemm
+
+    return fp8_gemm
+
+
 def _check_gpu(device: torch.device) -> None:
     if device.type != "cuda":
         return
+    try:
+        _gpu_kernels()
+    except ImportError as exc:
+        raise ValueError(
+            "quantization scheme 'fp8' on a GPU runs inferx-kernels-cuda's FP8 GEMMs: "
+            f"pip install inferx-kernels-cuda ({exc})"
+        ) from None
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
         raise ValueError(
