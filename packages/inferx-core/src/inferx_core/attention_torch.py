@@ -10,6 +10,9 @@ import torch.nn.functional as F
 from inferx_core.interfaces.attention import AttentionBackend, AttentionBatch, AttentionLayer
 from inferx_core.interfaces.kv import KVLayerSpec
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+
 
 @dataclass
 class _Seq:
@@ -42,13 +45,17 @@ class TorchAttention(AttentionBackend):
     layers of the groups share one tensor where their shapes match: the groups draw blocks from
     one pool, so their layers never use a block id at the same time.
 
+    An fp8_e4m3 layer stores k / k_scale and v / v_scale in e4m3 (clamped to +-448, rounded
+    to nearest) and multiplies them back as it reads them (AttentionLayer.k_scale / v_scale;
+    1.0 where the model gives none).
+
     Sliding layers gather only the context inside their window (a query at position p sees keys
     in (p - window, p], as transformers' sliding_window_overlay); layers with learned sinks or a
     softcap take a plain, slower path (_attend).
     """
 
     name = "torch attention"  # in error messages
-    features = frozenset({"sliding", "sinks", "softcap"})
+    features = frozenset({"sliding", "sinks", "softcap", "fp8_kv"})
     supports_kv_groups = True
 
     def __init__(
@@ -75,21 +82,26 @@ class TorchAttention(AttentionBackend):
         self.caches: list[torch.Tensor] = []
         empty = torch.empty(0, dtype=torch.int64, device=device)
         self._steps: list[_GroupStep] = [_GroupStep(empty, empty, [])]
-        # Each layer's cache tensor: (its rank in its group, its shape) names it.
+        # Each layer's cache tensor: (its rank in its group, its shape, its dtype) names it.
         rank = {i: k for g in self.groups for k, i in enumerate(g.layers)}
-        self._cache_keys = [(rank[i], s.num_kv_heads, s.head_dim) for i, s in enumerate(layers)]
+        self._cache_keys = [
+            (rank[i], s.num_kv_heads, s.head_dim, self.cache_dtype(s)) for i, s in enumerate(layers)
+        ]
+
+    def cache_dtype(self, spec: KVLayerSpec) -> torch.dtype:
+        return FP8 if spec.dtype == "fp8_e4m3" else self.dtype
 
     def bytes_per_block(self) -> int:
-        per_token = sum(2 * heads * dim for _, heads, dim in set(self._cache_keys))
-        return per_token * self.block_size * self.dtype.itemsize
+        per_token = sum(2 * h * d * dt.itemsize for _, h, d, dt in set(self._cache_keys))
+        return per_token * self.block_size
 
     def allocate(self, num_blocks: int) -> None:
         self.caches = []
-        made: dict[tuple[int, int, int], torch.Tensor] = {}
+        made: dict[tuple, torch.Tensor] = {}
         for key in self._cache_keys:
             if key not in made:
                 shape = (2, num_blocks, self.block_size, key[1], key[2])
-                made[key] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                made[key] = torch.zeros(shape, dtype=key[3], device=self.device)
             self.caches.append(made[key])
 
     def begin_step(self, batch: AttentionBatch) -> None:
@@ -161,10 +173,17 @@ class TorchAttention(AttentionBackend):
         k_flat = cache[0].view(-1, heads, dim)
         v_flat = cache[1].view(-1, heads, dim)
         # Write first: the step's own tokens are part of the context the queries attend to.
-        k_flat.index_copy_(0, step.slot_mapping, k.to(cache.dtype))
-        v_flat.index_copy_(0, step.slot_mapping, v.to(cache.dtype))
-        keys = k_flat.index_select(0, step.slots).to(q.dtype)
-        values = v_flat.index_select(0, step.slots).to(q.dtype)
+        if cache.dtype == FP8:  # moved as bytes: torch's index ops take no float8 on the CPU
+            kb, vb = k_flat.view(torch.uint8), v_flat.view(torch.uint8)
+            kb.index_copy_(0, step.slot_mapping, to_fp8(k, layer.k_scale).view(torch.uint8))
+            vb.index_copy_(0, step.slot_mapping, to_fp8(v, layer.v_scale).view(torch.uint8))
+            keys = from_fp8(kb.index_select(0, step.slots).view(FP8), layer.k_scale, q.dtype)
+            values = from_fp8(vb.index_select(0, step.slots).view(FP8), layer.v_scale, q.dtype)
+        else:
+            k_flat.index_copy_(0, step.slot_mapping, k.to(cache.dtype))
+            v_flat.index_copy_(0, step.slot_mapping, v.to(cache.dtype))
+            keys = k_flat.index_select(0, step.slots).to(q.dtype)
+            values = v_flat.index_select(0, step.slots).to(q.dtype)
 
         out = q.new_empty(q.shape[0], q.shape[1], dim)
         gqa = q.shape[1] != heads
@@ -201,6 +220,17 @@ class TorchAttention(AttentionBackend):
             )
             out[s.q_start : s.q_end] = o.transpose(0, 1)
         return out
+
+
+def to_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x / scale in float32, clamped to e4m3's range, rounded to nearest e4m3."""
+    x = x.float() if scale is None else x.float() / scale.float()
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def from_fp8(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    x = x.float() if scale is None else x.float() * scale.float()
+    return x.to(dtype)
 
 
 def _attend(

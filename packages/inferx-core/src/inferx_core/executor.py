@@ -323,7 +323,7 @@ class ModelRunner(Executor):
         self.max_model_len = context_length(config.model.max_model_len, ckpt.hf_config)
         archs = ckpt.hf_config.get("architectures") or ["?"]
         arch: type[ModelArch] = reg.get("model_arch", archs[0])  # type: ignore[assignment]
-        self.kv_layout = arch.kv_layout(ckpt.hf_config)
+        self.kv_layout = arch.kv_layout(ckpt.hf_config, kv_dtype=config.kv_cache.dtype)
         self.block_size = config.kv_cache.block_size
         backend_name = pick_attention_backend(config.engine.attention_backend, self.device, reg)
         backend_cls = reg.get("attention_backend", backend_name)

@@ -313,7 +313,17 @@ class Attention(nn.Module):
         if sinks:
             zeros = torch.zeros(self.num_heads, dtype=torch.float32, device=ctx.device)
             self.sinks = nn.Parameter(zeros, requires_grad=False)
-        self.attn = ctx.attention.layer(layer, head_dim**-0.5, sinks=self.sinks)
+        # An fp8 KV cache stores k / k_scale and v / v_scale: the checkpoint's scales where it
+        # has them (self_attn.k_scale / v_scale), else 1.0 (ModelArch loaders fill them).
+        self.k_scale: nn.Parameter | None = None
+        self.v_scale: nn.Parameter | None = None
+        if ctx.attention.layers[layer].dtype == "fp8_e4m3":
+            one = torch.ones(1, dtype=torch.float32, device=ctx.device)
+            self.k_scale = nn.Parameter(one.clone(), requires_grad=False)
+            self.v_scale = nn.Parameter(one.clone(), requires_grad=False)
+        self.attn = ctx.attention.layer(
+            layer, head_dim**-0.5, sinks=self.sinks, k_scale=self.k_scale, v_scale=self.v_scale
+        )
         self.ops = ctx.ops
 
     def _takes_parts(self) -> bool:
@@ -383,3 +393,16 @@ class Attention(nn.Module):
             return y if self.tp is None else reduce_parts(self.tp, y)
         y = self.o_proj(out)
         return y if self.tp is None else self.tp.all_reduce(y)
+
+
+def kv_scale_target(name: str) -> tuple[str, str] | None:
+    """(attention module path, "k_scale" or "v_scale") for a checkpoint's FP8 KV scale tensor:
+    `...self_attn.k_scale` / `v_scale`, or the older `...self_attn.k_proj.output_scale` /
+    `v_proj.output_scale`; None for any other tensor."""
+    path, _, leaf = name.rpartition(".")
+    if leaf in ("k_scale", "v_scale") and path.endswith("self_attn"):
+        return path, leaf
+    if leaf == "output_scale" and path.endswith(("self_attn.k_proj", "self_attn.v_proj")):
+        parent, _, proj = path.rpartition(".")
+        return parent, f"{proj[0]}_scale"
+    return None

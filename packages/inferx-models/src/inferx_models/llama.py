@@ -20,6 +20,7 @@ from inferx_models.layers import (
     VocabEmbedding,
     VocabShard,
     heads_per_rank,
+    kv_scale_target,
     linear,
     reduce_parts,
     rope_parameters,
@@ -287,6 +288,13 @@ class LlamaForCausalLM(ModelArch):
                 continue  # old checkpoints saved the rotary buffer; we compute it
             if name == "lm_head.weight" and self.tied:
                 continue  # some tied checkpoints store a copy of the embedding anyway
+            if (kv := kv_scale_target(name)) is not None:
+                # FP8 KV scales (older checkpoints name them k_proj/v_proj.output_scale):
+                # read into an fp8 cache's layer, ignored by a cache in the model's dtype
+                param = getattr(self._submodule(kv[0], name), kv[1], None)
+                if param is not None:
+                    param.copy_(tensor.float().reshape(1))
+                continue
             path, _, kind = name.rpartition(".")
             parent, _, leaf = path.rpartition(".")
             if leaf in FUSED:

@@ -444,9 +444,13 @@ class Fp8(QuantScheme):
             raise _refuse("quant_method", ckpt.get("quant_method"), "compressed-tensors, fp8")
 
     def _parse_compressed_tensors(self, ckpt: dict[str, Any]) -> None:
-        for key in ("kv_cache_scheme", "transform_config"):
-            if ckpt.get(key):
-                raise _refuse(key, ckpt[key], "FP8 reads none yet")
+        if ckpt.get("transform_config"):
+            raise _refuse("transform_config", ckpt["transform_config"], "FP8 reads none yet")
+        kv = ckpt.get("kv_cache_scheme")
+        kv_format = kv and (kv.get("num_bits"), kv.get("type"), kv.get("strategy"))
+        if kv and kv_format != (8, "float", "tensor"):
+            # the per-layer k_scale / v_scale it writes are what kv_cache.dtype = fp8_e4m3 reads
+            raise _refuse("kv_cache_scheme", kv, "8-bit float per tensor")
         sparsity = ckpt.get("sparsity_config") or {}
         if sparsity.get("format", "dense") != "dense":
             raise _refuse("sparsity_config.format", sparsity["format"], "dense")
