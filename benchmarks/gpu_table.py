@@ -103,6 +103,14 @@ PEERS: dict[str, dict[str, tuple[str, str]]] = {
         "throughput": ("9,513", ">= 10,500"),
         "serve_64": ("6,371 tok/s, TTFT 592, TPOT 7.77", ">= 8,000 tok/s"),
     },
+    # vLLM on an H100 (2026-12-05, ../shared/LESSONS.md; FA3 with sinks, Triton MXFP4 MoE);
+    # goals: the MoE issue's
+    "gpt-oss-20b": {
+        "decode": ("3.215 (H100)", "<= 1.8"),
+        "ttft_2048": ("80.8 (H100)", "<= 45"),
+        "throughput": ("9,451 (H100)", ">= 12,500"),
+        "startup_server": ("161 (H100)", "<= 30"),
+    },
 }
 
 
@@ -144,6 +152,8 @@ QUICK = Sizes(
 
 
 def tokenizer_name(preset: str) -> str:
+    if "gpt-oss" in preset:
+        return "gpt-oss"
     return "llama3" if "llama" in preset else "qwen"
 
 
