@@ -145,3 +145,11 @@ def test_every_key_has_a_description() -> None:
         if not field.description
     ]
     assert not missing, missing
+
+
+@pytest.mark.parametrize(
+    "path", sorted((Path(__file__).parents[1] / "examples").glob("*.toml")), ids=lambda p: p.name
+)
+def test_every_example_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.model.path or cfg.model.preset or path.name == "cpu-demo.toml"
