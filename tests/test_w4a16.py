@@ -548,3 +548,24 @@ def test_scales_keep_float16_under_a_bfloat16_model(llama, tmp_path) -> None:
     assert weights["model.layers.0.mlp.up_proj.scales"].dtype == torch.float16
     assert weights["model.layers.0.mlp.up_proj.qweight"].dtype == torch.int32
     assert weights["model.norm.weight"].dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "kind, cfg",
+    [("gptq", dict(GPTQ, desc_act=True)), ("awq", dict(AWQ, group_size=64))],
+    ids=["gptq-act-order", "awq"],
+)
+def test_on_the_gpu_the_kernel_agrees_with_the_dequantized_weights(
+    llama, tmp_path, kind: str, cfg: dict
+) -> None:
+    """The same check on CUDA in bf16 (the CUDA runtime, its graphs and the W4A16 Triton
+    kernel) against the dequantized checkpoint served unquantized in bf16."""
+    from test_fp8 import agree_in_top5, make_llm, run
+
+    quant, ref = write_w4(llama, tmp_path / kind, cfg)
+    gpu = {"engine.device": "cuda", "model.dtype": "bfloat16"}
+    llm = make_llm(quant, **gpu)
+    down = llm.engine.executor.model.get_submodule("model.layers.0.mlp.down_proj")
+    assert isinstance(down, W4A16Linear) and down.qweight.is_cuda
+    agree_in_top5(run(llm), run(make_llm(ref, **gpu)))
