@@ -126,8 +126,12 @@ def _dequantized(
         q = (packed >> ((rows % 8) * 4)[:, None]) & 0xF
     group = k0 // group_size
     scale = tl.load(s_ptr + group * n + cols).to(tl.float32)
-    zero = tl.load(z_ptr + group * n + cols).to(tl.float32)
-    return (q.to(tl.float32) - zero[None, :]) * scale[None, :]
+    zero = tl.load(z_ptr + group * n + cols).to(tl.int32)
+    # q - zero without an int-to-float conversion: 0x4B400000 are the bits of 1.5 * 2^23, and
+    # those bits plus a small integer i are the float 1.5 * 2^23 + i, so an integer add and a
+    # float subtraction give q - zero exactly.
+    diff = (q + (0x4B400000 - zero)[None, :]).to(tl.float32, bitcast=True) - 12582912.0
+    return diff * scale[None, :]
 
 
 @triton.jit(do_not_specialize=["m"])
