@@ -569,3 +569,51 @@ def test_on_the_gpu_the_kernel_agrees_with_the_dequantized_weights(
     down = llm.engine.executor.model.get_submodule("model.layers.0.mlp.down_proj")
     assert isinstance(down, W4A16Linear) and down.qweight.is_cuda
     agree_in_top5(run(llm), run(make_llm(ref, **gpu)))
+
+
+@pytest.mark.parametrize("name", ["gptq-sym-g64", "gptq-asym-act-order", "awq-g64"])
+def test_quantize_rtn_writes_the_published_layout(name: str) -> None:
+    """inferx_quant's round-to-nearest writer (for test and benchmark checkpoints) gives the
+    tensors this file's layout definitions give for the same rounding, and a layer that loads
+    them holds w within half a step of each weight."""
+    from inferx_quant.w4a16 import quantize_rtn
+
+    fmt, kw = CASES[name]
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(4)) * 0.05
+    order = torch.randperm(256, generator=torch.Generator().manual_seed(9))
+    got = quantize_rtn(w, fmt, order if kw else None)
+    ref = quantize(
+        w, fmt.group_size, fmt.sym, torch.Generator().manual_seed(9), zero_min=fmt.zero_offset, **kw
+    )
+    want = awq_tensors(ref) if fmt.method == "awq" else gptq_tensors(ref, not fmt.zero_offset)
+    assert got.keys() == want.keys()
+    for kind in got:
+        assert torch.equal(got[kind], want[kind]), kind
+    layer = W4A16Linear(LinearSpec("a.b", 256, (64,)), torch.float32, CPU, fmt=fmt)
+    for kind, t in got.items():
+        layer.load(kind, t)
+    layer.finish_loading()
+    step = layer.scales.float().max()
+    assert (layer.dequantized_weight() - w).abs().max() <= step / 2 + 1e-6
+
+
+@pytest.mark.parametrize("flags", [["--method", "gptq", "--act-order"], ["--method", "awq"]])
+def test_the_benchmark_checkpoint_writer(llama, tmp_path, flags: list[str]) -> None:
+    """benchmarks/w4a16_checkpoint.py turns a float checkpoint into one the engine loads with
+    quantization auto, every projection quantized to within half a step of its float weight."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_fp8 import layers_of, make_llm
+
+    script = Path(__file__).parent.parent / "benchmarks" / "w4a16_checkpoint.py"
+    out = tmp_path / "quantized"
+    subprocess.run([sys.executable, str(script), str(llama), str(out), *flags], check=True)
+    layers = layers_of(make_llm(out))
+    assert all(isinstance(m, W4A16Linear) for m in layers.values())
+    down = layers["model.layers.1.mlp.down_proj"]
+    assert (down.perm is not None) == ("--act-order" in flags)
+    w = load_file(llama / "model.safetensors")["model.layers.1.mlp.down_proj.weight"]
+    err = (down.dequantized_weight() - w).abs().max()
+    assert err <= down.scales.float().max() / 2 + 1e-6

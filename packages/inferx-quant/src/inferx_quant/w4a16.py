@@ -72,6 +72,17 @@ def pack_rows(values: torch.Tensor) -> torch.Tensor:
     return _as_int32(words)
 
 
+def pack_cols(values: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """uint8 [R, C] of 4-bit values -> int32 [R, C / 8] packed along columns, nibble i of word
+    [r, c] column 8c + order[i] (unpack_cols' inverse)."""
+    r, c = values.shape
+    v = values.to(torch.int64).reshape(r, c // PACK, PACK)
+    if order is not None:
+        v = v[..., list(order)]
+    shifts = torch.arange(0, 32, BITS, device=values.device, dtype=torch.int64)
+    return _as_int32((v << shifts).sum(-1))
+
+
 def _as_int32(words: torch.Tensor) -> torch.Tensor:
     """int64 words in [0, 2^32) as the int32 with the same bits."""
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
@@ -293,6 +304,45 @@ class W4A16Linear(QuantLinear):
 
     def _kernel_args(self) -> tuple[Any, ...]:
         return self.qweight, self.scales, self.zeros, self.group, self.perm
+
+
+def quantize_rtn(
+    w: torch.Tensor, fmt: W4Format, order: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """A float weight [N, K] rounded to nearest into fmt's checkpoint tensors (qweight, qzeros,
+    scales, and GPTQ's g_idx), in the published layout: for checkpoints to test and measure
+    with, not a GPTQ or AWQ calibration. Symmetric: zero 8, scale = absmax / 7; asymmetric:
+    scale = (max - min) / 15 (zeros from 1 in GPTQ's original format, which stores zero - 1).
+    order: the input rows in the order they form groups (act-order); default 0..K-1."""
+    n, k = w.shape
+    g = k if fmt.group_size == -1 else fmt.group_size
+    rows = torch.arange(k, device=w.device)
+    order = rows if order is None else order.to(w.device)
+    g_idx = torch.empty(k, dtype=torch.int64, device=w.device)
+    g_idx[order] = rows // g
+    wt = w.t().float()
+    grouped = wt[order].reshape(k // g, g, n)  # each group's rows together
+    if fmt.sym:
+        scales = (grouped.abs().amax(1) / 7).clamp(min=2**-24).half()
+        zeros = torch.full_like(scales, 8, dtype=torch.int64)
+    else:
+        lo, hi = grouped.amin(1), grouped.amax(1)
+        scales = ((hi - lo) / 15).clamp(min=2**-24).half()
+        zeros = (-lo / scales.float()).round().clamp(fmt.zero_offset, 15).long()
+    s, z = scales.float()[g_idx], zeros[g_idx]
+    q = ((wt / s).round() + z).clamp(0, 15).to(torch.uint8)
+    if fmt.method == "awq":
+        return {
+            "qweight": pack_cols(q, AWQ_ORDER),
+            "qzeros": pack_cols(zeros.to(torch.uint8), AWQ_ORDER),
+            "scales": scales,
+        }
+    return {
+        "qweight": pack_rows(q),
+        "qzeros": pack_cols((zeros - fmt.zero_offset).to(torch.uint8)),
+        "scales": scales,
+        "g_idx": g_idx.to(torch.int32),
+    }
 
 
 @functools.cache
