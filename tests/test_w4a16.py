@@ -187,6 +187,8 @@ def test_dequantized_weight_and_forward_are_exact(name: str) -> None:
     assert layer.dense_weight() is None
     assert layer.qweight.dtype == torch.int32 and layer.qweight.shape == (256 // 8, 256)
     assert (layer.perm is not None) == bool(kw.get("act_order"))
+    params = dict(layer.named_parameters())  # what counting a model's weight bytes sees
+    assert {"qweight", "scales", "zeros"} <= params.keys() and "bias" in params
     torch.testing.assert_close(layer.dequantized_weight(), exact, rtol=0, atol=0)
     x = torch.randn(2, 5, QKV.in_features)
     got = layer(x)

@@ -152,7 +152,8 @@ class W4A16Linear(QuantLinear):
             else None
         )
         self._parts: dict[tuple[str, int], torch.Tensor] = {}
-        # Set by finish_loading.
+        # Set by finish_loading, as parameters (so that counting a model's parameters counts
+        # the bytes its forward pass reads).
         self.qweight: torch.Tensor
         self.scales: torch.Tensor
         self.zeros: torch.Tensor
@@ -225,13 +226,13 @@ class W4A16Linear(QuantLinear):
                 f"{self.spec.prefix}: the checkpoint is symmetric (sym) but its qzeros are not "
                 f"the zero point 8 (stored as {stored} in this checkpoint_format)"
             )
-        self.zeros = zero.to(torch.uint8)
-        self.scales = torch.cat([got["scales", p] for p in parts], dim=1).contiguous()
+        self.zeros = _param(zero.to(torch.uint8))
+        self.scales = _param(torch.cat([got["scales", p] for p in parts], dim=1))
         perm = self._act_order_perm()
         if perm is not None:
             qweight = pack_rows(unpack_rows(qweight)[perm])
-            self.perm = perm.to(torch.int32)
-        self.qweight = qweight.contiguous()
+            self.perm = _param(perm.to(torch.int32))
+        self.qweight = _param(qweight)
         self._parts.clear()
 
     def _act_order_perm(self) -> torch.Tensor | None:
@@ -343,6 +344,10 @@ def quantize_rtn(
         "scales": scales,
         "g_idx": g_idx.to(torch.int32),
     }
+
+
+def _param(t: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(t.contiguous(), requires_grad=False)
 
 
 @functools.cache
