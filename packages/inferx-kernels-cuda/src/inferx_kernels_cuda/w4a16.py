@@ -11,7 +11,8 @@ group size, so a step never straddles two groups), then casts to x's dtype for t
 
 Act-order: the weight's rows were permuted once at load so each group's rows are contiguous, and
 the kernel gathers x's columns by `perm` as it loads them (x is the small operand: at decode a
-few rows, so the gather costs a [BLOCK_K] index load a step). The other way, gathering each row's
+few rows, so the gather costs a [BLOCK_K] index load a step); past 16 rows x is permuted once
+before the GEMM instead (`_gathered`). The other way, gathering each row's
 scale and zero by g_idx, would load [BLOCK_K, BLOCK_N] scales a step instead of one row of
 BLOCK_N, on the operand that is the whole memory traffic; the permutation also keeps act-order
 and plain checkpoints on one kernel.
@@ -126,11 +127,11 @@ def _dequantized(
         q = (packed >> ((rows % 8) * 4)[:, None]) & 0xF
     group = k0 // group_size
     scale = tl.load(s_ptr + group * n + cols).to(tl.float32)
-    zero = tl.load(z_ptr + group * n + cols).to(tl.int32)
-    # q - zero without an int-to-float conversion: 0x4B400000 are the bits of 1.5 * 2^23, and
-    # those bits plus a small integer i are the float 1.5 * 2^23 + i, so an integer add and a
-    # float subtraction give q - zero exactly.
-    diff = (q + (0x4B400000 - zero)[None, :]).to(tl.float32, bitcast=True) - 12582912.0
+    zero = tl.load(z_ptr + group * n + cols).to(tl.float32)
+    # q - zero without an int-to-float conversion per weight: 0x4B000000 are the bits of 2^23,
+    # and q (4 bits) or-ed into its mantissa makes the float 2^23 + q, so the mask and the or
+    # (one LOP3) and a float subtraction of the column's 2^23 + zero give q - zero exactly.
+    diff = (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + zero)[None, :]
     return diff * scale[None, :]
 
 
@@ -291,6 +292,17 @@ def _launch(
     )
 
 
+def _gathered(
+    x: torch.Tensor, perm: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Past GEMV_ROWS rows x's columns are put in the weight's row order once, here: the tiled
+    GEMM reads x once per column block, and scattered 2-byte loads that many times would cost
+    more than one gather. Up to GEMV_ROWS the kernel gathers as it loads (no extra launch)."""
+    if perm is None or x.shape[0] <= GEMV_ROWS:
+        return x, perm
+    return x.index_select(1, perm), None
+
+
 def w4a16_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -311,6 +323,7 @@ def w4a16_linear(
     if m == 0:
         return out
     cfg = config or pick_config(m, n, k, _num_sms(x.device))
+    x, perm = _gathered(x, perm)
     if cfg.split_k == 1:
         _launch(x, qweight, scales, zeros, group_size, perm, bias, out.unsqueeze(0), cfg)
         return out
@@ -347,6 +360,7 @@ def w4a16_linear_parts(
     m, k = x.shape
     n = qweight.shape[1]
     cfg = config or pick_config(m, n, k, _num_sms(x.device))
+    x, perm = _gathered(x, perm)
     out = torch.empty((cfg.split_k, m, n), dtype=x.dtype, device=x.device)
     if m:
         _launch(x, qweight, scales, zeros, group_size, perm, bias, out, cfg)
