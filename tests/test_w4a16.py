@@ -382,6 +382,15 @@ def test_unsupported_configs_are_refused(cls, edit, key: str) -> None:
         cls(QuantConfig(dict(base, **edit)))
 
 
+def test_a_gpu_without_the_kernel_package_is_refused(monkeypatch) -> None:
+    import inferx_quant.w4a16 as w4
+
+    monkeypatch.setattr(w4, "_cuda_kernels", lambda: None)
+    spec = spec_of("model.layers.0.mlp.down_proj")
+    with pytest.raises(ValueError, match="'awq' on a GPU runs inferx-kernels-cuda's W4A16"):
+        Awq(QuantConfig(AWQ)).linear(spec, torch.bfloat16, torch.device("cuda"))
+
+
 def test_auto_picks_gptq_and_awq() -> None:
     assert pick_quant_scheme("auto", GPTQ, plugins()) == "gptq"
     assert pick_quant_scheme("auto", AWQ, plugins()) == "awq"

@@ -431,6 +431,11 @@ class _W4A16(QuantScheme):
     ) -> QuantLinear:
         if _skipped(spec, self.skips):
             return DenseLinear(spec, dtype, device, parallel)
+        if torch.device(device).type == "cuda" and _cuda_kernels() is None:
+            raise ValueError(
+                f"quantization scheme {self.name!r} on a GPU runs inferx-kernels-cuda's W4A16 "
+                "kernel (Triton), which does not import here: pip install inferx-kernels-cuda"
+            )
         return W4A16Linear(spec, dtype, device, parallel, self.fmt)
 
 
