@@ -72,26 +72,34 @@ class W4Config:
         )
 
 
-def split_for(tiles: int, k: int, block_k: int, num_sms: int = _H100_SMS) -> int:
+def split_for(tiles: int, k: int, block_k: int, rows: int, num_sms: int = _H100_SMS) -> int:
     """The K split count: the smallest power of two giving at least two programs an SM, while
-    each split keeps at least four BLOCK_K steps (a guess to tune with
-    benchmarks/w4a16_gemm.py). 1 when the tiles alone fill the GPU."""
+    each split keeps at least four BLOCK_K steps and the fp32 partial sums (8 bytes a row and
+    column a split, written and read back) stay within a quarter of the weight's bytes (K / 2 a
+    column): split * rows <= K / 64. 1 when the tiles alone fill the GPU. (Guesses to tune
+    with benchmarks/w4a16_gemm.py --sweep.)"""
     split = 1
-    while tiles * split < 2 * num_sms and k >= 8 * block_k * split:
+    while (
+        tiles * split < 2 * num_sms
+        and k >= 8 * block_k * split
+        and 2 * split * max(rows, 1) * 64 <= k
+    ):
         split *= 2
     return split
 
 
 def pick_config(m: int, n: int, k: int, num_sms: int = _H100_SMS) -> W4Config:
-    """Defaults by row count (guesses for Hopper, to be tuned on the GPU)."""
+    """Defaults by row count (guesses for Hopper, to be tuned on the GPU): up to 16 rows one
+    16-row tile; up to 64 rows 64 x 64 tiles (twice the programs of 128-wide ones, where a
+    K split would cost more in partial sums than it gains); then 128 x 128."""
     if m <= GEMV_ROWS:
         cfg = W4Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
     elif m <= 64:
-        cfg = W4Config(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
+        cfg = W4Config(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
     else:
         cfg = W4Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    return replace(cfg, split_k=split_for(tiles, k, cfg.block_k, num_sms))
+    return replace(cfg, split_k=split_for(tiles, k, cfg.block_k, m, num_sms))
 
 
 @functools.lru_cache
