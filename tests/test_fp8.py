@@ -365,8 +365,8 @@ def test_unsupported_hf_fp8_configs_are_refused() -> None:
 
 
 def test_an_unknown_quant_method_names_the_known_ones() -> None:
-    with pytest.raises(LoadError, match=r"'awq'.*fp8 \(float-quantized, fp8\)"):
-        pick_quant_scheme("auto", {"quant_method": "awq"}, plugins())
+    with pytest.raises(LoadError, match=r"'bitsandbytes'.*fp8 \(float-quantized, fp8\)"):
+        pick_quant_scheme("auto", {"quant_method": "bitsandbytes"}, plugins())
     assert pick_quant_scheme("auto", FP8_DYNAMIC, plugins()) == "fp8"
     assert pick_quant_scheme("auto", HF_BLOCK, plugins()) == "fp8"
     assert pick_quant_scheme("fp8", {}, plugins()) == "fp8"  # online

@@ -17,8 +17,8 @@ from inferx_models.presets import PRESETS, preset, random_weights
 # quantized checkpoints) is yielded as stored, for the quantization scheme to interpret.
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 # A quantized checkpoint's scales keep their stored dtype too: a float32 scale cast to bfloat16
-# would shift every weight it scales.
-_SCALES = ("_scale", "_scale_inv")
+# would shift every weight it scales (GPTQ's and AWQ's fp16 "scales" as well).
+_SCALES = ("_scale", "_scale_inv", ".scales")
 
 
 def _tokenizer(path: Path) -> Any:

@@ -328,8 +328,24 @@ class LlamaForCausalLM(ModelArch):
                     raise ValueError(f"{arch}: {exc}") from None
 
     def _expected_names(self) -> set[str]:
-        """The checkpoint tensors load_weights requires by name."""
-        return set(self.checkpoint_shapes(self.hf_config))
+        """The checkpoint tensors load_weights requires by name: a linear layer's weight, or
+        the tensors its quant method keeps instead (QuantLinear.checkpoint_kinds)."""
+        names: set[str] = set()
+        for name in self.checkpoint_shapes(self.hf_config):
+            path, _, kind = name.rpartition(".")
+            kinds = self._linear_kinds(path) if kind == "weight" else None
+            names.update([name] if kinds is None else (f"{path}.{k}" for k in kinds))
+        return names
+
+    def _linear_kinds(self, path: str) -> tuple[str, ...] | None:
+        """The checkpoint kinds of the linear layer (or fused part) at `path`, if it is one."""
+        parent, _, leaf = path.rpartition(".")
+        target = f"{parent}.{FUSED[leaf][0]}" if leaf in FUSED else path
+        try:
+            module = self.get_submodule(target)
+        except AttributeError:
+            return None
+        return module.checkpoint_kinds if isinstance(module, QuantLinear) else None
 
     def _submodule(self, path: str, name: str) -> nn.Module:
         try:

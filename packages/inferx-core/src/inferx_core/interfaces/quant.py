@@ -58,6 +58,9 @@ class QuantLinear(torch.nn.Module, ABC):
 
     spec: LinearSpec
     bias: torch.Tensor | None  # added after the GEMM, in the activations' dtype (this rank's)
+    # The tensors the checkpoint holds for each fused part besides its bias ("<part>.<kind>"),
+    # which the model requires by name: a scheme whose layers keep no "weight" names its own.
+    checkpoint_kinds: tuple[str, ...] = ("weight",)
 
     @abstractmethod
     def load(self, kind: str, tensor: torch.Tensor, part: int = 0) -> None:

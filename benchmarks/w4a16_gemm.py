@@ -1,0 +1,193 @@
+"""The W4A16 Triton GEMM (inferx_kernels_cuda.w4a16) against bf16 torch.matmul at Llama-3.1-8B's
+linear shapes (fused QKV 4096 -> 6144, o_proj 4096 -> 4096, fused gate_up 4096 -> 28672,
+down_proj 14336 -> 4096) and 1, 4, 16, 64, 256 rows, group size 128.
+
+    python benchmarks/w4a16_gemm.py                 # on a GPU: the table
+    python benchmarks/w4a16_gemm.py --act-order     # weights with an act-order permutation
+    python benchmarks/w4a16_gemm.py --sweep         # also the best of a few configs a shape
+    python benchmarks/w4a16_gemm.py --smoke         # CPU: tiny shapes under the interpreter
+
+Each figure is one call's time in µs, from a CUDA graph of `--calls` calls replayed `--reps`
+times (the decode step runs in CUDA graphs, so launch gaps are not counted), the calls cycling
+over enough copies of the weights to exceed the L2 cache twice over (cold weights, as in a
+model's forward pass). A split-K call is its two launches. `floor` is the bytes the call must
+read and write (weights, scales, zeros, x, y) at `--bandwidth` (3.35 TB/s: the H100 SXM's
+HBM3), for each of the two. The W4A16 column is also checked against the exact dequantized
+weights (bf16 tolerance) before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+SMOKE_SHAPES = {"qkv": (256, 96), "down": (512, 64)}
+BATCHES = (1, 4, 16, 64, 256)
+SMOKE_BATCHES = (1, 17)
+GROUP = 128
+L2_BYTES = 50 << 20  # H100's L2; the copies of the weights exceed twice this
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter)")
+    p.add_argument("--act-order", action="store_true", help="weights with a K permutation")
+    p.add_argument("--sweep", action="store_true", help="time a few configs a shape too")
+    p.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
+    p.add_argument("--reps", type=int, default=20, help="graph replays timed")
+    p.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s for the floor")
+    p.add_argument("--batches", default=None, help="comma-separated row counts")
+    return p.parse_args()
+
+
+ARGS = _args()
+if ARGS.smoke:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import torch  # noqa: E402
+
+from inferx_kernels_cuda.w4a16 import W4Config, pick_config, w4a16_linear  # noqa: E402
+from inferx_quant.w4a16 import unpack_rows  # noqa: E402
+
+
+def random_layer(k: int, n: int, act_order: bool, device: torch.device, seed: int = 0):
+    """Random kernel operands of an [N, K] layer, group 128: (qweight, scales, zeros, group,
+    perm) and the layer's bf16 dense weight [N, K] (the exact weight rounded once)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    info = torch.iinfo(torch.int32)
+    qweight = torch.randint(info.min, info.max, (k // 8, n), generator=gen, device=device)
+    qweight = qweight.to(torch.int32)
+    scales = (torch.rand(k // GROUP, n, generator=gen, device=device) * 2**-6).half()
+    zeros = torch.randint(0, 16, (k // GROUP, n), generator=gen, device=device).to(torch.uint8)
+    perm = torch.randperm(k, generator=gen, device=device).to(torch.int32) if act_order else None
+    rows = torch.arange(k, device=device) // GROUP
+    w = (unpack_rows(qweight).float() - zeros.float()[rows]) * scales.float()[rows]
+    if perm is not None:
+        w = torch.empty_like(w).index_copy_(0, perm.long(), w)
+    return (qweight, scales, zeros, GROUP, perm), w.t().contiguous().bfloat16()
+
+
+def w4_bytes(m: int, k: int, n: int) -> int:
+    return k * n // 2 + (k // GROUP) * n * 3 + (m * k + m * n) * 2
+
+
+def bf16_bytes(m: int, k: int, n: int) -> int:
+    return (k * n + m * k + m * n) * 2
+
+
+def time_calls(fns: list[Callable[[], object]], cuda: bool) -> float:
+    """µs a call: on CUDA a graph of ARGS.calls calls (cycling over fns) replayed ARGS.reps
+    times; on the CPU a few calls by the wall clock."""
+    if not cuda:
+        start = time.perf_counter()
+        for i in range(3):
+            fns[i % len(fns)]()
+        return (time.perf_counter() - start) / 3 * 1e6
+    for fn in fns:
+        fn()  # compile and warm up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(ARGS.calls):
+            fns[i % len(fns)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(ARGS.reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (ARGS.reps * ARGS.calls)
+
+
+def sweep_configs(m: int) -> list[W4Config]:
+    """Configs --sweep times: block_n, split and loads for the GEMV; tiles for the GEMM."""
+    if m <= 16:
+        base = W4Config(block_m=16, block_k=128, num_stages=4)
+        return [
+            replace(base, block_n=bn, split_k=s, packed_loads=p)
+            for bn in (32, 64, 128)
+            for s in (1, 2, 4, 8)
+            for p in (True, False)
+        ]
+    return [
+        W4Config(block_m=bm, block_n=bn, block_k=64, split_k=1, num_warps=w, num_stages=st)
+        for bm, w in ((64, 4), (128, 8))
+        for bn in (64, 128)
+        for st in (3, 4)
+    ]
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available() and not ARGS.smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    shapes = SMOKE_SHAPES if ARGS.smoke else SHAPES
+    batches = SMOKE_BATCHES if ARGS.smoke else BATCHES
+    if ARGS.batches:
+        batches = tuple(int(b) for b in ARGS.batches.split(","))
+    name = torch.cuda.get_device_name() if cuda else "CPU (interpreter: timings mean nothing)"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 132
+    print(f"# W4A16 GEMM vs bf16 torch.matmul, group {GROUP}, act-order {ARGS.act_order}, {name}")
+    print(f"# floor: bytes / {ARGS.bandwidth / 1e12:.2f} TB/s")
+    head = f"{'shape':<8} {'K->N':>12} {'M':>4} {'w4a16 µs':>9} {'floor':>7} {'%floor':>6} "
+    head += f"{'bf16 µs':>8} {'floor':>7} {'speedup':>7}  config"
+    if ARGS.sweep:
+        head += "  | best swept config (µs)"
+    print(head)
+    for shape, (k, n) in shapes.items():
+        copies = 1 if not cuda else max(1, -(-2 * L2_BYTES // (k * n // 2)))
+        layers = [random_layer(k, n, ARGS.act_order, device, seed) for seed in range(copies)]
+        dense_copies = 1 if not cuda else max(1, -(-2 * L2_BYTES // (k * n * 2)))
+        dense = [layers[i % copies][1] for i in range(dense_copies)]
+        if cuda:  # distinct bf16 copies, not views of one
+            dense = [d.clone() for d in dense]
+        for m in batches:
+            x = torch.randn(m, k, device=device).bfloat16()
+            cfg = None if cuda else pick_config(m, n, k)
+            args0, w0 = layers[0]
+            want = x.double() @ w0.double().t()
+            got = w4a16_linear(x, *args0, config=cfg).double()
+            err = (got - want).abs().max().item() / want.abs().max().item()
+            if err > 2**-7:
+                raise SystemExit(f"{shape} M={m}: relative error {err:.2e} past 2^-7")
+            w4_us = time_calls(
+                [lambda a=a, x=x, c=cfg: w4a16_linear(x, *a, config=c) for a, _ in layers], cuda
+            )
+            bf_us = time_calls([lambda w=w, x=x: torch.matmul(x, w.t()) for w in dense], cuda)
+            w4_floor = w4_bytes(m, k, n) / ARGS.bandwidth * 1e6
+            bf_floor = bf16_bytes(m, k, n) / ARGS.bandwidth * 1e6
+            picked = pick_config(m, n, k, sms)
+            line = (
+                f"{shape:<8} {f'{k}->{n}':>12} {m:>4} {w4_us:>9.2f} {w4_floor:>7.2f} "
+                f"{100 * w4_floor / w4_us:>5.0f}% {bf_us:>8.2f} {bf_floor:>7.2f} "
+                f"{bf_us / w4_us:>6.2f}x  {picked}"
+            )
+            if ARGS.sweep and cuda:
+                best = None
+                for c in sweep_configs(m):
+                    try:
+                        us = time_calls(
+                            [
+                                lambda a=a, c=c, x=x: w4a16_linear(x, *a, config=c)
+                                for a, _ in layers
+                            ],
+                            cuda,
+                        )
+                    except Exception as exc:  # a config the GPU cannot run (shared memory)
+                        print(f"#   {c}: {type(exc).__name__}", file=sys.stderr)
+                        continue
+                    if best is None or us < best[0]:
+                        best = (us, c)
+                if best:
+                    line += f"  | {best[1]} ({best[0]:.2f})"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

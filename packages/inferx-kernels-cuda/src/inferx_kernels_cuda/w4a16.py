@@ -1,0 +1,375 @@
+"""W4A16 GEMM: y = x @ W.T (+ b) with W stored as 4-bit integers in groups along K, dequantized
+in registers (inferx_quant.w4a16 holds the layout and calls this on CUDA tensors).
+
+The weight arrives as inferx_quant.w4a16 keeps it: `qweight` int32 [K / 8, N], eight rows of a
+column a word (row 8i + j in nibble j, GPTQ's packing), `scales` [G, N] (fp16 as checkpoints
+store them), `zeros` uint8 [G, N], G = K / group_size, and for act-order checkpoints `perm`
+int32 [K]: kernel row i is input row perm[i]. A program owns BLOCK_N output columns and a range
+of K; each BLOCK_K step loads BLOCK_K / 8 words a column, shifts out the nibbles, and makes
+(q - zero) * scale in fp32 with the step's one row of scales and zeros (BLOCK_K divides the
+group size, so a step never straddles two groups), then casts to x's dtype for tl.dot.
+
+Act-order: the weight's rows were permuted once at load so each group's rows are contiguous, and
+the kernel gathers x's columns by `perm` as it loads them (x is the small operand: at decode a
+few rows, so the gather costs a [BLOCK_K] index load a step); past 16 rows x is permuted once
+before the GEMM instead (`_gathered`). The other way, gathering each row's
+scale and zero by g_idx, would load [BLOCK_K, BLOCK_N] scales a step instead of one row of
+BLOCK_N, on the operand that is the whole memory traffic; the permutation also keeps act-order
+and plain checkpoints on one kernel.
+
+Two regimes, one kernel:
+- 1-16 rows (decode): split-K GEMV. x padded to 16 rows for tl.dot (free for a memory-bound
+  kernel); N alone rarely fills the GPU (a 4096-wide o_proj is 64 programs of 64 columns), so
+  K is split until there are at least two programs an SM. Partial sums [SPLIT, M, N] in fp32
+  are summed in split order by gemv.split_k_reduce_kernel, which adds the bias and casts (no
+  atomics: deterministic). forward_parts callers take the partials themselves
+  (`w4a16_linear_parts`), in x's dtype, the bias in the first.
+- more rows: tiled GEMM, BLOCK_M x BLOCK_N tiles, split only where the tiles leave SMs idle.
+
+Accumulation is fp32. The weights are rounded once, to x's dtype, for tl.dot (what any bf16
+GEMM of the dequantized weight does); in fp32 (the interpreter tests) nothing is rounded.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from inferx_kernels_cuda.gemv import split_k_reduce_kernel
+
+GEMV_ROWS = 16  # up to this many rows: the split-K GEMV regime
+_REDUCE_BLOCK = 256
+_H100_SMS = 132
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class W4Config:
+    """Launch parameters: tile sizes, K splits, Triton's num_warps / num_stages. block_k is
+    lowered to a power of two dividing the group size and K. packed_loads: load each word once
+    and unpack its eight nibbles in registers (else: load the word once per row it holds, and
+    let the cache serve the repeats, as gemlite does)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    packed_loads: bool = True
+
+    def __str__(self) -> str:
+        loads = "packed" if self.packed_loads else "dup"
+        return (
+            f"m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k} "
+            f"w{self.num_warps} st{self.num_stages} {loads}"
+        )
+
+
+def split_for(tiles: int, k: int, block_k: int, rows: int, num_sms: int = _H100_SMS) -> int:
+    """The K split count: the smallest power of two giving at least two programs an SM, while
+    each split keeps at least four BLOCK_K steps and the fp32 partial sums (8 bytes a row and
+    column a split, written and read back) stay within a quarter of the weight's bytes (K / 2 a
+    column): split * rows <= K / 64. 1 when the tiles alone fill the GPU. (Guesses to tune
+    with benchmarks/w4a16_gemm.py --sweep.)"""
+    split = 1
+    while (
+        tiles * split < 2 * num_sms
+        and k >= 8 * block_k * split
+        and 2 * split * max(rows, 1) * 64 <= k
+    ):
+        split *= 2
+    return split
+
+
+def pick_config(m: int, n: int, k: int, num_sms: int = _H100_SMS) -> W4Config:
+    """Defaults by row count (guesses for Hopper, to be tuned on the GPU): up to 16 rows one
+    16-row tile; up to 64 rows 64 x 64 tiles (twice the programs of 128-wide ones, where a
+    K split would cost more in partial sums than it gains); then 128 x 128."""
+    if m <= GEMV_ROWS:
+        cfg = W4Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    elif m <= 64:
+        cfg = W4Config(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
+    else:
+        cfg = W4Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    return replace(cfg, split_k=split_for(tiles, k, cfg.block_k, m, num_sms))
+
+
+@functools.lru_cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _H100_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@triton.jit
+def _dequantized(
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    k0,
+    cols,
+    n,
+    group_size,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PACKED: tl.constexpr,
+):
+    """Rows [k0, k0 + BLOCK_K) of the weight, columns `cols`, as fp32 (q - zero) * scale."""
+    if PACKED:
+        words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        packed = tl.load(qw_ptr + words[:, None] * n + cols[None, :])  # [BLOCK_K / 8, BLOCK_N]
+        shifts = tl.arange(0, 8) * 4
+        nibbles = (packed[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BN]
+        q = tl.reshape(nibbles, (BLOCK_K, BLOCK_N))
+    else:
+        rows = k0 + tl.arange(0, BLOCK_K)
+        packed = tl.load(qw_ptr + (rows // 8)[:, None] * n + cols[None, :])
+        q = (packed >> ((rows % 8) * 4)[:, None]) & 0xF
+    group = k0 // group_size
+    scale = tl.load(s_ptr + group * n + cols).to(tl.float32)
+    zero = tl.load(z_ptr + group * n + cols).to(tl.float32)
+    # q - zero without an int-to-float conversion per weight: 0x4B000000 are the bits of 2^23,
+    # and q (4 bits) or-ed into its mantissa makes the float 2^23 + q, so the mask and the or
+    # (one LOP3) and a float subtraction of the column's 2^23 + zero give q - zero exactly.
+    diff = (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + zero)[None, :]
+    return diff * scale[None, :]
+
+
+@triton.jit(do_not_specialize=["m"])
+def w4a16_kernel(
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    perm_ptr,
+    bias_ptr,
+    out_ptr,
+    m,
+    n,
+    k,
+    stride_xm,
+    stride_os,
+    stride_om,
+    k_per_split,
+    group_size,
+    HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PACKED: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (column blocks, row blocks, splits): out[split] = x[rows, ks] @ W[ks, cols] (+ bias
+    in split 0), ks = this split's [k_start, k_start + k_per_split) clipped to k; k_per_split
+    and k are multiples of BLOCK_K. Columns past n reread a real column (never stored), so the
+    weight loads stay unmasked."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = offs_n % n
+    m_mask = offs_m < m
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, k)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if HAS_PERM:
+            offs_k = tl.load(perm_ptr + offs_k)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+        w = _dequantized(qw_ptr, s_ptr, z_ptr, k0, cols, n, group_size, BLOCK_K, BLOCK_N, PACKED)
+        if UPCAST:
+            acc += tl.dot(x.to(tl.float32), w, input_precision=DOT_PRECISION)
+        else:
+            acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols).to(tl.float32)
+        acc += bias[None, :] * (pid_k == 0).to(tl.float32)
+    out = out_ptr + pid_k * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n < n)[None, :])
+
+
+def _block_k(cfg: W4Config, group_size: int, k: int) -> int:
+    """cfg.block_k lowered to the largest power of two dividing the group size and K."""
+    common = math.gcd(group_size, k)
+    block = cfg.block_k
+    while block > 16 and common % block:
+        block //= 2
+    if common % block:
+        raise ValueError(f"w4a16: group_size {group_size} and K {k} need a common factor of 16")
+    return block
+
+
+def _check(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    perm: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> None:
+    if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in _DTYPES:
+        raise ValueError(
+            f"w4a16: x must be [M, K] with unit stride along K in fp16, bf16 or fp32, got "
+            f"{tuple(x.shape)} {x.dtype} strides {x.stride()}"
+        )
+    k, n = x.shape[1], qweight.shape[1]
+    groups = k // group_size
+    if qweight.dtype != torch.int32 or tuple(qweight.shape) != (k // 8, n):
+        raise ValueError(
+            f"w4a16: qweight must be int32 [{k // 8}, N], got {qweight.dtype} "
+            f"{tuple(qweight.shape)}"
+        )
+    if tuple(scales.shape) != (groups, n) or tuple(zeros.shape) != (groups, n):
+        raise ValueError(
+            f"w4a16: scales and zeros must be [{groups}, {n}], got {tuple(scales.shape)} and "
+            f"{tuple(zeros.shape)}"
+        )
+    if perm is not None and (perm.dtype != torch.int32 or tuple(perm.shape) != (k,)):
+        raise ValueError(f"w4a16: perm must be int32 [{k}], got {perm.dtype} {tuple(perm.shape)}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"w4a16: bias must be [{n}], got {tuple(bias.shape)}")
+    for t in (qweight, scales, zeros, perm, bias):
+        if t is not None and not t.is_contiguous():
+            raise ValueError("w4a16: qweight, scales, zeros, perm and bias must be contiguous")
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"w4a16: runs on CUDA tensors (or under TRITON_INTERPRET=1), not {x.device}"
+        )
+
+
+def _launch(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    perm: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    cfg: W4Config,
+) -> None:
+    """One kernel launch into out [split_k, M, N] (any float dtype)."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    block_k = _block_k(cfg, group_size, k)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), cfg.split_k)
+    # Absent perm and bias: a dummy pointer HAS_PERM / HAS_BIAS = False compiles away.
+    w4a16_kernel[grid](
+        x,
+        qweight,
+        scales,
+        zeros,
+        perm if perm is not None else qweight,
+        bias if bias is not None else scales,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        out.stride(0),
+        out.stride(1),
+        k_per_split,
+        group_size,
+        HAS_PERM=perm is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=block_k,
+        PACKED=cfg.packed_loads,
+        # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
+        UPCAST=x.dtype == torch.float32 or (interpret and x.dtype == torch.bfloat16),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def _gathered(
+    x: torch.Tensor, perm: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Past GEMV_ROWS rows x's columns are put in the weight's row order once, here: the tiled
+    GEMM reads x once per column block, and scattered 2-byte loads that many times would cost
+    more than one gather. Up to GEMV_ROWS the kernel gathers as it loads (no extra launch)."""
+    if perm is None or x.shape[0] <= GEMV_ROWS:
+        return x, perm
+    return x.index_select(1, perm), None
+
+
+def w4a16_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    perm: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    config: W4Config | None = None,
+) -> torch.Tensor:
+    """x [M, K] times the 4-bit weight (module docstring) (+ bias): [M, N] in x's dtype. One
+    launch, or two with a K split (the second sums the splits, adds the bias and casts); no
+    host sync, so it can be captured in a CUDA graph."""
+    _check(x, qweight, scales, zeros, group_size, perm, bias)
+    m, k = x.shape
+    n = qweight.shape[1]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    cfg = config or pick_config(m, n, k, _num_sms(x.device))
+    x, perm = _gathered(x, perm)
+    if cfg.split_k == 1:
+        _launch(x, qweight, scales, zeros, group_size, perm, bias, out.unsqueeze(0), cfg)
+        return out
+    partial = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
+    _launch(x, qweight, scales, zeros, group_size, perm, None, partial, cfg)
+    split_k_reduce_kernel[(m, triton.cdiv(n, _REDUCE_BLOCK))](
+        partial,
+        bias if bias is not None else partial,
+        out,
+        m,
+        n,
+        cfg.split_k,
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK=_REDUCE_BLOCK,
+        GATED=False,
+    )
+    return out
+
+
+def w4a16_linear_parts(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    perm: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    config: W4Config | None = None,
+) -> torch.Tensor:
+    """The K split's partial results [S, M, N] in x's dtype, the bias in the first, for callers
+    that sum them anyway (QuantLinear.forward_parts): one launch."""
+    _check(x, qweight, scales, zeros, group_size, perm, bias)
+    m, k = x.shape
+    n = qweight.shape[1]
+    cfg = config or pick_config(m, n, k, _num_sms(x.device))
+    x, perm = _gathered(x, perm)
+    out = torch.empty((cfg.split_k, m, n), dtype=x.dtype, device=x.device)
+    if m:
+        _launch(x, qweight, scales, zeros, group_size, perm, bias, out, cfg)
+    return out

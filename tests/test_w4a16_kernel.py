@@ -1,0 +1,187 @@
+"""The W4A16 Triton GEMM (inferx_kernels_cuda.w4a16) against the exact dequantized weights: GPTQ
+(with and without act-order, per group and per channel) and AWQ layers as inferx_quant.w4a16
+loads them, 1-16 rows (split-K GEMV) and more (tiled GEMM), on the CPU under the interpreter at
+small sizes; the model's shapes in bf16 on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the triton package is not installed")
+
+from conftest import interpreted, on_gpu  # noqa: E402
+from test_w4a16 import CASES, loaded  # noqa: E402
+
+from inferx_core.interfaces.quant import LinearSpec  # noqa: E402
+from inferx_kernels_cuda.w4a16 import (  # noqa: E402
+    W4Config,
+    pick_config,
+    w4a16_linear,
+    w4a16_linear_parts,
+)
+from inferx_quant.w4a16 import W4A16Linear, W4Format  # noqa: E402
+
+# 256 inputs, 96 outputs: two 64-column blocks, the second ragged.
+SPEC = LinearSpec("model.layers.0.mlp.down_proj", 256, (96,), bias=True)
+LAYOUTS = ["gptq-sym-g64", "gptq-sym-perchannel", "gptq-act-order-g64", "awq-g64"]
+SMALL = dict(block_n=64, block_k=32, num_stages=1)
+CONFIGS = {
+    "gemv": W4Config(block_m=16, split_k=1, **SMALL),
+    "gemv-split3": W4Config(block_m=16, split_k=3, **SMALL),
+    "gemv-split3-dup-loads": W4Config(block_m=16, split_k=3, packed_loads=False, **SMALL),
+    "gemm": W4Config(block_m=32, split_k=1, **SMALL),
+}
+
+
+def _layer(name: str):
+    fmt, kw = CASES[name]
+    return loaded(fmt, SPEC, seed=5, **kw)
+
+
+def _args(layer: W4A16Linear):
+    return layer.qweight, layer.scales, layer.zeros, layer.group, layer.perm
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
+    """got within rel of want's largest magnitude (the output's scale)."""
+    assert got.shape == want.shape
+    err = (got.double() - want).abs().max().item()
+    assert err <= rel * want.abs().max().item(), (err, want.abs().max().item())
+
+
+@interpreted
+@pytest.mark.parametrize("rows", [1, 16, 40])
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_fp32_matches_the_exact_weights(name: str, config: str, rows: int) -> None:
+    """fp32 throughout (tl.dot in IEEE fp32): within 1e-5 of the output's scale of float64."""
+    layer, exact, bias = _layer(name)
+    x = torch.randn(rows, SPEC.in_features, generator=torch.Generator().manual_seed(rows))
+    want = x.double() @ exact.double().t() + bias.double()
+    got = w4a16_linear(x, *_args(layer), bias=layer.bias, config=CONFIGS[config])
+    assert got.dtype == torch.float32
+    _close(got, want, 1e-5)
+    parts = w4a16_linear_parts(x, *_args(layer), bias=layer.bias, config=CONFIGS[config])
+    assert parts.shape == (CONFIGS[config].split_k, rows, 96)
+    _close(parts.sum(0), want, 1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [3, 33])
+@pytest.mark.parametrize("name", ["gptq-act-order-g64", "awq-g64"])
+def test_half_precision(name: str, rows: int, dtype: torch.dtype) -> None:
+    """x in fp16 / bf16: the kernel rounds each dequantized weight once to x's dtype for tl.dot
+    and the fp32 sum once to the output, so against float64 with the weights so rounded: two
+    ulps of the output's scale (fp16 2^-10, bf16 2^-7)."""
+    layer, exact, bias = _layer(name)
+    x = torch.randn(rows, SPEC.in_features, generator=torch.Generator().manual_seed(7)).to(dtype)
+    want = x.double() @ exact.to(dtype).double().t() + bias.to(dtype).double()
+    got = w4a16_linear(x, *_args(layer), bias=layer.bias.to(dtype), config=CONFIGS["gemv-split3"])
+    assert got.dtype == dtype
+    _close(got, want, 2.0**-10 if dtype == torch.float16 else 2.0**-7)
+
+
+@interpreted
+def test_picked_configs_run() -> None:
+    """The default configs (block_k lowered to the group): a GEMV with a K split, a GEMM."""
+    fmt = W4Format("gptq", 32, True, 1)
+    spec = LinearSpec("a.b", 1024, (64,))
+    layer, exact, _ = loaded(fmt, spec, seed=2)
+    # 2 rows split K (one column block for 8 SMs); at 20 rows the fp32 partials would cost
+    # more than a quarter of the weight's bytes (split * rows <= K / 64), so no split
+    assert pick_config(2, 64, 1024, num_sms=8).split_k == 2  # 4 BLOCK_K steps a split
+    assert pick_config(20, 64, 1024, num_sms=8).split_k == 1
+    for rows in (2, 20):
+        x = torch.randn(rows, 1024)
+        got = w4a16_linear(x, *_args(layer), config=pick_config(rows, 64, 1024, num_sms=8))
+        _close(got, x.double() @ exact.double().t(), 1e-5)
+
+
+def test_bad_inputs_are_refused() -> None:
+    layer, _, _ = _layer("awq-g64")
+    with pytest.raises(ValueError, match="x must be"):
+        w4a16_linear(torch.randn(2, 256).t(), *_args(layer))
+    with pytest.raises(ValueError, match=r"qweight must be int32 \[16, N\]"):
+        w4a16_linear(torch.randn(2, 128), *_args(layer))
+
+
+@interpreted
+def test_the_layer_reaches_the_kernel_on_cuda(monkeypatch) -> None:
+    """W4A16Linear's forward, forward_parts and forward_split call the kernel where x is on a
+    CUDA device (here: the interpreter, with is_cuda faked) and give the reference's result."""
+    import inferx_quant.w4a16 as w4
+
+    layer, exact, bias = _layer("gptq-act-order-g64")
+    x = torch.randn(4, 256)
+    want = x.double() @ exact.double().t() + bias.double()
+    calls = []
+
+    def kernels(x):
+        calls.append(x.shape)
+        from inferx_kernels_cuda import w4a16
+
+        return w4a16
+
+    monkeypatch.setattr(layer, "_kernels", kernels)
+    _close(layer(x), want, 1e-5)
+    _close(layer.forward_parts(x).sum(0), want, 1e-5)
+    parts, b = layer.forward_split(x)
+    _close(parts.sum(0) + b, want, 1e-5)
+    assert len(calls) == 3
+    assert w4._cuda_kernels() is not None  # triton is installed here
+
+
+# (N, K) of Llama-3.1-8B's decode GEMMs: fused QKV, o_proj, fused gate_up, down_proj.
+LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+def random_weights(n: int, k: int, group: int, act_order: bool, device: torch.device):
+    """Random kernel operands of an [N, K] layer (random words, scales about 2^-7, zeros in
+    0..15, a random perm for act-order) -> (args for w4a16_linear, the exact fp32 [N, K])."""
+    from inferx_quant.w4a16 import unpack_rows
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    info = torch.iinfo(torch.int32)
+    qweight = torch.randint(info.min, info.max, (k // 8, n), generator=gen, device=device)
+    qweight = qweight.to(torch.int32)
+    scales = (torch.rand(k // group, n, generator=gen, device=device) * 2**-6).half()
+    zeros = torch.randint(0, 16, (k // group, n), generator=gen, device=device).to(torch.uint8)
+    perm = None
+    if act_order:
+        perm = torch.randperm(k, generator=gen, device=device).to(torch.int32)
+    rows = torch.arange(k, device=device) // group
+    w = (unpack_rows(qweight).float() - zeros.float()[rows]) * scales.float()[rows]
+    if perm is not None:
+        w = torch.empty_like(w).index_copy_(0, perm.long(), w)
+    return (qweight, scales, zeros, group, perm), w.t()
+
+
+@interpreted
+def test_random_weights_are_the_layers_own() -> None:
+    """random_weights' exact weight is the one W4A16Linear.dequantized_weight reads."""
+    args, exact = random_weights(24, 128, 32, True, torch.device("cpu"))
+    x = torch.randn(3, 128)
+    _close(w4a16_linear(x, *args, config=CONFIGS["gemv"]), x.double() @ exact.double().t(), 1e-5)
+
+
+# (N, K) of Llama-3.1-8B's decode GEMMs: fused QKV, o_proj, fused gate_up, down_proj.
+LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4, 16, 64, 256])
+@pytest.mark.parametrize("shape", LLAMA_8B)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_model_shapes_on_the_gpu(shape: tuple[int, int], rows: int, act_order: bool) -> None:
+    """bf16 at the 8B shapes, group 128: within 2^-7 of the output's scale of float64 over the
+    weights rounded to bf16 (the kernel's one rounding of each weight); the partials, each
+    rounded to bf16, within 2^-6."""
+    n, k = shape
+    args, exact = random_weights(n, k, 128, act_order, torch.device("cuda"))
+    x = torch.randn(rows, k, device="cuda").bfloat16()
+    want = x.double() @ exact.bfloat16().double().t()
+    _close(w4a16_linear(x, *args), want, 2.0**-7)
+    _close(w4a16_linear_parts(x, *args).float().sum(0), want, 2.0**-6)
