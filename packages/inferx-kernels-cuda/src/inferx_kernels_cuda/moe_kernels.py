@@ -11,6 +11,7 @@ docs/ARCHITECTURE.md's "Mixture of experts".
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -337,14 +338,25 @@ ACT_NONE, ACT_SILU, ACT_SWIGLU_OAI = 0, 1, 2
 
 
 @triton.jit
-def _mxfp4_half(blocks_ptrs, scale_ptrs, mask):
-    """Half a tile of MXFP4 weights: the bytes at blocks_ptrs -> (even elements, odd elements)
-    in float32, each times 2 ** (its e8m0 scale - 127). An e2m1 code's bits put in an fp16's
-    (sign to bit 15, exponent and mantissa to bits 11..9) make that fp16 2 ** -14 times the
-    e2m1 value, subnormals included; the 2 ** 14 goes into the scale."""
+def _mxfp4_half(
+    blocks_ptrs,
+    scale_ptrs,
+    mask,
+    scale_mask,
+    HALF: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """A [2 * HALF, BLOCK_N] tile of MXFP4 weights as its (even, odd) rows, [HALF, BLOCK_N]
+    each in float32: the bytes at blocks_ptrs [HALF, BLOCK_N] (low nibble even), each times
+    2 ** (its e8m0 scale - 127), the GROUPS scales at scale_ptrs [GROUPS, BLOCK_N] covering 16
+    bytes each. An e2m1 code's bits put in an fp16's (sign to bit 15, exponent and mantissa to
+    bits 11..9) make that fp16 2 ** -14 times the e2m1 value, subnormals included; the 2 ** 14
+    goes into the scale."""
     packed = tl.load(blocks_ptrs, mask=mask, other=0).to(tl.int32)
-    scale_bits = tl.load(scale_ptrs, mask=mask, other=0).to(tl.int32)
+    scale_bits = tl.load(scale_ptrs, mask=scale_mask, other=0).to(tl.int32)
     scale = (scale_bits << 23).to(tl.float32, bitcast=True) * 16384.0
+    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (GROUPS, 16, BLOCK_N)), (HALF, BLOCK_N))
     low = packed & 15
     high = packed >> 4
     low_bits = ((low & 7) << 9) | ((low & 8) << 12)
@@ -424,33 +436,40 @@ def moe_gemm_kernel(
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if MXFP4:
         HALF: tl.constexpr = BLOCK_K // 2
+        GROUPS: tl.constexpr = BLOCK_K // 32
+        kr = tl.arange(0, BLOCK_K)
         kk = tl.arange(0, HALF)
+        kg = tl.arange(0, GROUPS)
         s_base = scale_ptr + expert * stride_se
+        rows_gate = rows_g[None, :].to(tl.int64)
+        rows_up = (rows_g + up_offset)[None, :].to(tl.int64)
         for k0 in range(0, k_in, BLOCK_K):
-            k_ok = (k0 // 2 + kk) < k_in // 2
-            a_ptrs = a_ptr + a_rows[:, None] + (k0 + 2 * kk)[None, :]
-            a_mask = row_ok[:, None] & k_ok[None, :]
-            a_even = tl.load(a_ptrs, mask=a_mask, other=0.0)
-            a_odd = tl.load(a_ptrs + 1, mask=a_mask, other=0.0)
-            w_mask = k_ok[:, None] & col_ok[None, :]
-            byte_off = (k0 // 2 + kk)[:, None]
-            scale_off = (k0 // 32 + kk // 16)[:, None]
-            even, odd = _mxfp4_half(
-                w_base + rows_g[None, :].to(tl.int64) * stride_wn + byte_off,
-                s_base + rows_g[None, :].to(tl.int64) * stride_sn + scale_off,
-                w_mask,
+            # the activations' even and odd columns, to meet the low and high nibbles
+            a = tl.load(
+                a_ptr + a_rows[:, None] + (k0 + kr)[None, :],
+                mask=row_ok[:, None] & ((k0 + kr) < k_in)[None, :],
+                other=0.0,
             )
-            acc = _dot(a_even, even.to(a_even.dtype), acc, DOT_FP32)
-            acc = _dot(a_odd, odd.to(a_odd.dtype), acc, DOT_FP32)
+            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, HALF, 2)))
+            w_mask = ((k0 // 2 + kk) < k_in // 2)[:, None] & col_ok[None, :]
+            s_mask = ((k0 // 32 + kg) < k_in // 32)[:, None] & col_ok[None, :]
+            byte_off = (k0 // 2 + kk)[:, None]
+            scale_off = (k0 // 32 + kg)[:, None]
+            even, odd = _mxfp4_half(
+                w_base + rows_gate * stride_wn + byte_off,
+                s_base + rows_gate * stride_sn + scale_off,
+                w_mask, s_mask, HALF, GROUPS, BLOCK_N,
+            )  # fmt: skip
+            acc = _dot(a_even, even.to(a.dtype), acc, DOT_FP32)
+            acc = _dot(a_odd, odd.to(a.dtype), acc, DOT_FP32)
             if gated:
-                rows_u = (rows_g + up_offset)[None, :].to(tl.int64)
                 even, odd = _mxfp4_half(
-                    w_base + rows_u * stride_wn + byte_off,
-                    s_base + rows_u * stride_sn + scale_off,
-                    w_mask,
-                )
-                acc_up = _dot(a_even, even.to(a_even.dtype), acc_up, DOT_FP32)
-                acc_up = _dot(a_odd, odd.to(a_odd.dtype), acc_up, DOT_FP32)
+                    w_base + rows_up * stride_wn + byte_off,
+                    s_base + rows_up * stride_sn + scale_off,
+                    w_mask, s_mask, HALF, GROUPS, BLOCK_N,
+                )  # fmt: skip
+                acc_up = _dot(a_even, even.to(a.dtype), acc_up, DOT_FP32)
+                acc_up = _dot(a_odd, odd.to(a.dtype), acc_up, DOT_FP32)
     else:
         kr = tl.arange(0, BLOCK_K)
         for k0 in range(0, k_in, BLOCK_K):
@@ -519,17 +538,37 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def gemm_configs(num_pairs: int, fmt: str) -> tuple[GemmConfig, GemmConfig]:
-    """(gate_up's, down's) tiles by the step's pair count: 16-row tiles while the pairs are
-    few (decode: the GEMMs read weights, and a tile's rows are one expert's tokens), 64 once
-    most experts get a tile's worth (prefill: the GEMMs compute). Small tiles under the
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _decode_block_n(tiles: int, n_out: int, num_sms: int) -> int:
+    """The widest of 64, 32, 16 output columns a program that still gives every SM two
+    programs (a decode GEMM reads weights: idle SMs are idle bandwidth)."""
+    for block_n in (64, 32):
+        if tiles * triton.cdiv(n_out, block_n) >= 2 * num_sms:
+            return block_n
+    return 16
+
+
+def gemm_configs(
+    num_pairs: int, num_experts: int, n: int, hidden: int, fmt: str, num_sms: int
+) -> tuple[GemmConfig, GemmConfig]:
+    """(gate_up's, down's) tiles for a step of num_pairs pairs over experts of intermediate
+    size n. Up to 16 pairs an expert on average, 16-row tiles (a decode step reads weights;
+    a tile is mostly one expert's few tokens) and output columns narrow enough to spread the
+    tiles over the SMs; above, 64-row tiles (a prefill computes). Small tiles under the
     interpreter."""
+    mxfp4 = fmt == "mxfp4"
     if _interpreting():
-        small = GemmConfig(16, 32, 32 if fmt == "mxfp4" else 16, 4, 1)
+        small = GemmConfig(16, 32, 32 if mxfp4 else 16, 4, 1)
         return small, small
-    if num_pairs <= 256:
-        gate_up = GemmConfig(16, 64, 128, 4, 4)
-        down = GemmConfig(16, 64, 128, 4, 4)
+    if num_pairs <= 16 * num_experts:
+        tiles = min(num_pairs, num_experts)  # tiles holding pairs, about
+        block_k = 256 if mxfp4 else 128
+        gate_up = GemmConfig(16, _decode_block_n(tiles, n, num_sms), block_k, 4, 4)
+        down = GemmConfig(16, _decode_block_n(tiles, hidden, num_sms), block_k, 4, 4)
     else:
         gate_up = GemmConfig(64, 64, 64, 4, 3)
         down = GemmConfig(64, 128, 64, 8, 3)
@@ -578,7 +617,10 @@ def fused_experts(
         return out
     num_pairs = t * k
     mxfp4 = w.format == "mxfp4"
-    gate_up_cfg, down_cfg = configs or gemm_configs(num_pairs, w.format)
+    if configs is None:
+        sms = 132 if _interpreting() else _num_sms(x.device)
+        configs = gemm_configs(num_pairs, e, n, hidden, w.format, sms)
+    gate_up_cfg, down_cfg = configs
     if gate_up_cfg.block_m != down_cfg.block_m:
         raise ValueError("fused_experts: gate_up and down tiles must share block_m")
     grouping = group_by_expert(topk_ids, e, gate_up_cfg.block_m)
