@@ -10,8 +10,9 @@ python benchmarks/moe_layer.py --smoke     # tiny shapes on the CPU, under TRITO
 
 `--layers` distinct layers run back to back per timed step, so that the weights of one step
 outlast the L2 cache (a decode step reads every layer once, as a model does); times are per
-layer. The floor counts the router, each expert that some token picked (weights, scales,
-biases, once), the input and the output.
+layer. "atomic": the Triton path with the top-k sum by atomics in the down GEMM
+(TritonOps.moe_atomic_sum), in a graph. The floor counts the router, each expert that some
+token picked (weights, scales, biases, once), the input and the output.
 """
 
 from __future__ import annotations
@@ -112,7 +113,9 @@ def bench(shape: str, tokens: int, args, device: torch.device) -> dict:
     hidden = SHAPES[shape][0]
     row: dict = {"shape": shape, "tokens": tokens}
     x = torch.randn(tokens, hidden, device=device, dtype=dtype)
-    for name, ops in (("triton", TritonOps()), ("torch", TorchOps())):
+    atomic = TritonOps()
+    atomic.moe_atomic_sum = True
+    for name, ops in (("triton", TritonOps()), ("atomic", atomic), ("torch", TorchOps())):
         layers = [build(shape, ops, device, dtype, seed) for seed in range(args.layers)]
 
         def step(layers=layers) -> None:
@@ -128,9 +131,11 @@ def bench(shape: str, tokens: int, args, device: torch.device) -> dict:
                 torch.cuda.current_stream().wait_stream(s)
             else:
                 step()
-            modes = [("graph", True), ("eager", False)] if name == "triton" else [("eager", False)]
-            if device.type != "cuda":
-                modes = [("eager", False)]
+            modes = [("eager", False)]
+            if device.type == "cuda":
+                modes = {"triton": [("graph", True), *modes], "atomic": [("graph", True)]}.get(
+                    name, modes
+                )
             for mode, graph in modes:
                 sec = time_calls(step, device, graph, args.iters) / args.layers
                 row[f"{name}_{mode}_us"] = sec * 1e6
@@ -228,15 +233,16 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (interpreter)"
     print(f"MoE layer, {name}, floor at {args.bandwidth / 1e12:.2f} TB/s, per layer")
     head = f"{'shape':<18}{'tokens':>7}{'floor us':>10}{'graph us':>10}{'eager us':>10}"
-    print(head + f"{'torch us':>10}{'of floor':>10}")
+    print(head + f"{'atomic us':>10}{'torch us':>10}{'of floor':>10}")
     for shape in args.shapes.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):
             r = bench(shape, tokens, args, device)
             rows.append(r)
             graph = f"{r['triton_graph_us']:>10.1f}" if "triton_graph_us" in r else f"{'-':>10}"
+            key = "atomic_graph_us" if "atomic_graph_us" in r else "atomic_eager_us"
             print(
                 f"{shape:<18}{tokens:>7}{r['floor_us']:>10.1f}{graph}{r['triton_eager_us']:>10.1f}"
-                f"{r['torch_eager_us']:>10.1f}{r['of_floor']:>10.0%}"
+                f"{r[key]:>10.1f}{r['torch_eager_us']:>10.1f}{r['of_floor']:>10.0%}"
             )
     if args.json:
         with open(args.json, "w") as f:

@@ -191,7 +191,7 @@ def mxfp4_experts(spec: ExpertsSpec, dtype: torch.dtype, seed: int) -> Mxfp4Expe
     return experts
 
 
-def check_experts(experts, fmt, spec, dtype, tokens, k, seed, ids=None):
+def check_experts(experts, fmt, spec, dtype, tokens, k, seed, ids=None, atomic_sum=False):
     x = torch.randn(tokens, spec.hidden_size, generator=gen(seed)).to(dtype)
     weights, routed = random_routing(tokens, spec.num_experts, k, seed + 1)
     ids = routed if ids is None else ids
@@ -203,7 +203,7 @@ def check_experts(experts, fmt, spec, dtype, tokens, k, seed, ids=None):
     else:
         gate_up, down = w.gate_up, w.down
     want = reference_experts(x, weights, ids, gate_up, w.gate_up_bias, down, w.down_bias, spec)
-    got = fused_experts(x, weights, ids, w, spec)
+    got = fused_experts(x, weights, ids, w, spec, atomic_sum=atomic_sum)
     assert got.shape == x.shape and got.dtype == dtype
     assert rel(got, want) < TOL[dtype]
     return want
@@ -248,6 +248,15 @@ def test_grouped_gemm_skewed_routing(fmt):
     ids = torch.stack([torch.full((tokens,), 2), torch.arange(tokens) % 2 * 3], dim=1)
     experts = (dense_experts if fmt == "dense" else mxfp4_experts)(spec, torch.float32, 14)
     check_experts(experts, fmt, spec, torch.float32, tokens, 2, seed=15, ids=ids)
+
+
+@interpreted
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
+def test_grouped_gemm_atomic_sum(fmt):
+    """The top-k sum by atomics in the down GEMM, instead of the sum kernel."""
+    spec = SPECS["gpt-oss"]
+    experts = (dense_experts if fmt == "dense" else mxfp4_experts)(spec, torch.float16, 17)
+    check_experts(experts, fmt, spec, torch.float16, 10, 3, seed=18, atomic_sum=True)
 
 
 @interpreted

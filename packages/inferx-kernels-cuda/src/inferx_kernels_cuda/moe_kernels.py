@@ -403,6 +403,7 @@ def moe_gemm_kernel(
     MXFP4: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     WEIGHTED: tl.constexpr,
+    ATOMIC_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -413,9 +414,10 @@ def moe_gemm_kernel(
     a[p // A_ROW_DIV] (A_ROW_DIV = top_k: the token's hidden state; 1: the pair's own row) and
     its output row out[p]. With ACT, output column j takes weight rows j * GATE_STRIDE (gate)
     and that + up_offset (up), bias added to each, and stores the activation of the two in
-    fp32; without, row j. WEIGHTED: times the pair's routing weight. MXFP4: w holds uint8 pairs
-    of e2m1 ([rows, K / 2]) and scale the e8m0 exponents ([rows, K / 32]); BLOCK_K a multiple
-    of 32."""
+    fp32; without, row j. WEIGHTED: times the pair's routing weight. ATOMIC_K > 0: added
+    atomically to out[p // ATOMIC_K] (float32) instead, the top-k sum in place. MXFP4: w holds
+    uint8 pairs of e2m1 ([rows, K / 2]) and scale the e8m0 exponents ([rows, K / 32]); BLOCK_K
+    a multiple of 32."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(n_out, BLOCK_N)
     pid_m = pid // num_n
@@ -506,8 +508,13 @@ def moe_gemm_kernel(
         acc = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
     if WEIGHTED:
         acc *= tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
-    out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_out + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    if ATOMIC_K:
+        out_ptrs = out_ptr + (pair // ATOMIC_K)[:, None].to(tl.int64) * stride_out + cols[None, :]
+        tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
+    else:
+        out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_out + cols[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -599,11 +606,14 @@ def fused_experts(
     w: ExpertWeights,
     spec: ExpertsSpec,
     configs: tuple[GemmConfig, GemmConfig] | None = None,
+    atomic_sum: bool = False,
 ) -> torch.Tensor:
     """QuantExperts.forward on the device: x [T, H], topk_weights [T, k] float32, topk_ids
     [T, k] -> sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), [T, H] in x's dtype.
-    Five launches at most (group, gate_up, down, sum; one more grouping pass for many pairs),
-    with no host synchronisation."""
+    Four launches (group, gate_up, down, sum; two more grouping passes for many pairs), with no
+    host synchronisation. atomic_sum: down adds each pair's output into a float32 [T, H]
+    (zeroed first, cast after) with atomics instead of writing [T * k, H] for the sum kernel:
+    fewer bytes, in an order that varies from run to run."""
     check_weights(w, spec, x)
     t, hidden = x.shape
     k = topk_ids.shape[1]
@@ -627,7 +637,10 @@ def fused_experts(
     dot_fp32 = x.dtype == torch.float32 or (_interpreting() and x.dtype == torch.bfloat16)
     silu = spec.activation == "silu"
     inter = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
-    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    if atomic_sum:
+        y = torch.zeros(t, hidden, dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     for cfg, weights, scales, bias, a, dest, n_out, k_in, gated in (
         (gate_up_cfg, w.gate_up, w.gate_up_scales, w.gate_up_bias, x, inter, n, hidden, True),
         (down_cfg, w.down, w.down_scales, w.down_bias, inter, y, hidden, n, False),
@@ -645,10 +658,13 @@ def fused_experts(
             A_ROW_DIV=k if gated else 1,
             ACT=(ACT_SILU if silu else ACT_SWIGLU_OAI) if gated else ACT_NONE,
             GATE_STRIDE=1 if silu or not gated else 2,
-            MXFP4=mxfp4, HAS_BIAS=bias is not None, WEIGHTED=not gated, DOT_FP32=dot_fp32,
+            MXFP4=mxfp4, HAS_BIAS=bias is not None, WEIGHTED=not gated,
+            ATOMIC_K=k if atomic_sum and not gated else 0, DOT_FP32=dot_fp32,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
+    if atomic_sum:
+        return y.to(x.dtype)
     block = min(1024, triton.next_power_of_2(hidden))
     moe_sum_kernel[(t, triton.cdiv(hidden, block))](
         y, out, hidden, TOP_K=k, BLOCK=block, num_warps=4

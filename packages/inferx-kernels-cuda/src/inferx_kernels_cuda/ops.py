@@ -157,6 +157,10 @@ class TritonOps(KernelOps):
         # instead of F.embedding, whose index_select was slower in the decode graph
         # (weight[ids], the index kernel, was level).
         self.embed_triton = True
+        # moe_atomic_sum: the MoE layer's top-k sum by float32 atomics inside the down GEMM
+        # instead of the sum kernel (moe_kernels.fused_experts); off: the sum kernel's fixed
+        # order gives the same bits on every run, atomics do not.
+        self.moe_atomic_sum = False
 
     def embedding(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if not (
@@ -451,7 +455,9 @@ class TritonOps(KernelOps):
         weights = experts.expert_weights()
         if weights is None or x.dim() != 2 or not (x.is_cuda or self._interpret):
             return super().moe_experts(experts, x, topk_weights, topk_ids)
-        return fused_experts(x, topk_weights, topk_ids, weights, experts.spec)
+        return fused_experts(
+            x, topk_weights, topk_ids, weights, experts.spec, atomic_sum=self.moe_atomic_sum
+        )
 
     def rotary(
         self,
