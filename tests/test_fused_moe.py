@@ -327,6 +327,28 @@ def test_layer_matches_torch_ops(kind):
     assert rel(got, want) < 2e-5
 
 
+@interpreted
+def test_tensor_parallel_slices_sum_to_the_whole():
+    """Each rank's experts (a slice of the intermediate size, the down bias on rank 0) through
+    the fused kernels add up to the whole layer's."""
+    spec = SPECS["gpt-oss"]
+    whole = dense_experts(spec, torch.float32, 25)
+    x = torch.randn(7, spec.hidden_size, generator=gen(26))
+    weights, ids = random_routing(7, spec.num_experts, 2, 27)
+    total = torch.zeros_like(x)
+    for rank in range(2):
+        part = UnquantizedExperts(
+            spec, torch.float32, CPU, ParallelContext(rank, 2, group=object())
+        )
+        part.load("gate_up.weight", whole.gate_up.data)
+        part.load("gate_up.bias", whole.gate_up_bias.data)
+        part.load("down.weight", whole.down.data)
+        part.load("down.bias", whole.down_bias.data)
+        total += fused_experts(x, weights, ids, part.expert_weights(), spec)
+    want = fused_experts(x, weights, ids, whole.expert_weights(), spec)
+    assert rel(total, want) < 2e-5
+
+
 class OwnForward(UnquantizedExperts):
     """Experts that keep their tensors to themselves: the fused path must call forward."""
 
@@ -482,3 +504,38 @@ def test_gpu_tiny_model_with_graphs_matches_torch_path(arch, tmp_path):
         torch.cuda.empty_cache()
     for ref, ours in zip(*runs, strict=True):
         gc.check_close(ours, ref, arch)
+
+
+def tiny_moe_config(arch: str) -> dict:
+    """The tiny Qwen3-MoE (layers 0 and 2 routed, 8 experts, top-2) and gpt-oss (4 experts,
+    top-2, sliding and full layers with sinks) configs of test_qwen3 and test_gptoss."""
+    if arch == "qwen3-moe":
+        from test_qwen3 import hf_config
+
+        return hf_config("qwen3-moe").to_dict() | {"architectures": ["Qwen3MoeForCausalLM"]}
+    from test_gptoss import hf_model
+
+    return hf_model().config.to_dict() | {"architectures": ["GptOssForCausalLM"]}
+
+
+@interpreted
+@pytest.mark.parametrize("arch", ["qwen3-moe", "gpt-oss"])
+def test_tiny_moe_model_logits_match_torch_ops(arch, monkeypatch):
+    """The whole model with TritonOps (the MoE layers on the fused kernels) against TorchOps,
+    fp32, over test_kernel_ops' three steps (packed prefill, mixed, decode)."""
+    from test_kernel_ops import assert_steps_match_torch_ops, model_weights, run_model
+
+    import inferx_kernels_cuda.ops as ops_module
+
+    cfg = tiny_moe_config(arch)
+    weights = model_weights(cfg, seed=3)
+    calls = []
+
+    def counted(*args, **kw):
+        calls.append(args[0].shape[0])
+        return fused_experts(*args, **kw)
+
+    monkeypatch.setattr(ops_module, "fused_experts", counted)
+    ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU)
+    assert calls  # the MoE layers took the fused path
+    assert_steps_match_torch_ops(cfg, weights, ours)

@@ -24,7 +24,8 @@ from inferx_core.interfaces.moe import ExpertsSpec, ExpertWeights, RouterSpec
 # --- routing -------------------------------------------------------------------------------------
 
 
-@triton.jit
+# Per-step counts (tokens, pairs, tiles) are not specialised on: one compile serves every step.
+@triton.jit(do_not_specialize=["num_tokens"])
 def topk_softmax_kernel(
     logits_ptr,
     weights_ptr,
@@ -170,7 +171,7 @@ def _plan(
     return starts
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def align_one_kernel(
     ids_ptr,
     sorted_ptr,
@@ -202,7 +203,7 @@ def align_one_kernel(
         seen += chunk_counts
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def align_count_kernel(
     ids_ptr, chunk_counts_ptr, rank_ptr, num_pairs, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr
 ):
@@ -214,7 +215,7 @@ def align_count_kernel(
     tl.store(rank_ptr + i, rank, mask=i < num_pairs)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks", "num_pairs", "max_blocks"])
 def align_plan_kernel(
     chunk_counts_ptr,
     sorted_ptr,
@@ -247,7 +248,7 @@ def align_plan_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def align_scatter_kernel(
     ids_ptr,
     chunk_first_ptr,
@@ -373,7 +374,7 @@ def _dot(a, b, acc, DOT_FP32: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def moe_gemm_kernel(
     a_ptr,
     w_ptr,
