@@ -14,7 +14,12 @@ pytest.importorskip("triton", reason="the triton package is not installed")
 
 from conftest import interpreted, on_gpu  # noqa: E402
 
-from inferx_core.interfaces import BuildContext, ExpertsSpec, RouterSpec  # noqa: E402
+from inferx_core.interfaces import (  # noqa: E402
+    BuildContext,
+    ExpertsSpec,
+    ExpertWeights,
+    RouterSpec,
+)
 from inferx_core.moe import FusedMoE, UnquantizedExperts, route  # noqa: E402
 from inferx_core.ops_torch import TorchOps  # noqa: E402
 from inferx_core.parallel import ParallelContext  # noqa: E402
@@ -200,6 +205,9 @@ def check_experts(experts, fmt, spec, dtype, tokens, k, seed, ids=None, atomic_s
     if fmt == "mxfp4":
         gate_up = dequant_mxfp4(w.gate_up, w.gate_up_scales)
         down = dequant_mxfp4(w.down, w.down_scales)
+    elif fmt == "fp8":
+        gate_up = w.gate_up.float() * w.gate_up_scales[..., None]
+        down = w.down.float() * w.down_scales[..., None]
     else:
         gate_up, down = w.gate_up, w.down
     want = reference_experts(x, weights, ids, gate_up, w.gate_up_bias, down, w.down_bias, spec)
@@ -207,6 +215,29 @@ def check_experts(experts, fmt, spec, dtype, tokens, k, seed, ids=None, atomic_s
     assert got.shape == x.shape and got.dtype == dtype
     assert rel(got, want) < TOL[dtype]
     return want
+
+
+class Fp8Experts:
+    """Random experts quantized to FP8 e4m3 per output row, as ExpertWeights("fp8")."""
+
+    def __init__(self, spec: ExpertsSpec, dtype: torch.dtype, seed: int) -> None:
+        dense = dense_experts(spec, torch.float32, seed)
+        parts = {}
+        for name in ("gate_up", "down"):
+            weight = getattr(dense, name).data
+            scale = weight.abs().amax(-1) / 448.0
+            parts[name] = ((weight / scale[..., None]).to(torch.float8_e4m3fn), scale)
+        bias = {
+            name: None if b is None else b.data.to(dtype)
+            for name, b in (("gate_up", dense.gate_up_bias), ("down", dense.down_bias))
+        }
+        self.weights = ExpertWeights(
+            "fp8", parts["gate_up"][0], parts["down"][0], parts["gate_up"][1],
+            parts["down"][1], bias["gate_up"], bias["down"],
+        )  # fmt: skip
+
+    def expert_weights(self) -> ExpertWeights:
+        return self.weights
 
 
 SPECS = {
@@ -236,6 +267,16 @@ def test_grouped_gemm_dense(name, dtype):
 def test_grouped_gemm_mxfp4(name, dtype):
     spec = SPECS[name]
     check_experts(mxfp4_experts(spec, dtype, seed=12), "mxfp4", spec, dtype, 9, 3, seed=13)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_grouped_gemm_fp8(name, dtype):
+    """FP8 e4m3 weights with a float32 scale per output row, against their exact dequantized
+    values (weight-only: the activations stay in their dtype)."""
+    spec = SPECS[name]
+    check_experts(Fp8Experts(spec, dtype, seed=19), "fp8", spec, dtype, 9, 2, seed=20)
 
 
 @interpreted
@@ -406,6 +447,55 @@ def test_gpu_layer_matches_torch_ops(shape, tokens):
     # activation's output. A rare routing flip between near-equal logits changes a token's row.
     err = (got.float() - want.float()).abs().amax(1) / want.float().abs().amax(1)
     assert (err < 3e-2).float().mean() > 0.98, err.max()
+
+
+def gpu_expert_weights(fmt: str, spec: ExpertsSpec) -> ExpertWeights:
+    """Random experts of `spec` on the GPU as ExpertWeights of `fmt` (bf16 activations)."""
+    if fmt == "fp8":
+        w = Fp8Experts(spec, torch.bfloat16, seed=30).expert_weights()
+        tensors = (w.gate_up, w.down, w.gate_up_scales, w.down_scales, w.gate_up_bias, w.down_bias)
+        return ExpertWeights("fp8", *(None if t is None else t.to(GPU) for t in tensors))
+    experts = (mxfp4_experts if fmt == "mxfp4" else dense_experts)(spec, torch.bfloat16, 31)
+    return experts.to(GPU).expert_weights()
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("atomic_sum", [False, True])
+@pytest.mark.parametrize("tokens", [1, 64, 2048])
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4", "fp8"])
+@pytest.mark.parametrize("shape", ["gpt-oss-20b", "qwen3-30b-a3b"])
+def test_gpu_grouped_gemm_formats(shape, fmt, tokens, atomic_sum):
+    """The compiled kernels at the published shapes, bf16 activations, against float32 torch
+    on the exactly dequantized weights."""
+    from inferx_core.moe import expert_mlp, run_experts
+
+    kind, hidden, inter, experts, k = SHAPES[shape]
+    act, bias = ("swiglu_oai", True) if kind.startswith("gpt-oss") else ("silu", False)
+    spec = ExpertsSpec("mlp.experts", experts, hidden, inter, act, bias=bias)
+    w = gpu_expert_weights(fmt, spec)
+    if fmt == "mxfp4":
+        gate_up = dequant_mxfp4(w.gate_up, w.gate_up_scales)
+        down = dequant_mxfp4(w.down, w.down_scales)
+    elif fmt == "fp8":
+        gate_up = w.gate_up.float() * w.gate_up_scales[..., None]
+        down = w.down.float() * w.down_scales[..., None]
+    else:
+        gate_up, down = w.gate_up.float(), w.down.float()
+    x = torch.randn(tokens, hidden, device=GPU).to(torch.bfloat16)
+    logits = torch.randn(tokens, experts, device=GPU)
+    weights, ids = route(logits, RouterSpec(experts, k, renormalize=True))
+
+    def one(e: int, rows: torch.Tensor) -> torch.Tensor:
+        b13 = None if w.gate_up_bias is None else w.gate_up_bias[e].float()
+        b2 = None if w.down_bias is None else w.down_bias[e].float()
+        return expert_mlp(rows, gate_up[e], b13, down[e], b2, spec)
+
+    want = run_experts(x.float(), weights, ids, experts, one)
+    got = fused_experts(x, weights, ids, w, spec, atomic_sum=atomic_sum)
+    torch.cuda.synchronize()
+    # bf16: the activation between the GEMMs and each expert's output are rounded to bf16
+    assert rel(got, want) < 2e-2
 
 
 @on_gpu

@@ -1,7 +1,8 @@
 """Fused MoE on the GPU without a host synchronisation: top-k routing in one kernel, the token /
 expert pairs grouped by expert on the device, and a grouped GEMM over the experts (gate_up with
 its bias and activation in the epilogue, then down with its bias and the routing weight), over
-dense (bf16 / fp16 / fp32) or MXFP4 weights dequantized in registers, then each token's top-k
+dense (bf16 / fp16 / fp32), FP8 (per output channel) or MXFP4 weights dequantized in
+registers, then each token's top-k
 outputs summed in a fixed order.
 
 Every launch's grid depends only on the token count, which the host knows, so a step runs the
@@ -402,6 +403,7 @@ def moe_gemm_kernel(
     ACT: tl.constexpr,
     GATE_STRIDE: tl.constexpr,
     MXFP4: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     WEIGHTED: tl.constexpr,
     ATOMIC_K: tl.constexpr,
@@ -418,7 +420,8 @@ def moe_gemm_kernel(
     fp32; without, row j. WEIGHTED: times the pair's routing weight. ATOMIC_K > 0: added
     atomically to out[p // ATOMIC_K] (float32) instead, the top-k sum in place. MXFP4: w holds
     uint8 pairs of e2m1 ([rows, K / 2]) and scale the e8m0 exponents ([rows, K / 32]); BLOCK_K
-    a multiple of 32."""
+    a multiple of 32. ROW_SCALE: w is FP8 (or any narrower type), widened to the activations'
+    dtype in registers, and each output row scaled by scale[row] (float32) before the bias."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(n_out, BLOCK_N)
     pid_m = pid // num_n
@@ -488,13 +491,19 @@ def moe_gemm_kernel(
                 mask=w_mask,
                 other=0.0,
             )
-            acc = _dot(a, w, acc, DOT_FP32)
+            acc = _dot(a, w.to(a.dtype), acc, DOT_FP32)
             if gated:
                 rows_u = (rows_g + up_offset)[None, :].to(tl.int64)
                 w = tl.load(
                     w_base + rows_u * stride_wn + (k0 + kr)[:, None], mask=w_mask, other=0.0
                 )
-                acc_up = _dot(a, w, acc_up, DOT_FP32)
+                acc_up = _dot(a, w.to(a.dtype), acc_up, DOT_FP32)
+        if ROW_SCALE:
+            s_base = scale_ptr + expert * stride_se
+            acc *= tl.load(s_base + rows_g * stride_sn, mask=col_ok, other=0.0)[None, :]
+            if gated:
+                s_up = tl.load(s_base + (rows_g + up_offset) * stride_sn, mask=col_ok, other=0.0)
+                acc_up *= s_up[None, :]
     if HAS_BIAS:
         b_base = bias_ptr + expert * stride_be
         acc += tl.load(b_base + rows_g, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -585,15 +594,27 @@ def gemm_configs(
 
 def check_weights(w: ExpertWeights, spec: ExpertsSpec, x: torch.Tensor) -> None:
     """Refuse weights the kernels do not read, naming what is wrong."""
-    if w.format not in ("dense", "mxfp4"):
+    if w.format not in ("dense", "mxfp4", "fp8"):
         raise ValueError(f"{spec.prefix}: fused MoE has no {w.format!r} weights")
     if w.format == "dense" and (w.gate_up.dtype != x.dtype or w.down.dtype != x.dtype):
         raise ValueError(
             f"{spec.prefix}: dense expert weights are {w.gate_up.dtype} / {w.down.dtype}, the "
             f"activations {x.dtype}"
         )
-    if w.format == "mxfp4" and (w.gate_up_scales is None or w.down_scales is None):
-        raise ValueError(f"{spec.prefix}: MXFP4 expert weights need their scales")
+    if w.format != "dense" and (w.gate_up_scales is None or w.down_scales is None):
+        raise ValueError(f"{spec.prefix}: {w.format} expert weights need their scales")
+    if w.format == "fp8":
+        for name, t, s in (
+            ("gate_up", w.gate_up, w.gate_up_scales),
+            ("down", w.down, w.down_scales),
+        ):
+            assert s is not None
+            if t.dtype != torch.float8_e4m3fn or s.dtype != torch.float32 or s.shape != t.shape[:2]:
+                raise ValueError(
+                    f"{spec.prefix}: fp8 {name} must be float8_e4m3fn [E, rows, K] with float32 "
+                    f"scales [E, rows], got {t.dtype} {tuple(t.shape)} and {s.dtype} "
+                    f"{tuple(s.shape)}"
+                )
     for name, t in (("gate_up", w.gate_up), ("down", w.down)):
         inner = t.flatten(2) if w.format == "mxfp4" else t
         if inner.stride(-1) != 1:
@@ -659,7 +680,7 @@ def fused_experts(
             A_ROW_DIV=k if gated else 1,
             ACT=(ACT_SILU if silu else ACT_SWIGLU_OAI) if gated else ACT_NONE,
             GATE_STRIDE=1 if silu or not gated else 2,
-            MXFP4=mxfp4, HAS_BIAS=bias is not None, WEIGHTED=not gated,
+            MXFP4=mxfp4, ROW_SCALE=w.format == "fp8", HAS_BIAS=bias is not None, WEIGHTED=not gated,
             ATOMIC_K=k if atomic_sum and not gated else 0, DOT_FP32=dot_fp32,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,

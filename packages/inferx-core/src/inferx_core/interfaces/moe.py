@@ -85,11 +85,14 @@ class ExpertWeights:
     format "mxfp4": gate_up [E, 2n, H / 32, 16] and down [E, H, n / 32, 16] uint8 (two e2m1
     values a byte, the low nibble the even element) with e8m0 scales gate_up_scales
     [E, 2n, H / 32] and down_scales [E, H, n / 32] uint8 (value = e2m1 * 2^(scale - 127)).
+    format "fp8": gate_up [E, 2n, H] and down [E, H, n] float8_e4m3fn, scaled per output row by
+    gate_up_scales [E, 2n] and down_scales [E, H] float32 (weight-only: the activations stay in
+    their dtype).
     gate_up's rows are in the activation's layout (ExpertsSpec.activation); biases [E, 2n] /
     [E, H] in the activations' dtype, None where there are none (the down bias on rank 0 only).
     """
 
-    format: Literal["dense", "mxfp4"]
+    format: Literal["dense", "mxfp4", "fp8"]
     gate_up: torch.Tensor
     down: torch.Tensor
     gate_up_scales: torch.Tensor | None = None
