@@ -119,23 +119,30 @@ def check_grouping(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
     assert all(b == -1 for b in blocks[len(want_blocks) :])
 
 
+def grouping_path(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ "one": the one-program grouping in one chunk; "one-looped": over several chunks of 16
+    pairs; "three": the three-launch path of large steps, at sizes the interpreter runs
+    quickly (chunks of 16 pairs)."""
+    if path != "one":
+        monkeypatch.setattr(moe_kernels, "ALIGN_CHUNK_ENTRIES", 128)  # 16 pairs a chunk
+        monkeypatch.setattr(moe_kernels, "ALIGN_ONE_MAX_CHUNKS", 0 if path == "three" else 99)
+
+
 @interpreted
-@pytest.mark.parametrize("many", [False, True])
+@pytest.mark.parametrize("path", ["one", "one-looped", "three"])
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_grouping_by_expert(many, block_m, monkeypatch):
-    if many:  # the three-launch path of large steps, at a size the interpreter runs quickly
-        monkeypatch.setattr(moe_kernels, "ALIGN_ONE_MAX_PAIRS", 8)
+def test_grouping_by_expert(path, block_m, monkeypatch):
+    grouping_path(path, monkeypatch)
     for tokens, experts, k, seed in ((1, 8, 2, 0), (13, 8, 4, 1), (50, 6, 3, 2), (40, 32, 4, 3)):
         scores = torch.rand(tokens, experts, generator=gen(seed))
         check_grouping(scores.topk(k, dim=1).indices, experts, block_m)
 
 
 @interpreted
-@pytest.mark.parametrize("many", [False, True])
-def test_grouping_skewed(many, monkeypatch):
+@pytest.mark.parametrize("path", ["one", "one-looped", "three"])
+def test_grouping_skewed(path, monkeypatch):
     """Every token picks expert 5 (several tiles of it), experts 0-3 get nothing."""
-    if many:
-        monkeypatch.setattr(moe_kernels, "ALIGN_ONE_MAX_PAIRS", 8)
+    grouping_path(path, monkeypatch)
     tokens = 40
     ids = torch.stack([torch.full((tokens,), 5), 4 + torch.arange(tokens) % 2 * 2], dim=1)
     check_grouping(ids, 8, 16)

@@ -286,8 +286,11 @@ class Grouping:
         return self.block_expert.shape[0]
 
 
-# Pairs up to which one program groups them all (decode steps); above, three launches.
-ALIGN_ONE_MAX_PAIRS = 1024
+# Chunks of pairs up to which one program groups them all (a few decode tokens); above, three
+# launches, whose passes over the chunks run in parallel.
+ALIGN_ONE_MAX_CHUNKS = 2
+# One-hot entries (pairs x experts, padded to a power of two) of a chunk.
+ALIGN_CHUNK_ENTRIES = 8192
 
 
 def max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -308,10 +311,10 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> G
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     starts = torch.empty(num_experts, dtype=torch.int32, device=device)
-    chunk = max(16, min(1024, 8192 // block_e))
+    chunk = max(16, min(1024, ALIGN_CHUNK_ENTRIES // block_e))
     block_b = max(16, min(256, 8192 // block_e))
     common = {"BLOCK_M": block_m, "BLOCK_E": block_e, "BLOCK_B": block_b}
-    if num_pairs <= ALIGN_ONE_MAX_PAIRS:
+    if triton.cdiv(num_pairs, chunk) <= ALIGN_ONE_MAX_CHUNKS:
         align_one_kernel[(1,)](
             ids, sorted_ids, block_expert, num_padded, starts, num_pairs, num_experts, blocks,
             CHUNK=chunk, **common, num_warps=4,
