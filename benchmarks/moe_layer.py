@@ -6,6 +6,7 @@ bandwidth.
 python benchmarks/moe_layer.py [--shapes gpt-oss-20b,qwen3-30b-a3b] [--tokens 1,8,64,2048]
                                [--bandwidth 3.35e12] [--layers 8] [--json out.json]
 python benchmarks/moe_layer.py --sweep     # the grouped GEMMs alone over candidate tiles
+python benchmarks/moe_layer.py --profile   # each kernel's share of the Triton path (torch.profiler)
 python benchmarks/moe_layer.py --smoke     # tiny shapes on the CPU, under TRITON_INTERPRET=1
 
 `--layers` distinct layers run back to back per timed step, so that the weights of one step
@@ -205,6 +206,24 @@ def sweep(shape: str, tokens: int, args, device: torch.device) -> list[tuple[flo
     return results
 
 
+def profile(shape: str, tokens: int, args, device: torch.device) -> None:
+    """Each kernel's GPU time in eager calls of one layer of the Triton path."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    layer = build(shape, TritonOps(), device, torch.bfloat16, 0)
+    x = torch.randn(tokens, SHAPES[shape][0], device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer(x)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.iters):
+                layer(x)
+            torch.cuda.synchronize()
+    print(f"{shape} {tokens} tokens, {args.iters} calls:")
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=12))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--shapes", default="gpt-oss-20b,qwen3-30b-a3b")
@@ -214,11 +233,17 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, 1 and 8 tokens, CPU ok")
     ap.add_argument("--sweep", action="store_true", help="time candidate tiles (GPU only)")
+    ap.add_argument("--profile", action="store_true", help="kernel times (GPU only)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:
         args.shapes, args.tokens, args.layers, args.iters = "smoke-mxfp4,smoke-bf16", "1,8", 2, 1
+    if args.profile:
+        for shape in args.shapes.split(","):
+            for tokens in (int(t) for t in args.tokens.split(",")):
+                profile(shape, tokens, args, device)
+        return
     if args.sweep:
         for shape in args.shapes.split(","):
             for tokens in (int(t) for t in args.tokens.split(",")):
