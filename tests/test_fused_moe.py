@@ -7,6 +7,8 @@ models on the cuda executor."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -457,6 +459,7 @@ def test_kernels_compile_for_sm90():
 GPU = torch.device("cuda")
 
 
+@functools.cache  # one pair per shape for all the GPU tests: filling them takes seconds
 def gpu_layers(kind: str, hidden: int, inter: int, experts: int, k: int):
     torch_layer, triton_layer = layer_pair(
         kind, torch.bfloat16, GPU, hidden=hidden, inter=inter, experts=experts, k=k
@@ -507,6 +510,7 @@ def test_gpu_layer_matches_torch_ops(shape, tokens):
     assert err.max() < GPU_ROW_TOL, err.max()
 
 
+@functools.cache
 def gpu_expert_weights(fmt: str, spec: ExpertsSpec) -> ExpertWeights:
     """Random experts of `spec` on the GPU as ExpertWeights of `fmt` (bf16 activations)."""
     if fmt == "fp8":
