@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from inferx_core.interfaces.model import BuildContext
-from inferx_core.interfaces.moe import ExpertsSpec, QuantExperts, RouterSpec
+from inferx_core.interfaces.moe import ExpertsSpec, ExpertWeights, QuantExperts, RouterSpec
 from inferx_core.interfaces.quant import LinearSpec
 from inferx_core.parallel import SINGLE, ParallelContext
 
@@ -221,6 +221,15 @@ class UnquantizedExperts(QuantExperts):
                             f"checkpoint lacks {self.spec.prefix}.{e}.{part}_proj.{what}"
                         )
 
+    def expert_weights(self) -> ExpertWeights:
+        return ExpertWeights(
+            "dense",
+            self.gate_up,
+            self.down,
+            gate_up_bias=self.gate_up_bias,
+            down_bias=self.down_bias,
+        )
+
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         b13 = None if self.gate_up_bias is None else self.gate_up_bias[e]
         b2 = None if self.down_bias is None else self.down_bias[e]
@@ -239,7 +248,8 @@ class FusedMoE(torch.nn.Module):
     the scheme decides whether it is quantized (schemes usually leave routers alone: a flipped
     choice of expert changes a token's whole output). Its selection bias (RouterSpec's, float32)
     is the parameter `selection_bias`. The experts come from ctx.quant.experts; routing from
-    ctx.ops.route_experts, which a kernel package may fuse. `shared` (x -> [T, H]) returns this
+    ctx.ops.route_experts and the experts run through ctx.ops.moe_experts, both of which a kernel
+    package may fuse. `shared` (x -> [T, H]) returns this
     rank's partial sum like the experts do: the layer adds them and all-reduces once.
     """
 
@@ -269,7 +279,7 @@ class FusedMoE(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.ops.route_experts(self.gate(x), self.router, self.selection_bias)
-        out = self.experts(x, weights, ids)
+        out = self.ops.moe_experts(self.experts, x, weights, ids)
         if self.shared is not None:
             out = out + self.shared(x)
         if self.parallel.world_size > 1:

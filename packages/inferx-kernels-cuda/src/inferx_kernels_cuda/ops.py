@@ -10,11 +10,13 @@ import torch
 import triton
 
 from inferx_core.interfaces.attention import SplitAttention
+from inferx_core.interfaces.moe import QuantExperts, RouterSpec
 from inferx_core.interfaces.ops import KernelOps, check_parts
 from inferx_core.interfaces.quant import QuantLinear
 from inferx_core.quant_none import SPLIT_PARTS
 from inferx_kernels_cuda import fused_kernels as kernels
 from inferx_kernels_cuda.gemv import skinny_linear
+from inferx_kernels_cuda.moe_kernels import fusable_router, fused_experts, topk_softmax
 from inferx_kernels_cuda.pdl import (
     attention_early,
     between_launch,
@@ -155,6 +157,10 @@ class TritonOps(KernelOps):
         # instead of F.embedding, whose index_select was slower in the decode graph
         # (weight[ids], the index kernel, was level).
         self.embed_triton = True
+        # moe_atomic_sum: the MoE layer's top-k sum by float32 atomics inside the down GEMM
+        # instead of the sum kernel (moe_kernels.fused_experts); off: the sum kernel's fixed
+        # order gives the same bits on every run, atomics do not.
+        self.moe_atomic_sum = False
 
     def embedding(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if not (
@@ -426,6 +432,32 @@ class TritonOps(KernelOps):
             num_warps=1,
         )  # fmt: skip
         return out
+
+    def route_experts(
+        self, logits: torch.Tensor, spec: RouterSpec, selection_bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax routings (either order) in one topk_softmax launch; group-limited, sigmoid
+        and biased ones (DeepSeek) on the torch reference."""
+        if (logits.is_cuda or self._interpret) and fusable_router(spec, selection_bias):
+            return topk_softmax(logits, spec)
+        return super().route_experts(logits, spec, selection_bias)
+
+    def moe_experts(
+        self,
+        experts: QuantExperts,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """The routed experts as grouped Triton GEMMs (moe_kernels.fused_experts) where the
+        method hands out its tensors (QuantExperts.expert_weights); no host synchronisation, so
+        CUDA graphs capture it."""
+        weights = experts.expert_weights()
+        if weights is None or x.dim() != 2 or not (x.is_cuda or self._interpret):
+            return super().moe_experts(experts, x, topk_weights, topk_ids)
+        return fused_experts(
+            x, topk_weights, topk_ids, weights, experts.spec, atomic_sum=self.moe_atomic_sum
+        )
 
     def rotary(
         self,

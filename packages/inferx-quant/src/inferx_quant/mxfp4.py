@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from inferx_core.interfaces.moe import ExpertsSpec, QuantExperts
+from inferx_core.interfaces.moe import ExpertsSpec, ExpertWeights, QuantExperts
 from inferx_core.interfaces.quant import QuantConfig, QuantScheme
 from inferx_core.moe import UnquantizedExperts, expert_mlp, expert_rows, run_experts
 from inferx_core.parallel import SINGLE, ParallelContext
@@ -124,6 +124,17 @@ class Mxfp4Experts(QuantExperts):
                         f"checkpoint lacks {self.spec.prefix}.{part}_proj_{what} "
                         f"(expert {lacking[0]}{' and more' if len(lacking) > 1 else ''})"
                     )
+
+    def expert_weights(self) -> ExpertWeights:
+        return ExpertWeights(
+            "mxfp4",
+            self.gate_up_blocks,
+            self.down_blocks,
+            self.gate_up_scales,
+            self.down_scales,
+            self.gate_up_bias,
+            self.down_bias,
+        )
 
     def weight(self, part: str, e: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert e's gate_up or down weight dequantized to [out, in] in `dtype`."""

@@ -16,7 +16,7 @@ from inferx_core.interfaces.executor import (
 )
 from inferx_core.interfaces.kv import KVGroup, KVLayerSpec, KVManager, kv_groups
 from inferx_core.interfaces.model import BuildContext, Checkpoint, CheckpointFormat, ModelArch
-from inferx_core.interfaces.moe import ExpertsSpec, QuantExperts, RouterSpec
+from inferx_core.interfaces.moe import ExpertsSpec, ExpertWeights, QuantExperts, RouterSpec
 from inferx_core.interfaces.ops import KernelOps
 from inferx_core.interfaces.quant import LinearSpec, QuantConfig, QuantLinear, QuantScheme
 from inferx_core.interfaces.scheduler import (
@@ -39,6 +39,7 @@ __all__ = [
     "DoneStep",
     "Executor",
     "ExpertsSpec",
+    "ExpertWeights",
     "KVGroup",
     "KVLayerSpec",
     "KVManager",

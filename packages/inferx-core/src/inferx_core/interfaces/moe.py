@@ -76,6 +76,31 @@ class ExpertsSpec:
     limit: float = 7.0  # swiglu_oai
 
 
+@dataclass(frozen=True)
+class ExpertWeights:
+    """A layer's expert tensors as stored, for kernel packages that run the experts as one
+    grouped GEMM per projection (KernelOps.moe_experts). Shapes are this rank's.
+
+    format "dense": gate_up [E, 2n, H] and down [E, H, n] in the activations' dtype.
+    format "mxfp4": gate_up [E, 2n, H / 32, 16] and down [E, H, n / 32, 16] uint8 (two e2m1
+    values a byte, the low nibble the even element) with e8m0 scales gate_up_scales
+    [E, 2n, H / 32] and down_scales [E, H, n / 32] uint8 (value = e2m1 * 2^(scale - 127)).
+    format "fp8": gate_up [E, 2n, H] and down [E, H, n] float8_e4m3fn, scaled per output row by
+    gate_up_scales [E, 2n] and down_scales [E, H] float32 (weight-only: the activations stay in
+    their dtype).
+    gate_up's rows are in the activation's layout (ExpertsSpec.activation); biases [E, 2n] /
+    [E, H] in the activations' dtype, None where there are none (the down bias on rank 0 only).
+    """
+
+    format: Literal["dense", "mxfp4", "fp8"]
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_scales: torch.Tensor | None = None
+    down_scales: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+
+
 class QuantExperts(torch.nn.Module, ABC):
     """The routed experts of one MoE layer bound to their tensors, however the scheme stores
     them. Tensor-parallel ranks hold a slice of every expert's intermediate dimension (the
@@ -94,6 +119,11 @@ class QuantExperts(torch.nn.Module, ABC):
 
     def finish_loading(self) -> None:
         """Called once every tensor is loaded; raise ValueError naming a missing tensor."""
+
+    def expert_weights(self) -> ExpertWeights | None:
+        """The tensors in a layout fused kernels read (ExpertWeights), or None where the method
+        stores them otherwise: KernelOps.moe_experts then calls forward."""
+        return None
 
     @abstractmethod
     def forward(

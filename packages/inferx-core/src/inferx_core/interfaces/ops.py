@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from inferx_core.interfaces.attention import SplitAttention
-from inferx_core.interfaces.moe import RouterSpec
+from inferx_core.interfaces.moe import QuantExperts, RouterSpec
 
 
 class KernelOps(ABC):
@@ -102,6 +102,18 @@ class KernelOps(ABC):
         from inferx_core.moe import route
 
         return route(logits, spec, selection_bias)
+
+    def moe_experts(
+        self,
+        experts: QuantExperts,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """experts(x, topk_weights, topk_ids): a MoE layer's routed experts. A kernel package
+        may run them as grouped GEMMs where experts.expert_weights() hands out the tensors; a
+        method without them runs its own forward."""
+        return experts(x, topk_weights, topk_ids)
 
     @abstractmethod
     def rotary(

@@ -1,0 +1,278 @@
+"""The MoE layer alone (router + routed experts) at decode and prefill sizes: the Triton path
+(TritonOps: topk_softmax, grouping, grouped GEMMs) replayed in a CUDA graph and eagerly, against
+the torch path (TorchOps), and against the floor of the bytes the layer must read at the GPU's
+bandwidth.
+
+python benchmarks/moe_layer.py [--shapes gpt-oss-20b,qwen3-30b-a3b] [--tokens 1,8,64,2048]
+                               [--bandwidth 3.35e12] [--layers 8] [--json out.json]
+python benchmarks/moe_layer.py --sweep     # the grouped GEMMs alone over candidate tiles
+python benchmarks/moe_layer.py --profile   # each kernel's share of the Triton path (torch.profiler)
+python benchmarks/moe_layer.py --smoke     # tiny shapes on the CPU, under TRITON_INTERPRET=1
+
+`--layers` distinct layers run back to back per timed step, so that the weights of one step
+outlast the L2 cache (a decode step reads every layer once, as a model does); times are per
+layer. "atomic": the Triton path with the top-k sum by atomics in the down GEMM
+(TritonOps.moe_atomic_sum), in a graph. The floor counts the router, each expert that some
+token picked (weights, scales, biases, once), the input and the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+from inferx_core.interfaces import BuildContext, ExpertsSpec, RouterSpec  # noqa: E402
+from inferx_core.moe import FusedMoE  # noqa: E402
+from inferx_core.ops_torch import TorchOps  # noqa: E402
+from inferx_core.parallel import ParallelContext  # noqa: E402
+from inferx_core.quant_none import Unquantized  # noqa: E402
+from inferx_kernels_cuda.moe_kernels import GemmConfig, fused_experts  # noqa: E402
+from inferx_kernels_cuda.ops import TritonOps  # noqa: E402
+from inferx_quant.mxfp4 import Mxfp4  # noqa: E402
+
+# name: (hidden, intermediate, experts, top_k, format, activation, router bias, renormalize)
+SHAPES = {
+    "gpt-oss-20b": (2880, 2880, 32, 4, "mxfp4", "swiglu_oai", True, False),
+    "gpt-oss-20b-bf16": (2880, 2880, 32, 4, "bf16", "swiglu_oai", True, False),
+    "qwen3-30b-a3b": (2048, 768, 128, 8, "bf16", "silu", False, True),
+    "smoke-mxfp4": (64, 64, 4, 2, "mxfp4", "swiglu_oai", True, False),
+    "smoke-bf16": (64, 32, 8, 2, "bf16", "silu", False, True),
+}
+
+
+def build(shape: str, ops, device: torch.device, dtype: torch.dtype, seed: int) -> FusedMoE:
+    hidden, inter, experts, k, fmt, act, router_bias, renorm = SHAPES[shape]
+    gpt_oss = act == "swiglu_oai"
+    router = RouterSpec(experts, k, softmax_after_topk=gpt_oss, renormalize=renorm)
+    spec = ExpertsSpec("mlp.experts", experts, hidden, inter, act, bias=gpt_oss)
+    scheme = Mxfp4() if fmt == "mxfp4" else Unquantized()
+    ctx = BuildContext(dtype, device, None, scheme, ops, ParallelContext())
+    layer = FusedMoE(ctx, "mlp", hidden, router, spec, router_bias=router_bias)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.02)
+        for name, b in layer.named_buffers():
+            if name.endswith("blocks"):
+                b.random_(0, 256)
+            elif name.endswith("scales"):
+                b.random_(118, 123)
+    return layer
+
+
+def expert_bytes(layer: FusedMoE) -> int:
+    """One expert's tensors in bytes (weights, scales, biases)."""
+    e = layer.router.num_experts
+    return sum(t.numel() * t.element_size() for t in layer.experts.state_dict().values()) // e
+
+
+def floor_bytes(layer: FusedMoE, x: torch.Tensor) -> int:
+    """What one call must read and write: the router weight, each picked expert once, the
+    input and the output."""
+    with torch.no_grad():
+        _, ids = layer.ops.route_experts(layer.gate(x), layer.router, layer.selection_bias)
+    active = int(torch.unique(ids).numel())
+    router = sum(t.numel() * t.element_size() for t in layer.gate.state_dict().values())
+    return router + active * expert_bytes(layer) + 2 * x.numel() * x.element_size()
+
+
+def time_calls(fn, device: torch.device, graph: bool, iters: int) -> float:
+    """Seconds per call of fn() (already warmed up): CUDA events around `iters` graph replays
+    or eager calls; wall time on the CPU."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+    else:
+        run = fn
+    run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def bench(shape: str, tokens: int, args, device: torch.device) -> dict:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hidden = SHAPES[shape][0]
+    row: dict = {"shape": shape, "tokens": tokens}
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    atomic = TritonOps()
+    atomic.moe_atomic_sum = True
+    for name, ops in (("triton", TritonOps()), ("atomic", atomic), ("torch", TorchOps())):
+        layers = [build(shape, ops, device, dtype, seed) for seed in range(args.layers)]
+
+        def step(layers=layers) -> None:
+            for layer in layers:
+                layer(x)
+
+        with torch.no_grad():
+            if device.type == "cuda":
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    step()  # compile and warm up off the capture
+                torch.cuda.current_stream().wait_stream(s)
+            else:
+                step()
+            modes = [("eager", False)]
+            if device.type == "cuda":
+                modes = {"triton": [("graph", True), *modes], "atomic": [("graph", True)]}.get(
+                    name, modes
+                )
+            for mode, graph in modes:
+                sec = time_calls(step, device, graph, args.iters) / args.layers
+                row[f"{name}_{mode}_us"] = sec * 1e6
+        if name == "triton":
+            row["floor_bytes"] = sum(floor_bytes(layer, x) for layer in layers) / args.layers
+        del layers
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    row["floor_us"] = row["floor_bytes"] / args.bandwidth * 1e6
+    best = row.get("triton_graph_us", row["triton_eager_us"])
+    row["of_floor"] = row["floor_us"] / best
+    return row
+
+
+def candidates(decode: bool, mxfp4: bool) -> list[tuple[GemmConfig, GemmConfig]]:
+    """(gate_up, down) tiles to try: one shape for both GEMMs, or down twice as wide."""
+    out = []
+    if decode:
+        for bn in (16, 32, 64):
+            for bk in (64, 128, 256):
+                if mxfp4 or bk < 256:
+                    for stages in (3, 4):
+                        c = GemmConfig(16, bn, bk, 4, stages)
+                        out.append((c, c))
+    else:
+        for bm in (64, 128):
+            for bn in (64, 128):
+                for warps in (4, 8):
+                    c = GemmConfig(bm, bn, 64, warps, 3)
+                    out.append((c, c))
+                    if bn == 64:
+                        out.append((c, GemmConfig(bm, 128, 64, warps, 3)))
+    return out
+
+
+def sweep(shape: str, tokens: int, args, device: torch.device) -> list[tuple[float, tuple | None]]:
+    """The experts alone (routing fixed), per layer, under each candidate (None: the default
+    gemm_configs): fastest first."""
+    dtype = torch.bfloat16
+    layers = [build(shape, TritonOps(), device, dtype, seed) for seed in range(args.layers)]
+    x = torch.randn(tokens, SHAPES[shape][0], device=device, dtype=dtype)
+    with torch.no_grad():
+        routed = [
+            layer.ops.route_experts(layer.gate(x), layer.router, layer.selection_bias)
+            for layer in layers
+        ]
+    spec = layers[0].experts.spec
+    pairs = tokens * SHAPES[shape][3]
+    decode = pairs <= 16 * SHAPES[shape][2]
+    results = []
+    for cfg in [None, *candidates(decode, SHAPES[shape][4] == "mxfp4")]:
+
+        def step(cfg=cfg) -> None:
+            for layer, (w, ids) in zip(layers, routed, strict=True):
+                fused_experts(x, w, ids, layer.experts.expert_weights(), spec, configs=cfg)
+
+        try:
+            with torch.no_grad():
+                step()
+                torch.cuda.synchronize()
+                sec = time_calls(step, device, True, args.iters) / args.layers
+        except Exception as err:  # a tile that does not compile or fit: skip it, say so
+            print(f"  {cfg}: {type(err).__name__}")
+            continue
+        results.append((sec * 1e6, cfg))
+    results.sort(key=lambda r: r[0])
+    return results
+
+
+def profile(shape: str, tokens: int, args, device: torch.device) -> None:
+    """Each kernel's GPU time in eager calls of one layer of the Triton path."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    layer = build(shape, TritonOps(), device, torch.bfloat16, 0)
+    x = torch.randn(tokens, SHAPES[shape][0], device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer(x)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.iters):
+                layer(x)
+            torch.cuda.synchronize()
+    print(f"{shape} {tokens} tokens, {args.iters} calls:")
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=12))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--shapes", default="gpt-oss-20b,qwen3-30b-a3b")
+    ap.add_argument("--tokens", default="1,8,64,2048")
+    ap.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s (H100 SXM)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, 1 and 8 tokens, CPU ok")
+    ap.add_argument("--sweep", action="store_true", help="time candidate tiles (GPU only)")
+    ap.add_argument("--profile", action="store_true", help="kernel times (GPU only)")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.smoke:
+        args.shapes, args.tokens, args.layers, args.iters = "smoke-mxfp4,smoke-bf16", "1,8", 2, 1
+    if args.profile:
+        for shape in args.shapes.split(","):
+            for tokens in (int(t) for t in args.tokens.split(",")):
+                profile(shape, tokens, args, device)
+        return
+    if args.sweep:
+        for shape in args.shapes.split(","):
+            for tokens in (int(t) for t in args.tokens.split(",")):
+                results = sweep(shape, tokens, args, device)
+                print(f"{shape} {tokens} tokens: the experts alone, per layer, fastest first")
+                shown = results[:4] + [r for r in results[4:] if r[1] is None]
+                for us, cfg in shown:
+                    label = "default" if cfg is None else f"gate_up {cfg[0]}  down {cfg[1]}"
+                    print(f"  {us:8.1f} us  {label}")
+        return
+    rows = []
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (interpreter)"
+    print(f"MoE layer, {name}, floor at {args.bandwidth / 1e12:.2f} TB/s, per layer")
+    head = f"{'shape':<18}{'tokens':>7}{'floor us':>10}{'graph us':>10}{'eager us':>10}"
+    print(head + f"{'atomic us':>10}{'torch us':>10}{'of floor':>10}")
+    for shape in args.shapes.split(","):
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            r = bench(shape, tokens, args, device)
+            rows.append(r)
+            graph = f"{r['triton_graph_us']:>10.1f}" if "triton_graph_us" in r else f"{'-':>10}"
+            key = "atomic_graph_us" if "atomic_graph_us" in r else "atomic_eager_us"
+            print(
+                f"{shape:<18}{tokens:>7}{r['floor_us']:>10.1f}{graph}{r['triton_eager_us']:>10.1f}"
+                f"{r[key]:>10.1f}{r['torch_eager_us']:>10.1f}{r['of_floor']:>10.0%}"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": name, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,696 @@
+"""Fused MoE on the GPU without a host synchronisation: top-k routing in one kernel, the token /
+expert pairs grouped by expert on the device, and a grouped GEMM over the experts (gate_up with
+its bias and activation in the epilogue, then down with its bias and the routing weight) over
+dense (bf16 / fp16 / fp32), FP8 (per output channel) or MXFP4 weights dequantized in
+registers, then each token's top-k outputs summed in a fixed order.
+
+Every launch's grid depends only on the token count, which the host knows, so a step runs the
+same launches under CUDA-graph capture and replay. The design and its reasons are in
+docs/ARCHITECTURE.md's "Mixture of experts".
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from inferx_core.interfaces.moe import ExpertsSpec, ExpertWeights, RouterSpec
+
+# --- routing -------------------------------------------------------------------------------------
+
+
+# Per-step counts (tokens, pairs, tiles) are not specialised on: one compile serves every step.
+@triton.jit(do_not_specialize=["num_tokens"])
+def topk_softmax_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    stride_logits,
+    num_tokens,
+    num_experts,
+    scaling,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    SOFTMAX_ALL: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """BLOCK_T tokens a program, all experts in one tile. Picks the TOP_K largest logits (the
+    first index among equal ones), largest first; a pick's weight is exp(logit - max) over the
+    softmax's denominator: the sum over all experts (SOFTMAX_ALL: softmax, then top-k, not
+    renormalized) or over the picked ones (softmax after top-k, which equals softmax, top-k and
+    renormalize); then times `scaling`."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    kcols = tl.arange(0, K_PAD)
+    row_ok = rows < num_tokens
+    ptrs = logits_ptr + rows[:, None].to(tl.int64) * stride_logits + cols[None, :]
+    mask = row_ok[:, None] & (cols[None, :] < num_experts)
+    x = tl.load(ptrs, mask=mask, other=-float("inf")).to(tl.float32)
+    top = tl.where(row_ok, tl.max(x, axis=1), 0.0)
+    if SOFTMAX_ALL:
+        denom = tl.sum(tl.exp(x - top[:, None]), axis=1)
+    else:
+        denom = tl.zeros([BLOCK_T], dtype=tl.float32)
+    picked_w = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
+    picked_id = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        m = tl.max(x, axis=1)
+        idx = tl.min(tl.where(x == m[:, None], cols[None, :], BLOCK_E), axis=1)
+        # a NaN row matches nothing: keep its ids in range rather than index past the experts
+        idx = tl.minimum(idx, num_experts - 1)
+        w = tl.exp(tl.where(row_ok, m, 0.0) - top)
+        if not SOFTMAX_ALL:
+            denom += w
+        picked_w = tl.where(kcols[None, :] == j, w[:, None], picked_w)
+        picked_id = tl.where(kcols[None, :] == j, idx[:, None], picked_id)
+        x = tl.where(cols[None, :] == idx[:, None], -float("inf"), x)
+    picked_w = picked_w / tl.where(row_ok, denom, 1.0)[:, None] * scaling
+    out = rows[:, None].to(tl.int64) * TOP_K + kcols[None, :]
+    out_mask = row_ok[:, None] & (kcols[None, :] < TOP_K)
+    tl.store(weights_ptr + out, picked_w, mask=out_mask)
+    tl.store(ids_ptr + out, picked_id.to(tl.int64), mask=out_mask)
+
+
+def fusable_router(spec: RouterSpec, selection_bias: torch.Tensor | None) -> bool:
+    """Whether topk_softmax runs this routing: softmax scoring (either order), no expert groups
+    and no selection bias (DeepSeek's group-limited and biased routings stay on the torch one)."""
+    return (
+        spec.scoring == "softmax"
+        and spec.num_groups == 1
+        and not spec.selection_bias
+        and selection_bias is None
+    )
+
+
+def topk_softmax(logits: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """inferx_core.moe.route for a fusable_router spec in one launch: logits [T, E] ->
+    (topk_weights [T, k] float32, topk_ids [T, k] int64), largest weight first."""
+    if logits.dim() != 2 or logits.shape[1] != spec.num_experts:
+        raise ValueError(
+            f"topk_softmax: logits must be [tokens, {spec.num_experts}], got {tuple(logits.shape)}"
+        )
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    t, e, k = logits.shape[0], spec.num_experts, spec.top_k
+    weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, k, dtype=torch.int64, device=logits.device)
+    if t:
+        block_e = triton.next_power_of_2(e)
+        block_t = max(1, min(16, 4096 // block_e))
+        topk_softmax_kernel[(triton.cdiv(t, block_t),)](
+            logits, weights, ids, logits.stride(0), t, e, float(spec.scaling),
+            TOP_K=k, K_PAD=triton.next_power_of_2(k),
+            SOFTMAX_ALL=not (spec.softmax_after_topk or spec.renormalize),
+            BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4,
+        )  # fmt: skip
+    return weights, ids
+
+
+# --- grouping the (token, expert) pairs by expert ------------------------------------------------
+#
+# A pair is topk_ids' flat index i = token * top_k + j. sorted_ids lists the pairs expert by
+# expert, each expert's segment padded to a multiple of BLOCK_M with the sentinel num_pairs, so
+# that a BLOCK_M-row tile of it belongs to one expert (block_expert[tile]); num_padded is the
+# segments' total length. Tiles past it are never read (the GEMMs stop there), so nothing is
+# zeroed and no count reaches the host.
+
+
+@triton.jit
+def _chunk(ids_ptr, start, num_pairs, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Pairs start..start+CHUNK: (their indices, each one's one-hot expert row [CHUNK,
+    BLOCK_E], the chunk's count per expert, each pair's rank among its expert's pairs here)."""
+    i = start + tl.arange(0, CHUNK)
+    expert = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1).to(tl.int32)
+    onehot = (expert[:, None] == tl.arange(0, BLOCK_E)[None, :]).to(tl.int32)
+    counts = tl.sum(onehot, axis=0)
+    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
+    return i, onehot, counts, rank
+
+
+@triton.jit
+def _plan(
+    counts,
+    starts_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    sorted_ptr,
+    num_pairs,
+    num_experts,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """From the pairs' count per expert: each expert's padded segment start (stored, and
+    returned), the sentinels in each segment's padding, the expert of every tile up to
+    max_blocks (-1 past the last segment) and the padded total."""
+    experts = tl.arange(0, BLOCK_E)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    tl.store(starts_ptr + experts, starts, mask=experts < num_experts)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    pad = tl.arange(0, BLOCK_M)
+    pad_pos = starts[:, None] + counts[:, None] + pad[None, :]
+    pad_mask = (pad[None, :] < (padded - counts)[:, None]) & (experts[:, None] < num_experts)
+    tl.store(sorted_ptr + pad_pos, tl.zeros([BLOCK_E, BLOCK_M], tl.int32) + num_pairs, pad_mask)
+    total = tl.sum(padded, axis=0)
+    for b0 in range(0, max_blocks, BLOCK_B):
+        blocks = b0 + tl.arange(0, BLOCK_B)
+        first = blocks * BLOCK_M
+        # the expert whose segment holds row `first`: how many segments end at or before it
+        owner = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        owner = tl.where(first < total, owner, -1)
+        tl.store(block_expert_ptr + blocks, owner, mask=blocks < max_blocks)
+    return starts
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
+def align_one_kernel(
+    ids_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    starts_ptr,
+    num_pairs,
+    num_experts,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """The whole grouping in one program (few pairs: a decode step): count, plan, scatter."""
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c in range(0, num_pairs, CHUNK):
+        _, _, chunk_counts, _ = _chunk(ids_ptr, c, num_pairs, CHUNK, BLOCK_E)
+        counts += chunk_counts
+    starts = _plan(
+        counts, starts_ptr, block_expert_ptr, num_padded_ptr, sorted_ptr, num_pairs,
+        num_experts, max_blocks, BLOCK_M, BLOCK_E, BLOCK_B,
+    )  # fmt: skip
+    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c in range(0, num_pairs, CHUNK):
+        i, onehot, chunk_counts, rank = _chunk(ids_ptr, c, num_pairs, CHUNK, BLOCK_E)
+        pos = tl.sum(onehot * (starts + seen)[None, :], axis=1) + rank
+        tl.store(sorted_ptr + pos, i, mask=i < num_pairs)
+        seen += chunk_counts
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def align_count_kernel(
+    ids_ptr, chunk_counts_ptr, rank_ptr, num_pairs, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr
+):
+    """Many pairs, pass 1 of 3: a program's chunk counts per expert, and each pair's rank
+    among its expert's pairs in the chunk."""
+    c = tl.program_id(0)
+    i, _, counts, rank = _chunk(ids_ptr, c * CHUNK, num_pairs, CHUNK, BLOCK_E)
+    tl.store(chunk_counts_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E), counts)
+    tl.store(rank_ptr + i, rank, mask=i < num_pairs)
+
+
+@triton.jit(do_not_specialize=["num_chunks", "num_pairs", "max_blocks"])
+def align_plan_kernel(
+    chunk_counts_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    starts_ptr,
+    num_chunks,
+    num_pairs,
+    num_experts,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Pass 2, one program: each chunk's first rank per expert (an exclusive prefix sum over
+    the chunks, in place of its counts), then the plan from the totals."""
+    experts = tl.arange(0, BLOCK_E)
+    total = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(0, num_chunks, BLOCK_C):
+        chunks = c0 + tl.arange(0, BLOCK_C)
+        ptrs = chunk_counts_ptr + chunks[:, None] * BLOCK_E + experts[None, :]
+        mask = chunks[:, None] < num_chunks
+        counts = tl.load(ptrs, mask=mask, other=0)
+        tl.store(ptrs, tl.cumsum(counts, axis=0) - counts + total[None, :], mask=mask)
+        total += tl.sum(counts, axis=0)
+    _plan(
+        total, starts_ptr, block_expert_ptr, num_padded_ptr, sorted_ptr, num_pairs,
+        num_experts, max_blocks, BLOCK_M, BLOCK_E, BLOCK_B,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def align_scatter_kernel(
+    ids_ptr,
+    chunk_first_ptr,
+    rank_ptr,
+    starts_ptr,
+    sorted_ptr,
+    num_pairs,
+    CHUNK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Pass 3: each pair to its place, its expert's start + its chunk's first rank + its rank."""
+    c = tl.program_id(0)
+    i = c * CHUNK + tl.arange(0, CHUNK)
+    ok = i < num_pairs
+    expert = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)
+    first = tl.load(chunk_first_ptr + c * BLOCK_E + expert, mask=ok, other=0)
+    pos = tl.load(starts_ptr + expert, mask=ok, other=0) + first
+    pos += tl.load(rank_ptr + i, mask=ok, other=0)
+    tl.store(sorted_ptr + pos, i, mask=ok)
+
+
+@dataclass
+class Grouping:
+    """The pairs grouped by expert (see above): sorted_ids [max_blocks * block_m] int32,
+    block_expert [max_blocks] int32, num_padded [1] int32, on the device."""
+
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+    num_padded: torch.Tensor
+    block_m: int
+
+    @property
+    def max_blocks(self) -> int:
+        return self.block_expert.shape[0]
+
+
+# Chunks of pairs up to which one program groups them all (a few decode tokens); above, three
+# launches, whose passes over the chunks run in parallel.
+ALIGN_ONE_MAX_CHUNKS = 2
+# One-hot entries (pairs x experts, padded to a power of two) of a chunk.
+ALIGN_CHUNK_ENTRIES = 8192
+
+
+def max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """A bound on the padded segments' total that the host knows: every pair, and fewer than
+    block_m sentinels for each expert that has a pair (at most num_pairs of them)."""
+    return num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+
+
+def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Grouping:
+    """topk_ids [T, k] -> the Grouping of its T * k pairs, in one launch or three."""
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    num_pairs, device = ids.shape[0], ids.device
+    blocks = triton.cdiv(max_padded(num_pairs, num_experts, block_m), block_m)
+    block_e = triton.next_power_of_2(num_experts)
+    sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    starts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    chunk = max(16, min(1024, ALIGN_CHUNK_ENTRIES // block_e))
+    block_b = max(16, min(256, 8192 // block_e))
+    common = {"BLOCK_M": block_m, "BLOCK_E": block_e, "BLOCK_B": block_b}
+    if triton.cdiv(num_pairs, chunk) <= ALIGN_ONE_MAX_CHUNKS:
+        align_one_kernel[(1,)](
+            ids, sorted_ids, block_expert, num_padded, starts, num_pairs, num_experts, blocks,
+            CHUNK=chunk, **common, num_warps=4,
+        )  # fmt: skip
+    else:
+        chunks = triton.cdiv(num_pairs, chunk)
+        chunk_counts = torch.empty(chunks, block_e, dtype=torch.int32, device=device)
+        rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
+        align_count_kernel[(chunks,)](
+            ids, chunk_counts, rank, num_pairs, CHUNK=chunk, BLOCK_E=block_e, num_warps=4
+        )
+        align_plan_kernel[(1,)](
+            chunk_counts, sorted_ids, block_expert, num_padded, starts, chunks, num_pairs,
+            num_experts, blocks, BLOCK_C=max(1, 8192 // block_e), **common, num_warps=8,
+        )  # fmt: skip
+        align_scatter_kernel[(chunks,)](
+            ids, chunk_counts, rank, starts, sorted_ids, num_pairs, CHUNK=chunk,
+            BLOCK_E=block_e, num_warps=4,
+        )  # fmt: skip
+    return Grouping(sorted_ids, block_expert, num_padded, block_m)
+
+
+# --- the grouped GEMM ----------------------------------------------------------------------------
+
+ACT_NONE, ACT_SILU, ACT_SWIGLU_OAI = 0, 1, 2
+
+
+@triton.jit
+def _mxfp4_half(
+    blocks_ptrs,
+    scale_ptrs,
+    mask,
+    scale_mask,
+    HALF: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """A [2 * HALF, BLOCK_N] tile of MXFP4 weights as its (even, odd) rows, [HALF, BLOCK_N]
+    each in float32: the bytes at blocks_ptrs [HALF, BLOCK_N] (low nibble even), each times
+    2 ** (its e8m0 scale - 127), the GROUPS scales at scale_ptrs [GROUPS, BLOCK_N] covering 16
+    bytes each. An e2m1 code's bits put in an fp16's (sign to bit 15, exponent and mantissa to
+    bits 11..9) make that fp16 2 ** -14 times the e2m1 value, subnormals included; the 2 ** 14
+    goes into the scale."""
+    packed = tl.load(blocks_ptrs, mask=mask, other=0).to(tl.int32)
+    scale_bits = tl.load(scale_ptrs, mask=scale_mask, other=0).to(tl.int32)
+    scale = (scale_bits << 23).to(tl.float32, bitcast=True) * 16384.0
+    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (GROUPS, 16, BLOCK_N)), (HALF, BLOCK_N))
+    low = packed & 15
+    high = packed >> 4
+    low_bits = ((low & 7) << 9) | ((low & 8) << 12)
+    high_bits = ((high & 7) << 9) | ((high & 8) << 12)
+    even = low_bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * scale
+    odd = high_bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * scale
+    return even, odd
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_FP32: tl.constexpr):
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def moe_gemm_kernel(
+    a_ptr,
+    w_ptr,
+    scale_ptr,
+    bias_ptr,
+    topk_w_ptr,
+    out_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_pairs,
+    n_out,
+    k_in,
+    up_offset,
+    stride_a,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_be,
+    stride_out,
+    alpha,
+    limit,
+    A_ROW_DIV: tl.constexpr,
+    ACT: tl.constexpr,
+    GATE_STRIDE: tl.constexpr,
+    MXFP4: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    ATOMIC_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One BLOCK_M tile of the grouped pairs (one expert's) times BLOCK_N output columns of that
+    expert's weight [rows, K]. Row r of the tile is pair p = sorted[r]; its input row is
+    a[p // A_ROW_DIV] (A_ROW_DIV = top_k: the token's hidden state; 1: the pair's own row) and
+    its output row out[p]. With ACT, output column j takes weight rows j * GATE_STRIDE (gate)
+    and that + up_offset (up), bias added to each, and stores the activation of the two in
+    fp32; without, row j. WEIGHTED: times the pair's routing weight. ATOMIC_K > 0: added
+    atomically to out[p // ATOMIC_K] (float32) instead, the top-k sum in place. MXFP4: w holds
+    uint8 pairs of e2m1 ([rows, K / 2]) and scale the e8m0 exponents ([rows, K / 32]); BLOCK_K
+    a multiple of 32. ROW_SCALE: w is FP8 (or any narrower type), widened to the activations'
+    dtype in registers, and each output row scaled by scale[row] (float32) before the bias."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(n_out, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rm)
+    row_ok = pair < num_pairs
+    a_rows = (pair // A_ROW_DIV).to(tl.int64) * stride_a
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    gated: tl.constexpr = ACT != 0
+    rows_g = cols * GATE_STRIDE
+    w_base = w_ptr + expert * stride_we
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if MXFP4:
+        HALF: tl.constexpr = BLOCK_K // 2
+        GROUPS: tl.constexpr = BLOCK_K // 32
+        kr = tl.arange(0, BLOCK_K)
+        kk = tl.arange(0, HALF)
+        kg = tl.arange(0, GROUPS)
+        s_base = scale_ptr + expert * stride_se
+        rows_gate = rows_g[None, :].to(tl.int64)
+        rows_up = (rows_g + up_offset)[None, :].to(tl.int64)
+        for k0 in range(0, k_in, BLOCK_K):
+            # the activations' even and odd columns, to meet the low and high nibbles
+            a = tl.load(
+                a_ptr + a_rows[:, None] + (k0 + kr)[None, :],
+                mask=row_ok[:, None] & ((k0 + kr) < k_in)[None, :],
+                other=0.0,
+            )
+            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, HALF, 2)))
+            w_mask = ((k0 // 2 + kk) < k_in // 2)[:, None] & col_ok[None, :]
+            s_mask = ((k0 // 32 + kg) < k_in // 32)[:, None] & col_ok[None, :]
+            byte_off = (k0 // 2 + kk)[:, None]
+            scale_off = (k0 // 32 + kg)[:, None]
+            even, odd = _mxfp4_half(
+                w_base + rows_gate * stride_wn + byte_off,
+                s_base + rows_gate * stride_sn + scale_off,
+                w_mask, s_mask, HALF, GROUPS, BLOCK_N,
+            )  # fmt: skip
+            acc = _dot(a_even, even.to(a.dtype), acc, DOT_FP32)
+            acc = _dot(a_odd, odd.to(a.dtype), acc, DOT_FP32)
+            if gated:
+                even, odd = _mxfp4_half(
+                    w_base + rows_up * stride_wn + byte_off,
+                    s_base + rows_up * stride_sn + scale_off,
+                    w_mask, s_mask, HALF, GROUPS, BLOCK_N,
+                )  # fmt: skip
+                acc_up = _dot(a_even, even.to(a.dtype), acc_up, DOT_FP32)
+                acc_up = _dot(a_odd, odd.to(a.dtype), acc_up, DOT_FP32)
+    else:
+        kr = tl.arange(0, BLOCK_K)
+        for k0 in range(0, k_in, BLOCK_K):
+            k_ok = (k0 + kr) < k_in
+            a = tl.load(
+                a_ptr + a_rows[:, None] + (k0 + kr)[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            w = tl.load(
+                w_base + rows_g[None, :].to(tl.int64) * stride_wn + (k0 + kr)[:, None],
+                mask=w_mask,
+                other=0.0,
+            )
+            acc = _dot(a, w.to(a.dtype), acc, DOT_FP32)
+            if gated:
+                rows_u = (rows_g + up_offset)[None, :].to(tl.int64)
+                w = tl.load(
+                    w_base + rows_u * stride_wn + (k0 + kr)[:, None], mask=w_mask, other=0.0
+                )
+                acc_up = _dot(a, w.to(a.dtype), acc_up, DOT_FP32)
+        if ROW_SCALE:
+            s_base = scale_ptr + expert * stride_se
+            acc *= tl.load(s_base + rows_g * stride_sn, mask=col_ok, other=0.0)[None, :]
+            if gated:
+                s_up = tl.load(s_base + (rows_g + up_offset) * stride_sn, mask=col_ok, other=0.0)
+                acc_up *= s_up[None, :]
+    if HAS_BIAS:
+        b_base = bias_ptr + expert * stride_be
+        acc += tl.load(b_base + rows_g, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if gated:
+            b_up = tl.load(b_base + rows_g + up_offset, mask=col_ok, other=0.0)
+            acc_up += b_up.to(tl.float32)[None, :]
+    if ACT == 1:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    elif ACT == 2:
+        gate = tl.minimum(acc, limit)
+        up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+        acc = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
+    if WEIGHTED:
+        acc *= tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    if ATOMIC_K:
+        out_ptrs = out_ptr + (pair // ATOMIC_K)[:, None].to(tl.int64) * stride_out + cols[None, :]
+        tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
+    else:
+        out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_out + cols[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def moe_sum_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = sum over j of y[t * TOP_K + j], in float32 in the order j = 0, 1, ..., rounded
+    once to out's dtype (y and out contiguous rows of `hidden`)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < hidden
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + j) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tiles of one grouped GEMM; block_m is the grouping's."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _decode_block_n(tiles: int, n_out: int, num_sms: int) -> int:
+    """The widest of 64, 32, 16 output columns a program that still gives every SM two
+    programs (a decode GEMM reads weights: idle SMs are idle bandwidth)."""
+    for block_n in (64, 32):
+        if tiles * triton.cdiv(n_out, block_n) >= 2 * num_sms:
+            return block_n
+    return 16
+
+
+def gemm_configs(
+    num_pairs: int, num_experts: int, n: int, hidden: int, fmt: str, num_sms: int
+) -> tuple[GemmConfig, GemmConfig]:
+    """(gate_up's, down's) tiles for a step of num_pairs pairs over experts of intermediate
+    size n. Up to 16 pairs an expert on average, 16-row tiles (a decode step reads weights;
+    a tile is mostly one expert's few tokens) and output columns narrow enough to spread the
+    tiles over the SMs; above, 64-row tiles (a prefill computes). Small tiles under the
+    interpreter."""
+    mxfp4 = fmt == "mxfp4"
+    if _interpreting():
+        small = GemmConfig(16, 32, 32 if mxfp4 else 16, 4, 1)
+        return small, small
+    if num_pairs <= 16 * num_experts:
+        tiles = min(num_pairs, num_experts)  # tiles holding pairs, about
+        block_k = 256 if mxfp4 else 128
+        gate_up = GemmConfig(16, _decode_block_n(tiles, n, num_sms), block_k, 4, 4)
+        down = GemmConfig(16, _decode_block_n(tiles, hidden, num_sms), block_k, 4, 4)
+    else:
+        gate_up = GemmConfig(64, 64, 64, 4, 3)
+        down = GemmConfig(64, 128, 64, 8, 3)
+    return gate_up, down
+
+
+def check_weights(w: ExpertWeights, spec: ExpertsSpec, x: torch.Tensor) -> None:
+    """Refuse weights the kernels do not read, naming what is wrong."""
+    if w.format not in ("dense", "mxfp4", "fp8"):
+        raise ValueError(f"{spec.prefix}: fused MoE has no {w.format!r} weights")
+    if w.format == "dense" and (w.gate_up.dtype != x.dtype or w.down.dtype != x.dtype):
+        raise ValueError(
+            f"{spec.prefix}: dense expert weights are {w.gate_up.dtype} / {w.down.dtype}, the "
+            f"activations {x.dtype}"
+        )
+    if w.format != "dense" and (w.gate_up_scales is None or w.down_scales is None):
+        raise ValueError(f"{spec.prefix}: {w.format} expert weights need their scales")
+    if w.format == "fp8":
+        for name, t, s in (
+            ("gate_up", w.gate_up, w.gate_up_scales),
+            ("down", w.down, w.down_scales),
+        ):
+            assert s is not None
+            if t.dtype != torch.float8_e4m3fn or s.dtype != torch.float32 or s.shape != t.shape[:2]:
+                raise ValueError(
+                    f"{spec.prefix}: fp8 {name} must be float8_e4m3fn [E, rows, K] with float32 "
+                    f"scales [E, rows], got {t.dtype} {tuple(t.shape)} and {s.dtype} "
+                    f"{tuple(s.shape)}"
+                )
+    for name, t in (("gate_up", w.gate_up), ("down", w.down)):
+        inner = t.flatten(2) if w.format == "mxfp4" else t
+        if inner.stride(-1) != 1:
+            raise ValueError(f"{spec.prefix}: {name} weights need a unit stride along K")
+
+
+def fused_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w: ExpertWeights,
+    spec: ExpertsSpec,
+    configs: tuple[GemmConfig, GemmConfig] | None = None,
+    atomic_sum: bool = False,
+) -> torch.Tensor:
+    """QuantExperts.forward on the device: x [T, H], topk_weights [T, k] float32, topk_ids
+    [T, k] -> sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), [T, H] in x's dtype.
+    Four launches (group, gate_up, down, sum; two more grouping passes for many pairs), with no
+    host synchronisation. atomic_sum: down adds each pair's output into a float32 [T, H]
+    (zeroed first, cast after) with atomics instead of writing [T * k, H] for the sum kernel:
+    fewer bytes, in an order that varies from run to run."""
+    check_weights(w, spec, x)
+    t, hidden = x.shape
+    k = topk_ids.shape[1]
+    e = w.gate_up.shape[0]
+    n = w.gate_up.shape[1] // 2  # this rank's intermediate size
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    topk_weights = topk_weights.contiguous()
+    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    num_pairs = t * k
+    mxfp4 = w.format == "mxfp4"
+    if configs is None:
+        sms = 132 if _interpreting() else _num_sms(x.device)
+        configs = gemm_configs(num_pairs, e, n, hidden, w.format, sms)
+    gate_up_cfg, down_cfg = configs
+    if gate_up_cfg.block_m != down_cfg.block_m:
+        raise ValueError("fused_experts: gate_up and down tiles must share block_m")
+    grouping = group_by_expert(topk_ids, e, gate_up_cfg.block_m)
+    dot_fp32 = x.dtype == torch.float32 or (_interpreting() and x.dtype == torch.bfloat16)
+    silu = spec.activation == "silu"
+    inter = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
+    if atomic_sum:
+        y = torch.zeros(t, hidden, dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    for cfg, weights, scales, bias, a, dest, n_out, k_in, gated in (
+        (gate_up_cfg, w.gate_up, w.gate_up_scales, w.gate_up_bias, x, inter, n, hidden, True),
+        (down_cfg, w.down, w.down_scales, w.down_bias, inter, y, hidden, n, False),
+    ):
+        scale_t = scales if scales is not None else weights
+        bias_t = bias if bias is not None else weights
+        grid = (grouping.max_blocks * triton.cdiv(n_out, cfg.block_n),)
+        moe_gemm_kernel[grid](
+            a, weights, scale_t, bias_t, topk_weights, dest, grouping.sorted_ids,
+            grouping.block_expert, grouping.num_padded, num_pairs, n_out, k_in,
+            (n if silu else 1) if gated else 0,
+            a.stride(0), weights.stride(0), weights.stride(1),
+            scale_t.stride(0), scale_t.stride(1), bias_t.stride(0), dest.stride(0),
+            float(spec.alpha), float(spec.limit),
+            A_ROW_DIV=k if gated else 1,
+            ACT=(ACT_SILU if silu else ACT_SWIGLU_OAI) if gated else ACT_NONE,
+            GATE_STRIDE=1 if silu or not gated else 2,
+            MXFP4=mxfp4, ROW_SCALE=w.format == "fp8", HAS_BIAS=bias is not None, WEIGHTED=not gated,
+            ATOMIC_K=k if atomic_sum and not gated else 0, DOT_FP32=dot_fp32,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    if atomic_sum:
+        return y.to(x.dtype)
+    block = min(1024, triton.next_power_of_2(hidden))
+    moe_sum_kernel[(t, triton.cdiv(hidden, block))](
+        y, out, hidden, TOP_K=k, BLOCK=block, num_warps=4
+    )
+    return out

@@ -1,0 +1,90 @@
+"""The fused-MoE kernels compiled for sm_90 without a GPU (test_fused_moe runs this in a process
+of its own, outside the interpreter): every kernel of moe_kernels at the tiles gemm_configs picks
+for gpt-oss-20b's and Qwen3-30B-A3B's shapes, decode and prefill, each weight format. Arguments
+that a launch passes divisible by 16 (pointers, strides, sizes) are compiled as such, as
+Triton's specialisation would, so the loads pipeline as they will on the GPU. Prints one JSON
+line: [name, shared memory bytes, whether the loads went through cp.async] per kernel."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from inferx_kernels_cuda import moe_kernels as mk
+
+# arguments that are not multiples of 16 at these shapes, or are floats
+UNALIGNED = {"num_tokens", "num_pairs", "num_experts", "up_offset", "alpha", "limit", "scaling"}
+UNALIGNED |= {"num_chunks", "max_blocks"}
+
+
+def compile_sm90(kernel, types: dict[str, str], constexprs: dict, warps: int, stages: int):
+    """kernel compiled for sm_90; types: each runtime argument's ("*bf16", "i32", ...)."""
+    names = list(inspect.signature(kernel.fn).parameters)
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(names)
+        if n not in constexprs and n not in UNALIGNED and not sig[n].startswith("fp")
+    }
+    src = ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": warps, "num_stages": stages}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def gemm_types(fmt: str) -> dict[str, str]:
+    weight = {"dense": "*bf16", "mxfp4": "*u8", "fp8": "*fp8e4nv"}[fmt]
+    scale = {"dense": "*bf16", "mxfp4": "*u8", "fp8": "*fp32"}[fmt]
+    types = {"a_ptr": "*bf16", "w_ptr": weight, "scale_ptr": scale, "bias_ptr": "*bf16"}
+    types |= {"topk_w_ptr": "*fp32", "out_ptr": "*bf16", "stride_we": "i64"}
+    types |= {n: "*i32" for n in ("sorted_ptr", "block_expert_ptr", "num_padded_ptr")}
+    return types | {"alpha": "fp32", "limit": "fp32"}
+
+
+def cases():
+    """(label, kernel, argument types, constexprs, num_warps, num_stages) of each compile."""
+    ids = {"ids_ptr": "*i64", "starts_ptr": "*i32", "sorted_ptr": "*i32", "rank_ptr": "*i32"}
+    ids |= {"block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "chunk_counts_ptr": "*i32"}
+    ids |= {"chunk_first_ptr": "*i32"}
+    logits = {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64", "scaling": "fp32"}
+    for experts, k in ((32, 4), (128, 8)):
+        block_e = triton.next_power_of_2(experts)
+        chunk = mk.ALIGN_CHUNK_ENTRIES // block_e
+        top = dict(TOP_K=k, K_PAD=k, SOFTMAX_ALL=False, BLOCK_T=16, BLOCK_E=block_e)
+        plan = dict(BLOCK_M=16, BLOCK_E=block_e, BLOCK_B=8192 // block_e)
+        per_chunk = dict(CHUNK=chunk, BLOCK_E=block_e)
+        yield f"topk_softmax E{experts}", mk.topk_softmax_kernel, logits, top, 4, 1
+        yield f"align_one E{experts}", mk.align_one_kernel, ids, plan | {"CHUNK": chunk}, 4, 1
+        yield f"align_count E{experts}", mk.align_count_kernel, ids, per_chunk, 4, 1
+        yield f"align_plan E{experts}", mk.align_plan_kernel, ids, plan | {"BLOCK_C": chunk}, 8, 1
+        yield f"align_scatter E{experts}", mk.align_scatter_kernel, ids, per_chunk, 4, 1
+    sums = {"y_ptr": "*bf16", "out_ptr": "*bf16"}
+    yield "moe_sum", mk.moe_sum_kernel, sums, dict(TOP_K=8, BLOCK=1024), 4, 1
+    shapes = {"gpt-oss-20b": (2880, 2880, 32, 4, False), "qwen3": (2048, 768, 128, 8, True)}
+    for name, (hidden, inter, experts, k, silu) in shapes.items():
+        for fmt in ("dense", "mxfp4", "fp8"):
+            for tokens in (1, 2048):
+                configs = mk.gemm_configs(tokens * k, experts, inter, hidden, fmt, 132)
+                for gated, cfg in zip((True, False), configs, strict=True):
+                    constexprs = dict(
+                        A_ROW_DIV=k if gated else 1,
+                        ACT=(mk.ACT_SILU if silu else mk.ACT_SWIGLU_OAI) if gated else 0,
+                        GATE_STRIDE=2 if gated and not silu else 1,
+                        MXFP4=fmt == "mxfp4", ROW_SCALE=fmt == "fp8", HAS_BIAS=not silu,
+                        WEIGHTED=not gated, ATOMIC_K=0, DOT_FP32=False, BLOCK_M=cfg.block_m,
+                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                    )  # fmt: skip
+                    label = f"{name} {fmt} {tokens} {'gate_up' if gated else 'down'}"
+                    kernel, types = mk.moe_gemm_kernel, gemm_types(fmt)
+                    yield label, kernel, types, constexprs, cfg.num_warps, cfg.num_stages
+
+
+if __name__ == "__main__":
+    out = []
+    for label, kernel, types, constexprs, warps, stages in cases():
+        compiled = compile_sm90(kernel, types, constexprs, warps, stages)
+        out.append([label, compiled.metadata.shared, "cp.async" in compiled.asm["ptx"]])
+    print(json.dumps(out))

@@ -1,0 +1,692 @@
+"""The Triton MoE kernels (inferx_kernels_cuda.moe_kernels) against the torch reference: routing
+against inferx_core.moe.route, the grouping of (token, expert) pairs by expert, the grouped GEMMs
+against float64 on the dense and the exactly dequantized MXFP4 weights, and whole FusedMoE layers
+(Qwen3-MoE, gpt-oss, DeepSeek-style) under TritonOps against TorchOps. On the CPU under the
+interpreter at small sizes; on the GPU at the published shapes, under CUDA graphs, and in tiny
+models on the cuda executor."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the triton package is not installed")
+
+from conftest import interpreted, on_gpu  # noqa: E402
+
+from inferx_core.interfaces import (  # noqa: E402
+    BuildContext,
+    ExpertsSpec,
+    ExpertWeights,
+    RouterSpec,
+)
+from inferx_core.moe import FusedMoE, UnquantizedExperts, route  # noqa: E402
+from inferx_core.ops_torch import TorchOps  # noqa: E402
+from inferx_core.parallel import ParallelContext  # noqa: E402
+from inferx_core.quant_none import Unquantized  # noqa: E402
+from inferx_kernels_cuda import moe_kernels  # noqa: E402
+from inferx_kernels_cuda.moe_kernels import (  # noqa: E402
+    fused_experts,
+    group_by_expert,
+    max_padded,
+    topk_softmax,
+)
+from inferx_kernels_cuda.ops import TritonOps  # noqa: E402
+from inferx_quant.mxfp4 import Mxfp4, Mxfp4Experts, dequant_mxfp4  # noqa: E402
+
+CPU = torch.device("cpu")
+# Largest |ours - float64| over the largest |float64|. fp32: summation order only (~1e-6 seen).
+# fp16: x and the weights are exact in fp16; the activation between the GEMMs and each expert's
+# weighted output are rounded to fp16 (2**-11 each) before the fp32 sum: 2e-3 bounds it.
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+
+
+# --- routing -------------------------------------------------------------------------------------
+
+
+@interpreted
+@pytest.mark.parametrize(
+    ("experts", "k", "after", "renormalize", "scaling"),
+    [
+        (8, 2, False, True, 1.0),  # Qwen3-MoE (norm_topk_prob)
+        (8, 3, False, False, 1.0),  # Qwen2-MoE: not renormalized
+        (32, 4, True, False, 1.0),  # gpt-oss
+        (6, 4, False, False, 2.5),  # experts not a power of two, a scaling factor
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_softmax_matches_route(experts, k, after, renormalize, scaling, dtype):
+    spec = RouterSpec(
+        experts, k, softmax_after_topk=after, renormalize=renormalize, scaling=scaling
+    )
+    g = gen(experts + k)
+    logits = torch.randn(37, experts, generator=g) * 2
+    if dtype == torch.bfloat16:  # no ties after rounding: distinct multiples of 1/4 per row
+        perms = torch.stack([torch.randperm(experts, generator=g) for _ in range(37)])
+        logits = perms * 0.25 - 1 + 0.125 * torch.randint(0, 2, (37, 1), generator=g)
+    logits = logits.to(dtype)
+    weights, ids = topk_softmax(logits, spec)
+    want_w, want_ids = route(logits, spec)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    # both largest first; the logits have no ties
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-6)
+
+
+@interpreted
+def test_triton_ops_routes_deepseek_on_the_torch_reference():
+    logits = torch.randn(9, 16, generator=gen(3))
+    bias = torch.randn(16, generator=gen(4)) * 0.3
+    grouped = RouterSpec(16, 3, num_groups=4, topk_groups=2, scaling=2.5)
+    biased = RouterSpec(16, 4, scoring="sigmoid", renormalize=True, selection_bias=True)
+    for spec, b in ((grouped, None), (biased, bias)):
+        got = TritonOps().route_experts(logits, spec, b)
+        want = route(logits, spec, b)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# --- grouping ------------------------------------------------------------------------------------
+
+
+def check_grouping(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
+    """The grouping's invariants, from the ids alone: every pair once, expert by expert in
+    their own order, each segment padded with the sentinel to whole tiles, the tiles' experts,
+    -1 for the tiles past the padded total, which is within the host's bound."""
+    g = group_by_expert(ids, num_experts, block_m)
+    flat = ids.flatten()
+    pairs = flat.numel()
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    total = int(g.num_padded.item())
+    assert total == int(padded.sum()) <= max_padded(pairs, num_experts, block_m)
+    assert g.sorted_ids.numel() >= total
+    want_sorted, want_blocks = [], []
+    for e in range(num_experts):
+        mine = (flat == e).nonzero().flatten().tolist()
+        want_sorted += mine + [pairs] * (int(padded[e]) - len(mine))
+        want_blocks += [e] * (int(padded[e]) // block_m)
+    assert g.sorted_ids[:total].tolist() == want_sorted
+    blocks = g.block_expert.tolist()
+    assert blocks[: len(want_blocks)] == want_blocks
+    assert all(b == -1 for b in blocks[len(want_blocks) :])
+
+
+def grouping_path(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ "one": the one-program grouping in one chunk; "one-looped": over several chunks of 16
+    pairs; "three": the three-launch path of large steps, at sizes the interpreter runs
+    quickly (chunks of 16 pairs)."""
+    if path != "one":
+        monkeypatch.setattr(moe_kernels, "ALIGN_CHUNK_ENTRIES", 128)  # 16 pairs a chunk
+        monkeypatch.setattr(moe_kernels, "ALIGN_ONE_MAX_CHUNKS", 0 if path == "three" else 99)
+
+
+@interpreted
+@pytest.mark.parametrize("path", ["one", "one-looped", "three"])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_grouping_by_expert(path, block_m, monkeypatch):
+    grouping_path(path, monkeypatch)
+    for tokens, experts, k, seed in ((1, 8, 2, 0), (13, 8, 4, 1), (50, 6, 3, 2), (40, 32, 4, 3)):
+        scores = torch.rand(tokens, experts, generator=gen(seed))
+        check_grouping(scores.topk(k, dim=1).indices, experts, block_m)
+
+
+@interpreted
+@pytest.mark.parametrize("path", ["one", "one-looped", "three"])
+def test_grouping_skewed(path, monkeypatch):
+    """Every token picks expert 5 (several tiles of it), experts 0-3 get nothing."""
+    grouping_path(path, monkeypatch)
+    tokens = 40
+    ids = torch.stack([torch.full((tokens,), 5), 4 + torch.arange(tokens) % 2 * 2], dim=1)
+    check_grouping(ids, 8, 16)
+
+
+# --- the grouped GEMMs ---------------------------------------------------------------------------
+
+
+def reference_experts(x, topk_weights, topk_ids, gate_up, gate_up_bias, down, down_bias, spec):
+    """Pair by pair in float64 from [E, 2n, H] / [E, H, n] weights in the activation's layout."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    n = gate_up.shape[1] // 2
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            h = gate_up[e].double() @ x[t].double()
+            if gate_up_bias is not None:
+                h = h + gate_up_bias[e].double()
+            if spec.activation == "silu":
+                a = torch.nn.functional.silu(h[:n]) * h[n:]
+            else:
+                gate = h[0::2].clamp(max=spec.limit)
+                up = h[1::2].clamp(-spec.limit, spec.limit)
+                a = gate * torch.sigmoid(spec.alpha * gate) * (up + 1)
+            y = down[e].double() @ a
+            if down_bias is not None:
+                y = y + down_bias[e].double()
+            out[t] += topk_weights[t, j].double() * y
+    return out
+
+
+def random_routing(tokens, experts, k, seed):
+    logits = torch.randn(tokens, experts, generator=gen(seed))
+    return route(logits, RouterSpec(experts, k, renormalize=True))
+
+
+def dense_experts(spec: ExpertsSpec, dtype: torch.dtype, seed: int) -> UnquantizedExperts:
+    experts = UnquantizedExperts(spec, dtype, CPU)
+    g = gen(seed)
+    # gate_up large enough for swiglu_oai's clamps at 7 to bite on some rows
+    scale = 0.6 if spec.activation == "swiglu_oai" else 0.2
+    for p in experts.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * scale)
+    return experts
+
+
+def mxfp4_experts(spec: ExpertsSpec, dtype: torch.dtype, seed: int) -> Mxfp4Experts:
+    """Random e2m1 codes (every one of the 16) and scales 2**-5 .. 2**-1."""
+    experts = Mxfp4Experts(spec, dtype, CPU)
+    g = gen(seed)
+    for name, buf in experts.named_buffers():
+        if name.endswith("blocks"):
+            buf.copy_(torch.randint(0, 256, buf.shape, generator=g))
+        else:
+            buf.copy_(torch.randint(122, 127, buf.shape, generator=g))
+    for p in experts.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g))
+    return experts
+
+
+def check_experts(experts, fmt, spec, dtype, tokens, k, seed, ids=None, atomic_sum=False):
+    x = torch.randn(tokens, spec.hidden_size, generator=gen(seed)).to(dtype)
+    weights, routed = random_routing(tokens, spec.num_experts, k, seed + 1)
+    ids = routed if ids is None else ids
+    w = experts.expert_weights()
+    assert w.format == fmt
+    if fmt == "mxfp4":
+        gate_up = dequant_mxfp4(w.gate_up, w.gate_up_scales)
+        down = dequant_mxfp4(w.down, w.down_scales)
+    elif fmt == "fp8":
+        gate_up = w.gate_up.float() * w.gate_up_scales[..., None]
+        down = w.down.float() * w.down_scales[..., None]
+    else:
+        gate_up, down = w.gate_up, w.down
+    want = reference_experts(x, weights, ids, gate_up, w.gate_up_bias, down, w.down_bias, spec)
+    got = fused_experts(x, weights, ids, w, spec, atomic_sum=atomic_sum)
+    assert got.shape == x.shape and got.dtype == dtype
+    assert rel(got, want) < TOL[dtype]
+    return want
+
+
+class Fp8Experts:
+    """Random experts quantized to FP8 e4m3 per output row, as ExpertWeights("fp8")."""
+
+    def __init__(self, spec: ExpertsSpec, dtype: torch.dtype, seed: int) -> None:
+        dense = dense_experts(spec, torch.float32, seed)
+        parts = {}
+        for name in ("gate_up", "down"):
+            weight = getattr(dense, name).data
+            scale = weight.abs().amax(-1) / 448.0
+            parts[name] = ((weight / scale[..., None]).to(torch.float8_e4m3fn), scale)
+        bias = {
+            name: None if b is None else b.data.to(dtype)
+            for name, b in (("gate_up", dense.gate_up_bias), ("down", dense.down_bias))
+        }
+        self.weights = ExpertWeights(
+            "fp8", parts["gate_up"][0], parts["down"][0], parts["gate_up"][1],
+            parts["down"][1], bias["gate_up"], bias["down"],
+        )  # fmt: skip
+
+    def expert_weights(self) -> ExpertWeights:
+        return self.weights
+
+
+SPECS = {
+    # Qwen3-MoE: SiLU on gate rows then up rows, no biases
+    "qwen3": ExpertsSpec("mlp.experts", 8, 64, 32),
+    # gpt-oss: interleaved gate/up, clamped SwiGLU, biases
+    "gpt-oss": ExpertsSpec("mlp.experts", 4, 64, 96, activation="swiglu_oai", bias=True),
+}
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_grouped_gemm_dense(name, dtype):
+    spec = SPECS[name]
+    experts = dense_experts(spec, dtype, seed=10)
+    want = check_experts(experts, "dense", spec, dtype, tokens=11, k=2, seed=11)
+    if spec.activation == "swiglu_oai":  # the clamps were exercised
+        x = torch.randn(11, spec.hidden_size, generator=gen(11))
+        assert (experts.gate_up.float() @ x.T).abs().max() > spec.limit
+    assert want.abs().max() > 0
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_grouped_gemm_mxfp4(name, dtype):
+    spec = SPECS[name]
+    check_experts(mxfp4_experts(spec, dtype, seed=12), "mxfp4", spec, dtype, 9, 3, seed=13)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_grouped_gemm_fp8(name, dtype):
+    """FP8 e4m3 weights with a float32 scale per output row, against their exact dequantized
+    values (weight-only: the activations stay in their dtype)."""
+    spec = SPECS[name]
+    check_experts(Fp8Experts(spec, dtype, seed=19), "fp8", spec, dtype, 9, 2, seed=20)
+
+
+@interpreted
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
+def test_grouped_gemm_skewed_routing(fmt):
+    """Every token's first pick is expert 2 (three tiles of it), the others 0 or 3: experts 1,
+    4-7 get no token."""
+    spec = SPECS["qwen3"]
+    tokens = 40
+    ids = torch.stack([torch.full((tokens,), 2), torch.arange(tokens) % 2 * 3], dim=1)
+    experts = (dense_experts if fmt == "dense" else mxfp4_experts)(spec, torch.float32, 14)
+    check_experts(experts, fmt, spec, torch.float32, tokens, 2, seed=15, ids=ids)
+
+
+@interpreted
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
+def test_grouped_gemm_atomic_sum(fmt):
+    """The top-k sum by atomics in the down GEMM, instead of the sum kernel."""
+    spec = SPECS["gpt-oss"]
+    experts = (dense_experts if fmt == "dense" else mxfp4_experts)(spec, torch.float16, 17)
+    check_experts(experts, fmt, spec, torch.float16, 10, 3, seed=18, atomic_sum=True)
+
+
+@interpreted
+def test_no_tokens():
+    spec = SPECS["qwen3"]
+    experts = dense_experts(spec, torch.float32, 16)
+    x = torch.zeros(0, spec.hidden_size)
+    ids = torch.zeros(0, 2, dtype=torch.int64)
+    out = fused_experts(x, torch.zeros(0, 2), ids, experts.expert_weights(), spec)
+    assert out.shape == (0, spec.hidden_size)
+
+
+# --- whole layers: TritonOps against TorchOps ----------------------------------------------------
+
+
+def context(ops, scheme, dtype=torch.float32, device=CPU) -> BuildContext:
+    return BuildContext(dtype, device, None, scheme, ops, ParallelContext())
+
+
+def fill(module: torch.nn.Module, seed: int) -> None:
+    """Random parameters, and random MXFP4 codes and scales where the experts have them."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in module.named_parameters():
+        scale = 0.6 if "gate_up" in name else 0.2
+        p.data.copy_((torch.randn(p.shape, generator=g) * scale).to(p.device, p.dtype))
+    for name, b in module.named_buffers():
+        if name.endswith("blocks"):
+            b.copy_(torch.randint(0, 256, b.shape, generator=g).to(b.device))
+        elif name.endswith("scales"):
+            b.copy_(torch.randint(121, 126, b.shape, generator=g).to(b.device))
+
+
+def layer_pair(kind: str, dtype=torch.float32, device=CPU, hidden=64, inter=32, experts=8, k=2):
+    """The same FusedMoE layer under TorchOps and TritonOps. kind: "qwen3" (softmax, top-k,
+    renormalize; SiLU), "gpt-oss" / "gpt-oss-mxfp4" (softmax over the top-k logits, router
+    bias; clamped SwiGLU with biases), "deepseek" (group-limited routing, shared experts)."""
+    if kind == "qwen3":
+        router = RouterSpec(experts, k, renormalize=True)
+        spec = ExpertsSpec("mlp.experts", experts, hidden, inter)
+        extra: dict = {}
+    elif kind.startswith("gpt-oss"):
+        router = RouterSpec(experts, k, softmax_after_topk=True)
+        spec = ExpertsSpec("mlp.experts", experts, hidden, inter, "swiglu_oai", bias=True)
+        extra = {"router_bias": True}
+    else:
+        router = RouterSpec(experts, k, num_groups=4, topk_groups=2, scaling=2.5)
+        spec = ExpertsSpec("mlp.experts", experts, hidden, inter)
+        extra = {}
+    scheme = Mxfp4() if kind == "gpt-oss-mxfp4" else Unquantized()
+    layers = []
+    for ops in (TorchOps(), TritonOps()):
+        if kind == "deepseek":
+            shared = torch.nn.Linear(hidden, hidden, bias=False, device=device, dtype=dtype)
+            extra = {"shared": shared}
+        layers.append(
+            FusedMoE(context(ops, scheme, dtype, device), "mlp", hidden, router, spec, **extra)
+        )
+    fill(layers[0], seed=20)
+    layers[1].load_state_dict(layers[0].state_dict())
+    return layers
+
+
+@interpreted
+@pytest.mark.parametrize("kind", ["qwen3", "gpt-oss", "gpt-oss-mxfp4", "deepseek"])
+def test_layer_matches_torch_ops(kind):
+    torch_layer, triton_layer = layer_pair(kind, experts=8 if kind != "deepseek" else 16)
+    x = torch.randn(13, 64, generator=gen(21))
+    with torch.no_grad():
+        want, got = torch_layer(x), triton_layer(x)
+    assert rel(got, want) < 2e-5
+
+
+@interpreted
+def test_tensor_parallel_slices_sum_to_the_whole():
+    """Each rank's experts (a slice of the intermediate size, the down bias on rank 0) through
+    the fused kernels add up to the whole layer's."""
+    spec = SPECS["gpt-oss"]
+    whole = dense_experts(spec, torch.float32, 25)
+    x = torch.randn(7, spec.hidden_size, generator=gen(26))
+    weights, ids = random_routing(7, spec.num_experts, 2, 27)
+    total = torch.zeros_like(x)
+    for rank in range(2):
+        part = UnquantizedExperts(
+            spec, torch.float32, CPU, ParallelContext(rank, 2, group=object())
+        )
+        part.load("gate_up.weight", whole.gate_up.data)
+        part.load("gate_up.bias", whole.gate_up_bias.data)
+        part.load("down.weight", whole.down.data)
+        part.load("down.bias", whole.down_bias.data)
+        total += fused_experts(x, weights, ids, part.expert_weights(), spec)
+    want = fused_experts(x, weights, ids, whole.expert_weights(), spec)
+    assert rel(total, want) < 2e-5
+
+
+class OwnForward(UnquantizedExperts):
+    """Experts that keep their tensors to themselves: the fused path must call forward."""
+
+    calls = 0
+
+    def expert_weights(self):
+        return None
+
+    def forward(self, x, topk_weights, topk_ids):
+        OwnForward.calls += 1
+        return super().forward(x, topk_weights, topk_ids)
+
+
+@interpreted
+def test_experts_without_weights_run_their_forward():
+    spec = SPECS["qwen3"]
+    experts = OwnForward(spec, torch.float32, CPU)
+    fill(experts, 22)
+    x = torch.randn(5, spec.hidden_size, generator=gen(23))
+    weights, ids = random_routing(5, spec.num_experts, 2, 24)
+    got = TritonOps().moe_experts(experts, x, weights, ids)
+    assert OwnForward.calls == 1
+    assert torch.equal(got, UnquantizedExperts.forward(experts, x, weights, ids))
+
+
+# --- compiled for sm_90 without a GPU ------------------------------------------------------------
+
+SM90_MAX_SHARED_PER_PROGRAM = 232_448
+
+
+def test_kernels_compile_for_sm90():
+    """Every kernel at the tiles gemm_configs picks for gpt-oss-20b and Qwen3-30B-A3B (decode
+    and prefill, each weight format) compiles for sm_90 within a program's shared memory, and
+    the grouped GEMMs' loads pipeline through cp.async. Compiled by Triton without a GPU, in a
+    process of its own (this one may run Triton under the interpreter)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).parent / "sm90_moe.py"
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    kernels = json.loads(out.stdout.splitlines()[-1])
+    assert len(kernels) == 35
+    for label, shared, pipelined in kernels:
+        assert shared <= SM90_MAX_SHARED_PER_PROGRAM, (label, shared)
+        if label.endswith(("gate_up", "down")):
+            assert pipelined, label
+
+
+# --- GPU: compiled kernels at the published shapes, CUDA graphs, tiny models --------------------
+
+GPU = torch.device("cuda")
+
+
+@functools.cache  # one pair per shape for all the GPU tests: filling them takes seconds
+def gpu_layers(kind: str, hidden: int, inter: int, experts: int, k: int):
+    torch_layer, triton_layer = layer_pair(
+        kind, torch.bfloat16, GPU, hidden=hidden, inter=inter, experts=experts, k=k
+    )
+    return torch_layer, triton_layer
+
+
+SHAPES = {  # (kind, hidden, intermediate, experts, top_k)
+    "gpt-oss-20b": ("gpt-oss-mxfp4", 2880, 2880, 32, 4),
+    "gpt-oss-20b-bf16": ("gpt-oss", 2880, 2880, 32, 4),
+    "qwen3-30b-a3b": ("qwen3", 2048, 768, 128, 8),
+}
+
+
+def torch_reference(torch_layer: FusedMoE, x: torch.Tensor) -> torch.Tensor:
+    """The torch path's output on topk_softmax's routing, after checking that routing against
+    `route` in a way that bf16 logits' ties cannot fail: the picked logits, largest first, and
+    their weights agree (on a tie either expert is a right pick, and the two may differ)."""
+    with torch.no_grad():
+        logits = torch_layer.gate(x)
+        weights, ids = TritonOps().route_experts(logits, torch_layer.router)
+        want_w, want_ids = route(logits, torch_layer.router)
+        assert torch.equal(logits.gather(1, ids), logits.gather(1, want_ids))
+        torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
+        return torch_layer.experts(x, weights, ids)
+
+
+def row_errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Each row's largest error over its largest value."""
+    return (got.float() - want.float()).abs().amax(1) / want.float().abs().amax(1)
+
+
+# bf16: the torch path rounds each expert's GEMM outputs to bf16 and ours the activation
+# between the GEMMs and each expert's weighted output: a few bf16 ulps (2**-8) of a row's max.
+GPU_ROW_TOL = 3e-2
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 64, 2048])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gpu_layer_matches_torch_ops(shape, tokens):
+    torch_layer, triton_layer = gpu_layers(*SHAPES[shape])
+    x = torch.randn(tokens, SHAPES[shape][1], device=GPU, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = triton_layer(x)
+    err = row_errors(got, torch_reference(torch_layer, x))
+    assert err.max() < GPU_ROW_TOL, err.max()
+
+
+@functools.cache
+def gpu_expert_weights(fmt: str, spec: ExpertsSpec) -> ExpertWeights:
+    """Random experts of `spec` on the GPU as ExpertWeights of `fmt` (bf16 activations)."""
+    if fmt == "fp8":
+        w = Fp8Experts(spec, torch.bfloat16, seed=30).expert_weights()
+        tensors = (w.gate_up, w.down, w.gate_up_scales, w.down_scales, w.gate_up_bias, w.down_bias)
+        return ExpertWeights("fp8", *(None if t is None else t.to(GPU) for t in tensors))
+    experts = (mxfp4_experts if fmt == "mxfp4" else dense_experts)(spec, torch.bfloat16, 31)
+    return experts.to(GPU).expert_weights()
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("atomic_sum", [False, True])
+@pytest.mark.parametrize("tokens", [1, 64, 2048])
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4", "fp8"])
+@pytest.mark.parametrize("shape", ["gpt-oss-20b", "qwen3-30b-a3b"])
+def test_gpu_grouped_gemm_formats(shape, fmt, tokens, atomic_sum):
+    """The compiled kernels at the published shapes, bf16 activations, against float32 torch
+    on the exactly dequantized weights."""
+    from inferx_core.moe import expert_mlp, run_experts
+
+    kind, hidden, inter, experts, k = SHAPES[shape]
+    act, bias = ("swiglu_oai", True) if kind.startswith("gpt-oss") else ("silu", False)
+    spec = ExpertsSpec("mlp.experts", experts, hidden, inter, act, bias=bias)
+    w = gpu_expert_weights(fmt, spec)
+    if fmt == "mxfp4":
+        gate_up = dequant_mxfp4(w.gate_up, w.gate_up_scales)
+        down = dequant_mxfp4(w.down, w.down_scales)
+    elif fmt == "fp8":
+        gate_up = w.gate_up.float() * w.gate_up_scales[..., None]
+        down = w.down.float() * w.down_scales[..., None]
+    else:
+        gate_up, down = w.gate_up.float(), w.down.float()
+    x = torch.randn(tokens, hidden, device=GPU).to(torch.bfloat16)
+    logits = torch.randn(tokens, experts, device=GPU)
+    weights, ids = route(logits, RouterSpec(experts, k, renormalize=True))
+
+    def one(e: int, rows: torch.Tensor) -> torch.Tensor:
+        b13 = None if w.gate_up_bias is None else w.gate_up_bias[e].float()
+        b2 = None if w.down_bias is None else w.down_bias[e].float()
+        return expert_mlp(rows, gate_up[e], b13, down[e], b2, spec)
+
+    want = run_experts(x.float(), weights, ids, experts, one)
+    got = fused_experts(x, weights, ids, w, spec, atomic_sum=atomic_sum)
+    torch.cuda.synchronize()
+    # bf16: the activation between the GEMMs and each expert's output are rounded to bf16
+    assert rel(got, want) < 2e-2
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gpu_layer_in_cuda_graph(shape):
+    """Captured once per batch size, replayed on fresh inputs: equal to the eager fused layer
+    bit for bit (same kernels, same grid) and close to the torch path."""
+    torch_layer, triton_layer = gpu_layers(*SHAPES[shape])
+    hidden = SHAPES[shape][1]
+    for tokens in (1, 8, 64):
+        static_x = torch.randn(tokens, hidden, device=GPU, dtype=torch.bfloat16)
+        with torch.no_grad():
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                triton_layer(static_x)  # compile outside the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = triton_layer(static_x)
+            for _ in range(3):
+                x = torch.randn(tokens, hidden, device=GPU, dtype=torch.bfloat16)
+                static_x.copy_(x)
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(static_out, triton_layer(x))
+                err = row_errors(static_out, torch_reference(torch_layer, x))
+                assert err.max() < GPU_ROW_TOL, (tokens, err.max())
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gpt-oss", "gpt-oss-mxfp4", "qwen3-moe"])
+def test_gpu_tiny_model_with_graphs_matches_torch_path(arch, tmp_path):
+    """A tiny gpt-oss (bf16 or MXFP4 experts) or Qwen3-MoE on the cuda executor, fp32, the
+    Triton ops with CUDA graphs against the torch ops eagerly: greedy tokens equal up to the
+    first divergence, and there each side's token in the other's top-5. gpt-oss needs an
+    attention backend with sinks and windows for graphs: while the triton one lacks them, its
+    Triton-ops run is eager on the torch backend."""
+    import test_gpu_correctness as gc
+    from test_gptoss import NOT_CONVERT, random_mxfp4
+    from test_gptoss import hf_model as gptoss_model
+    from test_qwen3 import hf_model as qwen3_model
+
+    from inferx_core.config import load_config
+    from inferx_core.engine import LLM
+
+    model = qwen3_model("qwen3-moe") if arch == "qwen3-moe" else gptoss_model()
+    model.save_pretrained(tmp_path)
+    if arch == "gpt-oss-mxfp4":
+        import json
+
+        from safetensors.torch import load_file, save_file
+
+        g = torch.Generator().manual_seed(1)
+        tensors = {}
+        for name, t in load_file(tmp_path / "model.safetensors").items():
+            if name.endswith(("gate_up_proj", "down_proj")):
+                experts, cols, rows = t.shape
+                for what, q in random_mxfp4(g, rows, cols, experts).items():
+                    tensors[f"{name}_{what}"] = q
+            else:
+                tensors[name] = t
+        save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+        config = json.loads((tmp_path / "config.json").read_text())
+        config["quantization_config"] = {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": NOT_CONVERT,
+        }
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    from inferx_kernels_cuda.triton_attention import TritonAttention
+
+    prompts = [list(range(3, 40)), [5, 9, 17, 33, 65, 129, 200], [7] * 3]
+    graphs_ok = arch == "qwen3-moe" or {"sinks", "sliding"} <= TritonAttention.features
+    runs = []
+    for kernels, graphs in (("torch", False), ("triton", graphs_ok)):
+        llm = LLM(
+            load_config(
+                None,
+                {
+                    "model.path": str(tmp_path),
+                    "model.dtype": "float32",
+                    "engine.device": "cuda",
+                    "engine.kernels": kernels,
+                    "engine.attention_backend": "triton" if graphs else "torch",
+                    "engine.cuda_graphs": graphs,
+                    "kv_cache.memory": "1GiB",
+                },
+            )
+        )
+        assert (llm.engine.executor.graphs is not None) == graphs
+        runs.append(gc.ours_greedy(llm, prompts))
+        del llm
+        torch.cuda.empty_cache()
+    for ref, ours in zip(*runs, strict=True):
+        gc.check_close(ours, ref, arch)
+
+
+def tiny_moe_config(arch: str) -> dict:
+    """The tiny Qwen3-MoE (layers 0 and 2 routed, 8 experts, top-2) and gpt-oss (4 experts,
+    top-2, sliding and full layers with sinks) configs of test_qwen3 and test_gptoss."""
+    if arch == "qwen3-moe":
+        from test_qwen3 import hf_config
+
+        return hf_config("qwen3-moe").to_dict() | {"architectures": ["Qwen3MoeForCausalLM"]}
+    from test_gptoss import hf_model
+
+    return hf_model().config.to_dict() | {"architectures": ["GptOssForCausalLM"]}
+
+
+@interpreted
+@pytest.mark.parametrize("arch", ["qwen3-moe", "gpt-oss"])
+def test_tiny_moe_model_logits_match_torch_ops(arch, monkeypatch):
+    """The whole model with TritonOps (the MoE layers on the fused kernels) against TorchOps,
+    fp32, over test_kernel_ops' three steps (packed prefill, mixed, decode)."""
+    from test_kernel_ops import assert_steps_match_torch_ops, model_weights, run_model
+
+    import inferx_kernels_cuda.ops as ops_module
+
+    cfg = tiny_moe_config(arch)
+    weights = model_weights(cfg, seed=3)
+    calls = []
+
+    def counted(*args, **kw):
+        calls.append(args[0].shape[0])
+        return fused_experts(*args, **kw)
+
+    monkeypatch.setattr(ops_module, "fused_experts", counted)
+    ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU)
+    assert calls  # the MoE layers took the fused path
+    assert_steps_match_torch_ops(cfg, weights, ours)
