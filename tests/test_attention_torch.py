@@ -297,14 +297,16 @@ def test_sliding_window_edge_is_inclusive_of_window_keys() -> None:
 
 
 @pytest.mark.parametrize("backend_path", ["triton_attention:TritonAttention"])
-def test_kernel_backends_refuse_sliding_models(backend_path: str) -> None:
+def test_kernel_backends_refuse_what_they_lack(backend_path: str) -> None:
+    pytest.importorskip("triton", reason="the triton package is not installed")
     module, name = backend_path.split(":")
     cls = getattr(__import__(f"inferx_kernels_cuda.{module}", fromlist=[name]), name)
-    assert cls.features == frozenset() and not cls.supports_kv_groups
-    with pytest.raises(NotImplementedError, match="sliding.*triton attention"):
-        cls.check_layers(GROUP_LAYERS[:2], model="Qwen2ForCausalLM")
+    assert cls.features == frozenset({"sliding", "sinks"}) and cls.supports_kv_groups
+    cls.check_layers(GROUP_LAYERS[:2], model="GptOssForCausalLM")  # sliding, two groups
+    with pytest.raises(NotImplementedError, match="softcap.*triton attention"):
+        cls.check_layers(GROUP_LAYERS, model="Gemma2ForCausalLM")
     # A backend with the feature but one block table a sequence refuses several groups.
-    one_table = type("OneTable", (cls,), {"features": frozenset({"sliding"})})
+    one_table = type("OneTable", (cls,), {"supports_kv_groups": False})
     with pytest.raises(NotImplementedError, match="2 KV cache groups"):
         one_table.check_layers(GROUP_LAYERS[:2])
     one_table.check_layers(GROUP_LAYERS[1:2])  # one sliding group is one table

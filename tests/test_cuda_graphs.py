@@ -237,11 +237,14 @@ def test_eager_reasons() -> None:
     assert eager_reason(True, CPU, capable) == "the device is cpu, not cuda"
     reason = eager_reason(True, cuda, plain)
     assert reason is not None and "TorchAttention" in reason and "does not support" in reason
-    # The runners keep one static block table: a model of two KV groups runs eagerly.
+    # Two KV groups: graphs where the backend's buffers hold every group's tables.
     sliding = KVLayerSpec(2, 1, 16, kind="sliding", window=32)
     two = GraphCapable([KVLayerSpec(2, 1, 16), sliding], 16, torch.float32, CPU)
-    assert (
-        eager_reason(True, cuda, two) == "the model has 2 KV cache groups; CUDA graphs handle one"
+    assert eager_reason(True, cuda, two) is None
+    two.supports_kv_groups = False
+    assert eager_reason(True, cuda, two) == (
+        "the model has 2 KV cache groups, which the GraphCapable backend's graph buffers do "
+        "not hold"
     )
 
 

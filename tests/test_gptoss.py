@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import interpreted  # noqa: E402
 from test_engine import NEW_TOKENS, reference  # noqa: E402
 from test_models import Runner, hf_logits, rel_err  # noqa: E402
 
@@ -380,3 +381,65 @@ def test_preset_checkpoint_loads_in_both(tmp_path):
     ).eval()
     prompts = PROMPTS[:3]
     assert generate(make_llm(out), prompts) == reference(ref, prompts)
+
+
+# -- the triton attention backend (sliding windows and sinks in its kernels, two KV groups) -----
+
+TRITON = {
+    "engine.attention_backend": "triton",
+    "engine.overlap": True,  # PENDING tokens beside the graph runners, as on a GPU
+    "model.max_model_len": 128,
+}
+
+
+def split_decodes(llm: LLM) -> None:
+    """Decodes split their contexts in 16-token pieces (the interpreter's decode tile) on the
+    CPU too: the sliding layers' splits before the window read nothing, the sinks join the
+    splits' combine."""
+    llm.engine.executor.attention.min_split_len = 16
+    llm.engine.executor.attention.target_programs = 10**6
+
+
+@interpreted
+def test_triton_greedy_equals_transformers(bf16_checkpoint):
+    """The Triton kernels under the interpreter (small: a prompt past the window and two
+    within it, 12 tokens each): chunked prefill (5-token chunks over a cached prefix, packed
+    with decodes) and decodes split past the window give transformers' tokens; a second run
+    matches the prompts' cached blocks (the prefix cache of two KV groups) and gives them
+    again."""
+    path, model = bf16_checkpoint
+    prompts = [PROMPTS[0][:30], PROMPTS[2], PROMPTS[3]]
+    expected = [tokens[:12] for tokens in reference(model, prompts)]
+    llm = make_llm(path, **TRITON, **CHUNKED, **{"scheduler.prefix_cache": True})
+    assert type(llm.engine.executor.attention).__name__ == "TritonAttention"
+    split_decodes(llm)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert [c.token_ids for c in llm.generate(prompts, params)] == expected, "chunked"
+    hits = llm.engine.scheduler.stats().prefix_hits
+    assert [c.token_ids for c in llm.generate(prompts, params)] == expected, "prefix cache"
+    assert llm.engine.scheduler.stats().prefix_hits > hits
+
+
+@interpreted
+def test_triton_graph_runners_generate_like_eager(bf16_checkpoint):
+    """The CUDA-graph runners' static buffers over two KV groups (each group's block table
+    and slots staged and copied per replay), run on the CPU without graphs: decode steps
+    (DecodeGraphRunner) and steps with prompt chunks (MixedGraphRunner) give the eager steps'
+    tokens and logits (test_cuda_graphs.generates_like_eager)."""
+    from test_cuda_graphs import generates_like_eager
+
+    from inferx_kernels_cuda.cuda_graphs import DecodeGraphRunner, MixedGraphRunner
+
+    config = {**TRITON, "scheduler.max_running": 4, "scheduler.prefill_chunk": 5}
+    llm = make_llm(bf16_checkpoint[0], **config, **{"scheduler.prefix_cache": False})
+    split_decodes(llm)
+    ex = llm.engine.executor
+    assert len(ex.attention.groups) == 2 and ex.graphs is None and ex.mixed is None
+    bs = ex.block_size
+
+    def install() -> None:
+        ex.mixed = MixedGraphRunner(ex.model, ex.attention, ex.device, 16, 4, ex.max_model_len, bs)
+        ex.graphs = DecodeGraphRunner(ex.model, ex.attention, ex.device, 4, ex.max_model_len, bs)
+
+    generates_like_eager(llm, install)
+    assert ex.graphs.replays and ex.mixed.replays

@@ -134,3 +134,49 @@ def test_dummy_qwen25_3b_matches_transformers(tmp_path_factory):
     compare(
         model, {"model.path": str(path)}, "qwen2.5-3b-dummy", lambda llm, p: llm.tokenizer.encode(p)
     )
+
+
+def test_tiny_gptoss_matches_transformers(tmp_path_factory):
+    """gpt-oss's sliding windows (8 tokens here, prompts up to 80) and learned sinks in two KV
+    groups, bf16: each backend that has them, eager and with CUDA graphs (decode and mixed
+    steps), against transformers; a backend without them refuses the model, naming what it
+    lacks."""
+    from test_gptoss import PROMPTS as GPTOSS_PROMPTS
+    from test_gptoss import hf_model
+
+    path = tmp_path_factory.mktemp("gptoss")
+    model = hf_model()
+    model.save_pretrained(path)
+    model = model.to(torch.bfloat16).cuda().eval()
+    reg = plugins()
+    runs = []
+    for backend, graphs in backends():
+        features = reg.get("attention_backend", backend).features  # type: ignore[attr-defined]
+        if {"sliding", "sinks"} <= features:
+            runs.append((backend, graphs))
+            continue
+        with pytest.raises(NotImplementedError, match="sinks|sliding"):
+            LLM(load_config(None, {"model.path": str(path), "engine.attention_backend": backend}))
+    assert ("triton", True) in runs or "triton" not in reg.names("attention_backend")
+    refs = [hf_greedy(model, p) for p in GPTOSS_PROMPTS]
+    for backend, graphs in runs:
+        config = {
+            "model.path": str(path),
+            "model.dtype": "bfloat16",
+            "engine.device": "cuda",
+            "engine.attention_backend": backend,
+            "engine.cuda_graphs": graphs,
+            "kv_cache.memory": "2GiB",
+            "scheduler.prefill_chunk": 32,  # chunks past the window over a cached prefix
+        }
+        llm = LLM(load_config(None, config))
+        assert (llm.engine.executor.graphs is not None) == graphs
+        got = ours_greedy(llm, GPTOSS_PROMPTS)
+        mode = "graphs" if graphs else "eager"
+        for i, (g, ref) in enumerate(zip(got, refs, strict=True)):
+            check_close(g, ref, f"tiny gpt-oss/{backend}/{mode}/prompt {i}")
+        if graphs:
+            ex = llm.engine.executor
+            assert ex.graphs.replays, "decode steps replayed graphs of two KV groups"
+        del llm
+        torch.cuda.empty_cache()

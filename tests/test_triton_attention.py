@@ -14,6 +14,7 @@ from test_attention_torch import dense_reference, rel_err  # noqa: E402
 
 from inferx_core.attention_torch import TorchAttention  # noqa: E402
 from inferx_core.batch import make_attention_batch  # noqa: E402
+from inferx_core.interfaces.attention import SplitAttention  # noqa: E402
 from inferx_core.interfaces.kv import KVLayerSpec  # noqa: E402
 from inferx_core.ops_torch import TorchOps  # noqa: E402
 from inferx_kernels_cuda.pdl import pdl_enabled  # noqa: E402
@@ -280,11 +281,12 @@ def test_split_policy() -> None:
         (KVLayerSpec(4, 2, 8), torch.float32, ValueError, "power-of-two head_dim"),
         (KVLayerSpec(6, 4, 16), torch.float32, ValueError, "multiple of num_kv_heads"),
         (
-            KVLayerSpec(4, 2, 16, kind="sliding", window=8),
+            KVLayerSpec(4, 2, 48, kind="sliding", window=8),
             torch.float32,
-            NotImplementedError,
-            "sliding",
+            ValueError,
+            "power-of-two head_dim",
         ),
+        (KVLayerSpec(4, 2, 16, softcap=30.0), torch.float32, NotImplementedError, "softcap"),
         (KVLayerSpec(4, 2, 16), torch.float64, NotImplementedError, "float64"),
     ],
 )
@@ -554,6 +556,9 @@ def check_decode_rotary(
     parts: bool = False,
     early: bool = False,
     preload: bool = False,
+    window: int = 0,
+    sinks: bool = False,
+    keep: bool = False,
 ) -> None:
     """decode_rotary: in a decode-only step the decode kernel rotates q and k and writes the new
     k and v itself. Against the torch reference ops' rotary followed by TorchAttention.forward
@@ -563,9 +568,14 @@ def check_decode_rotary(
     up; the reference gets their fp32 sum rounded once, as the unsplit GEMM would write it.
     early: the decode kernel's EARLY form (pdl.ATTENTION_ROWS: its metadata loaded before
     the PDL wait, with PDL where the device has it). preload: with early, its first K/V tile
-    too (preload_rows); every decode launch is checked to have taken PRELOAD."""
+    too (preload_rows); every decode launch is checked to have taken PRELOAD. window, sinks:
+    sliding layers of that window, learned sinks. keep: forward_with_rotary(keep_splits=True)
+    on every row count, which returns the splits (a SplitAttention, combined by its
+    reduce()) where the context is split, unless the layer has sinks."""
     head_dim, kv_heads, bs = 32, 2, 4
-    layers = [KVLayerSpec(kv_heads * group, kv_heads, head_dim)] * 2
+    kind = {"kind": "sliding", "window": window} if window else {}
+    layers = [KVLayerSpec(kv_heads * group, kv_heads, head_dim, learned_sinks=sinks, **kind)] * 2
+    heads_sinks = [torch.randn(kv_heads * group, device=device) if sinks else None for _ in layers]
     kwargs = {"min_split_len": 1, "target_programs": 10**6} if split else {}
     backend = TritonAttention(layers, bs, dtype, device, **kwargs)
     backend.decode_rotary = True
@@ -576,6 +586,7 @@ def check_decode_rotary(
         pdl = {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"PDL": False}
         backend._decode_pdl = lambda plan, spec: pdl | {"TRIGGER": pdl["PDL"], "EARLY": early}
     backend.preload_rows = ((1, 1 << 30),) if preload else ()
+    backend.keep_split_rows = ((1, 1 << 30),) if keep else ()
     launches = []
     choose = backend._decode_launch_pdl
 
@@ -618,18 +629,26 @@ def check_decode_rotary(
                 t.unflatten(-1, (h, head_dim))
                 for t, h in zip(pieces.split(sizes, -1), heads, strict=True)
             )
-            attn = backend.layer(layer, head_dim**-0.5)
+            attn = backend.layer(layer, head_dim**-0.5, sinks=heads_sinks[layer])
             got = backend.forward_with_rotary(attn, pq, pk, pv, positions, cos_sin,
-                                              bias=tuple(bias.split(sizes)))  # fmt: skip
+                                              bias=tuple(bias.split(sizes)),
+                                              keep_splits=keep)  # fmt: skip
         else:
             q, k, v = (torch.randn(len(ends), h, head_dim, device=device).to(dtype) for h in heads)
             fq, fk, fv = fused_views(q.clone(), k.clone(), v.clone())
+            attn = backend.layer(layer, head_dim**-0.5, sinks=heads_sinks[layer])
             got = backend.forward_with_rotary(
-                backend.layer(layer, head_dim**-0.5), fq, fk, fv, positions, cos_sin
+                attn, fq, fk, fv, positions, cos_sin, keep_splits=keep
             )
         splits.append(backend._plan.num_splits)
+        if isinstance(got, SplitAttention):
+            assert keep and split and not sinks
+            got = got.reduce()
+        else:
+            assert not (keep and split and not sinks), "a split context's splits come back"
         rq, rk = ops.rotary(positions, q.clone(), k.clone(), cos_sin)
-        want = reference.forward(reference.layer(layer, head_dim**-0.5), rq, rk, v)
+        ref_layer = reference.layer(layer, head_dim**-0.5, sinks=heads_sinks[layer])
+        want = reference.forward(ref_layer, rq, rk, v)
         assert rel_err(got, want) <= TOL[dtype]
         # bf16: the kernel and torch's ops round the two products of a rotated element
         # differently now and then, an ulp each (seen on the CPU for the separate rotary
@@ -709,3 +728,180 @@ def forward_padding_row(
     backend.forward_with_rotary(backend.layer(0, 1.0), q, k, v, position, cos_sin)
     assert torch.equal(backend.caches[0], before)
     return q, rotated
+
+
+# -- Sliding windows, learned sinks and KV groups ------------------------------------------------
+
+
+def group_layers(window: int) -> list[KVLayerSpec]:
+    """Two KV groups (full: layers 0, 3; sliding: 1, 2) with and without learned sinks, as
+    gpt-oss alternates them (its GQA group of 8 is 4 here)."""
+    sliding = {"kind": "sliding", "window": window}
+    return [
+        KVLayerSpec(8, 2, 16),
+        KVLayerSpec(8, 2, 16, **sliding),
+        KVLayerSpec(8, 2, 16, learned_sinks=True, **sliding),
+        KVLayerSpec(8, 2, 16, learned_sinks=True),
+    ]
+
+
+def run_group_schedule(
+    backend: TorchAttention,
+    schedule: list[list[tuple[str, int, int]]],
+    totals: dict[str, int],
+    shared: dict[str, tuple[str, int]],
+    tol: float,
+) -> dict[str, int]:
+    """Steps of (sequence, first, end) chunks over block tables from a two-group
+    PagedKVManager with its prefix cache on (sliding tables lose their blocks behind the
+    window, entry 0); every layer's output against float64 attention with the window and the
+    sinks (featured_reference) over the same rounded inputs. shared[name] = (other, n): the
+    sequence's first n tokens (ids and q/k/v) are the other's, and it starts with
+    match_prefix, committed after every step. Block 0 and free blocks hold NaN, so reading one
+    would show. Returns each sequence's matched prefix length."""
+    from test_attention_torch import featured_reference
+
+    from inferx_core.interfaces.kv import kv_groups
+    from inferx_core.kv_manager import PagedKVManager
+    from inferx_core.sequence import SamplingParams, Sequence
+
+    layers, bs, dtype, device = backend.layers, backend.block_size, backend.dtype, backend.device
+    kv = PagedKVManager(60, bs, prefix_cache=True, groups=kv_groups(layers), max_chunk=16)
+    backend.allocate(60)
+    gen = torch.Generator().manual_seed(3)
+    sinks = [
+        torch.randn(s.num_q_heads, generator=gen) * 2 if s.learned_sinks else None for s in layers
+    ]
+    attn = [
+        backend.layer(i, 0.5, sinks=None if x is None else x.to(device))
+        for i, x in enumerate(sinks)
+    ]
+    ids, qkv = {}, {}
+    for name, n in totals.items():
+        ids[name] = torch.randint(0, 1000, (n,), generator=gen).tolist()
+        qkv[name] = [
+            [torch.randn(n, h, 16, generator=gen).to(dtype) for h in (8, 2, 2)] for _ in layers
+        ]
+    for name, (other, n) in shared.items():
+        ids[name][:n] = ids[other][:n]
+        for mine, theirs in zip(qkv[name], qkv[other], strict=True):
+            for x, y in zip(mine, theirs, strict=True):
+                x[:n] = y[:n]
+    seqs = {name: Sequence(ids[name], SamplingParams()) for name in totals}
+    matched: dict[str, int] = {}
+    for step in schedule:
+        spans = []
+        for name, a, b in step:
+            s = seqs[name]
+            if name in shared and name not in matched:
+                matched[name] = s.num_computed = a = kv.match_prefix(s)  # runs from there on
+            assert s.num_computed == a and kv.allocate(s, b), (name, a, b)
+            s.num_computed = b
+            spans.append((name, a, b))
+        for cache in backend.caches:  # nobody holds block 0 or a free block: poison them
+            cache[:, [0, *kv._free]] = float("nan")
+        group_tables = [[seqs[n].block_tables[g] for n, _, _ in spans] for g in range(2)]
+        batch = make_attention_batch(
+            [b - a for _, a, b in spans], [b for _, _, b in spans], group_tables[0], bs,
+            backend.device, group_tables=group_tables,
+        )  # fmt: skip
+        backend.begin_step(batch)
+        for i, layer in enumerate(attn):
+            q, k, v = (
+                torch.cat([qkv[n][i][j][a:b] for n, a, b in spans]).to(device) for j in range(3)
+            )
+            out = backend.forward(layer, *fused_views(q, k, v)).cpu()
+            spec = layers[i]
+            row = 0
+            for n, a, b in spans:
+                full_q, full_k, full_v = qkv[n][i]
+                window = spec.window if spec.kind == "sliding" else None
+                expected = featured_reference(
+                    full_q[a:b], full_k[:b], full_v[:b], 0.5, window, 0.0, sinks[i]
+                )
+                got = out[row : row + b - a]
+                assert not got.isnan().any(), (i, n, a, b)
+                assert rel_err(got.double(), expected) <= tol, (i, n, a, b)
+                row += b - a
+        for s in seqs.values():
+            if s.num_computed:
+                kv.commit(s)
+    return matched
+
+
+# a: a prompt in chunks, then decodes; b: a short prompt and decodes (its context under the
+# window); c and e: fresh prompts beside them, e's longer than the window; d: a's first 32
+# tokens and its own, from the prefix cache (its sliding table holds only its window's blocks).
+GROUP_SCHEDULE = [
+    [("a", 0, 17), ("b", 0, 3)],
+    [("a", 17, 30), ("b", 3, 4), ("c", 0, 7)],
+    [("a", 30, 41), ("b", 4, 11), ("c", 7, 8), ("e", 0, 26)],
+    [("a", 41, 42), ("b", 11, 12), ("d", 0, 37)],
+    [("a", 42, 43), ("d", 37, 38), ("c", 8, 9), ("e", 26, 27)],
+    [("a", 43, 44), ("d", 38, 39)],
+]
+GROUP_TOTALS = {"a": 44, "b": 12, "c": 9, "d": 39, "e": 27}
+
+
+@interpreted
+@pytest.mark.parametrize(
+    ("window", "dense", "dtype"),
+    [(5, True, torch.float32), (20, False, torch.float32), (20, True, torch.float16)],
+)
+def test_sliding_sinks_two_groups_match_float64(
+    window: int, dense: bool, dtype: torch.dtype
+) -> None:
+    """Sliding windows (shorter than a 16-token tile, and across the decode splits' 16-token
+    boundaries; longer than b's and c's contexts) and learned sinks in two KV groups, through
+    every kernel: fresh prompts (dense_prefill_kernel or prefill_kernel), chunks over a cached
+    or prefix-cache-matched prefix, and decodes split over the context (a split wholly before
+    the window reads nothing), in mixed steps."""
+    backend = TritonAttention(
+        group_layers(window), 4, dtype, torch.device("cpu"), min_split_len=1,
+        target_programs=10**6,
+    )  # fmt: skip
+    backend.dense_prefill = dense
+    assert len(backend.groups) == 2
+    matched = run_group_schedule(
+        backend, GROUP_SCHEDULE, GROUP_TOTALS, {"d": ("a", 32)}, TOL[dtype]
+    )
+    assert 0 < matched["d"] <= 32
+
+
+@interpreted
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize(("window", "sinks"), [(9, False), (9, True), (0, True)])
+@pytest.mark.parametrize("parts", [False, True])
+def test_decode_rotary_with_windows_and_sinks(
+    window: int, sinks: bool, parts: bool, keep: bool
+) -> None:
+    """The decode kernel's fused paths (rotary and KV write, QKV parts, early metadata and the
+    preloaded first tile) on sliding layers (a 9-token window across 16-token splits) and
+    layers with sinks, split: against the torch reference; a layer with sinks combines its
+    splits itself (with the sinks), one without may hand them to o_proj (keep)."""
+    torch.manual_seed(window + 2 * sinks + 4 * parts)
+    check_decode_rotary(
+        4, torch.float32, torch.device("cpu"), True, parts, early=True, preload=True,
+        window=window, sinks=sinks, keep=keep,
+    )  # fmt: skip
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("small_tiles", [False, True])
+@pytest.mark.parametrize("window", [5, 20])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_sliding_sinks_two_groups(window: int, dtype: torch.dtype, small_tiles: bool) -> None:
+    """test_sliding_sinks_two_groups_match_float64 on the GPU's compiled kernels (dense
+    prefill by TMA on sm_90), with the GPU's tiles or the interpreter's 16-token ones (then
+    the decodes split at 16-token boundaries, across the window)."""
+    backend = TritonAttention(
+        group_layers(window), 4, dtype, torch.device("cuda"), min_split_len=1,
+        target_programs=10**6,
+    )  # fmt: skip
+    if small_tiles:
+        backend.decode_block_n = backend.prefill_block_m = backend.prefill_block_n = 16
+    matched = run_group_schedule(
+        backend, GROUP_SCHEDULE, GROUP_TOTALS, {"d": ("a", 32)}, TOL[dtype]
+    )
+    assert 0 < matched["d"] <= 32

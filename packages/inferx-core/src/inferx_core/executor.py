@@ -446,13 +446,14 @@ class ModelRunner(Executor):
             self.block_size,
         )
         fill = self._pending_filler(pending_rows, chunks, pending)
+        groups = None  # one group: its tables are the layout's
+        if len(self.kv_groups) > 1:
+            groups = [[c.seq.block_tables[g.index] for c in chunks] for g in self.kv_groups]
         if self.mixed is not None and self.mixed.fits(len(ids), len(chunks)):
-            hidden = self.mixed.run(ids, positions, make_attention_batch(*layout), fill)
+            batch = make_attention_batch(*layout, "cpu", groups)  # host tensors for the replay
+            hidden = self.mixed.run(ids, positions, batch, fill)
             rows = to_device(torch.tensor(sample_rows, dtype=torch.long), self.device)
         else:
-            groups = None  # one group: its tables are the layout's (graphs run single-group only)
-            if len(self.kv_groups) > 1:
-                groups = [[c.seq.block_tables[g.index] for c in chunks] for g in self.kv_groups]
             self.attention.begin_step(make_attention_batch(*layout, self.device, groups))
             # Each part 16-byte aligned: a slice at an odd token count would be a pointer
             # alignment Triton compiles another kernel variant for, mid-serving.

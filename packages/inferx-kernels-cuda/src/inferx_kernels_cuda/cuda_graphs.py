@@ -62,9 +62,12 @@ def eager_reason(enabled: bool, device: torch.device, attention: AttentionBacken
         return f"the device is {device.type}, not cuda"
     if not attention.supports_cuda_graphs:
         return f"the {type(attention).__name__} attention backend does not support CUDA graphs"
-    if len(attention.groups) > 1:
-        # The graph runners' static buffers hold one block table a sequence.
-        return f"the model has {len(attention.groups)} KV cache groups; CUDA graphs handle one"
+    if len(attention.groups) > 1 and not attention.supports_kv_groups:
+        # Such a backend's static buffers hold one block table a sequence.
+        return (
+            f"the model has {len(attention.groups)} KV cache groups, which the "
+            f"{type(attention).__name__} backend's graph buffers do not hold"
+        )
     return None
 
 
@@ -113,6 +116,10 @@ class DecodeGraphRunner:
         self._query_start = torch.arange(n + 1, dtype=torch.int32)
         self._np = [t.numpy() for t in (self._ids, self._positions, self._context_len)]
         self._np += [self._slot_mapping.numpy(), self._block_table.numpy()]
+        # Several KV groups: the slots and tables of groups 1.. are staged beside group 0's.
+        more = len(attention.groups) - 1
+        self._more_slots = _pinned((more, n), torch.int64, device)
+        self._more_tables = _pinned((more, n, self.max_blocks), torch.int32, device)
         # Recorded after each replay's copies (on a GPU): the staging tensors are free again.
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         # Early copies: the forward pass records `_inputs_free` (inside the graph, as an
@@ -224,6 +231,8 @@ class DecodeGraphRunner:
             block_table=self._block_table[:n, :width],
             context_len=self._context_len[:n],
         )
+        if self._more_tables.shape[0]:
+            self._stage_groups(batch, seqs, starts, width)
         graph = self.graphs.get(size)
         if graph is None:
             self.attention.prepare_for_capture(size)
@@ -247,6 +256,23 @@ class DecodeGraphRunner:
         self.replays[size] += 1
         assert self.logits is not None
         return self.logits[:n]
+
+    def _stage_groups(
+        self, batch: AttentionBatch, seqs: list, starts: list[int], width: int
+    ) -> None:
+        """Every KV group's slots and block tables into `batch` (a model of several groups;
+        each group's tables are as long as group 0's)."""
+        n, bs = len(seqs), self.block_size
+        batch.group_block_tables.append(batch.block_table)
+        batch.group_slot_mappings.append(batch.slot_mapping)
+        for g in range(self._more_tables.shape[0]):
+            slots, table = self._more_slots[g].numpy(), self._more_tables[g].numpy()
+            tables = [s.block_tables[g + 1] for s in seqs]
+            slots[:n] = [t[p // bs] * bs + p % bs for t, p in zip(tables, starts, strict=True)]
+            for i, t in enumerate(tables):
+                table[i, : len(t)] = t
+            batch.group_block_tables.append(self._more_tables[g, :n, :width])
+            batch.group_slot_mappings.append(self._more_slots[g, :n])
 
 
 def _next_size(sizes: list[int], n: int) -> int | None:

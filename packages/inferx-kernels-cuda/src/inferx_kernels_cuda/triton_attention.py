@@ -80,6 +80,10 @@ class _Plan:
     # by GQA group size: the fresh prompts' tiles for dense_prefill_kernel (dense_prefill)
     dense_tiles: dict[int, _Tiles] = field(default_factory=dict)
     dense_config: DenseConfig | None = None  # their tile and launch
+    # with several KV groups, every group's tables and slots (index 0: the fields above);
+    # empty for one group, and in dry runs, where every group reads group 0's
+    group_block_tables: list[torch.Tensor] = field(default_factory=list)
+    group_slot_mappings: list[torch.Tensor] = field(default_factory=list)
 
 
 def _graph_decode_rows(plan: _Plan) -> int:
@@ -103,6 +107,10 @@ class _GraphBuffers:
     staged_context_len: torch.Tensor  # host (pinned on a GPU) copies of the per-row vectors
     staged_slot_mapping: torch.Tensor
     copied: torch.cuda.Event | None  # the last replay's copies out of the staged tensors
+    # with several KV groups, those of groups 1.. (group 0's are the fields above)
+    more_block_tables: list[torch.Tensor] = field(default_factory=list)
+    more_slot_mappings: list[torch.Tensor] = field(default_factory=list)
+    more_staged_slot_mappings: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -125,6 +133,9 @@ class _MixedBuffers:
     decode_seqs: torch.Tensor  # [max_seqs] int32: the one-query sequences, one slot each
     part_o: torch.Tensor  # split-K scratch for the largest token count's decode grid
     part_lse: torch.Tensor
+    # with several KV groups, the slot mappings and block tables of groups 1..
+    more_slot_mappings: list[torch.Tensor] = field(default_factory=list)
+    more_block_tables: list[torch.Tensor] = field(default_factory=list)
 
 
 def write_kv(
@@ -152,6 +163,21 @@ def write_kv(
         HEADS_PAD=triton.next_power_of_2(spec.num_kv_heads),
         HEAD_DIM=spec.head_dim,
     )
+
+
+def _group_fields(
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    more_slot_mappings: list[torch.Tensor],
+    more_block_tables: list[torch.Tensor],
+) -> dict[str, list[torch.Tensor]]:
+    """A graph plan's per-group fields: none for one KV group, else every group's."""
+    if not more_block_tables:
+        return {}
+    return {
+        "group_slot_mappings": [slot_mapping, *more_slot_mappings],
+        "group_block_tables": [block_table, *more_block_tables],
+    }
 
 
 def checked_graph_buffers(backend: Any, batch_size: int) -> Any:
@@ -187,10 +213,11 @@ class TritonAttention(TorchAttention):
     """
 
     name = "triton attention"
-    # Not TorchAttention's: these kernels read one full-attention block table, no window, sinks
-    # or softcap, so start-up refuses models that need them (check_layers).
-    features: frozenset[str] = frozenset()
-    supports_kv_groups = False
+    # Sliding windows and learned sinks are constexpr flags of the kernels (a layer without
+    # them compiles to the plain kernel); several KV groups read each layer's group's tables.
+    # No softcap: start-up refuses models that need it (check_layers).
+    features: frozenset[str] = frozenset({"sliding", "sinks"})
+    supports_kv_groups = True
     max_splits = 64
     supports_cuda_graphs = True
     replays_on_current_stream = True
@@ -213,7 +240,7 @@ class TritonAttention(TorchAttention):
             )
         for i, spec in enumerate(layers):
             d = spec.head_dim
-            if spec.kind == "full" and (d < 16 or d & (d - 1)):  # others: refused below
+            if spec.kind in ("full", "sliding") and (d < 16 or d & (d - 1)):  # others: refused
                 raise ValueError(
                     f"triton attention needs a power-of-two head_dim >= 16; layer {i} has {d}"
                 )
@@ -386,11 +413,17 @@ class TritonAttention(TorchAttention):
             part_o = torch.empty(rows * dim, dtype=torch.float32, device=device)
             part_lse = torch.empty(rows, dtype=torch.float32, device=device)
 
+        slot_mapping = batch.slot_mapping.to(device, torch.int64)
+        block_table = batch.block_table.to(device, torch.int32)
+        group_tables = [block_table] if batch.group_block_tables else []
+        group_slots = [slot_mapping] if batch.group_slot_mappings else []
+        group_tables += [t.to(device, torch.int32) for t in batch.group_block_tables[1:]]
+        group_slots += [t.to(device, torch.int64) for t in batch.group_slot_mappings[1:]]
         self._plan = _Plan(
-            slot_mapping=batch.slot_mapping.to(device, torch.int64),
+            slot_mapping=slot_mapping,
             query_start=batch.query_start.to(device, torch.int32),
             context_len=context_len,
-            block_table=batch.block_table.to(device, torch.int32),
+            block_table=block_table,
             decode_seqs=decode_seqs,
             num_decode=len(decode),
             all_decode=not prefill,
@@ -401,6 +434,8 @@ class TritonAttention(TorchAttention):
             tiles=tiles,
             dense_tiles=dense_tiles,
             dense_config=dense_config,
+            group_block_tables=group_tables,
+            group_slot_mappings=group_slots,
         )
 
     def _plan_splits(self, num_decode: int, max_ctx: int) -> tuple[int, int]:
@@ -453,6 +488,7 @@ class TritonAttention(TorchAttention):
         device = self.device
         part_o, part_lse = self._split_scratch(max_batch, max_blocks_per_seq * self.block_size)
         pin = device.type == "cuda"
+        more = range(len(self.groups) - 1)  # groups past the first, each with its own metadata
         self._graph = _GraphBuffers(
             max_batch=max_batch,
             max_blocks=max_blocks_per_seq,
@@ -467,6 +503,16 @@ class TritonAttention(TorchAttention):
             staged_context_len=torch.ones(max_batch, dtype=torch.int32, pin_memory=pin),
             staged_slot_mapping=torch.full((max_batch,), -1, dtype=torch.int64, pin_memory=pin),
             copied=None,
+            more_block_tables=[
+                torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
+                for _ in more
+            ],
+            more_slot_mappings=[
+                torch.full((max_batch,), -1, dtype=torch.int64, device=device) for _ in more
+            ],
+            more_staged_slot_mappings=[
+                torch.full((max_batch,), -1, dtype=torch.int64, pin_memory=pin) for _ in more
+            ],
         )
 
     def prepare_for_capture(self, batch_size: int) -> None:
@@ -475,6 +521,8 @@ class TritonAttention(TorchAttention):
         num_splits = self._plan_splits(batch_size, max_ctx)[0]
         g.context_len[:batch_size].fill_(1)
         g.slot_mapping[:batch_size].fill_(-1)
+        for slots in g.more_slot_mappings:
+            slots[:batch_size].fill_(-1)
         self._plan = _Plan(
             slot_mapping=g.slot_mapping[:batch_size],
             query_start=g.query_start[: batch_size + 1],
@@ -489,6 +537,12 @@ class TritonAttention(TorchAttention):
             part_lse=g.part_lse if num_splits > 1 else None,
             tiles={},
             seq_split=True,
+            **_group_fields(
+                g.slot_mapping[:batch_size],
+                g.block_table[:batch_size],
+                [t[:batch_size] for t in g.more_slot_mappings],
+                [t[:batch_size] for t in g.more_block_tables],
+            ),
         )
 
     def prepare_for_replay(self, batch: AttentionBatch, padded_batch_size: int) -> None:
@@ -512,10 +566,35 @@ class TritonAttention(TorchAttention):
         # Padding rows keep whatever ids their table rows hold: all valid, and read only at
         # position 0.
         g.block_table[:n, :width].copy_(batch.block_table, non_blocking=True)
+        if g.more_block_tables:
+            self._replay_groups(g, batch, n, padded_batch_size)
         if self.device.type == "cuda":
             if g.copied is None:
                 g.copied = torch.cuda.Event()
             g.copied.record()
+
+    def _replay_groups(
+        self, g: _GraphBuffers, batch: AttentionBatch, n: int, padded_batch_size: int
+    ) -> None:
+        """prepare_for_replay's copies of the KV groups past the first."""
+        if len(batch.group_block_tables) != len(self.groups):
+            raise ValueError(
+                f"{self.name}: a replay of a model of {len(self.groups)} KV groups takes every "
+                f"group's tables; got {len(batch.group_block_tables)}"
+            )
+        more = zip(
+            batch.group_block_tables[1:],
+            batch.group_slot_mappings[1:],
+            g.more_block_tables,
+            g.more_slot_mappings,
+            g.more_staged_slot_mappings,
+            strict=True,
+        )
+        for table, slot_mapping, dest_table, dest_slots, staged in more:
+            staged[:n].copy_(slot_mapping)
+            staged[n:padded_batch_size] = -1
+            dest_slots[:padded_batch_size].copy_(staged[:padded_batch_size], non_blocking=True)
+            dest_table[:n, : table.shape[1]].copy_(table, non_blocking=True)
 
     # -- CUDA graphs of steps with prompt tokens ---------------------------------------------
     #
@@ -537,6 +616,7 @@ class TritonAttention(TorchAttention):
         part_o, part_lse = self._split_scratch(
             min(max_tokens, max_seqs), max_blocks_per_seq * self.block_size
         )
+        more = range(len(self.groups) - 1)  # groups past the first, each with its own metadata
         self._mixed = _MixedBuffers(
             max_tokens=max_tokens,
             max_seqs=max_seqs,
@@ -556,6 +636,13 @@ class TritonAttention(TorchAttention):
             decode_seqs=torch.zeros(max_seqs, dtype=torch.int32, device=device),
             part_o=part_o,
             part_lse=part_lse,
+            more_slot_mappings=[
+                torch.full((max_tokens,), -1, dtype=torch.int64, device=device) for _ in more
+            ],
+            more_block_tables=[
+                torch.zeros(max_seqs + 1, max_blocks_per_seq, dtype=torch.int32, device=device)
+                for _ in more
+            ],
         )
 
     def _mixed_tile_count(self, num_tokens: int, max_seqs: int, group: int) -> int:
@@ -600,11 +687,19 @@ class TritonAttention(TorchAttention):
             part_lse=m.part_lse if splits > 1 else None,
             tiles=tiles,
             seq_split=True,
+            **_group_fields(
+                m.slot_mapping[:num_tokens],
+                m.block_table,
+                [t[:num_tokens] for t in m.more_slot_mappings],
+                m.more_block_tables,
+            ),
         )
 
     def prepare_mixed_capture(self, num_tokens: int) -> None:
         m = self._mixed_buffers(num_tokens)
         m.slot_mapping.fill_(-1)
+        for slots in m.more_slot_mappings:
+            slots.fill_(-1)
         tile_lists = (*m.tile_seq.values(), *m.tile_start.values(), m.decode_seqs)
         for t in (m.query_start, m.context_len, *tile_lists):
             t.zero_()  # every tile on row 0, which has no queries and no context
@@ -643,11 +738,26 @@ class TritonAttention(TorchAttention):
         packed = _pinned(packed)
         for dest, offset, part in zip(dests, at, parts, strict=True):
             dest.copy_(packed[offset : offset + len(part)], non_blocking=True)
-        slots = torch.full((num_tokens,), -1, dtype=torch.int64)
-        slots[:real] = batch.slot_mapping
-        m.slot_mapping[:num_tokens].copy_(_pinned(slots), non_blocking=True)
         # Rows past n keep older ids: every one a valid block, and never read.
-        m.block_table[:n, :width].copy_(_pinned(batch.block_table), non_blocking=True)
+        tables = [(batch.slot_mapping, batch.block_table, m.slot_mapping, m.block_table)]
+        if m.more_block_tables:
+            if len(batch.group_block_tables) != len(self.groups):
+                raise ValueError(
+                    f"{self.name}: a mixed replay of a model of {len(self.groups)} KV groups "
+                    f"takes every group's tables; got {len(batch.group_block_tables)}"
+                )
+            tables += zip(
+                batch.group_slot_mappings[1:],
+                batch.group_block_tables[1:],
+                m.more_slot_mappings,
+                m.more_block_tables,
+                strict=True,
+            )
+        for slot_mapping, table, dest_slots, dest_table in tables:
+            padded = torch.full((num_tokens,), -1, dtype=torch.int64)
+            padded[:real] = slot_mapping
+            dest_slots[:num_tokens].copy_(_pinned(padded), non_blocking=True)
+            dest_table[:n, : table.shape[1]].copy_(_pinned(table), non_blocking=True)
         self._plan = self._mixed_plan(m, num_tokens)
 
     @staticmethod
@@ -674,7 +784,7 @@ class TritonAttention(TorchAttention):
     def forward(
         self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        return self._forward(layer.index, q, k, v, layer.scale, None)
+        return self._forward(layer, q, k, v, None)
 
     def takes_qkv_parts(self) -> bool:
         """Decode-only steps with the rotary in the decode kernel, when qkv_parts is on."""
@@ -710,16 +820,14 @@ class TritonAttention(TorchAttention):
                 f"{tuple(cos_sin.shape)} {cos_sin.dtype}"
             )
         rotary = (positions, cos_sin)
-        index, scale = layer.index, layer.scale
         if q.dim() == 4 or bias is not None:
-            return self._forward_parts(index, (q, k, v), scale, rotary, bias, keep_splits)
-        return self._forward(index, q, k, v, scale, rotary, keep_splits=keep_splits)
+            return self._forward_parts(layer, (q, k, v), rotary, bias, keep_splits)
+        return self._forward(layer, q, k, v, rotary, keep_splits=keep_splits)
 
     def _forward_parts(
         self,
-        layer: int,
+        layer: AttentionLayer,
         qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        scale: float,
         rotary: tuple[torch.Tensor, torch.Tensor],
         bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
         keep_splits: bool = False,
@@ -738,7 +846,7 @@ class TritonAttention(TorchAttention):
                 f"triton attention: q, k, v must be [{parts}, tokens, heads, dim] with the head "
                 f"dim contiguous; got {[tuple(x.shape) for x in views]}"
             )
-        spec = self.layers[layer]
+        spec = layer.spec
         if bias is not None:
             sizes = (spec.num_q_heads * spec.head_dim, *(spec.num_kv_heads * spec.head_dim,) * 2)
             if any(b.shape != (n,) or b.stride(0) != 1 for b, n in zip(bias, sizes, strict=True)):
@@ -756,7 +864,7 @@ class TritonAttention(TorchAttention):
         if bias is not None:
             extra |= {"q_bias_ptr": bias[0], "k_bias_ptr": bias[1], "v_bias_ptr": bias[2]}
         q0, k0, v0 = (x[0] for x in views)
-        return self._forward(layer, q0, k0, v0, scale, rotary, extra, keep_splits)
+        return self._forward(layer, q0, k0, v0, rotary, extra, keep_splits)
 
     def _pdl(self, plan: _Plan, spec: KVLayerSpec) -> dict[str, Any]:
         """The decode kernel and the reduce let the kernel after them launch early (o_proj's
@@ -787,8 +895,11 @@ class TritonAttention(TorchAttention):
             args = args | {"PRELOAD": True}
         return args
 
-    def _reduce(self, plan: _Plan, spec: KVLayerSpec, out: torch.Tensor) -> torch.Tensor:
-        """Combine the decode kernel's context splits into out [T, heads, dim]; returns out."""
+    def _reduce(
+        self, plan: _Plan, spec: KVLayerSpec, out: torch.Tensor, sinks: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Combine the decode kernel's context splits into out [T, heads, dim] (with the
+        layer's learned sinks, if any); returns out."""
         # Eager steps pad to the most splits there can be: one compiled variant.
         splits_pad = triton.next_power_of_2(plan.num_splits if plan.seq_split else self.max_splits)
         heads = self._reduce_heads(spec.num_q_heads, splits_pad)
@@ -811,6 +922,7 @@ class TritonAttention(TorchAttention):
             ALL_DECODE=plan.all_decode,
             **self.reduce_launch,
             **self._pdl(plan, spec),
+            **({} if sinks is None else {"sinks_ptr": sinks, "SINKS": True}),
         )
         return out
 
@@ -824,6 +936,7 @@ class TritonAttention(TorchAttention):
         v: torch.Tensor,
         out: torch.Tensor,
         scale_log2: float,
+        extra: dict[str, Any],
     ) -> None:
         """dense_prefill_kernel over the fresh prompts' tiles: q, k, v as [tokens, heads, dim]
         (k as the cache holds it), through TMA descriptors."""
@@ -853,15 +966,15 @@ class TritonAttention(TorchAttention):
             DOT_PRECISION=self._dot_precision,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
+            **extra,
         )
 
     def _forward(
         self,
-        layer: int,
+        layer: AttentionLayer,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        scale: float,
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
         parts: dict[str, Any] | None = None,
         keep_splits: bool = False,
@@ -872,9 +985,19 @@ class TritonAttention(TorchAttention):
         plan = self._plan
         if plan is None:
             raise RuntimeError("triton attention: begin_step() must run before forward()")
-        spec = self.layers[layer]
-        cache = self.caches[layer]
+        spec = layer.spec
+        cache = self.caches[layer.index]
         k_cache, v_cache = cache[0], cache[1]
+        block_table, slot_mapping = plan.block_table, plan.slot_mapping
+        if plan.group_block_tables:
+            block_table = plan.group_block_tables[layer.group]
+            slot_mapping = plan.group_slot_mappings[layer.group]
+        # Sliding windows and sinks: constexpr flags, absent (the plain kernels) without them.
+        features: dict[str, Any] = {}
+        if spec.kind == "sliding":
+            features["WINDOW"] = spec.window
+        if layer.sinks is not None:
+            features |= {"sinks_ptr": layer.sinks, "SINKS": True}
         # Kernels take any row and head strides (q, k, v are often views of one fused
         # projection) but need each head's dim contiguous.
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
@@ -882,10 +1005,10 @@ class TritonAttention(TorchAttention):
         out = q.new_empty(num_tokens, spec.num_q_heads, spec.head_dim)
         if num_tokens == 0:
             return out
-        if plan.slot_mapping.shape[0] != num_tokens:
+        if slot_mapping.shape[0] != num_tokens:
             raise ValueError(
                 f"triton attention: {num_tokens} tokens but the step's slot_mapping has "
-                f"{plan.slot_mapping.shape[0]}"
+                f"{slot_mapping.shape[0]}"
             )
 
         # The decode kernel rotates and writes the new tokens itself (ROTARY) in decode-only
@@ -897,13 +1020,13 @@ class TritonAttention(TorchAttention):
             and plan.num_decode == num_tokens
         )
         if rotary is None:
-            write_kv(k, v, k_cache, v_cache, plan.slot_mapping, spec)
+            write_kv(k, v, k_cache, v_cache, slot_mapping, spec)
         elif in_decode:
             positions, cos_sin = rotary[0], rotary[1].contiguous()
             new_tokens = {
                 "k_new_ptr": k,
                 "v_new_ptr": v,
-                "slot_ptr": plan.slot_mapping,
+                "slot_ptr": slot_mapping,
                 "positions_ptr": positions.contiguous(),
                 "cos_sin_ptr": cos_sin,
                 "stride_kt": k.stride(0),
@@ -925,7 +1048,7 @@ class TritonAttention(TorchAttention):
                 v,
                 k_cache,
                 v_cache,
-                plan.slot_mapping,
+                slot_mapping,
                 positions.contiguous(),
                 cos_sin,
                 spec.num_q_heads,
@@ -950,10 +1073,10 @@ class TritonAttention(TorchAttention):
             )
 
         group = spec.num_q_heads // spec.num_kv_heads
-        scale_log2 = scale * _LOG2E
+        scale_log2 = layer.scale * _LOG2E
         dense = plan.dense_tiles.get(group)
         if dense is not None:
-            self._dense_prefill(dense, plan, spec, q, k, v, out, scale_log2)
+            self._dense_prefill(dense, plan, spec, q, k, v, out, scale_log2, features)
         cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         if plan.num_decode:
             split = plan.num_splits > 1
@@ -964,7 +1087,7 @@ class TritonAttention(TorchAttention):
                 out,
                 plan.part_o if split else out,
                 plan.part_lse if split else out,
-                plan.block_table,
+                block_table,
                 plan.context_len,
                 plan.query_start,
                 plan.decode_seqs,
@@ -974,7 +1097,7 @@ class TritonAttention(TorchAttention):
                 q.stride(1),
                 out.stride(0),
                 out.stride(1),
-                plan.block_table.stride(0),
+                block_table.stride(0),
                 *cache_strides,
                 GROUP=group,
                 GROUP_PAD=max(16, triton.next_power_of_2(group)),
@@ -990,8 +1113,11 @@ class TritonAttention(TorchAttention):
                 **(parts or {}),
                 **self.decode_launch,
                 **self._decode_launch_pdl(plan, spec, in_decode),
+                **features,
             )
+            # The sinks join the splits' combine, which o_proj's own combine does not know.
             keep = keep_splits and in_ranges(plan.num_decode, self.keep_split_rows)
+            keep = keep and layer.sinks is None
             if split and keep and plan.all_decode:
                 return SplitAttention(
                     part_o=plan.part_o,
@@ -1004,10 +1130,10 @@ class TritonAttention(TorchAttention):
                     split_len=plan.split_len,
                     seq_split=plan.seq_split,
                     tile=self.decode_block_n,
-                    reduce=lambda: self._reduce(plan, spec, out),
+                    reduce=lambda: self._reduce(plan, spec, out, None),
                 )
             if split:
-                self._reduce(plan, spec, out)
+                self._reduce(plan, spec, out, layer.sinks)
 
         for tiles in plan.tiles.get(group, []):
             kernels.prefill_kernel[(tiles.count, spec.num_kv_heads)](
@@ -1015,7 +1141,7 @@ class TritonAttention(TorchAttention):
                 k_cache,
                 v_cache,
                 out,
-                plan.block_table,
+                block_table,
                 plan.context_len,
                 plan.query_start,
                 tiles.seq,
@@ -1025,7 +1151,7 @@ class TritonAttention(TorchAttention):
                 q.stride(1),
                 out.stride(0),
                 out.stride(1),
-                plan.block_table.stride(0),
+                block_table.stride(0),
                 *cache_strides,
                 GROUP=group,
                 HEAD_DIM=spec.head_dim,
@@ -1036,5 +1162,6 @@ class TritonAttention(TorchAttention):
                 UPCAST=self._upcast,
                 DOT_PRECISION=self._dot_precision,
                 **self.prefill_options(group),
+                **features,
             )
         return out

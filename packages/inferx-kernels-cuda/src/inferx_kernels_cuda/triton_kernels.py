@@ -25,6 +25,7 @@ from inferx_kernels_cuda.pdl import pdl_start
 # A finite floor for the running max: a row that has seen no key yet keeps it, and exp2 of the
 # difference to a real score is 0 instead of the NaN that -inf - -inf would give.
 _NO_MAX = tl.constexpr(-1.0e30)
+_LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -173,13 +174,15 @@ def _attend_range(
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
 ):
     """Online softmax of the rows of q over context positions [lo, hi) of one sequence, read
     from its blocks in BLOCK_N-token tiles; returns the updated (max, sum, unnormalised output).
 
     Without MASKED every tile must be whole and visible to every row: callers run their full
     tiles that way and only the ragged or diagonal rest with masks. CAUSAL (with MASKED) hides
-    positions past each row's q_pos.
+    positions past each row's q_pos; WINDOW > 0 (with MASKED and CAUSAL) also those at or
+    before q_pos - WINDOW.
     """
     for start in range(lo, hi, BLOCK_N):
         pos, k_t, v = _kv_tile(
@@ -188,7 +191,7 @@ def _attend_range(
             BLOCK_SIZE, BLOCK_N, MASKED,
         )  # fmt: skip
         m, row_sum, acc = _attend_tile(q, m, row_sum, acc, pos, k_t, v, hi, q_pos, scale_log2,
-                                       MASKED, CAUSAL, UPCAST, DOT_PRECISION)  # fmt: skip
+                                       MASKED, CAUSAL, UPCAST, DOT_PRECISION, WINDOW)  # fmt: skip
     return m, row_sum, acc
 
 
@@ -196,6 +199,7 @@ def _attend_range(
 def _attend_tile(
     q, m, row_sum, acc, pos, k_t, v, hi, q_pos, scale_log2, MASKED: tl.constexpr,
     CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
 ):  # fmt: skip
     """One tile of _attend_range: the rows of q against keys k_t at positions pos and their
     values v, folded into the running (max, sum, unnormalised output)."""
@@ -206,10 +210,38 @@ def _attend_tile(
     if MASKED:
         valid = pos < hi
         if CAUSAL:
-            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            if WINDOW > 0:
+                seen = seen & (pos[None, :] > q_pos[:, None] - WINDOW)
+            s = tl.where(seen, s, float("-inf"))
         else:
             s = tl.where(valid[None, :], s, float("-inf"))
     return _softmax_step(s, v, m, row_sum, acc, DOT_PRECISION)
+
+
+@triton.jit
+def _with_sinks(m, row_sum, acc, sinks_ptr, head, mask):
+    """Fold each row's learned sink logit (sinks_ptr[head], natural log units) into the
+    running (max, sum, unnormalised output) as one more softmax column with no value."""
+    sink = tl.load(sinks_ptr + head, mask=mask, other=0.0).to(tl.float32) * _LOG2E
+    m_new = tl.maximum(m, sink)
+    alpha = tl.exp2(m - m_new)
+    row_sum = row_sum * alpha + tl.exp2(sink - m_new)
+    return m_new, row_sum, acc * alpha[:, None]
+
+
+@triton.jit
+def _window_ranges(lo, first_pos, kv_end, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key ranges of a query tile whose rows sit at positions first_pos .. kv_end - 1 under
+    a sliding window: (start, head_end, full), where [start, head_end) needs the window mask,
+    [head_end, full) is whole tiles every row sees, and [full, kv_end) needs the causal mask.
+    lo: the first key the caller has (0, or a split's start)."""
+    start = tl.maximum(lo, first_pos - WINDOW + 1)
+    all_see = kv_end - WINDOW  # keys from here on are in every row's window
+    mid = start + tl.maximum(tl.cdiv(all_see - start, BLOCK_N), 0) * BLOCK_N
+    head_end = tl.minimum(mid, kv_end)
+    full = tl.maximum(head_end, head_end + (first_pos + 1 - head_end) // BLOCK_N * BLOCK_N)
+    return start, head_end, full
 
 
 @triton.jit
@@ -345,6 +377,9 @@ def decode_kernel(
     TRIGGER: tl.constexpr = False,
     EARLY: tl.constexpr = False,
     PRELOAD: tl.constexpr = False,
+    sinks_ptr=None,
+    SINKS: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0,
 ):
     """Grid (decode sequences, KV heads, splits): the one query token of a sequence, all query
     heads of one KV group (rows of one tl.dot, padded to GROUP_PAD), over one split of the
@@ -370,6 +405,11 @@ def decode_kernel(
     PRELOAD (with EARLY and ROTARY): the split's first K/V tile loads before the wait too (no
     kernel of the step writes the cached context; the new token's row, which this kernel
     writes, is taken from its k and v), so that its latency overlaps the QKV GEMV's.
+
+    WINDOW > 0 (a sliding layer): the query sees only the last WINDOW positions of its context;
+    a split wholly before them reads nothing (an empty split: lse -inf). SINKS: each query
+    head's learned sink logit (sinks_ptr, float32) joins the softmax as a column with no value:
+    here without SPLIT, else once in decode_reduce_kernel's combine.
     """
     if not EARLY:
         pdl_start(PDL, TRIGGER)
@@ -396,6 +436,8 @@ def decode_kernel(
         cos = _rounded(tl.load(cs + half_d), rot_dtype)
         sin = _rounded(tl.load(cs + HEAD_DIM // 2 + half_d), rot_dtype)
     lo, hi = _split_range(ctx, split, split_len, SEQ_SPLIT, BLOCK_N)
+    if WINDOW > 0:  # the query, at ctx - 1, sees keys from ctx - WINDOW on
+        lo = tl.maximum(lo, ctx - WINDOW)
     tl.static_assert(ROTARY or not PRELOAD, "PRELOAD takes the new token's k and v (ROTARY)")
     if PRELOAD:
         first_pos, first_k, first_v = _kv_tile(
@@ -463,8 +505,10 @@ def decode_kernel(
         scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, UPCAST, DOT_PRECISION,
     )  # fmt: skip
 
-    # An empty split (past this sequence's context) has no keys: it reports lse -inf and a
-    # zero output, never 0/0.
+    if SINKS and not SPLIT:
+        m, row_sum, acc = _with_sinks(m, row_sum, acc, sinks_ptr, head, g_valid)
+    # An empty split (past this sequence's context, or before its window) has no keys: it
+    # reports lse -inf and a zero output, never 0/0.
     has_keys = row_sum > 0
     sum_safe = tl.where(has_keys, row_sum, 1.0)
     o = acc / sum_safe[:, None]
@@ -500,10 +544,13 @@ def decode_reduce_kernel(
     ALL_DECODE: tl.constexpr,
     PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,
+    sinks_ptr=None,
+    SINKS: tl.constexpr = False,
 ):
     """Grid (decode sequences, query heads / HEADS): weights each split's output by exp2 of its
     lse, for HEADS consecutive query heads of one sequence. BLOCK_N is the decode kernel's
-    tile, needed only with SEQ_SPLIT."""
+    tile, needed only with SEQ_SPLIT. SINKS: each head's learned sink logit (sinks_ptr) joins
+    the denominator once, as a split with no value."""
     pdl_start(PDL, TRIGGER)  # after the decode kernel, before o_proj's GEMV
     i = tl.program_id(0)
     num_q_heads = tl.num_programs(1) * HEADS
@@ -523,8 +570,15 @@ def decode_reduce_kernel(
         mask=s_valid[:, :, None],
         other=0.0,
     )
-    w = tl.exp2(lse - tl.max(lse, 1)[:, None])
-    res = tl.sum(o * w[:, :, None], 1) / tl.sum(w, 1)[:, None]
+    top = tl.max(lse, 1)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * _LOG2E
+        top = tl.maximum(top, sink)
+    w = tl.exp2(lse - top[:, None])
+    total = tl.sum(w, 1)
+    if SINKS:
+        total += tl.exp2(sink - top)
+    res = tl.sum(o * w[:, :, None], 1) / total[:, None]
     dst = out_ptr + row * stride_ot + head[:, None] * stride_oh + d[None, :]
     stored = head < tl.where(ctx > 0, num_q_heads, 0)  # every head, or none: an empty row
     tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=stored[:, None])
@@ -569,13 +623,18 @@ def prefill_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    sinks_ptr=None,
+    SINKS: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0,
 ):
     """Grid (query tiles, KV heads). A tile is BLOCK_Q consecutive queries of one sequence times
     the GROUP query heads of one KV head, flattened into BLOCK_M >= BLOCK_Q * GROUP rows (row r:
     query r // GROUP, head r % GROUP), so each K/V tile loaded serves the whole group.
     tile_seq / tile_start give each tile's sequence and first query index within it. Query i of
     a sequence with q queries and c context tokens sits at position c - q + i and sees keys at
-    positions <= that, read from the cache after this step's write.
+    positions <= that, read from the cache after this step's write. WINDOW > 0 (a sliding
+    layer): and > that - WINDOW. SINKS: each query head's learned sink logit (sinks_ptr)
+    joins the softmax as a column with no value.
     """
     kv_head = tl.program_id(1)
     seq, first, q_begin, q_len = _prefill_tile(tile_seq_ptr, tile_start_ptr, query_start_ptr)
@@ -601,16 +660,28 @@ def prefill_kernel(
     # tiles run unmasked; the rest, up to the last query's own position, masked and causal.
     full = (prefix + first) // BLOCK_N * BLOCK_N
     kv_end = tl.minimum(ctx, prefix + first + BLOCK_Q)
+    start = 0
+    if WINDOW > 0:  # and keys before the first row's window are skipped, its edge masked
+        start, head_end, full = _window_ranges(0, prefix + first, kv_end, WINDOW, BLOCK_N)
+        m, row_sum, acc = _attend_range(
+            q, m, row_sum, acc, start, head_end, q_pos, k_cache_ptr, v_cache_ptr,
+            block_table_ptr, seq, stride_table, kv_head, stride_cache_block, stride_cache_token,
+            stride_cache_head, scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, True, UPCAST,
+            DOT_PRECISION, WINDOW,
+        )  # fmt: skip
+        start = head_end
     m, row_sum, acc = _attend_range(
-        q, m, row_sum, acc, 0, full, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
+        q, m, row_sum, acc, start, full, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
         stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
         scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION,
     )  # fmt: skip
     m, row_sum, acc = _attend_range(
         q, m, row_sum, acc, full, kv_end, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
         stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
-        scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, True, UPCAST, DOT_PRECISION,
+        scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, True, UPCAST, DOT_PRECISION, WINDOW,
     )  # fmt: skip
+    if SINKS:
+        m, row_sum, acc = _with_sinks(m, row_sum, acc, sinks_ptr, head, r_valid)
 
     # Padding rows never see a key; every real row sees at least position 0.
     o = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
@@ -664,6 +735,9 @@ def dense_prefill_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    sinks_ptr=None,
+    SINKS: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0,
 ):
     """Grid (query tiles, KV heads): causal attention of fresh prompts (no cached prefix: query
     i of a sequence sits at position i) over the step's own q, k and v, read by TMA from
@@ -672,7 +746,8 @@ def dense_prefill_kernel(
     prefill_kernel: BLOCK_Q queries of one sequence times the GROUP query heads of one KV head,
     row r = query r // GROUP, head r % GROUP. A tile reaching past its sequence reads the next
     sequence's rows (or zeros past the step): those keys lie after every real query and are
-    masked by causality, those queries are never stored.
+    masked by causality, those queries are never stored. WINDOW and SINKS as in
+    prefill_kernel.
     """
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP
     kv_head = tl.program_id(1)
@@ -688,20 +763,39 @@ def dense_prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     # Keys before the tile's first query are visible to all its rows: whole tiles, unmasked.
     full = first // BLOCK_N * BLOCK_N
-    for start in range(0, full, BLOCK_N):
+    kv_end = tl.minimum(q_len, first + BLOCK_Q)
+    lo = 0
+    if WINDOW > 0:  # keys before the first row's window skipped, its edge masked
+        lo, head_end, full = _window_ranges(0, first, kv_end, WINDOW, BLOCK_N)
+        for start in range(lo, head_end, BLOCK_N):
+            k, v = _dense_kv(k_desc, v_desc, q_begin + start, kv_head, BLOCK_N, HEAD_DIM, UPCAST)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            pos = start + tl.arange(0, BLOCK_N)
+            seen = (pos[None, :] < head_end) & (pos[None, :] <= qi[:, None])
+            seen = seen & (pos[None, :] > qi[:, None] - WINDOW)
+            s = tl.where(seen, s, float("-inf"))
+            m, row_sum, acc = _dense_softmax_step(s, v, m, row_sum, acc, scale_log2,
+                                                  DOT_PRECISION)  # fmt: skip
+        lo = head_end
+    for start in range(lo, full, BLOCK_N):
         k, v = _dense_kv(k_desc, v_desc, q_begin + start, kv_head, BLOCK_N, HEAD_DIM, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         m, row_sum, acc = _dense_softmax_step(s, v, m, row_sum, acc, scale_log2, DOT_PRECISION)
-    for start in range(full, tl.minimum(q_len, first + BLOCK_Q), BLOCK_N):
+    for start in range(full, kv_end, BLOCK_N):
         k, v = _dense_kv(k_desc, v_desc, q_begin + start, kv_head, BLOCK_N, HEAD_DIM, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         pos = start + tl.arange(0, BLOCK_N)
-        s = tl.where(pos[None, :] <= qi[:, None], s, float("-inf"))
+        seen = pos[None, :] <= qi[:, None]
+        if WINDOW > 0:
+            seen = seen & (pos[None, :] > qi[:, None] - WINDOW)
+        s = tl.where(seen, s, float("-inf"))
         m, row_sum, acc = _dense_softmax_step(s, v, m, row_sum, acc, scale_log2, DOT_PRECISION)
-
-    # Every row sees position 0, so row_sum > 0.
-    o = acc / row_sum[:, None]
     head = kv_head * GROUP + r % GROUP
+    if SINKS:  # the max is in log2 units already (scale folded in): the sink joins it there
+        m, row_sum, acc = _with_sinks(m, row_sum, acc, sinks_ptr, head, qi < q_len)
+
+    # Every real row sees its own position, so row_sum > 0 (padding rows are not stored).
+    o = acc / row_sum[:, None]
     o_rows = (q_begin + qi).to(tl.int64) * stride_ot + head * stride_oh
     d = tl.arange(0, HEAD_DIM)
     tl.store(
