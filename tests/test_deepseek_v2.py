@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
@@ -199,6 +199,63 @@ def test_preemption_equals_transformers(checkpoint, expected):
     assert generate(llm) == expected
     assert llm.engine.scheduler.stats().preemptions > 0
     assert llm.engine.kv.usage() == 0.0
+
+
+def test_stacked_expert_layout_and_default_rope(tmp_path: Path):
+    """transformers 5's in-memory layout (experts.gate_up_proj [E, 2I, H], experts.down_proj
+    [E, H, I]) as checkpoint names gives the per-expert checkpoint's logits exactly; and a
+    config without rope scaling (plain rotary, the plain softmax scale) matches transformers."""
+    config = transformers.DeepseekV2Config(**COMMON | {"q_lora_rank": 24})
+    config.architectures = ["DeepseekV2ForCausalLM"]
+    torch.manual_seed(1)
+    model = transformers.DeepseekV2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.7, 1.3)
+            else:
+                p.normal_(0, 0.08)
+    model.save_pretrained(tmp_path / "published")
+    (tmp_path / "stacked").mkdir()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state
+    save_file(state, tmp_path / "stacked" / "model.safetensors", metadata={"format": "pt"})
+    text = (tmp_path / "published" / "config.json").read_text()
+    (tmp_path / "stacked" / "config.json").write_text(text)
+    tokens = PROMPTS[3]
+    (published,) = Runner(tmp_path / "published", 4).step([("a", tokens)])
+    (stacked,) = Runner(tmp_path / "stacked", 4).step([("a", tokens)])
+    assert torch.equal(published, stacked)
+    assert rel_err(published, hf_logits(model, tokens)) <= RTOL
+
+
+def test_missing_and_unexpected_tensors_are_named():
+    from inferx_core.attention_torch import TorchAttention as Backend
+    from inferx_core.interfaces.model import BuildContext
+    from inferx_core.quant_none import Unquantized
+
+    cfg = preset("tiny-deepseek-v2")
+    cpu = torch.device("cpu")
+
+    def model() -> DeepseekV2ForCausalLM:
+        backend = Backend(DeepseekV2ForCausalLM.kv_layout(cfg), 4, torch.float32, cpu)
+        return DeepseekV2ForCausalLM(cfg, BuildContext(torch.float32, cpu, backend, Unquantized()))
+
+    weights = {n: torch.zeros(s) for n, s in DeepseekV2ForCausalLM.checkpoint_shapes(cfg).items()}
+    for dropped in (
+        "model.layers.2.self_attn.kv_b_proj.weight",
+        "model.layers.1.mlp.shared_experts.down_proj.weight",
+        "model.layers.0.self_attn.q_a_layernorm.weight",
+    ):
+        with pytest.raises(ValueError, match=f"lacks 1 tensors: {dropped}"):
+            model().load_weights((n, t) for n, t in weights.items() if n != dropped)
+    dropped = "model.layers.2.mlp.experts.5.up_proj.weight"
+    with pytest.raises(ValueError, match=f"checkpoint lacks {dropped}"):
+        model().load_weights((n, t) for n, t in weights.items() if n != dropped)
+    extra = "model.layers.0.mlp.experts.0.up_proj.weight"  # layer 0 is dense
+    with pytest.raises(ValueError, match=f"unexpected checkpoint tensor '{extra}'"):
+        model().load_weights([*weights.items(), (extra, torch.zeros(32, 64))])
+    model().load_weights(weights.items())
 
 
 def test_decodes_in_the_plain_form_give_the_same_tokens(checkpoint, expected, monkeypatch):
