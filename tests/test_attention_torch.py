@@ -131,10 +131,36 @@ def test_decode_steps_after_prefill() -> None:
         assert rel_err(out, expected) <= RTOL
 
 
-@pytest.mark.parametrize("spec", [KVLayerSpec(4, 1, 32, kind="mla", v_head_dim=0)])
-def test_unsupported_kinds_are_named(spec: KVLayerSpec) -> None:
-    with pytest.raises(NotImplementedError, match=spec.kind):
+def test_unsupported_features_are_named() -> None:
+    spec = KVLayerSpec(4, 1, 32, dtype="fp8_e4m3")
+    with pytest.raises(NotImplementedError, match="needs fp8_kv attention"):
         TorchAttention([spec], 16, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        (KVLayerSpec(4, 2, 576, kind="mla", v_head_dim=512, rope_dim=64), "one KV head"),
+        (KVLayerSpec(4, 1, 576, kind="mla", v_head_dim=512), "one KV head"),
+        (KVLayerSpec(4, 1, 570, kind="mla", v_head_dim=512, rope_dim=64), "not kv_lora_rank"),
+    ],
+)
+def test_malformed_mla_layers_are_refused(spec: KVLayerSpec, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        TorchAttention([spec], 16, torch.float32, torch.device("cpu"))
+
+
+def test_mla_layers_need_their_weights_and_others_refuse_them() -> None:
+    from inferx_core.interfaces.attention import MLAWeights
+
+    mla = KVLayerSpec(4, 1, 40, kind="mla", v_head_dim=32, rope_dim=8)
+    backend = TorchAttention([mla, KVLayerSpec(4, 1, 32)], 16, torch.float32, torch.device("cpu"))
+    weights = MLAWeights(16, 16, lambda latent: latent)
+    assert backend.layer(0, 0.1, mla=weights).mla is weights
+    with pytest.raises(ValueError, match="MLA weights"):
+        backend.layer(0, 0.1)
+    with pytest.raises(ValueError, match="MLA weights"):
+        backend.layer(1, 0.1, mla=weights)
 
 
 def test_bytes_per_block_matches_allocation() -> None:

@@ -7,7 +7,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inferx_core.interfaces.attention import AttentionBackend, AttentionBatch, AttentionLayer
+from inferx_core.interfaces.attention import (
+    AttentionBackend,
+    AttentionBatch,
+    AttentionLayer,
+    MLAWeights,
+)
 from inferx_core.interfaces.kv import KVLayerSpec
 
 FP8 = torch.float8_e4m3fn
@@ -52,11 +57,18 @@ class TorchAttention(AttentionBackend):
     Sliding layers gather only the context inside their window (a query at position p sees keys
     in (p - window, p], as transformers' sliding_window_overlay); layers with learned sinks or a
     softcap take a plain, slower path (_attend).
+
+    MLA layers keep one row a token, [num_blocks, block_size, 1, kv_lora_rank + rope_dim]
+    (latent then rope key; no V plane). A sequence's prompt chunk attends in the plain form
+    (mla_plain: its context's latents expanded to per-head keys and values), a decode query in
+    the absorbed form (mla_absorbed: over the latents themselves); `absorbed_decode` False
+    runs decodes in the plain form too.
     """
 
     name = "torch attention"  # in error messages
-    features = frozenset({"sliding", "sinks", "softcap", "fp8_kv"})
+    features = frozenset({"sliding", "sinks", "softcap", "mla", "fp8_kv"})
     supports_kv_groups = True
+    absorbed_decode = True
 
     def __init__(
         self,
@@ -69,6 +81,23 @@ class TorchAttention(AttentionBackend):
         # Subclasses share the cache layout, so they share these limits (under their own name).
         name = self.name
         for i, spec in enumerate(layers):
+            if spec.kind == "mla":
+                if spec.num_kv_heads != 1 or not spec.v_head_dim or not spec.rope_dim:
+                    raise ValueError(
+                        f"layer {i}: an MLA layer has one KV head of kv_lora_rank + rope_dim "
+                        f"(v_head_dim = kv_lora_rank, rope_dim set), not {spec}"
+                    )
+                if spec.v_head_dim + spec.rope_dim != spec.head_dim:
+                    raise ValueError(
+                        f"layer {i}: MLA head_dim {spec.head_dim} is not kv_lora_rank "
+                        f"{spec.v_head_dim} + rope_dim {spec.rope_dim}"
+                    )
+                if spec.dtype == "fp8_e4m3":
+                    raise NotImplementedError(
+                        f"{name} has no fp8_e4m3 cache for MLA layers yet (layer {i}); "
+                        "use kv_cache.dtype = auto"
+                    )
+                continue
             if spec.v_head_dim not in (None, spec.head_dim):
                 raise NotImplementedError(
                     f"{name} needs v_head_dim == head_dim; layer {i} has "
@@ -82,17 +111,19 @@ class TorchAttention(AttentionBackend):
         self.caches: list[torch.Tensor] = []
         empty = torch.empty(0, dtype=torch.int64, device=device)
         self._steps: list[_GroupStep] = [_GroupStep(empty, empty, [])]
-        # Each layer's cache tensor: (its rank in its group, its shape, its dtype) names it.
+        # Each layer's cache tensor: (its rank in its group, its planes (K and V, or one MLA
+        # latent), its shape, its dtype) names it.
         rank = {i: k for g in self.groups for k, i in enumerate(g.layers)}
         self._cache_keys = [
-            (rank[i], s.num_kv_heads, s.head_dim, self.cache_dtype(s)) for i, s in enumerate(layers)
+            (rank[i], 1 if s.kind == "mla" else 2, s.num_kv_heads, s.head_dim, self.cache_dtype(s))
+            for i, s in enumerate(layers)
         ]
 
     def cache_dtype(self, spec: KVLayerSpec) -> torch.dtype:
         return FP8 if spec.dtype == "fp8_e4m3" else self.dtype
 
     def bytes_per_block(self) -> int:
-        per_token = sum(2 * h * d * dt.itemsize for _, h, d, dt in set(self._cache_keys))
+        per_token = sum(p * h * d * dt.itemsize for _, p, h, d, dt in set(self._cache_keys))
         return per_token * self.block_size
 
     def allocate(self, num_blocks: int) -> None:
@@ -100,8 +131,11 @@ class TorchAttention(AttentionBackend):
         made: dict[tuple, torch.Tensor] = {}
         for key in self._cache_keys:
             if key not in made:
-                shape = (2, num_blocks, self.block_size, key[1], key[2])
-                made[key] = torch.zeros(shape, dtype=key[3], device=self.device)
+                _, planes, heads, dim, dtype = key
+                shape = (num_blocks, self.block_size, heads, dim)
+                if planes == 2:
+                    shape = (2, *shape)
+                made[key] = torch.zeros(shape, dtype=dtype, device=self.device)
             self.caches.append(made[key])
 
     def begin_step(self, batch: AttentionBatch) -> None:
@@ -166,6 +200,8 @@ class TorchAttention(AttentionBackend):
     def forward(
         self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
+        if layer.mla is not None:
+            return self._forward_mla(layer, q, k)
         scale = layer.scale
         step = self._steps[layer.group]
         cache = self.caches[layer.index]
@@ -220,6 +256,71 @@ class TorchAttention(AttentionBackend):
             )
             out[s.q_start : s.q_end] = o.transpose(0, 1)
         return out
+
+    def _forward_mla(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        mla = layer.mla
+        assert mla is not None
+        step = self._steps[layer.group]
+        cache = self.caches[layer.index]
+        flat = cache.view(-1, cache.shape[-1])
+        flat.index_copy_(0, step.slot_mapping, k[:, 0].to(cache.dtype))
+        context = flat.index_select(0, step.slots).to(q.dtype)
+        out = q.new_empty(q.shape[0], q.shape[1], mla.v_head_dim)
+        for s in step.seqs:
+            rows = slice(s.q_start, s.q_end)
+            ctx = context[s.ctx_start : s.ctx_end]
+            if s.q_end - s.q_start == 1 and self.absorbed_decode:
+                out[rows] = mla_absorbed(q[rows], ctx, mla, layer.scale)
+            else:
+                out[rows] = mla_plain(q[rows], ctx, mla, layer.scale, s.mask, s.causal)
+        return out
+
+
+def mla_plain(
+    q: torch.Tensor,
+    context: torch.Tensor,
+    mla: MLAWeights,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """One sequence's MLA in the plain form: q [Q, H, nope + rope] against its context's
+    cache rows [C, rank + rope], the latents expanded through kv_b_proj (mla.expand) to
+    per-head keys (nope key, then the shared rope key) and values -> [Q, H, v_head_dim].
+    mask [Q, C] (True: may attend) or causal (Q == C) as SDPA takes them."""
+    heads, nope = q.shape[1], mla.qk_nope_head_dim
+    rank = context.shape[-1] - (q.shape[-1] - nope)  # the cache row less the rope key
+    kv = mla.expand(context[:, :rank])  # [C, H, nope + v]
+    k_pe = context[:, None, rank:].expand(-1, heads, -1)
+    keys = torch.cat([kv[..., :nope], k_pe], dim=-1)
+    values = kv[..., nope:]
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        keys.transpose(0, 1),
+        values.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+    )
+    return o.transpose(0, 1)
+
+
+def mla_absorbed(
+    q: torch.Tensor, context: torch.Tensor, mla: MLAWeights, scale: float
+) -> torch.Tensor:
+    """MLA queries that see a sequence's whole context (decode) in the absorbed form: W_UK
+    folded into the query, attention over the cache rows [C, rank + rope] as one KV head
+    (scores over all rank + rope columns, values the rank latent columns), W_UV applied to
+    the latent-space output. q [Q, H, nope + rope] -> [Q, H, v_head_dim]."""
+    assert mla.w_uk is not None and mla.w_uv is not None, "MLA weights not loaded"
+    nope = mla.qk_nope_head_dim
+    rank = context.shape[-1] - (q.shape[-1] - nope)
+    q_lat = torch.einsum("qhn,hnr->qhr", q[..., :nope], mla.w_uk.to(q.dtype))
+    q_full = torch.cat([q_lat, q[..., nope:]], dim=-1)  # [Q, H, rank + rope]
+    scores = torch.einsum("qhd,cd->qhc", q_full, context) * scale
+    probs = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+    o_lat = torch.einsum("qhc,cr->qhr", probs.to(context.dtype), context[:, :rank])
+    return torch.einsum("qhr,hvr->qhv", o_lat, mla.w_uv.to(q.dtype))
 
 
 def to_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:

@@ -177,6 +177,11 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     return (1 - blend) * inv_freq / factor + blend * inv_freq
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def _yarn_inv_freq(
     head_dim: int, max_positions: int, params: dict[str, Any]
 ) -> tuple[torch.Tensor, float]:
@@ -192,17 +197,14 @@ def _yarn_inv_freq(
     original = params.get("original_max_position_embeddings") or max_positions
     factor = params.get("factor") or max_positions / original
 
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
         if params.get("mscale") and params.get("mscale_all_dim"):
-            attention_factor = mscale(factor, params["mscale"]) / mscale(
+            attention_factor = yarn_mscale(factor, params["mscale"]) / yarn_mscale(
                 factor, params["mscale_all_dim"]
             )
         else:
-            attention_factor = mscale(factor)
+            attention_factor = yarn_mscale(factor)
     beta_fast = params.get("beta_fast") or 32
     beta_slow = params.get("beta_slow") or 1
 

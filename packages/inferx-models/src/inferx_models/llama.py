@@ -95,24 +95,10 @@ class DecoderLayer(nn.Module):
         ctx: BuildContext,
     ) -> None:
         super().__init__()
-        hidden, heads, kv_heads, head_dim = _dims(cfg)
-        qkv_bias, o_bias, _ = arch.biases(cfg)
+        hidden = _dims(cfg)[0]
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(hidden, eps, ctx)
-        qk_norm_eps = eps if arch.qk_norm else None
-        self.self_attn = Attention(
-            layer,
-            hidden,
-            heads,
-            kv_heads,
-            head_dim,
-            rotary,
-            ctx,
-            qkv_bias,
-            o_bias,
-            qk_norm_eps=qk_norm_eps,
-            sinks=arch.sinks,
-        )
+        self.self_attn = arch.build_attention(cfg, layer, rotary, ctx)
         self.post_attention_layernorm = RMSNorm(hidden, eps, ctx)
         self.mlp = arch.build_mlp(cfg, layer, ctx)
 
@@ -162,19 +148,45 @@ class LlamaForCausalLM(ModelArch):
     """LlamaForCausalLM: Llama 1, 2, 3, 3.1 (llama3 rope scaling), 3.2, and look-alikes such as
     SmolLM2. `attention_bias` and `mlp_bias` from the config are honoured.
 
-    Subclasses vary it through `biases`, `qk_norm`, `sinks` and `build_mlp` / `mlp_shapes` (a
-    layer's MLP and its checkpoint tensors)."""
+    Subclasses vary it through `biases`, `qk_norm`, `sinks`, `build_attention`, `fused` (how
+    checkpoint projections map to fused layers) and `build_mlp` / `mlp_shapes` (a layer's MLP
+    and its checkpoint tensors)."""
 
     # RMSNorm of each q and k head over head_dim before the rotary (Qwen3)
     qk_norm = False
     # a learned sink logit per query head in every softmax (gpt-oss)
     sinks = False
+    # checkpoint projection -> (our linear layer, part of it)
+    fused: dict[str, tuple[str, int]] = FUSED
 
     @classmethod
     def biases(cls, hf_config: dict[str, Any]) -> tuple[bool, bool, bool]:
         """Which projections carry a bias: (q/k/v, o, mlp)."""
         attn = bool(hf_config.get("attention_bias", False))
         return attn, attn, bool(hf_config.get("mlp_bias", False))
+
+    @classmethod
+    def build_attention(
+        cls, hf_config: dict[str, Any], layer: int, rotary: RotaryEmbedding, ctx: BuildContext
+    ) -> nn.Module:
+        """Layer `layer`'s attention: a module with forward(positions, x, parts) and
+        forward_normed(positions, x, residual, norm) (Attention's)."""
+        _, heads, kv_heads, head_dim = _dims(hf_config)
+        qkv_bias, o_bias, _ = cls.biases(hf_config)
+        qk_norm_eps = hf_config.get("rms_norm_eps", 1e-6) if cls.qk_norm else None
+        return Attention(
+            layer,
+            hf_config["hidden_size"],
+            heads,
+            kv_heads,
+            head_dim,
+            rotary,
+            ctx,
+            qkv_bias,
+            o_bias,
+            qk_norm_eps=qk_norm_eps,
+            sinks=cls.sinks,
+        )
 
     @classmethod
     def build_mlp(cls, hf_config: dict[str, Any], layer: int, ctx: BuildContext) -> nn.Module:
@@ -297,8 +309,8 @@ class LlamaForCausalLM(ModelArch):
                 continue
             path, _, kind = name.rpartition(".")
             parent, _, leaf = path.rpartition(".")
-            if leaf in FUSED:
-                fused, part = FUSED[leaf]
+            if leaf in self.fused:
+                fused, part = self.fused[leaf]
                 self._submodule(f"{parent}.{fused}", name).load(kind, tensor, part)
             elif isinstance(module := self._submodule(path, name), VocabShard | QuantLinear):
                 try:

@@ -11,6 +11,7 @@ def inferx_model_archs(register: Register) -> None:
     register("Qwen3ForCausalLM", "inferx_models.qwen3:Qwen3ForCausalLM")
     register("Qwen3MoeForCausalLM", "inferx_models.qwen3:Qwen3MoeForCausalLM")
     register("GptOssForCausalLM", "inferx_models.gptoss:GptOssForCausalLM")
+    register("DeepseekV2ForCausalLM", "inferx_models.deepseek_v2:DeepseekV2ForCausalLM")
 
 
 @hookimpl

@@ -103,6 +103,70 @@ _GPT_OSS = {
     "torch_dtype": "bfloat16",
 }
 
+# DeepSeek-V2 as published (config.json of deepseek-ai/DeepSeek-V2-Lite; V2 differs in shapes,
+# q LoRA and group-limited routing). The checkpoints' remote-code keys are kept as written.
+_DEEPSEEK_V2 = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001,
+    "initializer_range": 0.02,
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "norm_topk_prob": False,
+    "scoring_func": "softmax",
+    "seq_aux": True,
+    "pretraining_tp": 1,
+    "use_cache": True,
+    "tie_word_embeddings": False,
+    "vocab_size": 102400,
+    "bos_token_id": 100000,
+    "eos_token_id": 100001,
+    "torch_dtype": "bfloat16",
+}
+# Test shapes of both kinds: YaRN over an original context of 64 (prompts run past it).
+_TINY_DEEPSEEK_V2 = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 3,
+    "vocab_size": 320,
+    "max_position_embeddings": 256,
+    "rope_scaling": _DEEPSEEK_V2["rope_scaling"]
+    | {"factor": 4.0, "original_max_position_embeddings": 64},
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
+
 
 def _alternating(layers: int) -> list[str]:
     """gpt-oss's layer_types: sliding-window attention on even layers, full on odd ones."""
@@ -325,6 +389,48 @@ PRESETS: dict[str, dict[str, Any]] = {
         "bos_token_id": 1,
         "eos_token_id": 2,
         "torch_dtype": "float32",
+    },
+    "deepseek-v2-lite": _DEEPSEEK_V2
+    | {
+        "hidden_size": 2048,
+        "intermediate_size": 10944,
+        "moe_intermediate_size": 1408,
+        "num_hidden_layers": 27,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "q_lora_rank": None,
+        "n_routed_experts": 64,
+        "n_group": 1,
+        "topk_group": 1,
+        "topk_method": "greedy",
+        "routed_scaling_factor": 1.0,
+    },
+    "deepseek-v2": _DEEPSEEK_V2
+    | {
+        "hidden_size": 5120,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 1536,
+        "num_hidden_layers": 60,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "q_lora_rank": 1536,
+        "n_routed_experts": 160,
+        "n_group": 8,
+        "topk_group": 3,
+        "topk_method": "group_limited_greedy",
+        "routed_scaling_factor": 16.0,
+    },
+    "tiny-deepseek-v2-lite": _DEEPSEEK_V2
+    | _TINY_DEEPSEEK_V2
+    | {"q_lora_rank": None, "n_group": 1, "topk_group": 1, "topk_method": "greedy"},
+    "tiny-deepseek-v2": _DEEPSEEK_V2
+    | _TINY_DEEPSEEK_V2
+    | {
+        "q_lora_rank": 24,
+        "n_group": 4,
+        "topk_group": 2,
+        "topk_method": "group_limited_greedy",
+        "routed_scaling_factor": 1.5,
     },
     # gpt-oss test shapes, MXFP4 experts: a window of 8 that short prompts already pass, and
     # YaRN over an original context of 64 so the blended frequency band occurs at head_dim 16.

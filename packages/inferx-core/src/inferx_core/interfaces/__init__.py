@@ -4,6 +4,7 @@ from inferx_core.interfaces.attention import (
     AttentionBackend,
     AttentionBatch,
     AttentionLayer,
+    MLAWeights,
     SplitAttention,
 )
 from inferx_core.interfaces.executor import (
@@ -44,6 +45,7 @@ __all__ = [
     "KVLayerSpec",
     "KVManager",
     "KernelOps",
+    "MLAWeights",
     "MixedGraphs",
     "ModelArch",
     "LinearSpec",

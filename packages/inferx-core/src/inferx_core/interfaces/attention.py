@@ -16,13 +16,31 @@ FEATURES = ("sliding", "mla", "sinks", "softcap", "fp8_kv")
 
 
 @dataclass(eq=False)
+class MLAWeights:
+    """An MLA layer's up-projection of its cached latent (kv_b_proj), in the two forms a
+    backend attends with. expand(latent [N, kv_lora_rank]) -> [N, heads, qk_nope_head_dim +
+    v_head_dim], each head's nope key then its value: the model's own linear layer (however
+    quantized), for the plain form. w_uk [heads, qk_nope_head_dim, kv_lora_rank] and w_uv
+    [heads, v_head_dim, kv_lora_rank]: the same weight as dense tensors in the model's dtype,
+    for the absorbed form (q_nope @ w_uk scores against the latent, the latent-space output @
+    w_uv.T gives the values' output); the model sets them once its weights are loaded."""
+
+    qk_nope_head_dim: int
+    v_head_dim: int
+    expand: Callable[[torch.Tensor], torch.Tensor]
+    w_uk: torch.Tensor | None = None
+    w_uv: torch.Tensor | None = None
+
+
+@dataclass(eq=False)
 class AttentionLayer:
     """One attention layer as the backend sees it: its spec and what it attends with.
 
     Built by the model (one per layer, kept for the model's life) and passed to every forward().
     index: the layer's position in ModelArch.kv_layout (its cache); group: its KV group
     (kv_groups); scale: the softmax scale; sinks: [num_q_heads] float32 learned sink logits when
-    spec.learned_sinks; k_scale / v_scale: [1] float32 dequantization scales of an fp8 cache.
+    spec.learned_sinks; k_scale / v_scale: [1] float32 dequantization scales of an fp8 cache;
+    mla: the up-projection of an MLA layer's latent (spec.kind "mla"; None otherwise).
     """
 
     index: int
@@ -32,6 +50,7 @@ class AttentionLayer:
     sinks: torch.Tensor | None = None
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    mla: MLAWeights | None = None
 
 
 @dataclass
@@ -166,11 +185,19 @@ class AttentionBackend(ABC):
         sinks: torch.Tensor | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        mla: MLAWeights | None = None,
     ) -> AttentionLayer:
         """The AttentionLayer of layer `index` (its spec and KV group from this backend), for
-        the model to keep and pass to forward()."""
+        the model to keep and pass to forward(). An MLA layer (spec.kind "mla") must bring
+        its `mla` weights, and no other layer may."""
+        spec = self.layers[index]
+        if (spec.kind == "mla") != (mla is not None):
+            raise ValueError(
+                f"layer {index} is a {spec.kind!r} layer: MLA weights are for, and required by, "
+                "'mla' layers only"
+            )
         return AttentionLayer(
-            index, self.layers[index], scale, self._group_of[index], sinks, k_scale, v_scale
+            index, spec, scale, self._group_of[index], sinks, k_scale, v_scale, mla
         )
 
     @classmethod
@@ -217,6 +244,14 @@ class AttentionBackend(ABC):
         Each sequence's queries attend causally to its cached context (a sliding layer: the
         last `window` tokens up to and including the query's own; learned sinks join the
         softmax as one more column per head).
+
+        An MLA layer (spec.kind "mla", layer.mla set): q [T, Hq, qk_nope_head_dim + rope_dim]
+        (each head's nope part, then its rotated rope part); k [T, 1, kv_lora_rank + rope_dim],
+        what the cache stores: the normed latent, then the rotated rope key all heads share;
+        v = k[..., :kv_lora_rank], the latent (no cache of its own). Keys are the latent
+        expanded by layer.mla plus the shared rope key, values the expanded latent: the
+        output is [T, Hq, v_head_dim], already through W_UV. The backend picks the form
+        (plain or absorbed) per step; both give the same result up to rounding.
         """
 
     def forward_with_rotary(

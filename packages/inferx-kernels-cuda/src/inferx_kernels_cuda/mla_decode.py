@@ -1,0 +1,228 @@
+"""Triton MLA decode over the paged latent cache: the absorbed form of multi-head latent attention
+(DeepSeek-V2), one program per (sequence, context split) holding all its query heads.
+
+The cache of one MLA layer is [num_blocks, block_size, 1, RANK + ROPE] (TorchAttention's MLA
+layout): a token's latent (RANK) then its rope key (ROPE), the row every head reads. A query row
+comes absorbed, [heads, RANK + ROPE]: q_nope @ W_UK, then the rotated q_pe. Scores are the dot of
+that row with the cache row; values are the rows' latents; the output stays in latent space
+([heads, RANK]) for W_UV after it. Softmax runs in base 2 (scores times scale * log2(e)).
+
+Long contexts split along the context: each split writes its normalised output and log2-sum-exp,
+and mla_reduce_kernel combines them. A sequence's split length comes from its own context
+(at least min_split_len, whole tiles), so one grid serves every context length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from inferx_core.interfaces.attention import MLAWeights
+from inferx_kernels_cuda.triton_kernels import _NO_MAX, _seq_split_len, _softmax_step
+
+
+@triton.jit(do_not_specialize=["min_split_len", "stride_table"])
+def mla_decode_kernel(
+    q_ptr,
+    cache_ptr,
+    block_table_ptr,
+    context_len_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    num_heads,
+    min_split_len,
+    scale_log2,
+    stride_qb,
+    stride_qh,
+    stride_table,
+    stride_row,
+    RANK: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (sequences, splits). Every head of sequence b against context positions [lo, hi)
+    of its split; writes part_o [b, head, split, RANK] (normalised, float32) and part_lse
+    [b, head, split] (log2 units; _NO_MAX for an empty split)."""
+    b = tl.program_id(0)
+    split = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    ctx = tl.load(context_len_ptr + b)
+    split_len = _seq_split_len(ctx, num_splits, min_split_len, BLOCK_N)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, ctx)
+
+    h = tl.arange(0, BLOCK_H)
+    head_ok = h < num_heads
+    r = tl.arange(0, RANK)
+    e = tl.arange(0, ROPE)
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh
+    q_lat = tl.load(q_row + r[None, :], mask=head_ok[:, None], other=0.0)
+    q_pe = tl.load(q_row + RANK + e[None, :], mask=head_ok[:, None], other=0.0)
+    if UPCAST:
+        q_lat = q_lat.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+
+    m = tl.full([BLOCK_H], _NO_MAX, tl.float32)
+    row_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, RANK], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < hi
+        block = tl.load(block_table_ptr + b * stride_table + pos // BLOCK_SIZE, mask=valid, other=0)
+        row = (block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * stride_row
+        latent = tl.load(cache_ptr + row[:, None] + r[None, :], mask=valid[:, None], other=0.0)
+        k_pe = tl.load(cache_ptr + row[:, None] + RANK + e[None, :], mask=valid[:, None], other=0.0)
+        if UPCAST:
+            latent = latent.to(tl.float32)
+            k_pe = k_pe.to(tl.float32)
+        s = tl.dot(q_lat, tl.trans(latent), input_precision=DOT_PRECISION)
+        s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m, row_sum, acc = _softmax_step(s, latent, m, row_sum, acc, DOT_PRECISION)
+
+    out = acc / tl.maximum(row_sum, 1e-30)[:, None]
+    lse = tl.where(row_sum > 0, m + tl.log2(tl.maximum(row_sum, 1e-30)), _NO_MAX)
+    part = (b * num_heads + h) * num_splits + split  # [BLOCK_H]
+    tl.store(part_lse_ptr + part, lse, mask=head_ok)
+    tl.store(part_o_ptr + part[:, None] * RANK + r[None, :], out, mask=head_ok[:, None])
+
+
+@triton.jit
+def mla_reduce_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    context_len_ptr,
+    min_split_len,
+    stride_ob,
+    stride_oh,
+    RANK: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Grid (sequences, heads): one head's splits weighted by exp2 of their lse, into out
+    [b, head, RANK] (a sequence of no context writes nothing)."""
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    ctx = tl.load(context_len_ptr + b)
+    used = tl.cdiv(ctx, _seq_split_len(ctx, SPLITS, min_split_len, BLOCK_N))
+    s = tl.arange(0, SPLITS_PAD)
+    r = tl.arange(0, RANK)
+    s_ok = s < used
+    part = (b * num_heads + head) * SPLITS + s
+    lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
+    o = tl.load(part_o_ptr + part[:, None] * RANK + r[None, :], mask=s_ok[:, None], other=0.0)
+    w = tl.exp2(lse - tl.max(lse, 0))
+    res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    dst = out_ptr + b.to(tl.int64) * stride_ob + head * stride_oh + r
+    tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=(r < tl.where(ctx > 0, RANK, 0)))
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def mla_decode(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: torch.Tensor,
+    scale: float,
+    rank: int,
+    num_splits: int = 1,
+    min_split_len: int = 256,
+    block_n: int = 32,
+) -> torch.Tensor:
+    """Absorbed MLA decode: q [B, H, rank + rope] (q_nope @ W_UK, then the rotated q_pe), one
+    query a sequence, over cache [num_blocks, block_size, 1, rank + rope] by block_table [B,
+    max_blocks] int32 and context_len [B] int32 -> the latent-space output [B, H, rank] in q's
+    dtype (W_UV still to apply). rank and rope are powers of two (512 and 64 for DeepSeek-V2).
+    num_splits: context splits per sequence (the grid's second axis), each at least
+    min_split_len tokens."""
+    bsz, heads, width = q.shape
+    rope = width - rank
+    if any(n <= 0 or n & (n - 1) for n in (rank, rope)) or cache.shape[-2:] != (1, width):
+        raise ValueError(
+            f"MLA decode needs a power-of-two latent ({rank}) and rope key ({rope}) in one KV "
+            f"head: q {tuple(q.shape)}, cache {tuple(cache.shape)}"
+        )
+    if not (q.stride(-1) == 1 and cache.stride(-1) == 1 and cache[0, 0].is_contiguous()):
+        raise ValueError("MLA decode needs q and the cache rows contiguous in their last dim")
+    block_size = cache.shape[1]
+    interp = _interpreting()
+    upcast = interp or q.dtype == torch.float32
+    part_o = torch.empty(bsz, heads, num_splits, rank, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q.device)
+    block_h = max(16, triton.next_power_of_2(heads))
+    mla_decode_kernel[(bsz, num_splits)](
+        q,
+        cache,
+        block_table,
+        context_len,
+        part_o,
+        part_lse,
+        heads,
+        min_split_len,
+        scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        block_table.stride(0),
+        cache.stride(1),
+        RANK=rank,
+        ROPE=rope,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        UPCAST=upcast,
+        DOT_PRECISION="ieee" if upcast else "tf32",
+    )
+    out = torch.empty(bsz, heads, rank, dtype=q.dtype, device=q.device)
+    mla_reduce_kernel[(bsz, heads)](
+        part_o,
+        part_lse,
+        out,
+        context_len,
+        min_split_len,
+        out.stride(0),
+        out.stride(1),
+        RANK=rank,
+        SPLITS=num_splits,
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        BLOCK_N=block_n,
+    )
+    return out
+
+
+def mla_decode_absorbed(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: torch.Tensor,
+    mla: MLAWeights,
+    scale: float,
+    num_splits: int = 1,
+    min_split_len: int = 256,
+) -> torch.Tensor:
+    """A decode step of one MLA layer in the absorbed form: q [B, H, nope + rope] (rope part
+    rotated) -> [B, H, v_head_dim], as inferx_core.attention_torch.mla_absorbed computes it per
+    sequence: W_UK folded into the query, mla_decode over the latent cache, W_UV after."""
+    assert mla.w_uk is not None and mla.w_uv is not None, "MLA weights not loaded"
+    nope = mla.qk_nope_head_dim
+    q_lat = torch.einsum("bhn,hnr->bhr", q[..., :nope], mla.w_uk.to(q.dtype))
+    q_full = torch.cat([q_lat, q[..., nope:]], dim=-1).contiguous()
+    rank = mla.w_uk.shape[-1]
+    o_lat = mla_decode(
+        q_full, cache, block_table, context_len, scale, rank, num_splits, min_split_len
+    )
+    return torch.einsum("bhr,hvr->bhv", o_lat, mla.w_uv.to(q.dtype))

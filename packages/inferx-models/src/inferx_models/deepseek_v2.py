@@ -1,0 +1,335 @@
+"""DeepSeek-V2 and V2-Lite: multi-head latent attention (MLA: the KV cache holds one compressed
+latent and one shared rope key a token) and fine-grained MoE (routed experts, greedy or
+group-limited, plus shared experts) after first_k_dense_replace dense layers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from inferx_core.interfaces.attention import MLAWeights
+from inferx_core.interfaces.kv import KVLayerSpec
+from inferx_core.interfaces.model import BuildContext
+from inferx_core.interfaces.moe import ExpertsSpec, RouterSpec
+from inferx_core.parallel import SINGLE, ParallelContext
+from inferx_models.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    linear,
+    rope_parameters,
+    yarn_mscale,
+)
+from inferx_models.llama import FUSED, MLP
+from inferx_models.qwen3 import Qwen3MoeForCausalLM, SparseMoeBlock
+
+# q_a_layernorm and kv_a_layernorm use RMSNorm's default eps, not rms_norm_eps (DeepSeek's
+# code and transformers' port alike).
+LATENT_EPS = 1e-6
+
+
+def with_defaults(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The config checked for what this model implements, with head_dim set to the rope width
+    (the shared decoder tabulates the rotary for head_dim) and one KV head per query head."""
+    cfg = dict(hf_config)
+    arch = "DeepseekV2ForCausalLM"
+    refused = {
+        "attention_bias": (bool(cfg.get("attention_bias")), "true"),
+        "scoring_func": (cfg.get("scoring_func", "softmax") != "softmax", "other than softmax"),
+        "topk_method": (
+            cfg.get("topk_method", "greedy") not in ("greedy", "group_limited_greedy"),
+            "other than greedy or group_limited_greedy",
+        ),
+        "rope_interleave": (cfg.get("rope_interleave", True) is False, "false"),
+        "hidden_act": (cfg.get("hidden_act", "silu") != "silu", "other than silu"),
+    }
+    for key, (bad, what) in refused.items():
+        if bad:
+            raise NotImplementedError(
+                f"{arch}: {key} = {cfg[key]!r} is not supported ({key} {what})"
+            )
+    cfg["head_dim"] = cfg["qk_rope_head_dim"]
+    cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    return cfg
+
+
+def is_moe_layer(hf_config: dict[str, Any], layer: int) -> bool:
+    """DeepSeek's rule: routed experts from layer first_k_dense_replace on, every
+    moe_layer_freq-th layer."""
+    return (
+        bool(hf_config.get("n_routed_experts"))
+        and layer >= hf_config.get("first_k_dense_replace", 0)
+        and layer % hf_config.get("moe_layer_freq", 1) == 0
+    )
+
+
+def router_spec(hf_config: dict[str, Any]) -> RouterSpec:
+    """Softmax over the routed experts, then the top num_experts_per_tok (among the best
+    topk_group of n_group groups, each scored by its best expert, for group_limited_greedy).
+    As DeepSeek-V2's own code: with norm_topk_prob (and k > 1) the picked weights are
+    renormalized and routed_scaling_factor is not applied, otherwise they are scaled by it.
+    (transformers' port ignores norm_topk_prob; the published configs all set it false.)"""
+    n, k = hf_config["n_routed_experts"], hf_config["num_experts_per_tok"]
+    groups = topk_groups = 1
+    if hf_config.get("topk_method", "greedy") == "group_limited_greedy":
+        groups, topk_groups = hf_config["n_group"], hf_config["topk_group"]
+    renormalize = bool(hf_config.get("norm_topk_prob")) and k > 1
+    scaling = 1.0 if renormalize else float(hf_config.get("routed_scaling_factor", 1.0))
+    return RouterSpec(
+        n,
+        k,
+        renormalize=renormalize,
+        num_groups=groups,
+        topk_groups=topk_groups,
+        group_score="max",
+        scaling=scaling,
+    )
+
+
+def softmax_scale(hf_config: dict[str, Any]) -> float:
+    """1/sqrt(qk_nope + qk_rope), times YaRN's mscale(factor, mscale_all_dim) squared when the
+    rope is scaled and names mscale_all_dim (the rotary's own attention factor scales only the
+    rope dimensions)."""
+    scale = (hf_config["qk_nope_head_dim"] + hf_config["qk_rope_head_dim"]) ** -0.5
+    params = rope_parameters(hf_config)
+    if params["rope_type"] != "default" and params.get("mscale_all_dim"):
+        m = yarn_mscale(params["factor"], params["mscale_all_dim"])
+        scale *= m * m
+    return scale
+
+
+def rotate_interleaved(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, rope] by its tokens' rows of the rotary table, cos_sin [T, rope]
+    (cos then sin, as RotaryEmbedding tabulates them), pairing dimensions (2i, 2i + 1) as
+    DeepSeek does (not Llama's halves). In float32, cast back to x's dtype."""
+    cos, sin = cos_sin[:, None].chunk(2, dim=-1)
+    even, odd = x[..., 0::2].float(), x[..., 1::2].float()
+    out = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+class SharedExperts(MLP):
+    """A MoE layer's shared experts: one SiLU MLP of n_shared_experts * moe_intermediate_size
+    that every token takes, x -> [T, H] (FusedMoE adds it to the routed experts' output)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.linear_silu_and_mul(self.gate_up_proj, x))
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention of one layer.
+
+    One GEMM from the hidden state (qkv_a_proj) gives the query (q_proj; with q LoRA the
+    low-rank q_a_proj, normed and expanded by q_b_proj) and kv_a_proj_with_mqa's latent
+    (kv_lora_rank, then normed) and shared rope key (qk_rope_head_dim). q's rope part and the
+    rope key are rotated (interleaved pairs); the backend stores latent + rope key, and
+    expands the latent through kv_b_proj (this layer's MLAWeights) into per-head nope keys and
+    values, or absorbs kv_b_proj into the query and output.
+    """
+
+    def __init__(
+        self, cfg: dict[str, Any], layer: int, rotary: RotaryEmbedding, ctx: BuildContext
+    ) -> None:
+        super().__init__()
+        prefix = f"model.layers.{layer}.self_attn"
+        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        self.heads = heads
+        self.nope, self.rope = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
+        self.v_dim, self.rank = cfg["v_head_dim"], cfg["kv_lora_rank"]
+        self.q_lora: int | None = cfg.get("q_lora_rank")
+        qk = self.nope + self.rope
+        self.q_out = self.q_lora or heads * qk
+        self.qkv_a_proj = linear(
+            ctx,
+            f"{prefix}.qkv_a_proj",
+            hidden,
+            [self.q_out, self.rank + self.rope],
+            False,
+            part_names=("q_a_proj" if self.q_lora else "q_proj", "kv_a_proj_with_mqa"),
+        )
+        self.q_a_layernorm: RMSNorm | None = None
+        self.q_b_proj = None
+        if self.q_lora:
+            self.q_a_layernorm = RMSNorm(self.q_lora, LATENT_EPS, ctx)
+            self.q_b_proj = linear(ctx, f"{prefix}.q_b_proj", self.q_lora, [heads * qk], False)
+        self.kv_a_layernorm = RMSNorm(self.rank, LATENT_EPS, ctx)
+        self.kv_b_proj = linear(
+            ctx, f"{prefix}.kv_b_proj", self.rank, [heads * (self.nope + self.v_dim)], False
+        )
+        self.o_proj = linear(ctx, f"{prefix}.o_proj", heads * self.v_dim, [hidden], False, "row")
+        self.rotary = rotary
+        self.backend = ctx.attention
+        self.ops = ctx.ops
+        self.dtype, self.device = ctx.dtype, ctx.device
+        self.mla = MLAWeights(self.nope, self.v_dim, self._expand)
+        self.attn = ctx.attention.layer(layer, softmax_scale(cfg), mla=self.mla)
+
+    def _expand(self, latent: torch.Tensor) -> torch.Tensor:
+        """kv_b_proj: latent [N, rank] -> [N, heads, nope + v]."""
+        return self.kv_b_proj(latent).view(-1, self.heads, self.nope + self.v_dim)
+
+    def absorb(self) -> None:
+        """Set the MLA weights' dense W_UK and W_UV (views of kv_b_proj's weight where it is
+        a plain tensor; otherwise the layer applied to the identity, in the model's dtype)."""
+        w = self.kv_b_proj.dense_weight()
+        if w is None:
+            eye = torch.eye(self.rank, dtype=self.dtype, device=self.device)
+            w = self.kv_b_proj(eye).t()
+        w = w.view(self.heads, self.nope + self.v_dim, self.rank)
+        self.mla.w_uk, self.mla.w_uv = w[:, : self.nope], w[:, self.nope :]
+
+    def _attend(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> the attention output before o_proj, [T, heads * v_head_dim]."""
+        t = x.shape[0]
+        q, latent, k_pe = self.qkv_a_proj(x).split([self.q_out, self.rank, self.rope], dim=-1)
+        if self.q_a_layernorm is not None and self.q_b_proj is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q = q.view(t, self.heads, self.nope + self.rope)
+        cos_sin = self.rotary.cos_sin[positions]
+        q_pe = rotate_interleaved(q[..., self.nope :], cos_sin)
+        k_pe = rotate_interleaved(k_pe[:, None], cos_sin)
+        q = torch.cat([q[..., : self.nope], q_pe], dim=-1)
+        k = torch.cat([self.kv_a_layernorm(latent)[:, None], k_pe], dim=-1)  # [T, 1, rank + rope]
+        out = self.backend.forward(self.attn, q, k, k[..., : self.rank])
+        return out.reshape(t, self.heads * self.v_dim)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, parts: bool = False
+    ) -> torch.Tensor:
+        """The layer's output, or with `parts` o_proj's partial results for a norm that adds
+        them up (Attention.forward's contract)."""
+        out = self._attend(positions, x)
+        return self.ops.linear_parts(self.o_proj, out) if parts else self.o_proj(out)
+
+    def forward_normed(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(norm(x, residual, parts=True), parts=True) and the norm's new residual."""
+        h, residual = norm(x, residual, parts=True)
+        return self.forward(positions, h, parts=True), residual
+
+
+class DeepseekV2ForCausalLM(Qwen3MoeForCausalLM):
+    """DeepseekV2ForCausalLM (DeepSeek-V2, V2-Lite, their Chat and Coder-V2 versions): MLA
+    attention (MLAttention; with q LoRA when q_lora_rank is set), YaRN rotary on the rope
+    dimensions, dense SiLU MLPs in the first first_k_dense_replace layers and after them a
+    FusedMoE of n_routed_experts (router_spec) plus n_shared_experts shared ones.
+
+    Checkpoints in the published layout: per-expert "mlp.experts.{e}.gate_proj.weight" (or
+    transformers 5's stacked experts; Qwen3-MoE's loader), "mlp.shared_experts.*",
+    "mlp.gate.weight". Tensor parallelism is not implemented for it.
+    """
+
+    qk_norm = False
+    fused = {k: v for k, v in FUSED.items() if k not in ("q_proj", "k_proj", "v_proj")} | {
+        "q_proj": ("qkv_a_proj", 0),
+        "q_a_proj": ("qkv_a_proj", 0),
+        "kv_a_proj_with_mqa": ("qkv_a_proj", 1),
+    }
+
+    @classmethod
+    def build_attention(
+        cls, hf_config: dict[str, Any], layer: int, rotary: RotaryEmbedding, ctx: BuildContext
+    ) -> nn.Module:
+        return MLAttention(hf_config, layer, rotary, ctx)
+
+    @classmethod
+    def build_mlp(cls, hf_config: dict[str, Any], layer: int, ctx: BuildContext) -> nn.Module:
+        if not is_moe_layer(hf_config, layer):
+            return MLP(
+                hf_config["hidden_size"],
+                hf_config["intermediate_size"],
+                False,
+                ctx,
+                f"model.layers.{layer}.mlp",
+            )
+        hidden, n = hf_config["hidden_size"], hf_config["n_routed_experts"]
+        prefix = f"model.layers.{layer}.mlp"
+        inter = hf_config["moe_intermediate_size"]
+        experts = ExpertsSpec(f"{prefix}.experts", n, hidden, inter)
+        shared = None
+        if hf_config.get("n_shared_experts"):
+            size = inter * hf_config["n_shared_experts"]
+            shared = SharedExperts(hidden, size, False, ctx, f"{prefix}.shared_experts")
+        return SparseMoeBlock(ctx, prefix, hidden, router_spec(hf_config), experts, shared=shared)
+
+    @classmethod
+    def mlp_shapes(cls, hf_config: dict[str, Any], layer: int) -> list[tuple[str, int, int, bool]]:
+        hidden = hf_config["hidden_size"]
+
+        def swiglu(prefix: str, inter: int) -> list[tuple[str, int, int, bool]]:
+            return [
+                (f"{prefix}.gate_proj", inter, hidden, False),
+                (f"{prefix}.up_proj", inter, hidden, False),
+                (f"{prefix}.down_proj", hidden, inter, False),
+            ]
+
+        if not is_moe_layer(hf_config, layer):
+            return swiglu("mlp", hf_config["intermediate_size"])
+        n, inter = hf_config["n_routed_experts"], hf_config["moe_intermediate_size"]
+        shapes = [("mlp.gate", n, hidden, False)]
+        for e in range(n):
+            shapes += swiglu(f"mlp.experts.{e}", inter)
+        if hf_config.get("n_shared_experts"):
+            shapes += swiglu("mlp.shared_experts", inter * hf_config["n_shared_experts"])
+        return shapes
+
+    @classmethod
+    def kv_layout(
+        cls, hf_config: dict[str, Any], parallel: ParallelContext = SINGLE, kv_dtype: str = "auto"
+    ) -> list[KVLayerSpec]:
+        rank, rope = hf_config["kv_lora_rank"], hf_config["qk_rope_head_dim"]
+        heads = hf_config["num_attention_heads"] // parallel.world_size
+        spec = KVLayerSpec(
+            heads, 1, rank + rope, kind="mla", v_head_dim=rank, rope_dim=rope, dtype=kv_dtype
+        )
+        return [spec] * hf_config["num_hidden_layers"]
+
+    @classmethod
+    def checkpoint_shapes(cls, hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        cfg = with_defaults(hf_config)
+        hidden, heads, vocab = cfg["hidden_size"], cfg["num_attention_heads"], cfg["vocab_size"]
+        nope, rope = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
+        rank, v_dim, q_lora = cfg["kv_lora_rank"], cfg["v_head_dim"], cfg.get("q_lora_rank")
+        qk = nope + rope
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            shapes[p + "input_layernorm.weight"] = (hidden,)
+            if q_lora:
+                shapes[p + "self_attn.q_a_proj.weight"] = (q_lora, hidden)
+                shapes[p + "self_attn.q_a_layernorm.weight"] = (q_lora,)
+                shapes[p + "self_attn.q_b_proj.weight"] = (heads * qk, q_lora)
+            else:
+                shapes[p + "self_attn.q_proj.weight"] = (heads * qk, hidden)
+            shapes[p + "self_attn.kv_a_proj_with_mqa.weight"] = (rank + rope, hidden)
+            shapes[p + "self_attn.kv_a_layernorm.weight"] = (rank,)
+            shapes[p + "self_attn.kv_b_proj.weight"] = (heads * (nope + v_dim), rank)
+            shapes[p + "self_attn.o_proj.weight"] = (hidden, heads * v_dim)
+            shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+            for name, rows, cols, _ in cls.mlp_shapes(cfg, i):
+                shapes[f"{p}{name}.weight"] = (rows, cols)
+        shapes["model.norm.weight"] = (hidden,)
+        if not cfg.get("tie_word_embeddings", False):
+            shapes["lm_head.weight"] = (vocab, hidden)
+        return shapes
+
+    def __init__(self, hf_config: dict[str, Any], ctx: BuildContext) -> None:
+        if ctx.parallel.world_size > 1:
+            raise NotImplementedError(
+                f"DeepseekV2ForCausalLM: parallel.tensor = {ctx.parallel.world_size} is not "
+                "supported (MLA layers run on one rank)"
+            )
+        super().__init__(with_defaults(hf_config), ctx)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(weights)
+        for layer in self.model.layers:
+            layer.self_attn.absorb()
+
+    def _submodule(self, path: str, name: str) -> nn.Module:
+        # FusedMoE keeps the shared experts as "shared"
+        return super()._submodule(path.replace(".mlp.shared_experts", ".mlp.shared"), name)
