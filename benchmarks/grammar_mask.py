@@ -25,7 +25,11 @@ from commit_id import commit_id
 
 from inferx_core.tokenizer import Tokenizer
 
-QWEN = Path(os.environ.get("QWEN_TOKENIZER", "/work/shared/fixtures/tokenizers/qwen"))
+# INFERX_FIXTURES as the tests read it, else shared/ beside the checkout
+FIXTURES = (
+    os.environ.get("INFERX_FIXTURES") or Path(__file__).resolve().parents[2] / "shared/fixtures"
+)
+QWEN = Path(FIXTURES) / "tokenizers" / "qwen"
 
 # (name, schema, a valid instance)
 SCHEMAS: list[tuple[str, dict, object]] = [
