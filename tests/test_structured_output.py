@@ -527,15 +527,17 @@ def test_offline_llm_with_and_without_a_step_in_flight() -> None:
     from inferx_core.sequence import SamplingParams
 
     schema = schema_of("a point")
+    llm = LLM(None, {"engine.overlap": True, "model.max_model_len": 256})
+    assert llm.engine.overlap
+    prompt = llm.chat_prompt(ask("a point"))
+    params = [
+        SamplingParams(max_tokens=24, temperature=0, json_schema=schema),
+        SamplingParams(max_tokens=24, temperature=0.8, seed=4, json_schema=schema),
+        SamplingParams(max_tokens=8, temperature=0),
+    ]
     outs = []
     for overlap in (False, True):
-        llm = LLM(None, {"engine.overlap": overlap, "model.max_model_len": 256})
-        prompt = llm.chat_prompt(ask("a point"))
-        params = [
-            SamplingParams(max_tokens=24, temperature=0, json_schema=schema),
-            SamplingParams(max_tokens=24, temperature=0.8, seed=4, json_schema=schema),
-            SamplingParams(max_tokens=8, temperature=0),
-        ]
+        llm.engine.overlap = overlap
         done = llm.generate([prompt] * 3, params)
         for c in done[:2]:
             assert c.finish_reason == "stop", c.text
