@@ -106,6 +106,15 @@ class EngineSection(Section):
         default=8, ge=0, le=64, description="threads compiling Triton kernels at start-up"
     )
 
+    # Structured output (a request's JSON schema): the grammar library, and how many compiled
+    # schemas are kept (least recently used go first; 0 compiles every request's anew).
+    grammar_backend: str = Field(
+        default="auto", description="structured output's grammar library: auto, llguidance"
+    )
+    grammar_cache_size: int = Field(
+        default=128, ge=0, description="compiled JSON schemas kept for reuse"
+    )
+
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:

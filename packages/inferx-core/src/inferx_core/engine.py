@@ -7,13 +7,18 @@ With engine.overlap (and an executor that supports it) one step is always in fli
 schedules and submits step N+1 before it waits for step N's tokens, so the host's work (the
 scheduler, building inputs, detokenizing) runs while the device computes. A sequence that stops
 at step N has one step N+1 computed in vain; a step whose sequences need their tokens on the
-host to sample the next one (penalties) is collected before the next is scheduled.
+host to sample the next one (penalties, a grammar) is collected before the next is scheduled.
+
+Structured output: a request with a JSON schema gets a grammar matcher (`Grammars`: the backend
+plugin, compiled schemas cached) on its Sequence; the sampler masks its logits with it, and
+_apply advances it with each sampled token and finishes the request once its JSON is complete.
 """
 
 from __future__ import annotations
 
 import atexit
 import gc
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +37,7 @@ from inferx_core.interfaces import (
 from inferx_core.plugins import Plugins, plugins
 from inferx_core.sequence import SamplingParams, Sequence
 
+log = logging.getLogger("inferx.engine")
 _unfreeze_at_exit = False
 
 
@@ -136,6 +142,11 @@ class Engine:
             config.scheduler, self.kv, self.max_model_len
         )
         self.requests: dict[str, _Request] = {}
+        from inferx_core.grammar import Grammars
+
+        self.grammars = Grammars(
+            config.engine, reg, self.tokenizer, getattr(executor, "vocab_size", None)
+        )
         # Executors are duck-typed (tests and benchmarks pass their own): no flag, no overlap.
         overlap = config.engine.overlap
         if overlap == "auto":  # see EngineSection.overlap
@@ -180,6 +191,8 @@ class Engine:
             )
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset()
         seq = Sequence(ids, params, eos_token_ids=frozenset(eos))
+        if params.json_schema is not None:
+            seq.grammar = self.grammars.matcher(params.json_schema)  # GrammarError: a 400
         if request_id is not None:
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -218,7 +231,7 @@ class Engine:
                 return []
         out, pending = self._in_flight
         self._in_flight = None
-        if self.overlap and not any(c.seq.params.needs_history for c in out.chunks if c.sample):
+        if self.overlap and not any(c.seq.params.needs_host_tokens for c in out.chunks if c.sample):
             self._in_flight = self._submit(idle_ok=True)
         return self._apply(out, pending.result())
 
@@ -240,13 +253,36 @@ class Engine:
                 req = self.requests.get(seq.request_id)
                 if req is not None and lp is not None:
                     req.logprobs.append(lp)
+        complete = self._advance_grammars(sampled_seqs, result.sampled)
         finished = self.scheduler.update(out, result.sampled)
+        for seq in complete:  # its JSON is whole: nothing but EOS could follow
+            done = seq.finished
+            self.scheduler.finish(seq, "stop")  # "stop" also over a "length" of this token
+            if not done:
+                finished.append(seq)
         outputs = []
         for seq in dict.fromkeys(sampled_seqs + finished):  # ordered, unique
             req = self.requests.get(seq.request_id)
             if req is not None:
                 outputs.append(self._output(req))
         return outputs
+
+    @staticmethod
+    def _advance_grammars(seqs: list[Sequence], sampled: list[int]) -> list[Sequence]:
+        """Feed each structured sequence's matcher its sampled token; returns the sequences
+        whose grammar is now complete. A token the grammar refuses (the mask allowed only what
+        it accepts, so this is a backend's bug) ends the sequence too, with a warning."""
+        complete = []
+        for seq, token in zip(seqs, sampled, strict=True):
+            m = seq.grammar
+            if m is None or seq.finished:
+                continue
+            if not m.accept(token):
+                log.warning("%s: the grammar refused token %d; finishing", seq.request_id, token)
+                complete.append(seq)
+            elif m.is_terminated():
+                complete.append(seq)
+        return complete
 
     def _output(self, req: _Request) -> RequestOutput:
         seq = req.seq

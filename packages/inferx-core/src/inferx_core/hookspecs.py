@@ -64,6 +64,11 @@ def inferx_executors(register: Register) -> None:
 
 
 @hookspec
+def inferx_grammar_backends(register: Register) -> None:
+    """Register GrammarBackend classes for structured output ("llguidance")."""
+
+
+@hookspec
 def inferx_presets(register: Register) -> None:
     """Register checkpoint presets by name ("qwen2.5-3b-instruct"): the target is a function
     `write(name, out, *, tokenizer_dir, dtype, seed) -> Path` that writes a random-weight

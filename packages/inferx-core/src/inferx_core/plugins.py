@@ -28,6 +28,7 @@ KINDS = {
     "kernel_ops": "inferx_kernel_ops",
     "executor": "inferx_executors",
     "preset": "inferx_presets",
+    "grammar_backend": "inferx_grammar_backends",
 }
 ENTRY_POINT_GROUP = "inferx"
 # Comma-separated entry point names to load; unset loads all. "" loads only what is registered

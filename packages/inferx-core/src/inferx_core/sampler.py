@@ -1,5 +1,6 @@
-"""Turns a step's logits into tokens on the logits' own device: penalties, logit biases,
-temperature, top-k, top-p, min-p, per-request seeds, and the logprobs a request asked for.
+"""Turns a step's logits into tokens on the logits' own device: penalties, logit biases, grammar
+masks (structured output), temperature, top-k, top-p, min-p, per-request seeds, and the logprobs
+a request asked for.
 
 Seeded requests draw from a generator seeded by (seed, output position), so a request's tokens do
 not depend on what else is in the batch or on whether it was preempted and recomputed.
@@ -119,6 +120,23 @@ def apply_logit_bias(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
     return logits
 
 
+def apply_grammar(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    """Mask, in place, the tokens each structured row's grammar does not allow next. The
+    matchers (on the host, beside their sequences) fill one int32 bitmask of ceil(vocab / 32)
+    words a row (all ones for unconstrained rows), which goes over in one copy and is unpacked
+    on the device into a boolean mask."""
+    matchers = [s.grammar for s in seqs]
+    backend = next(m for m in matchers if m is not None).backend
+    n, vocab = logits.shape
+    words = (vocab + 31) // 32
+    host = torch.full((n, words), -1, dtype=torch.int32)
+    backend.fill_bitmask(matchers, host)
+    bits = to_device(host, logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bits.unsqueeze(2) >> shifts) & 1).view(n, words * 32)[:, :vocab]
+    return logits.masked_fill_(allowed == 0, _MASK)
+
+
 def filter_logits(
     logits: torch.Tensor,
     top_k: torch.Tensor,
@@ -187,16 +205,19 @@ class Sampler:
         steps without penalties or logprobs take the argmax of them as they are (upcasting is
         exact, so it is the same token); everything else computes in float32."""
         params = [s.params for s in seqs]
-        plain = not any(p.needs_history or p.logit_bias for p in params)
+        grammar = any(s.grammar is not None for s in seqs)
+        plain = not grammar and not any(p.needs_history or p.logit_bias for p in params)
         if plain and all(p.greedy and p.logprobs is None for p in params):
             return self.argmax(logits), None
         raw = logits.float()
-        # Logprobs are of the raw logits; penalties and biases change a copy.
+        # Logprobs are of the raw logits; penalties, biases and grammars change a copy.
         logits = raw if plain else raw.clone()
         if any(p.needs_history for p in params):
             logits = apply_penalties(logits, seqs)
         if any(p.logit_bias for p in params):
             logits = apply_logit_bias(logits, seqs)
+        if grammar:
+            logits = apply_grammar(logits, seqs)
         tokens = self._draw(logits, seqs)
         ks = [p.logprobs for p in params if p.logprobs is not None]
         return tokens, top_logprobs(raw, tokens, max(ks)) if ks else None

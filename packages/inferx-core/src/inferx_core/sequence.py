@@ -4,10 +4,26 @@ from __future__ import annotations
 
 import enum
 import itertools
+import json
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+def canonical_schema(schema: str | dict | bool) -> str:
+    """A JSON schema as compact JSON text (the cache's key; key order is kept, since it orders
+    the output's properties); raises ValueError when it is not JSON or not a schema's shape (an
+    object or a boolean)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict | bool):
+        raise ValueError(f"a JSON schema is an object (or a boolean), not {type(schema).__name__}")
+    return json.dumps(schema, separators=(",", ":"))
 
 
 class SamplingParams(BaseModel):
@@ -33,6 +49,10 @@ class SamplingParams(BaseModel):
     # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias); a dict
     # {id: bias} is taken too. A tuple keeps the params hashable.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Structured output: a JSON schema (JSON text, or a dict) the output must be a JSON value of;
+    # '{"type": "object"}' is any JSON object (OpenAI's json_object). Kept as compact JSON
+    # text, the key under which the engine caches the compiled grammar.
+    json_schema: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -45,7 +65,14 @@ class SamplingParams(BaseModel):
                 data["stop"] = (data["stop"],)
             if isinstance(data.get("logit_bias"), dict):
                 data["logit_bias"] = tuple(sorted(data["logit_bias"].items()))
+            if isinstance(data.get("json_schema"), dict | bool):
+                data["json_schema"] = canonical_schema(data["json_schema"])
         return data
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema(cls, v: str | None) -> str | None:
+        return None if v is None else canonical_schema(v)
 
     @field_validator("logit_bias")
     @classmethod
@@ -69,6 +96,12 @@ class SamplingParams(BaseModel):
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """The next token cannot be sampled before this one is known on the host: the
+        penalties read it, and a grammar's matcher must have accepted it to mask the next."""
+        return self.needs_history or self.json_schema is not None
 
 
 PENDING = -1  # in token_ids: a token that a step in flight is sampling, not known yet
@@ -111,6 +144,9 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     arrival: float = field(default_factory=time.monotonic)
     eos_token_ids: frozenset[int] = frozenset()
+    # Structured output: the GrammarMatcher (interfaces.grammar) that masks this sequence's
+    # logits and advances with each of its sampled tokens; None when unconstrained.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)

@@ -179,6 +179,9 @@ def _refine_openapi(openapi: OpenAPI, vocab: int) -> None:
         "TextPart",
         "StreamOptions",
         "ResponseFormatText",
+        "ResponseFormatJSONObject",
+        "ResponseFormatJSONSchema",
+        "JSONSchema",
     ):
         schemas[name].additional_properties = False
     # With stream: true the 200 is server-sent events, each a JSON chunk (or an error) in

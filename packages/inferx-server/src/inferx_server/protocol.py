@@ -6,7 +6,7 @@ being ignored. OpenAI parameters we know but do not implement get their own mess
 
 SDKs and frameworks send parameters that change nothing: `null` for any optional one (it means
 the default, as OpenAI reads it), and no-op values of features we lack (`tools: []`,
-`tool_choice: "none"`, `response_format: {"type": "text"}`, `store: false`). Those are accepted;
+`tool_choice: "none"`, `store: false`). Those are accepted;
 the types below admit only the no-op values, so the OpenAPI schema says exactly what runs, and
 any other value is refused by name (NOOP_ONLY).
 """
@@ -42,8 +42,6 @@ UNSUPPORTED = frozenset(
 NOOP_ONLY = {
     "tools": "tools are not supported by this server; only [] is accepted",
     "tool_choice": 'tools are not supported by this server; only "none" or "auto" is accepted',
-    "response_format": 'structured output is not supported by this server; only {"type": "text"} '
-    "is accepted",
     "store": "this server stores nothing; only false is accepted",
 }
 
@@ -121,8 +119,35 @@ class StreamOptions(_Body):
     include_usage: bool | None = False
 
 
-class ResponseFormatText(Struct, forbid_unknown_fields=True):
-    type: Literal["text"]
+class ResponseFormatText(Struct, forbid_unknown_fields=True, tag="text", tag_field="type"):
+    """Plain text: no constraint."""
+
+
+class ResponseFormatJSONObject(
+    Struct, forbid_unknown_fields=True, tag="json_object", tag_field="type"
+):
+    """Any JSON object."""
+
+
+class JSONSchema(Struct, forbid_unknown_fields=True, kw_only=True):
+    """`schema` is required here (OpenAI's own API lets it out). `strict` is accepted either
+    way: the output is always held to the schema."""
+
+    name: Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema: dict[str, Any]
+    strict: bool | None = None
+
+
+class ResponseFormatJSONSchema(
+    Struct, forbid_unknown_fields=True, tag="json_schema", tag_field="type"
+):
+    """A JSON value valid against `json_schema.schema`."""
+
+    json_schema: JSONSchema
+
+
+ResponseFormat = ResponseFormatText | ResponseFormatJSONObject | ResponseFormatJSONSchema
 
 
 class _Sampling(_Body, kw_only=True):
@@ -151,11 +176,11 @@ class _Sampling(_Body, kw_only=True):
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    response_format: ResponseFormat | None = None
     # no-ops only
     tools: Annotated[list[Any], Meta(max_length=0)] | None = None
     tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool | None = None  # means nothing without tools
-    response_format: ResponseFormatText | None = None
     store: Literal[False] | None = None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 from typing import TYPE_CHECKING, Any
 
 import jinja2
@@ -15,7 +16,7 @@ import pydantic
 from litestar.dto import MsgspecDTO
 from litestar.typing import FieldDefinition
 
-from inferx_core.interfaces import QueueFullError
+from inferx_core.interfaces import GrammarError, QueueFullError
 from inferx_core.sequence import SamplingParams
 from inferx_server.engine_loop import EngineDead, Submission
 from inferx_server.protocol import (
@@ -23,6 +24,8 @@ from inferx_server.protocol import (
     ChatMessage,
     CompletionRequest,
     OpenAIError,
+    ResponseFormatJSONObject,
+    ResponseFormatJSONSchema,
     decode_request,
 )
 
@@ -149,6 +152,26 @@ def _token_params(srv: ServerState, req: CompletionRequest | ChatCompletionReque
             )
 
 
+def _json_schema(srv: ServerState, req: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """The JSON schema that `response_format` holds the output to (JSON text), or None."""
+    fmt = req.response_format
+    if not isinstance(fmt, ResponseFormatJSONObject | ResponseFormatJSONSchema):
+        return None
+    if isinstance(req, ChatCompletionRequest) and srv.chat_format is not None:
+        # A harmony reply opens with its analysis channel: a grammar from the first token on
+        # would forbid the format itself.
+        raise OpenAIError(
+            400,
+            "response_format is not supported yet for models that answer in harmony (gpt-oss); "
+            "use /v1/completions with a raw prompt",
+            param="response_format",
+            code="unsupported_parameter",
+        )
+    if isinstance(fmt, ResponseFormatJSONObject):
+        return '{"type":"object"}'
+    return json.dumps(fmt.json_schema.schema, separators=(",", ":"))
+
+
 def _sampling(
     srv: ServerState,
     req: CompletionRequest | ChatCompletionRequest,
@@ -170,6 +193,7 @@ def _sampling(
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        json_schema=_json_schema(srv, req),
     )
     for name in (
         "temperature",
@@ -280,5 +304,7 @@ async def _start(
         ) from None
     except EngineDead as exc:
         raise OpenAIError(503, str(exc), type="service_unavailable", code="engine_dead") from None
+    except GrammarError as exc:
+        raise OpenAIError(400, str(exc), param="response_format", code="invalid_schema") from None
     except ValueError as exc:
         raise OpenAIError(400, str(exc)) from None

@@ -15,6 +15,7 @@ from inferx_core.interfaces.executor import (
     PendingStep,
     StepResult,
 )
+from inferx_core.interfaces.grammar import GrammarBackend, GrammarError, GrammarMatcher
 from inferx_core.interfaces.kv import KVGroup, KVLayerSpec, KVManager, kv_groups
 from inferx_core.interfaces.model import BuildContext, Checkpoint, CheckpointFormat, ModelArch
 from inferx_core.interfaces.moe import ExpertsSpec, ExpertWeights, QuantExperts, RouterSpec
@@ -41,6 +42,9 @@ __all__ = [
     "Executor",
     "ExpertsSpec",
     "ExpertWeights",
+    "GrammarBackend",
+    "GrammarError",
+    "GrammarMatcher",
     "KVGroup",
     "KVLayerSpec",
     "KVManager",

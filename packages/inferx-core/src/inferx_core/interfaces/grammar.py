@@ -1,0 +1,52 @@
+"""The grammar contract for structured output: a backend compiles a JSON schema once and makes a
+matcher per sequence; matchers say which tokens may come next as a bitmask and advance with each
+sampled token. Matchers live on the host beside their Sequence; the sampler applies their masks
+to the logits on the device."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+class GrammarError(ValueError):
+    """A schema the backend cannot compile (invalid, unsatisfiable or unsupported); the message
+    names the problem. A ValueError, so a server turns it into a 400."""
+
+
+class GrammarMatcher(ABC):
+    """One sequence's position in its grammar."""
+
+    backend: GrammarBackend
+
+    @abstractmethod
+    def accept(self, token: int) -> bool:
+        """Advance by a sampled token; False if the grammar does not allow it."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """The output is complete and the grammar allows nothing more (EOS at most)."""
+
+
+class GrammarBackend(ABC):
+    """Built as `Cls(tokenizer, vocab_size)`: the engine's Tokenizer and the width of the
+    logits (which may exceed the tokenizer's vocabulary; the extra ids are never allowed)."""
+
+    @abstractmethod
+    def compile(self, schema: str) -> Any:
+        """A JSON schema (JSON text) compiled for this vocabulary; raises GrammarError."""
+
+    @abstractmethod
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        """A fresh matcher at the start of a compiled grammar."""
+
+    @abstractmethod
+    def fill_bitmask(
+        self, matchers: Sequence[GrammarMatcher | None], bitmask: torch.Tensor
+    ) -> None:
+        """Row i of `bitmask` (int32 [len(matchers), ceil(vocab / 32)], on the CPU) gets the
+        tokens matchers[i] allows next: token t is bit t % 32 of word t // 32. Rows whose
+        matcher is None are left as they are."""
