@@ -122,6 +122,27 @@ def test_a_killed_rank_is_an_error_on_rank_0(checkpoint):
         executor.close()
 
 
+def _preset_tokens(preset: str, tensor: int) -> list[list[int]]:
+    config = {"model.preset": preset, "model.dtype": "float32", "engine.device": "cpu"}
+    config |= {"kv_cache.num_blocks": 64, "parallel.tensor": tensor}
+    llm = LLM(load_config(None, config))
+    try:
+        return [c.token_ids for c in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        if tensor > 1:
+            llm.engine.executor.close()
+
+
+def test_qwen3_moe_experts_shard_over_two_ranks():
+    """Each expert's MLP is split over the ranks (its intermediate size), as a dense MLP is."""
+    assert _preset_tokens("tiny-qwen3-moe", 2) == _preset_tokens("tiny-qwen3-moe", 1)
+
+
+def test_gpt_oss_mxfp4_experts_are_refused_by_name():
+    with pytest.raises(LoadError, match=r"tiny-gpt-oss: .*MXFP4 experts .*parallel\.tensor = 2"):
+        _preset_tokens("tiny-gpt-oss", 2)
+
+
 RANK_0 = """
 import os, signal, sys
 from inferx_core.config import load_config

@@ -349,9 +349,10 @@ def build_rank_executor(
         )
     try:
         return cls(config, reg, parallel=parallel)
-    except ValueError as exc:
+    except (ValueError, NotImplementedError) as exc:  # a model or layer that does not shard
         if "parallel.tensor" in str(exc):
-            raise LoadError(str(exc)) from None
+            model = config.model.preset or config.model.path or "the model"
+            raise LoadError(f"{model}: {exc}") from None
         raise
 
 
@@ -375,13 +376,15 @@ def worker_loop(
     parallel = join(config, rank, world, local_rank, init)
     try:
         runner = build_rank_executor(config, parallel, reg)
-        runner._sample = _no_sample  # type: ignore[attr-defined]  # rank 0 samples
+    except BaseException:
+        leave()
+        raise
+    runner._sample = _no_sample  # type: ignore[attr-defined]  # rank 0 samples
+    try:
         while (plan := receive_plan(parallel.cpu_group)) is not None:
             runner.execute(step_of(plan))
         return 0
-    except RuntimeError as exc:
-        if not dist.is_initialized():
-            raise
+    except RuntimeError as exc:  # rank 0 (or another rank) went away mid-collective
         print(f"inferx tensor-parallel rank {rank}: stopping: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -402,7 +405,7 @@ def _worker_main(argv: list[str]) -> int:
     config = pickle.loads(sys.stdin.buffer.read())
     try:
         return worker_loop(config, int(rank), int(world), int(rank), init)
-    except (ConfigError, LoadError, ValueError) as exc:  # rank 0 says the same, cleanly
+    except (ConfigError, LoadError, ValueError, NotImplementedError) as exc:  # rank 0 says so too
         Path(error_file).write_text(f"tensor-parallel rank {rank}: {exc}")
         return 1
     except BaseException as exc:
