@@ -64,26 +64,13 @@ def test_impossible_combinations(tmp_path, text, needle):
         load_config(write(tmp_path, text))
 
 
-@pytest.mark.parametrize(
-    ("text", "needle"),
-    [
-        ("[parallel]\ntensor = 2\n", r"parallel\.tensor: 2 is not implemented yet"),
-        ("[engine]\ndevice = 'cuda'\n[parallel]\ntensor = 8\n", r"parallel\.tensor: 8 is not"),
-    ],
-)
-def test_keys_not_implemented_yet_are_refused_by_name(tmp_path, text, needle):
-    """Keys whose feature has not landed are refused, not validated and then ignored."""
-    with pytest.raises(ConfigError, match=needle):
-        load_config(write(tmp_path, text))
-
-
-def test_keys_not_implemented_yet_keep_their_defaults():
-    cfg = load_config(None, {"kv_cache.dtype": "fp8_e4m3", "parallel.tensor": 1})
-    assert cfg.kv_cache.dtype == "fp8_e4m3" and cfg.parallel.tensor == 1
+def test_parallel_tensor_is_accepted_and_checked():
+    cfg = load_config(None, {"kv_cache.dtype": "fp8_e4m3", "parallel.tensor": "4"})
+    assert cfg.kv_cache.dtype == "fp8_e4m3" and cfg.parallel.tensor == 4
     with pytest.raises(ConfigError, match=r"kv_cache\.dtype"):
         load_config(None, {"kv_cache.dtype": "fp8_e5m2"})
-    with pytest.raises(ConfigError, match=r"parallel\.tensor: 4 is not implemented yet"):
-        load_config(None, {"parallel.tensor": "4"})
+    with pytest.raises(ConfigError, match=r"parallel\.tensor"):
+        load_config(None, {"parallel.tensor": 0})
 
 
 def test_overrides_beat_the_file(tmp_path):

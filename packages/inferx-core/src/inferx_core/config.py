@@ -254,16 +254,9 @@ class ServerSection(Section):
 
 
 class ParallelSection(Section):
-    # GPUs to shard the model over. Only 1 until tensor parallelism lands (issue: tensor
-    # parallel); larger values would run on one GPU without a word, so they are refused.
-    tensor: int = Field(default=1, ge=1, description="GPUs to shard the model over")
-
-    @field_validator("tensor")
-    @classmethod
-    def _tensor(cls, v: int) -> int:
-        if v > 1:
-            raise ValueError(f"{v} is not implemented yet (issue: tensor parallel); only 1 runs")
-        return v
+    # Ranks (processes, one GPU each) to shard the model over: inferx_core.distributed. A
+    # size that does not divide the model's heads, KV heads or MLP is refused at start-up.
+    tensor: int = Field(default=1, ge=1, description="GPUs (ranks) to shard the model over")
 
 
 class Config(Section):

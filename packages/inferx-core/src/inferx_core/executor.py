@@ -32,6 +32,7 @@ from inferx_core.interfaces import (
     SchedulerOutput,
     StepResult,
 )
+from inferx_core.parallel import SINGLE, ParallelContext
 from inferx_core.plugins import PluginError, Plugins, plugins
 from inferx_core.sampler import Sampler, TopLogprobs
 from inferx_core.sequence import PENDING
@@ -237,8 +238,13 @@ def pick_executor(name: str, device: torch.device, reg: Plugins) -> str:
 
 
 def make_executor(config: Config, reg: Plugins | None = None) -> Executor:
-    """The executor engine.executor names (or auto picks), built for config."""
+    """The executor engine.executor names (or auto picks), built for config; over
+    parallel.tensor ranks, rank 0's (inferx_core.distributed)."""
     reg = reg or plugins()
+    if config.parallel.tensor > 1:
+        from inferx_core.distributed import make_tensor_parallel_executor
+
+        return make_tensor_parallel_executor(config, reg)
     device = resolve_device(config.engine.device)
     cls = reg.get("executor", pick_executor(config.engine.executor, device, reg))
     return cls(config, reg)  # type: ignore[operator]
@@ -300,9 +306,12 @@ class ModelRunner(Executor):
 
     supports_overlap = True
 
-    def __init__(self, config: Config, reg: Plugins | None = None) -> None:
+    def __init__(
+        self, config: Config, reg: Plugins | None = None, parallel: ParallelContext = SINGLE
+    ) -> None:
         reg = reg or plugins()
         self.config = config
+        self.parallel = parallel  # this rank's place among the tensor-parallel ranks
         self.report = LoadReport()
         t0 = time.perf_counter()
         self.device = resolve_device(config.engine.device)
@@ -323,7 +332,12 @@ class ModelRunner(Executor):
         self.max_model_len = context_length(config.model.max_model_len, ckpt.hf_config)
         archs = ckpt.hf_config.get("architectures") or ["?"]
         arch: type[ModelArch] = reg.get("model_arch", archs[0])  # type: ignore[assignment]
-        self.kv_layout = arch.kv_layout(ckpt.hf_config, kv_dtype=config.kv_cache.dtype)
+        if parallel.world_size == 1:
+            self.kv_layout = arch.kv_layout(ckpt.hf_config, kv_dtype=config.kv_cache.dtype)
+        else:
+            self.kv_layout = arch.kv_layout(
+                ckpt.hf_config, parallel=parallel, kv_dtype=config.kv_cache.dtype
+            )
         self.block_size = config.kv_cache.block_size
         backend_name = pick_attention_backend(config.engine.attention_backend, self.device, reg)
         backend_cls = reg.get("attention_backend", backend_name)
@@ -337,7 +351,8 @@ class ModelRunner(Executor):
         self.kv_groups = self.attention.groups  # for the KV manager: one block table per group
         quant = build_quant_scheme(config, ckpt.hf_config, reg)
         ops_cls = reg.get("kernel_ops", pick_kernel_ops(config.engine.kernels, self.device, reg))
-        ctx = BuildContext(self.dtype, self.device, self.attention, quant, ops_cls())  # type: ignore[operator]
+        ops = ops_cls()  # type: ignore[operator]
+        ctx = BuildContext(self.dtype, self.device, self.attention, quant, ops, parallel=parallel)
         self.report.done("open", t0, f"{archs[0]}, {self.dtype}, {backend_name} attention")
         t0 = time.perf_counter()
         with torch.device(self.device):
@@ -353,7 +368,8 @@ class ModelRunner(Executor):
         self.graphs: DecodeGraphs | None = None
         self.mixed: MixedGraphs | None = None
         self._prepare()
-        self.num_kv_blocks = self._size_cache()
+        # every rank's cache holds the same blocks: as many as the smallest fits
+        self.num_kv_blocks = parallel.min_over_ranks(self._size_cache())
         try:
             self.attention.allocate(self.num_kv_blocks)
         except RuntimeError as exc:  # torch's out-of-memory errors, on either device

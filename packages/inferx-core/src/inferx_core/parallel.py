@@ -12,11 +12,13 @@ import torch
 @dataclass(frozen=True)
 class ParallelContext:
     """rank / world_size of this process in its tensor-parallel group; `group` is the
-    torch.distributed process group (None at world size 1)."""
+    torch.distributed process group (None at world size 1), `cpu_group` a gloo group over the
+    same ranks for host-side agreement (`group` itself where None)."""
 
     rank: int = 0
     world_size: int = 1
     group: Any = None
+    cpu_group: Any = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -40,6 +42,20 @@ class ParallelContext:
 
             dist.all_reduce(x, group=self.group)
         return x
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's `value` (value itself at world size 1)."""
+        if self.world_size == 1:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.long)
+        dist.all_reduce(
+            t,
+            op=dist.ReduceOp.MIN,
+            group=self.cpu_group if self.cpu_group is not None else self.group,
+        )
+        return int(t.item())
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """The ranks' x concatenated along `dim`, in rank order (x itself at world size 1)."""

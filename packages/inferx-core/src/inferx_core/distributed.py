@@ -1,0 +1,417 @@
+"""Tensor parallelism over processes: one process a rank, joined by torch.distributed (NCCL on
+GPUs, gloo on the CPU).
+
+Rank 0 is the calling process (LLM, `inferx generate`, the server's engine): it runs the
+scheduler, and its executor is a TensorParallelExecutor, which sends each step's plan to the
+other ranks before running the model itself and sampling. Ranks 1..N-1 run worker_loop: the
+same executor with their ParallelContext, fed the plans, sampling nothing.
+
+On one machine rank 0 starts the others itself (`python -m inferx_core.distributed`, one
+subprocess each: a subprocess, not multiprocessing, so a daemonic engine process can start
+them too). Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR set) nothing is started: the process
+of rank 0 runs the engine and every other rank's make_executor call runs the worker loop and
+exits the process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from inferx_core.config import Config, ConfigError
+from inferx_core.executor import LoadError, ModelRunner, pick_executor, resolve_device
+from inferx_core.interfaces import (
+    DoneStep,
+    Executor,
+    PendingStep,
+    ScheduledChunk,
+    SchedulerOutput,
+    StepResult,
+)
+from inferx_core.parallel import ParallelContext
+from inferx_core.plugins import Plugins, plugins
+
+log = logging.getLogger("inferx.distributed")
+
+# The model's collectives (and start-up's) give up after this: a rank that hangs mid-step is
+# an error on the others, not a hang.
+COLLECTIVE_TIMEOUT = timedelta(seconds=300)
+# The plan broadcast waits while the engine is idle, for as long as the engine lives.
+CONTROL_TIMEOUT = timedelta(days=365)
+STOP = -1  # a plan length that tells the workers to exit
+
+
+class RankFailure(RuntimeError):
+    """Another tensor-parallel rank died or failed; the engine cannot go on."""
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when torchrun (or the same environment) launched this
+    process, else None."""
+    env = os.environ
+    if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", env["RANK"]))
+
+
+def tensor_parallel_size(config: Config) -> int:
+    """How many ranks the model is sharded over: parallel.tensor, which under torchrun must
+    be torchrun's world size."""
+    launched = torchrun_env()
+    n = config.parallel.tensor
+    if launched is not None and launched[1] > 1 and n != launched[1]:
+        raise ConfigError(
+            f"parallel.tensor = {n}, but torchrun started {launched[1]} ranks (WORLD_SIZE); "
+            "give --parallel-tensor the same number"
+        )
+    return n
+
+
+# -- the plan ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Window:
+    """A sequence's token ids from `start` on: what a plan carries instead of the whole list."""
+
+    start: int
+    ids: list[int]
+
+    def __getitem__(self, key: int | slice) -> Any:
+        if isinstance(key, slice):
+            return self.ids[key.start - self.start : key.stop - self.start]
+        return self.ids[key - self.start]
+
+
+class _PlannedSeq:
+    """The part of a Sequence that the executor reads to run a chunk (not to sample)."""
+
+    def __init__(self, start: int, ids: list[int], tables: list[list[int]]) -> None:
+        self.token_ids = _Window(start, ids)
+        self.block_tables = tables
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.block_tables[0]
+
+
+def plan_of(out: SchedulerOutput) -> list[tuple[int, int, bool, list[int], list[list[int]]]]:
+    """What the other ranks need of a step: per chunk its start, token count, whether it samples
+    (the head's all-gather runs for those rows), its input ids and its block tables."""
+    return [
+        (
+            c.start,
+            c.num_tokens,
+            c.sample,
+            c.seq.token_ids[c.start : c.start + c.num_tokens],
+            c.seq.block_tables,
+        )
+        for c in out.chunks
+    ]
+
+
+def step_of(plan: list[tuple[int, int, bool, list[int], list[list[int]]]]) -> SchedulerOutput:
+    return SchedulerOutput(
+        chunks=[
+            ScheduledChunk(_PlannedSeq(start, ids, tables), start, n, sample)  # type: ignore[arg-type]
+            for start, n, sample, ids, tables in plan
+        ]
+    )
+
+
+def send_plan(plan: Any, group: Any) -> int:
+    """Broadcast a plan from rank 0 over the (CPU) control group; returns its pickled size."""
+    data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+    dist.broadcast(torch.tensor([len(data)], dtype=torch.long), 0, group=group)
+    dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=group)
+    return len(data)
+
+
+def send_stop(group: Any) -> None:
+    dist.broadcast(torch.tensor([STOP], dtype=torch.long), 0, group=group)
+
+
+def receive_plan(group: Any) -> Any:
+    """The next plan from rank 0, or None when rank 0 said stop."""
+    size = torch.empty(1, dtype=torch.long)
+    dist.broadcast(size, 0, group=group)
+    if int(size) == STOP:
+        return None
+    data = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(data, 0, group=group)
+    return pickle.loads(data.numpy().tobytes())
+
+
+# -- joining the ranks ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _device_type(config: Config) -> str:
+    name = config.engine.device
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name).type
+
+
+def join(config: Config, rank: int, world: int, local_rank: int, init: str) -> ParallelContext:
+    """Join the process group (init: a tcp:// address or env://) and return this rank's
+    ParallelContext, its model group NCCL on GPUs and gloo on the CPU."""
+    device = _device_type(config)
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    elif not config.engine.threads:  # the ranks share the machine's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method=init, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
+    )
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return ParallelContext(rank, world, dist.group.WORLD, cpu_group=control)
+
+
+def leave() -> None:
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):  # a peer gone already: nothing left to tear down
+            dist.destroy_process_group()
+
+
+# -- rank 0 --------------------------------------------------------------------------------------
+
+
+class TensorParallelExecutor(Executor):
+    """Rank 0's executor: before each step it checks that the other ranks live and sends them
+    the step's plan; then its own executor runs the step and samples. Everything else
+    (tokenizer, cache size, kv groups, ...) is the inner executor's."""
+
+    supports_overlap = False  # the plan is sent per step; no step is submitted ahead
+
+    def __init__(self, inner: Executor, parallel: ParallelContext, workers: list[Any]) -> None:
+        self.inner = inner
+        self.parallel = parallel
+        self.workers = workers  # subprocesses of the ranks above 0; empty under torchrun
+        self.num_kv_blocks = inner.num_kv_blocks
+        self.block_size = inner.block_size
+        self.plan_bytes = 0  # the last plan's pickled size
+        self._closed = False
+        atexit.register(self.close)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def check(self) -> None:
+        """Raise RankFailure if a rank this process started has exited."""
+        for rank, proc in enumerate(self.workers, 1):
+            code = proc.poll()
+            if code is not None:
+                raise RankFailure(f"tensor-parallel rank {rank} exited (code {code})")
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        if self._closed:
+            raise RankFailure("the tensor-parallel ranks were shut down")
+        self.check()
+        try:
+            self.plan_bytes = send_plan(plan_of(out), self.parallel.cpu_group)
+            return self.inner.execute(out)
+        except RankFailure:
+            raise
+        except RuntimeError as exc:  # a collective failed: which rank is gone?
+            self._fail(exc)
+            raise
+
+    def submit(self, out: SchedulerOutput) -> PendingStep:
+        return DoneStep(self.execute(out))
+
+    def _fail(self, exc: BaseException) -> None:
+        time.sleep(0.2)  # a rank killed mid-step: let its exit be seen
+        self.check()
+        raise RankFailure(f"a tensor-parallel collective failed: {exc}") from exc
+
+    def close(self) -> None:
+        """Tell the other ranks to exit, wait for them (killing those that do not), leave the
+        process group. Safe to call twice; run at exit."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        if all(p.poll() is None for p in self.workers) and dist.is_initialized():
+            with contextlib.suppress(Exception):  # a rank gone: the rest are killed below
+                send_stop(self.parallel.cpu_group)
+        _reap(self.workers)
+        leave()
+
+
+def _reap(workers: list[Any], wait: float = 10.0) -> None:
+    deadline = time.monotonic() + wait
+    for proc in workers:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def make_tensor_parallel_executor(config: Config, reg: Plugins | None = None) -> Executor:
+    """Rank 0's executor over parallel.tensor ranks, the others started here (or by torchrun).
+    Under torchrun a rank above 0 runs the worker loop here and exits the process."""
+    world = tensor_parallel_size(config)
+    launched = torchrun_env()
+    if dist.is_initialized():
+        raise ConfigError(
+            "parallel.tensor: this process already belongs to a torch.distributed group (another "
+            "tensor-parallel engine still open?); close its executor first"
+        )
+    if launched is not None and launched[1] > 1:
+        rank, _, local_rank = launched
+        if rank != 0:
+            code = worker_loop(config, rank, world, local_rank, "env://", reg=reg)
+            sys.exit(code)
+        parallel = join(config, 0, world, local_rank, "env://")
+        try:
+            inner = build_rank_executor(config, parallel, reg)
+        except BaseException:
+            leave()
+            raise
+        return TensorParallelExecutor(inner, parallel, [])
+    init = f"tcp://127.0.0.1:{free_port()}"
+    errors = Path(tempfile.mkdtemp(prefix="inferx-tp-"))
+    workers = [_start_worker(config, rank, world, init, errors) for rank in range(1, world)]
+    try:
+        parallel = join(config, 0, world, 0, init)
+        inner = build_rank_executor(config, parallel, reg)
+    except BaseException as exc:
+        time.sleep(0.5)  # a rank that failed first: let it finish writing why
+        reason = _worker_error(errors)
+        for proc in workers:
+            if proc.poll() is None:
+                proc.kill()
+        _reap(workers)
+        leave()
+        if reason and not isinstance(exc, (ConfigError, LoadError)):
+            raise LoadError(reason) from exc
+        raise
+    return TensorParallelExecutor(inner, parallel, workers)
+
+
+def _worker_error(errors: Path) -> str:
+    """The first error a worker wrote (by rank), or ''."""
+    for path in sorted(errors.glob("rank-*")):
+        text = path.read_text().strip()
+        if text:
+            return text
+    return ""
+
+
+def _start_worker(config: Config, rank: int, world: int, init: str, errors: Path) -> Any:
+    args = [sys.executable, "-m", "inferx_core.distributed", str(rank), str(world), init]
+    args += [str(errors / f"rank-{rank}"), str(os.getpid())]
+    proc = subprocess.Popen(args, stdin=subprocess.PIPE)
+    assert proc.stdin is not None
+    proc.stdin.write(pickle.dumps(config))
+    proc.stdin.close()
+    return proc
+
+
+def build_rank_executor(
+    config: Config, parallel: ParallelContext, reg: Plugins | None = None
+) -> Executor:
+    """This rank's executor (engine.executor, or auto's pick) built with its ParallelContext;
+    a world size that does not fit the model is a LoadError naming parallel.tensor."""
+    reg = reg or plugins()
+    device = resolve_device(config.engine.device)
+    cls = reg.get("executor", pick_executor(config.engine.executor, device, reg))
+    if not (isinstance(cls, type) and issubclass(cls, ModelRunner)):
+        raise ConfigError(
+            f"parallel.tensor = {parallel.world_size}: engine.executor {cls.__name__} "
+            "does not run sharded models (it is not a ModelRunner)"
+        )
+    try:
+        return cls(config, reg, parallel=parallel)
+    except (ValueError, NotImplementedError) as exc:  # a model or layer that does not shard
+        if "parallel.tensor" in str(exc):
+            model = config.model.preset or config.model.path or "the model"
+            raise LoadError(f"{model}: {exc}") from None
+        raise
+
+
+# -- ranks above 0 -------------------------------------------------------------------------------
+
+
+def _no_sample(logits: torch.Tensor | None, seqs: list) -> PendingStep:
+    return DoneStep(StepResult(sampled=[]))
+
+
+def worker_loop(
+    config: Config,
+    rank: int,
+    world: int,
+    local_rank: int,
+    init: str,
+    reg: Plugins | None = None,
+) -> int:
+    """Join, build this rank's executor, then run every plan rank 0 sends until it says stop
+    (returns 0) or goes away (returns 1)."""
+    parallel = join(config, rank, world, local_rank, init)
+    try:
+        runner = build_rank_executor(config, parallel, reg)
+    except BaseException:
+        leave()
+        raise
+    runner._sample = _no_sample  # type: ignore[attr-defined]  # rank 0 samples
+    try:
+        while (plan := receive_plan(parallel.cpu_group)) is not None:
+            runner.execute(step_of(plan))
+        return 0
+    except RuntimeError as exc:  # rank 0 (or another rank) went away mid-collective
+        print(f"inferx tensor-parallel rank {rank}: stopping: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        leave()
+
+
+def _watch_parent(pid: int) -> None:
+    """Exit this process once the process that started it is gone (killed, crashed)."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != pid:
+            os._exit(1)
+
+
+def _worker_main(argv: list[str]) -> int:
+    rank, world, init, error_file, parent = argv
+    threading.Thread(target=_watch_parent, args=(int(parent),), daemon=True).start()
+    config = pickle.loads(sys.stdin.buffer.read())
+    try:
+        return worker_loop(config, int(rank), int(world), int(rank), init)
+    except (ConfigError, LoadError, ValueError, NotImplementedError) as exc:  # rank 0 says so too
+        Path(error_file).write_text(f"tensor-parallel rank {rank}: {exc}")
+        return 1
+    except BaseException as exc:
+        Path(error_file).write_text(f"tensor-parallel rank {rank}: {exc!r}")
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main(sys.argv[1:]))

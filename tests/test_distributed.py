@@ -1,0 +1,257 @@
+"""The engine over tensor-parallel ranks on the CPU (gloo): ranks 1..N-1 are processes that rank
+0 starts (inferx_core.distributed); greedy tokens at parallel.tensor = 2 and 4 equal those of
+one rank in fp32, through LLM, `inferx generate`, `inferx-server` and torchrun. Faults: a rank
+killed is an error on rank 0, not a hang; rank 0 gone leaves no rank behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FIXTURES
+
+transformers = pytest.importorskip("transformers")
+
+from inferx_core.config import load_config  # noqa: E402
+from inferx_core.distributed import RankFailure  # noqa: E402
+from inferx_core.engine import LLM  # noqa: E402
+from inferx_core.executor import LoadError  # noqa: E402
+from inferx_core.sequence import SamplingParams  # noqa: E402
+
+QWEN_TOKENIZER = FIXTURES / "tokenizers" / "qwen"
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+PROMPTS = [list(range(3, 30)), [5, 9, 17, 33, 65, 129, 200], [7] * 3]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}  # the ranks import this tree
+
+
+def tiny_config(arch: str) -> transformers.PretrainedConfig:
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if arch == "llama":
+        return transformers.LlamaConfig(**common)
+    return transformers.Qwen2Config(**common, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def checkpoint(request, tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    cls = (
+        transformers.LlamaForCausalLM if request.param == "llama" else transformers.Qwen2ForCausalLM
+    )
+    model = cls(tiny_config(request.param)).eval()
+    with torch.no_grad():  # logits far apart, so that greedy is stable across summation orders
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return path
+
+
+def make_llm(path: Path, tensor: int = 1, **overrides) -> LLM:
+    base = {
+        "model.path": str(path),
+        "model.dtype": "float32",
+        "engine.device": "cpu",
+        "kv_cache.num_blocks": 64,
+        "parallel.tensor": tensor,
+    }
+    return LLM(load_config(None, {**base, **overrides}))
+
+
+def generate(path: Path, tensor: int) -> list[list[int]]:
+    llm = make_llm(path, tensor)
+    try:
+        return [c.token_ids for c in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        if tensor > 1:
+            llm.engine.executor.close()
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint: Path) -> list[list[int]]:
+    return generate(checkpoint, 1)
+
+
+@pytest.mark.parametrize("tensor", [2, 4])
+def test_ranks_give_the_greedy_tokens_of_one(checkpoint, expected, tensor):
+    assert generate(checkpoint, tensor) == expected
+
+
+@pytest.mark.parametrize("checkpoint", ["llama"], indirect=True)
+def test_a_size_that_does_not_divide_the_heads_is_a_load_error(checkpoint):
+    t0 = time.monotonic()
+    with pytest.raises(LoadError, match=r"parallel\.tensor = 3 does not divide num_attention_"):
+        make_llm(checkpoint, 3)
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.parametrize("checkpoint", ["llama"], indirect=True)
+def test_a_killed_rank_is_an_error_on_rank_0(checkpoint):
+    llm = make_llm(checkpoint, 2)
+    executor = llm.engine.executor
+    try:
+        assert llm.generate([PROMPTS[0]], GREEDY)
+        executor.workers[0].send_signal(signal.SIGKILL)
+        executor.workers[0].wait(10)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure, match="rank 1 exited"):
+            llm.generate([PROMPTS[1]], GREEDY)
+        assert time.monotonic() - t0 < 10
+    finally:
+        executor.close()
+
+
+def _preset_tokens(preset: str, tensor: int) -> list[list[int]]:
+    config = {"model.preset": preset, "model.dtype": "float32", "engine.device": "cpu"}
+    config |= {"kv_cache.num_blocks": 64, "parallel.tensor": tensor}
+    llm = LLM(load_config(None, config))
+    try:
+        return [c.token_ids for c in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        if tensor > 1:
+            llm.engine.executor.close()
+
+
+def test_qwen3_moe_experts_shard_over_two_ranks():
+    """Each expert's MLP is split over the ranks (its intermediate size), as a dense MLP is."""
+    assert _preset_tokens("tiny-qwen3-moe", 2) == _preset_tokens("tiny-qwen3-moe", 1)
+
+
+def test_gpt_oss_mxfp4_experts_are_refused_by_name():
+    with pytest.raises(LoadError, match=r"tiny-gpt-oss: .*MXFP4 experts .*parallel\.tensor = 2"):
+        _preset_tokens("tiny-gpt-oss", 2)
+
+
+RANK_0 = """
+import os, signal, sys
+from inferx_core.config import load_config
+from inferx_core.engine import LLM
+llm = LLM(load_config(None, {{"model.path": {path!r}, "model.dtype": "float32",
+    "engine.device": "cpu", "kv_cache.num_blocks": 64, "parallel.tensor": 2}}))
+llm.generate([[5, 6, 7]])
+print(llm.engine.executor.workers[0].pid, flush=True)
+if sys.argv[1] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+@pytest.mark.parametrize("checkpoint", ["llama"], indirect=True)
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_rank_0_leaves_no_rank_behind(checkpoint, how):
+    script = RANK_0.format(path=str(checkpoint))
+    proc = subprocess.run(
+        [sys.executable, "-c", script, how], capture_output=True, text=True, env=ENV, timeout=120
+    )
+    assert proc.returncode == (0 if how == "exit" else -signal.SIGKILL), proc.stderr
+    pid = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 15
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _gone(pid), f"rank 1 (pid {pid}) outlived rank 0"
+
+
+# -- the command lines ---------------------------------------------------------------------------
+
+CLI = ["--preset", "tiny-qwen2", "--tokenizer", str(QWEN_TOKENIZER), "--device", "cpu"]
+TEXT = "The capital of France is"
+
+
+def cli_generate(tensor: int) -> dict:
+    args = [sys.executable, "-m", "inferx_core.cli", "generate", *CLI, "--prompt", TEXT]
+    args += ["--max-tokens", "5", "--temperature", "0", "--ignore-eos", "--json"]
+    args += ["--parallel-tensor", str(tensor)]
+    proc = subprocess.run(args, capture_output=True, text=True, env=ENV, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def cli_expected() -> dict:
+    return cli_generate(1)
+
+
+def test_inferx_generate_over_two_ranks(cli_expected):
+    got = cli_generate(2)
+    assert len(got["token_ids"]) == 5 and got["token_ids"] == cli_expected["token_ids"]
+
+
+def test_inferx_server_over_two_ranks(cli_expected):
+    import httpx
+
+    cmd = [sys.executable, "-m", "inferx_server.cli", *CLI, "--port", "0"]
+    cmd += ["--parallel-tensor", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on http://" in line, line + proc.stderr.read()
+        url = line.rsplit(" ", 1)[1].strip()
+        body = {"model": "tiny-qwen2", "prompt": TEXT, "max_tokens": 5, "temperature": 0}
+        body |= {"ignore_eos": True}
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        assert reply["choices"][0]["text"] == cli_expected["text"], reply
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
+def test_torchrun_two_nodes_on_one_host(cli_expected):
+    """Two torchrun "nodes" of one rank each, meeting through c10d's TCP rendezvous."""
+    port = _free_port()
+    procs = []
+    for node in range(2):
+        cmd = ["torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node)]
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        cmd += ["--rdzv-id", "inferx-test", "-m", "inferx_core.cli", "generate", *CLI]
+        cmd += ["--prompt", TEXT, "--max-tokens", "5", "--temperature", "0", "--ignore-eos"]
+        cmd += ["--json", "--parallel-tensor", "2"]
+        procs.append(
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+            )
+        )
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    printed = [json.loads(out) for out, _ in outs if out.strip()]
+    assert len(printed) == 1  # rank 0 alone runs the engine and prints
+    assert printed[0]["token_ids"] == cli_expected["token_ids"]
