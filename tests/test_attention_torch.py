@@ -132,9 +132,16 @@ def test_decode_steps_after_prefill() -> None:
 
 
 def test_unsupported_features_are_named() -> None:
+    class NoFp8(TorchAttention):
+        name = "no-fp8 attention"
+        features = TorchAttention.features - {"fp8_kv"}
+
     spec = KVLayerSpec(4, 1, 32, dtype="fp8_e4m3")
     with pytest.raises(NotImplementedError, match="needs fp8_kv attention"):
-        TorchAttention([spec], 16, torch.float32, torch.device("cpu"))
+        NoFp8([spec], 16, torch.float32, torch.device("cpu"))
+    mla = KVLayerSpec(4, 1, 576, kind="mla", v_head_dim=512, rope_dim=64, dtype="fp8_e4m3")
+    with pytest.raises(NotImplementedError, match="no fp8_e4m3 cache for MLA"):
+        TorchAttention([mla], 16, torch.float32, torch.device("cpu"))
 
 
 @pytest.mark.parametrize(
