@@ -382,6 +382,20 @@ def test_unsupported_configs_are_refused(cls, edit, key: str) -> None:
         cls(QuantConfig(dict(base, **edit)))
 
 
+def test_importing_the_schemes_imports_no_kernels() -> None:
+    """inferx_quant imports the CUDA kernels only when a GPU layer first runs."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, inferx_quant.w4a16 as w; "
+        "w.Gptq(w.QuantConfig({'quant_method': 'gptq', 'bits': 4, 'group_size': 128})); "
+        "print(sorted(m for m in sys.modules if m.startswith(('triton', 'inferx_kernels'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_a_gpu_without_the_kernel_package_is_refused(monkeypatch) -> None:
     import inferx_quant.w4a16 as w4
 
