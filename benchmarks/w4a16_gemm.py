@@ -107,15 +107,25 @@ def time_calls(fns: list[Callable[[], object]], cuda: bool) -> float:
 
 
 def sweep_configs(m: int) -> list[W4Config]:
-    """Configs --sweep times: block_n, split and loads for the GEMV; tiles for the GEMM."""
+    """Configs --sweep times: block_n, split and loads for the GEMV (and the CUDA-core path
+    up to 4 rows); tiles for the GEMM."""
     if m <= 16:
         base = W4Config(block_m=16, block_k=128, num_stages=4)
-        return [
+        configs = [
             replace(base, block_n=bn, split_k=s, packed_loads=p)
             for bn in (32, 64, 128)
             for s in (1, 2, 4, 8)
             for p in (True, False)
         ]
+        if m <= 4:  # the CUDA-core path, m rows a program
+            rows = 1 << (m - 1).bit_length()
+            configs += [
+                W4Config(block_m=rows, block_n=bn, block_k=bk, split_k=s, use_dot=False)
+                for bn in (32, 64)
+                for bk in (32, 64)
+                for s in (2, 4, 8)
+            ]
+        return configs
     return [
         W4Config(block_m=bm, block_n=bn, block_k=64, split_k=1, num_warps=w, num_stages=st)
         for bm, w in ((64, 4), (128, 8))

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from inferx_core.executor import LoadError, pick_quant_scheme
 from inferx_core.interfaces.quant import LinearSpec, QuantConfig
+from inferx_core.parallel import ParallelContext
 from inferx_core.plugins import plugins
 from inferx_core.quant_none import DenseLinear
 from inferx_quant.w4a16 import (
@@ -150,10 +151,18 @@ CASES = {
 }
 
 
-def loaded(fmt: W4Format, spec: LinearSpec = QKV, seed: int = 0, dtype=torch.float32, **kw):
-    """A W4A16Linear loaded with random parts -> (layer, exact weight [N, K], bias)."""
+def loaded(
+    fmt: W4Format,
+    spec: LinearSpec = QKV,
+    seed: int = 0,
+    dtype=torch.float32,
+    parallel: ParallelContext | None = None,
+    **kw,
+):
+    """A W4A16Linear loaded with random parts -> (layer, exact weight [N, K], bias), the
+    weight and bias whole-model (the layer keeps its rank's share)."""
     gen = torch.Generator().manual_seed(seed)
-    layer = W4A16Linear(spec, dtype, CPU, fmt=fmt)
+    layer = W4A16Linear(spec, dtype, CPU, parallel or ParallelContext(), fmt=fmt)
     exact, biases = [], []
     # fused parts share one act-order, as GPTQ gives them (they share their input)
     perm_seed = torch.randint(0, 2**31, (1,), generator=gen).item()
@@ -216,6 +225,57 @@ def test_bfloat16_activations_come_back_bfloat16() -> None:
     want = (x.float() @ exact.t()).bfloat16() + bias.bfloat16()
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, want)
+
+
+def fake_rank(rank: int) -> ParallelContext:
+    return ParallelContext(rank, 2, group=object())  # sharding only: no collective runs
+
+
+@pytest.mark.parametrize("name", ["gptq-sym-g64", "gptq-sym-perchannel", "awq-g64"])
+@pytest.mark.parametrize("style", ["column", "row"])
+def test_tensor_parallel_shards_hold_the_whole(name: str, style: str) -> None:
+    """Two ranks' shards, put back together, are the whole layer: column-parallel each part's
+    halves of its rows, row-parallel the halves of its inputs (in whole groups); their
+    forward passes give the whole layer's output (row-parallel: summed, bias once)."""
+    fmt, kw = CASES[name]
+    spec = LinearSpec(
+        "model.layers.0.mlp.gate_up_proj", 256, (128, 64), True, style, ("gate_proj", "up_proj")
+    )
+    whole, exact, bias = loaded(fmt, spec, seed=3, **kw)
+    ranks = [loaded(fmt, spec, seed=3, parallel=fake_rank(r), **kw)[0] for r in (0, 1)]
+    weights = [r.dequantized_weight() for r in ranks]
+    x = torch.randn(3, 256)
+    if style == "column":
+        gate = [w[:64] for w in weights] + [w[64:] for w in weights]  # gate halves, up halves
+        torch.testing.assert_close(torch.cat(gate), exact, rtol=0, atol=0)
+        torch.testing.assert_close(
+            torch.cat([r.bias[:64] for r in ranks] + [r.bias[64:] for r in ranks]), bias
+        )
+        ys = [r(x) for r in ranks]
+        y = torch.cat([ys[0][:, :64], ys[1][:, :64], ys[0][:, 64:], ys[1][:, 64:]], 1)
+    else:
+        torch.testing.assert_close(torch.cat(weights, 1), exact, rtol=0, atol=0)
+        assert ranks[1].bias is None  # added once, by rank 0
+        y = ranks[0](x[:, :128]) + ranks[1](x[:, 128:])
+    torch.testing.assert_close(y, whole(x), rtol=1e-5, atol=1e-5)
+
+
+def test_act_order_split_along_its_inputs_is_refused() -> None:
+    spec = LinearSpec("model.layers.0.mlp.down_proj", 256, (64,), parallel="row")
+    with pytest.raises(NotImplementedError, match="act-order .* split along their inputs"):
+        W4A16Linear(spec, torch.float32, CPU, fake_rank(0), fmt=CASES["gptq-act-order-g64"][0])
+    spec = LinearSpec("model.layers.0.mlp.down_proj", 192, (64,), parallel="row")
+    with pytest.raises(ValueError, match="splits .* inputs at 96, not on a group of 64"):
+        W4A16Linear(spec, torch.float32, CPU, fake_rank(1), fmt=CASES["gptq-sym-g64"][0])
+    # act-order column-parallel layers keep every input and so their order
+    fmt, kw = CASES["gptq-act-order-g64"]
+    spec = LinearSpec("model.layers.0.mlp.gate_up_proj", 256, (64, 64), False, "column", ("a", "b"))
+    whole = loaded(fmt, spec, seed=1, **kw)[1]
+    ranks = [loaded(fmt, spec, seed=1, parallel=fake_rank(r), **kw)[0] for r in (0, 1)]
+    w = [r.dequantized_weight() for r in ranks]
+    torch.testing.assert_close(
+        torch.cat([w[0][:32], w[1][:32], w[0][32:], w[1][32:]]), whole, rtol=0, atol=0
+    )
 
 
 def _tensors(fmt: W4Format, act_order: bool = False) -> list[dict[str, torch.Tensor]]:
@@ -380,6 +440,20 @@ def test_unsupported_configs_are_refused(cls, edit, key: str) -> None:
     base = GPTQ if cls is Gptq else AWQ
     with pytest.raises(ValueError, match=rf"quantization_config\.{key} is not supported"):
         cls(QuantConfig(dict(base, **edit)))
+
+
+def test_importing_the_schemes_imports_no_kernels() -> None:
+    """inferx_quant imports the CUDA kernels only when a GPU layer first runs."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, inferx_quant.w4a16 as w; "
+        "w.Gptq(w.QuantConfig({'quant_method': 'gptq', 'bits': 4, 'group_size': 128})); "
+        "print(sorted(m for m in sys.modules if m.startswith(('triton', 'inferx_kernels'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_a_gpu_without_the_kernel_package_is_refused(monkeypatch) -> None:
@@ -628,3 +702,17 @@ def test_the_benchmark_checkpoint_writer(llama, tmp_path, flags: list[str]) -> N
     w = load_file(llama / "model.safetensors")["model.layers.1.mlp.down_proj.weight"]
     err = (down.dequantized_weight() - w).abs().max()
     assert err <= down.scales.float().max() / 2 + 1e-6
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [dict(GPTQ, group_size=32), dict(AWQ, group_size=64)],
+    ids=["gptq-g32", "awq-g64"],
+)
+def test_two_ranks_give_the_greedy_tokens_of_one(llama, tmp_path, cfg: dict) -> None:
+    """parallel.tensor = 2 (gloo ranks on the CPU): QKV and gate_up split by rows, o_proj and
+    down_proj by inputs in whole groups; the same greedy tokens as one rank."""
+    from test_distributed import generate
+
+    quant, _ = write_w4(llama, tmp_path / "quantized", cfg)
+    assert generate(quant, 2) == generate(quant, 1)

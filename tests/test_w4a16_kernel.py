@@ -31,6 +31,7 @@ CONFIGS = {
     "gemv-split3": W4Config(block_m=16, split_k=3, **SMALL),
     "gemv-split3-dup-loads": W4Config(block_m=16, split_k=3, packed_loads=False, **SMALL),
     "gemm": W4Config(block_m=32, split_k=1, **SMALL),
+    "fma-split3": W4Config(block_m=2, split_k=3, use_dot=False, **SMALL),
 }
 
 

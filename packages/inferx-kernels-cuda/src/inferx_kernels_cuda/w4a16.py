@@ -44,6 +44,7 @@ import triton.language as tl
 from inferx_kernels_cuda.gemv import split_k_reduce_kernel
 
 GEMV_ROWS = 16  # up to this many rows: the split-K GEMV regime
+MAX_FMA_ROWS = 4
 _REDUCE_BLOCK = 256
 _H100_SMS = 132
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -54,7 +55,10 @@ class W4Config:
     """Launch parameters: tile sizes, K splits, Triton's num_warps / num_stages. block_k is
     lowered to a power of two dividing the group size and K. packed_loads: load each word once
     and unpack its eight nibbles in registers (else: load the word once per row it holds, and
-    let the cache serve the repeats, as gemlite does)."""
+    let the cache serve the repeats, as gemlite does). use_dot=False: products and sums on the
+    CUDA cores in fp32 instead of tl.dot (no padding of x to 16 rows, no conversion of the
+    weight tile to tl.dot's operand layout), block_m rows a program (a power of two, at most
+    MAX_FMA_ROWS), for the sweep to weigh against the dot path at a few rows."""
 
     block_m: int = 16
     block_n: int = 64
@@ -63,12 +67,13 @@ class W4Config:
     num_warps: int = 4
     num_stages: int = 3
     packed_loads: bool = True
+    use_dot: bool = True
 
     def __str__(self) -> str:
         loads = "packed" if self.packed_loads else "dup"
         return (
             f"m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k} "
-            f"w{self.num_warps} st{self.num_stages} {loads}"
+            f"w{self.num_warps} st{self.num_stages} {loads}" + ("" if self.use_dot else " fma")
         )
 
 
@@ -166,6 +171,7 @@ def w4a16_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PACKED: tl.constexpr,
+    USE_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -190,7 +196,9 @@ def w4a16_kernel(
             offs_k = tl.load(perm_ptr + offs_k)
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
         w = _dequantized(qw_ptr, s_ptr, z_ptr, k0, cols, n, group_size, BLOCK_K, BLOCK_N, PACKED)
-        if UPCAST:
+        if not USE_DOT:
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
+        elif UPCAST:
             acc += tl.dot(x.to(tl.float32), w, input_precision=DOT_PRECISION)
         else:
             acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
@@ -265,6 +273,8 @@ def _launch(
     """One kernel launch into out [split_k, M, N] (any float dtype)."""
     m, k = x.shape
     n = qweight.shape[1]
+    if not cfg.use_dot and (cfg.block_m > MAX_FMA_ROWS or cfg.block_m & (cfg.block_m - 1)):
+        raise ValueError(f"w4a16: the FMA path takes block_m 1, 2 or 4, not {cfg.block_m}")
     block_k = _block_k(cfg, group_size, k)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
@@ -292,6 +302,7 @@ def _launch(
         BLOCK_N=cfg.block_n,
         BLOCK_K=block_k,
         PACKED=cfg.packed_loads,
+        USE_DOT=cfg.use_dot,
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         UPCAST=x.dtype == torch.float32 or (interpret and x.dtype == torch.bfloat16),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

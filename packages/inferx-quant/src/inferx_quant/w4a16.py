@@ -36,7 +36,7 @@ import torch
 
 from inferx_core.interfaces.quant import LinearSpec, QuantConfig, QuantLinear, QuantScheme
 from inferx_core.parallel import SINGLE, ParallelContext
-from inferx_core.quant_none import DenseLinear
+from inferx_core.quant_none import DenseLinear, part_shard
 
 BITS = 4
 PACK = 32 // BITS  # 4-bit values in an int32
@@ -104,6 +104,9 @@ class W4A16Linear(QuantLinear):
     """A linear layer of 4-bit weights (module docstring: layouts). Fused parts (q, k, v) load
     one at a time and are put side by side along N at finish_loading; act-order parts must
     share one g_idx (they do: they share their input, so GPTQ orders their rows alike).
+    Tensor parallel: column-parallel keeps each part's rows (whole packed words), row-parallel
+    its inputs in whole groups (act-order split along K is refused: its groups are not
+    contiguous in a slice of rows).
 
     forward: on a CUDA tensor the Triton kernel of inferx_kernels_cuda.w4a16 (imported on first
     use, so this module never imports CUDA-only code); elsewhere the reference: the weight
@@ -123,32 +126,57 @@ class W4A16Linear(QuantLinear):
         self.spec = spec
         self.fmt = fmt or W4Format("gptq")
         self.device = torch.device(device)
-        if parallel.world_size > 1:
-            raise NotImplementedError(
-                f"{spec.prefix}: {self.fmt.method} layers do not support tensor parallelism yet "
-                f"(parallel.tensor = {parallel.world_size}); run on one GPU"
-            )
-        k = spec.in_features
-        self.group = k if self.fmt.group_size == -1 else self.fmt.group_size
-        if k % self.group or k % 16:
+        whole_k = spec.in_features
+        self.whole_group = whole_k if self.fmt.group_size == -1 else self.fmt.group_size
+        if whole_k % self.whole_group or whole_k % 16:
             raise ValueError(
-                f"{spec.prefix}: its {k} input columns are not a multiple of group_size "
-                f"{self.group} and of 16"
+                f"{spec.prefix}: its {whole_k} input columns are not a multiple of group_size "
+                f"{self.whole_group} and of 16"
             )
-        for part, n in enumerate(spec.output_sizes):
-            if n % PACK:
-                raise ValueError(f"{self._name(part)}: {n} output rows, not a multiple of 8")
-        self.groups = k // self.group
-        self.output_sizes = list(spec.output_sizes)
+        # This rank's share: (start, rows) of each fused part's outputs, and of the inputs.
+        self.shards = [(0, n) for n in spec.output_sizes]
+        self.in_start, self.k = 0, whole_k
+        if spec.parallel == "column":
+            self.shards = [
+                part_shard(n, spec, i, parallel) for i, n in enumerate(spec.output_sizes)
+            ]
+        elif spec.parallel == "row" and parallel.world_size > 1:
+            if self.fmt.desc_act:
+                raise NotImplementedError(
+                    f"{spec.prefix}: act-order (desc_act) {self.fmt.method} layers split along "
+                    f"their inputs are not supported (parallel.tensor = {parallel.world_size})"
+                )
+            self.in_start, self.k = parallel.shard(whole_k, f"{spec.prefix}'s input columns")
+            step = self.whole_group if self.fmt.group_size != -1 else PACK
+            if self.in_start % step or self.k % step:
+                raise ValueError(
+                    f"parallel.tensor = {parallel.world_size} splits {spec.prefix}'s inputs "
+                    f"at {self.in_start}, not on a group of {step}"
+                )
+        if self.k % 16:
+            raise ValueError(f"{spec.prefix}: {self.k} input columns here, not a multiple of 16")
+        for part, (start, n) in enumerate(self.shards):
+            if start % PACK or n % PACK:
+                raise ValueError(
+                    f"{self._name(part)}: this rank's output rows {start}..{start + n} do not "
+                    "start and end on a multiple of 8 (4-bit values packed 8 to a word)"
+                )
+        # Groups on this rank: per channel one group over its inputs; else whole groups.
+        self.group = self.k if self.fmt.group_size == -1 else self.whole_group
+        self.groups = self.k // self.group
+        self.group_start = self.in_start // self.whole_group
+        self.output_sizes = [n for _, n in self.shards]
         self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
         out = sum(self.output_sizes)
         kinds = ["qweight", "qzeros", "scales"]
         if self.fmt.desc_act:
             kinds.append("g_idx")
         self.checkpoint_kinds = tuple(kinds)
+        # A row-parallel layer's bias is added once, by rank 0, so the all-reduce adds it once.
+        has_bias = spec.bias and (spec.parallel != "row" or parallel.rank == 0)
         self.bias = (
             torch.nn.Parameter(torch.empty(out, dtype=dtype, device=device), requires_grad=False)
-            if spec.bias
+            if has_bias
             else None
         )
         self._parts: dict[tuple[str, int], torch.Tensor] = {}
@@ -167,24 +195,43 @@ class W4A16Linear(QuantLinear):
         return f"{parent}.{self.spec.part_names[part]}" if parent else self.spec.part_names[part]
 
     def _expected(self, kind: str, part: int) -> tuple[tuple[int, ...], str]:
-        """(shape, dtype class) of a checkpoint tensor of part `part`."""
-        k, n = self.spec.in_features, self.output_sizes[part]
+        """(shape, dtype class) of a whole checkpoint tensor of part `part`."""
+        k, n = self.spec.in_features, self.spec.output_sizes[part]
+        groups = k // self.whole_group
         if kind == "qweight":
             shape = (k // PACK, n) if self.fmt.method == "gptq" else (k, n // PACK)
             return shape, "int32"
         if kind == "qzeros":
-            return (self.groups, n // PACK), "int32"
+            return (groups, n // PACK), "int32"
         if kind == "scales":
-            return (self.groups, n), "float"
+            return (groups, n), "float"
         if kind == "g_idx":
             return (k,), "int"
         return (n,), "float"  # bias
+
+    def _shard(self, kind: str, t: torch.Tensor, part: int) -> torch.Tensor:
+        """This rank's share of a whole checkpoint tensor: its output rows (N, or N / 8 packed
+        words) and its inputs (K, K / 8 packed words, or their groups)."""
+        start, n = self.shards[part]
+        k0, k = self.in_start, self.k
+        g0, g = self.group_start, self.groups
+        if kind == "qweight" and self.fmt.method == "gptq":
+            return t[k0 // PACK : (k0 + k) // PACK, start : start + n]
+        if kind == "qweight":
+            return t[k0 : k0 + k, start // PACK : (start + n) // PACK]
+        if kind == "qzeros":
+            return t[g0 : g0 + g, start // PACK : (start + n) // PACK]
+        if kind == "scales":
+            return t[g0 : g0 + g, start : start + n]
+        if kind == "g_idx":
+            return t[k0 : k0 + k] - g0
+        return t[start : start + n]  # bias
 
     def load(self, kind: str, tensor: torch.Tensor, part: int = 0) -> None:
         known = ("qweight", "qzeros", "scales", "bias") + (
             ("g_idx",) if self.fmt.method == "gptq" else ()
         )
-        if kind not in known or (kind == "bias" and self.bias is None):
+        if kind not in known or (kind == "bias" and not self.spec.bias):
             raise ValueError(f"{self.spec.prefix}: {self.fmt.method} layer has no {kind!r} tensor")
         shape, cls = self._expected(kind, part)
         name = f"{self._name(part)}.{kind}"
@@ -197,12 +244,12 @@ class W4A16Linear(QuantLinear):
         }[cls]
         if not ok:
             raise ValueError(f"{name} is {tensor.dtype}, expected {cls}")
-        if kind == "bias":
-            assert self.bias is not None
+        shard = self._shard(kind, tensor, part)
+        if kind != "bias":
+            self._parts[(kind, part)] = shard.to(self.device)
+        elif self.bias is not None:  # a row-parallel layer's bias: rank 0's
             rows = slice(self.offsets[part], self.offsets[part] + self.output_sizes[part])
-            self.bias.data[rows].copy_(tensor)
-        else:
-            self._parts[(kind, part)] = tensor.to(self.device)
+            self.bias.data[rows].copy_(shard)
 
     def finish_loading(self) -> None:
         for part in range(len(self.output_sizes)):
@@ -238,7 +285,7 @@ class W4A16Linear(QuantLinear):
     def _act_order_perm(self) -> torch.Tensor | None:
         """The row order that makes each group's rows contiguous, from g_idx; None where g_idx
         is absent or already k // group_size."""
-        k = self.spec.in_features
+        k = self.k
         idx = [self._parts.get(("g_idx", p)) for p in range(len(self.output_sizes))]
         if idx[0] is None:
             return None
