@@ -35,12 +35,14 @@ def compile_sm90(kernel, types: dict[str, str], constexprs: dict, warps: int, st
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def gemm_types(fmt: str) -> dict[str, str]:
+def gemm_types(fmt: str, per_pair: bool) -> dict[str, str]:
     weight = {"dense": "*bf16", "mxfp4": "*u8", "fp8": "*fp8e4nv"}[fmt]
     scale = {"dense": "*bf16", "mxfp4": "*u8", "fp8": "*fp32"}[fmt]
     types = {"a_ptr": "*bf16", "w_ptr": weight, "scale_ptr": scale, "bias_ptr": "*bf16"}
     types |= {"topk_w_ptr": "*fp32", "out_ptr": "*bf16", "stride_we": "i64"}
     types |= {n: "*i32" for n in ("sorted_ptr", "block_expert_ptr", "num_padded_ptr")}
+    if per_pair:  # all three are topk_ids then
+        types |= {n: "*i64" for n in ("sorted_ptr", "block_expert_ptr", "num_padded_ptr")}
     return types | {"alpha": "fp32", "limit": "fp32"}
 
 
@@ -66,7 +68,7 @@ def cases():
     shapes = {"gpt-oss-20b": (2880, 2880, 32, 4, False), "qwen3": (2048, 768, 128, 8, True)}
     for name, (hidden, inter, experts, k, silu) in shapes.items():
         for fmt in ("dense", "mxfp4", "fp8"):
-            for tokens in (1, 2048):
+            for tokens in (1, 8, 2048):
                 configs = mk.gemm_configs(tokens * k, experts, inter, hidden, fmt, 132)
                 for gated, cfg in zip((True, False), configs, strict=True):
                     constexprs = dict(
@@ -75,10 +77,12 @@ def cases():
                         GATE_STRIDE=2 if gated and not silu else 1,
                         MXFP4=fmt == "mxfp4", ROW_SCALE=fmt == "fp8", HAS_BIAS=not silu,
                         WEIGHTED=not gated, ATOMIC_K=0, DOT_FP32=False, BLOCK_M=cfg.block_m,
+                        PER_PAIR=tokens <= mk.PER_PAIR_MAX_TOKENS,
                         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                     )  # fmt: skip
                     label = f"{name} {fmt} {tokens} {'gate_up' if gated else 'down'}"
-                    kernel, types = mk.moe_gemm_kernel, gemm_types(fmt)
+                    kernel = mk.moe_gemm_kernel
+                    types = gemm_types(fmt, constexprs["PER_PAIR"])
                     yield label, kernel, types, constexprs, cfg.num_warps, cfg.num_stages
 
 

@@ -310,6 +310,28 @@ def test_grouped_gemm_atomic_sum(fmt):
 
 
 @interpreted
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
+def test_one_token_skips_the_grouping(fmt, monkeypatch):
+    """One token: a tile per pair, no grouping launch; the same bits as the grouped tiles."""
+    spec = SPECS["gpt-oss"]
+    experts = (dense_experts if fmt == "dense" else mxfp4_experts)(spec, torch.float32, 28)
+    x = torch.randn(1, spec.hidden_size, generator=gen(29))
+    weights, ids = random_routing(1, spec.num_experts, 3, 30)
+    w = experts.expert_weights()
+
+    def grouped(*args, **kw):
+        raise AssertionError("grouped one token")
+
+    with monkeypatch.context() as m:
+        m.setattr(moe_kernels, "group_by_expert", grouped)
+        per_pair = check_experts(experts, fmt, spec, torch.float32, 1, 3, seed=29)
+        got = fused_experts(x, weights, ids, w, spec)
+    monkeypatch.setattr(moe_kernels, "PER_PAIR_MAX_TOKENS", 0)
+    assert torch.equal(fused_experts(x, weights, ids, w, spec), got)
+    assert per_pair.abs().max() > 0
+
+
+@interpreted
 def test_no_tokens():
     spec = SPECS["qwen3"]
     experts = dense_experts(spec, torch.float32, 16)
@@ -417,6 +439,7 @@ class OwnForward(UnquantizedExperts):
 @interpreted
 def test_experts_without_weights_run_their_forward():
     spec = SPECS["qwen3"]
+    OwnForward.calls = 0
     experts = OwnForward(spec, torch.float32, CPU)
     fill(experts, 22)
     x = torch.randn(5, spec.hidden_size, generator=gen(23))
@@ -424,6 +447,41 @@ def test_experts_without_weights_run_their_forward():
     got = TritonOps().moe_experts(experts, x, weights, ids)
     assert OwnForward.calls == 1
     assert torch.equal(got, UnquantizedExperts.forward(experts, x, weights, ids))
+
+
+def tiny_moe_config(arch: str) -> dict:
+    """The tiny Qwen3-MoE (layers 0 and 2 routed, 8 experts, top-2) and gpt-oss (4 experts,
+    top-2, sliding and full layers with sinks) configs of test_qwen3 and test_gptoss."""
+    if arch == "qwen3-moe":
+        from test_qwen3 import hf_config
+
+        return hf_config("qwen3-moe").to_dict() | {"architectures": ["Qwen3MoeForCausalLM"]}
+    from test_gptoss import hf_model
+
+    return hf_model().config.to_dict() | {"architectures": ["GptOssForCausalLM"]}
+
+
+@interpreted
+@pytest.mark.parametrize("arch", ["qwen3-moe", "gpt-oss"])
+def test_tiny_moe_model_logits_match_torch_ops(arch, monkeypatch):
+    """The whole model with TritonOps (the MoE layers on the fused kernels) against TorchOps,
+    fp32, over test_kernel_ops' three steps (packed prefill, mixed, decode)."""
+    from test_kernel_ops import assert_steps_match_torch_ops, model_weights, run_model
+
+    import inferx_kernels_cuda.ops as ops_module
+
+    cfg = tiny_moe_config(arch)
+    weights = model_weights(cfg, seed=3)
+    calls = []
+
+    def counted(*args, **kw):
+        calls.append(args[0].shape[0])
+        return fused_experts(*args, **kw)
+
+    monkeypatch.setattr(ops_module, "fused_experts", counted)
+    ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU)
+    assert calls  # the MoE layers took the fused path
+    assert_steps_match_torch_ops(cfg, weights, ours)
 
 
 # --- compiled for sm_90 without a GPU ------------------------------------------------------------
@@ -447,7 +505,7 @@ def test_kernels_compile_for_sm90():
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     kernels = json.loads(out.stdout.splitlines()[-1])
-    assert len(kernels) == 35
+    assert len(kernels) == 47
     for label, shared, pipelined in kernels:
         assert shared <= SM90_MAX_SHARED_PER_PROGRAM, (label, shared)
         if label.endswith(("gate_up", "down")):
@@ -655,38 +713,3 @@ def test_gpu_tiny_model_with_graphs_matches_torch_path(arch, tmp_path):
         torch.cuda.empty_cache()
     for ref, ours in zip(*runs, strict=True):
         gc.check_close(ours, ref, arch)
-
-
-def tiny_moe_config(arch: str) -> dict:
-    """The tiny Qwen3-MoE (layers 0 and 2 routed, 8 experts, top-2) and gpt-oss (4 experts,
-    top-2, sliding and full layers with sinks) configs of test_qwen3 and test_gptoss."""
-    if arch == "qwen3-moe":
-        from test_qwen3 import hf_config
-
-        return hf_config("qwen3-moe").to_dict() | {"architectures": ["Qwen3MoeForCausalLM"]}
-    from test_gptoss import hf_model
-
-    return hf_model().config.to_dict() | {"architectures": ["GptOssForCausalLM"]}
-
-
-@interpreted
-@pytest.mark.parametrize("arch", ["qwen3-moe", "gpt-oss"])
-def test_tiny_moe_model_logits_match_torch_ops(arch, monkeypatch):
-    """The whole model with TritonOps (the MoE layers on the fused kernels) against TorchOps,
-    fp32, over test_kernel_ops' three steps (packed prefill, mixed, decode)."""
-    from test_kernel_ops import assert_steps_match_torch_ops, model_weights, run_model
-
-    import inferx_kernels_cuda.ops as ops_module
-
-    cfg = tiny_moe_config(arch)
-    weights = model_weights(cfg, seed=3)
-    calls = []
-
-    def counted(*args, **kw):
-        calls.append(args[0].shape[0])
-        return fused_experts(*args, **kw)
-
-    monkeypatch.setattr(ops_module, "fused_experts", counted)
-    ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU)
-    assert calls  # the MoE layers took the fused path
-    assert_steps_match_torch_ops(cfg, weights, ours)

@@ -285,6 +285,10 @@ class Grouping:
         return self.block_expert.shape[0]
 
 
+# Tokens up to which the GEMMs skip the grouping and run a tile per pair: one token's pairs
+# have distinct experts, so a tile per pair reads each expert once, as the grouped tiles would,
+# without the grouping's launch. (Two tokens' pairs may share experts, read twice then.)
+PER_PAIR_MAX_TOKENS = 1
 # Chunks of pairs up to which one program groups them all (a few decode tokens); above, three
 # launches, whose passes over the chunks run in parallel.
 ALIGN_ONE_MAX_CHUNKS = 2
@@ -409,6 +413,7 @@ def moe_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     WEIGHTED: tl.constexpr,
     ATOMIC_K: tl.constexpr,
+    PER_PAIR: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -422,17 +427,23 @@ def moe_gemm_kernel(
     fp32; without, row j. WEIGHTED: times the pair's routing weight. ATOMIC_K > 0: added
     atomically to out[p // ATOMIC_K] (float32) instead, the top-k sum in place. MXFP4: w holds
     uint8 pairs of e2m1 ([rows, K / 2]) and scale the e8m0 exponents ([rows, K / 32]); BLOCK_K
-    a multiple of 32. ROW_SCALE: w is FP8 (or any narrower type), widened to the activations'
+    a multiple of 32. PER_PAIR: no grouping; tile i is pair i alone and block_expert_ptr
+    points at topk_ids (a decode step of one token, whose k pairs have k distinct experts).
+    ROW_SCALE: w is FP8 (or any narrower type), widened to the activations'
     dtype in registers, and each output row scaled by scale[row] (float32) before the bias."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(n_out, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rm)
+    if PER_PAIR:
+        # tile pid_m is pair pid_m alone (row 0), its expert read from topk_ids
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = pair < num_pairs
     a_rows = (pair // A_ROW_DIV).to(tl.int64) * stride_a
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -634,10 +645,10 @@ def fused_experts(
 ) -> torch.Tensor:
     """QuantExperts.forward on the device: x [T, H], topk_weights [T, k] float32, topk_ids
     [T, k] -> sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), [T, H] in x's dtype.
-    Four launches (group, gate_up, down, sum; two more grouping passes for many pairs), with no
-    host synchronisation. atomic_sum: down adds each pair's output into a float32 [T, H]
-    (zeroed first, cast after) with atomics instead of writing [T * k, H] for the sum kernel:
-    fewer bytes, in an order that varies from run to run."""
+    Four launches (group, gate_up, down, sum; no grouping for one token, two more grouping
+    passes for many pairs), with no host synchronisation. atomic_sum: down adds each pair's
+    output into a float32 [T, H] (zeroed first, cast after) with atomics instead of writing
+    [T * k, H] for the sum kernel: fewer bytes, in an order that varies from run to run."""
     check_weights(w, spec, x)
     t, hidden = x.shape
     k = topk_ids.shape[1]
@@ -657,7 +668,14 @@ def fused_experts(
     gate_up_cfg, down_cfg = configs
     if gate_up_cfg.block_m != down_cfg.block_m:
         raise ValueError("fused_experts: gate_up and down tiles must share block_m")
-    grouping = group_by_expert(topk_ids, e, gate_up_cfg.block_m)
+    per_pair = t <= PER_PAIR_MAX_TOKENS
+    if per_pair:
+        ids = topk_ids.reshape(-1).contiguous()
+        tiles, sorted_ids, block_expert, num_padded = num_pairs, ids, ids, ids
+    else:
+        g = group_by_expert(topk_ids, e, gate_up_cfg.block_m)
+        tiles, sorted_ids = g.max_blocks, g.sorted_ids
+        block_expert, num_padded = g.block_expert, g.num_padded
     dot_fp32 = x.dtype == torch.float32 or (_interpreting() and x.dtype == torch.bfloat16)
     silu = spec.activation == "silu"
     inter = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
@@ -671,10 +689,10 @@ def fused_experts(
     ):
         scale_t = scales if scales is not None else weights
         bias_t = bias if bias is not None else weights
-        grid = (grouping.max_blocks * triton.cdiv(n_out, cfg.block_n),)
+        grid = (tiles * triton.cdiv(n_out, cfg.block_n),)
         moe_gemm_kernel[grid](
-            a, weights, scale_t, bias_t, topk_weights, dest, grouping.sorted_ids,
-            grouping.block_expert, grouping.num_padded, num_pairs, n_out, k_in,
+            a, weights, scale_t, bias_t, topk_weights, dest, sorted_ids, block_expert,
+            num_padded, num_pairs, n_out, k_in,
             (n if silu else 1) if gated else 0,
             a.stride(0), weights.stride(0), weights.stride(1),
             scale_t.stride(0), scale_t.stride(1), bias_t.stride(0), dest.stride(0),
@@ -683,7 +701,8 @@ def fused_experts(
             ACT=(ACT_SILU if silu else ACT_SWIGLU_OAI) if gated else ACT_NONE,
             GATE_STRIDE=1 if silu or not gated else 2,
             MXFP4=mxfp4, ROW_SCALE=w.format == "fp8", HAS_BIAS=bias is not None, WEIGHTED=not gated,
-            ATOMIC_K=k if atomic_sum and not gated else 0, DOT_FP32=dot_fp32,
+            ATOMIC_K=k if atomic_sum and not gated else 0, PER_PAIR=per_pair,
+            DOT_FP32=dot_fp32,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
