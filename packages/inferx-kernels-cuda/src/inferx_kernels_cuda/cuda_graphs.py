@@ -232,7 +232,7 @@ class DecodeGraphRunner:
             context_len=self._context_len[:n],
         )
         if self._more_tables.shape[0]:
-            self._stage_groups(batch, seqs, starts, width)
+            self._stage_groups(batch, seqs, starts)
         graph = self.graphs.get(size)
         if graph is None:
             self.attention.prepare_for_capture(size)
@@ -257,11 +257,8 @@ class DecodeGraphRunner:
         assert self.logits is not None
         return self.logits[:n]
 
-    def _stage_groups(
-        self, batch: AttentionBatch, seqs: list, starts: list[int], width: int
-    ) -> None:
-        """Every KV group's slots and block tables into `batch` (a model of several groups;
-        each group's tables are as long as group 0's)."""
+    def _stage_groups(self, batch: AttentionBatch, seqs: list, starts: list[int]) -> None:
+        """Every KV group's slots and block tables into `batch` (a model of several groups)."""
         n, bs = len(seqs), self.block_size
         batch.group_block_tables.append(batch.block_table)
         batch.group_slot_mappings.append(batch.slot_mapping)
@@ -269,8 +266,10 @@ class DecodeGraphRunner:
             slots, table = self._more_slots[g].numpy(), self._more_tables[g].numpy()
             tables = [s.block_tables[g + 1] for s in seqs]
             slots[:n] = [t[p // bs] * bs + p % bs for t, p in zip(tables, starts, strict=True)]
+            width = 1
             for i, t in enumerate(tables):
                 table[i, : len(t)] = t
+                width = max(width, len(t))
             batch.group_block_tables.append(self._more_tables[g, :n, :width])
             batch.group_slot_mappings.append(self._more_slots[g, :n])
 

@@ -575,10 +575,11 @@ def decode_reduce_kernel(
         sink = tl.load(sinks_ptr + head).to(tl.float32) * _LOG2E
         top = tl.maximum(top, sink)
     w = tl.exp2(lse - top[:, None])
+    weighted = tl.sum(o * w[:, :, None], 1)
     total = tl.sum(w, 1)
     if SINKS:
         total += tl.exp2(sink - top)
-    res = tl.sum(o * w[:, :, None], 1) / total[:, None]
+    res = weighted / total[:, None]
     dst = out_ptr + row * stride_ot + head[:, None] * stride_oh + d[None, :]
     stored = head < tl.where(ctx > 0, num_q_heads, 0)  # every head, or none: an empty row
     tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=stored[:, None])
@@ -660,7 +661,6 @@ def prefill_kernel(
     # tiles run unmasked; the rest, up to the last query's own position, masked and causal.
     full = (prefix + first) // BLOCK_N * BLOCK_N
     kv_end = tl.minimum(ctx, prefix + first + BLOCK_Q)
-    start = 0
     if WINDOW > 0:  # and keys before the first row's window are skipped, its edge masked
         start, head_end, full = _window_ranges(0, prefix + first, kv_end, WINDOW, BLOCK_N)
         m, row_sum, acc = _attend_range(
@@ -669,12 +669,18 @@ def prefill_kernel(
             stride_cache_head, scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, True, UPCAST,
             DOT_PRECISION, WINDOW,
         )  # fmt: skip
-        start = head_end
-    m, row_sum, acc = _attend_range(
-        q, m, row_sum, acc, start, full, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
-        stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
-        scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION,
-    )  # fmt: skip
+        m, row_sum, acc = _attend_range(
+            q, m, row_sum, acc, head_end, full, q_pos, k_cache_ptr, v_cache_ptr,
+            block_table_ptr, seq, stride_table, kv_head, stride_cache_block, stride_cache_token,
+            stride_cache_head, scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, UPCAST,
+            DOT_PRECISION,
+        )  # fmt: skip
+    else:
+        m, row_sum, acc = _attend_range(
+            q, m, row_sum, acc, 0, full, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
+            stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
+            scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
     m, row_sum, acc = _attend_range(
         q, m, row_sum, acc, full, kv_end, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, seq,
         stride_table, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
@@ -764,7 +770,6 @@ def dense_prefill_kernel(
     # Keys before the tile's first query are visible to all its rows: whole tiles, unmasked.
     full = first // BLOCK_N * BLOCK_N
     kv_end = tl.minimum(q_len, first + BLOCK_Q)
-    lo = 0
     if WINDOW > 0:  # keys before the first row's window skipped, its edge masked
         lo, head_end, full = _window_ranges(0, first, kv_end, WINDOW, BLOCK_N)
         for start in range(lo, head_end, BLOCK_N):
@@ -776,11 +781,17 @@ def dense_prefill_kernel(
             s = tl.where(seen, s, float("-inf"))
             m, row_sum, acc = _dense_softmax_step(s, v, m, row_sum, acc, scale_log2,
                                                   DOT_PRECISION)  # fmt: skip
-        lo = head_end
-    for start in range(lo, full, BLOCK_N):
-        k, v = _dense_kv(k_desc, v_desc, q_begin + start, kv_head, BLOCK_N, HEAD_DIM, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        m, row_sum, acc = _dense_softmax_step(s, v, m, row_sum, acc, scale_log2, DOT_PRECISION)
+        for start in range(head_end, full, BLOCK_N):
+            k, v = _dense_kv(k_desc, v_desc, q_begin + start, kv_head, BLOCK_N, HEAD_DIM, UPCAST)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            m, row_sum, acc = _dense_softmax_step(s, v, m, row_sum, acc, scale_log2,
+                                                  DOT_PRECISION)  # fmt: skip
+    else:
+        for start in range(0, full, BLOCK_N):
+            k, v = _dense_kv(k_desc, v_desc, q_begin + start, kv_head, BLOCK_N, HEAD_DIM, UPCAST)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            m, row_sum, acc = _dense_softmax_step(s, v, m, row_sum, acc, scale_log2,
+                                                  DOT_PRECISION)  # fmt: skip
     for start in range(full, kv_end, BLOCK_N):
         k, v = _dense_kv(k_desc, v_desc, q_begin + start, kv_head, BLOCK_N, HEAD_DIM, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
