@@ -258,6 +258,47 @@ def test_missing_and_unexpected_tensors_are_named():
     model().load_weights(weights.items())
 
 
+def test_a_quant_methods_own_tensors_are_expected_under_fused_and_mapped_names():
+    """A scheme whose layers keep tensors besides "weight" (QuantLinear.checkpoint_kinds): the
+    model requires them for q_proj and kv_a_proj_with_mqa (fused into qkv_a_proj) and for the
+    shared experts (FusedMoE's "shared"), and names a missing one."""
+    from inferx_core.attention_torch import TorchAttention as Backend
+    from inferx_core.interfaces.model import BuildContext
+    from inferx_core.interfaces.quant import QuantScheme
+    from inferx_core.quant_none import DenseLinear, Unquantized
+
+    class ScaledLinear(DenseLinear):
+        checkpoint_kinds = ("weight", "weight_scale")
+
+        def load(self, kind: str, tensor: torch.Tensor, part: int = 0) -> None:
+            if kind != "weight_scale":
+                super().load(kind, tensor, part)
+
+    class Scaled(Unquantized):
+        def linear(self, spec, dtype, device, parallel):  # type: ignore[override]
+            return ScaledLinear(spec, dtype, device, parallel)
+
+    assert issubclass(Scaled, QuantScheme)
+    cfg = preset("tiny-deepseek-v2-lite")
+    cpu = torch.device("cpu")
+    backend = Backend(DeepseekV2ForCausalLM.kv_layout(cfg), 4, torch.float32, cpu)
+    model = DeepseekV2ForCausalLM(cfg, BuildContext(torch.float32, cpu, backend, Scaled()))
+    expected = model._expected_names()
+    for name in (
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.kv_a_proj_with_mqa",
+        "model.layers.1.mlp.shared_experts.gate_proj",
+        "model.layers.1.mlp.gate",
+    ):
+        assert {f"{name}.weight", f"{name}.weight_scale"} <= expected, name
+    weights = {n: torch.zeros(s) for n, s in DeepseekV2ForCausalLM.checkpoint_shapes(cfg).items()}
+    scales = {n.replace(".weight", ".weight_scale"): torch.ones(1) for n in weights}
+    scales = {n: t for n, t in scales.items() if n in expected}
+    dropped = "model.layers.1.mlp.shared_experts.down_proj.weight_scale"
+    with pytest.raises(ValueError, match=f"lacks 1 tensors: {dropped}"):
+        model.load_weights((n, t) for n, t in (weights | scales).items() if n != dropped)
+
+
 def test_decodes_in_the_plain_form_give_the_same_tokens(checkpoint, expected, monkeypatch):
     """The absorbed decode and the plain form agree closely enough that greedy tokens are the
     same whichever form decodes."""

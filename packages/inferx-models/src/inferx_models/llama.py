@@ -352,10 +352,10 @@ class LlamaForCausalLM(ModelArch):
     def _linear_kinds(self, path: str) -> tuple[str, ...] | None:
         """The checkpoint kinds of the linear layer (or fused part) at `path`, if it is one."""
         parent, _, leaf = path.rpartition(".")
-        target = f"{parent}.{FUSED[leaf][0]}" if leaf in FUSED else path
+        target = f"{parent}.{self.fused[leaf][0]}" if leaf in self.fused else path
         try:
-            module = self.get_submodule(target)
-        except AttributeError:
+            module = self._submodule(target, path)  # the model's own name mapping
+        except ValueError:
             return None
         return module.checkpoint_kinds if isinstance(module, QuantLinear) else None
 
