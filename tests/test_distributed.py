@@ -204,7 +204,24 @@ def test_inferx_generate_over_two_ranks(cli_expected):
     assert len(got["token_ids"]) == 5 and got["token_ids"] == cli_expected["token_ids"]
 
 
-def test_inferx_server_over_two_ranks(cli_expected):
+def _ranks_under(pid: int) -> list[int]:
+    """The tensor-parallel ranks started by pid or by its children."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = (int(fields[1]), b"inferx_core.distributed" in cmdline)
+    return [
+        p
+        for p, (parent, is_rank) in parents.items()
+        if is_rank and (parent == pid or parents.get(parent, (0,))[0] == pid)
+    ]
+
+
+def test_inferx_server_over_two_ranks_exits_1_when_a_rank_dies(cli_expected):
     import httpx
 
     cmd = [sys.executable, "-m", "inferx_server.cli", *CLI, "--port", "0"]
@@ -218,13 +235,16 @@ def test_inferx_server_over_two_ranks(cli_expected):
         body |= {"ignore_eos": True}
         reply = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
         assert reply["choices"][0]["text"] == cli_expected["text"], reply
+        (rank,) = _ranks_under(proc.pid)
+        os.kill(rank, signal.SIGKILL)
+        failed = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert failed.status_code >= 500
+        assert proc.wait(30) == 1
+        assert "tensor-parallel rank 1 exited" in proc.stderr.read()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(30) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
 
 def _free_port() -> int:

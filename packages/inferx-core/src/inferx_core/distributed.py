@@ -44,8 +44,10 @@ from inferx_core.interfaces import (
     SchedulerOutput,
     StepResult,
 )
-from inferx_core.parallel import ParallelContext
+from inferx_core.parallel import ParallelContext, RankFailure
 from inferx_core.plugins import Plugins, plugins
+
+__all__ = ["RankFailure", "TensorParallelExecutor", "make_tensor_parallel_executor"]
 
 log = logging.getLogger("inferx.distributed")
 
@@ -55,10 +57,7 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 # The plan broadcast waits while the engine is idle, for as long as the engine lives.
 CONTROL_TIMEOUT = timedelta(days=365)
 STOP = -1  # a plan length that tells the workers to exit
-
-
-class RankFailure(RuntimeError):
-    """Another tensor-parallel rank died or failed; the engine cannot go on."""
+PLAN_BYTES = 16384  # the first broadcast of each step: the plan's size, then the plan
 
 
 def torchrun_env() -> tuple[int, int, int] | None:
@@ -136,26 +135,43 @@ def step_of(plan: list[tuple[int, int, bool, list[int], list[list[int]]]]) -> Sc
 
 
 def send_plan(plan: Any, group: Any) -> int:
-    """Broadcast a plan from rank 0 over the (CPU) control group; returns its pickled size."""
+    """Broadcast a plan from rank 0 over the (CPU) control group; returns its pickled size. One
+    broadcast of PLAN_BYTES carries the size and a plan that fits (a decode step of a few dozen
+    sequences); a larger plan's rest follows in a second."""
     data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
-    dist.broadcast(torch.tensor([len(data)], dtype=torch.long), 0, group=group)
-    dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=group)
+    _send(data, len(data), group)
     return len(data)
 
 
 def send_stop(group: Any) -> None:
-    dist.broadcast(torch.tensor([STOP], dtype=torch.long), 0, group=group)
+    _send(b"", STOP, group)
+
+
+def _send(data: bytes, size: int, group: Any) -> None:
+    head = torch.zeros(PLAN_BYTES, dtype=torch.uint8)
+    head[:8].view(torch.long)[0] = size
+    first = data[: PLAN_BYTES - 8]
+    if first:
+        head[8 : 8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+    dist.broadcast(head, 0, group=group)
+    if len(data) > len(first):
+        rest = torch.frombuffer(bytearray(data[len(first) :]), dtype=torch.uint8)
+        dist.broadcast(rest, 0, group=group)
 
 
 def receive_plan(group: Any) -> Any:
     """The next plan from rank 0, or None when rank 0 said stop."""
-    size = torch.empty(1, dtype=torch.long)
-    dist.broadcast(size, 0, group=group)
-    if int(size) == STOP:
+    head = torch.empty(PLAN_BYTES, dtype=torch.uint8)
+    dist.broadcast(head, 0, group=group)
+    size = int(head[:8].view(torch.long)[0])
+    if size == STOP:
         return None
-    data = torch.empty(int(size), dtype=torch.uint8)
-    dist.broadcast(data, 0, group=group)
-    return pickle.loads(data.numpy().tobytes())
+    data = head[8 : 8 + size].numpy().tobytes()
+    if size > PLAN_BYTES - 8:
+        rest = torch.empty(size - len(data), dtype=torch.uint8)
+        dist.broadcast(rest, 0, group=group)
+        data += rest.numpy().tobytes()
+    return pickle.loads(data)
 
 
 # -- joining the ranks ---------------------------------------------------------------------------

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"inferx-server: {name} loaded in {loaded:.1f} s; listening on {url}", flush=True)
 
     transport.serve(sock, on_ready=ready)
-    return 0
+    return 1 if getattr(transport, "failure", None) is not None else 0
 
 
 def _close(engine: object, sock: socket.socket | None = None) -> None:
