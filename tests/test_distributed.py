@@ -21,8 +21,8 @@ from conftest import FIXTURES
 
 transformers = pytest.importorskip("transformers")
 
-from inferx_core.config import load_config  # noqa: E402
-from inferx_core.distributed import RankFailure  # noqa: E402
+from inferx_core.config import ConfigError, load_config  # noqa: E402
+from inferx_core.distributed import RankFailure, tensor_parallel_size  # noqa: E402
 from inferx_core.engine import LLM  # noqa: E402
 from inferx_core.executor import LoadError  # noqa: E402
 from inferx_core.sequence import SamplingParams  # noqa: E402
@@ -73,9 +73,10 @@ def make_llm(path: Path, tensor: int = 1, **overrides) -> LLM:
         "model.path": str(path),
         "model.dtype": "float32",
         "engine.device": "cpu",
-        "kv_cache.num_blocks": 64,
         "parallel.tensor": tensor,
     }
+    if overrides.get("engine.device", "cpu") == "cpu":
+        base["kv_cache.num_blocks"] = 64
     return LLM(load_config(None, {**base, **overrides}))
 
 
@@ -143,6 +144,18 @@ def test_gpt_oss_mxfp4_experts_are_refused_by_name():
         _preset_tokens("tiny-gpt-oss", 2)
 
 
+def test_sizes_that_contradict_the_launch_are_config_errors(monkeypatch):
+    config = load_config(None, {"engine.device": "cuda:1", "parallel.tensor": 2})
+    with pytest.raises(ConfigError, match=r"engine\.device = 'cuda:1' names one GPU"):
+        tensor_parallel_size(config)
+    env = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=r"parallel\.tensor = 2, but torchrun started 4 ranks"):
+        tensor_parallel_size(load_config(None, {"parallel.tensor": 2}))
+    assert tensor_parallel_size(load_config(None, {"parallel.tensor": 4})) == 4
+
+
 RANK_0 = """
 import os, signal, sys
 from inferx_core.config import load_config
@@ -202,6 +215,17 @@ def cli_expected() -> dict:
 def test_inferx_generate_over_two_ranks(cli_expected):
     got = cli_generate(2)
     assert len(got["token_ids"]) == 5 and got["token_ids"] == cli_expected["token_ids"]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except OSError:
+            continue
+    return found
 
 
 def _ranks_under(pid: int) -> list[int]:
@@ -275,3 +299,60 @@ def test_torchrun_two_nodes_on_one_host(cli_expected):
     printed = [json.loads(out) for out, _ in outs if out.strip()]
     assert len(printed) == 1  # rank 0 alone runs the engine and prints
     assert printed[0]["token_ids"] == cli_expected["token_ids"]
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
+def test_inferx_server_under_torchrun(cli_expected):
+    """The static form: node 0 holds rank 0 and serves; node 1's rank only runs the model (it
+    opens no port), and exits once the server stops."""
+    import httpx
+
+    port = _free_port()
+    procs = []
+    for node in range(2):
+        cmd = ["torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node)]
+        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+        cmd += ["-m", "inferx_server.cli", *CLI, "--port", "0", "--parallel-tensor", "2"]
+        pipe = subprocess.PIPE
+        procs.append(subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True, env=ENV))
+    try:
+        line = procs[0].stdout.readline()
+        assert "listening on http://" in line, line + procs[0].stderr.read()
+        url = line.rsplit(" ", 1)[1].strip()
+        body = {"model": "tiny-qwen2", "prompt": TEXT, "max_tokens": 5, "temperature": 0}
+        body |= {"ignore_eos": True}
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        assert reply["choices"][0]["text"] == cli_expected["text"], reply
+        # the server itself, as an orchestrator stops it (a signal to torchrun is its failure)
+        os.kill(_children(procs[0].pid)[0], signal.SIGTERM)
+        assert procs[0].wait(60) == 0, procs[0].stderr.read()[-3000:]
+        assert procs[1].wait(60) == 0, procs[1].stderr.read()[-3000:]
+        assert procs[1].stdout.read() == ""
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("checkpoint", ["llama"], indirect=True)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_gpus_over_nccl(checkpoint, dtype):
+    """The same engine on two GPUs: NCCL all-reduces, the CUDA runtime (graphs captured per rank
+    with the all-reduce inside), the cache sized by the smaller rank. fp32 gives the tokens of
+    one GPU; in bf16 the summation order may flip a near tie, so the first tokens are compared."""
+    gpu = {"engine.device": "cuda", "model.dtype": dtype, "kv_cache.memory": "2GiB"}
+    one = make_llm(checkpoint, 1, **gpu)
+    expected = [c.token_ids for c in one.generate(PROMPTS, GREEDY)]
+    del one
+    two = make_llm(checkpoint, 2, **gpu)
+    try:
+        got = [c.token_ids for c in two.generate(PROMPTS, GREEDY)]
+    finally:
+        two.engine.executor.close()
+    if dtype == "float32":
+        assert got == expected
+    else:
+        assert [g[:2] for g in got] == [e[:2] for e in expected]

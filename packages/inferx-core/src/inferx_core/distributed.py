@@ -74,6 +74,11 @@ def tensor_parallel_size(config: Config) -> int:
     be torchrun's world size."""
     launched = torchrun_env()
     n = config.parallel.tensor
+    if n > 1 and config.engine.device.startswith("cuda:"):
+        raise ConfigError(
+            f"engine.device = {config.engine.device!r} names one GPU; with parallel.tensor = {n} "
+            "rank r runs on GPU r: say 'cuda' and pick the GPUs with CUDA_VISIBLE_DEVICES"
+        )
     if launched is not None and launched[1] > 1 and n != launched[1]:
         raise ConfigError(
             f"parallel.tensor = {n}, but torchrun started {launched[1]} ranks (WORLD_SIZE); "
@@ -172,6 +177,17 @@ def receive_plan(group: Any) -> Any:
         dist.broadcast(rest, 0, group=group)
         data += rest.numpy().tobytes()
     return pickle.loads(data)
+
+
+def run_if_worker(config: Config) -> int | None:
+    """Under torchrun, on a rank above 0: run the worker loop and return its exit code (a
+    server calls this before it binds its port or starts its engine process). None on rank 0
+    and outside torchrun."""
+    launched = torchrun_env()
+    if launched is None or launched[1] == 1 or launched[0] == 0:
+        return None
+    rank, _, local_rank = launched
+    return worker_loop(config, rank, tensor_parallel_size(config), local_rank, "env://")
 
 
 # -- joining the ranks ---------------------------------------------------------------------------
