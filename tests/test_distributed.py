@@ -27,6 +27,7 @@ from inferx_core.engine import LLM  # noqa: E402
 from inferx_core.executor import LoadError  # noqa: E402
 from inferx_core.sequence import SamplingParams  # noqa: E402
 
+pytestmark = pytest.mark.slow  # processes that import torch and join: seconds each
 QWEN_TOKENIZER = FIXTURES / "tokenizers" / "qwen"
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PROMPTS = [list(range(3, 30)), [5, 9, 17, 33, 65, 129, 200], [7] * 3]

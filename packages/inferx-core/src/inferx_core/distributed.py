@@ -246,6 +246,7 @@ class TensorParallelExecutor(Executor):
         self.block_size = inner.block_size
         self.plan_bytes = 0  # the last plan's pickled size
         self._closed = False
+        self._failed = False  # a step raised: the ranks cannot be trusted to be in step
         atexit.register(self.close)
 
     def __getattr__(self, name: str) -> Any:
@@ -263,32 +264,40 @@ class TensorParallelExecutor(Executor):
     def execute(self, out: SchedulerOutput) -> StepResult:
         if self._closed:
             raise RankFailure("the tensor-parallel ranks were shut down")
-        self.check()
+        if self._failed:
+            raise RankFailure("an earlier step failed; the ranks are out of step")
         try:
+            self.check()
             self.plan_bytes = send_plan(plan_of(out), self.parallel.cpu_group)
             return self.inner.execute(out)
         except RankFailure:
+            self._failed = True
             raise
-        except RuntimeError as exc:  # a collective failed: which rank is gone?
-            self._fail(exc)
+        except RuntimeError as exc:  # a collective failed (or the step): is a rank gone?
+            self._failed = True
+            time.sleep(0.2)  # a rank killed mid-step: let its exit be seen
+            self.check()
+            raise RankFailure(f"a tensor-parallel step failed: {exc}") from exc
+        except BaseException:
+            self._failed = True
             raise
 
     def submit(self, out: SchedulerOutput) -> PendingStep:
         return DoneStep(self.execute(out))
 
-    def _fail(self, exc: BaseException) -> None:
-        time.sleep(0.2)  # a rank killed mid-step: let its exit be seen
-        self.check()
-        raise RankFailure(f"a tensor-parallel collective failed: {exc}") from exc
-
     def close(self) -> None:
         """Tell the other ranks to exit, wait for them (killing those that do not), leave the
-        process group. Safe to call twice; run at exit."""
+        process group. Safe to call twice; run at exit. After a failed step the ranks may be
+        inside a collective rather than waiting for a plan: they are killed instead."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.close)
-        if all(p.poll() is None for p in self.workers) and dist.is_initialized():
+        if self._failed:
+            for proc in self.workers:
+                if proc.poll() is None:
+                    proc.kill()
+        elif all(p.poll() is None for p in self.workers) and dist.is_initialized():
             with contextlib.suppress(Exception):  # a rank gone: the rest are killed below
                 send_stop(self.parallel.cpu_group)
         _reap(self.workers)
