@@ -124,6 +124,32 @@ def test_a_killed_rank_is_an_error_on_rank_0(checkpoint):
         executor.close()
 
 
+@pytest.mark.parametrize("checkpoint", ["llama"], indirect=True)
+def test_a_rank_killed_mid_step_is_an_error_not_a_hang(checkpoint):
+    """Rank 1 dies after the step's plan went out, before rank 0's forward: rank 0's first
+    all-reduce of that step must fail, not wait."""
+    llm = make_llm(checkpoint, 2)
+    executor = llm.engine.executor
+    run = executor.inner.execute
+    steps = []
+
+    def execute(out):
+        steps.append(out)
+        if len(steps) == 3:
+            executor.workers[0].send_signal(signal.SIGKILL)
+            executor.workers[0].wait(10)
+        return run(out)
+
+    executor.inner.execute = execute
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure, match="rank 1 exited"):
+            llm.generate([PROMPTS[0]], GREEDY)
+        assert len(steps) == 3 and time.monotonic() - t0 < 30
+    finally:
+        executor.close()
+
+
 def _preset_tokens(preset: str, tensor: int) -> list[list[int]]:
     config = {"model.preset": preset, "model.dtype": "float32", "engine.device": "cpu"}
     config |= {"kv_cache.num_blocks": 64, "parallel.tensor": tensor}
