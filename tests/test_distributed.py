@@ -181,6 +181,8 @@ def test_sizes_that_contradict_the_launch_are_config_errors(monkeypatch):
     with pytest.raises(ConfigError, match=r"parallel\.tensor = 2, but torchrun started 4 ranks"):
         tensor_parallel_size(load_config(None, {"parallel.tensor": 2}))
     assert tensor_parallel_size(load_config(None, {"parallel.tensor": 4})) == 4
+    with pytest.raises(ConfigError, match=r"parallel\.tensor = 1, but torchrun started 4"):
+        LLM(load_config(None, {"model.preset": "tiny-llama", "engine.device": "cpu"}))
 
 
 RANK_0 = """

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -319,6 +320,11 @@ def make_tensor_parallel_executor(config: Config, reg: Plugins | None = None) ->
     Under torchrun a rank above 0 runs the worker loop here and exits the process."""
     world = tensor_parallel_size(config)
     launched = torchrun_env()
+    if world == 1:  # WORLD_SIZE 1, or set without the rest of torchrun's environment
+        reg = reg or plugins()
+        device = resolve_device(config.engine.device)
+        cls = reg.get("executor", pick_executor(config.engine.executor, device, reg))
+        return cls(config, reg)  # type: ignore[operator]
     if dist.is_initialized():
         raise ConfigError(
             "parallel.tensor: this process already belongs to a torch.distributed group (another "
@@ -353,6 +359,8 @@ def make_tensor_parallel_executor(config: Config, reg: Plugins | None = None) ->
         if reason and not isinstance(exc, (ConfigError, LoadError)):
             raise LoadError(reason) from exc
         raise
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)
     return TensorParallelExecutor(inner, parallel, workers)
 
 
@@ -447,11 +455,16 @@ def _worker_main(argv: list[str]) -> int:
     try:
         return worker_loop(config, int(rank), int(world), int(rank), init)
     except (ConfigError, LoadError, ValueError, NotImplementedError) as exc:  # rank 0 says so too
-        Path(error_file).write_text(f"tensor-parallel rank {rank}: {exc}")
+        _write(error_file, f"tensor-parallel rank {rank}: {exc}")
         return 1
     except BaseException as exc:
-        Path(error_file).write_text(f"tensor-parallel rank {rank}: {exc!r}")
+        _write(error_file, f"tensor-parallel rank {rank}: {exc!r}")
         raise
+
+
+def _write(path: str, text: str) -> None:
+    with contextlib.suppress(OSError):  # rank 0 is past start-up and removed the folder
+        Path(path).write_text(text)
 
 
 if __name__ == "__main__":
