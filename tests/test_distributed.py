@@ -166,9 +166,20 @@ def test_qwen3_moe_experts_shard_over_two_ranks():
     assert _preset_tokens("tiny-qwen3-moe", 2) == _preset_tokens("tiny-qwen3-moe", 1)
 
 
-def test_gpt_oss_mxfp4_experts_are_refused_by_name():
-    with pytest.raises(LoadError, match=r"tiny-gpt-oss: .*MXFP4 experts .*parallel\.tensor = 2"):
-        _preset_tokens("tiny-gpt-oss", 2)
+@pytest.mark.parametrize(
+    ("preset", "message"),
+    [
+        ("tiny-gpt-oss", r"tiny-gpt-oss: .*MXFP4 experts .*parallel\.tensor = 2"),
+        ("tiny-deepseek-v2-lite", r"tiny-deepseek-v2-lite: .*parallel\.tensor = 2 is not supp"),
+    ],
+)
+def test_models_that_do_not_shard_are_refused_by_name(preset, message):
+    from inferx_models.preset_configs import PRESETS
+
+    if preset not in PRESETS:
+        pytest.skip(f"no {preset} preset in this tree")
+    with pytest.raises(LoadError, match=message):
+        _preset_tokens(preset, 2)
 
 
 def test_sizes_that_contradict_the_launch_are_config_errors(monkeypatch):
