@@ -21,12 +21,13 @@ from conftest import FIXTURES
 
 transformers = pytest.importorskip("transformers")
 
-from inferx_core.config import load_config  # noqa: E402
-from inferx_core.distributed import RankFailure  # noqa: E402
+from inferx_core.config import ConfigError, load_config  # noqa: E402
+from inferx_core.distributed import RankFailure, tensor_parallel_size  # noqa: E402
 from inferx_core.engine import LLM  # noqa: E402
 from inferx_core.executor import LoadError  # noqa: E402
 from inferx_core.sequence import SamplingParams  # noqa: E402
 
+pytestmark = pytest.mark.slow  # processes that import torch and join: seconds each
 QWEN_TOKENIZER = FIXTURES / "tokenizers" / "qwen"
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PROMPTS = [list(range(3, 30)), [5, 9, 17, 33, 65, 129, 200], [7] * 3]
@@ -73,9 +74,10 @@ def make_llm(path: Path, tensor: int = 1, **overrides) -> LLM:
         "model.path": str(path),
         "model.dtype": "float32",
         "engine.device": "cpu",
-        "kv_cache.num_blocks": 64,
         "parallel.tensor": tensor,
     }
+    if overrides.get("engine.device", "cpu") == "cpu":
+        base["kv_cache.num_blocks"] = 64
     return LLM(load_config(None, {**base, **overrides}))
 
 
@@ -122,6 +124,32 @@ def test_a_killed_rank_is_an_error_on_rank_0(checkpoint):
         executor.close()
 
 
+@pytest.mark.parametrize("checkpoint", ["llama"], indirect=True)
+def test_a_rank_killed_mid_step_is_an_error_not_a_hang(checkpoint):
+    """Rank 1 dies after the step's plan went out, before rank 0's forward: rank 0's first
+    all-reduce of that step must fail, not wait."""
+    llm = make_llm(checkpoint, 2)
+    executor = llm.engine.executor
+    run = executor.inner.execute
+    steps = []
+
+    def execute(out):
+        steps.append(out)
+        if len(steps) == 3:
+            executor.workers[0].send_signal(signal.SIGKILL)
+            executor.workers[0].wait(10)
+        return run(out)
+
+    executor.inner.execute = execute
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure, match="rank 1 exited"):
+            llm.generate([PROMPTS[0]], GREEDY)
+        assert len(steps) == 3 and time.monotonic() - t0 < 30
+    finally:
+        executor.close()
+
+
 def _preset_tokens(preset: str, tensor: int) -> list[list[int]]:
     config = {"model.preset": preset, "model.dtype": "float32", "engine.device": "cpu"}
     config |= {"kv_cache.num_blocks": 64, "parallel.tensor": tensor}
@@ -138,9 +166,34 @@ def test_qwen3_moe_experts_shard_over_two_ranks():
     assert _preset_tokens("tiny-qwen3-moe", 2) == _preset_tokens("tiny-qwen3-moe", 1)
 
 
-def test_gpt_oss_mxfp4_experts_are_refused_by_name():
-    with pytest.raises(LoadError, match=r"tiny-gpt-oss: .*MXFP4 experts .*parallel\.tensor = 2"):
-        _preset_tokens("tiny-gpt-oss", 2)
+@pytest.mark.parametrize(
+    ("preset", "message"),
+    [
+        ("tiny-gpt-oss", r"tiny-gpt-oss: .*MXFP4 experts .*parallel\.tensor = 2"),
+        ("tiny-deepseek-v2-lite", r"tiny-deepseek-v2-lite: .*parallel\.tensor = 2 is not supp"),
+    ],
+)
+def test_models_that_do_not_shard_are_refused_by_name(preset, message):
+    from inferx_models.preset_configs import PRESETS
+
+    if preset not in PRESETS:
+        pytest.skip(f"no {preset} preset in this tree")
+    with pytest.raises(LoadError, match=message):
+        _preset_tokens(preset, 2)
+
+
+def test_sizes_that_contradict_the_launch_are_config_errors(monkeypatch):
+    config = load_config(None, {"engine.device": "cuda:1", "parallel.tensor": 2})
+    with pytest.raises(ConfigError, match=r"engine\.device = 'cuda:1' names one GPU"):
+        tensor_parallel_size(config)
+    env = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=r"parallel\.tensor = 2, but torchrun started 4 ranks"):
+        tensor_parallel_size(load_config(None, {"parallel.tensor": 2}))
+    assert tensor_parallel_size(load_config(None, {"parallel.tensor": 4})) == 4
+    with pytest.raises(ConfigError, match=r"parallel\.tensor = 1, but torchrun started 4"):
+        LLM(load_config(None, {"model.preset": "tiny-llama", "engine.device": "cpu"}))
 
 
 RANK_0 = """
@@ -204,7 +257,35 @@ def test_inferx_generate_over_two_ranks(cli_expected):
     assert len(got["token_ids"]) == 5 and got["token_ids"] == cli_expected["token_ids"]
 
 
-def test_inferx_server_over_two_ranks(cli_expected):
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def _ranks_under(pid: int) -> list[int]:
+    """The tensor-parallel ranks started by pid or by its children."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = (int(fields[1]), b"inferx_core.distributed" in cmdline)
+    return [
+        p
+        for p, (parent, is_rank) in parents.items()
+        if is_rank and (parent == pid or parents.get(parent, (0,))[0] == pid)
+    ]
+
+
+def test_inferx_server_over_two_ranks_exits_1_when_a_rank_dies(cli_expected):
     import httpx
 
     cmd = [sys.executable, "-m", "inferx_server.cli", *CLI, "--port", "0"]
@@ -218,13 +299,16 @@ def test_inferx_server_over_two_ranks(cli_expected):
         body |= {"ignore_eos": True}
         reply = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
         assert reply["choices"][0]["text"] == cli_expected["text"], reply
+        (rank,) = _ranks_under(proc.pid)
+        os.kill(rank, signal.SIGKILL)
+        failed = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert failed.status_code >= 500
+        assert proc.wait(30) == 1
+        assert "tensor-parallel rank 1 exited" in proc.stderr.read()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(30) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
 
 def _free_port() -> int:
@@ -255,3 +339,60 @@ def test_torchrun_two_nodes_on_one_host(cli_expected):
     printed = [json.loads(out) for out, _ in outs if out.strip()]
     assert len(printed) == 1  # rank 0 alone runs the engine and prints
     assert printed[0]["token_ids"] == cli_expected["token_ids"]
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
+def test_inferx_server_under_torchrun(cli_expected):
+    """The static form: node 0 holds rank 0 and serves; node 1's rank only runs the model (it
+    opens no port), and exits once the server stops."""
+    import httpx
+
+    port = _free_port()
+    procs = []
+    for node in range(2):
+        cmd = ["torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node)]
+        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+        cmd += ["-m", "inferx_server.cli", *CLI, "--port", "0", "--parallel-tensor", "2"]
+        pipe = subprocess.PIPE
+        procs.append(subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True, env=ENV))
+    try:
+        line = procs[0].stdout.readline()
+        assert "listening on http://" in line, line + procs[0].stderr.read()
+        url = line.rsplit(" ", 1)[1].strip()
+        body = {"model": "tiny-qwen2", "prompt": TEXT, "max_tokens": 5, "temperature": 0}
+        body |= {"ignore_eos": True}
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        assert reply["choices"][0]["text"] == cli_expected["text"], reply
+        # the server itself, as an orchestrator stops it (a signal to torchrun is its failure)
+        os.kill(_children(procs[0].pid)[0], signal.SIGTERM)
+        assert procs[0].wait(60) == 0, procs[0].stderr.read()[-3000:]
+        assert procs[1].wait(60) == 0, procs[1].stderr.read()[-3000:]
+        assert procs[1].stdout.read() == ""
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("checkpoint", ["llama"], indirect=True)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_gpus_over_nccl(checkpoint, dtype):
+    """The same engine on two GPUs: NCCL all-reduces, the CUDA runtime (graphs captured per rank
+    with the all-reduce inside), the cache sized by the smaller rank. fp32 gives the tokens of
+    one GPU; in bf16 the summation order may flip a near tie, so the first tokens are compared."""
+    gpu = {"engine.device": "cuda", "model.dtype": dtype, "kv_cache.memory": "2GiB"}
+    one = make_llm(checkpoint, 1, **gpu)
+    expected = [c.token_ids for c in one.generate(PROMPTS, GREEDY)]
+    del one
+    two = make_llm(checkpoint, 2, **gpu)
+    try:
+        got = [c.token_ids for c in two.generate(PROMPTS, GREEDY)]
+    finally:
+        two.engine.executor.close()
+    if dtype == "float32":
+        assert got == expected
+    else:
+        assert [g[:2] for g in got] == [e[:2] for e in expected]

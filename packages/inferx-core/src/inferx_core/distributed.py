@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -44,8 +45,10 @@ from inferx_core.interfaces import (
     SchedulerOutput,
     StepResult,
 )
-from inferx_core.parallel import ParallelContext
+from inferx_core.parallel import ParallelContext, RankFailure
 from inferx_core.plugins import Plugins, plugins
+
+__all__ = ["RankFailure", "TensorParallelExecutor", "make_tensor_parallel_executor"]
 
 log = logging.getLogger("inferx.distributed")
 
@@ -55,10 +58,7 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 # The plan broadcast waits while the engine is idle, for as long as the engine lives.
 CONTROL_TIMEOUT = timedelta(days=365)
 STOP = -1  # a plan length that tells the workers to exit
-
-
-class RankFailure(RuntimeError):
-    """Another tensor-parallel rank died or failed; the engine cannot go on."""
+PLAN_BYTES = 16384  # the first broadcast of each step: the plan's size, then the plan
 
 
 def torchrun_env() -> tuple[int, int, int] | None:
@@ -75,6 +75,11 @@ def tensor_parallel_size(config: Config) -> int:
     be torchrun's world size."""
     launched = torchrun_env()
     n = config.parallel.tensor
+    if n > 1 and config.engine.device.startswith("cuda:"):
+        raise ConfigError(
+            f"engine.device = {config.engine.device!r} names one GPU; with parallel.tensor = {n} "
+            "rank r runs on GPU r: say 'cuda' and pick the GPUs with CUDA_VISIBLE_DEVICES"
+        )
     if launched is not None and launched[1] > 1 and n != launched[1]:
         raise ConfigError(
             f"parallel.tensor = {n}, but torchrun started {launched[1]} ranks (WORLD_SIZE); "
@@ -136,26 +141,54 @@ def step_of(plan: list[tuple[int, int, bool, list[int], list[list[int]]]]) -> Sc
 
 
 def send_plan(plan: Any, group: Any) -> int:
-    """Broadcast a plan from rank 0 over the (CPU) control group; returns its pickled size."""
+    """Broadcast a plan from rank 0 over the (CPU) control group; returns its pickled size. One
+    broadcast of PLAN_BYTES carries the size and a plan that fits (a decode step of a few dozen
+    sequences); a larger plan's rest follows in a second."""
     data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
-    dist.broadcast(torch.tensor([len(data)], dtype=torch.long), 0, group=group)
-    dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=group)
+    _send(data, len(data), group)
     return len(data)
 
 
 def send_stop(group: Any) -> None:
-    dist.broadcast(torch.tensor([STOP], dtype=torch.long), 0, group=group)
+    _send(b"", STOP, group)
+
+
+def _send(data: bytes, size: int, group: Any) -> None:
+    head = torch.zeros(PLAN_BYTES, dtype=torch.uint8)
+    head[:8].view(torch.long)[0] = size
+    first = data[: PLAN_BYTES - 8]
+    if first:
+        head[8 : 8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+    dist.broadcast(head, 0, group=group)
+    if len(data) > len(first):
+        rest = torch.frombuffer(bytearray(data[len(first) :]), dtype=torch.uint8)
+        dist.broadcast(rest, 0, group=group)
 
 
 def receive_plan(group: Any) -> Any:
     """The next plan from rank 0, or None when rank 0 said stop."""
-    size = torch.empty(1, dtype=torch.long)
-    dist.broadcast(size, 0, group=group)
-    if int(size) == STOP:
+    head = torch.empty(PLAN_BYTES, dtype=torch.uint8)
+    dist.broadcast(head, 0, group=group)
+    size = int(head[:8].view(torch.long)[0])
+    if size == STOP:
         return None
-    data = torch.empty(int(size), dtype=torch.uint8)
-    dist.broadcast(data, 0, group=group)
-    return pickle.loads(data.numpy().tobytes())
+    data = head[8 : 8 + size].numpy().tobytes()
+    if size > PLAN_BYTES - 8:
+        rest = torch.empty(size - len(data), dtype=torch.uint8)
+        dist.broadcast(rest, 0, group=group)
+        data += rest.numpy().tobytes()
+    return pickle.loads(data)
+
+
+def run_if_worker(config: Config) -> int | None:
+    """Under torchrun, on a rank above 0: run the worker loop and return its exit code (a
+    server calls this before it binds its port or starts its engine process). None on rank 0
+    and outside torchrun."""
+    launched = torchrun_env()
+    if launched is None or launched[1] == 1 or launched[0] == 0:
+        return None
+    rank, _, local_rank = launched
+    return worker_loop(config, rank, tensor_parallel_size(config), local_rank, "env://")
 
 
 # -- joining the ranks ---------------------------------------------------------------------------
@@ -214,6 +247,7 @@ class TensorParallelExecutor(Executor):
         self.block_size = inner.block_size
         self.plan_bytes = 0  # the last plan's pickled size
         self._closed = False
+        self._failed = False  # a step raised: the ranks cannot be trusted to be in step
         atexit.register(self.close)
 
     def __getattr__(self, name: str) -> Any:
@@ -231,32 +265,40 @@ class TensorParallelExecutor(Executor):
     def execute(self, out: SchedulerOutput) -> StepResult:
         if self._closed:
             raise RankFailure("the tensor-parallel ranks were shut down")
-        self.check()
+        if self._failed:
+            raise RankFailure("an earlier step failed; the ranks are out of step")
         try:
+            self.check()
             self.plan_bytes = send_plan(plan_of(out), self.parallel.cpu_group)
             return self.inner.execute(out)
         except RankFailure:
+            self._failed = True
             raise
-        except RuntimeError as exc:  # a collective failed: which rank is gone?
-            self._fail(exc)
+        except RuntimeError as exc:  # a collective failed (or the step): is a rank gone?
+            self._failed = True
+            time.sleep(0.2)  # a rank killed mid-step: let its exit be seen
+            self.check()
+            raise RankFailure(f"a tensor-parallel step failed: {exc}") from exc
+        except BaseException:
+            self._failed = True
             raise
 
     def submit(self, out: SchedulerOutput) -> PendingStep:
         return DoneStep(self.execute(out))
 
-    def _fail(self, exc: BaseException) -> None:
-        time.sleep(0.2)  # a rank killed mid-step: let its exit be seen
-        self.check()
-        raise RankFailure(f"a tensor-parallel collective failed: {exc}") from exc
-
     def close(self) -> None:
         """Tell the other ranks to exit, wait for them (killing those that do not), leave the
-        process group. Safe to call twice; run at exit."""
+        process group. Safe to call twice; run at exit. After a failed step the ranks may be
+        inside a collective rather than waiting for a plan: they are killed instead."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.close)
-        if all(p.poll() is None for p in self.workers) and dist.is_initialized():
+        if self._failed:
+            for proc in self.workers:
+                if proc.poll() is None:
+                    proc.kill()
+        elif all(p.poll() is None for p in self.workers) and dist.is_initialized():
             with contextlib.suppress(Exception):  # a rank gone: the rest are killed below
                 send_stop(self.parallel.cpu_group)
         _reap(self.workers)
@@ -278,6 +320,11 @@ def make_tensor_parallel_executor(config: Config, reg: Plugins | None = None) ->
     Under torchrun a rank above 0 runs the worker loop here and exits the process."""
     world = tensor_parallel_size(config)
     launched = torchrun_env()
+    if world == 1:  # WORLD_SIZE 1, or set without the rest of torchrun's environment
+        reg = reg or plugins()
+        device = resolve_device(config.engine.device)
+        cls = reg.get("executor", pick_executor(config.engine.executor, device, reg))
+        return cls(config, reg)  # type: ignore[operator]
     if dist.is_initialized():
         raise ConfigError(
             "parallel.tensor: this process already belongs to a torch.distributed group (another "
@@ -312,6 +359,8 @@ def make_tensor_parallel_executor(config: Config, reg: Plugins | None = None) ->
         if reason and not isinstance(exc, (ConfigError, LoadError)):
             raise LoadError(reason) from exc
         raise
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)
     return TensorParallelExecutor(inner, parallel, workers)
 
 
@@ -406,11 +455,16 @@ def _worker_main(argv: list[str]) -> int:
     try:
         return worker_loop(config, int(rank), int(world), int(rank), init)
     except (ConfigError, LoadError, ValueError, NotImplementedError) as exc:  # rank 0 says so too
-        Path(error_file).write_text(f"tensor-parallel rank {rank}: {exc}")
+        _write(error_file, f"tensor-parallel rank {rank}: {exc}")
         return 1
     except BaseException as exc:
-        Path(error_file).write_text(f"tensor-parallel rank {rank}: {exc!r}")
+        _write(error_file, f"tensor-parallel rank {rank}: {exc!r}")
         raise
+
+
+def _write(path: str, text: str) -> None:
+    with contextlib.suppress(OSError):  # rank 0 is past start-up and removed the folder
+        Path(path).write_text(text)
 
 
 if __name__ == "__main__":

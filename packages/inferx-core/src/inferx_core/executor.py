@@ -241,7 +241,7 @@ def make_executor(config: Config, reg: Plugins | None = None) -> Executor:
     """The executor engine.executor names (or auto picks), built for config; over
     parallel.tensor ranks, rank 0's (inferx_core.distributed)."""
     reg = reg or plugins()
-    if config.parallel.tensor > 1:
+    if config.parallel.tensor > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's
         from inferx_core.distributed import make_tensor_parallel_executor
 
         return make_tensor_parallel_executor(config, reg)

@@ -9,6 +9,10 @@ from typing import Any
 import torch
 
 
+class RankFailure(RuntimeError):
+    """Another tensor-parallel rank died or failed; the engine cannot go on."""
+
+
 @dataclass(frozen=True)
 class ParallelContext:
     """rank / world_size of this process in its tensor-parallel group; `group` is the

@@ -7,6 +7,7 @@ LitestarTransport.drain) and exits 0.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 import time
@@ -67,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     engine = sock = None
     try:
         config = config_from_args(build_parser().parse_args(argv))
+        if os.environ.get("RANK", "0") != "0":  # under torchrun: a tensor-parallel rank only
+            from inferx_core.distributed import run_if_worker
+
+            if (code := run_if_worker(config)) is not None:
+                return code
         # Listening first: a taken port is reported now, not after the model has loaded.
         sock = bind(config.server.host, config.server.port)
         t0 = time.perf_counter()
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"inferx-server: {name} loaded in {loaded:.1f} s; listening on {url}", flush=True)
 
     transport.serve(sock, on_ready=ready)
-    return 0
+    return 1 if getattr(transport, "failure", None) is not None else 0
 
 
 def _close(engine: object, sock: socket.socket | None = None) -> None:

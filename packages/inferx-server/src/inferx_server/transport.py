@@ -14,6 +14,7 @@ import uvicorn
 from inferx_core.chat_formats import harmony_format
 from inferx_core.hub import is_hub_id
 from inferx_core.interfaces import Transport
+from inferx_core.parallel import RankFailure
 from inferx_server.app import ServerState, create_app
 from inferx_server.engine_loop import EngineLoop, ProcessEngineLoop
 from inferx_server.engine_process import EngineProcess, checkpoint_source
@@ -64,6 +65,7 @@ class LitestarTransport(Transport):
         )
         self.app = create_app(self.state)
         self.server: _DrainingServer | None = None
+        self.failure: BaseException | None = None  # why serve() stopped, where not asked to
 
     def serve(
         self, sock: socket.socket | None = None, on_ready: Callable[[str], Any] | None = None
@@ -128,6 +130,12 @@ class _DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         # uvicorn calls this every 0.1 s.
         loop = self.transport.state.loop
+        dead = getattr(loop, "_dead", None)
+        if isinstance(dead, RankFailure) and not self.should_exit:
+            # a tensor-parallel rank is gone: this engine cannot step again, so the server ends
+            log.error("exiting: %s", dead)
+            self.transport.failure = dead
+            self.should_exit = True
         if self.deadline is not None and not self.should_exit:
             if loop.in_flight and time.monotonic() >= self.deadline:
                 log.warning("drain timeout: aborting %d requests", loop.in_flight)
