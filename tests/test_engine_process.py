@@ -101,6 +101,15 @@ def test_answers_like_the_in_process_engine() -> None:
             {"model": MODEL, "prompt": long_prompt, "max_tokens": 4},
         )
         assert status == 400 and b"invalid_request_error" in body
+        # a schema the child's grammar backend cannot compile: its GrammarError, pickled back
+        bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}
+        status, body = post(
+            remote.url + "/v1/completions",
+            {"model": MODEL, "prompt": "hi", "max_tokens": 4, "response_format": bad},
+        )
+        error = json.loads(body)["error"]
+        assert status == 400 and error["param"] == "response_format", body
+        assert "Invalid type: foo" in error["message"]
         with urllib.request.urlopen(remote.url + "/health", timeout=10) as resp:
             assert resp.status == 200
 

@@ -13,12 +13,12 @@ import torch
 from conftest import FIXTURES
 
 from inferx_core.config import EngineSection
-from inferx_core.grammar import Grammars
+from inferx_core.grammar import Grammars, GrammarState
 from inferx_core.hookspecs import hookimpl
 from inferx_core.interfaces import GrammarBackend, GrammarError, GrammarMatcher
 from inferx_core.plugins import Plugins
 from inferx_core.sampler import Sampler, apply_grammar
-from inferx_core.sequence import SamplingParams, Sequence
+from inferx_core.sequence import PENDING, SamplingParams, Sequence
 
 QWEN = FIXTURES / "tokenizers" / "qwen"
 
@@ -75,7 +75,7 @@ def structured(params: list[SamplingParams], allowed: list[set[int] | None]) -> 
     for p, a in zip(params, allowed, strict=True):
         seq = Sequence([1, 2, 3], p)
         if a is not None:
-            seq.grammar = SetMatcher(backend, a)
+            seq.grammar = GrammarState(SetMatcher(backend, a, length=1000))
         out.append(seq)
     return out
 
@@ -99,6 +99,38 @@ def test_mask_matches_a_plain_reference() -> None:
                 if t not in a:
                     ref[row, t] = float("-inf")
     assert torch.equal(got.double(), ref)
+
+
+def test_matchers_read_the_token_of_the_step_in_flight() -> None:
+    """With a step in flight the previous token is still PENDING on the host: the sampler asks
+    for it (the executor reads that step's result) before masking; the engine's later catch-up
+    finds nothing new; a complete grammar masks nothing (its row's token is dropped)."""
+    seq = Sequence([1, 2, 3], SamplingParams())
+    state = GrammarState(SetMatcher(SetBackend(), {7, 8, 9}, length=3))
+    seq.grammar = state
+    seq.token_ids += [7, PENDING, PENDING]  # 7 known, 8 in flight, the last sampled now
+    seq.num_pending = 2
+    asked: list[Sequence] = []
+
+    def pending(s: Sequence) -> int:
+        asked.append(s)
+        return 8
+
+    logits = apply_grammar(torch.zeros(1, 40), [seq], pending)
+    assert asked == [seq] and state.matcher.accepted == [7, 8] and state.accepted == 2
+    assert set(torch.nonzero(logits[0] == 0).flatten().tolist()) == {7, 8, 9}
+    seq.token_ids[-2:] = [8, 9]  # update() fills both in
+    seq.num_pending = 0
+    state.catch_up(seq, len(seq.token_ids))
+    assert state.matcher.accepted == [7, 8, 9] and state.done
+    seq.token_ids.append(PENDING)
+    assert bool(apply_grammar(torch.zeros(1, 40), [seq]).isfinite().all())
+    with pytest.raises(RuntimeError, match="PENDING"):  # no one to ask: a bug, said loudly
+        fresh = Sequence([1, 7], SamplingParams(), num_prompt=1)
+        fresh.token_ids[1] = PENDING
+        fresh.token_ids.append(PENDING)
+        fresh.grammar = GrammarState(SetMatcher(SetBackend(), {7}))
+        apply_grammar(torch.zeros(1, 40), [fresh])
 
 
 @pytest.mark.gpu
@@ -207,7 +239,6 @@ def test_sampling_params_json_schema() -> None:
     p = SamplingParams(json_schema=schema)
     assert p.json_schema == json.dumps(schema, separators=(",", ":"))  # key order kept
     assert SamplingParams(json_schema=json.dumps(schema, indent=2)).json_schema == p.json_schema
-    assert p.needs_host_tokens and not SamplingParams().needs_host_tokens
     with pytest.raises(pydantic.ValidationError, match="not valid JSON"):
         SamplingParams(json_schema="{type: object")
     with pytest.raises(pydantic.ValidationError, match="an object"):

@@ -520,9 +520,10 @@ def test_bad_schemas_are_400s_that_name_the_problem(
 
 
 def test_offline_llm_with_and_without_a_step_in_flight() -> None:
-    """SamplingParams.json_schema in the offline API; with engine.overlap the structured
-    requests' steps are collected before the next is scheduled (the mask needs the token), so
-    the outputs equal stepping in series, next to an unconstrained request."""
+    """SamplingParams.json_schema in the offline API, stepped in series and with a step in
+    flight: overlapped, a structured row's matcher reads the previous step's token from that
+    step's result before masking (`_previous_token`), and the outputs equal the serial ones,
+    next to an unconstrained request."""
     from inferx_core.engine import LLM
     from inferx_core.sequence import SamplingParams
 
@@ -535,10 +536,19 @@ def test_offline_llm_with_and_without_a_step_in_flight() -> None:
         SamplingParams(max_tokens=24, temperature=0.8, seed=4, json_schema=schema),
         SamplingParams(max_tokens=8, temperature=0),
     ]
+    executor = llm.engine.executor
+    real, asked = executor._previous_token, []
+
+    def spy(seq: Any) -> int:
+        asked.append(seq.request_id)
+        return real(seq)
+
+    executor._previous_token = spy
     outs = []
     for overlap in (False, True):
         llm.engine.overlap = overlap
         done = llm.generate([prompt] * 3, params)
+        assert bool(asked) == overlap
         for c in done[:2]:
             assert c.finish_reason == "stop", c.text
             _check(c.text, schema)

@@ -7,11 +7,12 @@ With engine.overlap (and an executor that supports it) one step is always in fli
 schedules and submits step N+1 before it waits for step N's tokens, so the host's work (the
 scheduler, building inputs, detokenizing) runs while the device computes. A sequence that stops
 at step N has one step N+1 computed in vain; a step whose sequences need their tokens on the
-host to sample the next one (penalties, a grammar) is collected before the next is scheduled.
+host to sample the next one (penalties) is collected before the next is scheduled.
 
-Structured output: a request with a JSON schema gets a grammar matcher (`Grammars`: the backend
-plugin, compiled schemas cached) on its Sequence; the sampler masks its logits with it, and
-_apply advances it with each sampled token and finishes the request once its JSON is complete.
+Structured output: a request with a JSON schema gets a GrammarState (`Grammars`: the backend
+plugin, compiled schemas cached) on its Sequence; the sampler masks its logits with it (feeding
+it the previous step's token first, from the device when that step is still in flight), and
+_apply finishes the request once its JSON is complete.
 """
 
 from __future__ import annotations
@@ -192,7 +193,7 @@ class Engine:
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset()
         seq = Sequence(ids, params, eos_token_ids=frozenset(eos))
         if params.json_schema is not None:
-            seq.grammar = self.grammars.matcher(params.json_schema)  # GrammarError: a 400
+            seq.grammar = self.grammars.state(params.json_schema)  # GrammarError: a 400
         if request_id is not None:
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -231,7 +232,7 @@ class Engine:
                 return []
         out, pending = self._in_flight
         self._in_flight = None
-        if self.overlap and not any(c.seq.params.needs_host_tokens for c in out.chunks if c.sample):
+        if self.overlap and not any(c.seq.params.needs_history for c in out.chunks if c.sample):
             self._in_flight = self._submit(idle_ok=True)
         return self._apply(out, pending.result())
 
@@ -253,9 +254,8 @@ class Engine:
                 req = self.requests.get(seq.request_id)
                 if req is not None and lp is not None:
                     req.logprobs.append(lp)
-        complete = self._advance_grammars(sampled_seqs, result.sampled)
         finished = self.scheduler.update(out, result.sampled)
-        for seq in complete:  # its JSON is whole: nothing but EOS could follow
+        for seq in self._complete_grammars(sampled_seqs):  # nothing but EOS could follow
             done = seq.finished
             self.scheduler.finish(seq, "stop")  # "stop" also over a "length" of this token
             if not done:
@@ -268,19 +268,20 @@ class Engine:
         return outputs
 
     @staticmethod
-    def _advance_grammars(seqs: list[Sequence], sampled: list[int]) -> list[Sequence]:
-        """Feed each structured sequence's matcher its sampled token; returns the sequences
-        whose grammar is now complete. A token the grammar refuses (the mask allowed only what
-        it accepts, so this is a backend's bug) ends the sequence too, with a warning."""
+    def _complete_grammars(seqs: list[Sequence]) -> list[Sequence]:
+        """Bring each structured sequence's matcher up to its known output (the sampler of a
+        step in flight may have done so already); returns those whose grammar is complete. A
+        token the grammar refused (the mask allowed only what it accepts, so a backend's bug)
+        ends the sequence too, with a warning."""
         complete = []
-        for seq, token in zip(seqs, sampled, strict=True):
-            m = seq.grammar
-            if m is None or seq.finished:
+        for seq in seqs:
+            state = seq.grammar
+            if state is None or (seq.finished and seq.finish_reason != "length"):
                 continue
-            if not m.accept(token):
-                log.warning("%s: the grammar refused token %d; finishing", seq.request_id, token)
-                complete.append(seq)
-            elif m.is_terminated():
+            state.catch_up(seq, len(seq.token_ids) - seq.num_pending)
+            if state.refused is not None:
+                log.warning("%s: the grammar refused token %d", seq.request_id, state.refused)
+            if state.done:
                 complete.append(seq)
         return complete
 

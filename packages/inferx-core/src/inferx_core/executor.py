@@ -35,7 +35,7 @@ from inferx_core.interfaces import (
 from inferx_core.parallel import SINGLE, ParallelContext
 from inferx_core.plugins import PluginError, Plugins, plugins
 from inferx_core.sampler import Sampler, TopLogprobs
-from inferx_core.sequence import PENDING
+from inferx_core.sequence import PENDING, Sequence
 
 log = logging.getLogger("inferx.executor")
 startup_log = logging.getLogger("inferx.startup")  # one line per start-up phase, as it ends
@@ -381,6 +381,7 @@ class ModelRunner(Executor):
             ) from exc
         # What the last submitted step sampled, on the device, and each sequence's row in it.
         self._last_sampled: tuple[torch.Tensor | None, dict[int, int]] = (None, {})
+        self._last_step: PendingStep | None = None  # what _sample returned last
         # the profiling step's part of sizing is reported apart
         t0 += self.report.seconds.get("profile", 0.0)
         size = self.num_kv_blocks * self.attention.bytes_per_block() / GiB
@@ -515,11 +516,22 @@ class ModelRunner(Executor):
     def _sample(self, logits: torch.Tensor | None, sample_seqs: list) -> PendingStep:
         if logits is None or not sample_seqs:
             self._last_sampled = (None, {})
+            self._last_step = None
             return DoneStep(StepResult(sampled=[]))
-        tokens, top = self.sampler(logits, sample_seqs)
+        tokens, top = self.sampler(logits, sample_seqs, self._previous_token)
         self._last_sampled = (tokens, {id(s): i for i, s in enumerate(sample_seqs)})
         ks = [s.params.logprobs for s in sample_seqs] if top is not None else None
-        return self._sampled_step(tokens, top, ks)
+        self._last_step = self._sampled_step(tokens, top, ks)
+        return self._last_step
+
+    def _previous_token(self, seq: Sequence) -> int:
+        """The token the step submitted before this one sampled for seq, from that step's
+        result: the host waits for that step only (its copy has an event of its own), while
+        this step's forward pass, already queued, runs on. A structured row needs it to mask
+        its next token."""
+        if self._last_step is None:
+            raise RuntimeError(f"{seq.request_id}: no step in flight sampled its last token")
+        return self._last_step.result().sampled[self._last_sampled[1][id(seq)]]
 
     def _sampled_step(
         self, tokens: torch.Tensor, top: TopLogprobs | None, ks: list[int | None] | None

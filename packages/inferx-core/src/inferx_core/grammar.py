@@ -1,22 +1,61 @@
 """Structured output on the engine's side: picks the grammar backend, keeps compiled schemas in
-an LRU cache, and makes each structured sequence its matcher. The backend (a plugin) is built on
-the first structured request, so start-up pays nothing for it."""
+an LRU cache, and gives each structured sequence its matcher (a GrammarState, which counts the
+output tokens the matcher has seen). The backend (a plugin) is built on the first structured
+request, so start-up pays nothing for it."""
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from inferx_core.config import EngineSection
 from inferx_core.interfaces.grammar import GrammarBackend, GrammarError, GrammarMatcher
 from inferx_core.plugins import Plugins
-from inferx_core.sequence import canonical_schema
+from inferx_core.sequence import PENDING, Sequence, canonical_schema
 
 log = logging.getLogger("inferx.grammar")
 
 # What "auto" tries, in order.
 PREFERRED = ("llguidance",)
+
+
+@dataclass(eq=False)
+class GrammarState:
+    """A structured sequence's matcher and how far it has read the sequence's output.
+
+    The matcher is fed lazily, by whoever needs it current: the sampler before it fills the
+    mask of the token it samples now (with one step in flight, the previous step's token is
+    still PENDING on the host and comes from that step's result), and the engine after each
+    step's update, which finishes the sequence once its grammar is complete."""
+
+    matcher: GrammarMatcher
+    accepted: int = 0  # output tokens the matcher has consumed
+    refused: int | None = None  # a token the matcher refused (the sequence is then done)
+
+    def catch_up(
+        self, seq: Sequence, end: int, pending: Callable[[Sequence], int] | None = None
+    ) -> None:
+        """Feed the matcher seq.token_ids[num_prompt + accepted : end]; a PENDING token there
+        is asked of `pending` (the token a step in flight sampled)."""
+        start = seq.num_prompt + self.accepted
+        for token in seq.token_ids[start:end]:
+            if self.refused is not None:
+                return
+            if token == PENDING:
+                if pending is None:
+                    raise RuntimeError(f"{seq.request_id}: a grammar met a PENDING token")
+                token = pending(seq)
+            self.accepted += 1
+            if not self.matcher.accept(token):
+                self.refused = token
+
+    @property
+    def done(self) -> bool:
+        """Complete (nothing but EOS may follow) or broken: its rows are no longer masked."""
+        return self.refused is not None or self.matcher.is_terminated()
 
 
 class Grammars:
@@ -63,6 +102,10 @@ class Grammars:
             "installed: pip install inferx-server, which brings llguidance"
         )
 
+    def state(self, schema: str) -> GrammarState:
+        """A fresh GrammarState for a sequence constrained by `schema`."""
+        return GrammarState(self.matcher(schema))
+
     def matcher(self, schema: str) -> GrammarMatcher:
         """A matcher for `schema` (canonical JSON text); raises GrammarError when the backend
         cannot compile it."""
@@ -79,4 +122,4 @@ class Grammars:
         return backend.matcher(compiled)
 
 
-__all__ = ["GrammarError", "Grammars", "canonical_schema"]
+__all__ = ["GrammarError", "GrammarState", "Grammars", "canonical_schema"]

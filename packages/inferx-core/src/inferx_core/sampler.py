@@ -120,13 +120,27 @@ def apply_logit_bias(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
     return logits
 
 
-def apply_grammar(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
-    """Mask, in place, the tokens each structured row's grammar does not allow next. The
-    matchers (on the host, beside their sequences) fill one int32 bitmask of ceil(vocab / 32)
-    words a row (all ones for unconstrained rows), which goes over in one copy and is unpacked
-    on the device into a boolean mask."""
-    matchers = [s.grammar for s in seqs]
-    backend = next(m for m in matchers if m is not None).backend
+def apply_grammar(
+    logits: torch.Tensor,
+    seqs: Seq[Sequence],
+    pending: Callable[[Sequence], int] | None = None,
+) -> torch.Tensor:
+    """Mask, in place, the tokens each structured row's grammar does not allow next. Each
+    row's matcher first reads the output before the token sampled now (`pending` gives a token
+    a step in flight sampled, still PENDING on the host). The matchers fill one int32 bitmask
+    of ceil(vocab / 32) words a row (all ones for unconstrained rows, and for rows whose grammar
+    is done: their token is dropped), which goes over in one copy and is unpacked on the device
+    into a boolean mask."""
+    matchers = []
+    for seq in seqs:
+        state = seq.grammar
+        if state is not None:
+            state.catch_up(seq, len(seq.token_ids) - 1, pending)
+        matchers.append(None if state is None or state.done else state.matcher)
+    live = [m for m in matchers if m is not None]
+    if not live:
+        return logits
+    backend = live[0].backend
     n, vocab = logits.shape
     words = (vocab + 31) // 32
     host = torch.full((n, words), -1, dtype=torch.int32)
@@ -198,12 +212,17 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(
-        self, logits: torch.Tensor, seqs: Seq[Sequence]
+        self,
+        logits: torch.Tensor,
+        seqs: Seq[Sequence],
+        pending: Callable[[Sequence], int] | None = None,
     ) -> tuple[torch.Tensor, TopLogprobs | None]:
         """Returns (token ids [N], the requested logprobs of the unprocessed logits, or None
         when no row asked), both on the logits' device. Logits of any float dtype: all-greedy
         steps without penalties or logprobs take the argmax of them as they are (upcasting is
-        exact, so it is the same token); everything else computes in float32."""
+        exact, so it is the same token); everything else computes in float32. `pending(seq)`:
+        the token the step in flight before this one sampled for seq (structured rows read it
+        to mask this one)."""
         params = [s.params for s in seqs]
         grammar = any(s.grammar is not None for s in seqs)
         plain = not grammar and not any(p.needs_history or p.logit_bias for p in params)
@@ -217,7 +236,7 @@ class Sampler:
         if any(p.logit_bias for p in params):
             logits = apply_logit_bias(logits, seqs)
         if grammar:
-            logits = apply_grammar(logits, seqs)
+            logits = apply_grammar(logits, seqs, pending)
         tokens = self._draw(logits, seqs)
         ks = [p.logprobs for p in params if p.logprobs is not None]
         return tokens, top_logprobs(raw, tokens, max(ks)) if ks else None

@@ -97,12 +97,6 @@ class SamplingParams(BaseModel):
             or self.frequency_penalty != 0.0
         )
 
-    @property
-    def needs_host_tokens(self) -> bool:
-        """The next token cannot be sampled before this one is known on the host: the
-        penalties read it, and a grammar's matcher must have accepted it to mask the next."""
-        return self.needs_history or self.json_schema is not None
-
 
 PENDING = -1  # in token_ids: a token that a step in flight is sampling, not known yet
 
@@ -144,8 +138,8 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     arrival: float = field(default_factory=time.monotonic)
     eos_token_ids: frozenset[int] = frozenset()
-    # Structured output: the GrammarMatcher (interfaces.grammar) that masks this sequence's
-    # logits and advances with each of its sampled tokens; None when unconstrained.
+    # Structured output: the GrammarState (inferx_core.grammar: a matcher and how much of the
+    # output it has read) that masks this sequence's logits; None when unconstrained.
     grammar: Any = None
 
     def __post_init__(self) -> None:

@@ -215,6 +215,8 @@ async def one_request(
         "model": args.model, "max_tokens": args.output_len, "stream": True,
         "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0,
     }  # fmt: skip
+    if getattr(args, "response_format", None):
+        body["response_format"] = json.loads(args.response_format)
     if args.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
         path = "/v1/chat/completions"
@@ -659,6 +661,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-keep-alive",
         action="store_true",
         help="a new connection per request, closed after it (default: connections are reused)",
+    )
+    s.add_argument(
+        "--response-format",
+        metavar="JSON",
+        help='every request\'s response_format, e.g. \'{"type": "json_object"}\' (structured '
+        "output's cost against plain decoding)",
     )
     s.add_argument("--json", metavar="PATH")
     s.set_defaults(func=cmd_serve)
