@@ -8,20 +8,22 @@ quantized model against its dequantized weights."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
 from conftest import interpreted, on_gpu  # noqa: E402
 from test_fp8 import (  # noqa: E402
     FP8_DYNAMIC,
-    HF_BLOCK,
     agree_in_top5,
+    block_scale_rows,
     fake_rank,
     make_llm,
+    quantize_block,
     quantize_channel,
     quantize_tensor,
     run,
@@ -34,12 +36,15 @@ from inferx_core.interfaces.quant import LinearSpec, QuantConfig  # noqa: E402
 from inferx_core.moe import UnquantizedExperts, route  # noqa: E402
 from inferx_core.parallel import ParallelContext  # noqa: E402
 from inferx_core.quant_none import DenseLinear  # noqa: E402
-from inferx_quant.fp8 import FP8, Fp8  # noqa: E402
+from inferx_quant.fp8 import FP8, Fp8, Fp8Format  # noqa: E402
 from inferx_quant.fp8_experts import Fp8Experts  # noqa: E402
 
 CPU = torch.device("cpu")
 SPEC = ExpertsSpec("model.layers.0.mlp.experts", 4, 64, 48)
 SWIGLU = ExpertsSpec("model.layers.0.mlp.experts", 4, 64, 48, "swiglu_oai", bias=True)
+# blocks of 32 x 32 over hidden 80 and intermediate 64: partial blocks along H
+BSPEC = ExpertsSpec("model.layers.0.mlp.experts", 4, 80, 64)
+BLOCK = Fp8Format("block", "group", (32, 32), inverse_name=True)
 PARTS = ("gate", "up", "down")
 # llm-compressor's FP8_DYNAMIC for a MoE model: the routers left alone, as its recipes do
 MOE_DYNAMIC = dict(json.loads(json.dumps(FP8_DYNAMIC)), ignore=["lm_head", "re:.*mlp.gate$"])
@@ -54,6 +59,10 @@ def shapes(spec: ExpertsSpec) -> dict[str, tuple[int, int]]:
     return {"gate": (n, h), "up": (n, h), "down": (h, n)}
 
 
+def quantize_block32(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_block(w, 32)
+
+
 def random_experts(spec: ExpertsSpec, seed: int, quantize=quantize_channel):
     """Per expert and projection: (e4m3, its scale as the checkpoint stores it, the exact
     dequantized weight in float64), and biases where the spec has them."""
@@ -62,7 +71,11 @@ def random_experts(spec: ExpertsSpec, seed: int, quantize=quantize_channel):
     for e in range(spec.num_experts):
         for part, shape in shapes(spec).items():
             q, scale = quantize(torch.randn(shape, generator=g) * 0.2)
-            weights[e, part] = (q, scale, q.double() * scale.double().reshape(-1, 1))
+            if quantize is quantize_block32:
+                full = block_scale_rows(scale.double(), *shape, 32)
+            else:
+                full = scale.double().reshape(-1, 1)
+            weights[e, part] = (q, scale, q.double() * full)
     biases = {}
     if spec.bias:
         for e in range(spec.num_experts):
@@ -71,8 +84,11 @@ def random_experts(spec: ExpertsSpec, seed: int, quantize=quantize_channel):
     return weights, biases
 
 
-def loaded(spec: ExpertsSpec, weights, biases, parallel=None, stacked=False) -> Fp8Experts:
-    experts = Fp8Experts(spec, torch.float32, CPU, parallel or ParallelContext())
+def loaded(
+    spec: ExpertsSpec, weights, biases, parallel=None, stacked=False, fmt=None
+) -> Fp8Experts:
+    experts = Fp8Experts(spec, torch.float32, CPU, parallel or ParallelContext(), fmt)
+    kind = experts.fmt.scale_kind
     if stacked:  # one tensor over all experts, gate and up fused in the activation's layout
         for part in ("gate_up", "down"):
             names = ("gate", "up") if part == "gate_up" else ("down",)
@@ -85,16 +101,18 @@ def loaded(spec: ExpertsSpec, weights, biases, parallel=None, stacked=False) -> 
                         weights[e, p][what].float().reshape(-1, 1) if what else weights[e, p][0]
                         for p, r in zip(names, rows, strict=True)
                     ]
-                    if what:  # a per-tensor scale written out per row
+                    if what and fmt is not None:  # block scales, stacked by their rows
+                        pieces = [weights[e, p][1] for p in names]
+                    elif what:  # a per-tensor scale written out per row
                         pieces = [t.expand(r, 1) for t, r in zip(pieces, rows, strict=True)]
                     tensors.append(fuse(spec, pieces) if part == "gate_up" else pieces[0])
                 per_expert.append(torch.stack(tensors))
             experts.load(f"{part}.weight", per_expert[0])
-            experts.load(f"{part}.weight_scale", per_expert[1])
+            experts.load(f"{part}.{kind}", per_expert[1])
     else:
         for (e, part), (q, scale, _) in weights.items():
             experts.load(f"{part}.weight", q, e)
-            experts.load(f"{part}.weight_scale", scale, e)
+            experts.load(f"{part}.{kind}", scale, e)
     for (e, part), b in biases.items():
         experts.load(f"{part}.bias", b, e)
     experts.finish_loading()
@@ -151,6 +169,21 @@ def test_forward_equals_float64_on_the_dequantized_weights(spec, quantize, stack
     weights, biases = random_experts(spec, seed=1, quantize=quantize)
     experts = loaded(spec, weights, biases, stacked=stacked)
     assert experts.gate_up.dtype == FP8 and experts.gate_up_scale.shape == (4, 96)
+    check_forward(experts, spec, weights, biases)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-expert", "stacked"])
+def test_block_scales_equal_float64_on_the_dequantized_weights(stacked) -> None:
+    """Hugging Face block scales (32 x 32 here, partial blocks at the edge of H), each
+    block's scale kept for each of its rows."""
+    weights, biases = random_experts(BSPEC, seed=12, quantize=quantize_block32)
+    experts = loaded(BSPEC, weights, biases, stacked=stacked, fmt=BLOCK)
+    assert experts.gate_up_scale.shape == (4, 128, 3) and experts.down_scale.shape == (4, 80, 2)
+    w = check_forward(experts, BSPEC, weights, biases)
+    assert w.scale_block_k == 32
+
+
+def check_forward(experts, spec, weights, biases):
     x = torch.randn(9, spec.hidden_size, generator=gen(2))
     topk_weights, topk_ids = routing(9, spec, 2, seed=3)
     got = experts(x, topk_weights, topk_ids)
@@ -159,6 +192,25 @@ def test_forward_equals_float64_on_the_dequantized_weights(spec, quantize, stack
     assert rel(got, want) < 1e-5
     w = experts.expert_weights()
     assert w.format == "fp8" and w.gate_up_scales is experts.gate_up_scale
+    return w
+
+
+def test_block_scales_split_with_the_ranks_columns() -> None:
+    """Rank 1 of 2 holds intermediate columns 32..63 of down, with its scale block; a share
+    that does not start on a block is refused, naming weight_block_size."""
+    weights, biases = random_experts(BSPEC, seed=13, quantize=quantize_block32)
+    whole = loaded(BSPEC, weights, biases, fmt=BLOCK)
+    rank = loaded(BSPEC, weights, biases, fake_rank(1), fmt=BLOCK)
+    assert rank.down_scale.shape == (4, 80, 1)
+    for e in range(BSPEC.num_experts):
+        want = whole.weight("down", e)[:, 32:]
+        torch.testing.assert_close(rank.weight("down", e), want, rtol=0, atol=0)
+        torch.testing.assert_close(
+            rank.weight("gate_up", e)[:32], whole.weight("gate_up", e)[32:64]
+        )
+    fmt = Fp8Format("block", "group", (64, 64), inverse_name=True)
+    with pytest.raises(ValueError, match="starts at 32, not on a weight_block_size block of 64"):
+        Fp8Experts(BSPEC, torch.float32, CPU, fake_rank(1), fmt)
 
 
 def test_tensor_parallel_shards_hold_the_whole() -> None:
@@ -239,11 +291,25 @@ def test_the_scheme_builds_fp8_experts_and_leaves_routers_alone() -> None:
     ignored = dict(MOE_DYNAMIC, ignore=["re:.*mlp.gate$", "re:.*mlp\\.experts\\..*"])
     experts = Fp8(QuantConfig(ignored)).experts(SPEC, torch.float32, CPU)
     assert type(experts) is UnquantizedExperts
+    block = Fp8(QuantConfig(hf_block(16))).experts(SPEC, torch.float32, CPU)
+    assert isinstance(block, Fp8Experts) and block.block == (16, 16)
+    assert block.fmt.scale_kind == "weight_scale_inv"
+
+
+def hf_block(size: int) -> dict:
+    """Hugging Face's fp8 config (Qwen3-FP8's) with blocks of size x size over the routed
+    experts only: attention, the dense MLP and the routers left out (the tiny model's attention
+    rows do not fall on blocks of 32; test_fp8 covers block-scaled linear layers)."""
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [size, size],
+        "modules_to_not_convert": ["lm_head", "re:.*self_attn\\..*", "re:.*\\.mlp\\.[a-z_]+"],
+    }
 
 
 def test_layouts_the_kernels_do_not_read_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"quantization_config\.weight_block_size = \[128, 128\]"):
-        Fp8(QuantConfig(HF_BLOCK)).experts(SPEC, torch.float32, CPU)
     half = dict(MOE_DYNAMIC, ignore=["re:.*mlp.gate$", "re:.*experts\\.3\\.down_proj"])
     with pytest.raises(ValueError, match=r"experts\.3\.down_proj unquantized.*one layout"):
         Fp8(QuantConfig(half)).experts(SPEC, torch.float32, CPU)
@@ -284,6 +350,41 @@ def test_fp8_dynamic_moe_checkpoint_agrees_with_its_dequantized_weights(qwen3_mo
     agree_in_top5(run(llm), run(make_llm(ref)))
 
 
+def write_block32(src, dst):
+    """src with the routed experts quantized in 32 x 32 blocks as Hugging Face's fp8 stores
+    them; -> (dst, the reference with the dequantized weights)."""
+    ref = dst.parent / f"{dst.name}-reference"
+    for d in (dst, ref):
+        shutil.copytree(src, d)
+    quantized, dequantized = {}, {}
+    for name, t in load_file(src / "model.safetensors").items():
+        base = name.removesuffix(".weight")
+        if name.endswith(".weight") and ".mlp.experts." in name:
+            q, scale = quantize_block(t, 32)
+            quantized[name], quantized[f"{base}.weight_scale_inv"] = q, scale
+            dequantized[name] = q.float() * block_scale_rows(scale, *t.shape, 32)
+        else:
+            quantized[name] = dequantized[name] = t
+    save_file(quantized, dst / "model.safetensors")
+    save_file(dequantized, ref / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = hf_block(32)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst, ref
+
+
+def test_block_fp8_moe_checkpoint_agrees_with_its_dequantized_weights(qwen3_moe, tmp_path):
+    quant, ref = write_block32(qwen3_moe, tmp_path / "block")
+    stored = load_file(quant / "model.safetensors")
+    assert stored["model.layers.0.mlp.experts.1.down_proj.weight_scale_inv"].shape == (2, 1)
+    assert stored["model.layers.0.mlp.experts.1.up_proj.weight_scale_inv"].shape == (1, 2)
+    llm = make_llm(quant)
+    for mlp in moe_layers(llm):
+        assert isinstance(mlp.experts, Fp8Experts) and mlp.experts.block == (32, 32)
+        assert type(mlp.gate) is DenseLinear
+    agree_in_top5(run(llm), run(make_llm(ref)))
+
+
 def test_online_fp8_moe_agrees_with_the_unquantized_model(qwen3_moe):
     llm = make_llm(qwen3_moe, **{"quantization.scheme": "fp8"})
     for mlp in moe_layers(llm):
@@ -295,16 +396,19 @@ def test_online_fp8_moe_agrees_with_the_unquantized_model(qwen3_moe):
 
 
 @interpreted
-@pytest.mark.parametrize("spec", [SPEC, SWIGLU], ids=["silu", "swiglu_oai"])
+@pytest.mark.parametrize("spec", ["silu", "swiglu_oai", "block"])
 @pytest.mark.parametrize("tokens", [1, 11])
 def test_fused_kernels_equal_the_layers_reference(spec, tokens) -> None:
     """TritonOps.moe_experts (one token: a tile per pair; more: grouped by expert) on
-    Fp8Experts' ExpertWeights against the layer's own forward, fp32 activations: summation
-    order apart they compute the same products, within 2e-5 of the output's scale."""
+    Fp8Experts' ExpertWeights (per row, or per row per 32 columns) against the layer's own
+    forward, fp32 activations: summation order apart they compute the same products, within
+    2e-5 of the output's scale."""
     from inferx_kernels_cuda.ops import TritonOps
 
-    weights, biases = random_experts(spec, seed=9)
-    experts = loaded(spec, weights, biases)
+    fmt = BLOCK if spec == "block" else None
+    spec = {"silu": SPEC, "swiglu_oai": SWIGLU, "block": BSPEC}[spec]
+    weights, biases = random_experts(spec, 9, quantize_block32 if fmt else quantize_channel)
+    experts = loaded(spec, weights, biases, fmt=fmt)
     x = torch.randn(tokens, spec.hidden_size, generator=gen(10))
     topk_weights, topk_ids = routing(tokens, spec, 2, seed=11)
     want = experts(x, topk_weights, topk_ids)
@@ -324,15 +428,18 @@ def test_fused_kernels_equal_the_layers_reference(spec, tokens) -> None:
 
 @on_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["dynamic", "online"])
+@pytest.mark.parametrize("kind", ["dynamic", "block", "online"])
 def test_gpu_fp8_moe_agrees_with_the_dequantized_weights(kind, qwen3_moe, tmp_path) -> None:
-    """The fused Triton MoE kernels' fp8 path in bfloat16 with CUDA graphs, against the
-    bfloat16 model holding the exact dequantized weights (online: the unquantized model)."""
+    """The fused Triton MoE kernels' fp8 path (per-row and 32 x 32 block scales) in bfloat16
+    with CUDA graphs, against the bfloat16 model holding the exact dequantized weights (online:
+    the unquantized model)."""
     gpu = {"engine.device": "cuda", "model.dtype": "bfloat16", "kv_cache.memory": "1GiB"}
     if kind == "dynamic":
         quant, ref = write_quantized(
             qwen3_moe, tmp_path / "q", MOE_DYNAMIC, quantize_channel, "weight_scale"
         )
+    elif kind == "block":
+        quant, ref = write_block32(qwen3_moe, tmp_path / "q")
     else:
         quant, ref = qwen3_moe, qwen3_moe
         gpu["quantization.scheme"] = "fp8"

@@ -538,7 +538,7 @@ class Fp8(QuantScheme):
         projections ("{prefix}.{e}.gate_proj", as the checkpoint's config groups and ignore
         list name them); None where it left them all unquantized. One experts method holds
         one layout: a config that quantizes some experts or projections differently from the
-        others is refused, as are layouts the fused kernels do not read."""
+        others is refused, as are static activation scales (the experts run weight-only)."""
         found: dict[Fp8Format | None, str] = {}
         dims = {"gate_proj": spec.intermediate_size, "up_proj": spec.intermediate_size}
         for e in range(spec.num_experts):
@@ -558,13 +558,6 @@ class Fp8(QuantScheme):
         fmt = next(iter(found))
         if fmt is None:
             return None
-        if fmt.weights == "block":
-            key = "weight_block_size" if fmt.inverse_name else "weights.block_structure"
-            raise ValueError(
-                f"{spec.prefix}: block-scaled FP8 experts (quantization_config.{key} = "
-                f"{list(fmt.block or ())}) are not supported; the fused MoE kernels read one "
-                "scale per output row (per-channel or per-tensor FP8 checkpoints)"
-            )
         if fmt.activations == "static":
             raise ValueError(
                 f"{spec.prefix}: FP8 experts with static activation scales (input_scale) are "
@@ -583,9 +576,10 @@ class Fp8(QuantScheme):
         router ("{prefix}.gate") is a linear layer the scheme answers for separately."""
         from inferx_quant.fp8_experts import Fp8Experts
 
-        if self.experts_format(spec) is None:
+        fmt = self.experts_format(spec)
+        if fmt is None:
             return UnquantizedExperts(spec, dtype, device, parallel)
         if not self._gpu_checked:
             _check_gpu(torch.device(device))
             self._gpu_checked = True
-        return Fp8Experts(spec, dtype, device, parallel, online=self.is_online)
+        return Fp8Experts(spec, dtype, device, parallel, fmt, online=self.is_online)
