@@ -313,6 +313,9 @@ def test_layouts_the_kernels_do_not_read_are_refused() -> None:
     half = dict(MOE_DYNAMIC, ignore=["re:.*mlp.gate$", "re:.*experts\\.3\\.down_proj"])
     with pytest.raises(ValueError, match=r"experts\.3\.down_proj unquantized.*one layout"):
         Fp8(QuantConfig(half)).experts(SPEC, torch.float32, CPU)
+    by_name = dict(MOE_DYNAMIC, ignore=["lm_head", "model.layers.0.mlp.experts.2.up_proj"])
+    with pytest.raises(ValueError, match=r"experts\.2\.up_proj unquantized.*one layout"):
+        Fp8(QuantConfig(by_name)).experts(SPEC, torch.float32, CPU)
     static = json.loads(json.dumps(MOE_DYNAMIC))
     static["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
     static["config_groups"]["group_0"]["input_activations"].update(strategy="tensor", dynamic=False)

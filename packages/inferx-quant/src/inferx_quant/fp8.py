@@ -541,7 +541,11 @@ class Fp8(QuantScheme):
         others is refused, as are static activation scales (the experts run weight-only)."""
         found: dict[Fp8Format | None, str] = {}
         dims = {"gate_proj": spec.intermediate_size, "up_proj": spec.intermediate_size}
-        for e in range(spec.num_experts):
+        entries = [*self.ignore, *(n for g in self.groups for n in g.names)]
+        # Names alone (no "re:" pattern) that name none of these experts answer alike for
+        # all of them: ask about one (a Qwen3-FP8 config lists every layer's router and norms).
+        alike = not any(n.startswith(("re:", f"{spec.prefix}.")) for n in entries)
+        for e in range(1 if alike else spec.num_experts):
             for part in ("gate_proj", "up_proj", "down_proj"):
                 rows = dims.get(part, spec.hidden_size)
                 cols = spec.intermediate_size if part == "down_proj" else spec.hidden_size
