@@ -451,3 +451,33 @@ def test_gpu_fp8_moe_agrees_with_the_dequantized_weights(kind, qwen3_moe, tmp_pa
         assert isinstance(mlp.experts, Fp8Experts) and mlp.experts.gate_up.is_cuda
     reference_cfg = {k: v for k, v in gpu.items() if k != "quantization.scheme"}
     agree_in_top5(run(llm), run(make_llm(ref, **reference_cfg)))
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 2048])
+@pytest.mark.parametrize("block", [False, True], ids=["per-row", "128-blocks"])
+def test_gpu_fused_kernels_at_qwen3_30b_a3b_shapes(block, tokens) -> None:
+    """Fp8Experts of Qwen3-30B-A3B's shape (128 experts of 2048 x 768, top-8) with random e4m3
+    weights and scales, bf16 activations: the compiled kernels against the layer's float32
+    reference; bf16 rounds the activation between the GEMMs and each expert's output (2e-2)."""
+    from inferx_kernels_cuda.moe_kernels import fused_experts
+
+    gpu = torch.device("cuda")
+    spec = ExpertsSpec("mlp.experts", 128, 2048, 768)
+    fmt = Fp8Format("block", "group", (128, 128), inverse_name=True) if block else None
+    experts = Fp8Experts(spec, torch.bfloat16, gpu, fmt=fmt)
+    g = torch.Generator(device=gpu).manual_seed(0)
+    for name in ("gate_up", "down"):
+        w = getattr(experts, name)
+        w.data.copy_(torch.randn(w.shape, generator=g, device=gpu).mul_(64).to(FP8))
+        s = getattr(experts, f"{name}_scale")
+        s.data.uniform_(0.5e-3, 1.5e-3, generator=g)
+    x = torch.randn(tokens, spec.hidden_size, device=gpu, generator=g).to(torch.bfloat16)
+    logits = torch.randn(tokens, spec.num_experts, device=gpu, generator=g)
+    topk_weights, topk_ids = route(logits, RouterSpec(spec.num_experts, 8, renormalize=True))
+    want = experts(x.float(), topk_weights, topk_ids)
+    got = fused_experts(x, topk_weights, topk_ids, experts.expert_weights(), spec)
+    torch.cuda.synchronize()
+    assert got.dtype == torch.bfloat16
+    assert rel(got, want.double()) < 2e-2
