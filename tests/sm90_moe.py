@@ -36,8 +36,8 @@ def compile_sm90(kernel, types: dict[str, str], constexprs: dict, warps: int, st
 
 
 def gemm_types(fmt: str, per_pair: bool) -> dict[str, str]:
-    weight = {"dense": "*bf16", "mxfp4": "*u8", "fp8": "*fp8e4nv"}[fmt]
-    scale = {"dense": "*bf16", "mxfp4": "*u8", "fp8": "*fp32"}[fmt]
+    weight = {"dense": "*bf16", "mxfp4": "*u8", "fp8": "*fp8e4nv", "fp8-block": "*fp8e4nv"}[fmt]
+    scale = {"dense": "*bf16", "mxfp4": "*u8", "fp8": "*fp32", "fp8-block": "*fp32"}[fmt]
     types = {"a_ptr": "*bf16", "w_ptr": weight, "scale_ptr": scale, "bias_ptr": "*bf16"}
     types |= {"topk_w_ptr": "*fp32", "out_ptr": "*bf16", "stride_we": "i64"}
     types |= {n: "*i32" for n in ("sorted_ptr", "block_expert_ptr", "num_padded_ptr")}
@@ -67,7 +67,7 @@ def cases():
     yield "moe_sum", mk.moe_sum_kernel, sums, dict(TOP_K=8, BLOCK=1024), 4, 1
     shapes = {"gpt-oss-20b": (2880, 2880, 32, 4, False), "qwen3": (2048, 768, 128, 8, True)}
     for name, (hidden, inter, experts, k, silu) in shapes.items():
-        for fmt in ("dense", "mxfp4", "fp8"):
+        for fmt in ("dense", "mxfp4", "fp8", "fp8-block"):
             for tokens in (1, 8, 2048):
                 configs = mk.gemm_configs(tokens * k, experts, inter, hidden, fmt, 132)
                 for gated, cfg in zip((True, False), configs, strict=True):
@@ -75,7 +75,8 @@ def cases():
                         A_ROW_DIV=k if gated else 1,
                         ACT=(mk.ACT_SILU if silu else mk.ACT_SWIGLU_OAI) if gated else 0,
                         GATE_STRIDE=2 if gated and not silu else 1,
-                        MXFP4=fmt == "mxfp4", ROW_SCALE=fmt == "fp8", HAS_BIAS=not silu,
+                        MXFP4=fmt == "mxfp4", ROW_SCALE=fmt == "fp8", K_SCALE=fmt == "fp8-block",
+                        HAS_BIAS=not silu,
                         WEIGHTED=not gated, ATOMIC_K=0, DOT_FP32=False, BLOCK_M=cfg.block_m,
                         PER_PAIR=tokens <= mk.PER_PAIR_MAX_TOKENS,
                         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

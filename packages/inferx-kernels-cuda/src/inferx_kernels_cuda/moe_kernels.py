@@ -11,7 +11,9 @@ docs/ARCHITECTURE.md's "Mixture of experts".
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -405,11 +407,13 @@ def moe_gemm_kernel(
     stride_out,
     alpha,
     limit,
+    scale_bk,
     A_ROW_DIV: tl.constexpr,
     ACT: tl.constexpr,
     GATE_STRIDE: tl.constexpr,
     MXFP4: tl.constexpr,
     ROW_SCALE: tl.constexpr,
+    K_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     WEIGHTED: tl.constexpr,
     ATOMIC_K: tl.constexpr,
@@ -430,7 +434,9 @@ def moe_gemm_kernel(
     a multiple of 32. PER_PAIR: no grouping; tile i is pair i alone and block_expert_ptr
     points at topk_ids (a decode step of one token, whose k pairs have k distinct experts).
     ROW_SCALE: w is FP8 (or any narrower type), widened to the activations'
-    dtype in registers, and each output row scaled by scale[row] (float32) before the bias."""
+    dtype in registers, and each output row scaled by scale[row] (float32) before the bias.
+    K_SCALE: FP8 too, scaled per row per scale_bk columns of K (scale [rows, K / scale_bk],
+    unit stride along K; BLOCK_K divides scale_bk): each K tile's product by its scales."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(n_out, BLOCK_N)
     pid_m = pid // num_n
@@ -491,6 +497,7 @@ def moe_gemm_kernel(
                 acc_up = _dot(a_odd, odd.to(a.dtype), acc_up, DOT_FP32)
     else:
         kr = tl.arange(0, BLOCK_K)
+        s_base = scale_ptr + expert * stride_se
         for k0 in range(0, k_in, BLOCK_K):
             k_ok = (k0 + kr) < k_in
             a = tl.load(
@@ -504,15 +511,25 @@ def moe_gemm_kernel(
                 mask=w_mask,
                 other=0.0,
             )
-            acc = _dot(a, w.to(a.dtype), acc, DOT_FP32)
+            if K_SCALE:
+                s_k = s_base + k0 // scale_bk
+                s = tl.load(s_k + rows_g * stride_sn, mask=col_ok, other=0.0)
+                part = _dot(a, w.to(a.dtype), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_FP32)
+                acc += part * s[None, :]
+            else:
+                acc = _dot(a, w.to(a.dtype), acc, DOT_FP32)
             if gated:
                 rows_u = (rows_g + up_offset)[None, :].to(tl.int64)
                 w = tl.load(
                     w_base + rows_u * stride_wn + (k0 + kr)[:, None], mask=w_mask, other=0.0
                 )
-                acc_up = _dot(a, w.to(a.dtype), acc_up, DOT_FP32)
+                if K_SCALE:
+                    s = tl.load(s_k + (rows_g + up_offset) * stride_sn, mask=col_ok, other=0.0)
+                    zero = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                    acc_up += _dot(a, w.to(a.dtype), zero, DOT_FP32) * s[None, :]
+                else:
+                    acc_up = _dot(a, w.to(a.dtype), acc_up, DOT_FP32)
         if ROW_SCALE:
-            s_base = scale_ptr + expert * stride_se
             acc *= tl.load(s_base + rows_g * stride_sn, mask=col_ok, other=0.0)[None, :]
             if gated:
                 s_up = tl.load(s_base + (rows_g + up_offset) * stride_sn, mask=col_ok, other=0.0)
@@ -617,17 +634,22 @@ def check_weights(w: ExpertWeights, spec: ExpertsSpec, x: torch.Tensor) -> None:
     if w.format != "dense" and (w.gate_up_scales is None or w.down_scales is None):
         raise ValueError(f"{spec.prefix}: {w.format} expert weights need their scales")
     if w.format == "fp8":
+        bk = w.scale_block_k
         for name, t, s in (
             ("gate_up", w.gate_up, w.gate_up_scales),
             ("down", w.down, w.down_scales),
         ):
             assert s is not None
-            if t.dtype != torch.float8_e4m3fn or s.dtype != torch.float32 or s.shape != t.shape[:2]:
+            want = (*t.shape[:2], triton.cdiv(t.shape[2], bk)) if bk else t.shape[:2]
+            if t.dtype != torch.float8_e4m3fn or s.dtype != torch.float32 or s.shape != want:
+                per = f"[E, rows, K / {bk}]" if bk else "[E, rows]"
                 raise ValueError(
                     f"{spec.prefix}: fp8 {name} must be float8_e4m3fn [E, rows, K] with float32 "
-                    f"scales [E, rows], got {t.dtype} {tuple(t.shape)} and {s.dtype} "
+                    f"scales {per}, got {t.dtype} {tuple(t.shape)} and {s.dtype} "
                     f"{tuple(s.shape)}"
                 )
+            if bk and s.stride(-1) != 1:
+                raise ValueError(f"{spec.prefix}: fp8 {name} scales need a unit stride along K")
     for name, t in (("gate_up", w.gate_up), ("down", w.down)):
         inner = t.flatten(2) if w.format == "mxfp4" else t
         if inner.stride(-1) != 1:
@@ -666,6 +688,13 @@ def fused_experts(
         sms = 132 if _interpreting() else _num_sms(x.device)
         configs = gemm_configs(num_pairs, e, n, hidden, w.format, sms)
     gate_up_cfg, down_cfg = configs
+    bk = w.scale_block_k if w.format == "fp8" else 0
+    if bk:  # a K tile must lie in one scale block
+        tiles_k = [math.gcd(cfg.block_k, bk) for cfg in configs]
+        if min(tiles_k) < 16:
+            raise ValueError(f"{spec.prefix}: fp8 scale blocks of {bk} columns (need 16 | {bk})")
+        gate_up_cfg = dataclasses.replace(gate_up_cfg, block_k=tiles_k[0])
+        down_cfg = dataclasses.replace(down_cfg, block_k=tiles_k[1])
     if gate_up_cfg.block_m != down_cfg.block_m:
         raise ValueError("fused_experts: gate_up and down tiles must share block_m")
     per_pair = t <= PER_PAIR_MAX_TOKENS
@@ -696,11 +725,12 @@ def fused_experts(
             (n if silu else 1) if gated else 0,
             a.stride(0), weights.stride(0), weights.stride(1),
             scale_t.stride(0), scale_t.stride(1), bias_t.stride(0), dest.stride(0),
-            float(spec.alpha), float(spec.limit),
+            float(spec.alpha), float(spec.limit), max(bk, 1),
             A_ROW_DIV=k if gated else 1,
             ACT=(ACT_SILU if silu else ACT_SWIGLU_OAI) if gated else ACT_NONE,
             GATE_STRIDE=1 if silu or not gated else 2,
-            MXFP4=mxfp4, ROW_SCALE=w.format == "fp8", HAS_BIAS=bias is not None, WEIGHTED=not gated,
+            MXFP4=mxfp4, ROW_SCALE=w.format == "fp8" and not bk,
+            K_SCALE=bk > 0, HAS_BIAS=bias is not None, WEIGHTED=not gated,
             ATOMIC_K=k if atomic_sum and not gated else 0, PER_PAIR=per_pair,
             DOT_FP32=dot_fp32,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

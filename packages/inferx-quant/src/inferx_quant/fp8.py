@@ -9,6 +9,7 @@ Reads two checkpoint layouts, from the checkpoint's `quantization_config`:
   size, per-tensor `weight_scale` (and `input_scale` where activation_scheme is "static").
 Online (`[quantization] scheme = "fp8"` on an unquantized checkpoint) quantizes each weight at
 load per output channel, with activations per token.
+MoE experts (fp8_experts.Fp8Experts) keep per-row scales and run weight-only.
 
 Numerics, for every device without a fast path (the CPU reference): the activations are
 quantized to e4m3 exactly as the GPU kernels must (quantize_fp8), then both operands are
@@ -25,7 +26,9 @@ from typing import Any, Literal
 
 import torch
 
+from inferx_core.interfaces.moe import ExpertsSpec, QuantExperts
 from inferx_core.interfaces.quant import LinearSpec, QuantConfig, QuantLinear, QuantScheme
+from inferx_core.moe import UnquantizedExperts
 from inferx_core.parallel import SINGLE, ParallelContext
 from inferx_core.quant_none import DenseLinear, part_shard, shard_tensor
 from inferx_core.quant_utils import is_ignored
@@ -35,6 +38,9 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 # The smallest dynamic activation scale: a row of zeros (or of denormal-sized values) still
 # gets a finite 1/scale. vLLM's per-token kernels use the same floor.
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+# The layers online FP8 leaves alone, as an ignore-list entry: MoE routers.
+ONLINE_UNQUANTIZED = r"re:.*\.gate"
 
 WeightStrategy = Literal["channel", "tensor", "block"]
 # token / tensor / group: dynamic, from each row's (the tensor's, each row's bk columns') absmax;
@@ -436,6 +442,9 @@ class Fp8(QuantScheme):
         self._gpu_checked = False
         if not ckpt:
             self.groups = [_Group((), True, Fp8Format("channel", "token"))]
+            # MoE routers (FusedMoE's "{prefix}.gate") stay unquantized: a rounded logit can
+            # flip a token's experts. A checkpoint's own config says where its routers are.
+            self.ignore = [ONLINE_UNQUANTIZED]
         elif str(ckpt.get("quant_method", "")).lower() == "compressed-tensors":
             self._parse_compressed_tensors(ckpt)
         elif str(ckpt.get("quant_method", "")).lower() == "fp8":
@@ -523,3 +532,58 @@ class Fp8(QuantScheme):
             _check_gpu(torch.device(device))
             self._gpu_checked = True
         return Fp8Linear(spec, dtype, device, parallel, fmt, online=self.is_online)
+
+    def experts_format(self, spec: ExpertsSpec) -> Fp8Format | None:
+        """How the checkpoint quantized a MoE layer's experts, from the names of each expert's
+        projections ("{prefix}.{e}.gate_proj", as the checkpoint's config groups and ignore
+        list name them); None where it left them all unquantized. One experts method holds
+        one layout: a config that quantizes some experts or projections differently from the
+        others is refused, as are static activation scales (the experts run weight-only)."""
+        found: dict[Fp8Format | None, str] = {}
+        dims = {"gate_proj": spec.intermediate_size, "up_proj": spec.intermediate_size}
+        entries = [*self.ignore, *(n for g in self.groups for n in g.names)]
+        # Names alone (no "re:" pattern) that name none of these experts answer alike for
+        # all of them: ask about one (a Qwen3-FP8 config lists every layer's router and norms).
+        alike = not any(n.startswith(("re:", f"{spec.prefix}.")) for n in entries)
+        for e in range(1 if alike else spec.num_experts):
+            for part in ("gate_proj", "up_proj", "down_proj"):
+                rows = dims.get(part, spec.hidden_size)
+                cols = spec.intermediate_size if part == "down_proj" else spec.hidden_size
+                name = f"{spec.prefix}.{e}.{part}"
+                found.setdefault(self.format_for(LinearSpec(name, cols, (rows,))), name)
+        if len(found) > 1:
+            layouts = "; ".join(
+                f"{name} {'unquantized' if fmt is None else fmt}" for fmt, name in found.items()
+            )
+            raise ValueError(
+                f"{spec.prefix}: the quantization_config quantizes the experts' projections in "
+                f"more than one way ({layouts}); FP8 experts hold one layout per layer"
+            )
+        fmt = next(iter(found))
+        if fmt is None:
+            return None
+        if fmt.activations == "static":
+            raise ValueError(
+                f"{spec.prefix}: FP8 experts with static activation scales (input_scale) are "
+                "not supported; the experts run weight-only (dynamic activations)"
+            )
+        return fmt
+
+    def experts(
+        self,
+        spec: ExpertsSpec,
+        dtype: torch.dtype,
+        device: torch.device,
+        parallel: ParallelContext = SINGLE,
+    ) -> QuantExperts:
+        """Fp8Experts where the config quantizes the experts, else UnquantizedExperts. The
+        router ("{prefix}.gate") is a linear layer the scheme answers for separately."""
+        from inferx_quant.fp8_experts import Fp8Experts
+
+        fmt = self.experts_format(spec)
+        if fmt is None:
+            return UnquantizedExperts(spec, dtype, device, parallel)
+        if not self._gpu_checked:
+            _check_gpu(torch.device(device))
+            self._gpu_checked = True
+        return Fp8Experts(spec, dtype, device, parallel, fmt, online=self.is_online)

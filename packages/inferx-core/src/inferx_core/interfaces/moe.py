@@ -87,7 +87,9 @@ class ExpertWeights:
     [E, 2n, H / 32] and down_scales [E, H, n / 32] uint8 (value = e2m1 * 2^(scale - 127)).
     format "fp8": gate_up [E, 2n, H] and down [E, H, n] float8_e4m3fn, scaled per output row by
     gate_up_scales [E, 2n] and down_scales [E, H] float32 (weight-only: the activations stay in
-    their dtype).
+    their dtype); with scale_block_k = bk > 0 the scales are per row per bk columns of K,
+    gate_up_scales [E, 2n, ceil(H / bk)] and down_scales [E, H, ceil(n / bk)] (a checkpoint's
+    block scales repeated over their rows), unit stride along K.
     gate_up's rows are in the activation's layout (ExpertsSpec.activation); biases [E, 2n] /
     [E, H] in the activations' dtype, None where there are none (the down bias on rank 0 only).
     """
@@ -99,6 +101,7 @@ class ExpertWeights:
     down_scales: torch.Tensor | None = None
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
+    scale_block_k: int = 0
 
 
 class QuantExperts(torch.nn.Module, ABC):
