@@ -10,8 +10,9 @@ import torch
 
 pytest.importorskip("triton", reason="the triton package is not installed")
 
-from conftest import fused_views, interpreted, plan_steps  # noqa: E402
+from conftest import fused_views, interpreted, on_gpu, plan_steps, scattered_tables  # noqa: E402
 from test_attention_torch import rel_err  # noqa: E402
+from test_fp8_kv import PROMPTS, make_llm, run, tiny_llama  # noqa: E402
 from test_triton_attention import check_decode_rotary, check_fused_rotary  # noqa: E402
 
 from inferx_core.attention_torch import FP8, TorchAttention  # noqa: E402
@@ -170,3 +171,162 @@ def test_rotary_in_the_decode_kernel_fp8(
     torch.manual_seed(6)
     check_decode_rotary(4, dtype, torch.device("cpu"), split, parts=parts, early=preload,
                         preload=preload, keep=keep, fp8_scales=SCALES[1])  # fmt: skip
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_static_decode_plan_matches_torch_fp8(dtype: torch.dtype) -> None:
+    """The CUDA-graph decode path (a static plan prepared for 4 rows, replayed for 4 and then 2
+    rows: padding rows get garbage and a slot of -1) against TorchAttention over e4m3 caches
+    with scales: the same bytes after each step, the same outputs within TOL. The scales are
+    read through their pointers, so replays see values set after the plan was prepared."""
+    torch.manual_seed(8)
+    bs, max_blocks = 4, 16
+    num_blocks = 4 * max_blocks + 1
+    layers = fp8_layers(2, 16)
+    split = {"min_split_len": 16, "target_programs": 12}
+    static = TritonAttention(layers, bs, dtype, torch.device("cpu"), **split)
+    reference = TorchAttention(layers, bs, dtype, torch.device("cpu"))
+    for b in (static, reference):
+        b.allocate(num_blocks)
+    for mine, theirs in zip(static.caches, reference.caches, strict=True):
+        mine.copy_(torch.randn(mine.shape).to(FP8))
+        theirs.copy_(mine)
+    k_scale, v_scale = torch.ones(1), torch.ones(1)
+    static.init_graph_buffers(8, max_blocks)
+    static.prepare_for_capture(4)
+    assert static._plan is not None and static._plan.num_splits == 2
+    for contexts, scales in (([37, 5, 64, 20], SCALES[1]), ([1, 50], (0.5, 3.0))):
+        k_scale.fill_(scales[0])  # in place: the pointer the plan's launches hold
+        v_scale.fill_(scales[1])
+        tables = scattered_tables(contexts, bs, num_blocks)
+        batch = make_attention_batch([1] * len(contexts), contexts, tables, bs)
+        static.prepare_for_replay(batch, 4)
+        reference.begin_step(batch)
+        real = len(contexts)
+        for index, spec in enumerate(layers):
+            heads = (spec.num_q_heads, spec.num_kv_heads, spec.num_kv_heads)
+            qkv = [(torch.randn(4, h, spec.head_dim) * 3).to(dtype) for h in heads]
+            scale = spec.head_dim**-0.5
+            got = static.forward(static.layer(index, scale, k_scale=k_scale, v_scale=v_scale),
+                                 *qkv)[:real]  # fmt: skip
+            want = reference.forward(
+                reference.layer(index, scale, k_scale=k_scale, v_scale=v_scale),
+                *(x[:real] for x in qkv),
+            )
+            assert rel_err(got.float(), want.float()) <= TOL[dtype], (contexts, index)
+            mine, theirs = static.caches[index], reference.caches[index]
+            assert torch.equal(as_bytes(mine), as_bytes(theirs)), (contexts, index)
+
+
+# --- whole models ---
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    return tiny_llama(tmp_path_factory.mktemp("llama"))
+
+
+@interpreted
+def test_fp8_kv_model_on_triton_matches_torch(llama) -> None:  # noqa: ANN001
+    """The tiny Llama in float32 with an e4m3 cache: the triton backend generates the same
+    greedy tokens as the torch backend (exactly: both quantize to the same bytes, and their
+    logits differ by summation order only), prompts then prompts over their cached prefixes."""
+    fp8 = {"kv_cache.dtype": "fp8_e4m3", "kv_cache.memory": "4MiB"}
+    on_triton = make_llm(llama, **fp8, **{"engine.attention_backend": "triton"})
+    on_torch = make_llm(llama, **fp8)
+    assert isinstance(on_triton.engine.executor.attention, TritonAttention)
+    assert not isinstance(on_torch.engine.executor.attention, TritonAttention)
+    assert on_triton.engine.executor.attention.caches[0].dtype == FP8
+    again = [p[:40] + [9, 8, 7] for p in PROMPTS if len(p) > 40]  # prefix-cache hits
+    for prompts in (PROMPTS, again):
+        got, want = run(on_triton, prompts), run(on_torch, prompts)
+        assert [ids for ids, _ in got] == [ids for ids, _ in want]
+
+
+@interpreted
+def test_fp8_kv_graph_runner_generates_like_eager(llama) -> None:  # noqa: ANN001
+    """The decode graph runner's static plan (no graph to replay on the CPU: the same pass
+    runs) over an e4m3 cache, split in 4: the same tokens and logits as eager steps."""
+    from test_cuda_graphs import generates_like_eager
+
+    from inferx_kernels_cuda.cuda_graphs import DecodeGraphRunner
+
+    llm = make_llm(
+        llama,
+        **{
+            "kv_cache.dtype": "fp8_e4m3",
+            "engine.attention_backend": "triton",
+            "model.max_model_len": 64,
+            "engine.overlap": True,
+            "scheduler.max_running": 4,
+            "scheduler.prefix_cache": False,
+        },
+    )
+    ex = llm.engine.executor
+    assert ex.attention.caches[0].dtype == FP8
+    ex.attention.min_split_len = 16
+    ex.attention.target_programs = 10**6
+
+    def install() -> None:
+        ex.graphs = DecodeGraphRunner(ex.model, ex.attention, ex.device, 4, ex.max_model_len, 16)
+
+    generates_like_eager(llm, install)
+    assert ex.graphs.replays
+
+
+# --- on a GPU (compiled kernels, bf16) ---
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("scales", SCALES)
+def test_gpu_steps_match_torch_fp8_bf16(scales: tuple[float, float]) -> None:
+    """run_steps on the GPU in bf16 at the GPU's tiles: the same bytes as torch's to_fp8
+    (Triton's fp32 division and e4m3 cast round to nearest), split decodes included."""
+    torch.manual_seed(11)
+    layers = [KVLayerSpec(8, 2, 128, dtype="fp8_e4m3"), KVLayerSpec(4, 4, 64, dtype="fp8_e4m3")]
+    backend = TritonAttention(layers, 16, torch.bfloat16, torch.device("cuda"), min_split_len=16)
+    totals, steps = plan_steps([(0, 130), (200, 70), (300, 1), (65, 1), (0, 1)])
+    run_steps(backend, steps, totals, scales)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("split", [False, True])
+def test_gpu_fused_rotary_paths_fp8_bf16(split: bool) -> None:
+    """rotary_kv_write_kernel and the decode kernel's own write (with its early, preloading
+    form) over e4m3 caches, bf16, against torch."""
+    torch.manual_seed(12)
+    cuda = torch.device("cuda")
+    check_fused_rotary(4, torch.bfloat16, cuda, fp8_scales=SCALES[1])
+    check_decode_rotary(4, torch.bfloat16, cuda, split, fp8_scales=SCALES[1])
+    check_decode_rotary(4, torch.bfloat16, cuda, split, early=True, preload=True,
+                        fp8_scales=SCALES[1])  # fmt: skip
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_gpu_fp8_kv_triton_graphs_agree_with_torch(tmp_path_factory) -> None:  # noqa: ANN001
+    """The tiny Llama in bf16 with an e4m3 cache: the triton backend with CUDA graphs against
+    the torch backend, greedy tokens in the top-5 sense (identical up to the first divergence,
+    there each side's token in the other's top 5): bf16 attention rounds differently in each."""
+    from test_fp8_kv import agree_in_top5
+
+    path = tiny_llama(tmp_path_factory.mktemp("llama_gpu"))
+    base = {
+        "model.dtype": "bfloat16",
+        "engine.device": "cuda",
+        "kv_cache.dtype": "fp8_e4m3",
+        "kv_cache.memory": "256MiB",
+    }
+    on_triton = make_llm(path, **base, **{"engine.attention_backend": "triton"})
+    assert on_triton.engine.executor.graphs is not None, on_triton.engine.executor.eager_reason
+    assert on_triton.engine.executor.attention.caches[0].dtype == FP8
+    on_torch = make_llm(
+        path, **base, **{"engine.attention_backend": "torch", "engine.cuda_graphs": False}
+    )
+    assert not isinstance(on_torch.engine.executor.attention, TritonAttention)
+    prompts = PROMPTS + [list(range(3, 200)), [11] * 5]
+    agree_in_top5(run(on_triton, prompts), run(on_torch, prompts))
+    assert on_triton.engine.executor.graphs.replays

@@ -656,7 +656,7 @@ def check_decode_rotary(
         want = reference.forward(ref_layer, rq, rk, v)
         assert rel_err(got, want) <= TOL[dtype]
         if fp8_scales is not None:
-            same_fp8_caches(backend.caches[layer], reference.caches[layer])
+            same_fp8_caches(backend.caches[layer], reference.caches[layer], dtype)
             continue
         # bf16: the kernel and torch's ops round the two products of a rotated element
         # differently now and then, an ulp each (seen on the CPU for the separate rotary
@@ -678,11 +678,17 @@ def fp8_layer_scales(
     return {n: torch.tensor([s], device=device) for n, s in zip(names, scales, strict=True)}
 
 
-def same_fp8_caches(mine: torch.Tensor, theirs: torch.Tensor) -> None:
+def same_fp8_caches(mine: torch.Tensor, theirs: torch.Tensor, dtype: torch.dtype) -> None:
     """Two e4m3 caches hold the same bytes: the kernels quantize exactly as to_fp8 does, over
-    rotated keys rounded as the reference rounds them (the rare one-ulp flip of a rotated
-    element in the model's dtype almost never crosses an e4m3 rounding boundary)."""
-    assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))
+    rotated keys rounded as the reference rounds them. In fp32 and fp16 the rare one-ulp flip
+    of a rotated element almost never crosses an e4m3 rounding boundary; in bf16 (an ulp of
+    2^-8 against e4m3's 2^-4) it can: there a byte may be the adjacent code, in 1% at most."""
+    a, b = mine.view(torch.uint8), theirs.view(torch.uint8)
+    if dtype != torch.bfloat16:
+        assert torch.equal(a, b)
+        return
+    diff = (a.int() - b.int()).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() <= 1e-2
 
 
 def check_fused_rotary(
@@ -737,7 +743,7 @@ def check_fused_rotary(
         assert rel_err(fq, rq) <= ROTARY_TOL[dtype], "q is rotated in place"
         assert rel_err(got, want) <= TOL[dtype]
         if fp8_scales is not None:
-            same_fp8_caches(backend.caches[layer], reference.caches[layer])
+            same_fp8_caches(backend.caches[layer], reference.caches[layer], dtype)
         else:
             assert rel_err(backend.caches[layer], reference.caches[layer]) <= ROTARY_TOL[dtype]
     # Padding: slot -1 leaves the cache alone but still rotates q.

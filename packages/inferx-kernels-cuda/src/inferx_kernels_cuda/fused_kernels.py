@@ -148,10 +148,10 @@ def rotate_into(
         lo = _rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype)
         hi = _rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype)
         dst = dst_ptr + h * stride_dst_head + d
-        lo = to_cache(lo.to(dtype), scale_ptr, dst_ptr, KV_FP8, HAND_ROUND)
-        hi = to_cache(hi.to(dtype), scale_ptr, dst_ptr, KV_FP8, HAND_ROUND)
-        tl.store(dst, lo, mask=mask)
-        tl.store(dst + HALF, hi, mask=mask)
+        tl.store(dst, to_cache(lo.to(dtype), scale_ptr, dst_ptr, KV_FP8, HAND_ROUND), mask=mask)
+        tl.store(
+            dst + HALF, to_cache(hi.to(dtype), scale_ptr, dst_ptr, KV_FP8, HAND_ROUND), mask=mask
+        )
 
 
 @triton.jit
