@@ -174,12 +174,15 @@ def test_rotary_in_the_decode_kernel_fp8(
 
 
 @interpreted
+@pytest.mark.parametrize("mixed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_static_decode_plan_matches_torch_fp8(dtype: torch.dtype) -> None:
-    """The CUDA-graph decode path (a static plan prepared for 4 rows, replayed for 4 and then 2
-    rows: padding rows get garbage and a slot of -1) against TorchAttention over e4m3 caches
-    with scales: the same bytes after each step, the same outputs within TOL. The scales are
-    read through their pointers, so replays see values set after the plan was prepared."""
+def test_static_plans_match_torch_fp8(dtype: torch.dtype, mixed: bool) -> None:
+    """The CUDA-graph paths against TorchAttention over e4m3 caches with scales: the decode
+    plan prepared for 4 rows, replayed for 4 and then 2 rows, or (mixed) the mixed plan of 48
+    tokens replayed for prompt chunks over cached prefixes beside decodes; padding rows get
+    garbage and a slot of -1. The same bytes after each step, the same outputs within TOL.
+    The scales are read through their pointers, so replays see values set after the plan was
+    prepared."""
     torch.manual_seed(8)
     bs, max_blocks = 4, 16
     num_blocks = 4 * max_blocks + 1
@@ -193,20 +196,30 @@ def test_static_decode_plan_matches_torch_fp8(dtype: torch.dtype) -> None:
         mine.copy_(torch.randn(mine.shape).to(FP8))
         theirs.copy_(mine)
     k_scale, v_scale = torch.ones(1), torch.ones(1)
-    static.init_graph_buffers(8, max_blocks)
-    static.prepare_for_capture(4)
-    assert static._plan is not None and static._plan.num_splits == 2
-    for contexts, scales in (([37, 5, 64, 20], SCALES[1]), ([1, 50], (0.5, 3.0))):
+    padded = 48 if mixed else 4
+    if mixed:
+        static.init_mixed_graph_buffers(padded, 6, max_blocks)
+        static.prepare_mixed_capture(padded)
+        steps = [([9, 1, 20, 1, 3], [30, 17, 20, 64, 3]), ([1, 13], [40, 13])]
+    else:
+        static.init_graph_buffers(8, max_blocks)
+        static.prepare_for_capture(padded)
+        steps = [([1] * 4, [37, 5, 64, 20]), ([1, 1], [1, 50])]
+    assert static._plan is not None and static._plan.num_splits > 1
+    for (query_lens, contexts), scales in zip(steps, (SCALES[1], (0.5, 3.0)), strict=True):
         k_scale.fill_(scales[0])  # in place: the pointer the plan's launches hold
         v_scale.fill_(scales[1])
         tables = scattered_tables(contexts, bs, num_blocks)
-        batch = make_attention_batch([1] * len(contexts), contexts, tables, bs)
-        static.prepare_for_replay(batch, 4)
+        batch = make_attention_batch(query_lens, contexts, tables, bs)
+        if mixed:
+            static.prepare_mixed_replay(batch, padded)
+        else:
+            static.prepare_for_replay(batch, padded)
         reference.begin_step(batch)
-        real = len(contexts)
+        real = sum(query_lens)
         for index, spec in enumerate(layers):
             heads = (spec.num_q_heads, spec.num_kv_heads, spec.num_kv_heads)
-            qkv = [(torch.randn(4, h, spec.head_dim) * 3).to(dtype) for h in heads]
+            qkv = [(torch.randn(padded, h, spec.head_dim) * 3).to(dtype) for h in heads]
             scale = spec.head_dim**-0.5
             got = static.forward(static.layer(index, scale, k_scale=k_scale, v_scale=v_scale),
                                  *qkv)[:real]  # fmt: skip
