@@ -140,6 +140,7 @@ def test_split_decode_matches_torch_fp8(dtype: torch.dtype, scales: tuple[float,
     backend = TritonAttention(
         fp8_layers(2, 16), 4, dtype, torch.device("cpu"), min_split_len=1, target_programs=10**6
     )
+    backend.dense_prefill = True  # switched on anyway: prompts still read the e4m3 cache back
     totals, steps = plan_steps([(40, 3), (17, 1), (0, 30)])
     splits = run_steps(backend, steps, totals, scales)
     assert max(splits[2:]) > 1  # the decode steps split their contexts

@@ -306,8 +306,8 @@ class TritonAttention(TorchAttention):
         tma = self.interpret or (torch.device(device).type == "cuda" and _has_tma(device))
         # Not over an e4m3 cache: attention there reads the keys and values the cache holds
         # (quantized), not the step's own.
-        fp8 = any(self.cache_dtype(s) == torch.float8_e4m3fn for s in layers)
-        self.dense_prefill = tma and not fp8 and all(g & (g - 1) == 0 for g in groups)
+        self._fp8 = any(self.cache_dtype(s) == torch.float8_e4m3fn for s in layers)
+        self.dense_prefill = tma and not self._fp8 and all(g & (g - 1) == 0 for g in groups)
         # dense_configs: the kernel's config by the step's longest fresh prompt (at least
         # that many tokens; from a sweep of configs: three stages pay from 2048 tokens, and at
         # 16 x 512 for groups up to 4 only).
@@ -381,7 +381,8 @@ class TritonAttention(TorchAttention):
         dense_config = None
         if prefill:
             lens = zip(batch.query_lens, batch.context_lens, strict=True)
-            to_dense = [self.dense_prefill and q == c for q, c in lens]  # fresh prompts
+            use_dense = self.dense_prefill and not self._fp8  # (even if switched on later)
+            to_dense = [use_dense and q == c for q, c in lens]  # fresh prompts
             fresh = [i for i in prefill if to_dense[i]]
             paged = [i for i in prefill if not to_dense[i]]
             # Every index list travels in one host-to-device copy, each 16-byte aligned.
