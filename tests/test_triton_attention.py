@@ -559,6 +559,7 @@ def check_decode_rotary(
     window: int = 0,
     sinks: bool = False,
     keep: bool = False,
+    fp8_scales: tuple[float, float] | None = None,
 ) -> None:
     """decode_rotary: in a decode-only step the decode kernel rotates q and k and writes the new
     k and v itself. Against the torch reference ops' rotary followed by TorchAttention.forward
@@ -571,9 +572,12 @@ def check_decode_rotary(
     too (preload_rows); every decode launch is checked to have taken PRELOAD. window, sinks:
     sliding layers of that window, learned sinks. keep: forward_with_rotary(keep_splits=True)
     on every row count, which returns the splits (a SplitAttention, combined by its
-    reduce()) where the context is split, unless the layer has sinks."""
+    reduce()) where the context is split, unless the layer has sinks. fp8_scales: e4m3 caches
+    with these (k_scale, v_scale) on both sides (see same_fp8_caches)."""
     head_dim, kv_heads, bs = 32, 2, 4
     kind = {"kind": "sliding", "window": window} if window else {}
+    if fp8_scales is not None:
+        kind["dtype"] = "fp8_e4m3"
     layers = [KVLayerSpec(kv_heads * group, kv_heads, head_dim, learned_sinks=sinks, **kind)] * 2
     heads_sinks = [torch.randn(kv_heads * group, device=device) if sinks else None for _ in layers]
     kwargs = {"min_split_len": 1, "target_programs": 10**6} if split else {}
@@ -604,8 +608,9 @@ def check_decode_rotary(
     backend.allocate(21)
     reference.allocate(21)
     for mine, theirs in zip(backend.caches, reference.caches, strict=True):
-        mine.copy_(torch.randn(mine.shape, device=device).to(dtype))  # the cached prefixes
+        mine.copy_(torch.randn(mine.shape, device=device).to(mine.dtype))  # the cached prefixes
         theirs.copy_(mine)
+    scales = fp8_layer_scales(fp8_scales, device)
     batch = make_attention_batch([1] * len(ends), ends, tables, bs, device)
     positions = torch.tensor([e - 1 for e in ends], device=device)
     ops = TorchOps()
@@ -629,14 +634,14 @@ def check_decode_rotary(
                 t.unflatten(-1, (h, head_dim))
                 for t, h in zip(pieces.split(sizes, -1), heads, strict=True)
             )
-            attn = backend.layer(layer, head_dim**-0.5, sinks=heads_sinks[layer])
+            attn = backend.layer(layer, head_dim**-0.5, sinks=heads_sinks[layer], **scales)
             got = backend.forward_with_rotary(attn, pq, pk, pv, positions, cos_sin,
                                               bias=tuple(bias.split(sizes)),
                                               keep_splits=keep)  # fmt: skip
         else:
             q, k, v = (torch.randn(len(ends), h, head_dim, device=device).to(dtype) for h in heads)
             fq, fk, fv = fused_views(q.clone(), k.clone(), v.clone())
-            attn = backend.layer(layer, head_dim**-0.5, sinks=heads_sinks[layer])
+            attn = backend.layer(layer, head_dim**-0.5, sinks=heads_sinks[layer], **scales)
             got = backend.forward_with_rotary(
                 attn, fq, fk, fv, positions, cos_sin, keep_splits=keep
             )
@@ -647,9 +652,12 @@ def check_decode_rotary(
         else:
             assert not (keep and split and not sinks), "a split context's splits come back"
         rq, rk = ops.rotary(positions, q.clone(), k.clone(), cos_sin)
-        ref_layer = reference.layer(layer, head_dim**-0.5, sinks=heads_sinks[layer])
+        ref_layer = reference.layer(layer, head_dim**-0.5, sinks=heads_sinks[layer], **scales)
         want = reference.forward(ref_layer, rq, rk, v)
         assert rel_err(got, want) <= TOL[dtype]
+        if fp8_scales is not None:
+            same_fp8_caches(backend.caches[layer], reference.caches[layer], dtype)
+            continue
         # bf16: the kernel and torch's ops round the two products of a rotated element
         # differently now and then, an ulp each (seen on the CPU for the separate rotary
         # kernel too): up to 2 ulps of the largest value, 2**-6.
@@ -660,16 +668,45 @@ def check_decode_rotary(
     forward_padding_row(backend, cos_sin)
 
 
+def fp8_layer_scales(
+    scales: tuple[float, float] | None, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """backend.layer's k_scale / v_scale arguments for an e4m3 cache (none without one)."""
+    if scales is None:
+        return {}
+    names = ("k_scale", "v_scale")
+    return {n: torch.tensor([s], device=device) for n, s in zip(names, scales, strict=True)}
+
+
+def same_fp8_caches(mine: torch.Tensor, theirs: torch.Tensor, dtype: torch.dtype) -> None:
+    """Two e4m3 caches hold the same bytes: the kernels quantize exactly as to_fp8 does, over
+    rotated keys rounded as the reference rounds them. In fp32 and fp16 the rare one-ulp flip
+    of a rotated element almost never crosses an e4m3 rounding boundary; in bf16 (an ulp of
+    2^-8 against e4m3's 2^-4) it can: there a byte may be the adjacent code, in 1% at most."""
+    a, b = mine.view(torch.uint8), theirs.view(torch.uint8)
+    if dtype != torch.bfloat16:
+        assert torch.equal(a, b)
+        return
+    diff = (a.int() - b.int()).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() <= 1e-2
+
+
 def check_fused_rotary(
-    group: int, dtype: torch.dtype, device: torch.device, dense: bool = False
+    group: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    dense: bool = False,
+    fp8_scales: tuple[float, float] | None = None,
 ) -> None:
     """forward_with_rotary (rotary and KV write in one kernel) against the torch reference ops'
     rotary followed by TorchAttention.forward, on fresh random inputs in a mixed step (a prompt
     over a cached prefix, a fresh prompt, decodes): the same outputs, the same cache, q rotated
     in place; a padding row (slot -1) rotates q and writes nothing. `dense`: the fresh prompt
-    attends through dense_prefill_kernel over q and k rotated in place."""
+    attends through dense_prefill_kernel over q and k rotated in place. fp8_scales: as in
+    check_decode_rotary (no dense prefill then: prompts read the cache back)."""
     head_dim, kv_heads, bs = 32, 2, 4
-    layers = [KVLayerSpec(kv_heads * group, kv_heads, head_dim)] * 2
+    kind = {} if fp8_scales is None else {"dtype": "fp8_e4m3"}
+    layers = [KVLayerSpec(kv_heads * group, kv_heads, head_dim, **kind)] * 2
     backend = TritonAttention(layers, bs, dtype, device)
     backend.decode_rotary = False  # the separate kernel
     backend.dense_prefill = dense
@@ -681,8 +718,9 @@ def check_fused_rotary(
     backend.allocate(16)
     reference.allocate(16)
     for mine, theirs in zip(backend.caches, reference.caches, strict=True):
-        mine.copy_(torch.randn(mine.shape, device=device).to(dtype))  # the cached prefixes
+        mine.copy_(torch.randn(mine.shape, device=device).to(mine.dtype))  # the cached prefixes
         theirs.copy_(mine)
+    scales = fp8_layer_scales(fp8_scales, device)
     batch = make_attention_batch(
         [e - s for s, e in spans], [e for _, e in spans], tables, bs, device
     )
@@ -697,14 +735,17 @@ def check_fused_rotary(
         q, k, v = (torch.randn(tokens, h, head_dim, device=device).to(dtype) for h in heads)
         fq, fk, fv = fused_views(q.clone(), k.clone(), v.clone())
         got = backend.forward_with_rotary(
-            backend.layer(layer, head_dim**-0.5), fq, fk, fv, positions, cos_sin
+            backend.layer(layer, head_dim**-0.5, **scales), fq, fk, fv, positions, cos_sin
         )
         rq, rk = ops.rotary(positions, q.clone(), k.clone(), cos_sin)
-        want = reference.forward(reference.layer(layer, head_dim**-0.5), rq, rk, v)
+        want = reference.forward(reference.layer(layer, head_dim**-0.5, **scales), rq, rk, v)
         # Rounded like the reference: equal but for an occasional one-ulp flip (test_kernel_ops).
         assert rel_err(fq, rq) <= ROTARY_TOL[dtype], "q is rotated in place"
         assert rel_err(got, want) <= TOL[dtype]
-        assert rel_err(backend.caches[layer], reference.caches[layer]) <= ROTARY_TOL[dtype]
+        if fp8_scales is not None:
+            same_fp8_caches(backend.caches[layer], reference.caches[layer], dtype)
+        else:
+            assert rel_err(backend.caches[layer], reference.caches[layer]) <= ROTARY_TOL[dtype]
     # Padding: slot -1 leaves the cache alone but still rotates q.
     q, rotated = forward_padding_row(backend, cos_sin)
     assert rel_err(q, rotated) <= ROTARY_TOL[dtype]
@@ -726,7 +767,7 @@ def forward_padding_row(
     position = torch.tensor([2], device=device)
     rotated = TorchOps().rotary(position, q.clone(), k.clone(), cos_sin)[0]
     backend.forward_with_rotary(backend.layer(0, 1.0), q, k, v, position, cos_sin)
-    assert torch.equal(backend.caches[0], before)
+    assert torch.equal(backend.caches[0].view(torch.uint8), before.view(torch.uint8))
     return q, rotated
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from inferx_kernels_cuda.fp8_gemm import _to_e4m3
 from inferx_kernels_cuda.pdl import pdl_start
 
 
@@ -128,9 +129,13 @@ def rotate_into(
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     HEADS_BLOCK: tl.constexpr,
+    scale_ptr=None,
+    KV_FP8: tl.constexpr = False,
+    HAND_ROUND: tl.constexpr = False,
 ):
     """Rotate every head of one token, [num_heads, 2 * HALF] at src_ptr, into dst_ptr (which may
-    be src_ptr), rounding like the reference in src's dtype and storing in dst's."""
+    be src_ptr), rounding like the reference in src's dtype and storing in dst's (KV_FP8: an
+    e4m3 cache, see to_cache)."""
     dtype = src_ptr.dtype.element_ty
     d = tl.arange(0, HALF_PAD)[None, :]
     for h0 in range(0, num_heads, HEADS_BLOCK):
@@ -143,8 +148,21 @@ def rotate_into(
         lo = _rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype)
         hi = _rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype)
         dst = dst_ptr + h * stride_dst_head + d
-        tl.store(dst, lo.to(dtype).to(dst_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF, hi.to(dtype).to(dst_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst, to_cache(lo.to(dtype), scale_ptr, dst_ptr, KV_FP8, HAND_ROUND), mask=mask)
+        tl.store(
+            dst + HALF, to_cache(hi.to(dtype), scale_ptr, dst_ptr, KV_FP8, HAND_ROUND), mask=mask
+        )
+
+
+@triton.jit
+def to_cache(x, scale_ptr, cache_ptr, KV_FP8: tl.constexpr, HAND_ROUND: tl.constexpr):
+    """x as a KV cache at cache_ptr stores it: cast to its dtype, or (KV_FP8, an e4m3 cache)
+    x / *scale_ptr in fp32, clamped to +-448 and rounded to nearest e4m3 (HAND_ROUND: under
+    the interpreter, see fp8_gemm._to_e4m3)."""
+    if KV_FP8:
+        x = tl.clamp(x.to(tl.float32) / tl.load(scale_ptr), -448.0, 448.0)
+        x = _to_e4m3(x, HAND_ROUND)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit

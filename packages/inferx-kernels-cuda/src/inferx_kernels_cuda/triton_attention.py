@@ -145,8 +145,10 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     spec: KVLayerSpec,
+    fp8: dict[str, Any] | None = None,
 ) -> None:
-    """k, v [T, Hkv, D] (head dim contiguous) into the cache slots of slot_mapping (-1: skip)."""
+    """k, v [T, Hkv, D] (head dim contiguous) into the cache slots of slot_mapping (-1: skip).
+    fp8: an e4m3 cache's kernel arguments (TritonAttention._fp8_args)."""
     kernels.kv_write_kernel[(k.shape[0],)](
         k,
         v,
@@ -162,6 +164,7 @@ def write_kv(
         k_cache.stride(2),
         HEADS_PAD=triton.next_power_of_2(spec.num_kv_heads),
         HEAD_DIM=spec.head_dim,
+        **(fp8 or {}),
     )
 
 
@@ -215,8 +218,9 @@ class TritonAttention(TorchAttention):
     name = "triton attention"
     # Sliding windows and learned sinks are constexpr flags of the kernels (a layer without
     # them compiles to the plain kernel); several KV groups read each layer's group's tables.
-    # No softcap: start-up refuses models that need it (check_layers).
-    features: frozenset[str] = frozenset({"sliding", "sinks"})
+    # No softcap: start-up refuses models that need it (check_layers). fp8_kv: an e4m3 cache
+    # (KV_FP8, another constexpr flag) on every path that writes or reads it.
+    features: frozenset[str] = frozenset({"sliding", "sinks", "fp8_kv"})
     supports_kv_groups = True
     max_splits = 64
     supports_cuda_graphs = True
@@ -300,7 +304,10 @@ class TritonAttention(TorchAttention):
         # decision register in docs/ARCHITECTURE.md).
         groups = {s.num_q_heads // s.num_kv_heads for s in layers}
         tma = self.interpret or (torch.device(device).type == "cuda" and _has_tma(device))
-        self.dense_prefill = tma and all(g & (g - 1) == 0 for g in groups)
+        # Not over an e4m3 cache: attention there reads the keys and values the cache holds
+        # (quantized), not the step's own.
+        self._fp8 = any(self.cache_dtype(s) == torch.float8_e4m3fn for s in layers)
+        self.dense_prefill = tma and not self._fp8 and all(g & (g - 1) == 0 for g in groups)
         # dense_configs: the kernel's config by the step's longest fresh prompt (at least
         # that many tokens; from a sweep of configs: three stages pay from 2048 tokens, and at
         # 16 x 512 for groups up to 4 only).
@@ -321,6 +328,7 @@ class TritonAttention(TorchAttention):
         self._upcast = self.interpret and dtype == torch.bfloat16
         self._dot_precision = "ieee" if dtype == torch.float32 else "tf32"
         self._groups = sorted(groups)
+        self._one = torch.ones(1, dtype=torch.float32, device=device)  # a missing k/v scale
         self._plan: _Plan | None = None
         self._graph: _GraphBuffers | None = None
         self._mixed: _MixedBuffers | None = None
@@ -373,7 +381,8 @@ class TritonAttention(TorchAttention):
         dense_config = None
         if prefill:
             lens = zip(batch.query_lens, batch.context_lens, strict=True)
-            to_dense = [self.dense_prefill and q == c for q, c in lens]  # fresh prompts
+            use_dense = self.dense_prefill and not self._fp8  # (even if switched on later)
+            to_dense = [use_dense and q == c for q, c in lens]  # fresh prompts
             fresh = [i for i in prefill if to_dense[i]]
             paged = [i for i in prefill if not to_dense[i]]
             # Every index list travels in one host-to-device copy, each 16-byte aligned.
@@ -969,6 +978,23 @@ class TritonAttention(TorchAttention):
             **extra,
         )
 
+    def _fp8_args(self, layer: AttentionLayer, cache: torch.Tensor) -> dict[str, Any]:
+        """The kernels' arguments for the layer's cache: none for one in the model's dtype;
+        for an e4m3 one, KV_FP8 and pointers to the layer's scales (read at run time, so
+        CUDA graphs replay with the loaded values)."""
+        if cache.dtype != torch.float8_e4m3fn:
+            return {}
+        k_scale, v_scale = (
+            self._one if s is None else s.to(self.device, torch.float32)
+            for s in (layer.k_scale, layer.v_scale)
+        )
+        return {
+            "k_scale_ptr": k_scale,
+            "v_scale_ptr": v_scale,
+            "KV_FP8": True,
+            "HAND_ROUND": self.interpret,
+        }
+
     def _forward(
         self,
         layer: AttentionLayer,
@@ -998,6 +1024,8 @@ class TritonAttention(TorchAttention):
             features["WINDOW"] = spec.window
         if layer.sinks is not None:
             features |= {"sinks_ptr": layer.sinks, "SINKS": True}
+        fp8 = self._fp8_args(layer, k_cache)
+        features |= fp8
         # Kernels take any row and head strides (q, k, v are often views of one fused
         # projection) but need each head's dim contiguous.
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
@@ -1020,7 +1048,7 @@ class TritonAttention(TorchAttention):
             and plan.num_decode == num_tokens
         )
         if rotary is None:
-            write_kv(k, v, k_cache, v_cache, slot_mapping, spec)
+            write_kv(k, v, k_cache, v_cache, slot_mapping, spec, fp8)
         elif in_decode:
             positions, cos_sin = rotary[0], rotary[1].contiguous()
             new_tokens = {
@@ -1070,6 +1098,7 @@ class TritonAttention(TorchAttention):
                 HEADS_PAD=triton.next_power_of_2(spec.num_kv_heads),
                 HEAD_DIM=spec.head_dim,
                 K_IN_PLACE=bool(plan.dense_tiles),
+                **fp8,
             )
 
         group = spec.num_q_heads // spec.num_kv_heads

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from inferx_kernels_cuda.fused_kernels import _rounded, rotate_into
+from inferx_kernels_cuda.fused_kernels import _rounded, rotate_into, to_cache
 from inferx_kernels_cuda.pdl import pdl_start
 
 # A finite floor for the running max: a row that has seen no key yet keeps it, and exp2 of the
@@ -44,8 +44,13 @@ def kv_write_kernel(
     stride_cache_head,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    k_scale_ptr=None,
+    v_scale_ptr=None,
+    KV_FP8: tl.constexpr = False,
+    HAND_ROUND: tl.constexpr = False,
 ):
-    """One program per new token: all its KV heads into its slot. A negative slot is padding."""
+    """One program per new token: all its KV heads into its slot. A negative slot is padding.
+    KV_FP8: an e4m3 cache, k / *k_scale_ptr and v / *v_scale_ptr stored (to_cache)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, HEADS_PAD)[:, None]
@@ -55,8 +60,10 @@ def kv_write_kernel(
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
     dst = slot * stride_cache_slot + h * stride_cache_head + d
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    k = to_cache(k, k_scale_ptr, k_cache_ptr, KV_FP8, HAND_ROUND)
+    v = to_cache(v, v_scale_ptr, v_cache_ptr, KV_FP8, HAND_ROUND)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 @triton.jit
@@ -86,11 +93,16 @@ def rotary_kv_write_kernel(
     HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     K_IN_PLACE: tl.constexpr = False,
+    k_scale_ptr=None,
+    v_scale_ptr=None,
+    KV_FP8: tl.constexpr = False,
+    HAND_ROUND: tl.constexpr = False,
 ):
     """One program per new token: rotate its q heads in place, and write its k heads rotated
     and its v heads into its cache slot (rotary and KV write in one launch; the rotation
     rounds as fused_kernels.rotary_kernel does). A negative slot is padding: q only.
-    K_IN_PLACE: rotate the k heads in place too (for attention that reads k, not the cache)."""
+    K_IN_PLACE: rotate the k heads in place too (for attention that reads k, not the cache).
+    KV_FP8: an e4m3 cache, as kv_write_kernel."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     dh = tl.arange(0, HALF_PAD)[None, :]
@@ -105,7 +117,8 @@ def rotary_kv_write_kernel(
     kv_heads = tl.where(slot >= 0, num_kv_heads, 0)
     dst = slot * stride_cache_slot
     rotate_into(k_ptr + t * stride_kt, stride_kh, k_cache_ptr + dst, stride_cache_head, kv_heads,
-                cos, sin, HALF, HALF_PAD, HEADS_BLOCK)  # fmt: skip
+                cos, sin, HALF, HALF_PAD, HEADS_BLOCK, k_scale_ptr, KV_FP8,
+                HAND_ROUND)  # fmt: skip
     if K_IN_PLACE:  # after the cache's copy, which read k unrotated
         rotate_into(k_ptr + t * stride_kt, stride_kh, k_ptr + t * stride_kt, stride_kh,
                     num_kv_heads, cos, sin, HALF, HALF_PAD, HEADS_BLOCK)  # fmt: skip
@@ -114,7 +127,7 @@ def rotary_kv_write_kernel(
     mask = h < kv_heads
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
     cache_v = v_cache_ptr + dst + h * stride_cache_head + d
-    tl.store(cache_v, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(cache_v, to_cache(v, v_scale_ptr, v_cache_ptr, KV_FP8, HAND_ROUND), mask=mask)
 
 
 @triton.jit
@@ -206,6 +219,9 @@ def _attend_tile(
     if UPCAST:
         k_t = k_t.to(tl.float32)
         v = v.to(tl.float32)
+    # An e4m3 cache's tiles go to q's dtype (exact; its scales fold in outside): a no-op else.
+    k_t = k_t.to(q.dtype)
+    v = v.to(q.dtype)
     s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
         valid = pos < hi
@@ -380,6 +396,10 @@ def decode_kernel(
     sinks_ptr=None,
     SINKS: tl.constexpr = False,
     WINDOW: tl.constexpr = 0,
+    k_scale_ptr=None,
+    v_scale_ptr=None,
+    KV_FP8: tl.constexpr = False,
+    HAND_ROUND: tl.constexpr = False,
 ):
     """Grid (decode sequences, KV heads, splits): the one query token of a sequence, all query
     heads of one KV group (rows of one tl.dot, padded to GROUP_PAD), over one split of the
@@ -410,6 +430,10 @@ def decode_kernel(
     a split wholly before them reads nothing (an empty split: lse -inf). SINKS: each query
     head's learned sink logit (sinks_ptr, float32) joins the softmax as a column with no value:
     here without SPLIT, else once in decode_reduce_kernel's combine.
+
+    KV_FP8: an e4m3 cache holding k / *k_scale_ptr and v / *v_scale_ptr (the new token written
+    so, see to_cache). q stays in its dtype, each tile is cast to it, k_scale multiplies
+    scale_log2 and v_scale the (partial) output.
     """
     if not EARLY:
         pdl_start(PDL, TRIGGER)
@@ -456,9 +480,12 @@ def decode_kernel(
         )  # fmt: skip
     else:
         q = tl.load(q_ptr + q_offs + d[None, :], mask=live[:, None], other=0.0)
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if not KV_FP8:
+        q = q.to(k_cache_ptr.dtype.element_ty)
     if UPCAST:
         q = q.to(tl.float32)
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
 
     m = tl.full([GROUP_PAD], _NO_MAX, tl.float32)
     row_sum = tl.zeros([GROUP_PAD], tl.float32)
@@ -479,8 +506,8 @@ def decode_kernel(
             kv_bias_offs + d, PARTS, HAS_BIAS,
         )  # fmt: skip
         dst = slot * stride_cache_token + kv_head * stride_cache_head + d
-        k = k.to(k_cache_ptr.dtype.element_ty)
-        v = v.to(v_cache_ptr.dtype.element_ty)
+        k = to_cache(k, k_scale_ptr, k_cache_ptr, KV_FP8, HAND_ROUND)
+        v = to_cache(v, v_scale_ptr, v_cache_ptr, KV_FP8, HAND_ROUND)
         tl.store(k_cache_ptr + dst, k, mask=mine)
         tl.store(v_cache_ptr + dst, v, mask=mine)
         tl.debug_barrier()  # this program's reads below see the k and v it wrote
@@ -512,6 +539,8 @@ def decode_kernel(
     has_keys = row_sum > 0
     sum_safe = tl.where(has_keys, row_sum, 1.0)
     o = acc / sum_safe[:, None]
+    if KV_FP8:
+        o = o * tl.load(v_scale_ptr)
     if SPLIT:
         num_q_heads = tl.num_programs(1) * GROUP
         num_splits = tl.num_programs(2)
@@ -627,6 +656,10 @@ def prefill_kernel(
     sinks_ptr=None,
     SINKS: tl.constexpr = False,
     WINDOW: tl.constexpr = 0,
+    k_scale_ptr=None,
+    v_scale_ptr=None,
+    KV_FP8: tl.constexpr = False,
+    HAND_ROUND: tl.constexpr = False,
 ):
     """Grid (query tiles, KV heads). A tile is BLOCK_Q consecutive queries of one sequence times
     the GROUP query heads of one KV head, flattened into BLOCK_M >= BLOCK_Q * GROUP rows (row r:
@@ -635,7 +668,8 @@ def prefill_kernel(
     a sequence with q queries and c context tokens sits at position c - q + i and sees keys at
     positions <= that, read from the cache after this step's write. WINDOW > 0 (a sliding
     layer): and > that - WINDOW. SINKS: each query head's learned sink logit (sinks_ptr)
-    joins the softmax as a column with no value.
+    joins the softmax as a column with no value. KV_FP8: an e4m3 cache, read as decode_kernel
+    reads it (HAND_ROUND unused: it writes nothing).
     """
     kv_head = tl.program_id(1)
     seq, first, q_begin, q_len = _prefill_tile(tile_seq_ptr, tile_start_ptr, query_start_ptr)
@@ -649,9 +683,12 @@ def prefill_kernel(
     r_valid = (r < BLOCK_Q * GROUP) & (qi < q_len)
     q_rows = (q_begin + qi) * stride_qt + head * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=r_valid[:, None], other=0.0)
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if not KV_FP8:
+        q = q.to(k_cache_ptr.dtype.element_ty)
     if UPCAST:
         q = q.to(tl.float32)
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     q_pos = prefix + qi
 
     m = tl.full([BLOCK_M], _NO_MAX, tl.float32)
@@ -691,6 +728,8 @@ def prefill_kernel(
 
     # Padding rows never see a key; every real row sees at least position 0.
     o = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+    if KV_FP8:
+        o = o * tl.load(v_scale_ptr)
     o_rows = (q_begin + qi) * stride_ot + head * stride_oh
     tl.store(
         out_ptr + o_rows[:, None] + d[None, :],
