@@ -463,3 +463,40 @@ def test_harmony_round_trip(harmony_server: Any) -> None:
     bad = [*messages, {"role": "tool", "tool_call_id": "call_x", "content": "{}"}]
     r = httpx.post(harmony_server.url + "/v1/chat/completions", json={"messages": bad})
     assert r.status_code == 400 and "call_x" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_required_grammar_holds_qwen_to_a_call(parallel: bool) -> None:
+    """The grammar of tool_choice "required" for Qwen: its markers are special tokens (written
+    as token ids), the arguments held to the function's schema."""
+    pytest.importorskip("llguidance")
+    from types import SimpleNamespace
+
+    from inferx_server.grammar_llguidance import LLGuidanceBackend
+    from inferx_server.requests import _tool_grammar
+
+    tok = Tokenizer.from_dir(TOKENIZERS / "qwen")
+    funcs = [t["function"] for t in (WEATHER, TIME)]
+    kind, grammar = _tool_grammar(SimpleNamespace(tokenizer=tok), "hermes", funcs, parallel)
+    backend = LLGuidanceBackend(tok, 151936)
+    compiled = backend.compile(grammar, kind)
+
+    def accepts(text: str) -> tuple[bool, bool]:
+        m = backend.matcher(compiled)
+        ok = all(m.accept(t) for t in tok.encode(text, add_special_tokens=False))
+        return ok, m.is_terminated()
+
+    one = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
+        "\n</tool_call>"
+    )
+    assert accepts(one) == (True, not parallel)
+    two = one + '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    assert accepts(two)[0] == parallel
+    assert not accepts('<tool_call>\n{"name": "get_news", "arguments": {}}')[0]
+    assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"unit": "K"')[0]
+    assert not accepts("Sure")[0]
+    # Llama 3.1: one JSON object with "parameters".
+    kind, schema = _tool_grammar(SimpleNamespace(tokenizer=tok), "llama3", funcs[:1], False)
+    assert kind == "json_schema"
+    assert json.loads(schema)["properties"]["parameters"] == WEATHER["function"]["parameters"]

@@ -222,7 +222,7 @@ class HarmonyParser:
     """Splits a reply's tokens, as they come, into reasoning and content deltas.
 
     The final channel is the content; every other channel (analysis, and commentary: preambles
-    and, until tool calling exists, a tool call's raw arguments) is reasoning_content, vLLM's
+    and, for a parser made without `tools`, a tool call's raw arguments) is reasoning_content, vLLM's
     convention. Deltas never end inside a UTF-8 character (openai-harmony holds the bytes back),
     and the deltas of a reply add up to what the whole reply parses to. The parser is lenient
     (strict=False): text before the first header, which a model sometimes writes, is skipped

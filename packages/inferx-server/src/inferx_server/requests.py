@@ -199,6 +199,9 @@ def _sampling(
         include_stop_str_in_output=req.include_stop_str_in_output,
         json_schema=_json_schema(srv, req),
     )
+    if plan is not None and plan.grammar is not None:
+        kind, grammar = plan.grammar
+        kw["json_schema" if kind == "json_schema" else "lark_grammar"] = grammar
     for name in (
         "temperature",
         "top_p",
@@ -252,6 +255,7 @@ class ToolPlan:
     tools: list[dict[str, Any]] | None
     family: str | None
     required: list[dict[str, Any]] | None = None  # the functions one of which must be called
+    grammar: tuple[str, str] | None = None  # (kind, text) holding the reply to such a call
 
 
 def _tool_plan(srv: ServerState, req: ChatCompletionRequest) -> ToolPlan:
@@ -304,18 +308,66 @@ def _tool_plan(srv: ServerState, req: ChatCompletionRequest) -> ToolPlan:
         return ToolPlan(None, None)
     else:
         required = None
-    if required is not None:
-        raise OpenAIError(
-            400,
-            'tool_choice "required" or a named function is not supported yet; use "auto"',
-            param="tool_choice",
-            code="unsupported_parameter",
-        )
     if srv.chat_format is not None:
         family = "harmony"
+        if required is not None:
+            raise OpenAIError(
+                400,
+                'tool_choice "required" or a named function is not supported yet for models '
+                'that answer in harmony (gpt-oss); use "auto"',
+                param="tool_choice",
+                code="unsupported_parameter",
+            )
     else:
         family, _ = family_of(srv.tokenizer.chat_template)
-    return ToolPlan([{"type": "function", "function": f} for f in funcs], family, required)
+    plan = ToolPlan([{"type": "function", "function": f} for f in funcs], family, required)
+    if required is not None:
+        if req.response_format is not None and _json_schema(srv, req) is not None:
+            raise OpenAIError(
+                400,
+                'response_format and tool_choice "required" (or a named function) both '
+                "constrain the reply; give one",
+                param="tool_choice",
+            )
+        plan.grammar = _tool_grammar(srv, family, required, req.parallel_tool_calls is not False)
+    return plan
+
+
+# Compact JSON as Qwen's and Llama's templates write it (", " and ": "), no free whitespace.
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _tool_grammar(
+    srv: ServerState, family: str, funcs: list[dict[str, Any]], parallel: bool
+) -> tuple[str, str]:
+    """(kind, grammar) holding a reply to calls of `funcs` in the family's format: hermes
+    `<tool_call>` blocks (one, or one or more when parallel) as a Lark grammar, Llama 3.1's one
+    JSON object as a JSON schema."""
+    key = "parameters" if family == "llama3" else "arguments"
+    alternatives = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, key: f["parameters"]},
+            "required": ["name", key],
+            "additionalProperties": False,
+        }
+        for f in funcs
+    ]
+    schema: dict[str, Any] = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+    if family == "llama3":
+        return "json_schema", json.dumps(schema, separators=(",", ":"))
+    schema = {**schema, "x-guidance": _JSON_STYLE}
+
+    def marker(text: str) -> str:
+        # A marker that is one special token of the vocabulary must be written as that token.
+        tid = srv.tokenizer.backend.token_to_id(text)
+        if tid is not None and srv.tokenizer.encode(text, add_special_tokens=False) == [tid]:
+            return f"<[{tid}]>"
+        return json.dumps(text)
+
+    call = f'{marker("<tool_call>")} "\\n" args "\\n" {marker("</tool_call>")}'
+    repeat = f'({call} "\\n")* {call}' if parallel else call
+    return "lark", f"start: {repeat}\nargs: %json {json.dumps(schema)}\n"
 
 
 def _arguments(text: str) -> Any:
@@ -428,6 +480,7 @@ async def _start(
     except EngineDead as exc:
         raise OpenAIError(503, str(exc), type="service_unavailable", code="engine_dead") from None
     except GrammarError as exc:
-        raise OpenAIError(400, str(exc), param="response_format", code="invalid_schema") from None
+        param = "tools" if items and items[0][1].lark_grammar is not None else "response_format"
+        raise OpenAIError(400, str(exc), param=param, code="invalid_schema") from None
     except ValueError as exc:
         raise OpenAIError(400, str(exc)) from None
