@@ -109,7 +109,7 @@ def test_render_effort_history_and_refusals(tok: Tokenizer, fmt: Any) -> None:
     assert without.endswith("<|start|>user<|message|>Hi<|end|>")
     with pytest.raises(ValueError, match="reasoning_effort"):
         fmt.render(chat, reasoning_effort="max")
-    with pytest.raises(ValueError, match="role 'tool'"):
+    with pytest.raises(ValueError, match="no earlier assistant message"):
         fmt.render([*chat, {"role": "tool", "content": "{}"}])
 
 
@@ -136,7 +136,7 @@ def test_parse_holds_back_split_characters_and_keeps_tool_calls(tok: Tokenizer, 
         "Think 🦜 日本",
         "𝔘𝔫𝔦 🦜 ok",
     )
-    # A tool call (not supported yet): its raw arguments land in reasoning_content.
+    # A tool call, for a request without tools: its raw arguments land in reasoning_content.
     call = (
         "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>"
         'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "SF"}<|call|>'
@@ -256,7 +256,7 @@ def test_server_chat_returns_reasoning_and_content(harmony_server: Any, tok: Tok
 
 def test_server_chat_stops_at_call(harmony_server: Any, tok: Tokenizer) -> None:
     """<|call|> is no eos of the fixture: the server's harmony stop tokens end the reply, whose
-    tool call (not supported yet) comes back raw in reasoning_content, content empty."""
+    tool call (the request has no tools) comes back raw in reasoning_content, content empty."""
     import httpx
 
     call = (

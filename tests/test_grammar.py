@@ -47,7 +47,7 @@ class SetBackend(GrammarBackend):
         self.vocab_size = vocab_size
         self.compiled: list[str] = []
 
-    def compile(self, schema: str) -> set[int]:
+    def compile(self, schema: str, kind: str = "json_schema") -> set[int]:
         self.compiled.append(schema)
         spec = json.loads(schema)
         if "allowed" not in spec:

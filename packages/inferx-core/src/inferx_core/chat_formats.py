@@ -15,9 +15,11 @@ checks it against the official file's sha256. Nothing is downloaded.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import tempfile
 import threading
+import uuid
 from collections.abc import Sequence
 from datetime import date
 from pathlib import Path
@@ -26,6 +28,7 @@ from typing import Any
 # The header and stop tokens of harmony; a tokenizer with all of them speaks it.
 HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
 REASONING_EFFORTS = ("low", "medium", "high")
+_DEVELOPER = ("system", "developer")
 _VOCAB_FILE = "o200k_base.tiktoken"  # the name openai-harmony looks for in its base directory
 
 
@@ -107,9 +110,9 @@ class HarmonyFormat:
 
     The prompt: harmony's system message (model identity, knowledge cutoff, today's date, the
     reasoning effort, the channels), then the chat. OpenAI's system and developer messages both
-    become developer messages (harmony's "# Instructions", what other formats call the system
-    prompt); assistant turns are final-channel messages. Tool messages need tool calling, which
-    is not here yet, and are refused. Message names are not rendered.
+    become one developer message (harmony's "# Instructions", what other formats call the system
+    prompt), with the tools; assistant turns are final-channel messages, their tool calls
+    commentary messages. Message names are not rendered.
     """
 
     def __init__(self, tokenizer: Any) -> None:
@@ -127,10 +130,16 @@ class HarmonyFormat:
         add_generation_prompt: bool = True,
         reasoning_effort: str | None = None,
         today: date | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of `messages` ({"role", "content"} dicts, content a string), ending with
         `<|start|>assistant` when add_generation_prompt. Raises ValueError for what harmony
-        cannot say."""
+        cannot say.
+
+        `tools` (OpenAI's [{"type": "function", "function": {name, description, parameters}}])
+        go into a developer message as harmony's `functions` namespace. An assistant message's
+        `tool_calls` become commentary messages to `functions.NAME` (JSON arguments), and a
+        tool message (its `tool_call_id` naming one of those calls) the function's answer."""
         oh = self._oh
         effort = reasoning_effort or "medium"
         if effort not in REASONING_EFFORTS:
@@ -141,28 +150,68 @@ class HarmonyFormat:
             .with_conversation_start_date((today or date.today()).isoformat())
         )
         convo = [oh.Message.from_role_and_content(oh.Role.SYSTEM, system)]
+        # With tools, the instructions join them in one developer message at the start.
+        instructions = [m.get("content") or "" for m in messages if m["role"] in _DEVELOPER]
+        if tools:
+            dev = oh.DeveloperContent.new()
+            if instructions:
+                dev = dev.with_instructions("\n\n".join(instructions))
+            if tools:
+                dev = dev.with_function_tools(
+                    [
+                        oh.ToolDescription.new(
+                            t["function"]["name"],
+                            t["function"].get("description") or "",
+                            parameters=t["function"].get("parameters"),
+                        )
+                        for t in tools
+                    ]
+                )
+            convo.append(oh.Message.from_role_and_content(oh.Role.DEVELOPER, dev))
+        names: dict[str, str] = {}  # tool_call_id -> function name
         for i, m in enumerate(messages):
             role, content = m["role"], m.get("content") or ""
-            if role in ("system", "developer"):
-                dev = oh.DeveloperContent.new().with_instructions(content)
-                convo.append(oh.Message.from_role_and_content(oh.Role.DEVELOPER, dev))
+            if role in _DEVELOPER:
+                if not tools:
+                    dev = oh.DeveloperContent.new().with_instructions(content)
+                    convo.append(oh.Message.from_role_and_content(oh.Role.DEVELOPER, dev))
             elif role == "user":
                 convo.append(oh.Message.from_role_and_content(oh.Role.USER, content))
             elif role == "assistant":
-                msg = oh.Message.from_role_and_content(oh.Role.ASSISTANT, content)
-                convo.append(msg.with_channel("final"))
+                if content:
+                    msg = oh.Message.from_role_and_content(oh.Role.ASSISTANT, content)
+                    convo.append(msg.with_channel("final"))
+                for call in m.get("tool_calls") or ():
+                    fn = call["function"]
+                    names[call.get("id", "")] = fn["name"]
+                    args = fn["arguments"]
+                    args = args if isinstance(args, str) else json.dumps(args)
+                    msg = oh.Message.from_role_and_content(oh.Role.ASSISTANT, args)
+                    convo.append(
+                        msg.with_channel("commentary")
+                        .with_recipient(f"functions.{fn['name']}")
+                        .with_content_type("<|constrain|>json")
+                    )
+            elif role == "tool":
+                name = names.get(m.get("tool_call_id", ""))
+                if name is None:
+                    raise ValueError(
+                        f"messages[{i}] answers tool call {m.get('tool_call_id')!r}, which no "
+                        "earlier assistant message made"
+                    )
+                author = oh.Author.new(oh.Role.TOOL, f"functions.{name}")
+                msg = oh.Message.from_author_and_content(author, content)
+                convo.append(msg.with_channel("commentary").with_recipient("assistant"))
             else:
-                raise ValueError(
-                    f"messages[{i}] has role {role!r}: the harmony format (gpt-oss) takes "
-                    "system, developer, user and assistant messages here (no tool calling yet)"
-                )
+                raise ValueError(f"messages[{i}] has role {role!r}, which harmony cannot say")
         conversation = oh.Conversation.from_messages(convo)
         if add_generation_prompt:
             return self.encoding.render_conversation_for_completion(conversation, oh.Role.ASSISTANT)
         return self.encoding.render_conversation(conversation)
 
-    def parser(self) -> HarmonyParser:
-        return HarmonyParser(self)
+    def parser(self, tools: bool = False) -> HarmonyParser:
+        """A reply's parser; with `tools`, calls to `functions.NAME` are tool calls."""
+        return HarmonyParser(self, tools)
 
     def parse(self, token_ids: Sequence[int]) -> tuple[str, str]:
         """(reasoning_content, content) of a whole reply."""
@@ -173,7 +222,7 @@ class HarmonyParser:
     """Splits a reply's tokens, as they come, into reasoning and content deltas.
 
     The final channel is the content; every other channel (analysis, and commentary: preambles
-    and, until tool calling exists, a tool call's raw arguments) is reasoning_content, vLLM's
+    and, for a parser made without `tools`, a tool call's raw arguments) is reasoning_content, vLLM's
     convention. Deltas never end inside a UTF-8 character (openai-harmony holds the bytes back),
     and the deltas of a reply add up to what the whole reply parses to. The parser is lenient
     (strict=False): text before the first header, which a model sometimes writes, is skipped
@@ -181,11 +230,14 @@ class HarmonyParser:
     that breaks the format past recovery (text after <|end|> without a <|start|>) ends there.
     """
 
-    def __init__(self, fmt: HarmonyFormat) -> None:
+    def __init__(self, fmt: HarmonyFormat, tools: bool = False) -> None:
         oh = fmt._oh
         self._error = oh.HarmonyError
         self._parser = oh.StreamableParser(fmt.encoding, role=oh.Role.ASSISTANT, strict=False)
         self._broken = False
+        self._tools = tools
+        self._calls: list[tuple[str | None, str | None, str]] = []
+        self._in_call = 0  # the message count at the open call's start, + 1 (0: none open)
 
     def push(self, token_ids: Sequence[int]) -> tuple[str, str]:
         """Feed tokens; return the (reasoning, content) text they complete."""
@@ -201,6 +253,22 @@ class HarmonyParser:
                 self._broken = True
                 break
             delta = parser.last_content_delta
-            if delta:
+            if not delta:
+                continue
+            recipient = parser.current_recipient or ""
+            if self._tools and recipient.startswith("functions."):
+                opened = len(parser.messages) + 1
+                if self._in_call != opened:  # a new call message
+                    self._in_call = opened
+                    call_id = f"call_{uuid.uuid4().hex[:24]}"
+                    self._calls.append((call_id, recipient.removeprefix("functions."), ""))
+                self._calls.append((None, None, delta))
+            else:
                 (content if parser.current_channel == "final" else reasoning).append(delta)
         return "".join(reasoning), "".join(content)
+
+    def take_calls(self) -> list[tuple[str | None, str | None, str]]:
+        """Tool-call events since the last take: (id, name, "") opens a call, (None, None,
+        fragment) adds to its arguments. Only with `tools`."""
+        calls, self._calls = self._calls, []
+        return calls

@@ -192,8 +192,8 @@ class Engine:
             )
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset()
         seq = Sequence(ids, params, eos_token_ids=frozenset(eos))
-        if params.json_schema is not None:
-            seq.grammar = self.grammars.state(params.json_schema)  # GrammarError: a 400
+        if (grammar := params.grammar) is not None:
+            seq.grammar = self.grammars.state(grammar[1], grammar[0])  # GrammarError: a 400
         if request_id is not None:
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")

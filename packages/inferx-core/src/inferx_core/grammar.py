@@ -102,23 +102,24 @@ class Grammars:
             "installed: pip install inferx-server, which brings llguidance"
         )
 
-    def state(self, schema: str) -> GrammarState:
-        """A fresh GrammarState for a sequence constrained by `schema`."""
-        return GrammarState(self.matcher(schema))
+    def state(self, schema: str, kind: str = "json_schema") -> GrammarState:
+        """A fresh GrammarState for a sequence constrained by `schema` (a grammar of `kind`)."""
+        return GrammarState(self.matcher(schema, kind))
 
-    def matcher(self, schema: str) -> GrammarMatcher:
-        """A matcher for `schema` (canonical JSON text); raises GrammarError when the backend
-        cannot compile it."""
+    def matcher(self, schema: str, kind: str = "json_schema") -> GrammarMatcher:
+        """A matcher for `schema` (canonical JSON text, or a grammar of another `kind`: see
+        GrammarBackend.compile); raises GrammarError when the backend cannot compile it."""
         backend = self.backend
-        compiled = self._cache.get(schema)
+        key = schema if kind == "json_schema" else f"{kind}:{schema}"
+        compiled = self._cache.get(key)
         if compiled is None:
-            compiled = backend.compile(schema)
+            compiled = backend.compile(schema, kind)
             if self.config.grammar_cache_size:
-                self._cache[schema] = compiled
+                self._cache[key] = compiled
                 if len(self._cache) > self.config.grammar_cache_size:
                     self._cache.popitem(last=False)
         else:
-            self._cache.move_to_end(schema)
+            self._cache.move_to_end(key)
         return backend.matcher(compiled)
 
 

@@ -53,6 +53,9 @@ class SamplingParams(BaseModel):
     # '{"type": "object"}' is any JSON object (OpenAI's json_object). Kept as compact JSON
     # text, the key under which the engine caches the compiled grammar.
     json_schema: str | None = None
+    # Or a grammar in llguidance's Lark dialect (which may embed JSON schemas with %json): tool
+    # calls held to the tools' schemas between a model family's markers. One of the two at most.
+    lark_grammar: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -73,6 +76,21 @@ class SamplingParams(BaseModel):
     @classmethod
     def _schema(cls, v: str | None) -> str | None:
         return None if v is None else canonical_schema(v)
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> SamplingParams:
+        if self.json_schema is not None and self.lark_grammar is not None:
+            raise ValueError("json_schema and lark_grammar exclude each other; give one")
+        return self
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the grammar the output is held to, or None."""
+        if self.json_schema is not None:
+            return ("json_schema", self.json_schema)
+        if self.lark_grammar is not None:
+            return ("lark", self.lark_grammar)
+        return None
 
     @field_validator("logit_bias")
     @classmethod

@@ -58,6 +58,7 @@ from inferx_server.requests import (
     _sampling,
     _start,
     _StrictBody,
+    _tool_plan,
 )
 from inferx_server.responses import (
     _chat_logprobs,
@@ -71,6 +72,7 @@ from inferx_server.responses import (
     _server_error,
     _sse,
     _stream_response,
+    _Tools,
     _usage,
 )
 
@@ -155,10 +157,11 @@ def _refine_openapi(openapi: OpenAPI, vocab: int) -> None:
         for natural in ("temperature", "min_p", "logprobs", "top_logprobs"):  # and ge=0
             if natural in props:
                 props[natural].minimum = 0
-        props["tools"] = Schema(  # ... and Meta(max_length=0)
-            one_of=[Schema(type=OpenAPIType.ARRAY, max_items=0), Schema(type=OpenAPIType.NULL)]
-        )
         props["logit_bias"] = bias
+        if name == "CompletionRequest":
+            props["tools"] = Schema(  # ... and Meta(max_length=0)
+                one_of=[Schema(type=OpenAPIType.ARRAY, max_items=0), Schema(type=OpenAPIType.NULL)]
+            )
         props["stop_token_ids"] = Schema(
             one_of=[Schema(type=OpenAPIType.ARRAY, items=token), Schema(type=OpenAPIType.NULL)]
         )
@@ -169,6 +172,27 @@ def _refine_openapi(openapi: OpenAPI, vocab: int) -> None:
         ("ChatCompletionRequest", "top_logprobs", "logprobs"),
     ):
         schemas[name].all_of = [*(schemas[name].all_of or []), _needs(param, needs)]
+    # A tool_choice that calls needs tools to call.
+    calls = Schema(
+        required=["tool_choice"],
+        properties={
+            "tool_choice": Schema(
+                one_of=[Schema(const="required"), Schema(type=OpenAPIType.OBJECT)]
+            )
+        },
+    )
+    schemas["ChatCompletionRequest"].all_of = [
+        *(schemas["ChatCompletionRequest"].all_of or []),
+        Schema(
+            any_of=[
+                Schema(schema_not=calls),
+                Schema(
+                    required=["tools"],
+                    properties={"tools": Schema(type=OpenAPIType.ARRAY, min_items=1)},
+                ),
+            ]
+        ),
+    ]
     # Unknown parameters are refused (the structs forbid unknown fields).
     for name in (
         "CompletionRequest",
@@ -182,6 +206,12 @@ def _refine_openapi(openapi: OpenAPI, vocab: int) -> None:
         "ResponseFormatJSONObject",
         "ResponseFormatJSONSchema",
         "JSONSchema",
+        "Tool",
+        "FunctionDefinition",
+        "ToolChoiceFunction",
+        "MessageToolCall",
+        "MessageFunctionCall",
+        "FunctionName",
     ):
         schemas[name].additional_properties = False
     # With stream: true the 200 is server-sent events, each a JSON chunk (or an error) in
@@ -229,6 +259,17 @@ def create_app(srv: ServerState) -> Litestar:
         """OpenAI's legacy completions."""
         _check_accepting(srv)
         _check_model(srv, data.model)
+        if (
+            data.tools
+            or data.tool_choice in ("required",)
+            or not isinstance(data.tool_choice, str | None)
+        ):
+            raise OpenAIError(
+                400,
+                "tools are for /v1/chat/completions; a completion has no tool calls",
+                param="tools" if data.tools else "tool_choice",
+                code="unsupported_parameter",
+            )
         prompt = data.prompt
         if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
             prompts: list[Any] = [prompt]
@@ -335,24 +376,46 @@ def create_app(srv: ServerState) -> Litestar:
             raise OpenAIError(
                 400, "max_tokens and max_completion_tokens differ; give one", param="max_tokens"
             )
-        ids = await _chat_ids(srv, data.messages, True, data.reasoning_effort)
+        plan = _tool_plan(srv, data)
+        ids = await _chat_ids(srv, data.messages, True, data.reasoning_effort, plan.tools)
         _check_ids(srv, ids, "messages")
         max_tokens = _max_tokens(srv, requested, None, len(ids), param, "messages")
         top_n = data.top_logprobs or 0
         logprobs = top_n if data.logprobs else None
         fmt = srv.chat_format
         stops = fmt.stop_token_ids if fmt is not None else ()
-        items = [(ids, sp) for sp in _sampling(srv, data, max_tokens, logprobs, stops)]
+        items = [(ids, sp) for sp in _sampling(srv, data, max_tokens, logprobs, stops, plan)]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         sub = await _start(srv, items, rid)
         created = int(time.time())
         # A harmony reply is parsed from its token ids, per choice (responses._Choice).
-        parsers = [fmt.parser() for _ in sub.rids] if fmt is not None else None
+        parsers = (
+            [fmt.parser(tools=plan.family is not None) for _ in sub.rids]
+            if fmt is not None
+            else None
+        )
+        # Tool calls out of each choice's content, when the request has tools to call.
+        tools = (
+            [_Tools(plan.family, parsers[i] if parsers else None) for i in range(len(sub.rids))]
+            if plan.family is not None
+            else None
+        )
 
-        def message(c: _Choice) -> AssistantMessage:
-            if parsers is None:
-                return AssistantMessage("".join(c.text))
-            return AssistantMessage("".join(c.text), reasoning_content="".join(c.reasoning) or None)
+        def message(i: int, c: _Choice) -> AssistantMessage:
+            text = "".join(c.text)
+            msg = AssistantMessage(text)
+            if tools is not None:
+                text, _ = tools[i].feed(text, True)
+                if tools[i].calls:
+                    msg = AssistantMessage(text or None, tool_calls=tools[i].calls)
+                else:
+                    msg = AssistantMessage(text)
+            if parsers is not None:
+                msg.reasoning_content = "".join(c.reasoning) or None
+            return msg
+
+        def reason(i: int, finish_reason: str | None) -> str | None:
+            return tools[i].finish_reason(finish_reason) if tools is not None else finish_reason
 
         if not data.stream:
             choices = await _collect(srv, sub, request, parsers)
@@ -364,9 +427,9 @@ def create_app(srv: ServerState) -> Litestar:
                     [
                         ChatChoice(
                             i,
-                            message(c),
+                            message(i, c),
                             _chat_logprobs(srv, c, top_n) if data.logprobs else None,
-                            c.finish_reason,
+                            reason(i, c.finish_reason),
                         )
                         for i, c in enumerate(choices)
                     ],
@@ -393,12 +456,26 @@ def create_app(srv: ServerState) -> Litestar:
             events = []
             for index, text, c in _deltas(batch, totals, bool(data.logprobs), parsers):
                 lp = _chat_logprobs(srv, c, top_n) if data.logprobs else None
+                calls: list[Any] = []
+                if tools is not None:
+                    text, calls = tools[index].feed(text, c.finish_reason is not None)
                 delta = Delta(content=text) if text else Delta()
                 if reasoning := "".join(c.reasoning):
                     delta.reasoning_content = reasoning
-                events.append(
-                    chunk([ChatChunkChoice(index, delta, lp, c.finish_reason)], usage_field)
-                )
+                finish = reason(index, c.finish_reason)
+                if calls:
+                    # One call's deltas per chunk: a client joins them by index.
+                    for call in calls[:-1]:
+                        events.append(
+                            chunk(
+                                [ChatChunkChoice(index, Delta(tool_calls=[call]), None, None)],
+                                usage_field,
+                            )
+                        )
+                    delta.tool_calls = [calls[-1]]
+                elif not (text or delta.reasoning_content or finish or lp):
+                    continue  # held back: it may be a call's markup
+                events.append(chunk([ChatChunkChoice(index, delta, lp, finish)], usage_field))
             return b"".join(events)
 
         return _stream_response(_sse(srv, sub, first, render))

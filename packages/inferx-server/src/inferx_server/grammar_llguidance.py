@@ -43,16 +43,24 @@ class LLGuidanceBackend(GrammarBackend):
         # Mask filling on a few threads: the rows of a step are independent.
         self.executor = llguidance.LLExecutor(min(8, os.cpu_count() or 1))
 
-    def compile(self, schema: str) -> str:
+    def compile(self, schema: str, kind: str = "json_schema") -> str:
+        what = {"json_schema": "the JSON schema", "lark": "the grammar"}.get(kind)
+        if what is None:
+            raise GrammarError(f"llguidance has no grammar kind {kind!r}")
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            if kind == "lark":
+                grammar = llguidance.LLMatcher.grammar_from_lark(schema)
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    schema, defaults=JSON_OPTIONS
+                )
         except ValueError as exc:
-            raise GrammarError(f"the JSON schema cannot be used: {exc}") from None
+            raise GrammarError(f"{what} cannot be used: {exc}") from None
         # Constructing a matcher compiles the grammar against the vocabulary; llguidance's
         # resource limits bound the work, so a hostile schema is an error here, not a hang.
         probe = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if probe.is_error():
-            raise GrammarError(f"the JSON schema cannot be used: {probe.get_error()}")
+            raise GrammarError(f"{what} cannot be used: {probe.get_error()}")
         return grammar
 
     def matcher(self, compiled: str) -> LLGuidanceMatcher:

@@ -5,8 +5,8 @@ being ignored. OpenAI parameters we know but do not implement get their own mess
 (UNSUPPORTED); anything else is reported as unknown. Ranges mirror OpenAI's documented ones.
 
 SDKs and frameworks send parameters that change nothing: `null` for any optional one (it means
-the default, as OpenAI reads it), and no-op values of features we lack (`tools: []`,
-`tool_choice: "none"`, `store: false`). Those are accepted;
+the default, as OpenAI reads it), and no-op values of features we lack (`store: false`). Those
+are accepted;
 the types below admit only the no-op values, so the OpenAPI schema says exactly what runs, and
 any other value is refused by name (NOOP_ONLY).
 """
@@ -40,8 +40,6 @@ UNSUPPORTED = frozenset(
 
 # Parameters accepted only at their no-op values, and what to say about any other value.
 NOOP_ONLY = {
-    "tools": "tools are not supported by this server; only [] is accepted",
-    "tool_choice": 'tools are not supported by this server; only "none" or "auto" is accepted',
     "store": "this server stores nothing; only false is accepted",
 }
 
@@ -147,6 +145,47 @@ class ResponseFormatJSONSchema(
     json_schema: JSONSchema
 
 
+class FunctionDefinition(Struct, forbid_unknown_fields=True, kw_only=True):
+    """A tool's function: `parameters` is a JSON schema of its arguments (an object)."""
+
+    name: Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class ToolChoiceFunction(Struct, forbid_unknown_fields=True, kw_only=True):
+    """tool_choice naming the one function the reply must call."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | ToolChoiceFunction
+
+
+class MessageFunctionCall(Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(Struct, forbid_unknown_fields=True, kw_only=True):
+    """A call in an assistant message, as the API returned it (OpenAI's `tool_calls`)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
 ResponseFormat = ResponseFormatText | ResponseFormatJSONObject | ResponseFormatJSONSchema
 
 
@@ -177,10 +216,8 @@ class _Sampling(_Body, kw_only=True):
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
     response_format: ResponseFormat | None = None
-    # no-ops only
-    tools: Annotated[list[Any], Meta(max_length=0)] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool | None = None  # means nothing without tools
+    # no-ops only
     store: Literal[False] | None = None
 
 
@@ -189,6 +226,14 @@ class CompletionRequest(_Sampling, kw_only=True):
 
     prompt: str | list[str | int | list[int]]
     logprobs: TopLogprobs | None = None
+    # no-ops only: a completion has no tool calls
+    tools: Annotated[list[Any], Meta(max_length=0)] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+
+    __noop_only__: ClassVar[dict[str, str]] = {
+        "tools": "tools are for /v1/chat/completions; only [] is accepted here",
+        "tool_choice": 'tools are for /v1/chat/completions; only "none" or "auto" is accepted here',
+    }
 
 
 class TextPart(Struct, forbid_unknown_fields=True):
@@ -202,6 +247,8 @@ class ChatMessage(Struct, forbid_unknown_fields=True, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
 
 Messages = Annotated[list[ChatMessage], Meta(min_length=1)]
@@ -218,6 +265,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: TopLogprobs | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
 
 
 class TokenizeRequest(_Body, kw_only=True):
@@ -255,9 +304,10 @@ def decode_request(body: bytes, type_: type[Any]) -> Any:
         # A dict's values are at `$.name[...]`: the parameter is the dict.
         msg, path = m.group("msg"), (m.group("path") or "").lstrip(".").replace("[...]", "")
         top = path.split("[", 1)[0].split(".", 1)[0]
-        if top in NOOP_ONLY:
+        noop_only = NOOP_ONLY | getattr(type_, "__noop_only__", {})
+        if top in noop_only:
             raise OpenAIError(
-                400, f"'{path}': {NOOP_ONLY[top]}", param=top, code="unsupported_parameter"
+                400, f"'{path}': {noop_only[top]}", param=top, code="unsupported_parameter"
             ) from None
         if unknown := _UNKNOWN.search(msg):
             name = unknown.group("name")
@@ -336,11 +386,28 @@ class ChatLogprobs(Struct):
 
 class AssistantMessage(Struct):
     """`reasoning_content` (vLLM's field): a reasoning model's thinking, beside its answer in
-    `content`; absent for other models."""
+    `content`; absent for other models. `tool_calls`: present when the reply called tools
+    (`content` is then the text outside the calls, or null)."""
 
-    content: str
+    content: str | None
     role: str = "assistant"
     reasoning_content: str | None | UnsetType = UNSET
+    tool_calls: list[MessageToolCall] | UnsetType = UNSET
+
+
+class DeltaFunction(Struct, omit_defaults=True):
+    name: str | UnsetType = UNSET
+    arguments: str | UnsetType = UNSET
+
+
+class DeltaToolCall(Struct):
+    """A streamed call: its first delta has id, type, function.name and arguments ""; later
+    ones only index and argument fragments (OpenAI's stream)."""
+
+    index: int
+    function: DeltaFunction
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
 
 
 class ChatChoice(Struct):
@@ -363,6 +430,7 @@ class Delta(Struct):
     role: str | UnsetType = UNSET
     reasoning_content: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    tool_calls: list[DeltaToolCall] | UnsetType = UNSET
 
 
 class ChatChunkChoice(Struct):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jinja2
@@ -26,8 +27,10 @@ from inferx_server.protocol import (
     OpenAIError,
     ResponseFormatJSONObject,
     ResponseFormatJSONSchema,
+    ToolChoiceFunction,
     decode_request,
 )
+from inferx_server.tool_parsers import FALLBACK_SYSTEM, family_of, hermes_call_text
 
 if TYPE_CHECKING:
     from litestar._openapi.schema_generation import SchemaCreator
@@ -178,6 +181,7 @@ def _sampling(
     max_tokens: int,
     logprobs: int | None,
     stop_token_ids: tuple[int, ...] = (),
+    plan: ToolPlan | None = None,
 ) -> list[SamplingParams]:
     """One SamplingParams per choice; a seeded request gives choice i the seed seed + i, so the
     choices differ from each other and each is reproducible. `stop_token_ids` are the chat
@@ -195,6 +199,9 @@ def _sampling(
         include_stop_str_in_output=req.include_stop_str_in_output,
         json_schema=_json_schema(srv, req),
     )
+    if plan is not None and plan.grammar is not None:
+        kind, grammar = plan.grammar
+        kw["json_schema" if kind == "json_schema" else "lark_grammar"] = grammar
     for name in (
         "temperature",
         "top_p",
@@ -239,12 +246,146 @@ async def _encode(
         srv.loop.encoding -= 1
 
 
+@dataclass
+class ToolPlan:
+    """What a chat request's `tools` and `tool_choice` mean for this model: the tools as the
+    template takes them (None: none rendered), the reply's parser family (None: calls are not
+    parsed), the function a "required" or named choice holds the reply to (None: free)."""
+
+    tools: list[dict[str, Any]] | None
+    family: str | None
+    required: list[dict[str, Any]] | None = None  # the functions one of which must be called
+    grammar: tuple[str, str] | None = None  # (kind, text) holding the reply to such a call
+
+
+def _tool_plan(srv: ServerState, req: ChatCompletionRequest) -> ToolPlan:
+    """Checks `tools` and `tool_choice` (400s naming the field) and plans the request."""
+    tools = req.tools or []
+    choice = req.tool_choice
+    names = [t.function.name for t in tools]
+    if not tools:
+        if choice == "required" or isinstance(choice, ToolChoiceFunction):
+            raise OpenAIError(
+                400, "tool_choice needs tools: the request gives none", param="tool_choice"
+            )
+        return ToolPlan(None, None)
+    if len(set(names)) < len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise OpenAIError(400, f"tools: the function name '{dup}' is repeated", param="tools")
+    funcs = []
+    for i, t in enumerate(tools):
+        params = t.function.parameters
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        if params.get("type", "object") != "object" or not isinstance(
+            params.get("properties", {}), dict
+        ):
+            raise OpenAIError(
+                400,
+                f"tools[{i}].function.parameters must be a JSON schema of an object "
+                '({"type": "object", "properties": {...}})',
+                param=f"tools[{i}].function.parameters",
+                code="invalid_schema",
+            )
+        f: dict[str, Any] = {"name": t.function.name}
+        if t.function.description is not None:
+            f["description"] = t.function.description
+        f["parameters"] = params
+        funcs.append(f)
+    if isinstance(choice, ToolChoiceFunction):
+        if choice.function.name not in names:
+            raise OpenAIError(
+                400,
+                f"tool_choice names the function '{choice.function.name}', which is not in "
+                f"tools ({', '.join(names)})",
+                param="tool_choice",
+            )
+        required = [f for f in funcs if f["name"] == choice.function.name]
+    elif choice == "required":
+        required = funcs
+    elif choice == "none":
+        # The model must not call: the tools are not shown and replies are not parsed.
+        return ToolPlan(None, None)
+    else:
+        required = None
+    if srv.chat_format is not None:
+        family = "harmony"
+        if required is not None:
+            raise OpenAIError(
+                400,
+                'tool_choice "required" or a named function is not supported yet for models '
+                'that answer in harmony (gpt-oss); use "auto"',
+                param="tool_choice",
+                code="unsupported_parameter",
+            )
+    else:
+        family, _ = family_of(srv.tokenizer.chat_template)
+    plan = ToolPlan([{"type": "function", "function": f} for f in funcs], family, required)
+    if required is not None:
+        if req.response_format is not None and _json_schema(srv, req) is not None:
+            raise OpenAIError(
+                400,
+                'response_format and tool_choice "required" (or a named function) both '
+                "constrain the reply; give one",
+                param="tool_choice",
+            )
+        plan.grammar = _tool_grammar(srv, family, required, req.parallel_tool_calls is not False)
+    return plan
+
+
+# Compact JSON as Qwen's and Llama's templates write it (", " and ": "), no free whitespace.
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _tool_grammar(
+    srv: ServerState, family: str, funcs: list[dict[str, Any]], parallel: bool
+) -> tuple[str, str]:
+    """(kind, grammar) holding a reply to calls of `funcs` in the family's format: hermes
+    `<tool_call>` blocks (one, or one or more when parallel) as a Lark grammar, Llama 3.1's one
+    JSON object as a JSON schema."""
+    key = "parameters" if family == "llama3" else "arguments"
+    alternatives = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, key: f["parameters"]},
+            "required": ["name", key],
+            "additionalProperties": False,
+        }
+        for f in funcs
+    ]
+    schema: dict[str, Any] = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+    if family == "llama3":
+        return "json_schema", json.dumps(schema, separators=(",", ":"))
+    schema = {**schema, "x-guidance": _JSON_STYLE}
+
+    def marker(text: str) -> str:
+        # A marker that is one special token of the vocabulary must be written as that token.
+        tid = srv.tokenizer.backend.token_to_id(text)
+        if tid is not None and srv.tokenizer.encode(text, add_special_tokens=False) == [tid]:
+            return f"<[{tid}]>"
+        return json.dumps(text)
+
+    call = f'{marker("<tool_call>")} "\\n" args "\\n" {marker("</tool_call>")}'
+    repeat = f'({call} "\\n")* {call}' if parallel else call
+    return "lark", f"start: {repeat}\nargs: %json {json.dumps(schema)}\n"
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments (JSON text) as templates take them: the object, or the text as is."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 async def _chat_ids(
     srv: ServerState,
     messages: list[ChatMessage],
     add_generation_prompt: bool,
     reasoning_effort: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
+    renders_tools = srv.chat_format is not None or family_of(srv.tokenizer.chat_template)[1]
     chat = []
     for i, m in enumerate(messages):
         content = m.content
@@ -265,10 +406,44 @@ async def _chat_ids(
         message["content"] = content
         if m.name is not None:
             message["name"] = m.name
+        if not renders_tools:  # the hermes fallback, written as text (tool_parsers)
+            if m.tool_calls:
+                calls = [
+                    hermes_call_text(c.function.name, c.function.arguments) for c in m.tool_calls
+                ]
+                message["content"] = "\n".join(filter(None, [content, *calls]))
+            elif m.role == "tool":
+                message = {
+                    "role": "user",
+                    "content": f"<tool_response>\n{content}\n</tool_response>",
+                }
+        else:
+            if m.tool_calls:
+                message["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {
+                            "name": c.function.name,
+                            "arguments": _arguments(c.function.arguments),
+                        },
+                    }
+                    for c in m.tool_calls
+                ]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
         chat.append(message)
+    if tools and not renders_tools:
+        listing = "\n".join(json.dumps(t) for t in tools)
+        prompt = FALLBACK_SYSTEM.format(tools=listing)
+        if chat and chat[0]["role"] == "system":
+            chat[0] = {**chat[0], "content": chat[0]["content"] + "\n\n" + prompt}
+        else:
+            chat.insert(0, {"role": "system", "content": prompt})
+        tools = None
     if srv.chat_format is not None:  # harmony (gpt-oss), rendered straight to token ids
         render = functools.partial(
-            srv.chat_format.render, chat, add_generation_prompt, reasoning_effort
+            srv.chat_format.render, chat, add_generation_prompt, reasoning_effort, tools=tools
         )
         try:
             if sum(len(m["content"]) for m in chat) < _OFF_LOOP_CHARS:
@@ -279,7 +454,7 @@ async def _chat_ids(
     kwargs = {} if reasoning_effort is None else {"reasoning_effort": reasoning_effort}
     try:
         text = srv.tokenizer.apply_chat_template(
-            chat, add_generation_prompt=add_generation_prompt, **kwargs
+            chat, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
         )
     except (jinja2.TemplateError, ValueError) as exc:
         raise OpenAIError(
@@ -305,6 +480,7 @@ async def _start(
     except EngineDead as exc:
         raise OpenAIError(503, str(exc), type="service_unavailable", code="engine_dead") from None
     except GrammarError as exc:
-        raise OpenAIError(400, str(exc), param="response_format", code="invalid_schema") from None
+        param = "tools" if items and items[0][1].lark_grammar is not None else "response_format"
+        raise OpenAIError(400, str(exc), param=param, code="invalid_schema") from None
     except ValueError as exc:
         raise OpenAIError(400, str(exc)) from None

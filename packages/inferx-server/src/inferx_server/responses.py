@@ -22,12 +22,17 @@ from inferx_server.engine_loop import EngineDead, Submission
 from inferx_server.protocol import (
     ChatLogprobs,
     CompletionLogprobs,
+    DeltaFunction,
+    DeltaToolCall,
+    MessageFunctionCall,
+    MessageToolCall,
     OpenAIError,
     PromptTokensDetails,
     TokenLogprob,
     TopLogprob,
     Usage,
 )
+from inferx_server.tool_parsers import PARSERS, ToolCall
 
 if TYPE_CHECKING:
     from inferx_server.app import ServerState
@@ -147,6 +152,50 @@ def _chat_logprobs(srv: ServerState, c: _Choice, top_n: int) -> ChatLogprobs:
         alts = [TopLogprob(srv.token_str(t), v, list(srv.token_str(t).encode())) for t, v in top]
         content.append(TokenLogprob(s, lp, list(s.encode()), alts[:top_n]))
     return ChatLogprobs(content)
+
+
+class _Tools:
+    """One choice's tool calls out of its reply: content text in, (content, call deltas) out,
+    as OpenAI streams them. A template family's parser reads the text; harmony's parser (the
+    choice's HarmonyParser, built with tools) hands over its calls itself (`take_calls`)."""
+
+    def __init__(self, family: str, harmony: Any = None) -> None:
+        self.parser = None if harmony is not None else PARSERS[family]()
+        self.harmony = harmony
+        self.calls: list[MessageToolCall] = []
+
+    def feed(self, text: str, done: bool) -> tuple[str, list[DeltaToolCall]]:
+        deltas: list[DeltaToolCall] = []
+        if self.harmony is not None:
+            for call_id, name, fragment in self.harmony.take_calls():
+                if name is not None:
+                    deltas.append(self._start(ToolCall(name, "", call_id)))
+                if fragment:
+                    self.calls[-1].function.arguments += fragment
+                    deltas.append(
+                        DeltaToolCall(len(self.calls) - 1, DeltaFunction(arguments=fragment))
+                    )
+            return text, deltas
+        assert self.parser is not None
+        events = self.parser.push(text) + (self.parser.finish() if done else [])
+        content = []
+        for e in events:
+            if isinstance(e, str):
+                content.append(e)
+                continue
+            deltas.append(self._start(e))
+            self.calls[-1].function.arguments = e.arguments
+            deltas.append(DeltaToolCall(len(self.calls) - 1, DeltaFunction(arguments=e.arguments)))
+        return "".join(content), deltas
+
+    def _start(self, call: ToolCall) -> DeltaToolCall:
+        self.calls.append(MessageToolCall(id=call.id, function=MessageFunctionCall(call.name, "")))
+        return DeltaToolCall(
+            len(self.calls) - 1, DeltaFunction(name=call.name, arguments=""), call.id, "function"
+        )
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and self.calls else reason
 
 
 # -- a submission's outputs, whole or streamed ---------------------------------------------------

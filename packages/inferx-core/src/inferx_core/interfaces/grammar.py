@@ -36,8 +36,11 @@ class GrammarBackend(ABC):
     logits (which may exceed the tokenizer's vocabulary; the extra ids are never allowed)."""
 
     @abstractmethod
-    def compile(self, schema: str) -> Any:
-        """A JSON schema (JSON text) compiled for this vocabulary; raises GrammarError."""
+    def compile(self, schema: str, kind: str = "json_schema") -> Any:
+        """A grammar compiled for this vocabulary; raises GrammarError. `kind` "json_schema":
+        `schema` is a JSON schema (JSON text); "lark": a grammar in llguidance's Lark dialect
+        (with %json rules), which tool calls use. A backend refuses a kind it lacks with a
+        GrammarError naming it."""
 
     @abstractmethod
     def matcher(self, compiled: Any) -> GrammarMatcher:

@@ -1,0 +1,502 @@
+"""Tool calling: the parsers per family on recorded replies (whole, streamed in awkward chunks,
+malformed), and the server with a scripted "model" (real Qwen, Llama 3.1 and gpt-oss tokenizers)
+through the official openai client: tools and tool messages rendered by the template (or
+harmony), `message.tool_calls` and finish_reason "tool_calls", streamed call deltas exactly as
+OpenAI streams them, and 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from conftest import FIXTURES
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from inferx_core.tokenizer import Tokenizer  # noqa: E402
+from inferx_server.tool_parsers import (  # noqa: E402
+    PARSERS,
+    HermesParser,
+    Llama3Parser,
+    ToolCall,
+    family_of,
+    parse_all,
+)
+
+TOKENIZERS = FIXTURES / "tokenizers"
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}},
+    },
+}
+
+# Recorded replies, in each family's exact format.
+QWEN_TWO_CALLS = (
+    "Let me check both.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {"zone": "Europe/Paris"}}\n</tool_call>'
+)
+# A short template in Llama 3.1's way with tools (JSON calls, <|python_tag|>, ipython results).
+LLAMA31_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|start_header_id|>system<|end_header_id|>\n\n"
+    'Respond with a JSON function call {"name": ..., "parameters": ...}.\n'
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|eot_id|>{% endif %}"
+    "{% for m in messages %}{% if m.tool_calls %}<|start_header_id|>assistant<|end_header_id|>"
+    "\n\n<|python_tag|>{% for c in m.tool_calls %}{{ {'name': c.function.name, "
+    "'parameters': c.function.arguments} | tojson }}{% endfor %}<|eom_id|>"
+    "{% elif m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n"
+    "{{ m.content }}<|eot_id|>{% else %}<|start_header_id|>{{ m.role }}<|end_header_id|>"
+    "\n\n{{ m.content }}<|eot_id|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+LLAMA_CALL = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}'
+
+
+def _stream(parser: Any, text: str, cuts: list[int]) -> list[Any]:
+    events = []
+    last = 0
+    for cut in [*cuts, len(text)]:
+        events += parser.push(text[last:cut])
+        last = cut
+    return events + parser.finish()
+
+
+def _merged(events: list[Any]) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
+    content = "".join(e for e in events if isinstance(e, str))
+    calls = [(e.name, json.loads(e.arguments)) for e in events if isinstance(e, ToolCall)]
+    return content, calls
+
+
+def test_hermes_whole_reply() -> None:
+    content, calls = parse_all("hermes", QWEN_TWO_CALLS)
+    assert content == "Let me check both.\n\n"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "C"}),
+        ("get_time", {"zone": "Europe/Paris"}),
+    ]
+    assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
+    assert parse_all("hermes", "No tools needed.") == ("No tools needed.", [])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_hermes_streamed_in_random_chunks_equals_whole(seed: int) -> None:
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(QWEN_TWO_CALLS)), rng.randint(1, 30)))
+    events = _stream(HermesParser(), QWEN_TWO_CALLS, cuts)
+    parser = PARSERS["hermes"]()
+    assert _merged(events) == _merged(parser.push(QWEN_TWO_CALLS))  # closed calls need no finish
+    assert parser.finish() == []
+    # No markup ever reaches content.
+    assert all("<" not in e for e in events if isinstance(e, str))
+
+
+def test_hermes_awkward_boundaries_and_held_back_text() -> None:
+    p = HermesParser()
+    assert p.push("Hi <tool") == ["Hi "]  # "<tool" may open a call: held back
+    assert p.push("_ca") == []
+    assert p.push('ll>{"name": "f", "argu') == []
+    events = p.push('ments": {"a": [1, "</tool"]}}</tool_call> bye')
+    assert _merged(events) == (" bye", [("f", {"a": [1, "</tool"]})])
+    assert p.finish() == []
+    # "<to" followed by something else is content after all.
+    p = HermesParser()
+    assert p.push("a <to") == ["a "]
+    assert p.push("p> b") == ["<top> b"]
+    # A lone "<" at the very end is released by finish.
+    p = HermesParser()
+    assert p.push("x <") == ["x "] and p.finish() == ["<"]
+
+
+def test_hermes_malformed_falls_back_to_content() -> None:
+    bad = "<tool_call>\n{name: get_weather}\n</tool_call>"
+    assert parse_all("hermes", "A " + bad) == ("A " + bad, [])
+    no_name = '<tool_call>{"arguments": {}}</tool_call>'
+    assert parse_all("hermes", no_name) == (no_name, [])
+    # An unclosed call at the end: a complete JSON object is still a call; a cut one is text.
+    content, calls = parse_all("hermes", '<tool_call>\n{"name": "f", "arguments": {}}\n')
+    assert content == "" and [c.name for c in calls] == ["f"]
+    cut = '<tool_call>{"name": "f", "argum'
+    assert parse_all("hermes", cut) == (cut, [])
+    # Arguments given as JSON text are decoded; anything but an object is no call.
+    _, calls = parse_all(
+        "hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
+    )
+    assert json.loads(calls[0].arguments) == {"a": 1}
+    listy = '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'
+    assert parse_all("hermes", listy) == (listy, [])
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_llama3_calls_whole_and_streamed(seed: int) -> None:
+    two = LLAMA_CALL + '; {"name": "get_time", "parameters": {"zone": "UTC"}}'
+    rng = random.Random(seed)
+    for reply, want in (
+        (LLAMA_CALL, [("get_weather", {"city": "Paris"})]),
+        (LLAMA_CALL.removeprefix("<|python_tag|>"), [("get_weather", {"city": "Paris"})]),
+        (two, [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "UTC"})]),
+    ):
+        cuts = sorted(rng.sample(range(1, len(reply)), 5))
+        assert _merged(_stream(Llama3Parser(), reply, cuts)) == ("", want)
+    # Plain text streams as it comes; malformed JSON comes back as content.
+    p = Llama3Parser()
+    assert p.push("  The") == ["  The"] and p.push(" answer") == [" answer"] and p.finish() == []
+    for bad in ('{"name": "f", "parameters": ', '{"city": "Paris"}', '{"name": "f"} trailing'):
+        assert parse_all("llama3", bad) == (bad, [])
+
+
+def test_family_of_templates() -> None:
+    qwen = Tokenizer.from_dir(TOKENIZERS / "qwen")
+    llama = Tokenizer.from_dir(TOKENIZERS / "llama3")
+    assert family_of(qwen.chat_template) == ("hermes", True)
+    # The fixture is Llama 3's (no tools): the server renders the hermes fallback for it.
+    assert family_of(llama.chat_template) == ("hermes", False)
+    assert family_of(LLAMA31_TEMPLATE) == ("llama3", True)
+    chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% endfor %}"
+    assert family_of(chatml) == ("hermes", False)
+
+
+# -- through the server, with a scripted model ---------------------------------------------------
+
+
+class ScriptedExecutor:
+    """A "model" that replies with `script` (token ids), then `filler` forever; it records the
+    last prompt it saw."""
+
+    def __init__(self, script: list[int], filler: int) -> None:
+        self.num_kv_blocks, self.block_size, self.max_model_len = 256, 16, 2048
+        self.script = script
+        self.filler = filler
+        self.prompt: list[int] = []
+
+    def execute(self, out: Any) -> Any:
+        from inferx_core.interfaces import StepResult
+
+        sampled = []
+        for c in out.chunks:
+            if c.sample:
+                seq = c.seq
+                self.prompt = seq.token_ids[: seq.num_prompt]
+                n = c.start + c.num_tokens - seq.num_prompt
+                sampled.append(self.script[n] if n < len(self.script) else self.filler)
+        return StepResult(sampled, [])
+
+
+def _serve(name: str, template: str | None = None) -> Iterator[Any]:
+    from test_server_api import serve_engine
+
+    from inferx_core.config import load_config
+    from inferx_core.engine import Engine
+
+    tok = Tokenizer.from_dir(TOKENIZERS / name)
+    if template is not None:
+        tok.chat_template = template
+    config = load_config(None, {"model.served_name": name})
+    executor = ScriptedExecutor([], tok.encode(".", add_special_tokens=False)[0])
+    engine = Engine(config, executor=executor, tokenizer=tok)
+    with serve_engine(engine, config) as transport:
+        transport.tok = tok
+        yield transport
+
+
+@pytest.fixture(scope="module")
+def qwen_server() -> Iterator[Any]:
+    yield from _serve("qwen")
+
+
+@pytest.fixture(scope="module")
+def llama_server() -> Iterator[Any]:
+    yield from _serve("llama3", LLAMA31_TEMPLATE)
+
+
+def _client(server: Any) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+
+def _script(server: Any, reply: str, end: str) -> None:
+    tok = server.tok
+    server.engine.executor.script = tok.encode(reply + end, add_special_tokens=False)
+
+
+def _stream_calls(stream: Any) -> tuple[str, dict[int, dict[str, Any]], list[str | None]]:
+    """A streamed reply's content and calls joined by index, checking each delta's shape: a
+    call's first delta has id, type, name and arguments ""; later ones index and arguments."""
+    content, calls, finish = [], {}, []
+    for chunk in stream:
+        for c in chunk.choices:
+            content.append(c.delta.content or "")
+            finish.append(c.finish_reason)
+            for d in c.delta.tool_calls or ():
+                if d.index not in calls:
+                    assert d.id.startswith("call_") and d.type == "function"
+                    assert d.function.name and d.function.arguments == ""
+                    calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
+                else:
+                    assert d.id is None and d.type is None and d.function.name is None
+                    calls[d.index]["arguments"] += d.function.arguments
+    return "".join(content), calls, finish
+
+
+def test_qwen_round_trip(qwen_server: Any) -> None:
+    client = _client(qwen_server)
+    _script(qwen_server, QWEN_TWO_CALLS, "<|im_end|>")
+    messages = [{"role": "user", "content": "Weather and time in Paris?"}]
+    r = client.chat.completions.create(
+        model="qwen", messages=messages, tools=[WEATHER, TIME], max_tokens=200
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me check both.\n\n"
+    calls = choice.message.tool_calls
+    assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("function", "get_weather", {"city": "Paris", "unit": "C"}),
+        ("function", "get_time", {"zone": "Europe/Paris"}),
+    ]
+    prompt = qwen_server.tok.decode(qwen_server.engine.executor.prompt, skip_special_tokens=False)
+    assert "<tools>\n" + json.dumps(WEATHER) + "\n" + json.dumps(TIME) + "\n</tools>" in prompt
+
+    # Streamed: the same calls as deltas, no markup in content.
+    content, streamed, finish = _stream_calls(
+        client.chat.completions.create(
+            model="qwen", messages=messages, tools=[WEATHER, TIME], max_tokens=200, stream=True
+        )
+    )
+    assert content == "Let me check both.\n\n" and finish[-1] == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in calls
+    ]
+
+    # The results fed back: the template renders the calls and the tool messages.
+    _script(qwen_server, "It is 18 C in Paris.", "<|im_end|>")
+    history = [
+        *messages,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": calls[0].id, "content": '{"temp": 18}'},
+        {"role": "tool", "tool_call_id": calls[1].id, "content": '"14:00"'},
+    ]
+    r = client.chat.completions.create(
+        model="qwen", messages=history, tools=[WEATHER, TIME], max_tokens=50
+    )
+    assert r.choices[0].message.content == "It is 18 C in Paris."
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    prompt = qwen_server.tok.decode(qwen_server.engine.executor.prompt, skip_special_tokens=False)
+    assert (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
+        in prompt
+    )
+    assert '<tool_response>\n{"temp": 18}\n</tool_response>' in prompt
+    assert '<tool_response>\n"14:00"\n</tool_response>' in prompt
+
+    # tool_choice "none": tools are not shown and the reply is not parsed.
+    _script(qwen_server, QWEN_TWO_CALLS, "<|im_end|>")
+    r = client.chat.completions.create(
+        model="qwen", messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=200
+    )
+    assert r.choices[0].message.content == QWEN_TWO_CALLS and r.choices[0].finish_reason == "stop"
+    prompt = qwen_server.tok.decode(qwen_server.engine.executor.prompt, skip_special_tokens=False)
+    assert "get_weather" not in prompt
+
+
+def test_qwen_malformed_call_is_content(qwen_server: Any) -> None:
+    bad = '<tool_call>\n{"name": get_weather}\n</tool_call>'
+    _script(qwen_server, bad, "<|im_end|>")
+    client = _client(qwen_server)
+    messages = [{"role": "user", "content": "?"}]
+    r = client.chat.completions.create(model="qwen", messages=messages, tools=[WEATHER])
+    assert r.choices[0].message.content == bad and r.choices[0].finish_reason == "stop"
+    content, calls, _ = _stream_calls(
+        client.chat.completions.create(
+            model="qwen", messages=messages, tools=[WEATHER], stream=True
+        )
+    )
+    assert content == bad and calls == {}
+
+
+def test_llama3_round_trip(llama_server: Any) -> None:
+    client = _client(llama_server)
+    _script(llama_server, LLAMA_CALL, "<|end_of_text|>")
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    for stream in (True, False):
+        r = client.chat.completions.create(
+            model="llama3", messages=messages, tools=[WEATHER], max_tokens=100, stream=stream
+        )
+        if stream:
+            content, calls, finish = _stream_calls(r)
+            got = [(c["name"], json.loads(c["arguments"])) for c in calls.values()]
+            assert content == "" and finish[-1] == "tool_calls"
+        else:
+            msg = r.choices[0].message
+            got = [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls]
+            assert msg.content is None and r.choices[0].finish_reason == "tool_calls"
+        assert got == [("get_weather", {"city": "Paris"})]
+    prompt = llama_server.tok.decode(llama_server.engine.executor.prompt, skip_special_tokens=False)
+    assert json.dumps(WEATHER) in prompt
+    # The result fed back.
+    _script(llama_server, "18 C.", "<|end_of_text|>")
+    history = [
+        *messages,
+        msg.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": '{"temp": 18}'},
+    ]
+    r = client.chat.completions.create(model="llama3", messages=history, tools=[WEATHER])
+    assert r.choices[0].message.content == "18 C." and r.choices[0].finish_reason == "stop"
+    prompt = llama_server.tok.decode(llama_server.engine.executor.prompt, skip_special_tokens=False)
+    assert (
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}<|eom_id|>' in prompt
+    )
+    assert '<|start_header_id|>ipython<|end_header_id|>\n\n{"temp": 18}<|eot_id|>' in prompt
+
+
+def test_bad_tool_requests_are_400s_naming_the_field(qwen_server: Any) -> None:
+    url = qwen_server.url + "/v1/chat/completions"
+    user = [{"role": "user", "content": "hi"}]
+
+    def error(body: dict[str, Any]) -> dict[str, Any]:
+        r = httpx.post(url, json={"messages": user, **body})
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+
+    assert error({"tools": {"type": "function"}})["param"] == "tools"
+    assert error({"tools": [{"type": "function"}]})["param"] == "tools[0]"
+    assert error({"tools": [{"type": "retrieval", "function": {"name": "f"}}]})["param"].startswith(
+        "tools[0]"
+    )
+    err = error(
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}
+    )
+    assert err["param"] == "tool_choice" and "nope" in err["message"]
+    err = error({"tool_choice": "required"})
+    assert err["param"] == "tool_choice" and "needs tools" in err["message"]
+    assert error({"tool_choice": "sometimes"})["param"] == "tool_choice"
+    bad_params = {**WEATHER, "function": {"name": "f", "parameters": {"type": "array"}}}
+    err = error({"tools": [bad_params]})
+    assert err["param"] == "tools[0].function.parameters" and "object" in err["message"]
+    err = error({"tools": [WEATHER, WEATHER]})
+    assert err["param"] == "tools" and "repeated" in err["message"]
+    r = httpx.post(qwen_server.url + "/v1/completions", json={"prompt": "x", "tools": [WEATHER]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+HARMONY_CALL = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>"
+    'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "SF"}<|call|>'
+)
+
+
+@pytest.fixture(scope="module")
+def harmony_server() -> Iterator[Any]:
+    pytest.importorskip("openai_harmony")
+    yield from _serve("gpt-oss")
+
+
+def test_harmony_round_trip(harmony_server: Any) -> None:
+    client = _client(harmony_server)
+    _script(harmony_server, HARMONY_CALL, "")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "SF?"}]
+    r = client.chat.completions.create(
+        model="gpt-oss", messages=messages, tools=[WEATHER], max_tokens=100
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.model_extra["reasoning_content"] == "Need the weather."
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {
+        "city": "SF"
+    }
+    prompt = harmony_server.tok.decode(harmony_server.engine.executor.prompt, False)
+    assert (
+        "# Instructions\n\nBe brief.\n\n# Tools\n\n## functions\n\nnamespace functions {" in prompt
+    )
+    assert "type get_weather = (_: {" in prompt
+
+    # Streamed: arguments come in fragments as the model writes them.
+    content, calls, finish = _stream_calls(
+        client.chat.completions.create(
+            model="gpt-oss", messages=messages, tools=[WEATHER], max_tokens=100, stream=True
+        )
+    )
+    assert content == "" and finish[-1] == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        ("get_weather", {"city": "SF"})
+    ]
+
+    # The result fed back as the function's commentary message.
+    _script(harmony_server, "<|channel|>final<|message|>18 C.", "<|return|>")
+    history = [
+        *messages,
+        choice.message.model_dump(exclude_none=True, exclude={"reasoning_content"}),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 18}'},
+    ]
+    r = client.chat.completions.create(model="gpt-oss", messages=history, tools=[WEATHER])
+    assert r.choices[0].message.content == "18 C." and r.choices[0].finish_reason == "stop"
+    prompt = harmony_server.tok.decode(harmony_server.engine.executor.prompt, False)
+    assert (
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
+        '<|message|>{"city": "SF"}<|call|>'
+    ) in prompt
+    assert (
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary"
+        '<|message|>{"temp": 18}<|end|>'
+    ) in prompt
+    # A tool message that answers no call is a 400.
+    bad = [*messages, {"role": "tool", "tool_call_id": "call_x", "content": "{}"}]
+    r = httpx.post(harmony_server.url + "/v1/chat/completions", json={"messages": bad})
+    assert r.status_code == 400 and "call_x" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_required_grammar_holds_qwen_to_a_call(parallel: bool) -> None:
+    """The grammar of tool_choice "required" for Qwen: its markers are special tokens (written
+    as token ids), the arguments held to the function's schema."""
+    pytest.importorskip("llguidance")
+    from types import SimpleNamespace
+
+    from inferx_server.grammar_llguidance import LLGuidanceBackend
+    from inferx_server.requests import _tool_grammar
+
+    tok = Tokenizer.from_dir(TOKENIZERS / "qwen")
+    funcs = [t["function"] for t in (WEATHER, TIME)]
+    kind, grammar = _tool_grammar(SimpleNamespace(tokenizer=tok), "hermes", funcs, parallel)
+    backend = LLGuidanceBackend(tok, 151936)
+    compiled = backend.compile(grammar, kind)
+
+    def accepts(text: str) -> tuple[bool, bool]:
+        m = backend.matcher(compiled)
+        ok = all(m.accept(t) for t in tok.encode(text, add_special_tokens=False))
+        return ok, m.is_terminated()
+
+    one = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
+        "\n</tool_call>"
+    )
+    assert accepts(one) == (True, not parallel)
+    two = one + '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    assert accepts(two)[0] == parallel
+    assert not accepts('<tool_call>\n{"name": "get_news", "arguments": {}}')[0]
+    assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"unit": "K"')[0]
+    assert not accepts("Sure")[0]
+    # Llama 3.1: one JSON object with "parameters".
+    kind, schema = _tool_grammar(SimpleNamespace(tokenizer=tok), "llama3", funcs[:1], False)
+    assert kind == "json_schema"
+    assert json.loads(schema)["properties"]["parameters"] == WEATHER["function"]["parameters"]

@@ -1,0 +1,159 @@
+"""Tool calling end to end on the demo model (SmolLM2-135M on the CPU) with the official openai
+client: its template renders no tools, so the server writes them in the hermes fallback (a
+system message listing them, calls as <tool_call> blocks) and parses hermes replies. tool_choice
+"required" or a named function holds the reply to a call through the grammar backend, so even
+this tiny model calls reliably; the results go back as tool messages."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+try:
+    from inferx_models.gguf import find_demo_gguf
+
+    find_demo_gguf()
+except (ImportError, FileNotFoundError) as exc:
+    pytest.skip(f"the demo model is not installed ({exc})", allow_module_level=True)
+
+pytestmark = pytest.mark.slow
+
+CITY = {"type": "string", "maxLength": 16}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": CITY, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"hours": {"type": "integer", "minimum": 0, "maximum": 23}},
+            "required": ["hours"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[openai.OpenAI]:
+    cmd = [sys.executable, "-m", "inferx_server.cli", "--port", "0", "--max-model-len", "1024"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on http://127.0.0.1:" in line, line + proc.stderr.read()
+        url = line.rsplit(" ", 1)[1].strip()
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def _model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def _check_calls(calls: list[Any], names: set[str]) -> None:
+    assert calls
+    for c in calls:
+        assert c.type == "function" and c.id.startswith("call_") and c.function.name in names
+        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+
+
+def test_named_function_whole_and_streamed(client: openai.OpenAI) -> None:
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    kw: dict[str, Any] = dict(
+        model=_model(client), messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+        parallel_tool_calls=False, temperature=0, max_tokens=80,
+    )  # fmt: skip
+    r = client.chat.completions.create(**kw)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls", r
+    assert msg.content is None and len(msg.tool_calls) == 1
+    _check_calls(msg.tool_calls, {"get_weather"})
+
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            assert not c.delta.content
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or ():
+                if d.id is not None:
+                    calls[d.index] = {"name": d.function.name, "arguments": d.function.arguments}
+                else:
+                    calls[d.index]["arguments"] += d.function.arguments
+    assert finish == "tool_calls"
+    # Greedy: the stream says what the whole reply said.
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        (msg.tool_calls[0].function.name, json.loads(msg.tool_calls[0].function.arguments))
+    ]
+
+
+def test_required_then_results_fed_back(client: openai.OpenAI) -> None:
+    model = _model(client)
+    r = client.chat.completions.create(
+        model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+        parallel_tool_calls=False, temperature=0, max_tokens=80,
+    )  # fmt: skip
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    _check_calls(msg.tool_calls, {"get_weather", "get_time"})
+    history = [
+        *ASK,
+        msg.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": '{"celsius": 18}'},
+    ]
+    # "none": the model answers in words, with no call parsed.
+    r = client.chat.completions.create(
+        model=model, messages=history, tools=[WEATHER, TIME], tool_choice="none", max_tokens=20,
+        temperature=0,
+    )  # fmt: skip
+    assert r.choices[0].message.tool_calls is None
+    assert isinstance(r.choices[0].message.content, str) and r.choices[0].message.content
+    # "auto" on the same history: whatever the model does comes back well-formed.
+    r = client.chat.completions.create(
+        model=model, messages=history, tools=[WEATHER, TIME], max_tokens=40, temperature=0
+    )
+    m = r.choices[0].message
+    if m.tool_calls:
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert all(c.function.name for c in m.tool_calls)
+    else:
+        assert isinstance(m.content, str) and "<tool_call>" not in m.content
+
+
+def test_parallel_calls_with_n_2(client: openai.OpenAI) -> None:
+    """Parallel calls allowed: each choice holds one or more valid calls of the tools."""
+    r = client.chat.completions.create(
+        model=_model(client), messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+        n=2, seed=1, max_tokens=120,
+    )  # fmt: skip
+    assert any(c.finish_reason == "tool_calls" for c in r.choices), r
+    for choice in r.choices:
+        if choice.finish_reason == "length":
+            continue  # a call may be cut by max_tokens; then it is not a complete call
+        assert choice.finish_reason == "tool_calls"
+        _check_calls(choice.message.tool_calls, {"get_weather", "get_time"})
