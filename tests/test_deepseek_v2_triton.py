@@ -7,6 +7,8 @@ with CUDA graphs against transformers."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import interpreted
@@ -14,7 +16,7 @@ from conftest import interpreted
 pytest.importorskip("triton")
 transformers = pytest.importorskip("transformers")
 
-from test_deepseek_v2 import checkpoint, expected, make_llm  # noqa: E402, F401
+from test_deepseek_v2 import VARIANTS, hf_model, make_llm  # noqa: E402
 from test_engine import PROMPTS, generate, reference  # noqa: E402
 
 from inferx_core.engine import LLM  # noqa: E402
@@ -22,6 +24,29 @@ from inferx_kernels_cuda.mla_decode import write_latent  # noqa: E402
 from inferx_kernels_cuda.triton_attention import TritonAttention  # noqa: E402
 
 TRITON = {"engine.attention_backend": "triton"}
+
+
+def _save(variant: str, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    model = hf_model(variant)
+    path = tmp_path_factory.mktemp(variant)
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def checkpoint(request, tmp_path_factory):
+    """test_deepseek_v2's tiny checkpoints: V2-Lite's shape and V2's (q LoRA)."""
+    return _save(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def lite(tmp_path_factory):
+    return _save("lite", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint):
+    return reference(checkpoint[1], PROMPTS)
 
 
 def split_mla_decodes(llm: LLM) -> TritonAttention:
@@ -71,8 +96,8 @@ def test_triton_chunked_prefill_and_split_decodes_equal_transformers(checkpoint,
 
 
 @interpreted
-def test_triton_prefix_cache_hit_equals_transformers(checkpoint):
-    path, model = checkpoint
+def test_triton_prefix_cache_hit_equals_transformers(lite):
+    path, model = lite
     first = list(range(3, 43)) + [50, 51, 52]
     second = list(range(3, 43)) + [90, 91]
     llm = make_llm(path, **TRITON, **{"kv_cache.block_size": 4})
@@ -83,7 +108,7 @@ def test_triton_prefix_cache_hit_equals_transformers(checkpoint):
 
 
 @interpreted
-def test_triton_decode_graph_runner_generates_like_eager(checkpoint):
+def test_triton_decode_graph_runner_generates_like_eager(lite):
     """The decode graph runner's static buffers (block tables and context lengths of the
     padded batch, slot -1 on padding rows) on the CPU without graphs: the eager steps' tokens
     and logits. Mixed-step graphs decline MLA models, with the reason."""
@@ -92,7 +117,7 @@ def test_triton_decode_graph_runner_generates_like_eager(checkpoint):
     from inferx_kernels_cuda.cuda_graphs import DecodeGraphRunner, MixedGraphRunner
 
     config = {**TRITON, "scheduler.max_running": 4, "scheduler.prefill_chunk": 5}
-    llm = make_llm(checkpoint[0], **config, **{"scheduler.prefix_cache": False})
+    llm = make_llm(lite[0], **config, **{"scheduler.prefix_cache": False})
     attention = split_mla_decodes(llm)
     ex = llm.engine.executor
     assert not attention.supports_mixed_graphs and ex.graphs is None and ex.mixed is None

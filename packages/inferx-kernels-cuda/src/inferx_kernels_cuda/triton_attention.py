@@ -802,6 +802,8 @@ class TritonAttention(TorchAttention):
         self._mla_plan: _Plan | None = None  # the plan whose prompt rows _steps describes
         if self._mla:
             self.supports_mixed_graphs = False  # see _mla_refuse_mixed
+        if all(s.kind == "mla" for s in self.layers):
+            self.dense_prefill = False  # no layer for it (nor its warm-up prompts)
 
     def _mla_refuse_mixed(self) -> None:
         if self._mla:
