@@ -334,7 +334,8 @@ def test_kernel_backends_refuse_what_they_lack(backend_path: str) -> None:
     pytest.importorskip("triton", reason="the triton package is not installed")
     module, name = backend_path.split(":")
     cls = getattr(__import__(f"inferx_kernels_cuda.{module}", fromlist=[name]), name)
-    assert cls.features == frozenset({"sliding", "sinks"}) and cls.supports_kv_groups
+    assert cls.features == frozenset({"sliding", "sinks", "fp8_kv", "mla"})
+    assert cls.supports_kv_groups
     cls.check_layers(GROUP_LAYERS[:2], model="GptOssForCausalLM")  # sliding, two groups
     with pytest.raises(NotImplementedError, match="softcap.*triton attention"):
         cls.check_layers(GROUP_LAYERS, model="Gemma2ForCausalLM")

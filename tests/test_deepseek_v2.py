@@ -371,7 +371,7 @@ def test_latent_cache_bytes_per_token():
     assert allocated == 3 * backend.bytes_per_block() == 3 * block * 576 * 4 * 2
 
 
-@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+@pytest.mark.parametrize("backend", ["flashinfer"])
 def test_backends_without_mla_are_refused_at_start_up(checkpoint, backend: str):
     pytest.importorskip("inferx_kernels_cuda")
     with pytest.raises(LoadError, match=f"needs mla attention .*{backend} attention backend"):

@@ -222,12 +222,13 @@ class HarmonyParser:
     """Splits a reply's tokens, as they come, into reasoning and content deltas.
 
     The final channel is the content; every other channel (analysis, and commentary: preambles
-    and, for a parser made without `tools`, a tool call's raw arguments) is reasoning_content, vLLM's
-    convention. Deltas never end inside a UTF-8 character (openai-harmony holds the bytes back),
-    and the deltas of a reply add up to what the whole reply parses to. The parser is lenient
-    (strict=False): text before the first header, which a model sometimes writes, is skipped
-    rather than failing the messages after it. Text it cannot place shows nowhere, and a reply
-    that breaks the format past recovery (text after <|end|> without a <|start|>) ends there.
+    and, for a parser made without `tools`, a tool call's raw arguments) is reasoning_content,
+    vLLM's convention. Deltas never end inside a UTF-8 character (openai-harmony holds the
+    bytes back), and the deltas of a reply add up to what the whole reply parses to. The parser
+    is lenient (strict=False): text before the first header, which a model sometimes writes, is
+    skipped rather than failing the messages after it. Text it cannot place shows nowhere, and a
+    reply that breaks the format past recovery (text after <|end|> without a <|start|>) ends
+    there.
     """
 
     def __init__(self, fmt: HarmonyFormat, tools: bool = False) -> None:

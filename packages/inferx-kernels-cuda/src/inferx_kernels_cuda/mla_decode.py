@@ -226,3 +226,47 @@ def mla_decode_absorbed(
         q_full, cache, block_table, context_len, scale, rank, num_splits, min_split_len
     )
     return torch.einsum("bhr,hvr->bhv", o_lat, mla.w_uv.to(q.dtype))
+
+
+@triton.jit
+def mla_write_kernel(
+    row_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_row,
+    stride_slot,
+    WIDTH: tl.constexpr,
+    WIDTH_PAD: tl.constexpr,
+):
+    """One program per new token: its cache row (latent + rope key) into its slot. A negative
+    slot is padding (a CUDA graph's rows past the batch) and writes nothing."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    d = tl.arange(0, WIDTH_PAD)
+    mask = d < tl.where(slot >= 0, WIDTH, 0)  # a scalar & tensor mask trips the interpreter
+    row = tl.load(row_ptr + t.to(tl.int64) * stride_row + d, mask=mask)
+    tl.store(cache_ptr + slot * stride_slot + d, row.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_latent(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """rows [T, RANK + ROPE] (last dim contiguous) into an MLA layer's cache [num_blocks,
+    block_size, 1, RANK + ROPE] at slot_mapping [T] int64 (-1: skip)."""
+    width = cache.shape[-1]
+    if rows.shape != (slot_mapping.shape[0], width) or rows.stride(-1) != 1:
+        raise ValueError(
+            f"MLA cache write: rows must be [{slot_mapping.shape[0]}, {width}] with the last dim "
+            f"contiguous; got {tuple(rows.shape)}"
+        )
+    if not cache[0, 0].is_contiguous() or cache.stride(1) != width:
+        raise ValueError("MLA cache write: the cache rows must be contiguous")
+    if rows.shape[0] == 0:
+        return
+    mla_write_kernel[(rows.shape[0],)](
+        rows,
+        cache,
+        slot_mapping,
+        rows.stride(0),
+        width,
+        WIDTH=width,
+        WIDTH_PAD=triton.next_power_of_2(width),
+    )

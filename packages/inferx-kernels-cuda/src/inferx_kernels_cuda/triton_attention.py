@@ -10,11 +10,12 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from inferx_core.attention_torch import TorchAttention
+from inferx_core.attention_torch import TorchAttention, mla_plain
 from inferx_core.batch import pack_aligned, to_device
 from inferx_core.interfaces.attention import AttentionBatch, AttentionLayer, SplitAttention
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda import triton_kernels as kernels
+from inferx_kernels_cuda.mla_decode import mla_decode_absorbed, write_latent
 from inferx_kernels_cuda.ops import _ROTARY_TILE, _has_tma
 from inferx_kernels_cuda.pdl import attention_early, between_launch, in_ranges
 
@@ -219,8 +220,9 @@ class TritonAttention(TorchAttention):
     # Sliding windows and learned sinks are constexpr flags of the kernels (a layer without
     # them compiles to the plain kernel); several KV groups read each layer's group's tables.
     # No softcap: start-up refuses models that need it (check_layers). fp8_kv: an e4m3 cache
-    # (KV_FP8, another constexpr flag) on every path that writes or reads it.
-    features: frozenset[str] = frozenset({"sliding", "sinks", "fp8_kv"})
+    # (KV_FP8, another constexpr flag) on every path that writes or reads it. MLA layers:
+    # _forward_mla.
+    features: frozenset[str] = frozenset({"sliding", "sinks", "fp8_kv", "mla"})
     supports_kv_groups = True
     max_splits = 64
     supports_cuda_graphs = True
@@ -332,6 +334,7 @@ class TritonAttention(TorchAttention):
         self._plan: _Plan | None = None
         self._graph: _GraphBuffers | None = None
         self._mixed: _MixedBuffers | None = None
+        self._mla_init()
 
     @property
     def warm_up_prompt_lens(self) -> tuple[int, ...]:  # type: ignore[override]
@@ -446,6 +449,7 @@ class TritonAttention(TorchAttention):
             group_block_tables=group_tables,
             group_slot_mappings=group_slots,
         )
+        self._mla_begin_step(batch)
 
     def _plan_splits(self, num_decode: int, max_ctx: int) -> tuple[int, int]:
         """(splits, tokens per split) for the longest decode context of the step.
@@ -619,6 +623,7 @@ class TritonAttention(TorchAttention):
     def init_mixed_graph_buffers(
         self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int
     ) -> None:
+        self._mla_refuse_mixed()
         device = self.device
         tiles = {g: self._mixed_tile_count(max_tokens, max_seqs, g) for g in self._groups}
         # a graph of t tokens has min(t, max_seqs) decode slots
@@ -789,6 +794,108 @@ class TritonAttention(TorchAttention):
 
     def _graph_buffers(self, batch_size: int) -> _GraphBuffers:
         return checked_graph_buffers(self, batch_size)
+
+    # -- MLA layers (DeepSeek-V2) --------------------------------------------------------------
+    #
+    # One cache row a token (latent + rope key), written by mla_write_kernel. One-query rows
+    # (decodes) attend in the absorbed form through mla_decode's kernels, over the plan's block
+    # tables and context lengths (a decode graph's static ones); rows of longer chunks attend in
+    # the plain form through the torch reference (mla_plain) over TorchAttention's per-step
+    # gather, which only eager steps build: mixed-step graphs do not take MLA layers.
+
+    # MLA decode: fewest context tokens per split, most splits per sequence.
+    mla_min_split_len = 256
+    mla_max_splits = 16
+
+    def _mla_init(self) -> None:
+        self._mla = any(s.kind == "mla" for s in self.layers)
+        self._mla_plan: _Plan | None = None  # the plan whose prompt rows _steps describes
+        if self._mla:
+            self.supports_mixed_graphs = False  # see _mla_refuse_mixed
+        if all(s.kind == "mla" for s in self.layers):
+            self.dense_prefill = False  # no layer for it (nor its warm-up prompts)
+
+    def _mla_refuse_mixed(self) -> None:
+        if self._mla:
+            raise NotImplementedError(
+                f"{self.name}: mixed-step CUDA graphs do not take MLA layers (their prompt "
+                "rows attend through the torch plain form, whose shapes change every step); "
+                "decode graphs do"
+            )
+
+    def _mla_begin_step(self, batch: AttentionBatch) -> None:
+        """A step with prompt rows: TorchAttention's gather for their plain-form attention."""
+        plan = self._plan
+        if self._mla and plan is not None and not plan.all_decode:
+            TorchAttention.begin_step(self, batch)
+            self._mla_plan = plan
+
+    def _mla_splits(self, num_decode: int) -> int:
+        """Context splits per decode row: fixed by the row count (a graph's grid), each
+        sequence splitting its own context in at least mla_min_split_len tokens."""
+        wanted = _cdiv(self.target_programs, max(num_decode, 1))
+        return max(1, min(wanted, self.mla_max_splits, self.max_splits))
+
+    def _forward_mla(
+        self,
+        layer: AttentionLayer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        parts: dict[str, Any] | None,
+    ) -> torch.Tensor:
+        """An MLA layer's step: q [T, H, nope + rope], k [T, 1, rank + rope] (the cache row)
+        -> [T, H, v_head_dim]."""
+        if rotary is not None or parts:
+            raise ValueError(
+                f"{self.name}: an MLA layer rotates its rope part itself and calls forward(); "
+                "the fused rotary and q, k, v partial sums are not for MLA layers"
+            )
+        plan = self._plan
+        mla = layer.mla
+        if plan is None:
+            raise RuntimeError("triton attention: begin_step() must run before forward()")
+        assert mla is not None
+        cache = self.caches[layer.index]
+        block_table, slot_mapping = plan.block_table, plan.slot_mapping
+        if plan.group_block_tables:
+            block_table = plan.group_block_tables[layer.group]
+            slot_mapping = plan.group_slot_mappings[layer.group]
+        num_tokens = q.shape[0]
+        if slot_mapping.shape[0] != num_tokens:
+            raise ValueError(
+                f"triton attention: {num_tokens} tokens but the step's slot_mapping has "
+                f"{slot_mapping.shape[0]}"
+            )
+        rows = k[:, 0]
+        write_latent(rows if rows.stride(-1) == 1 else rows.contiguous(), cache, slot_mapping)
+        decode = {"num_splits": self._mla_splits(plan.num_decode)}
+        decode["min_split_len"] = self.mla_min_split_len
+        if plan.all_decode:  # decode i is sequence i and query row i
+            return mla_decode_absorbed(
+                q, cache, block_table, plan.context_len, mla, layer.scale, **decode
+            )
+        if self._mla_plan is not plan:
+            raise RuntimeError(f"{self.name}: MLA prompt rows need begin_step()'s gather")
+        out = q.new_empty(num_tokens, q.shape[1], mla.v_head_dim)
+        if plan.num_decode:
+            seqs = plan.decode_seqs.long()
+            at = plan.query_start[seqs].long()
+            table, ctx = block_table[seqs], plan.context_len[seqs]
+            out[at] = mla_decode_absorbed(q[at], cache, table, ctx, mla, layer.scale, **decode)
+        step = self._steps[layer.group]
+        context = cache.view(-1, cache.shape[-1]).index_select(0, step.slots).to(q.dtype)
+        for s in step.seqs:
+            if s.q_end - s.q_start > 1:
+                out[s.q_start : s.q_end] = mla_plain(
+                    q[s.q_start : s.q_end],
+                    context[s.ctx_start : s.ctx_end],
+                    mla,
+                    layer.scale,
+                    s.mask,
+                    s.causal,
+                )
+        return out
 
     def forward(
         self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -1008,6 +1115,8 @@ class TritonAttention(TorchAttention):
         """Attention of one layer. keep_splits: in a decode-only step whose context is split,
         return the splits (a SplitAttention whose reduce() launches the combine) instead of
         combining them here."""
+        if layer.mla is not None:
+            return self._forward_mla(layer, q, k, rotary, parts)
         plan = self._plan
         if plan is None:
             raise RuntimeError("triton attention: begin_step() must run before forward()")

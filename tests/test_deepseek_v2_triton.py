@@ -1,0 +1,167 @@
+"""DeepSeek-V2's MLA layers on the `triton` backend under TRITON_INTERPRET=1: the latent cache
+written by mla_write_kernel, decodes through the Triton MLA decode kernel (split contexts),
+prompt chunks through the torch plain form; the tiny checkpoints of test_deepseek_v2 give
+transformers' greedy tokens under chunked prefill, prefix hits and decode, and the decode
+graph runner's static buffers generate like eager. On a GPU: the V2-Lite-shaped dummy in bf16
+with CUDA graphs against transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import interpreted
+
+pytest.importorskip("triton")
+transformers = pytest.importorskip("transformers")
+
+from test_deepseek_v2 import VARIANTS, hf_model, make_llm  # noqa: E402
+from test_engine import PROMPTS, generate, reference  # noqa: E402
+
+from inferx_core.engine import LLM  # noqa: E402
+from inferx_kernels_cuda.mla_decode import write_latent  # noqa: E402
+from inferx_kernels_cuda.triton_attention import TritonAttention  # noqa: E402
+
+TRITON = {"engine.attention_backend": "triton"}
+
+
+def _save(variant: str, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    model = hf_model(variant)
+    path = tmp_path_factory.mktemp(variant)
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def checkpoint(request, tmp_path_factory):
+    """test_deepseek_v2's tiny checkpoints: V2-Lite's shape and V2's (q LoRA)."""
+    return _save(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def lite(tmp_path_factory):
+    return _save("lite", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint):
+    return reference(checkpoint[1], PROMPTS)
+
+
+def split_mla_decodes(llm: LLM) -> TritonAttention:
+    """MLA decodes split their contexts in 32-token pieces (the kernel's tile) over up to 8
+    programs a sequence: contexts past 32 tokens combine several splits, shorter ones leave
+    empty splits."""
+    attention = llm.engine.executor.attention
+    assert isinstance(attention, TritonAttention)
+    attention.mla_min_split_len = 16
+    attention.mla_max_splits = 8
+    attention.target_programs = 10**6
+    return attention
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_latent_write_skips_padding_slots(dtype: torch.dtype):
+    """mla_write_kernel puts each row at its slot, casts to the cache's dtype, and writes
+    nothing for slot -1 (a graph's padding rows)."""
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(6, 4, 1, 40, generator=g).to(dtype)
+    rows = torch.randn(5, 40, generator=g)
+    slots = torch.tensor([7, -1, 0, 23, -1])
+    want = cache.clone().view(-1, 40)
+    keep = slots >= 0
+    want[slots[keep]] = rows[keep].to(dtype)
+    write_latent(rows, cache, slots)
+    assert torch.equal(cache.view(-1, 40), want)
+
+
+@interpreted
+def test_triton_chunked_prefill_and_split_decodes_equal_transformers(checkpoint, expected):
+    """Prompt chunks of 7 over cached prefixes packed with decodes (mixed eager steps: the
+    decode rows gathered), then decodes over split contexts: transformers' tokens."""
+    llm = make_llm(
+        checkpoint[0],
+        **TRITON,
+        **{
+            "scheduler.prefill_chunk": 7,
+            "scheduler.max_batched_tokens": 16,
+            "scheduler.max_running": 4,
+            "kv_cache.block_size": 4,
+        },
+    )
+    split_mla_decodes(llm)
+    assert generate(llm) == expected
+
+
+@interpreted
+def test_triton_prefix_cache_hit_equals_transformers(lite):
+    path, model = lite
+    first = list(range(3, 43)) + [50, 51, 52]
+    second = list(range(3, 43)) + [90, 91]
+    llm = make_llm(path, **TRITON, **{"kv_cache.block_size": 4})
+    split_mla_decodes(llm)
+    assert generate(llm, [first]) == reference(model, [first])
+    assert generate(llm, [second]) == reference(model, [second])
+    assert llm.engine.scheduler.stats().prefix_hits > 0
+
+
+@interpreted
+def test_triton_decode_graph_runner_generates_like_eager(lite):
+    """The decode graph runner's static buffers (block tables and context lengths of the
+    padded batch, slot -1 on padding rows) on the CPU without graphs: the eager steps' tokens
+    and logits. Mixed-step graphs decline MLA models, with the reason."""
+    from test_cuda_graphs import generates_like_eager
+
+    from inferx_kernels_cuda.cuda_graphs import DecodeGraphRunner, MixedGraphRunner
+
+    config = {**TRITON, "scheduler.max_running": 4, "scheduler.prefill_chunk": 5}
+    llm = make_llm(lite[0], **config, **{"scheduler.prefix_cache": False})
+    attention = split_mla_decodes(llm)
+    ex = llm.engine.executor
+    assert not attention.supports_mixed_graphs and ex.graphs is None and ex.mixed is None
+    bs = ex.block_size
+    with pytest.raises(NotImplementedError, match="mixed-step CUDA graphs do not take MLA"):
+        MixedGraphRunner(ex.model, attention, ex.device, 16, 4, ex.max_model_len, bs)
+
+    def install() -> None:
+        ex.graphs = DecodeGraphRunner(ex.model, attention, ex.device, 4, ex.max_model_len, bs)
+
+    generates_like_eager(llm, install)
+    assert ex.graphs.replays
+
+
+@pytest.mark.gpu
+def test_dummy_v2_lite_on_triton_with_graphs_matches_transformers(tmp_path):
+    """test_deepseek_v2's GPU check on the triton backend with CUDA graphs: V2-Lite's shapes
+    (4 layers), random weights, bf16, four prompts (one of 300 tokens), 64 tokens each: equal
+    to transformers until the first divergence, there each side's token in the other's
+    top-5."""
+    from test_deepseek_v2 import preset
+    from test_gpu_correctness import TOP, check_close, hf_greedy, ours_greedy
+
+    from inferx_core.config import load_config
+    from inferx_models.presets import write_checkpoint
+
+    config = preset("deepseek-v2-lite") | {"num_hidden_layers": 4}
+    path = write_checkpoint(config, tmp_path / "v2-lite", dtype=torch.bfloat16)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    ref = ref.cuda().eval()
+    overrides = {
+        "model.path": str(path),
+        "engine.device": "cuda",
+        "model.dtype": "bfloat16",
+        "engine.attention_backend": "triton",
+        "engine.cuda_graphs": True,
+        "kv_cache.memory": "4GiB",
+    }
+    llm = LLM(load_config(None, overrides))
+    ex = llm.engine.executor
+    assert ex.graphs is not None and ex.mixed is None
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3], [100 + 997 * i % 100000 for i in range(300)]]
+    got = ours_greedy(llm, prompts)
+    assert TOP == 5 and all(len(g) == 64 for g in got)
+    assert ex.graphs.replays
+    for p, g in zip(prompts, got, strict=True):
+        check_close(g, hf_greedy(ref, p), "deepseek-v2-lite-dummy/triton")
