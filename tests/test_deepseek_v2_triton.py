@@ -33,10 +33,12 @@ def _save(variant: str, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     return path, model
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def checkpoint(request, tmp_path_factory):
-    """test_deepseek_v2's tiny checkpoints: V2-Lite's shape and V2's (q LoRA)."""
-    return _save(request.param, tmp_path_factory)
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """test_deepseek_v2's tiny V2 (q LoRA); V2-Lite's shape runs the prefix and graph tests (the
+    interpreter makes each whole-model run minutes long on CI's two cores)."""
+    assert "v2" in VARIANTS
+    return _save("v2", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
