@@ -387,7 +387,7 @@ PARAMS = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, l
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def tiny_llama(path, hidden: int, heads: int, kv_heads: int, inter: int):
+def tiny_llama(path, hidden: int, heads: int, kv_heads: int, inter: int, positions: int = 512):
     """A random Llama written by transformers in float32; its weights are spread wider than
     the default init so that greedy tokens are well apart."""
     torch.manual_seed(0)
@@ -399,7 +399,7 @@ def tiny_llama(path, hidden: int, heads: int, kv_heads: int, inter: int):
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=hidden // heads,
-        max_position_embeddings=512,
+        max_position_embeddings=positions,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         bos_token_id=1,

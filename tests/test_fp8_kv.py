@@ -8,15 +8,14 @@ import json
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import load_file, save_file
+from test_fp8 import PARAMS, agree_in_top5, tiny_llama
 
 from inferx_core.attention_torch import FP8, TorchAttention
 from inferx_core.batch import make_attention_batch
 from inferx_core.config import load_config
 from inferx_core.engine import LLM
 from inferx_core.interfaces.kv import KVLayerSpec
-from inferx_core.sequence import SamplingParams
 
 
 def dense(q, k, v, scale):
@@ -76,24 +75,6 @@ def test_an_fp8_block_takes_a_quarter_of_a_float32_one():
 
 # --- whole models ---
 
-PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=5)
-
-
-def tiny_llama(path, positions: int = 512):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
-        rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    model.save_pretrained(path)
-    return path
-
 
 def make_llm(path, **overrides) -> LLM:
     base = {"model.path": str(path), "model.dtype": "float32", "engine.device": "cpu"}
@@ -105,19 +86,9 @@ def run(llm, prompts):
     return [(c.token_ids, [[t for t, _ in top] for _, top in c.logprobs]) for c in done]
 
 
-def agree_in_top5(got, want):
-    """Identical up to the first divergence, and there each side's token in the other's top 5."""
-    for (a_ids, a_top), (b_ids, b_top) in zip(got, want, strict=True):
-        assert len(a_ids) == len(b_ids) == PARAMS.max_tokens
-        for i, (a, b) in enumerate(zip(a_ids, b_ids, strict=True)):
-            if a != b:
-                assert a in b_top[i] and b in a_top[i], (i, a_ids, b_ids)
-                break
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("llama"))
+    return tiny_llama(tmp_path_factory.mktemp("llama"), 64, 4, 2, 128)
 
 
 PROMPTS = [list(range(3, 60)), [5, 9, 17, 33, 65, 129, 200], list(range(100, 180))]
@@ -153,7 +124,7 @@ def test_checkpoint_kv_scales_are_read_under_either_name(llama, tmp_path):
 
 @pytest.mark.slow
 def test_fp8_kv_agrees_at_an_8k_token_context(tmp_path):
-    path = tiny_llama(tmp_path / "long", positions=16384)
+    path = tiny_llama(tmp_path / "long", 64, 4, 2, 128, positions=16384)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 256, (8192,), generator=g).tolist()]
     over = {"model.max_model_len": 8300, "kv_cache.memory": "64MiB"}
