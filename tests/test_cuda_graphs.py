@@ -122,9 +122,9 @@ class LogitsRecorder:
         self.sampler = sampler
         self.steps: list[Step] = []
 
-    def __call__(self, logits: torch.Tensor, seqs):
+    def __call__(self, logits: torch.Tensor, seqs, pending=None):
         self.steps.append(Step([s.request_id for s in seqs], logits.float().cpu().clone()))
-        return self.sampler(logits, seqs)
+        return self.sampler(logits, seqs, pending)
 
     def take(self) -> list[Step]:
         steps, self.steps = self.steps, []
