@@ -12,7 +12,8 @@ pytest.importorskip("triton", reason="the triton package is not installed")
 
 from conftest import fused_views, interpreted, on_gpu, plan_steps, scattered_tables  # noqa: E402
 from test_attention_torch import rel_err  # noqa: E402
-from test_fp8_kv import PROMPTS, make_llm, run, tiny_llama  # noqa: E402
+from test_fp8 import tiny_llama  # noqa: E402
+from test_fp8_kv import PROMPTS, make_llm, run  # noqa: E402
 from test_triton_attention import check_decode_rotary, check_fused_rotary  # noqa: E402
 
 from inferx_core.attention_torch import FP8, TorchAttention  # noqa: E402
@@ -238,7 +239,7 @@ def test_static_plans_match_torch_fp8(dtype: torch.dtype, mixed: bool) -> None:
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    return tiny_llama(tmp_path_factory.mktemp("llama"))
+    return tiny_llama(tmp_path_factory.mktemp("llama"), 64, 4, 2, 128)
 
 
 @interpreted
@@ -327,7 +328,7 @@ def test_gpu_fp8_kv_triton_graphs_agree_with_torch(tmp_path_factory) -> None:  #
     there each side's token in the other's top 5): bf16 attention rounds differently in each."""
     from test_fp8_kv import agree_in_top5
 
-    path = tiny_llama(tmp_path_factory.mktemp("llama_gpu"))
+    path = tiny_llama(tmp_path_factory.mktemp("llama_gpu"), 64, 4, 2, 128)
     base = {
         "model.dtype": "bfloat16",
         "engine.device": "cuda",
