@@ -401,6 +401,7 @@ def overrides_for(run: Run, preset: str, server: bool, fallback: bool) -> dict[s
         # As the peer was measured: prefix caching off offline, the default (on) when serving.
         "scheduler.prefix_cache": "true" if server else "false",
     }
+    o |= dict(kv.split("=", 1) for kv in a.set)
     if fallback:
         del o["kv_cache.memory"]
         o["kv_cache.num_blocks"] = str(fallback_blocks(preset))
@@ -651,6 +652,8 @@ def run_model(run: Run, preset: str, models_left: int) -> None:
     deadline = start + share
     res: dict[str, Any] = run.doc["models"].setdefault(preset, {})
     res["budget_s"] = share
+    if run.args.set:
+        res["set"] = list(run.args.set)
     if share < 20:
         for name in run.only:
             res[name] = {"error": "skipped: the time budget was spent"}
@@ -797,6 +800,8 @@ def table(preset: str, res: dict[str, Any], s: Sizes) -> str:
         graphs = off["cuda_graph_sizes"]
         mode = f"CUDA graphs ({graphs} sizes)" if graphs else f"eager ({off['eager_reason']})"
         head += f" ({off['device']}, {off['dtype']}, {off['attention_backend']}, {mode})"
+    if res.get("set"):
+        head += f" [{', '.join(res['set'])}]"
     rows = [head, "", "| figure | InferX | vLLM 0.26.0 | goal |", "|---|---:|---:|---|"]
 
     def row(label: str, key: str, value: str) -> None:
@@ -851,7 +856,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--serve-rounds", type=int, default=1, help="runs at each concurrency (the median's)"
     )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every engine, e.g. quantization.scheme=fp8 (repeatable)",
+    )
     args = ap.parse_args(argv)
+    bad = [kv for kv in args.set if "=" not in kv]
+    if bad:
+        ap.error(f"--set takes KEY=VALUE, got {', '.join(bad)}")
     unknown = [f for f in args.only if f not in FIGURES]
     if unknown:
         ap.error(f"--only: unknown figure(s) {', '.join(unknown)}; known: {', '.join(FIGURES)}")
