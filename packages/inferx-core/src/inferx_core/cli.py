@@ -149,7 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("checkpoint", help="write a random-weight checkpoint of a preset's shapes")
     c.add_argument("--preset", required=True)
-    c.add_argument("--tokenizer", help="directory whose tokenizer files are copied in")
+    c.add_argument(
+        "--tokenizer",
+        help="directory whose tokenizer files are copied in; for DeepSeek-V2 presets, a "
+        "byte-level BPE tokenizer (Llama 3's) is cut down to the model's 102,400 ids with "
+        "DeepSeek's special tokens and chat template (docs/BENCHMARKS.md)",
+    )
     c.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("out", help="output directory")

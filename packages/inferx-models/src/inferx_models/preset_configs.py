@@ -454,3 +454,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         "torch_dtype": "float32",
     },
 }
+
+# The V2-Lite test shapes with DeepSeek-V2's vocabulary and special ids, so that it runs with
+# the DeepSeek-V2 tokenizer derived from Llama 3's (inferx_models.derived_tokenizers): the CPU
+# plumbing of benchmarks/gpu_table.py.
+PRESETS["tiny-deepseek-v2-lite-vocab"] = PRESETS["tiny-deepseek-v2-lite"] | {
+    "vocab_size": _DEEPSEEK_V2["vocab_size"],
+    "bos_token_id": _DEEPSEEK_V2["bos_token_id"],
+    "eos_token_id": _DEEPSEEK_V2["eos_token_id"],
+}

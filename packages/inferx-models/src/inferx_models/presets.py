@@ -18,6 +18,7 @@ from typing import Any, cast
 import torch
 
 from inferx_core.interfaces.model import ModelArch
+from inferx_models.derived_tokenizers import derivation_for
 from inferx_models.preset_configs import PRESETS
 
 # Files of a Hugging Face tokenizer that write_checkpoint copies when present.
@@ -102,7 +103,11 @@ def write_checkpoint(
 ) -> Path:
     """Write a Hugging Face checkpoint directory with random weights (those DummyFormat serves
     for the same config, dtype and seed): config.json, model.safetensors or shards with an index,
-    and the tokenizer files of tokenizer_dir. One tensor is in memory at a time."""
+    and the tokenizer files of tokenizer_dir. One tensor is in memory at a time.
+
+    For a model type with a derived tokenizer (DeepSeek-V2: inferx_models.derived_tokenizers),
+    a tokenizer_dir that is not that model's kind (Llama 3's) is cut down to the model's
+    vocabulary, with its special tokens and chat template, instead of copied."""
     if isinstance(hf_config_or_preset, str):
         config = preset(hf_config_or_preset)
     else:
@@ -144,6 +149,10 @@ def write_checkpoint(
         _write_safetensors(out / file, {n: shapes[n] for n in names}, dtypes, weights)
 
     if tokenizer_dir is not None:
+        derived = derivation_for(config, tokenizer_dir)
+        if derived is not None:  # another model's tokenizer, cut down to this one's vocabulary
+            derived.write(tokenizer_dir, out, int(config["vocab_size"]))
+            return out
         found = [Path(tokenizer_dir) / f for f in TOKENIZER_FILES]
         found = [f for f in found if f.is_file()]
         if not found:
