@@ -6,12 +6,15 @@ docs/BENCHMARKS.md).
     python3 benchmarks/gpu_table.py                        # both models, all figures
     python3 benchmarks/gpu_table.py --models qwen2.5-3b-instruct --only decode,serve
     python3 benchmarks/gpu_table.py --quick --models tiny-qwen2 --tokenizers DIR  # CPU plumbing
+    python3 benchmarks/gpu_table.py --quick --models tiny-deepseek-v2-lite-vocab --tokenizers DIR
 
 Models are presets (random bf16 weights, exact shapes) with their real tokenizers, looked up
-under --tokenizers (default .carry/tok/tokenizers): `qwen/` for Qwen, `llama3/` for Llama. Before
-the device call copy both there: `mkdir -p .carry/tok/tokenizers && cp -r
-../shared/fixtures/tokenizers/{qwen,llama3} .carry/tok/tokenizers/` (11 + 9 MB), and carry
-.carry/tok (scripts/gpu_run.sh table unpacks them and runs this script; docs/CONTRIBUTING.md).
+under --tokenizers (default .carry/tok/tokenizers): `qwen/` for Qwen, `llama3/` for Llama,
+`gpt-oss/` for gpt-oss. DeepSeek-V2's is not at hand: `deepseek-v2/` if there, else derived at
+the start of the run from `llama3/` into a temporary directory (inferx_models.derived_tokenizers:
+Llama 3's BPE cut to DeepSeek's 102,400 ids, its BOS / EOS at 100,000 / 100,001 and its chat
+template). Before the device call pack them as docs/CONTRIBUTING.md says (.carry/tokxz;
+scripts/gpu_run.sh table unpacks them and runs this script).
 
 Figures (--only picks some): decode (batch 1, 128 in / 256 out, median of 3 after a whole warm-up
 request, the weight-bandwidth floor measured beside it), ttft (2048 and 8192-token prompts, fresh
@@ -65,6 +68,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import urllib.request
@@ -78,6 +82,8 @@ from gpu_clocks import GpuClocks, describe
 FIGURES = ("decode", "ttft", "throughput", "serve", "startup")
 OFFLINE = ("decode", "ttft", "throughput")
 MODELS = ("qwen2.5-3b-instruct", "llama-3.1-8b-instruct")
+# Tokenizers derived at the start of a run when --tokenizers lacks them: name -> source name.
+DERIVED_TOKENIZERS = {"deepseek-v2": "llama3"}
 GiB = 1 << 30
 SERVE_RUN_CAP_S = 100.0
 SERVER_START_CAP_S = 240.0
@@ -110,6 +116,15 @@ PEERS: dict[str, dict[str, tuple[str, str]]] = {
         "ttft_2048": ("80.8 (H100)", "<= 45"),
         "throughput": ("9,451 (H100)", ">= 12,500"),
         "startup_server": ("161 (H100)", "<= 30"),
+    },
+    # vLLM on an H100 (2026-12-05, ../shared/LESSONS.md; FLASH_ATTN_MLA decode, Triton MoE);
+    # goals: the MLA issue's (49)
+    "deepseek-v2-lite": {
+        "decode": ("3.840 (H100)", "<= 2.4"),
+        "ttft_2048": ("66.0 (H100)", "<= 45"),
+        "throughput": ("11,104 (H100)", ">= 14,000"),
+        "startup_server": ("105 (H100)", "<= 30"),
+        "kv": ("", "31,104 B/token (576 x 2 B x 27 layers); report the tokens"),
     },
 }
 
@@ -154,14 +169,40 @@ QUICK = Sizes(
 def tokenizer_name(preset: str) -> str:
     if "gpt-oss" in preset:
         return "gpt-oss"
+    if "deepseek-v2" in preset:
+        return "deepseek-v2"
     return "llama3" if "llama" in preset else "qwen"
 
 
 # -- the offline child: one engine, the offline figures ------------------------------------------
 
 
+def decode_read_bytes(model: Any) -> tuple[int, int]:
+    """(weight bytes, the bytes of them one batch-1 decode step reads): every parameter once
+    (a tied head is the embedding), but a MoE layer's routed experts, parameters and buffers
+    (MXFP4 blocks are buffers), at top_k / num_experts of their size: one token's share."""
+    from inferx_core.moe import FusedMoE
+
+    share: dict[int, float] = {}
+    tensors = list(model.parameters())
+    for m in model.modules():
+        if isinstance(m, FusedMoE):
+            ts = [*m.experts.parameters(), *m.experts.buffers()]
+            share |= {t.data_ptr(): m.router.top_k / m.router.num_experts for t in ts}
+            tensors += ts
+    seen: set[int] = set()
+    total = read = 0.0
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            nbytes = t.numel() * t.element_size()
+            total += nbytes
+            read += nbytes * share.get(t.data_ptr(), 1.0)
+    return int(total), int(read)
+
+
 def fig_decode(llm: Any, s: Sizes) -> dict[str, Any]:
-    from inferx_core.bench_offline import copy_bandwidth, random_prompt, weight_bytes
+    from inferx_core.bench_offline import copy_bandwidth, random_prompt
     from inferx_core.sequence import SamplingParams
 
     ex = llm.engine.executor
@@ -172,14 +213,15 @@ def fig_decode(llm: Any, s: Sizes) -> dict[str, Any]:
     for _ in range(s.decode_runs):
         stamps = [time.perf_counter() for _ in llm.stream(prompt, params)]
         runs.append((stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3)
-    wbytes = weight_bytes(ex.model)
+    all_bytes, wbytes = decode_read_bytes(ex.model)
     bandwidth = copy_bandwidth(ex.device)
     decode = statistics.median(runs)
     floor = wbytes / bandwidth * 1e3
     return {
         "ms_per_token": decode,
         "runs_ms": runs,
-        "weight_gb": wbytes / 1e9,
+        "weight_gb": wbytes / 1e9,  # read a step (routed experts: one token's share)
+        "all_weight_gb": all_bytes / 1e9,
         "copy_bandwidth_tb_s": bandwidth / 1e12,
         "floor_ms_per_token": floor,
         "floor_fraction": floor / decode,
@@ -292,6 +334,9 @@ def offline_child(spec_path: str) -> int:
         "compiles": getattr(report, "compiles", {}),  # the dry run's (jit_compile.summarize)
         "memory_gib": {k: v / GiB for k, v in getattr(report, "memory", {}).items()},
         "num_kv_blocks": ex.num_kv_blocks,
+        "kv_block_size": ex.block_size,
+        "kv_bytes_per_block": ex.attention.bytes_per_block(),  # every layer's
+        "kv_groups": len(ex.kv_groups),
         "attention_backend": type(ex.attention).__name__,
         "cuda_graph_sizes": len(ex.graphs.sizes) if getattr(ex, "graphs", None) else 0,
         "eager_reason": getattr(ex, "eager_reason", None),
@@ -356,7 +401,10 @@ def fallback_blocks(preset: str, block_size: int = 16) -> int:
 
     c = preset_config(preset)
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    per_block = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * 2 * block_size
+    per_token = 2 * c["num_key_value_heads"] * head_dim  # a key and a value a head
+    if "kv_lora_rank" in c:  # MLA (DeepSeek-V2): one latent and one rope key a token
+        per_token = c["kv_lora_rank"] + c["qk_rope_head_dim"]
+    per_block = c["num_hidden_layers"] * per_token * 2 * block_size
     return min(FALLBACK_KV_BYTES // per_block, 1 << 16)
 
 
@@ -379,6 +427,7 @@ class Run:
     logs: Path
     deadline: float
     doc: dict[str, Any] = field(default_factory=dict)
+    tokenizers: dict[str, Path] = field(default_factory=dict)  # derived ones, by preset
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -387,11 +436,41 @@ class Run:
         write_json(self.out, self.doc)
 
 
+def tokenizer_dir(run: Run, preset: str) -> Path:
+    """The preset's tokenizer: under --tokenizers, or the one derived for this run."""
+    return run.tokenizers.get(preset) or Path(run.args.tokenizers) / tokenizer_name(preset)
+
+
+def derive_tokenizers(root: Path, presets: list[str], scratch: Path) -> dict[str, Path | str]:
+    """For each preset whose tokenizer --tokenizers lacks but can derive (DERIVED_TOKENIZERS):
+    the directory it was derived into under scratch, or why it could not be."""
+    from inferx_models.derived_tokenizers import BY_MODEL_TYPE
+    from inferx_models.presets import preset as preset_config
+
+    made: dict[str, Path | str] = {}
+    for preset in presets:
+        name = tokenizer_name(preset)
+        if name not in DERIVED_TOKENIZERS or (root / name / "tokenizer.json").is_file():
+            continue
+        source = root / DERIVED_TOKENIZERS[name]
+        if not (source / "tokenizer.json").is_file():
+            made[preset] = f"no {root / name} nor {source}/tokenizer.json to derive it from"
+            continue
+        c = preset_config(preset)
+        try:
+            made[preset] = BY_MODEL_TYPE[c["model_type"]].write(
+                source, scratch / preset, int(c["vocab_size"])
+            )
+        except (ValueError, KeyError) as exc:
+            made[preset] = f"no {name} tokenizer derived from {source}: {exc}"
+    return made
+
+
 def overrides_for(run: Run, preset: str, server: bool, fallback: bool) -> dict[str, str]:
     a = run.args
     o = {
         "model.preset": preset,
-        "model.tokenizer": str(Path(a.tokenizers) / tokenizer_name(preset)),
+        "model.tokenizer": str(tokenizer_dir(run, preset)),
         "model.dtype": a.dtype,
         "engine.device": a.device,
         "engine.attention_backend": a.attention_backend,
@@ -526,7 +605,7 @@ def serve_prompts(run: Run, preset: str) -> dict[int, list[list[str]]]:
     """Each concurrency's prompts, one fresh set a round: the server caches prefixes, so a round
     that repeated the last one's prompts would skip their prefill."""
     s = run.sizes
-    tok_dir = Path(run.args.tokenizers) / tokenizer_name(preset)
+    tok_dir = tokenizer_dir(run, preset)
     return {
         c: [
             exact_prompts(tok_dir, s.serve_in, s.num_prompts(c), seed=c + 1000 * i)
@@ -741,6 +820,13 @@ def _startup(st: dict[str, Any]) -> str:
 def _memory(st: dict[str, Any]) -> str:
     m = st.get("memory_gib") or {}
     text = f"{st['num_kv_blocks']:,} blocks"
+    if "kv_bytes_per_block" in st:
+        size, groups = st["kv_block_size"], st.get("kv_groups", 1)
+        slots = "tokens" if groups == 1 else f"token slots ({groups} KV groups share them)"
+        text += (
+            f" = {st['num_kv_blocks'] * size:,} {slots}, "
+            f"{st['kv_bytes_per_block'] / size:,.0f} B/token"
+        )
     if m:
         text += (
             f", {m['kv_cache']:.1f} GiB (weights {m['weights']:.2f}, activation peak "
@@ -751,8 +837,11 @@ def _memory(st: dict[str, Any]) -> str:
 
 
 def _decode(d: dict[str, Any]) -> str:
+    read = f"{d['weight_gb']:.2f} GB"
+    if d.get("all_weight_gb", d["weight_gb"]) > d["weight_gb"] * 1.001:  # MoE: a token's share
+        read += f" of {d['all_weight_gb']:.2f}"
     return (
-        f"{d['ms_per_token']:.3f} (floor {d['floor_ms_per_token']:.3f}: {d['weight_gb']:.2f} GB"
+        f"{d['ms_per_token']:.3f} (floor {d['floor_ms_per_token']:.3f}: {read}"
         f" at {d['copy_bandwidth_tb_s']:.2f} TB/s; {d['floor_fraction']:.0%} of it)"
     )
 
@@ -844,7 +933,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", type=_list, default=list(FIGURES), help=",".join(FIGURES))
     ap.add_argument("--quick", action="store_true", help="tiny sizes: the plumbing, on a CPU")
     ap.add_argument(
-        "--tokenizers", default=".carry/tok/tokenizers", help="directory holding qwen/ and llama3/"
+        "--tokenizers",
+        default=".carry/tok/tokenizers",
+        help="directory holding qwen/, llama3/, gpt-oss/ (deepseek-v2/ is derived from llama3/)",
     )
     ap.add_argument("--budget-s", type=float, default=450.0, help="wall-clock bound of the run")
     ap.add_argument("--json", help="default: $OUT/gpu-table.json, else ./gpu-table.json")
@@ -881,10 +972,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_rounds < 1:
         ap.error(f"--serve-rounds must be at least 1, got {args.serve_rounds}")
     sizes = replace(sizes, serve_rounds=args.serve_rounds)
-    missing = {}
+    scratch = tempfile.TemporaryDirectory(prefix="gpu-table-tokenizers-")
+    derived = derive_tokenizers(Path(args.tokenizers), args.models, Path(scratch.name))
+    missing = {p: why for p, why in derived.items() if isinstance(why, str)}
     for preset in args.models:
         tok = Path(args.tokenizers) / tokenizer_name(preset) / "tokenizer.json"
-        if not tok.is_file():
+        if preset not in derived and not tok.is_file():
             missing[preset] = f"no {tok}: copy ../shared/fixtures/tokenizers/ there"
     if len(missing) == len(args.models):
         ap.error("; ".join(missing.values()))
@@ -894,6 +987,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(exist_ok=True)
     sha = commit_id()
     run = Run(args, sizes, tuple(args.only), out, logs, time.monotonic() + args.budget_s)
+    run.tokenizers = {p: d for p, d in derived.items() if isinstance(d, Path)}
     run.doc = {
         "meta": {
             "commit": sha,
@@ -901,6 +995,12 @@ def main(argv: list[str] | None = None) -> int:
             "command": [Path(sys.argv[0]).name, *argv],
             "budget_s": args.budget_s,
             "sizes": asdict(sizes),
+            "tokenizers": {
+                p: f"derived from {Path(args.tokenizers) / DERIVED_TOKENIZERS[tokenizer_name(p)]}"
+                if p in run.tokenizers
+                else str(tokenizer_dir(run, p))
+                for p in args.models
+            },
         },
         "peers": PEERS,
         "models": {},
@@ -922,6 +1022,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + table(preset, run.doc["models"][preset], sizes) + "\n", flush=True)
     run.doc["meta"]["seconds"] = time.monotonic() - t0
     run.save()
+    scratch.cleanup()
     print(f"raw results: {out} ({run.doc['meta']['seconds']:.0f} s)")
     return 0
 

@@ -1,6 +1,7 @@
 """benchmarks/gpu_table.py's plumbing on the CPU: --quick with the tiny-qwen2 preset and the Qwen
 tokenizer produces every figure (offline child, inferx-server, the serve client), prints the
 table, honours --only, and starts an engine again with kv_cache.num_blocks when it cannot start;
+the tiny DeepSeek-V2-Lite with the tokenizer the run derives from Llama 3's does the same;
 benchmarks/gpu_clocks.py, which samples the GPU's clocks beside each figure."""
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_table.py"
 TOKENIZERS = FIXTURES / "tokenizers"
 
 
-def run_table(tmp_path: Path, *extra: str) -> tuple[dict[str, Any], str]:
+def run_table(tmp_path: Path, *extra: str, model: str = "tiny-qwen2") -> tuple[dict[str, Any], str]:
     out = tmp_path / "gpu-table.json"
-    cmd = [sys.executable, str(SCRIPT), "--quick", "--models", "tiny-qwen2", "--tokenizers",
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--models", model, "--tokenizers",
            str(TOKENIZERS), "--budget-s", "100", "--json", str(out), *extra]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -153,6 +154,57 @@ def test_only_and_a_second_start_with_fixed_blocks(tmp_path: Path) -> None:
     assert "kv_cache.memory as a fraction needs a GPU" in off["first_attempt"]["error"]
     assert off["overrides"]["kv_cache.num_blocks"] == str(1 << 16) and off["spawn_to_ready_s"] > 0
     assert "[second start, kv_cache.num_blocks]" in stdout
+
+
+def test_deepseek_runs_with_a_derived_tokenizer(tmp_path: Path) -> None:
+    """The tiny V2-Lite with DeepSeek's vocabulary: the run derives DeepSeek-V2's tokenizer
+    from Llama 3's (the carried tokenizers have no DeepSeek one), and every figure is measured,
+    with the MLA cache's bytes a token and the routed experts' share in the decode floor."""
+    preset = "tiny-deepseek-v2-lite-vocab"
+    doc, stdout = run_table(tmp_path, model=preset)
+    res = doc["models"][preset]
+    assert errors(res) == []
+    assert doc["meta"]["tokenizers"][preset] == f"derived from {TOKENIZERS / 'llama3'}"
+    off = res["startup"]["offline"]
+    assert off["overrides"]["model.tokenizer"].endswith(preset)
+    c = {"layers": 3, "latent": 32, "rope": 8, "moe_layers": 2, "experts": 8, "top_k": 3}
+    per_token = c["layers"] * (c["latent"] + c["rope"]) * 4  # float32 on the CPU
+    assert off["kv_bytes_per_block"] == per_token * off["kv_block_size"]
+    assert off["kv_groups"] == 1
+    tokens = off["num_kv_blocks"] * off["kv_block_size"]
+    assert f"= {tokens:,} tokens, {per_token:,} B/token" in stdout
+    # decode's floor reads a token's share (top_k / experts) of the routed experts' weights
+    experts_bytes = c["moe_layers"] * c["experts"] * 3 * 64 * 32 * 4
+    d = res["decode"]
+    unread = experts_bytes * (1 - c["top_k"] / c["experts"])
+    assert (d["all_weight_gb"] - d["weight_gb"]) * 1e9 == pytest.approx(unread, abs=1)
+    for c_ in ("1", "4"):
+        assert res["serve"][c_]["server_input_tokens_per_request"] == 32  # token-exact prompts
+    assert "error" not in stdout and "unreadable" not in stdout
+
+
+def test_deepseek_tiny_preset_without_the_vocabulary_is_refused(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--models", "tiny-deepseek-v2-lite",
+           "--tokenizers", str(TOKENIZERS), "--json", str(tmp_path / "t.json")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "past this model's vocab_size 320" in proc.stderr
+
+
+def test_deepseek_peers_and_mla_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = table_module(monkeypatch)
+    text = mod.table("deepseek-v2-lite", {}, mod.Sizes())
+    assert "| 3.840 (H100) | <= 2.4 |" in text and "| 66.0 (H100) | <= 45 |" in text
+    assert "| 11,104 (H100) | >= 14,000 |" in text and "| 105 (H100) | <= 30 |" in text
+    assert "31,104 B/token (576 x 2 B x 27 layers)" in text
+    assert mod.tokenizer_name("deepseek-v2-lite") == "deepseek-v2"
+    # kv_cache.num_blocks of a second start: MLA's 576 values a token a layer, not K and V heads
+    assert mod.fallback_blocks("deepseek-v2") == mod.FALLBACK_KV_BYTES // (60 * 576 * 2 * 16)
+    per_block = 32 * 2 * 8 * 128 * 2 * 16  # Llama-3.1-8B: 8 KV heads of 128, K and V
+    assert mod.fallback_blocks("llama-3.1-8b-instruct") == mod.FALLBACK_KV_BYTES // per_block
+    st = {"num_kv_blocks": 1000, "kv_block_size": 16, "kv_bytes_per_block": 16 * 31_104}
+    assert mod._memory(st) == "1,000 blocks = 16,000 tokens, 31,104 B/token"
+    st |= {"kv_groups": 2}
+    assert "16,000 token slots (2 KV groups share them)" in mod._memory(st)
 
 
 def test_unknown_figure_is_refused() -> None:
