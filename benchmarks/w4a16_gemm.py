@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -30,7 +29,6 @@ SMOKE_SHAPES = {"qkv": (256, 96), "down": (512, 64)}
 BATCHES = (1, 4, 16, 64, 256)
 SMOKE_BATCHES = (1, 17)
 GROUP = 128
-L2_BYTES = 50 << 20  # H100's L2; the copies of the weights exceed twice this
 
 
 def _args() -> argparse.Namespace:
@@ -53,6 +51,14 @@ import torch  # noqa: E402
 
 from inferx_kernels_cuda.w4a16 import W4Config, pick_config, w4a16_linear  # noqa: E402
 from inferx_quant.w4a16 import unpack_rows  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from graph_timing import copies_for  # noqa: E402
+from graph_timing import time_calls as _time_calls  # noqa: E402
+
+
+def time_calls(fns: list[Callable[[], object]], cuda: bool) -> float:
+    return _time_calls(fns, cuda, ARGS.calls, ARGS.reps)
 
 
 def random_layer(k: int, n: int, act_order: bool, device: torch.device, seed: int = 0):
@@ -78,32 +84,6 @@ def w4_bytes(m: int, k: int, n: int) -> int:
 
 def bf16_bytes(m: int, k: int, n: int) -> int:
     return (k * n + m * k + m * n) * 2
-
-
-def time_calls(fns: list[Callable[[], object]], cuda: bool) -> float:
-    """µs a call: on CUDA a graph of ARGS.calls calls (cycling over fns) replayed ARGS.reps
-    times; on the CPU a few calls by the wall clock."""
-    if not cuda:
-        start = time.perf_counter()
-        for i in range(3):
-            fns[i % len(fns)]()
-        return (time.perf_counter() - start) / 3 * 1e6
-    for fn in fns:
-        fn()  # compile and warm up outside the graph
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(ARGS.calls):
-            fns[i % len(fns)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(ARGS.reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (ARGS.reps * ARGS.calls)
 
 
 def sweep_configs(m: int) -> list[W4Config]:
@@ -151,9 +131,9 @@ def main() -> None:
         head += "  | best swept config (µs)"
     print(head)
     for shape, (k, n) in shapes.items():
-        copies = 1 if not cuda else max(1, -(-2 * L2_BYTES // (k * n // 2)))
+        copies = copies_for(k * n // 2, cuda)
         layers = [random_layer(k, n, ARGS.act_order, device, seed) for seed in range(copies)]
-        dense_copies = 1 if not cuda else max(1, -(-2 * L2_BYTES // (k * n * 2)))
+        dense_copies = copies_for(k * n * 2, cuda)
         dense = [layers[i % copies][1] for i in range(dense_copies)]
         if cuda:  # distinct bf16 copies, not views of one
             dense = [d.clone() for d in dense]
