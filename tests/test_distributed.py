@@ -167,19 +167,23 @@ def test_qwen3_moe_experts_shard_over_two_ranks():
 
 
 @pytest.mark.parametrize(
-    ("preset", "message"),
+    ("preset", "tensor", "message"),
     [
-        ("tiny-gpt-oss", r"tiny-gpt-oss: .*MXFP4 experts .*parallel\.tensor = 2"),
-        ("tiny-deepseek-v2-lite", r"tiny-deepseek-v2-lite: .*parallel\.tensor = 2 is not supp"),
+        (
+            "tiny-gpt-oss",
+            3,
+            r"tiny-gpt-oss: parallel\.tensor = 3 does not divide num_attention_heads",
+        ),
+        ("tiny-deepseek-v2-lite", 2, r"tiny-deepseek-v2-lite: .*parallel\.tensor = 2 is not supp"),
     ],
 )
-def test_models_that_do_not_shard_are_refused_by_name(preset, message):
+def test_sizes_that_do_not_shard_the_model_are_refused_by_name(preset, tensor, message):
     from inferx_models.preset_configs import PRESETS
 
     if preset not in PRESETS:
         pytest.skip(f"no {preset} preset in this tree")
     with pytest.raises(LoadError, match=message):
-        _preset_tokens(preset, 2)
+        _preset_tokens(preset, tensor)
 
 
 def test_sizes_that_contradict_the_launch_are_config_errors(monkeypatch):

@@ -402,22 +402,25 @@ def test_layer_matches_torch_ops(kind):
 
 
 @interpreted
-def test_tensor_parallel_slices_sum_to_the_whole():
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
+def test_tensor_parallel_slices_sum_to_the_whole(fmt):
     """Each rank's experts (a slice of the intermediate size, the down bias on rank 0) through
-    the fused kernels add up to the whole layer's."""
+    the fused kernels add up to the whole layer's. MXFP4: 3 scale groups over 2 ranks, one
+    rank's 1 group zero-padded to 2."""
     spec = SPECS["gpt-oss"]
-    whole = dense_experts(spec, torch.float32, 25)
+    make, cls = (
+        (dense_experts, UnquantizedExperts) if fmt == "dense" else (mxfp4_experts, Mxfp4Experts)
+    )
+    whole = make(spec, torch.float32, 25)
     x = torch.randn(7, spec.hidden_size, generator=gen(26))
     weights, ids = random_routing(7, spec.num_experts, 2, 27)
     total = torch.zeros_like(x)
     for rank in range(2):
-        part = UnquantizedExperts(
-            spec, torch.float32, CPU, ParallelContext(rank, 2, group=object())
-        )
-        part.load("gate_up.weight", whole.gate_up.data)
-        part.load("gate_up.bias", whole.gate_up_bias.data)
-        part.load("down.weight", whole.down.data)
-        part.load("down.bias", whole.down_bias.data)
+        part = cls(spec, torch.float32, CPU, ParallelContext(rank, 2, group=object()))
+        for name, t in [*whole.named_parameters(), *whole.named_buffers()]:
+            # "gate_up" -> "gate_up.weight", "down_blocks" -> "down.blocks", ...
+            proj = "gate_up" if name.startswith("gate_up") else "down"
+            part.load(f"{proj}.{name.removeprefix(proj).lstrip('_') or 'weight'}", t.data)
         total += fused_experts(x, weights, ids, part.expert_weights(), spec)
     want = fused_experts(x, weights, ids, whole.expert_weights(), spec)
     assert rel(total, want) < 2e-5
