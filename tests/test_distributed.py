@@ -100,6 +100,27 @@ def test_ranks_give_the_greedy_tokens_of_one(checkpoint, expected, tensor):
     assert generate(checkpoint, tensor) == expected
 
 
+@pytest.mark.parametrize("checkpoint", ["qwen2"], indirect=True)
+def test_one_rank_through_the_distributed_executor(checkpoint, expected):
+    """parallel.distributed_executor at parallel.tensor = 1: a process group of one rank and no
+    worker processes, each step's plan broadcast, no overlap; the plain executor's tokens."""
+    import torch.distributed as dist
+
+    from inferx_core.distributed import TensorParallelExecutor
+
+    llm = make_llm(checkpoint, 1, **{"parallel.distributed_executor": True})
+    executor = llm.engine.executor
+    try:
+        assert isinstance(executor, TensorParallelExecutor) and executor.workers == []
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        assert executor.parallel.world_size == 1 and not llm.engine.overlap
+        assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY)] == expected
+        assert executor.plan_bytes > 0
+    finally:
+        executor.close()
+    assert not dist.is_initialized()
+
+
 @pytest.mark.parametrize("checkpoint", ["llama"], indirect=True)
 def test_a_size_that_does_not_divide_the_heads_is_a_load_error(checkpoint):
     t0 = time.monotonic()
