@@ -201,6 +201,21 @@ def test_preemption_equals_transformers(checkpoint, expected):
     assert llm.engine.kv.usage() == 0.0
 
 
+@pytest.mark.slow  # a rank process over gloo: seconds
+def test_two_ranks_give_the_greedy_tokens_of_one(checkpoint):
+    """Query heads split (q_proj or q_b_proj, kv_b_proj's per-head slices, o_proj row-parallel),
+    the latent computed and cached whole on each rank, the dense MLP, shared and routed experts
+    split along their intermediate sizes, the vocabulary split: one rank's greedy tokens, fp32."""
+    path, _ = checkpoint
+    cache = {"kv_cache.num_blocks": 64}
+    expected = generate(make_llm(path, **cache))
+    llm = make_llm(path, **cache, **{"parallel.tensor": 2})
+    try:
+        assert generate(llm) == expected
+    finally:
+        llm.engine.executor.close()
+
+
 def test_stacked_expert_layout_and_default_rope(tmp_path: Path):
     """transformers 5's in-memory layout (experts.gate_up_proj [E, 2I, H], experts.down_proj
     [E, H, I]) as checkpoint names gives the per-expert checkpoint's logits exactly; and a

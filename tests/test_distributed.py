@@ -100,6 +100,27 @@ def test_ranks_give_the_greedy_tokens_of_one(checkpoint, expected, tensor):
     assert generate(checkpoint, tensor) == expected
 
 
+@pytest.mark.parametrize("checkpoint", ["qwen2"], indirect=True)
+def test_one_rank_through_the_distributed_executor(checkpoint, expected):
+    """parallel.distributed_executor at parallel.tensor = 1: a process group of one rank and no
+    worker processes, each step's plan broadcast, no overlap; the plain executor's tokens."""
+    import torch.distributed as dist
+
+    from inferx_core.distributed import TensorParallelExecutor
+
+    llm = make_llm(checkpoint, 1, **{"parallel.distributed_executor": True})
+    executor = llm.engine.executor
+    try:
+        assert isinstance(executor, TensorParallelExecutor) and executor.workers == []
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        assert executor.parallel.world_size == 1 and not llm.engine.overlap
+        assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY)] == expected
+        assert executor.plan_bytes > 0
+    finally:
+        executor.close()
+    assert not dist.is_initialized()
+
+
 @pytest.mark.parametrize("checkpoint", ["llama"], indirect=True)
 def test_a_size_that_does_not_divide_the_heads_is_a_load_error(checkpoint):
     t0 = time.monotonic()
@@ -150,9 +171,9 @@ def test_a_rank_killed_mid_step_is_an_error_not_a_hang(checkpoint):
         executor.close()
 
 
-def _preset_tokens(preset: str, tensor: int) -> list[list[int]]:
+def _preset_tokens(preset: str, tensor: int, **overrides: object) -> list[list[int]]:
     config = {"model.preset": preset, "model.dtype": "float32", "engine.device": "cpu"}
-    config |= {"kv_cache.num_blocks": 64, "parallel.tensor": tensor}
+    config |= {"kv_cache.num_blocks": 64, "parallel.tensor": tensor} | overrides
     llm = LLM(load_config(None, config))
     try:
         return [c.token_ids for c in llm.generate(PROMPTS, GREEDY)]
@@ -167,19 +188,27 @@ def test_qwen3_moe_experts_shard_over_two_ranks():
 
 
 @pytest.mark.parametrize(
-    ("preset", "message"),
+    ("preset", "tensor", "message"),
     [
-        ("tiny-gpt-oss", r"tiny-gpt-oss: .*MXFP4 experts .*parallel\.tensor = 2"),
-        ("tiny-deepseek-v2-lite", r"tiny-deepseek-v2-lite: .*parallel\.tensor = 2 is not supp"),
+        (
+            "tiny-gpt-oss",
+            3,
+            r"tiny-gpt-oss: parallel\.tensor = 3 does not divide num_attention_heads",
+        ),
+        (
+            "tiny-deepseek-v2-lite",
+            3,
+            r"tiny-deepseek-v2-lite: parallel\.tensor = 3 does not divide num_attention_heads",
+        ),
     ],
 )
-def test_models_that_do_not_shard_are_refused_by_name(preset, message):
+def test_sizes_that_do_not_shard_the_model_are_refused_by_name(preset, tensor, message):
     from inferx_models.preset_configs import PRESETS
 
     if preset not in PRESETS:
         pytest.skip(f"no {preset} preset in this tree")
     with pytest.raises(LoadError, match=message):
-        _preset_tokens(preset, 2)
+        _preset_tokens(preset, tensor)
 
 
 def test_sizes_that_contradict_the_launch_are_config_errors(monkeypatch):
@@ -396,3 +425,16 @@ def test_two_gpus_over_nccl(checkpoint, dtype):
         assert got == expected
     else:
         assert [g[:2] for g in got] == [e[:2] for e in expected]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("preset", ["tiny-gpt-oss", "tiny-deepseek-v2-lite", "tiny-deepseek-v2"])
+def test_moe_presets_on_two_gpus(preset):
+    """The MoE models on two GPUs over NCCL (the CUDA runtime, graphs captured per rank): the
+    MXFP4 experts' padded rank shards through the fused MoE kernels, MLA's Triton decode over a
+    rank's heads; fp32 gives the tokens of one GPU."""
+    gpu = {"engine.device": "cuda", "engine.attention_backend": "triton"}
+    gpu |= {"kv_cache.num_blocks": None, "kv_cache.memory": "2GiB"}
+    expected = _preset_tokens(preset, 1, **gpu)
+    assert _preset_tokens(preset, 2, **gpu) == expected

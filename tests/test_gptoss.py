@@ -287,6 +287,23 @@ def test_greedy_batched_and_chunked_equal_transformers(layout, bf16_checkpoint, 
     assert generate(make_llm(path, **CHUNKED)) == expected, "chunked prefill"
 
 
+@pytest.mark.slow  # rank processes over gloo: seconds per engine
+@pytest.mark.parametrize(("layout", "world"), [("mxfp4", 2), ("mxfp4", 4), ("bf16", 2)])
+def test_tensor_parallel_greedy_equals_one_rank(layout, world, bf16_checkpoint, mxfp4_checkpoint):
+    """Heads (with their sinks and q/k/v biases) split over the ranks, the KV heads replicated
+    at 4 ranks (2 KV heads), o_proj's and the experts' down bias added once, the experts' and
+    the MXFP4 scale groups' intermediate columns split (one group a rank at 2, padding at 4),
+    the vocabulary split: the greedy tokens of one rank, in fp32, past the sliding window."""
+    path, _ = bf16_checkpoint if layout == "bf16" else mxfp4_checkpoint
+    cache = {"kv_cache.num_blocks": 64}
+    expected = generate(make_llm(path, **cache))
+    llm = make_llm(path, **cache, **{"parallel.tensor": world})
+    try:
+        assert generate(llm) == expected
+    finally:
+        llm.engine.executor.close()
+
+
 def test_mxfp4_experts_keep_packed_bytes(mxfp4_checkpoint):
     llm = make_llm(mxfp4_checkpoint[0])
     for layer in llm.engine.executor.model.model.layers:
@@ -324,12 +341,53 @@ def test_missing_tensor_is_named(layout, dropped, bf16_checkpoint, mxfp4_checkpo
         make_llm(tmp_path)
 
 
-def test_mxfp4_refuses_tensor_parallel():
-    spec = ExpertsSpec("model.layers.0.mlp.experts", 4, 64, 64, "swiglu_oai", bias=True)
-    two = ParallelContext(rank=0, world_size=2, group=object())
+@pytest.mark.parametrize("activation", ["swiglu_oai", "silu"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_mxfp4_experts_shard_in_whole_scale_groups(activation, world):
+    """Each rank keeps whole 32-wide scale groups of every expert's intermediate size (3 groups
+    here: uneven over 2 ranks, one rank empty over 4), zero-padded to one shape, bytes as
+    stored; the ranks' partial sums add up to the unsharded experts' output (float32)."""
+    e, hidden, inter = 4, 64, 96
+    spec = ExpertsSpec("model.layers.0.mlp.experts", e, hidden, inter, activation, bias=True)
+    gen = torch.Generator().manual_seed(3)
+    tensors = {
+        "gate_up": random_mxfp4(gen, 2 * inter, hidden, e),
+        "down": random_mxfp4(gen, hidden, inter, e),
+    }
+    biases = {"gate_up": torch.randn(e, 2 * inter, generator=gen), "down": torch.randn(e, hidden)}
     scheme = Mxfp4(QuantConfig({"quant_method": "mxfp4"}))
-    with pytest.raises(NotImplementedError, match="tensor parallelism"):
-        scheme.experts(spec, torch.float32, torch.device("cpu"), two)
+
+    def build(parallel: ParallelContext) -> Mxfp4Experts:
+        experts = scheme.experts(spec, torch.float32, torch.device("cpu"), parallel)
+        assert isinstance(experts, Mxfp4Experts)
+        for part, q in tensors.items():
+            for what, t in q.items():
+                experts.load(f"{part}.{what}", t)
+            experts.load(f"{part}.bias", biases[part])
+        experts.finish_loading()
+        return experts
+
+    x = torch.randn(7, hidden, generator=gen)
+    logits = torch.randn(7, e, generator=gen)
+    weights, ids = logits.topk(2, dim=-1)
+    weights = weights.softmax(dim=-1)
+    whole = build(ParallelContext())(x, weights, ids)
+    total = torch.zeros_like(whole)
+    kept = []
+    for rank in range(world):
+        shard = build(ParallelContext(rank=rank, world_size=world, group=object()))
+        assert shard.n == (64 if world == 2 else 32)  # ceil(3 groups / ranks) wide
+        assert shard.gate_up_blocks.shape == (e, 2 * shard.n, hidden // 32, 16)
+        assert shard.down_blocks.shape == (e, hidden, shard.n // 32, 16)
+        assert (shard.down_bias is None) == (rank != 0)
+        g0, g = shard.start // 32, shard.kept // 32
+        kept.append(g)
+        down = tensors["down"]["blocks"][:, :, g0 : g0 + g]
+        assert torch.equal(shard.down_blocks[:, :, :g], down)
+        assert not shard.down_blocks[:, :, g:].any()
+        total += shard(x, weights, ids)
+    assert kept == ([1, 2] if world == 2 else [0, 1, 1, 1])
+    torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-5)
 
 
 def test_modules_to_not_convert_leaves_experts_unquantized():

@@ -1,6 +1,7 @@
-"""Tensor parallelism on the CPU: ranks joined by gloo run Llama and Qwen2 sharded (column/row
-linear layers, vocab-parallel embedding and head, replicated KV heads) and must give the logits
-of the unsharded model, in fp32."""
+"""Tensor parallelism on the CPU: ranks joined by gloo run Llama, Qwen2, gpt-oss (MXFP4 experts)
+and DeepSeek-V2 (MLA) sharded (column/row linear layers, vocab-parallel embedding and head,
+replicated KV heads, experts split along their intermediate size, MLA's query heads split over
+a whole latent) and must give the logits of the unsharded model, in fp32."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ import torch.multiprocessing as mp
 from inferx_core.attention_torch import TorchAttention
 from inferx_core.batch import make_attention_batch
 from inferx_core.interfaces.model import BuildContext, ModelArch
-from inferx_core.interfaces.quant import LinearSpec
+from inferx_core.interfaces.quant import LinearSpec, QuantConfig, QuantScheme
 from inferx_core.parallel import SINGLE, ParallelContext
 from inferx_core.quant_none import DenseLinear, Unquantized
+from inferx_models.deepseek_v2 import DeepseekV2ForCausalLM
+from inferx_models.gptoss import GptOssForCausalLM
 from inferx_models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from inferx_quant.mxfp4 import Mxfp4
 
 CPU = torch.device("cpu")
 # The sharded GEMMs add in another order (row-parallel layers sum per rank, then across):
@@ -42,19 +46,68 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2-biases": BASE | {"architectures": ["Qwen2ForCausalLM"]},
     "qwen2-tied": BASE
     | {"architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": True, "vocab_size": 300},
+    # sinks, q/k/v/o biases, a window of 4 (the decode step passes it), MXFP4 experts of 3
+    # scale groups: uneven over 2 ranks, padded over 4
+    "gpt-oss-mxfp4": BASE
+    | {
+        "architectures": ["GptOssForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 4,
+        "quantization_config": {"quant_method": "mxfp4"},
+    },
+    "deepseek-v2-lite": BASE
+    | {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "moe_intermediate_size": 16,
+        "num_key_value_heads": 4,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 6,
+        "kv_lora_rank": 16,
+        "q_lora_rank": None,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 3,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+    },
+}
+# DeepSeek-V2's shape: q LoRA, group-limited routing
+CONFIGS["deepseek-v2"] = CONFIGS["deepseek-v2-lite"] | {
+    "q_lora_rank": 12,
+    "topk_method": "group_limited_greedy",
+    "n_group": 4,
+    "topk_group": 2,
+}
+ARCHS: dict[str, type[ModelArch]] = {
+    a.__name__: a
+    for a in (LlamaForCausalLM, Qwen2ForCausalLM, GptOssForCausalLM, DeepseekV2ForCausalLM)
 }
 BLOCK = 4
 
 
 def _arch(cfg: dict[str, Any]) -> type[ModelArch]:
-    return Qwen2ForCausalLM if cfg["architectures"][0] == "Qwen2ForCausalLM" else LlamaForCausalLM
+    return ARCHS[cfg["architectures"][0]]
+
+
+def _quant(cfg: dict[str, Any]) -> QuantScheme:
+    checkpoint = cfg.get("quantization_config")
+    return Mxfp4(QuantConfig(checkpoint)) if checkpoint else Unquantized()
 
 
 def _weights(cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Seeded weights: norms around 1, everything else small, so logits are of order 1."""
+    """Seeded weights: norms around 1, everything else small, so logits are of order 1; MXFP4
+    blocks random bytes, their scales 2^-9 .. 2^-6 (weights up to 6 times that)."""
     g = torch.Generator().manual_seed(0)
+    packed = _arch(cfg).checkpoint_dtypes(cfg)
     out = {}
     for name, shape in _arch(cfg).checkpoint_shapes(cfg).items():
+        if name in packed:
+            low, high = (118, 122) if name.endswith("_scales") else (0, 256)
+            out[name] = torch.randint(low, high, shape, generator=g, dtype=torch.uint8)
+            continue
         t = torch.randn(shape, generator=g)
         out[name] = 1 + 0.1 * t if name.endswith("norm.weight") else 0.2 * t
     return out
@@ -65,16 +118,21 @@ def _logits(cfg: dict[str, Any], parallel: ParallelContext) -> list[torch.Tensor
     arch = _arch(cfg)
     backend = TorchAttention(arch.kv_layout(cfg, parallel), BLOCK, torch.float32, CPU)
     backend.allocate(16)
-    model = arch(cfg, BuildContext(torch.float32, CPU, backend, Unquantized(), parallel=parallel))
+    model = arch(cfg, BuildContext(torch.float32, CPU, backend, _quant(cfg), parallel=parallel))
     model.load_weights(_weights(cfg).items())
     tables = [[3, 5], [7, 2]]
+    # a table per KV group (gpt-oss: sliding, full), on blocks of their own
+    group_tables = [tables, [[9, 11], [13, 8]]][: len(backend.groups)]
     steps = [([5, 3], [5, 3], [11, 4, 250, 9, 299, 17, 3, 140]), ([1, 1], [6, 4], [23, 298])]
     out = []
     for query_lens, context_lens, ids in steps:
         positions = [
             p for q, c in zip(query_lens, context_lens, strict=True) for p in range(c - q, c)
         ]
-        backend.begin_step(make_attention_batch(query_lens, context_lens, tables, BLOCK))
+        batch = make_attention_batch(
+            query_lens, context_lens, tables, BLOCK, group_tables=group_tables
+        )
+        backend.begin_step(batch)
         with torch.no_grad():
             hidden = model(torch.tensor(ids), torch.tensor(positions))
             out.append(model.compute_logits(hidden))

@@ -257,6 +257,14 @@ class ParallelSection(Section):
     # Ranks (processes, one GPU each) to shard the model over: inferx_core.distributed. A
     # size that does not divide the model's heads, KV heads or MLP is refused at start-up.
     tensor: int = Field(default=1, ge=1, description="GPUs (ranks) to shard the model over")
+    # At parallel.tensor = 1, run through the same path as N ranks (a process group, NCCL on a
+    # GPU; rank 0's TensorParallelExecutor broadcasting each step's plan; no overlap) instead
+    # of the plain executor: what that path costs, measured on one GPU. Above 1 it always is.
+    distributed_executor: bool = Field(
+        default=False,
+        description="at parallel.tensor = 1 too, run the tensor-parallel executor (process "
+        "group, per-step plan broadcast)",
+    )
 
 
 class Config(Section):

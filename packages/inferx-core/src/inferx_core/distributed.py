@@ -1,5 +1,5 @@
 """Tensor parallelism over processes: one process a rank, joined by torch.distributed (NCCL on
-GPUs, gloo on the CPU).
+GPUs, gloo on the CPU). parallel.distributed_executor runs a world of one rank the same way.
 
 Rank 0 is the calling process (LLM, `inferx generate`, the server's engine): it runs the
 scheduler, and its executor is a TensorParallelExecutor, which sends each step's plan to the
@@ -212,7 +212,8 @@ def join(config: Config, rank: int, world: int, local_rank: int, init: str) -> P
     ParallelContext, its model group NCCL on GPUs and gloo on the CPU."""
     device = _device_type(config)
     if device == "cuda":
-        torch.cuda.set_device(local_rank)
+        name = config.engine.device  # "cuda:N" only at world size 1 (tensor_parallel_size)
+        torch.cuda.set_device(int(name.split(":")[1]) if ":" in name else local_rank)
     elif not config.engine.threads:  # the ranks share the machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     backend = "nccl" if device == "cuda" else "gloo"
@@ -320,7 +321,8 @@ def make_tensor_parallel_executor(config: Config, reg: Plugins | None = None) ->
     Under torchrun a rank above 0 runs the worker loop here and exits the process."""
     world = tensor_parallel_size(config)
     launched = torchrun_env()
-    if world == 1:  # WORLD_SIZE 1, or set without the rest of torchrun's environment
+    if world == 1 and not config.parallel.distributed_executor:
+        # WORLD_SIZE 1, or set without the rest of torchrun's environment: the plain executor
         reg = reg or plugins()
         device = resolve_device(config.engine.device)
         cls = reg.get("executor", pick_executor(config.engine.executor, device, reg))

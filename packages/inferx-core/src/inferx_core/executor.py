@@ -239,9 +239,15 @@ def pick_executor(name: str, device: torch.device, reg: Plugins) -> str:
 
 def make_executor(config: Config, reg: Plugins | None = None) -> Executor:
     """The executor engine.executor names (or auto picks), built for config; over
-    parallel.tensor ranks, rank 0's (inferx_core.distributed)."""
+    parallel.tensor ranks (or one, with parallel.distributed_executor), rank 0's
+    (inferx_core.distributed)."""
     reg = reg or plugins()
-    if config.parallel.tensor > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's
+    parallel = config.parallel
+    if (
+        parallel.tensor > 1
+        or parallel.distributed_executor
+        or int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun's
+    ):
         from inferx_core.distributed import make_tensor_parallel_executor
 
         return make_tensor_parallel_executor(config, reg)

@@ -18,7 +18,9 @@ from inferx_core.parallel import SINGLE, ParallelContext
 from inferx_models.layers import (
     RMSNorm,
     RotaryEmbedding,
+    heads_per_rank,
     linear,
+    reduce_parts,
     rope_parameters,
     yarn_mscale,
 )
@@ -127,6 +129,14 @@ class MLAttention(nn.Module):
     rope key are rotated (interleaved pairs); the backend stores latent + rope key, and
     expands the latent through kv_b_proj (this layer's MLAWeights) into per-head nope keys and
     values, or absorbs kv_b_proj into the query and output.
+
+    Tensor parallel: the query heads split over the ranks (q_proj or q_b_proj, and kv_b_proj,
+    by whole heads; o_proj row-parallel, all-reduced). The latent and the rope key are one KV
+    head that every query head reads (MQA), so each rank computes and caches them whole.
+    Without q LoRA, qkv_a_proj is column-parallel: q_proj's part split by heads,
+    kv_a_proj_with_mqa's declared as one head, which every rank keeps whole (LinearSpec.
+    part_heads: fewer heads than ranks replicate). With q LoRA it is replicated: q_a_proj's
+    latent, which every head expands from, is needed whole too.
     """
 
     def __init__(
@@ -135,30 +145,48 @@ class MLAttention(nn.Module):
         super().__init__()
         prefix = f"model.layers.{layer}.self_attn"
         hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        self.heads = heads
+        self.heads = heads_per_rank(heads, heads, ctx.parallel)[0]  # this rank's
         self.nope, self.rope = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
         self.v_dim, self.rank = cfg["v_head_dim"], cfg["kv_lora_rank"]
         self.q_lora: int | None = cfg.get("q_lora_rank")
         qk = self.nope + self.rope
-        self.q_out = self.q_lora or heads * qk
+        self.q_out = self.q_lora or self.heads * qk  # this rank's q columns of qkv_a_proj
         self.qkv_a_proj = linear(
             ctx,
             f"{prefix}.qkv_a_proj",
             hidden,
-            [self.q_out, self.rank + self.rope],
+            [self.q_lora or heads * qk, self.rank + self.rope],
             False,
+            # q LoRA: q_a_proj's latent and kv_a's, whole on every rank; else q_proj by heads
+            "replicated" if self.q_lora else "column",
             part_names=("q_a_proj" if self.q_lora else "q_proj", "kv_a_proj_with_mqa"),
+            part_heads=() if self.q_lora else (heads, 1),
         )
         self.q_a_layernorm: RMSNorm | None = None
         self.q_b_proj = None
         if self.q_lora:
             self.q_a_layernorm = RMSNorm(self.q_lora, LATENT_EPS, ctx)
-            self.q_b_proj = linear(ctx, f"{prefix}.q_b_proj", self.q_lora, [heads * qk], False)
+            self.q_b_proj = linear(
+                ctx,
+                f"{prefix}.q_b_proj",
+                self.q_lora,
+                [heads * qk],
+                False,
+                "column",
+                part_heads=(heads,),
+            )
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_EPS, ctx)
         self.kv_b_proj = linear(
-            ctx, f"{prefix}.kv_b_proj", self.rank, [heads * (self.nope + self.v_dim)], False
+            ctx,
+            f"{prefix}.kv_b_proj",
+            self.rank,
+            [heads * (self.nope + self.v_dim)],
+            False,
+            "column",
+            part_heads=(heads,),
         )
         self.o_proj = linear(ctx, f"{prefix}.o_proj", heads * self.v_dim, [hidden], False, "row")
+        self.tp = ctx.parallel if ctx.parallel.world_size > 1 else None
         self.rotary = rotary
         self.backend = ctx.attention
         self.ops = ctx.ops
@@ -201,7 +229,11 @@ class MLAttention(nn.Module):
         """The layer's output, or with `parts` o_proj's partial results for a norm that adds
         them up (Attention.forward's contract)."""
         out = self._attend(positions, x)
-        return self.ops.linear_parts(self.o_proj, out) if parts else self.o_proj(out)
+        if parts:
+            y = self.ops.linear_parts(self.o_proj, out)
+            return y if self.tp is None else reduce_parts(self.tp, y)
+        y = self.o_proj(out)
+        return y if self.tp is None else self.tp.all_reduce(y)
 
     def forward_normed(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
@@ -219,7 +251,8 @@ class DeepseekV2ForCausalLM(Qwen3MoeForCausalLM):
 
     Checkpoints in the published layout: per-expert "mlp.experts.{e}.gate_proj.weight" (or
     transformers 5's stacked experts; Qwen3-MoE's loader), "mlp.shared_experts.*",
-    "mlp.gate.weight". Tensor parallelism is not implemented for it.
+    "mlp.gate.weight". Tensor parallel as MLAttention says for attention; the dense MLPs and
+    shared experts column/row-parallel, the routed experts split along their intermediate size.
     """
 
     qk_norm = False
@@ -281,7 +314,8 @@ class DeepseekV2ForCausalLM(Qwen3MoeForCausalLM):
         cls, hf_config: dict[str, Any], parallel: ParallelContext = SINGLE, kv_dtype: str = "auto"
     ) -> list[KVLayerSpec]:
         rank, rope = hf_config["kv_lora_rank"], hf_config["qk_rope_head_dim"]
-        heads = hf_config["num_attention_heads"] // parallel.world_size
+        heads = hf_config["num_attention_heads"]
+        heads = heads_per_rank(heads, heads, parallel)[0]
         spec = KVLayerSpec(
             heads, 1, rank + rope, kind="mla", v_head_dim=rank, rope_dim=rope, dtype=kv_dtype
         )
@@ -317,11 +351,6 @@ class DeepseekV2ForCausalLM(Qwen3MoeForCausalLM):
         return shapes
 
     def __init__(self, hf_config: dict[str, Any], ctx: BuildContext) -> None:
-        if ctx.parallel.world_size > 1:
-            raise NotImplementedError(
-                f"DeepseekV2ForCausalLM: parallel.tensor = {ctx.parallel.world_size} is not "
-                "supported (MLA layers run on one rank)"
-            )
         super().__init__(with_defaults(hf_config), ctx)
 
     @torch.no_grad()

@@ -92,6 +92,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
     Expert weights are whatever the quant scheme makes of them: bf16 checkpoints load into the
     unquantized experts, MXFP4 ones (quantization_config quant_method "mxfp4") into
     inferx-quant's MXFP4 experts, which keep the blocks and scales as stored.
+
+    Tensor parallel as Llama: query heads (with their sinks and q/k/v biases) split, KV heads
+    replicated where fewer than the ranks, o_proj's bias added by rank 0; the router
+    replicated and every expert split along its intermediate size (MXFP4 in whole scale
+    groups).
     """
 
     sinks = True

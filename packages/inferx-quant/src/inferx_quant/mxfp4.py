@@ -50,18 +50,36 @@ def should_convert(prefix: str, not_convert: list[str]) -> bool:
     return True
 
 
+def group_shard(groups: int, parallel: ParallelContext) -> tuple[int, int, int]:
+    """(first group, groups kept, groups held) of this rank's share of `groups` MXFP4 scale
+    groups: whole groups, as evenly as they go (rank r keeps [r * G // N, (r + 1) * G // N)),
+    held in ceil(G / N) groups so every rank's tensors have one shape (the rest zeros)."""
+    n, r = parallel.world_size, parallel.rank
+    start, stop = r * groups // n, (r + 1) * groups // n
+    return start, stop - start, -(-groups // n)
+
+
 class Mxfp4Experts(QuantExperts):
-    """A MoE layer's experts as MXFP4: gate_up blocks [E, 2I, H / 32, 16] and scales
-    [E, 2I, H / 32] (gate and up rows in the activation's layout), down blocks [E, H, I / 32, 16]
-    and scales [E, H, I / 32], all uint8 as the checkpoint stores them; biases [E, 2I] / [E, H]
-    in the serving dtype.
+    """A MoE layer's experts as MXFP4: gate_up blocks [E, 2n, H / 32, 16] and scales
+    [E, 2n, H / 32] (gate and up rows in the activation's layout), down blocks [E, H, n / 32, 16]
+    and scales [E, H, n / 32], all uint8 as the checkpoint stores them; biases [E, 2n] / [E, H]
+    in the serving dtype (the down bias on rank 0 only).
+
+    n is this rank's share of the intermediate size I. Tensor parallel ranks split every
+    expert's intermediate dimension, as UnquantizedExperts do, but in whole 32-wide scale groups
+    (a group's one scale cannot be split without requantizing): rank r keeps groups
+    [r * G // N, (r + 1) * G // N) of the G = I / 32, and holds ceil(G / N) groups, the last
+    zero where it keeps fewer. Zero gate and up rows with zero biases give a zero activation
+    (silu(0) * 0, and swiglu_oai's 0 * sigmoid(0) * (0 + 1)), and zero down columns add
+    nothing, so the padding changes no output.
 
     The torch reference: forward dequantizes each expert that has tokens to the activations'
     dtype, runs it as UnquantizedExperts would, and drops the dequantized copy. No weight is
     ever kept wider than 4 bits.
 
     load() kinds: "gate_up.blocks", "gate_up.scales", "down.blocks", "down.scales",
-    "gate_up.bias", "down.bias"; per expert or stacked ([E] leading), like UnquantizedExperts.
+    "gate_up.bias", "down.bias"; per expert or stacked ([E] leading), like UnquantizedExperts;
+    whole checkpoint tensors, of which each rank keeps its share.
     """
 
     def __init__(
@@ -72,18 +90,18 @@ class Mxfp4Experts(QuantExperts):
         parallel: ParallelContext = SINGLE,
     ) -> None:
         super().__init__()
-        if parallel.world_size > 1:
-            raise NotImplementedError(
-                f"{spec.prefix}: MXFP4 experts do not support tensor parallelism yet "
-                f"(parallel.tensor = {parallel.world_size}); run on one GPU"
-            )
         e, h, inter = spec.num_experts, spec.hidden_size, spec.intermediate_size
         for what, cols in (("hidden size", h), ("intermediate size", inter)):
             if cols % BLOCK:
                 raise ValueError(f"{spec.prefix}: {what} {cols} is not a multiple of {BLOCK}")
         self.spec = spec
-        # [out rows, in columns] of each weight
-        self.dims = {"gate_up": (2 * inter, h), "down": (h, inter)}
+        self.rank = parallel.rank
+        first, kept, held = group_shard(inter // BLOCK, parallel)
+        self.start, self.kept, self.n = first * BLOCK, kept * BLOCK, held * BLOCK
+        n = self.n
+        # [out rows, in columns] of each weight: the checkpoint's, and this rank's
+        self.whole = {"gate_up": (2 * inter, h), "down": (h, inter)}
+        self.dims = {"gate_up": (2 * n, h), "down": (h, n)}
         for part, (rows, cols) in self.dims.items():
             blocks = torch.zeros(
                 e, rows, cols // BLOCK, BLOCK // 2, dtype=torch.uint8, device=device
@@ -95,6 +113,8 @@ class Mxfp4Experts(QuantExperts):
         self.down_bias: torch.nn.Parameter | None = None
         if spec.bias:
             for part, (rows, _) in self.dims.items():
+                if part == "down" and parallel.rank != 0:
+                    continue  # the ranks' partial sums are all-reduced: rank 0 adds it once
                 bias = torch.zeros(e, rows, dtype=dtype, device=device)
                 setattr(self, f"{part}_bias", torch.nn.Parameter(bias, requires_grad=False))
         self._loaded: dict[str, set[int]] = {}
@@ -106,12 +126,33 @@ class Mxfp4Experts(QuantExperts):
             raise ValueError(f"{spec.prefix}: MXFP4 experts have no {kind!r} tensor")
         if what == "bias" and not spec.bias:
             raise ValueError(f"{spec.prefix}: the experts have no biases ({kind!r})")
-        dest = getattr(self, f"{part}_{what}")
-        experts, tensor = expert_rows(spec, kind, tensor, expert, tuple(dest.shape[1:]))
+        rows, cols = self.whole[part]
+        shape = {
+            "blocks": (rows, cols // BLOCK, BLOCK // 2),
+            "scales": (rows, cols // BLOCK),
+            "bias": (rows,),
+        }[what]
+        experts, tensor = expert_rows(spec, kind, tensor, expert, shape)
         if what != "bias" and tensor.dtype != torch.uint8:
             raise ValueError(f"{spec.prefix}: {kind} is {tensor.dtype}, expected torch.uint8")
-        dest.data[experts.start : experts.stop].copy_(tensor)
         self._loaded.setdefault(kind, set()).update(experts)
+        dest = getattr(self, f"{part}_{what}")
+        if dest is None:  # the down bias on a rank other than 0
+            return
+        dest = dest.data[experts.start : experts.stop]
+        start, kept, n = self.start, self.kept, self.n
+        if part == "down":
+            if what != "bias":  # this rank's scale groups of the intermediate columns
+                g0, g = start // BLOCK, kept // BLOCK
+                dest[:, :, :g].copy_(tensor[:, :, g0 : g0 + g])
+            else:
+                dest.copy_(tensor)
+        elif spec.activation == "silu":  # gate rows, then up rows
+            inter = spec.intermediate_size
+            dest[:, :kept].copy_(tensor[:, start : start + kept])
+            dest[:, n : n + kept].copy_(tensor[:, inter + start : inter + start + kept])
+        else:  # interleaved: gate j and up j are rows 2j and 2j + 1
+            dest[:, : 2 * kept].copy_(tensor[:, 2 * start : 2 * (start + kept)])
 
     def finish_loading(self) -> None:
         whats = ("blocks", "scales", "bias") if self.spec.bias else ("blocks", "scales")

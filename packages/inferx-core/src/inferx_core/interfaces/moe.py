@@ -84,7 +84,8 @@ class ExpertWeights:
     format "dense": gate_up [E, 2n, H] and down [E, H, n] in the activations' dtype.
     format "mxfp4": gate_up [E, 2n, H / 32, 16] and down [E, H, n / 32, 16] uint8 (two e2m1
     values a byte, the low nibble the even element) with e8m0 scales gate_up_scales
-    [E, 2n, H / 32] and down_scales [E, H, n / 32] uint8 (value = e2m1 * 2^(scale - 127)).
+    [E, 2n, H / 32] and down_scales [E, H, n / 32] uint8 (value = e2m1 * 2^(scale - 127));
+    n is a whole number of 32-column groups, a rank's share zero-padded to it.
     format "fp8": gate_up [E, 2n, H] and down [E, H, n] float8_e4m3fn, scaled per output row by
     gate_up_scales [E, 2n] and down_scales [E, H] float32 (weight-only: the activations stay in
     their dtype); with scale_block_k = bk > 0 the scales are per row per bk columns of K,
@@ -107,7 +108,8 @@ class ExpertWeights:
 class QuantExperts(torch.nn.Module, ABC):
     """The routed experts of one MoE layer bound to their tensors, however the scheme stores
     them. Tensor-parallel ranks hold a slice of every expert's intermediate dimension (the
-    output is then this rank's partial sum, as a row-parallel linear's)."""
+    output is then this rank's partial sum, as a row-parallel linear's; the down bias is
+    rank 0's alone)."""
 
     spec: ExpertsSpec
 
