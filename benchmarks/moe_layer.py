@@ -172,9 +172,9 @@ def candidates(decode: bool, mxfp4: bool) -> list[tuple[GemmConfig, GemmConfig]]
     return out
 
 
-def sweep(shape: str, tokens: int, args, device: torch.device) -> list[tuple[float, tuple | None]]:
-    """The experts alone (routing fixed), per layer, under each candidate (None: the default
-    gemm_configs): fastest first."""
+def sweep(shape: str, tokens: int, args, device: torch.device) -> list[tuple[float, object]]:
+    """The experts alone (routing fixed), per layer, under each candidate (None: fused_experts'
+    defaults; at decode sizes also moe_gemv_kernel at a few widths): fastest first."""
     dtype = torch.bfloat16
     layers = [build(shape, TritonOps(), device, dtype, seed) for seed in range(args.layers)]
     x = torch.randn(tokens, SHAPES[shape][0], device=device, dtype=dtype)
@@ -187,21 +187,28 @@ def sweep(shape: str, tokens: int, args, device: torch.device) -> list[tuple[flo
     pairs = tokens * SHAPES[shape][3]
     decode = pairs <= 16 * SHAPES[shape][2]
     results = []
-    for cfg in [None, *candidates(decode, SHAPES[shape][4] == "mxfp4")]:
+    runs: list[tuple[tuple | None, bool | None]] = [(None, None)]
+    runs += [(cfg, False) for cfg in candidates(decode, SHAPES[shape][4] == "mxfp4")]
+    if decode:  # moe_gemv_kernel: only block_n matters
+        runs += [((GemmConfig(16, bn, 0),) * 2, True) for bn in (8, 16, 32, 64)]
+    for cfg, gemv in runs:
 
-        def step(cfg=cfg) -> None:
+        def step(cfg=cfg, gemv=gemv) -> None:
             for layer, (w, ids) in zip(layers, routed, strict=True):
-                fused_experts(x, w, ids, layer.experts.expert_weights(), spec, configs=cfg)
+                fused_experts(
+                    x, w, ids, layer.experts.expert_weights(), spec, configs=cfg, gemv=gemv
+                )
 
+        label = cfg if not gemv else f"gemv block_n={cfg[0].block_n}"
         try:
             with torch.no_grad():
                 step()
                 torch.cuda.synchronize()
                 sec = time_calls(step, device, True, args.iters) / args.layers
         except Exception as err:  # a tile that does not compile or fit: skip it, say so
-            print(f"  {cfg}: {type(err).__name__}")
+            print(f"  {label}: {type(err).__name__}")
             continue
-        results.append((sec * 1e6, cfg))
+        results.append((sec * 1e6, label))
     results.sort(key=lambda r: r[0])
     return results
 
@@ -251,7 +258,10 @@ def main() -> None:
                 print(f"{shape} {tokens} tokens: the experts alone, per layer, fastest first")
                 shown = results[:4] + [r for r in results[4:] if r[1] is None]
                 for us, cfg in shown:
-                    label = "default" if cfg is None else f"gate_up {cfg[0]}  down {cfg[1]}"
+                    if cfg is None or isinstance(cfg, str):
+                        label = cfg or "default"
+                    else:
+                        label = f"gate_up {cfg[0]}  down {cfg[1]}"
                     print(f"  {us:8.1f} us  {label}")
         return
     rows = []

@@ -19,6 +19,8 @@ from inferx_kernels_cuda import moe_kernels as mk
 # arguments that are not multiples of 16 at these shapes, or are floats
 UNALIGNED = {"num_tokens", "num_pairs", "num_experts", "up_offset", "alpha", "limit", "scaling"}
 UNALIGNED |= {"num_chunks", "max_blocks"}
+GEMV_SHARED = ("A_ROW_DIV", "ACT", "GATE_STRIDE", "MXFP4", "ROW_SCALE", "HAS_BIAS", "WEIGHTED")
+GEMV_SHARED += ("ATOMIC_K",)
 
 
 def compile_sm90(kernel, types: dict[str, str], constexprs: dict, warps: int, stages: int):
@@ -85,6 +87,12 @@ def cases():
                     kernel = mk.moe_gemm_kernel
                     types = gemm_types(fmt, constexprs["PER_PAIR"])
                     yield label, kernel, types, constexprs, cfg.num_warps, cfg.num_stages
+                    if tokens <= mk.GEMV_MAX_TOKENS and fmt != "fp8-block":
+                        gemv = {n: constexprs[n] for n in GEMV_SHARED} | dict(
+                            BLOCK_N=cfg.block_n, BLOCK_K=mk.GEMV_BLOCK_K
+                        )
+                        types = gemm_types(fmt, True) | {"ids_ptr": "*i64"}
+                        yield f"{label} gemv", mk.moe_gemv_kernel, types, gemv, 4, 1
 
 
 if __name__ == "__main__":

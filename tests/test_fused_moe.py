@@ -205,7 +205,7 @@ def mxfp4_experts(spec: ExpertsSpec, dtype: torch.dtype, seed: int) -> Mxfp4Expe
     return experts
 
 
-def check_experts(experts, fmt, spec, dtype, tokens, k, seed, ids=None, atomic_sum=False):
+def check_experts(experts, fmt, spec, dtype, tokens, k, seed, ids=None, **kw):
     x = torch.randn(tokens, spec.hidden_size, generator=gen(seed)).to(dtype)
     weights, routed = random_routing(tokens, spec.num_experts, k, seed + 1)
     ids = routed if ids is None else ids
@@ -220,7 +220,7 @@ def check_experts(experts, fmt, spec, dtype, tokens, k, seed, ids=None, atomic_s
     else:
         gate_up, down = w.gate_up, w.down
     want = reference_experts(x, weights, ids, gate_up, w.gate_up_bias, down, w.down_bias, spec)
-    got = fused_experts(x, weights, ids, w, spec, atomic_sum=atomic_sum)
+    got = fused_experts(x, weights, ids, w, spec, **kw)
     assert got.shape == x.shape and got.dtype == dtype
     assert rel(got, want) < TOL[dtype]
     return want
@@ -324,11 +324,44 @@ def test_one_token_skips_the_grouping(fmt, monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(moe_kernels, "group_by_expert", grouped)
-        per_pair = check_experts(experts, fmt, spec, torch.float32, 1, 3, seed=29)
-        got = fused_experts(x, weights, ids, w, spec)
+        per_pair = check_experts(experts, fmt, spec, torch.float32, 1, 3, seed=29, gemv=False)
+        got = fused_experts(x, weights, ids, w, spec, gemv=False)
     monkeypatch.setattr(moe_kernels, "PER_PAIR_MAX_TOKENS", 0)
-    assert torch.equal(fused_experts(x, weights, ids, w, spec), got)
+    assert torch.equal(fused_experts(x, weights, ids, w, spec, gemv=False), got)
     assert per_pair.abs().max() > 0
+
+
+@interpreted
+@pytest.mark.parametrize("atomic_sum", [False, True])
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4", "fp8"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_gemv_matches_the_reference(name, fmt, atomic_sum, monkeypatch):
+    """moe_gemv_kernel (the decode path: one token by default, here also three) against the
+    float64 reference on the exact weights; the grouped path never runs."""
+    spec = SPECS[name]
+    dtype = torch.float16
+    if fmt == "fp8":
+        experts = Fp8Experts(spec, dtype, seed=40)
+    else:
+        experts = (dense_experts if fmt == "dense" else mxfp4_experts)(spec, dtype, 40)
+
+    def grouped(*args, **kw):
+        raise AssertionError("grouped")
+
+    monkeypatch.setattr(moe_kernels, "group_by_expert", grouped)
+    calls = []
+    real = moe_kernels.moe_gemv_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(moe_kernels, "moe_gemv_kernel", Counted())
+    check_experts(experts, fmt, spec, dtype, 1, 2, seed=41, atomic_sum=atomic_sum)
+    assert len(calls) == 2  # gate_up and down, by default for one token
+    check_experts(experts, fmt, spec, dtype, 3, 2, seed=42, atomic_sum=atomic_sum, gemv=True)
+    assert len(calls) == 4
 
 
 @interpreted
@@ -508,10 +541,10 @@ def test_kernels_compile_for_sm90():
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     kernels = json.loads(out.stdout.splitlines()[-1])
-    assert len(kernels) == 59
+    assert len(kernels) == 71
     for label, shared, pipelined in kernels:
         assert shared <= SM90_MAX_SHARED_PER_PROGRAM, (label, shared)
-        if label.endswith(("gate_up", "down")):
+        if label.endswith(("gate_up", "down")):  # the grouped GEMMs, not the GEMV
             assert pipelined, label
 
 

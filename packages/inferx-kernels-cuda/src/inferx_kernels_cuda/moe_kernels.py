@@ -291,6 +291,10 @@ class Grouping:
 # have distinct experts, so a tile per pair reads each expert once, as the grouped tiles would,
 # without the grouping's launch. (Two tokens' pairs may share experts, read twice then.)
 PER_PAIR_MAX_TOKENS = 1
+# Tokens up to which the pairs run moe_gemv_kernel (CUDA cores, no tile padding) instead of
+# moe_gemm_kernel's per-pair tiles; GEMV_BLOCK_K columns a step (bytes: half that for MXFP4).
+GEMV_MAX_TOKENS = 1
+GEMV_BLOCK_K = 256
 # Chunks of pairs up to which one program groups them all (a few decode tokens); above, three
 # launches, whose passes over the chunks run in parallel.
 ALIGN_ONE_MAX_CHUNKS = 2
@@ -558,6 +562,150 @@ def moe_gemm_kernel(
 
 
 @triton.jit
+def _mxfp4_rows(blocks_ptrs, scale_ptrs, mask, scale_mask):
+    """MXFP4 weights as [rows, groups, 16] tiles of their (even, odd) columns in float32: the
+    bytes at blocks_ptrs (low nibble even) times 2 ** (e8m0 - 127), a group's scale at
+    scale_ptrs [rows, groups, 1] broadcast over its 16 bytes. The e2m1 -> fp16 bit trick of
+    _mxfp4_half."""
+    packed = tl.load(blocks_ptrs, mask=mask, other=0).to(tl.int32)
+    scale_bits = tl.load(scale_ptrs, mask=scale_mask, other=0).to(tl.int32)
+    scale = (scale_bits << 23).to(tl.float32, bitcast=True) * 16384.0
+    low = packed & 15
+    high = packed >> 4
+    low_bits = ((low & 7) << 9) | ((low & 8) << 12)
+    high_bits = ((high & 7) << 9) | ((high & 8) << 12)
+    even = low_bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * scale
+    odd = high_bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * scale
+    return even, odd
+
+
+@triton.jit
+def moe_gemv_kernel(
+    a_ptr,
+    w_ptr,
+    scale_ptr,
+    bias_ptr,
+    topk_w_ptr,
+    ids_ptr,
+    out_ptr,
+    n_out,
+    k_in,
+    up_offset,
+    stride_a,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_be,
+    stride_out,
+    alpha,
+    limit,
+    A_ROW_DIV: tl.constexpr,
+    ACT: tl.constexpr,
+    GATE_STRIDE: tl.constexpr,
+    MXFP4: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    ATOMIC_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """moe_gemm_kernel's product for one pair (program axis 0) and BLOCK_N output columns (axis
+    1) on the CUDA cores: weight tiles [BLOCK_N, BLOCK_K] in their stored layout (K along the
+    fast axis), times the pair's input row, partial sums kept per column and lane and reduced
+    once at the end. No tl.dot, so no 16-row padding of one row and no conversion of the
+    dequantized tile to an MMA operand layout; MXFP4 scales are loaded per byte (16 bytes share
+    an address, served by L1) instead of broadcast by a reshape. Same arguments and epilogue as
+    moe_gemm_kernel; FP8 only with per-row scales."""
+    pair = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    a_row = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_a
+    gated: tl.constexpr = ACT != 0
+    rows_g = (cols * GATE_STRIDE).to(tl.int64)
+    rows_u = rows_g + up_offset
+    w_base = w_ptr + expert * stride_we
+    s_base = scale_ptr + expert * stride_se
+    if MXFP4:
+        # [BLOCK_N, GROUPS, 16] tiles: a 16-byte group and its one scale share axes 0 and 1
+        GROUPS: tl.constexpr = BLOCK_K // 32
+        kg = tl.arange(0, GROUPS)
+        kb = tl.arange(0, 16)
+        acc3 = tl.zeros([BLOCK_N, GROUPS, 16], dtype=tl.float32)
+        up3 = tl.zeros([BLOCK_N, GROUPS, 16], dtype=tl.float32)
+        rows_g3 = rows_g[:, None, None]
+        rows_u3 = rows_u[:, None, None]
+        col_ok3 = col_ok[:, None, None]
+        for k0 in range(0, k_in, BLOCK_K):
+            group = k0 // 32 + kg
+            byte = group[:, None] * 16 + kb[None, :]
+            k_ok = byte < k_in // 2
+            a_even = tl.load(a_row + 2 * byte, mask=k_ok, other=0.0).to(tl.float32)[None, :, :]
+            a_odd = tl.load(a_row + 2 * byte + 1, mask=k_ok, other=0.0).to(tl.float32)[None, :, :]
+            m = col_ok3 & k_ok[None, :, :]
+            sm = col_ok3 & (group < k_in // 32)[None, :, None]
+            even, odd = _mxfp4_rows(
+                w_base + rows_g3 * stride_wn + byte[None, :, :],
+                s_base + rows_g3 * stride_sn + group[None, :, None],
+                m, sm,
+            )  # fmt: skip
+            acc3 += even * a_even + odd * a_odd
+            if gated:
+                even, odd = _mxfp4_rows(
+                    w_base + rows_u3 * stride_wn + byte[None, :, :],
+                    s_base + rows_u3 * stride_sn + group[None, :, None],
+                    m, sm,
+                )  # fmt: skip
+                up3 += even * a_even + odd * a_odd
+        acc2 = tl.sum(acc3, axis=2)
+        up2 = tl.sum(up3, axis=2)
+    else:
+        kr = tl.arange(0, BLOCK_K)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        up2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, k_in, BLOCK_K):
+            k_ok = (k0 + kr) < k_in
+            a = tl.load(a_row + k0 + kr, mask=k_ok, other=0.0).to(tl.float32)
+            m = col_ok[:, None] & k_ok[None, :]
+            w = tl.load(
+                w_base + rows_g[:, None] * stride_wn + (k0 + kr)[None, :], mask=m, other=0.0
+            )
+            acc2 += w.to(tl.float32) * a[None, :]
+            if gated:
+                w = tl.load(
+                    w_base + rows_u[:, None] * stride_wn + (k0 + kr)[None, :], mask=m, other=0.0
+                )
+                up2 += w.to(tl.float32) * a[None, :]
+    acc = tl.sum(acc2, axis=1)
+    acc_up = tl.sum(up2, axis=1)
+    if ROW_SCALE:
+        acc *= tl.load(s_base + rows_g * stride_sn, mask=col_ok, other=0.0)
+        if gated:
+            acc_up *= tl.load(s_base + rows_u * stride_sn, mask=col_ok, other=0.0)
+    if HAS_BIAS:
+        b_base = bias_ptr + expert * stride_be
+        acc += tl.load(b_base + rows_g, mask=col_ok, other=0.0).to(tl.float32)
+        if gated:
+            acc_up += tl.load(b_base + rows_u, mask=col_ok, other=0.0).to(tl.float32)
+    if ACT == 1:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    elif ACT == 2:
+        gate = tl.minimum(acc, limit)
+        up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+        acc = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
+    if WEIGHTED:
+        acc *= tl.load(topk_w_ptr + pair)
+    if ATOMIC_K:
+        out_ptrs = out_ptr + (pair // ATOMIC_K).to(tl.int64) * stride_out + cols
+        tl.atomic_add(out_ptrs, acc, mask=col_ok, sem="relaxed")
+    else:
+        out_ptrs = out_ptr + pair.to(tl.int64) * stride_out + cols
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
 def moe_sum_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     """out[t] = sum over j of y[t * TOP_K + j], in float32 in the order j = 0, 1, ..., rounded
     once to out's dtype (y and out contiguous rows of `hidden`)."""
@@ -664,13 +812,16 @@ def fused_experts(
     spec: ExpertsSpec,
     configs: tuple[GemmConfig, GemmConfig] | None = None,
     atomic_sum: bool = False,
+    gemv: bool | None = None,
 ) -> torch.Tensor:
     """QuantExperts.forward on the device: x [T, H], topk_weights [T, k] float32, topk_ids
     [T, k] -> sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), [T, H] in x's dtype.
     Four launches (group, gate_up, down, sum; no grouping for one token, two more grouping
     passes for many pairs), with no host synchronisation. atomic_sum: down adds each pair's
     output into a float32 [T, H] (zeroed first, cast after) with atomics instead of writing
-    [T * k, H] for the sum kernel: fewer bytes, in an order that varies from run to run."""
+    [T * k, H] for the sum kernel: fewer bytes, in an order that varies from run to run.
+    gemv: the pairs through moe_gemv_kernel (None: up to GEMV_MAX_TOKENS tokens, weights
+    without K-blocked scales); configs then give only the output columns a program."""
     check_weights(w, spec, x)
     t, hidden = x.shape
     k = topk_ids.shape[1]
@@ -697,7 +848,11 @@ def fused_experts(
         down_cfg = dataclasses.replace(down_cfg, block_k=tiles_k[1])
     if gate_up_cfg.block_m != down_cfg.block_m:
         raise ValueError("fused_experts: gate_up and down tiles must share block_m")
-    per_pair = t <= PER_PAIR_MAX_TOKENS
+    if gemv is None:
+        gemv = t <= GEMV_MAX_TOKENS and not bk
+    elif gemv and bk:
+        raise ValueError(f"{spec.prefix}: the MoE GEMV takes no K-blocked fp8 scales")
+    per_pair = gemv or t <= PER_PAIR_MAX_TOKENS
     if per_pair:
         ids = topk_ids.reshape(-1).contiguous()
         tiles, sorted_ids, block_expert, num_padded = num_pairs, ids, ids, ids
@@ -718,6 +873,22 @@ def fused_experts(
     ):
         scale_t = scales if scales is not None else weights
         bias_t = bias if bias is not None else weights
+        if gemv:
+            moe_gemv_kernel[(num_pairs, triton.cdiv(n_out, cfg.block_n))](
+                a, weights, scale_t, bias_t, topk_weights, sorted_ids, dest, n_out, k_in,
+                (n if silu else 1) if gated else 0,
+                a.stride(0), weights.stride(0), weights.stride(1),
+                scale_t.stride(0), scale_t.stride(1), bias_t.stride(0), dest.stride(0),
+                float(spec.alpha), float(spec.limit),
+                A_ROW_DIV=k if gated else 1,
+                ACT=(ACT_SILU if silu else ACT_SWIGLU_OAI) if gated else ACT_NONE,
+                GATE_STRIDE=1 if silu or not gated else 2,
+                MXFP4=mxfp4, ROW_SCALE=w.format == "fp8", HAS_BIAS=bias is not None,
+                WEIGHTED=not gated, ATOMIC_K=k if atomic_sum and not gated else 0,
+                BLOCK_N=cfg.block_n, BLOCK_K=GEMV_BLOCK_K if not _interpreting() else 64,
+                num_warps=4,
+            )  # fmt: skip
+            continue
         grid = (tiles * triton.cdiv(n_out, cfg.block_n),)
         moe_gemm_kernel[grid](
             a, weights, scale_t, bias_t, topk_weights, dest, sorted_ids, block_expert,
