@@ -148,6 +148,49 @@ def _dequantized(
     return diff * scale[None, :]
 
 
+@triton.jit
+def _fma_rows(
+    x_rows,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    perm_ptr,
+    m_mask,
+    cols,
+    n,
+    k_start,
+    k_end,
+    group_size,
+    HAS_PERM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """x[rows, k_start:k_end] @ W[.., cols] on the CUDA cores, [BLOCK_M, BLOCK_N] fp32. The
+    words stay a [BLOCK_K / 8, BLOCK_N] tile as loaded; nibble j of every word is one
+    [BLOCK_K / 8, BLOCK_N] slice of rows 8i + j, times x's columns 8i + j: no reshape, no
+    operand-layout conversion, and partial sums per (row, word, column) reduced across the
+    threads once, after the loop."""
+    KW: tl.constexpr = BLOCK_K // 8
+    kw = tl.arange(0, KW)
+    acc = tl.zeros([BLOCK_M, KW, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        packed = tl.load(qw_ptr + (k0 // 8 + kw)[:, None] * n + cols[None, :])
+        group = k0 // group_size
+        scale = tl.load(s_ptr + group * n + cols).to(tl.float32)[None, :]
+        zero = 8388608.0 + tl.load(z_ptr + group * n + cols).to(tl.float32)[None, :]
+        for j in tl.static_range(8):
+            q = (packed >> (4 * j)) & 0xF
+            # 2^23 + q from the bits (see _dequantized), minus 2^23 + zero: q - zero exactly
+            w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - zero) * scale
+            offs_k = k0 + kw * 8 + j
+            if HAS_PERM:
+                offs_k = tl.load(perm_ptr + offs_k)
+            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+            acc += x.to(tl.float32)[:, :, None] * w[None, :, :]
+    return tl.sum(acc, axis=1)
+
+
 @triton.jit(do_not_specialize=["m"])
 def w4a16_kernel(
     x_ptr,
@@ -189,19 +232,25 @@ def w4a16_kernel(
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, k)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        if HAS_PERM:
-            offs_k = tl.load(perm_ptr + offs_k)
-        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-        w = _dequantized(qw_ptr, s_ptr, z_ptr, k0, cols, n, group_size, BLOCK_K, BLOCK_N, PACKED)
-        if not USE_DOT:
-            acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
-        elif UPCAST:
-            acc += tl.dot(x.to(tl.float32), w, input_precision=DOT_PRECISION)
-        else:
-            acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
+    if not USE_DOT:
+        acc = _fma_rows(
+            x_rows, qw_ptr, s_ptr, z_ptr, perm_ptr, m_mask, cols, n, k_start, k_end, group_size,
+            HAS_PERM, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if HAS_PERM:
+                offs_k = tl.load(perm_ptr + offs_k)
+            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+            w = _dequantized(
+                qw_ptr, s_ptr, z_ptr, k0, cols, n, group_size, BLOCK_K, BLOCK_N, PACKED
+            )
+            if UPCAST:
+                acc += tl.dot(x.to(tl.float32), w, input_precision=DOT_PRECISION)
+            else:
+                acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols).to(tl.float32)
         acc += bias[None, :] * (pid_k == 0).to(tl.float32)
