@@ -30,6 +30,7 @@ from inferx_server.protocol import (
     ToolChoiceFunction,
     decode_request,
 )
+from inferx_server.tool_grammars import schema_problem, tool_grammar
 from inferx_server.tool_parsers import FALLBACK_SYSTEM, family_of, hermes_call_text
 
 if TYPE_CHECKING:
@@ -277,16 +278,19 @@ def _tool_plan(srv: ServerState, req: ChatCompletionRequest) -> ToolPlan:
         params = t.function.parameters
         if params is None:
             params = {"type": "object", "properties": {}}
+        where = f"tools[{i}].function.parameters"
         if params.get("type", "object") != "object" or not isinstance(
             params.get("properties", {}), dict
         ):
             raise OpenAIError(
                 400,
-                f"tools[{i}].function.parameters must be a JSON schema of an object "
+                f"{where} must be a JSON schema of an object "
                 '({"type": "object", "properties": {...}})',
-                param=f"tools[{i}].function.parameters",
+                param=where,
                 code="invalid_schema",
             )
+        if (problem := schema_problem(params, where)) is not None:
+            raise OpenAIError(400, problem, param=where, code="invalid_schema")
         f: dict[str, Any] = {"name": t.function.name}
         if t.function.description is not None:
             f["description"] = t.function.description
@@ -310,64 +314,26 @@ def _tool_plan(srv: ServerState, req: ChatCompletionRequest) -> ToolPlan:
         required = None
     if srv.chat_format is not None:
         family = "harmony"
-        if required is not None:
-            raise OpenAIError(
-                400,
-                'tool_choice "required" or a named function is not supported yet for models '
-                'that answer in harmony (gpt-oss); use "auto"',
-                param="tool_choice",
-                code="unsupported_parameter",
-            )
     else:
         family, _ = family_of(srv.tokenizer.chat_template)
     plan = ToolPlan([{"type": "function", "function": f} for f in funcs], family, required)
+    constrained = req.response_format is not None and _json_schema(srv, req) is not None
+    parallel = req.parallel_tool_calls is not False
     if required is not None:
-        if req.response_format is not None and _json_schema(srv, req) is not None:
+        if constrained:
             raise OpenAIError(
                 400,
                 'response_format and tool_choice "required" (or a named function) both '
                 "constrain the reply; give one",
                 param="tool_choice",
             )
-        plan.grammar = _tool_grammar(srv, family, required, req.parallel_tool_calls is not False)
+        grammar = tool_grammar(srv.tokenizer, family, required, required=True, parallel=parallel)
+        plan.grammar = ("lark", grammar)
+    elif srv.tool_call_grammar == "lazy" and not constrained:
+        # "auto": free text, and a call the model starts held to the tools' schemas.
+        grammar = tool_grammar(srv.tokenizer, family, funcs, required=False, parallel=parallel)
+        plan.grammar = ("lark", grammar)
     return plan
-
-
-# Compact JSON as Qwen's and Llama's templates write it (", " and ": "), no free whitespace.
-_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def _tool_grammar(
-    srv: ServerState, family: str, funcs: list[dict[str, Any]], parallel: bool
-) -> tuple[str, str]:
-    """(kind, grammar) holding a reply to calls of `funcs` in the family's format: hermes
-    `<tool_call>` blocks (one, or one or more when parallel) as a Lark grammar, Llama 3.1's one
-    JSON object as a JSON schema."""
-    key = "parameters" if family == "llama3" else "arguments"
-    alternatives = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": f["name"]}, key: f["parameters"]},
-            "required": ["name", key],
-            "additionalProperties": False,
-        }
-        for f in funcs
-    ]
-    schema: dict[str, Any] = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
-    if family == "llama3":
-        return "json_schema", json.dumps(schema, separators=(",", ":"))
-    schema = {**schema, "x-guidance": _JSON_STYLE}
-
-    def marker(text: str) -> str:
-        # A marker that is one special token of the vocabulary must be written as that token.
-        tid = srv.tokenizer.backend.token_to_id(text)
-        if tid is not None and srv.tokenizer.encode(text, add_special_tokens=False) == [tid]:
-            return f"<[{tid}]>"
-        return json.dumps(text)
-
-    call = f'{marker("<tool_call>")} "\\n" args "\\n" {marker("</tool_call>")}'
-    repeat = f'({call} "\\n")* {call}' if parallel else call
-    return "lark", f"start: {repeat}\nargs: %json {json.dumps(schema)}\n"
 
 
 def _arguments(text: str) -> Any:
