@@ -120,7 +120,8 @@ def _hermes(vocab: _Vocab, funcs: list[dict[str, Any]], required: bool, parallel
         return "\n".join([start, *rules]) + "\n"
     other = vocab.others(open_, close)
     lines = ["%llguidance {}"]
-    lines.append("start: seg* tail" if parallel else "start: seg? tail")
+    # With parallel calls off, the one call ends the reply.
+    lines.append("start: seg* tail" if parallel else "start: seg | tail")
     # Text up to the call's opening: text and other added tokens, then the marker, which is
     # a token of its own or (as plain text) the end of a lazy lexeme.
     pre = "(TEXT other)* " if other else ""
@@ -128,6 +129,8 @@ def _hermes(vocab: _Vocab, funcs: list[dict[str, Any]], required: bool, parallel
         lines.append(f"seg: {pre}TEXT {vocab.lit(open_)} {block}")
     else:
         lines.append(f"seg: {pre}opening {block}")
+        # Lazy: the lexeme ends at the marker's first appearance, so written marker text
+        # always opens a call.
         lines.append(f"opening[lazy]: TEXT {json.dumps(open_)}")
     lines.append("tail: TEXT (other TEXT)*" if other else "tail: TEXT")
     lines += rules
@@ -161,35 +164,29 @@ def _llama3(vocab: _Vocab, funcs: list[dict[str, Any]], required: bool, parallel
 
 def _harmony(vocab: _Vocab, funcs: list[dict[str, Any]], required: bool) -> str:
     """gpt-oss: messages in harmony (the prompt ends with `<|start|>assistant`); a call is a
-    commentary message to `functions.NAME` (the recipient in the role or the channel part of
+    commentary message to `functions.NAME` (the recipient in the channel or the role part of
     the header), `<|constrain|>json`, its JSON arguments and `<|call|>`. Required: analysis
-    and commentary (preamble) messages may come first, then the call. Lazy: any messages,
-    their headers free until one writes `to=functions.`, which makes it a call."""
+    and commentary (preamble) messages may come first, then the call. Lazy: any messages of
+    the three channels, one of which may be a call, the last.
+
+    Headers hold what the prompt declares (the three channels; recipients in `functions`):
+    text there is format, and free header text would cost a walk of the whole vocabulary at
+    each of its tokens. Message text is free."""
     names = ("start", "channel", "message", "end", "constrain", "call")
     t = {name: vocab.lit(f"<|{name}|>") for name in names}
     lines = ["%llguidance {}"]
     if required:
-        lines.append(f'start: (pre {t["end"]} {t["start"]} "assistant")* call')
-        lines.append(f'pre: {t["channel"]} ("analysis" | "commentary") {t["message"]} BODY')
+        lines.append(f'start: (message {t["end"]} {t["start"]} "assistant")* call')
+        lines.append(f'message: {t["channel"]} ("analysis" | "commentary") {t["message"]} BODY')
     else:
         lines.append(f'start: (message {t["end"]} {t["start"]} "assistant")* (message | call)')
-        lines.append(
-            f"message: HEAD {t['channel']} HEAD ({t['constrain']} HEAD)? {t['message']} BODY"
-        )
-        # The trigger: header text up to "to=functions." (lazy: it ends there, which leaves
-        # the function's name to the grammar).
-        lines.append('role_to[lazy]: HEAD "to=functions."')
-        lines.append('channel_to[lazy]: HEAD "to=functions."')
-        lines.append(r"HEAD: /[^\n]*/")
+        channels = '("analysis" | "commentary" | "final")'
+        lines.append(f"message: {t['channel']} {channels} {t['message']} BODY")
     lines.append("call: " + " | ".join(f"fn_{i}" for i in range(len(funcs))))
     for i, f in enumerate(funcs):
-        name = json.dumps(f["name"])
-        if required:
-            role = json.dumps(" to=functions." + f["name"])
-            channel = json.dumps("commentary to=functions." + f["name"])
-        else:
-            role, channel = f"role_to {name}", f"channel_to {name}"
-        head = f'{role} {t["channel"]} "commentary" | {t["channel"]} {channel}'
+        role = json.dumps(" to=functions." + f["name"])
+        channel = json.dumps("commentary to=functions." + f["name"])
+        head = f'{t["channel"]} {channel} | {role} {t["channel"]} "commentary"'
         body = f'" "? {t["constrain"]} "json" {t["message"]} args_{i} {t["call"]}'
         lines.append(f"fn_{i}: ({head}) {body}")
         lines.append(f"args_{i}: {_args(f['parameters'], _HARMONY_JSON)}")
