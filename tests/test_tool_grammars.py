@@ -420,3 +420,32 @@ def test_bad_tools_are_400s_naming_the_tool(tiny_gpt_oss: Any) -> None:
     assert err["param"] == "tools" and "set_unit" in err["message"]
     # tool_choice "none" still checks them: a malformed tool is a malformed request.
     assert error([bad], tool_choice="none")["param"] == "tools[0].function.parameters"
+
+
+def test_tiny_gpt_oss_auto_calls_are_valid(tiny_gpt_oss: Any, monkeypatch: Any) -> None:
+    """tool_choice auto (server.tool_call_grammar "lazy"): the random model writes messages
+    of any channel (ended at once by the <|end|> bias) or addresses a function; that call is
+    held to the function's schema. Each reply is a valid call or no call at all. With "off"
+    the same model writes no call: the grammar is what made them."""
+    import openai
+
+    client = openai.OpenAI(base_url=tiny_gpt_oss.url + "/v1", api_key="x", max_retries=0)
+    kw: dict[str, Any] = dict(
+        model="tiny", messages=[{"role": "user", "content": "Use a tool."}],
+        tools=[UNIT, CLOCK], max_tokens=300, temperature=1.0, logit_bias={"200007": 100},
+    )  # fmt: skip
+    called = 0
+    for seed in range(3):
+        out = client.chat.completions.create(**kw, seed=seed).choices[0]
+        if out.finish_reason == "tool_calls":
+            called += 1
+            [call] = out.message.tool_calls
+            args = json.loads(call.function.arguments)
+            assert (call.function.name, set(args)) in (("set_unit", {"unit"}), ("get_hour", {"am"}))
+        else:
+            assert out.finish_reason in ("length", "stop") and not out.message.tool_calls
+    assert called, "no seed made a call"
+    monkeypatch.setattr(tiny_gpt_oss.state, "tool_call_grammar", "off")
+    for seed in range(2):
+        out = client.chat.completions.create(**{**kw, "max_tokens": 60}, seed=seed).choices[0]
+        assert out.finish_reason != "tool_calls" and not out.message.tool_calls
