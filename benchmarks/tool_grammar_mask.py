@@ -44,33 +44,39 @@ TEXT = (
     "the year. Let me look up today's weather for you before I answer."
 )
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
-# (tokenizer, family, required, reply)
+# (tokenizer, family, required, what the reply is, reply)
+HARMONY_CALL = (
+    "<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+    '<|message|>{"city":"Paris"}<|call|>'
+)
 CASES = [
-    ("qwen", "hermes", False, f"{TEXT}\n<tool_call>\n{CALL}\n</tool_call>"),
-    ("qwen", "hermes", True, f"<tool_call>\n{CALL}\n</tool_call>"),
-    ("llama3", "hermes", False, f"{TEXT}\n<tool_call>\n{CALL}\n</tool_call>"),  # text marker
-    ("llama3", "llama3", False, CALL.replace('"arguments"', '"parameters"')),
-    ("llama3", "llama3", False, TEXT),
+    ("qwen", "hermes", False, "text, call", f"{TEXT}\n<tool_call>\n{CALL}\n</tool_call>"),
+    ("qwen", "hermes", True, "call", f"<tool_call>\n{CALL}\n</tool_call>"),
+    # Llama 3's vocabulary has no <tool_call> token: the hermes fallback's text marker.
+    ("llama3", "hermes", False, "text, call", f"{TEXT}\n<tool_call>\n{CALL}\n</tool_call>"),
+    ("llama3", "llama3", False, "call", CALL.replace('"arguments"', '"parameters"')),
+    ("llama3", "llama3", False, "text", TEXT),
     (
         "gpt-oss",
         "harmony",
         False,
-        f"<|channel|>analysis<|message|>{TEXT}<|end|><|start|>assistant<|channel|>commentary "
-        'to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>',
+        "analysis, call",
+        f"<|channel|>analysis<|message|>{TEXT}{HARMONY_CALL}",
     ),
     (
         "gpt-oss",
         "harmony",
         False,
-        f"<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final"
+        "analysis, final",
+        "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final"
         f"<|message|>{TEXT}<|return|>",
     ),
     (
         "gpt-oss",
         "harmony",
         True,
-        f"<|channel|>analysis<|message|>{TEXT}<|end|><|start|>assistant<|channel|>commentary "
-        'to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>',
+        "analysis, call",
+        f"<|channel|>analysis<|message|>{TEXT}{HARMONY_CALL}",
     ),
 ]
 
@@ -106,8 +112,10 @@ def main() -> None:
         backend.executor = llguidance.LLExecutor(args.threads)
     plain = "start: TEXT\nTEXT: /(.|\\n)*/\n"
     print(f"threads {args.threads}, best of {args.repeat}; ms per step: mean / max")
-    print(f"{'tokenizer':9} {'family':8} {'kind':8} {'tokens':>6} {'rows':>4}  mean / max")
-    for name, family, required, reply in [(n, "plain", False, TEXT) for n in VOCAB] + CASES:
+    head = f"{'tokenizer':9} {'family':8} {'kind':8} {'reply':16} {'tokens':>6} {'rows':>4}"
+    print(head + "  mean / max")
+    plains = [(n, "plain", False, "text", TEXT) for n in VOCAB]
+    for name, family, required, what, reply in plains + CASES:
         tok, backend = toks[name], backends[name]
         ids = tok.encode(reply, add_special_tokens=False)
         if family == "plain":
@@ -118,7 +126,7 @@ def main() -> None:
         for rows in args.rows:
             runs = [walk(backend, compiled, ids, rows) for _ in range(args.repeat)]
             best = min(runs, key=sum)
-            print(f"{name:9} {family:8} {kind:8} {len(ids):>6} {rows:>4}  {_ms(best)}")
+            print(f"{name:9} {family:8} {kind:8} {what:16} {len(ids):>6} {rows:>4}  {_ms(best)}")
 
 
 if __name__ == "__main__":
