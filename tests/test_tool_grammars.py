@@ -449,3 +449,56 @@ def test_tiny_gpt_oss_auto_calls_are_valid(tiny_gpt_oss: Any, monkeypatch: Any) 
     for seed in range(2):
         out = client.chat.completions.create(**{**kw, "max_tokens": 60}, seed=seed).choices[0]
         assert out.finish_reason != "tool_calls" and not out.message.tool_calls
+
+
+def test_harmony_response_format_grammar(toks: dict[str, Tokenizer]) -> None:
+    """response_format for gpt-oss: free analysis, then the final channel's JSON."""
+    from inferx_server.tool_grammars import harmony_final_json
+
+    tok = toks["gpt-oss"]
+    g = harmony_final_json(tok, UNIT["function"]["parameters"])
+    final = '<|channel|>final<|message|>{"unit":"C"}'
+    assert _run(tok, "gpt-oss", g, final) == (True, True)
+    thought = "<|channel|>analysis<|message|>Celsius.<|end|><|start|>assistant"
+    assert _run(tok, "gpt-oss", g, thought + final) == (True, True)
+    assert not _run(tok, "gpt-oss", g, '<|channel|>final<|message|>{"unit":"K"}')[0]
+    assert not _run(tok, "gpt-oss", g, "<|channel|>final<|message|>It is C.")[0]
+    assert not _run(tok, "gpt-oss", g, H_CALL)[0]
+
+
+def test_tiny_gpt_oss_response_format(tiny_gpt_oss: Any) -> None:
+    """A chat request to gpt-oss with a JSON schema: the final message is JSON valid for it
+    (reasoning first, free); a schema llguidance cannot compile is a 400 on response_format."""
+    import openai
+
+    client = openai.OpenAI(base_url=tiny_gpt_oss.url + "/v1", api_key="x", max_retries=0)
+    schema = {
+        "type": "object",
+        "properties": {"unit": {"enum": ["C", "F"]}, "hot": {"type": "boolean"}},
+        "required": ["unit", "hot"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}
+    kw: dict[str, Any] = dict(
+        model="tiny", messages=[{"role": "user", "content": "Weather?"}], max_tokens=200,
+        temperature=1.0, logit_bias={"200007": 100}, response_format=fmt,
+    )  # fmt: skip
+    for seed in (0, 1):
+        out = client.chat.completions.create(**kw, seed=seed).choices[0]
+        assert out.finish_reason == "stop", out
+        answer = json.loads(out.message.content)
+        assert set(answer) == {"unit", "hot"} and answer["unit"] in ("C", "F")
+        assert isinstance(answer["hot"], bool)
+    text = "".join(
+        c.delta.content or ""
+        for chunk in client.chat.completions.create(**kw, seed=2, stream=True)
+        for c in chunk.choices
+    )
+    assert set(json.loads(text)) == {"unit", "hot"}
+    bad = {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "strin"}}}
+    r = httpx.post(
+        tiny_gpt_oss.url + "/v1/chat/completions",
+        json={"messages": kw["messages"], "response_format": bad},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    assert "strin" in r.json()["error"]["message"]

@@ -387,7 +387,7 @@ def create_app(srv: ServerState) -> Litestar:
         stops = fmt.stop_token_ids if fmt is not None else ()
         items = [(ids, sp) for sp in _sampling(srv, data, max_tokens, logprobs, stops, plan)]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        sub = await _start(srv, items, rid)
+        sub = await _start(srv, items, rid, "response_format" if plan.grammar is None else "tools")
         created = int(time.time())
         # A harmony reply is parsed from its token ids, per choice (responses._Choice).
         parsers = (

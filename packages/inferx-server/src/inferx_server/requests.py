@@ -30,7 +30,7 @@ from inferx_server.protocol import (
     ToolChoiceFunction,
     decode_request,
 )
-from inferx_server.tool_grammars import schema_problem, tool_grammar
+from inferx_server.tool_grammars import harmony_final_json, schema_problem, tool_grammar
 from inferx_server.tool_parsers import FALLBACK_SYSTEM, family_of, hermes_call_text
 
 if TYPE_CHECKING:
@@ -161,16 +161,6 @@ def _json_schema(srv: ServerState, req: CompletionRequest | ChatCompletionReques
     fmt = req.response_format
     if not isinstance(fmt, ResponseFormatJSONObject | ResponseFormatJSONSchema):
         return None
-    if isinstance(req, ChatCompletionRequest) and srv.chat_format is not None:
-        # A harmony reply opens with its analysis channel: a grammar from the first token on
-        # would forbid the format itself.
-        raise OpenAIError(
-            400,
-            "response_format is not supported yet for models that answer in harmony (gpt-oss); "
-            "use /v1/completions with a raw prompt",
-            param="response_format",
-            code="unsupported_parameter",
-        )
     if isinstance(fmt, ResponseFormatJSONObject):
         return '{"type":"object"}'
     return json.dumps(fmt.json_schema.schema, separators=(",", ":"))
@@ -200,6 +190,12 @@ def _sampling(
         include_stop_str_in_output=req.include_stop_str_in_output,
         json_schema=_json_schema(srv, req),
     )
+    chat = isinstance(req, ChatCompletionRequest)
+    if kw["json_schema"] is not None and chat and srv.chat_format is not None:
+        # A harmony reply opens with its analysis channel: the grammar holds the final
+        # channel's message to the schema and leaves the messages before it free.
+        schema = json.loads(kw.pop("json_schema"))
+        kw["lark_grammar"] = harmony_final_json(srv.tokenizer, schema)
     if plan is not None and plan.grammar is not None:
         kind, grammar = plan.grammar
         kw["json_schema" if kind == "json_schema" else "lark_grammar"] = grammar
@@ -431,8 +427,13 @@ async def _chat_ids(
 
 
 async def _start(
-    srv: ServerState, items: list[tuple[list[int], SamplingParams]], request_id: str
+    srv: ServerState,
+    items: list[tuple[list[int], SamplingParams]],
+    request_id: str,
+    grammar_param: str = "response_format",
 ) -> Submission:
+    """Submits the request's sequences; `grammar_param` names the field whose grammar a
+    GrammarError (a 400) is about."""
     try:
         return await srv.loop.submit(items, request_id)
     except QueueFullError as exc:
@@ -446,7 +447,6 @@ async def _start(
     except EngineDead as exc:
         raise OpenAIError(503, str(exc), type="service_unavailable", code="engine_dead") from None
     except GrammarError as exc:
-        param = "tools" if items and items[0][1].lark_grammar is not None else "response_format"
-        raise OpenAIError(400, str(exc), param=param, code="invalid_schema") from None
+        raise OpenAIError(400, str(exc), param=grammar_param, code="invalid_schema") from None
     except ValueError as exc:
         raise OpenAIError(400, str(exc)) from None

@@ -194,6 +194,26 @@ def _harmony(vocab: _Vocab, funcs: list[dict[str, Any]], required: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def harmony_final_json(tokenizer: Any, schema: dict[str, Any]) -> str:
+    """response_format for gpt-oss: analysis and commentary (preamble) messages as the model
+    likes, then the final channel's message, held to `schema` (compact JSON, as structured
+    output writes it; the schema's own x-guidance wins). The grammar is complete at the JSON's
+    end, where the engine finishes the reply."""
+    vocab = _Vocab(tokenizer)
+    names = ("start", "channel", "message", "end")
+    t = {name: vocab.lit(f"<|{name}|>") for name in names}
+    style = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+    lines = [
+        "%llguidance {}",
+        f'start: (message {t["end"]} {t["start"]} "assistant")* '
+        f'{t["channel"]} "final" {t["message"]} answer',
+        f'message: {t["channel"]} ("analysis" | "commentary") {t["message"]} BODY',
+        "answer: %json " + json.dumps({"x-guidance": style, **schema}),
+        r"BODY: /(.|\n)*/",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 _JSON_TYPES = ("array", "boolean", "integer", "null", "number", "object", "string")
 _SUBSCHEMA = (
     "items", "additionalItems", "additionalProperties", "contains", "propertyNames", "not",
