@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from typing import Any
 
 # Arguments as the families' templates write them. `lenient`: keywords and formats llguidance
@@ -42,7 +43,6 @@ class _Vocab:
     may hold."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
         backend = tokenizer.backend
         self.added = {tid: tok.content for tid, tok in backend.get_added_tokens_decoder().items()}
         self.ids = {content: tid for tid, content in self.added.items()}
@@ -72,6 +72,17 @@ class _Vocab:
         return "<[" + ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans) + "]>"
 
 
+# Per tokenizer (a server has one), without keeping it alive.
+_vocabs: weakref.WeakKeyDictionary[Any, _Vocab] = weakref.WeakKeyDictionary()
+
+
+def _vocab(tokenizer: Any) -> _Vocab:
+    vocab = _vocabs.get(tokenizer)
+    if vocab is None:
+        vocab = _vocabs[tokenizer] = _Vocab(tokenizer)
+    return vocab
+
+
 def _args(params: dict[str, Any], style: dict[str, Any]) -> str:
     return "%json " + json.dumps({**params, "x-guidance": style})
 
@@ -87,7 +98,7 @@ def tool_grammar(
     """The Lark grammar holding a reply of `family` ("hermes", "llama3", "harmony") to calls
     of `funcs` ({"name", "parameters"} dicts): a call is required, or free text with lazily
     constrained calls."""
-    vocab = _Vocab(tokenizer)
+    vocab = _vocab(tokenizer)
     if family == "hermes":
         return _hermes(vocab, funcs, required, parallel)
     if family == "llama3":
@@ -199,7 +210,7 @@ def harmony_final_json(tokenizer: Any, schema: dict[str, Any]) -> str:
     likes, then the final channel's message, held to `schema` (compact JSON, as structured
     output writes it; the schema's own x-guidance wins). The grammar is complete at the JSON's
     end, where the engine finishes the reply."""
-    vocab = _Vocab(tokenizer)
+    vocab = _vocab(tokenizer)
     names = ("start", "channel", "message", "end")
     t = {name: vocab.lit(f"<|{name}|>") for name in names}
     style = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
