@@ -247,12 +247,13 @@ async def _encode(
 class ToolPlan:
     """What a chat request's `tools` and `tool_choice` mean for this model: the tools as the
     template takes them (None: none rendered), the reply's parser family (None: calls are not
-    parsed), the function a "required" or named choice holds the reply to (None: free)."""
+    parsed), the functions a "required" or named choice holds the reply to (None: free), and
+    the grammar doing so (for "auto": holding the calls the model opens; None: none)."""
 
     tools: list[dict[str, Any]] | None
     family: str | None
     required: list[dict[str, Any]] | None = None  # the functions one of which must be called
-    grammar: tuple[str, str] | None = None  # (kind, text) holding the reply to such a call
+    grammar: tuple[str, str] | None = None  # (kind, text)
 
 
 def _tool_plan(srv: ServerState, req: ChatCompletionRequest) -> ToolPlan:
