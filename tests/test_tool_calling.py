@@ -470,6 +470,27 @@ def test_harmony_round_trip(harmony_server: Any) -> None:
     r = httpx.post(harmony_server.url + "/v1/chat/completions", json={"messages": bad})
     assert r.status_code == 400 and "call_x" in r.json()["error"]["message"]
 
+    # "required" and the named function: the recorded call is what the grammar allows.
+    _script(harmony_server, HARMONY_CALL, "")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        r = client.chat.completions.create(
+            model="gpt-oss", messages=messages, tools=[WEATHER, TIME], tool_choice=choice
+        )
+        assert r.choices[0].finish_reason == "tool_calls"
+        [call] = r.choices[0].message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == (
+            "get_weather",
+            {"city": "SF"},
+        )
+    # Naming the other function, the same reply is refused where it names get_weather (the
+    # scripted model ignores the mask, so its reply ends there, with no call).
+    other = {"type": "function", "function": {"name": "get_time"}}
+    r = client.chat.completions.create(
+        model="gpt-oss", messages=messages, tools=[WEATHER, TIME], tool_choice=other
+    )
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+
 
 @pytest.mark.parametrize("parallel", [False, True])
 def test_required_grammar_holds_qwen_to_a_call(parallel: bool) -> None:
