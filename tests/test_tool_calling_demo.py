@@ -142,8 +142,9 @@ def test_required_then_results_fed_back(client: openai.OpenAI) -> None:
     if m.tool_calls:
         assert r.choices[0].finish_reason == "tool_calls"
         assert all(c.function.name for c in m.tool_calls)
-    else:
-        assert isinstance(m.content, str) and "<tool_call>" not in m.content
+    else:  # markup in content only where max_tokens cut a call short
+        assert isinstance(m.content, str)
+        assert "<tool_call>" not in m.content or r.choices[0].finish_reason == "length"
 
 
 def test_parallel_calls_with_n_2(client: openai.OpenAI) -> None:
