@@ -35,6 +35,11 @@ def test_serve_exact_lengths_concurrency_rate_prefix_chat(tmp_path: Path) -> Non
         assert t.state.loop.stats.prefix_hits - before >= 7 * 32
         r = _run(tmp_path, t.url, "--tokenizer", str(QWEN), "--endpoint", "chat")
         assert r["completed"] == 8 and r["total_output_tokens"] == 8 * 6
+        # With tools: each reply held by the lazy tool grammar (its text is free).
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        r = _run(tmp_path, t.url, "--tokenizer", str(QWEN), "--endpoint", "chat",
+                 "--tools", json.dumps([tool]))  # fmt: skip
+        assert r["completed"] == 8 and r["total_output_tokens"] == 8 * 6
         r = _run(tmp_path, t.url)  # token-id prompts, no tokenizer needed
         assert r["completed"] == 8 and r["total_input_tokens"] == 8 * 40
 

@@ -318,11 +318,17 @@ def test_qwen_round_trip(qwen_server: Any) -> None:
     assert "get_weather" not in prompt
 
 
-def test_qwen_malformed_call_is_content(qwen_server: Any) -> None:
+def test_qwen_malformed_call_is_content(qwen_server: Any, monkeypatch: Any) -> None:
+    """With server.tool_call_grammar "off" a malformed call is content; with "lazy" (the
+    default) the grammar refuses it (the scripted model ignores the mask: the reply ends at the
+    refused token, which a sampling model could not have picked)."""
     bad = '<tool_call>\n{"name": get_weather}\n</tool_call>'
     _script(qwen_server, bad, "<|im_end|>")
     client = _client(qwen_server)
     messages = [{"role": "user", "content": "?"}]
+    r = client.chat.completions.create(model="qwen", messages=messages, tools=[WEATHER])
+    assert r.choices[0].message.content == '<tool_call>\n{"name": get'
+    monkeypatch.setattr(qwen_server.state, "tool_call_grammar", "off")
     r = client.chat.completions.create(model="qwen", messages=messages, tools=[WEATHER])
     assert r.choices[0].message.content == bad and r.choices[0].finish_reason == "stop"
     content, calls, _ = _stream_calls(
@@ -464,22 +470,42 @@ def test_harmony_round_trip(harmony_server: Any) -> None:
     r = httpx.post(harmony_server.url + "/v1/chat/completions", json={"messages": bad})
     assert r.status_code == 400 and "call_x" in r.json()["error"]["message"]
 
+    # "required" and the named function: the recorded call is what the grammar allows.
+    _script(harmony_server, HARMONY_CALL, "")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        r = client.chat.completions.create(
+            model="gpt-oss", messages=messages, tools=[WEATHER, TIME], tool_choice=choice
+        )
+        assert r.choices[0].finish_reason == "tool_calls"
+        [call] = r.choices[0].message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == (
+            "get_weather",
+            {"city": "SF"},
+        )
+    # Naming the other function, the same reply is refused where it names get_weather (the
+    # scripted model ignores the mask, so its reply ends there, with no call).
+    other = {"type": "function", "function": {"name": "get_time"}}
+    r = client.chat.completions.create(
+        model="gpt-oss", messages=messages, tools=[WEATHER, TIME], tool_choice=other
+    )
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+
 
 @pytest.mark.parametrize("parallel", [False, True])
 def test_required_grammar_holds_qwen_to_a_call(parallel: bool) -> None:
     """The grammar of tool_choice "required" for Qwen: its markers are special tokens (written
     as token ids), the arguments held to the function's schema."""
     pytest.importorskip("llguidance")
-    from types import SimpleNamespace
-
     from inferx_server.grammar_llguidance import LLGuidanceBackend
-    from inferx_server.requests import _tool_grammar
+    from inferx_server.tool_grammars import tool_grammar
 
     tok = Tokenizer.from_dir(TOKENIZERS / "qwen")
     funcs = [t["function"] for t in (WEATHER, TIME)]
-    kind, grammar = _tool_grammar(SimpleNamespace(tokenizer=tok), "hermes", funcs, parallel)
+    grammar = tool_grammar(tok, "hermes", funcs, required=True, parallel=parallel)
+    assert "<[151657]>" in grammar and "<[151658]>" in grammar
     backend = LLGuidanceBackend(tok, 151936)
-    compiled = backend.compile(grammar, kind)
+    compiled = backend.compile(grammar, "lark")
 
     def accepts(text: str) -> tuple[bool, bool]:
         m = backend.matcher(compiled)
@@ -496,7 +522,3 @@ def test_required_grammar_holds_qwen_to_a_call(parallel: bool) -> None:
     assert not accepts('<tool_call>\n{"name": "get_news", "arguments": {}}')[0]
     assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"unit": "K"')[0]
     assert not accepts("Sure")[0]
-    # Llama 3.1: one JSON object with "parameters".
-    kind, schema = _tool_grammar(SimpleNamespace(tokenizer=tok), "llama3", funcs[:1], False)
-    assert kind == "json_schema"
-    assert json.loads(schema)["properties"]["parameters"] == WEATHER["function"]["parameters"]

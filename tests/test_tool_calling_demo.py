@@ -2,7 +2,8 @@
 client: its template renders no tools, so the server writes them in the hermes fallback (a
 system message listing them, calls as <tool_call> blocks) and parses hermes replies. tool_choice
 "required" or a named function holds the reply to a call through the grammar backend, so even
-this tiny model calls reliably; the results go back as tool messages."""
+this tiny model calls reliably, and under "auto" a call it opens is held to the tools' schemas
+(the lazy grammar); the results go back as tool messages."""
 
 from __future__ import annotations
 
@@ -141,8 +142,9 @@ def test_required_then_results_fed_back(client: openai.OpenAI) -> None:
     if m.tool_calls:
         assert r.choices[0].finish_reason == "tool_calls"
         assert all(c.function.name for c in m.tool_calls)
-    else:
-        assert isinstance(m.content, str) and "<tool_call>" not in m.content
+    else:  # markup in content only where max_tokens cut a call short
+        assert isinstance(m.content, str)
+        assert "<tool_call>" not in m.content or r.choices[0].finish_reason == "length"
 
 
 def test_parallel_calls_with_n_2(client: openai.OpenAI) -> None:
@@ -157,3 +159,52 @@ def test_parallel_calls_with_n_2(client: openai.OpenAI) -> None:
             continue  # a call may be cut by max_tokens; then it is not a complete call
         assert choice.finish_reason == "tool_calls"
         _check_calls(choice.message.tool_calls, {"get_weather", "get_time"})
+
+
+def _token_ids(client: openai.OpenAI, text: str) -> list[int]:
+    import httpx
+
+    url = str(client.base_url).removesuffix("/").removesuffix("/v1") + "/tokenize"
+    return httpx.post(url, json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+
+def test_auto_call_is_held_to_the_schema(client: openai.OpenAI) -> None:
+    """tool_choice "auto" (server.tool_call_grammar "lazy"): the model writes what it likes
+    until it opens a <tool_call>; from there the call is held to a tool's name and parameters.
+    The tiny model, shown an earlier call, answers with <tool_response> blocks of its own:
+    a bias against "response" and for "call" (both pieces of the markup here) makes it open
+    calls, which then all validate."""
+    response = _token_ids(client, "<tool_response>")
+    call = _token_ids(client, "<tool_call>")
+    [(bad, good)] = [(r, c) for r, c in zip(response, call, strict=True) if r != c]
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 18}'},
+        {"role": "assistant", "content": "It is 18 C in Paris."},
+        {"role": "user", "content": "What is the weather in Berlin?"},
+    ]
+    kw: dict[str, Any] = dict(
+        model=_model(client), messages=history, tools=[WEATHER, TIME], max_tokens=80,
+        logit_bias={str(bad): -100, str(good): 10},
+    )  # fmt: skip
+    greedy = client.chat.completions.create(**kw, temperature=0).choices[0]
+    assert greedy.finish_reason == "tool_calls", greedy
+    _check_calls(greedy.message.tool_calls, {"get_weather", "get_time"})
+    sampled = client.chat.completions.create(**kw, temperature=1.0, n=4, seed=3).choices
+    assert any(c.finish_reason == "tool_calls" for c in sampled)
+    for choice in sampled:
+        if choice.finish_reason == "tool_calls":
+            _check_calls(choice.message.tool_calls, {"get_weather", "get_time"})
+        elif choice.finish_reason == "stop":  # no call opened at all
+            assert "<tool_call>" not in choice.message.content

@@ -90,6 +90,7 @@ class ServerState:
     max_waiting: int | None = None  # scheduler.max_waiting: the most sequences ever queued
     api_key: str | None = None
     chat_format: Any = None  # harmony for gpt-oss (chat_formats.harmony_format); None: template
+    tool_call_grammar: str = "lazy"  # server.tool_call_grammar: tool_choice "auto" constrained
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     _token_strs: dict[int, str] = field(default_factory=dict)
@@ -386,7 +387,7 @@ def create_app(srv: ServerState) -> Litestar:
         stops = fmt.stop_token_ids if fmt is not None else ()
         items = [(ids, sp) for sp in _sampling(srv, data, max_tokens, logprobs, stops, plan)]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        sub = await _start(srv, items, rid)
+        sub = await _start(srv, items, rid, "response_format" if plan.grammar is None else "tools")
         created = int(time.time())
         # A harmony reply is parsed from its token ids, per choice (responses._Choice).
         parsers = (

@@ -217,6 +217,8 @@ async def one_request(
     }  # fmt: skip
     if getattr(args, "response_format", None):
         body["response_format"] = json.loads(args.response_format)
+    if getattr(args, "tools", None):
+        body["tools"] = json.loads(args.tools)
     if args.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
         path = "/v1/chat/completions"
@@ -325,6 +327,8 @@ def print_summary(s: dict[str, Any]) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     args.base_url = args.base_url.rstrip("/")
+    if args.tools and args.endpoint != "chat":
+        raise SystemExit("error: --tools needs --endpoint chat")
     rng = random.Random(args.seed)
     prompts = make_prompts(args, rng)
 
@@ -667,6 +671,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="JSON",
         help='every request\'s response_format, e.g. \'{"type": "json_object"}\' (structured '
         "output's cost against plain decoding)",
+    )
+    s.add_argument(
+        "--tools",
+        metavar="JSON",
+        help="every chat request's tools (tool_choice auto: the cost of the lazy tool-call "
+        "grammar, against a server run with --server-tool-call-grammar off)",
     )
     s.add_argument("--json", metavar="PATH")
     s.set_defaults(func=cmd_serve)

@@ -30,6 +30,7 @@ from inferx_server.protocol import (
     ToolChoiceFunction,
     decode_request,
 )
+from inferx_server.tool_grammars import harmony_final_json, schema_problem, tool_grammar
 from inferx_server.tool_parsers import FALLBACK_SYSTEM, family_of, hermes_call_text
 
 if TYPE_CHECKING:
@@ -160,16 +161,6 @@ def _json_schema(srv: ServerState, req: CompletionRequest | ChatCompletionReques
     fmt = req.response_format
     if not isinstance(fmt, ResponseFormatJSONObject | ResponseFormatJSONSchema):
         return None
-    if isinstance(req, ChatCompletionRequest) and srv.chat_format is not None:
-        # A harmony reply opens with its analysis channel: a grammar from the first token on
-        # would forbid the format itself.
-        raise OpenAIError(
-            400,
-            "response_format is not supported yet for models that answer in harmony (gpt-oss); "
-            "use /v1/completions with a raw prompt",
-            param="response_format",
-            code="unsupported_parameter",
-        )
     if isinstance(fmt, ResponseFormatJSONObject):
         return '{"type":"object"}'
     return json.dumps(fmt.json_schema.schema, separators=(",", ":"))
@@ -199,6 +190,12 @@ def _sampling(
         include_stop_str_in_output=req.include_stop_str_in_output,
         json_schema=_json_schema(srv, req),
     )
+    chat = isinstance(req, ChatCompletionRequest)
+    if kw["json_schema"] is not None and chat and srv.chat_format is not None:
+        # A harmony reply opens with its analysis channel: the grammar holds the final
+        # channel's message to the schema and leaves the messages before it free.
+        schema = json.loads(kw.pop("json_schema"))
+        kw["lark_grammar"] = harmony_final_json(srv.tokenizer, schema)
     if plan is not None and plan.grammar is not None:
         kind, grammar = plan.grammar
         kw["json_schema" if kind == "json_schema" else "lark_grammar"] = grammar
@@ -250,12 +247,13 @@ async def _encode(
 class ToolPlan:
     """What a chat request's `tools` and `tool_choice` mean for this model: the tools as the
     template takes them (None: none rendered), the reply's parser family (None: calls are not
-    parsed), the function a "required" or named choice holds the reply to (None: free)."""
+    parsed), the functions a "required" or named choice holds the reply to (None: free), and
+    the grammar doing so (for "auto": holding the calls the model opens; None: none)."""
 
     tools: list[dict[str, Any]] | None
     family: str | None
     required: list[dict[str, Any]] | None = None  # the functions one of which must be called
-    grammar: tuple[str, str] | None = None  # (kind, text) holding the reply to such a call
+    grammar: tuple[str, str] | None = None  # (kind, text)
 
 
 def _tool_plan(srv: ServerState, req: ChatCompletionRequest) -> ToolPlan:
@@ -277,16 +275,19 @@ def _tool_plan(srv: ServerState, req: ChatCompletionRequest) -> ToolPlan:
         params = t.function.parameters
         if params is None:
             params = {"type": "object", "properties": {}}
+        where = f"tools[{i}].function.parameters"
         if params.get("type", "object") != "object" or not isinstance(
             params.get("properties", {}), dict
         ):
             raise OpenAIError(
                 400,
-                f"tools[{i}].function.parameters must be a JSON schema of an object "
+                f"{where} must be a JSON schema of an object "
                 '({"type": "object", "properties": {...}})',
-                param=f"tools[{i}].function.parameters",
+                param=where,
                 code="invalid_schema",
             )
+        if (problem := schema_problem(params, where)) is not None:
+            raise OpenAIError(400, problem, param=where, code="invalid_schema")
         f: dict[str, Any] = {"name": t.function.name}
         if t.function.description is not None:
             f["description"] = t.function.description
@@ -310,64 +311,26 @@ def _tool_plan(srv: ServerState, req: ChatCompletionRequest) -> ToolPlan:
         required = None
     if srv.chat_format is not None:
         family = "harmony"
-        if required is not None:
-            raise OpenAIError(
-                400,
-                'tool_choice "required" or a named function is not supported yet for models '
-                'that answer in harmony (gpt-oss); use "auto"',
-                param="tool_choice",
-                code="unsupported_parameter",
-            )
     else:
         family, _ = family_of(srv.tokenizer.chat_template)
     plan = ToolPlan([{"type": "function", "function": f} for f in funcs], family, required)
+    constrained = req.response_format is not None and _json_schema(srv, req) is not None
+    parallel = req.parallel_tool_calls is not False
     if required is not None:
-        if req.response_format is not None and _json_schema(srv, req) is not None:
+        if constrained:
             raise OpenAIError(
                 400,
                 'response_format and tool_choice "required" (or a named function) both '
                 "constrain the reply; give one",
                 param="tool_choice",
             )
-        plan.grammar = _tool_grammar(srv, family, required, req.parallel_tool_calls is not False)
+        grammar = tool_grammar(srv.tokenizer, family, required, required=True, parallel=parallel)
+        plan.grammar = ("lark", grammar)
+    elif srv.tool_call_grammar == "lazy" and not constrained:
+        # "auto": free text, and a call the model starts held to the tools' schemas.
+        grammar = tool_grammar(srv.tokenizer, family, funcs, required=False, parallel=parallel)
+        plan.grammar = ("lark", grammar)
     return plan
-
-
-# Compact JSON as Qwen's and Llama's templates write it (", " and ": "), no free whitespace.
-_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def _tool_grammar(
-    srv: ServerState, family: str, funcs: list[dict[str, Any]], parallel: bool
-) -> tuple[str, str]:
-    """(kind, grammar) holding a reply to calls of `funcs` in the family's format: hermes
-    `<tool_call>` blocks (one, or one or more when parallel) as a Lark grammar, Llama 3.1's one
-    JSON object as a JSON schema."""
-    key = "parameters" if family == "llama3" else "arguments"
-    alternatives = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": f["name"]}, key: f["parameters"]},
-            "required": ["name", key],
-            "additionalProperties": False,
-        }
-        for f in funcs
-    ]
-    schema: dict[str, Any] = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
-    if family == "llama3":
-        return "json_schema", json.dumps(schema, separators=(",", ":"))
-    schema = {**schema, "x-guidance": _JSON_STYLE}
-
-    def marker(text: str) -> str:
-        # A marker that is one special token of the vocabulary must be written as that token.
-        tid = srv.tokenizer.backend.token_to_id(text)
-        if tid is not None and srv.tokenizer.encode(text, add_special_tokens=False) == [tid]:
-            return f"<[{tid}]>"
-        return json.dumps(text)
-
-    call = f'{marker("<tool_call>")} "\\n" args "\\n" {marker("</tool_call>")}'
-    repeat = f'({call} "\\n")* {call}' if parallel else call
-    return "lark", f"start: {repeat}\nargs: %json {json.dumps(schema)}\n"
 
 
 def _arguments(text: str) -> Any:
@@ -465,8 +428,13 @@ async def _chat_ids(
 
 
 async def _start(
-    srv: ServerState, items: list[tuple[list[int], SamplingParams]], request_id: str
+    srv: ServerState,
+    items: list[tuple[list[int], SamplingParams]],
+    request_id: str,
+    grammar_param: str = "response_format",
 ) -> Submission:
+    """Submits the request's sequences; `grammar_param` names the field whose grammar a
+    GrammarError (a 400) is about."""
     try:
         return await srv.loop.submit(items, request_id)
     except QueueFullError as exc:
@@ -480,7 +448,6 @@ async def _start(
     except EngineDead as exc:
         raise OpenAIError(503, str(exc), type="service_unavailable", code="engine_dead") from None
     except GrammarError as exc:
-        param = "tools" if items and items[0][1].lark_grammar is not None else "response_format"
-        raise OpenAIError(400, str(exc), param=param, code="invalid_schema") from None
+        raise OpenAIError(400, str(exc), param=grammar_param, code="invalid_schema") from None
     except ValueError as exc:
         raise OpenAIError(400, str(exc)) from None

@@ -62,6 +62,7 @@ class LitestarTransport(Transport):
             api_key=config.server.api_key,
             max_waiting=config.scheduler.max_waiting,
             chat_format=harmony_format(engine.tokenizer),
+            tool_call_grammar=config.server.tool_call_grammar,
         )
         self.app = create_app(self.state)
         self.server: _DrainingServer | None = None
