@@ -102,7 +102,7 @@ def sweep_configs(m: int) -> list[W4Config]:
             configs += [
                 W4Config(block_m=rows, block_n=bn, block_k=bk, split_k=s, use_dot=False)
                 for bn in (32, 64)
-                for bk in (32, 64)
+                for bk in (32, 64, 128)
                 for s in (2, 4, 8)
             ]
         return configs
