@@ -195,16 +195,16 @@ def test_backend_mixed_step_equals_torch_backend(context_rows: int):
 @pytest.mark.parametrize("tma", [False, True])
 def test_compiled_prefill_at_v2_lite_widths(tma: bool):
     """V2-Lite's widths (16 heads, nope 128, rope 64, v 128, latent 512) in bf16 on the GPU,
-    the backend's tiles: a 700-token fresh prompt beside a 300-token chunk over a 900-token
-    prefix, and the same in 512-row pieces, against the float64 plain form."""
-    from inferx_kernels_cuda.triton_attention import TritonAttention as T
-
+    the backend's tiles: a fresh 2048-token prompt; a 700-token fresh prompt beside a 300-token
+    chunk over a 900-token prefix, and the same in 512-row pieces; against the float64 plain
+    form."""
     widths = (16, 128, 64, 128, 512)
-    case = Case([700, 300], [700, 1200], widths, torch.bfloat16, block_size=16, seed=5,
-                device="cuda")  # fmt: skip
     spec = KVLayerSpec(16, 1, 576, kind="mla", v_head_dim=512, rope_dim=64)
-    backend = T([spec], 16, torch.bfloat16, torch.device("cuda"))
-    c = backend.mla_prefill_config
+    backend = TritonAttention([spec], 16, torch.bfloat16, torch.device("cuda"))
+    c = backend.mla_prefill_config if tma else backend.mla_prefill_ptr_config
     launch = {"num_warps": c.num_warps, "num_stages": c.num_stages}
-    for max_rows in (1 << 20, 512):
+    fresh = Case([2048], [2048], widths, torch.bfloat16, block_size=16, seed=6, device="cuda")
+    chunk = Case([700, 300], [700, 1200], widths, torch.bfloat16, block_size=16, seed=5,
+                 device="cuda")  # fmt: skip
+    for case, max_rows in ((fresh, 1 << 20), (chunk, 1 << 20), (chunk, 512)):
         case.check(run(case, max_rows, c.block_m, c.block_n, tma, launch), TOL[torch.bfloat16])

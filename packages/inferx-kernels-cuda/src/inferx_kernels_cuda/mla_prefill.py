@@ -81,8 +81,8 @@ def mla_prefill_kernel(
     v_src,
     pe_src,
     out_ptr,
-    state_o_ptr,
-    state_lse_ptr,
+    part_o_ptr,
+    part_lse_ptr,
     query_start_ptr,
     context_len_ptr,
     tile_seq_ptr,
@@ -116,12 +116,12 @@ def mla_prefill_kernel(
     its sequence (this pass's piece), position p at row row0 + p of kv (the expanded context,
     [rows, heads * (NOPE + V)], head h's nope key then value at columns h * (NOPE + V)..) and
     of pe (the context rows, the rope key at column PE_COL); q is [tokens, heads * (NOPE +
-    ROPE)]. Sources are TMA descriptors (TMA) or pointers with row strides. A context may span
-    several passes: a row's running state (normalised output, log2-sum-exp; state_o [tokens,
-    heads, V_PAD] and state_lse [tokens, heads], float32) is read where the piece does not
-    start at position 0 and written where it does not end the context; where it does, the
-    merged output goes to out [tokens, heads, V]. In a single pass neither happens (and the
-    state pointers are never read), so one compiled variant serves both."""
+    ROPE)]. Sources are TMA descriptors (TMA) or pointers with row strides. Rows whose whole
+    context is in the pass write out [tokens, heads, V]; those of a context spread over several
+    passes write the piece's normalised output and log2-sum-exp (part_o [tokens, heads, V_PAD],
+    part_lse [tokens, heads], float32) for merge_pieces. One compiled variant serves both: the
+    epilogue's stores are masked, and nothing is read back (a read-modify-write of the running
+    state made the kernel spill)."""
     h = tl.program_id(0)
     num_heads = tl.num_programs(0)
     tile = tl.program_id(1)
@@ -147,6 +147,11 @@ def mla_prefill_kernel(
                  TMA, UPCAST)  # fmt: skip
     kv_col = h * (NOPE + V)
 
+    # (the output's offsets before the loop: computed after it, ptxas took 254 registers
+    # instead of 168 at 64 x 64 tiles)
+    rows = (q_begin + qi).to(tl.int64)
+    part = rows * num_heads + h
+    d = tl.arange(0, V_PAD)
     m = tl.full([BLOCK_M], _NO_MAX, tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, V_PAD], tl.float32)
@@ -169,27 +174,17 @@ def mla_prefill_kernel(
             V_PAD, PE_COL, BLOCK_N, TMA, UPCAST, DOT_PRECISION,
         )  # fmt: skip
 
-    d = tl.arange(0, V_PAD)
     o = acc / tl.maximum(row_sum, 1e-30)[:, None]
-    rows = (q_begin + qi).to(tl.int64)
-    o_dst = out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :]
+    # The whole context in this pass: the output. A piece of it: the piece's normalised output
+    # and log2-sum-exp, for the host to merge (a scalar condition as a mask of its own: scalar
+    # & tensor trips the interpreter).
+    whole = r < tl.where((lo == 0) & (hi == ctx), BLOCK_M, 0)
+    piece = q_ok & ~whole
     lse = tl.where(row_sum > 0, m + tl.log2(tl.maximum(row_sum, 1e-30)), _NO_MAX)
-    state = rows * num_heads + h
-    # (scalar conditions as masks of their own: scalar & tensor trips the interpreter)
-    prev_ok = q_ok & (r < tl.where(lo > 0, BLOCK_M, 0))
-    prev_lse = tl.load(state_lse_ptr + state, mask=prev_ok, other=_NO_MAX)
-    prev_o = tl.load(state_o_ptr + state[:, None] * V_PAD + d[None, :], mask=prev_ok[:, None],
-                     other=0.0)  # fmt: skip
-    top = tl.maximum(lse, prev_lse)
-    w_new = tl.exp2(lse - top)
-    w_prev = tl.exp2(prev_lse - top)
-    total = w_new + w_prev
-    o = (o * w_new[:, None] + prev_o * w_prev[:, None]) / total[:, None]
-    keep = q_ok & (r < tl.where(hi < ctx, BLOCK_M, 0))
-    tl.store(state_lse_ptr + state, top + tl.log2(total), mask=keep)
-    tl.store(state_o_ptr + state[:, None] * V_PAD + d[None, :], o, mask=keep[:, None])
-    q_ok = q_ok & (r < tl.where(hi == ctx, BLOCK_M, 0))
-    tl.store(o_dst, o.to(out_ptr.dtype.element_ty), mask=q_ok[:, None] & (d < V)[None, :])
+    tl.store(part_lse_ptr + part, lse, mask=piece)
+    tl.store(part_o_ptr + part[:, None] * V_PAD + d[None, :], o, mask=piece[:, None])
+    o_dst = out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :]
+    tl.store(o_dst, o.to(out_ptr.dtype.element_ty), mask=(q_ok & whole)[:, None] & (d < V)[None, :])
 
 
 @dataclass
@@ -198,7 +193,9 @@ class PrefillPass:
     attend to them. slots: the rows' cache slots, gathered from the paged cache (None: the
     step's own rows, token t at row t). key_lo / key_hi / row0 ([num_seqs] int32): each
     sequence's piece of its context in this pass, positions [key_lo, key_hi), position p at row
-    row0 + p (sequences outside the pass have no tiles in it)."""
+    row0 + p (sequences outside the pass have no tiles in it). merge_rows: the query rows of
+    sequences spread over several passes that this pass attends (their pieces to merge), and
+    merge_at their places among the plan's split_rows."""
 
     slots: torch.Tensor | None
     num_rows: int  # rows expanded (None slots: the step's tokens)
@@ -208,14 +205,18 @@ class PrefillPass:
     tile_seq: torch.Tensor  # [tiles] int32
     tile_start: torch.Tensor  # [tiles] int32, the tile's first query within its sequence
     tiles: int
+    merge_rows: torch.Tensor | None = None  # [rows] int64
+    merge_at: torch.Tensor | None = None
 
 
 @dataclass
 class PrefillPlan:
-    """A step's MLA prefill: its passes (several only when a context outgrows the budget)."""
+    """A step's MLA prefill: its passes (several only when a context outgrows the budget) and
+    split_rows, the query rows of sequences spread over several passes (int64)."""
 
     passes: list[PrefillPass]
     block_m: int
+    split_rows: torch.Tensor | None = None
 
     @property
     def pieces(self) -> bool:
@@ -254,6 +255,7 @@ def plan_prefill(
 
     total = sum(context_lens[i] for i in prompts)
     passes = []
+    seqs_of: list[list[int]] = []  # each pass's sequences
     for lo in range(0, total, max_rows):
         hi = min(lo + max_rows, total)
         key_lo, key_hi, row0 = [0] * n, [0] * n, [0] * n
@@ -273,7 +275,30 @@ def plan_prefill(
         passes.append(
             _pass(gather, hi - lo, key_lo, key_hi, row0, query_lens, seqs, block_m, device)
         )
-    return PrefillPlan(passes, block_m)
+        seqs_of.append(seqs)
+    if len(passes) == 1:
+        return PrefillPlan(passes, block_m)
+    # Sequences in several passes: where their query rows sit among the split rows.
+    starts = np.cumsum([0, *query_lens]).tolist()
+    split = [i for i in prompts if sum(i in seqs for seqs in seqs_of) > 1]
+    at, rows = {}, []
+    for i in split:
+        at[i] = len(rows)
+        rows += range(starts[i], starts[i + 1])
+    for p, seqs in zip(passes, seqs_of, strict=True):
+        mine = [i for i in seqs if i in at]
+        if mine:
+            p.merge_rows = _rows_of(mine, [starts[i] for i in mine], query_lens, device)
+            p.merge_at = _rows_of(mine, [at[i] for i in mine], query_lens, device)
+    return PrefillPlan(passes, block_m, to_device(torch.tensor(rows, dtype=torch.int64), device))
+
+
+def _rows_of(
+    seqs: list[int], firsts: list[int], query_lens: list[int], device: torch.device
+) -> torch.Tensor:
+    """query_lens[i] consecutive indices from each first, for the sequences i of seqs."""
+    idx = [np.arange(f, f + query_lens[i]) for i, f in zip(seqs, firsts, strict=True)]
+    return to_device(torch.from_numpy(np.concatenate(idx).astype(np.int64)), device)
 
 
 def _pass(
@@ -354,9 +379,17 @@ def mla_prefill(
         "ROPE_PAD": max(16, triton.next_power_of_2(rope)),
         "V_PAD": max(16, triton.next_power_of_2(v_dim)),
     }
-    state = (tokens, heads, pads["V_PAD"]) if plan.pieces else (1, 1, 1)  # 1: never read
-    state_o = torch.empty(state, dtype=torch.float32, device=q.device)
-    state_lse = torch.empty(state[:2], dtype=torch.float32, device=q.device)
+    v_pad = pads["V_PAD"]
+    part = (tokens, heads) if plan.pieces else (1, 1)  # 1: never written
+    part_o = torch.empty(*part, v_pad, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(part, dtype=torch.float32, device=q.device)
+    run = None
+    if plan.split_rows is not None:
+        n = plan.split_rows.shape[0]
+        run = (
+            torch.zeros(n, heads, v_pad, dtype=torch.float32, device=q.device),
+            torch.full((n, heads), float("-inf"), dtype=torch.float32, device=q.device),
+        )
     flat = cache.view(-1, width)
     for p in plan.passes:
         context = rows if p.slots is None else flat.index_select(0, p.slots)
@@ -381,8 +414,8 @@ def mla_prefill(
         mla_prefill_kernel[(heads, p.tiles)](
             *srcs,
             out,
-            state_o,
-            state_lse,
+            part_o,
+            part_lse,
             query_start,
             context_len,
             p.tile_seq,
@@ -410,3 +443,27 @@ def mla_prefill(
             **pads,
             **(launch or {}),
         )
+        if run is not None and p.merge_rows is not None and p.merge_at is not None:
+            merge_pieces(run, part_o, part_lse, p.merge_rows, p.merge_at)
+    if run is not None and plan.split_rows is not None:
+        out.index_copy_(0, plan.split_rows, run[0][..., :v_dim].to(out.dtype))
+
+
+def merge_pieces(
+    run: tuple[torch.Tensor, torch.Tensor],
+    part_o: torch.Tensor,
+    part_lse: torch.Tensor,
+    rows: torch.Tensor,
+    at: torch.Tensor,
+) -> None:
+    """Fold a pass's pieces (part_o / part_lse at query rows `rows`) into the running
+    normalised outputs and log2-sum-exps (run, at places `at`; -inf before a row's first)."""
+    run_o, run_lse = run
+    o_new, lse_new = part_o.index_select(0, rows), part_lse.index_select(0, rows)
+    o_old, lse_old = run_o.index_select(0, at), run_lse.index_select(0, at)
+    top = torch.maximum(lse_old, lse_new)
+    w_old, w_new = torch.exp2(lse_old - top), torch.exp2(lse_new - top)
+    total = w_old + w_new
+    o = (o_old * w_old[..., None] + o_new * w_new[..., None]) / total[..., None]
+    run_o.index_copy_(0, at, o)
+    run_lse.index_copy_(0, at, top + torch.log2(total))
