@@ -86,7 +86,7 @@ class Setup:
         b.allocate(self.num_blocks)
         b.caches[0].normal_()
         if config is not None:
-            b.mla_prefill_config = b.mla_prefill_ptr_config = config
+            b.mla_prefill_config = config
         if tma is not None:
             b.mla_prefill_tma = tma
         b.begin_step(self.batch)
@@ -115,7 +115,7 @@ def bench(shape: str, tokens: int, prefix: int, args, device: torch.device) -> d
         plan = triton_b._mla_prefill
         out = torch.empty(tokens, s.widths[0], s.widths[3], device=device, dtype=s.dtype)
         tma = triton_b.mla_prefill_tma
-        config = triton_b.mla_prefill_config if tma else triton_b.mla_prefill_ptr_config
+        config = triton_b.mla_prefill_config
         rows = s.k[:, 0]
         plain = MLAWeights(s.mla.qk_nope_head_dim, s.mla.v_head_dim, lambda x: kv)
         kv = s.mla.expand(context)
@@ -147,8 +147,7 @@ def sweep(shape: str, tokens: int, prefix: int, args, device: torch.device) -> N
         for w in (4, 8)
         for st in (2, 3, 4)
     ]
-    b = TritonAttention([s.spec], BLOCK, s.dtype, device)
-    defaults = {True: b.mla_prefill_config, False: b.mla_prefill_ptr_config}
+    default = TritonAttention([s.spec], BLOCK, s.dtype, device).mla_prefill_config
     for tma in (True, False):
         for config in configs:
             try:
@@ -158,7 +157,7 @@ def sweep(shape: str, tokens: int, prefix: int, args, device: torch.device) -> N
             except Exception as err:  # a tile that does not compile or fit: skip it, say so
                 print(f"  {'x'.join(map(str, config))} tma={int(tma)}: {type(err).__name__}")
                 continue
-            results.append((us, config, tma, config == defaults[tma]))
+            results.append((us, config, tma, config == default))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     results.sort(key=lambda r: r[0])

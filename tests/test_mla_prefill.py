@@ -21,7 +21,7 @@ from inferx_core.batch import make_attention_batch  # noqa: E402
 from inferx_core.interfaces.attention import AttentionLayer, MLAWeights  # noqa: E402
 from inferx_core.interfaces.kv import KVLayerSpec  # noqa: E402
 from inferx_kernels_cuda.mla_prefill import mla_prefill, plan_prefill  # noqa: E402
-from inferx_kernels_cuda.triton_attention import TritonAttention  # noqa: E402
+from inferx_kernels_cuda.triton_attention import MLA_PREFILL_CONFIG, TritonAttention  # noqa: E402
 
 # (heads, nope, rope, v, rank): widths that are not powers of two (the tiny test models'), and
 # V2's proportions at a quarter of its widths (TMA-able)
@@ -190,6 +190,34 @@ def test_backend_mixed_step_equals_torch_backend(context_rows: int):
     case.check(outs[0], 1e-5)
 
 
+# Shared memory one program may have on sm_90 (227 KB); two programs an SM share 228 KB.
+SM90_MAX_SHARED_PER_PROGRAM = 232_448
+
+
+def test_default_tiles_compile_for_sm90_without_spills():
+    """The backend's default tile at V2's widths, read by TMA and by pointers, compiles for
+    sm_90 with no register spills and leaves room for two programs an SM (each below half the
+    SM's shared memory). Compiled by Triton without a GPU, in a process of its own (this one
+    may run Triton under the interpreter)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cases = [[*MLA_PREFILL_CONFIG, tma] for tma in (1, 0)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).parent / "sm90_mla.py"
+    out = subprocess.run(
+        [sys.executable, str(script), json.dumps(cases)], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.splitlines()[-1])
+    for case, (shared, regs, spilled) in zip(cases, got, strict=True):
+        assert 0 < shared <= SM90_MAX_SHARED_PER_PROGRAM // 2, (case, shared)
+        assert spilled == 0, (case, regs, spilled)
+
+
 @pytest.mark.gpu
 @on_gpu
 @pytest.mark.parametrize("tma", [False, True])
@@ -201,7 +229,7 @@ def test_compiled_prefill_at_v2_lite_widths(tma: bool):
     widths = (16, 128, 64, 128, 512)
     spec = KVLayerSpec(16, 1, 576, kind="mla", v_head_dim=512, rope_dim=64)
     backend = TritonAttention([spec], 16, torch.bfloat16, torch.device("cuda"))
-    c = backend.mla_prefill_config if tma else backend.mla_prefill_ptr_config
+    c = backend.mla_prefill_config
     launch = {"num_warps": c.num_warps, "num_stages": c.num_stages}
     fresh = Case([2048], [2048], widths, torch.bfloat16, block_size=16, seed=6, device="cuda")
     chunk = Case([700, 300], [700, 1200], widths, torch.bfloat16, block_size=16, seed=5,

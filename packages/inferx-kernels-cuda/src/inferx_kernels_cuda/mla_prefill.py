@@ -147,8 +147,8 @@ def mla_prefill_kernel(
                  TMA, UPCAST)  # fmt: skip
     kv_col = h * (NOPE + V)
 
-    # (the output's offsets before the loop: computed after it, ptxas took 254 registers
-    # instead of 168 at 64 x 64 tiles)
+    # (the output's offsets before the loop: computed after it, ptxas allocated far more
+    # registers for sm_90)
     rows = (q_begin + qi).to(tl.int64)
     part = rows * num_heads + h
     d = tl.arange(0, V_PAD)

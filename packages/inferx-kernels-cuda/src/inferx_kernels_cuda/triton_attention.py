@@ -62,6 +62,12 @@ class DenseConfig(NamedTuple):
         return cls(*(int(p) for p in parts))
 
 
+# mla_prefill_kernel's tile and launch on a GPU. Compiled for sm_90 at V2's widths, 64 x 64 in 2
+# stages keeps two programs an SM (107 KB of shared memory; 162 registers by TMA, 230 by
+# pointers; no spills: tests/sm90_mla.py); 3 stages take 148 KB, one program an SM.
+MLA_PREFILL_CONFIG = DenseConfig(64, 64, 4, 2)
+
+
 @dataclass
 class _Plan:
     """One step's metadata, built once by begin_step and read by every layer's launches."""
@@ -817,14 +823,11 @@ class TritonAttention(TorchAttention):
         self._mla = any(s.kind == "mla" for s in self.layers)
         self._mla_plan: _Plan | None = None  # the plan whose prompt rows _mla_prefill covers
         self._mla_prefill: PrefillPlan | None = None
-        # mla_prefill_kernel's tiles and launch (BMxBNxWARPSxSTAGES) where it reads by TMA (a
-        # Hopper GPU, widths TMA takes) and by pointer loads (elsewhere); the query tile (BM) is
-        # the first's for both. Compiled for sm_90 at V2's widths: 64 x 64 by TMA in 2 stages
-        # takes 168 registers and 107 KB of shared memory (two programs an SM; 3 stages, 148
-        # KB, one); by pointers, 64-key tiles spill registers and 32-key ones do not.
-        small = DenseConfig(16, 16, 4, 1)
-        self.mla_prefill_config = small if self.interpret else DenseConfig(64, 64, 4, 2)
-        self.mla_prefill_ptr_config = small if self.interpret else DenseConfig(64, 32, 4, 2)
+        # mla_prefill_kernel's tile and launch, and whether it reads by TMA (a Hopper GPU;
+        # layers whose widths TMA cannot take read by pointers).
+        self.mla_prefill_config = (
+            DenseConfig(16, 16, 4, 1) if self.interpret else MLA_PREFILL_CONFIG
+        )
         device = torch.device(self.device)
         self.mla_prefill_tma = device.type == "cuda" and _has_tma(device)
         if self._mla:
@@ -917,7 +920,7 @@ class TritonAttention(TorchAttention):
                 )
             rope = layer.spec.rope_dim or 0
             tma = self.mla_prefill_tma and can_tma(mla.qk_nope_head_dim, rope, mla.v_head_dim)
-            config = self.mla_prefill_config if tma else self.mla_prefill_ptr_config
+            config = self.mla_prefill_config
             mla_prefill(
                 q,
                 rows,
