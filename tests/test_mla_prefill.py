@@ -153,30 +153,27 @@ def test_bf16_upcasts_under_the_interpreter():
     case.check(run(case, 16), TOL[torch.bfloat16])
 
 
-def backends(spec: KVLayerSpec, dtype: torch.dtype, device: str, num_blocks: int):
+def backends(spec: KVLayerSpec, dtype: torch.dtype, device: str, num_blocks: int, block_size: int):
     """A TritonAttention and a TorchAttention over one MLA layer, caches allocated."""
     out = []
     for cls in (TritonAttention, TorchAttention):
-        b = cls([spec], 4, dtype, torch.device(device))
+        b = cls([spec], block_size, dtype, torch.device(device))
         b.allocate(num_blocks)
         out.append(b)
     return out
 
 
-@interpreted
-@pytest.mark.parametrize("context_rows", [1 << 20, 20])
-def test_backend_mixed_step_equals_torch_backend(context_rows: int):
-    """TritonAttention's MLA forward of a step with a fresh prompt, a chunk over a cached
-    prefix and decodes, against TorchAttention (plain prompts, absorbed decodes) on the same
-    cache: the cache rows equal, the outputs within fp32 rounding."""
-    heads, nope, rope, v, rank = SMALL
+def backend_step(case: Case, device: str, context_rows: int, tol: float) -> None:
+    """TritonAttention's MLA forward of the case's step against TorchAttention's (plain
+    prompts, absorbed decodes) on the same cache: the cache rows equal, the outputs within tol
+    of each other and of the float64 plain form."""
+    heads, nope, rope, v, rank = case.widths
     spec = KVLayerSpec(heads, 1, rank + rope, kind="mla", v_head_dim=rank, rope_dim=rope)
-    case = Case([9, 1, 6, 1], [9, 14, 27, 3], SMALL, torch.float32, seed=4)
-    triton_b, torch_b = backends(spec, torch.float32, "cpu", case.cache.shape[0])
+    triton_b, torch_b = backends(spec, case.dtype, device, *case.cache.shape[:2])
+    triton_b.mla_context_rows = context_rows
     mla = case.mla()
     w = case.w.view(heads, nope + v, rank)
     mla.w_uk, mla.w_uv = w[:, :nope], w[:, nope:]
-    triton_b.mla_context_rows = context_rows
     outs = []
     for b in (triton_b, torch_b):
         b.caches[0].copy_(case.cache)
@@ -186,8 +183,17 @@ def test_backend_mixed_step_equals_torch_backend(context_rows: int):
         k = case.rows[:, None]
         outs.append(b.forward(layer, case.q, k, k[..., :rank]))
     assert torch.equal(triton_b.caches[0], torch_b.caches[0])
-    assert rel_err(outs[0], outs[1]) <= 1e-5
-    case.check(outs[0], 1e-5)
+    assert rel_err(outs[0], outs[1]) <= tol
+    case.check(outs[0], tol)
+
+
+@interpreted
+@pytest.mark.parametrize("context_rows", [1 << 20, 20])
+def test_backend_mixed_step_equals_torch_backend(context_rows: int):
+    """A step with a fresh prompt, a chunk over a cached prefix and decodes (contexts in one
+    pass, or in pieces of 20 rows), fp32: within 1e-5."""
+    case = Case([9, 1, 6, 1], [9, 14, 27, 3], SMALL, torch.float32, seed=4)
+    backend_step(case, "cpu", context_rows, 1e-5)
 
 
 # Shared memory one program may have on sm_90 (227 KB); two programs an SM share 228 KB.
@@ -216,6 +222,18 @@ def test_default_tiles_compile_for_sm90_without_spills():
     for case, (shared, regs, spilled) in zip(cases, got, strict=True):
         assert 0 < shared <= SM90_MAX_SHARED_PER_PROGRAM // 2, (case, shared)
         assert spilled == 0, (case, regs, spilled)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("widths", [SMALL, QUARTER])  # pointer loads, TMA on Hopper
+@pytest.mark.parametrize("context_rows", [1 << 20, 256])
+def test_compiled_backend_step_equals_torch_backend(widths, context_rows: int):
+    """backend_step on the GPU, fp32 (no TF32 on either side): a 300-token fresh prompt, a
+    100-token chunk over a 600-token prefix and decodes, 16-token blocks, within 1e-4."""
+    case = Case([300, 1, 100, 1], [300, 500, 700, 40], widths, torch.float32, block_size=16,
+                seed=7, device="cuda")  # fmt: skip
+    backend_step(case, "cuda", context_rows, 1e-4)
 
 
 @pytest.mark.gpu
