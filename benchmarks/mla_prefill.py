@@ -137,16 +137,21 @@ def bench(shape: str, tokens: int, prefix: int, args, device: torch.device) -> d
     return row
 
 
-def sweep(shape: str, tokens: int, prefix: int, args, device: torch.device) -> None:
-    s = Setup(shape, tokens, prefix, device)
-    results = []
-    configs = [
+def candidates() -> list[DenseConfig]:
+    """Tiles and launches to sweep (those past the GPU's shared memory fail and are skipped)."""
+    return [
         DenseConfig(bm, bn, w, st)
         for bm in (64, 128)
         for bn in (32, 64, 128)
         for w in (4, 8)
         for st in (2, 3, 4)
     ]
+
+
+def sweep(shape: str, tokens: int, prefix: int, args, device: torch.device) -> None:
+    s = Setup(shape, tokens, prefix, device)
+    results = []
+    configs = candidates()
     default = TritonAttention([s.spec], BLOCK, s.dtype, device).mla_prefill_config
     for tma in (True, False):
         for config in configs:
