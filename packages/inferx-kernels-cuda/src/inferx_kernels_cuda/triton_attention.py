@@ -62,9 +62,8 @@ class DenseConfig(NamedTuple):
         return cls(*(int(p) for p in parts))
 
 
-# mla_prefill_kernel's tile and launch on a GPU. Compiled for sm_90 at V2's widths, 64 x 64 in 2
-# stages keeps two programs an SM (107 KB of shared memory; 162 registers by TMA, 230 by
-# pointers; no spills: tests/sm90_mla.py); 3 stages take 148 KB, one program an SM.
+# mla_prefill_kernel's tile and launch on a GPU: at V2's widths, two programs an SM and no
+# register spills for sm_90 (docs/ARCHITECTURE.md, MLA; tests/sm90_mla.py checks it).
 MLA_PREFILL_CONFIG = DenseConfig(64, 64, 4, 2)
 
 
