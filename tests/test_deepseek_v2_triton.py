@@ -1,7 +1,8 @@
 """DeepSeek-V2's MLA layers on the `triton` backend under TRITON_INTERPRET=1: the latent cache
 written by mla_write_kernel, decodes through the Triton MLA decode kernel (split contexts),
-prompt chunks through the torch plain form; the tiny checkpoints of test_deepseek_v2 give
-transformers' greedy tokens under chunked prefill, prefix hits and decode, and the decode
+prompt chunks through the Triton MLA prefill (fresh prompts over their own rows, chunks over
+cached prefixes gathered, contexts in several passes); the tiny checkpoints of test_deepseek_v2
+give transformers' greedy tokens under chunked prefill, prefix hits and decode, and the decode
 graph runner's static buffers generate like eager. On a GPU: the V2-Lite-shaped dummy in bf16
 with CUDA graphs against transformers."""
 
@@ -20,6 +21,7 @@ from test_deepseek_v2 import VARIANTS, hf_model, make_llm  # noqa: E402
 from test_engine import PROMPTS, generate, reference  # noqa: E402
 
 from inferx_core.engine import LLM  # noqa: E402
+from inferx_kernels_cuda import triton_attention  # noqa: E402
 from inferx_kernels_cuda.mla_decode import write_latent  # noqa: E402
 from inferx_kernels_cuda.triton_attention import TritonAttention  # noqa: E402
 
@@ -63,6 +65,25 @@ def split_mla_decodes(llm: LLM) -> TritonAttention:
     return attention
 
 
+@pytest.fixture
+def prefill_plans(monkeypatch) -> list:
+    """Every MLA prefill plan the triton backend makes (None for steps without prompt rows)."""
+    plans: list = []
+    plan = triton_attention.plan_prefill
+
+    def recorded(*args, **kwargs):
+        plans.append(plan(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(triton_attention, "plan_prefill", recorded)
+    return plans
+
+
+def gathered(plans: list) -> list:
+    """The plans that gather contexts from the cache (a chunk over a cached prefix)."""
+    return [p for p in plans if p is not None and p.passes[0].slots is not None]
+
+
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_latent_write_skips_padding_slots(dtype: torch.dtype):
@@ -80,9 +101,12 @@ def test_latent_write_skips_padding_slots(dtype: torch.dtype):
 
 
 @interpreted
-def test_triton_chunked_prefill_and_split_decodes_equal_transformers(checkpoint, expected):
+def test_triton_chunked_prefill_and_split_decodes_equal_transformers(
+    checkpoint, expected, prefill_plans
+):
     """Prompt chunks of 7 over cached prefixes packed with decodes (mixed eager steps: the
-    decode rows gathered), then decodes over split contexts: transformers' tokens."""
+    decode rows gathered), contexts expanded at most 20 rows a pass, then decodes over split
+    contexts: transformers' tokens."""
     llm = make_llm(
         checkpoint[0],
         **TRITON,
@@ -93,12 +117,13 @@ def test_triton_chunked_prefill_and_split_decodes_equal_transformers(checkpoint,
             "kv_cache.block_size": 4,
         },
     )
-    split_mla_decodes(llm)
+    split_mla_decodes(llm).mla_context_rows = 20
     assert generate(llm) == expected
+    assert any(p.pieces for p in gathered(prefill_plans))
 
 
 @interpreted
-def test_triton_prefix_cache_hit_equals_transformers(lite):
+def test_triton_prefix_cache_hit_equals_transformers(lite, prefill_plans):
     path, model = lite
     first = list(range(3, 43)) + [50, 51, 52]
     second = list(range(3, 43)) + [90, 91]
@@ -107,6 +132,8 @@ def test_triton_prefix_cache_hit_equals_transformers(lite):
     assert generate(llm, [first]) == reference(model, [first])
     assert generate(llm, [second]) == reference(model, [second])
     assert llm.engine.scheduler.stats().prefix_hits > 0
+    assert gathered(prefill_plans)  # the second prompt's chunk over its cached prefix
+    assert any(p is not None and p.passes[0].slots is None for p in prefill_plans)  # fresh
 
 
 @interpreted

@@ -10,12 +10,13 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from inferx_core.attention_torch import TorchAttention, mla_plain
+from inferx_core.attention_torch import TorchAttention
 from inferx_core.batch import pack_aligned, to_device
 from inferx_core.interfaces.attention import AttentionBatch, AttentionLayer, SplitAttention
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda import triton_kernels as kernels
 from inferx_kernels_cuda.mla_decode import mla_decode_absorbed, write_latent
+from inferx_kernels_cuda.mla_prefill import PrefillPlan, can_tma, mla_prefill, plan_prefill
 from inferx_kernels_cuda.ops import _ROTARY_TILE, _has_tma
 from inferx_kernels_cuda.pdl import attention_early, between_launch, in_ranges
 
@@ -59,6 +60,11 @@ class DenseConfig(NamedTuple):
         if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
             raise ValueError(f"a dense prefill config is BMxBNxWARPSxSTAGES; got {text!r}")
         return cls(*(int(p) for p in parts))
+
+
+# mla_prefill_kernel's tile and launch on a GPU: at V2's widths, two programs an SM and no
+# register spills for sm_90 (docs/ARCHITECTURE.md, MLA; tests/sm90_mla.py checks it).
+MLA_PREFILL_CONFIG = DenseConfig(64, 64, 4, 2)
 
 
 @dataclass
@@ -800,16 +806,29 @@ class TritonAttention(TorchAttention):
     # One cache row a token (latent + rope key), written by mla_write_kernel. One-query rows
     # (decodes) attend in the absorbed form through mla_decode's kernels, over the plan's block
     # tables and context lengths (a decode graph's static ones); rows of longer chunks attend in
-    # the plain form through the torch reference (mla_plain) over TorchAttention's per-step
-    # gather, which only eager steps build: mixed-step graphs do not take MLA layers.
+    # the plain form through mla_prefill (their contexts expanded through kv_b_proj, in passes
+    # of at most mla_context_rows gathered rows), planned per eager step: mixed-step graphs,
+    # whose shapes are fixed, do not take MLA layers.
 
     # MLA decode: fewest context tokens per split, most splits per sequence.
     mla_min_split_len = 256
     mla_max_splits = 16
+    # MLA prefill: context rows expanded a pass where a chunk has a cached prefix (or the
+    # step's tokens, if more), so expanded keys and values stay within what a step of fresh
+    # prompts uses.
+    mla_context_rows = 8192
 
     def _mla_init(self) -> None:
         self._mla = any(s.kind == "mla" for s in self.layers)
-        self._mla_plan: _Plan | None = None  # the plan whose prompt rows _steps describes
+        self._mla_plan: _Plan | None = None  # the plan whose prompt rows _mla_prefill covers
+        self._mla_prefill: PrefillPlan | None = None
+        # mla_prefill_kernel's tile and launch, and whether it reads by TMA (a Hopper GPU;
+        # layers whose widths TMA cannot take read by pointers).
+        self.mla_prefill_config = (
+            DenseConfig(16, 16, 4, 1) if self.interpret else MLA_PREFILL_CONFIG
+        )
+        device = torch.device(self.device)
+        self.mla_prefill_tma = device.type == "cuda" and _has_tma(device)
         if self._mla:
             self.supports_mixed_graphs = False  # see _mla_refuse_mixed
         if all(s.kind == "mla" for s in self.layers):
@@ -819,15 +838,22 @@ class TritonAttention(TorchAttention):
         if self._mla:
             raise NotImplementedError(
                 f"{self.name}: mixed-step CUDA graphs do not take MLA layers (their prompt "
-                "rows attend through the torch plain form, whose shapes change every step); "
-                "decode graphs do"
+                "rows expand their contexts, whose sizes change every step); decode graphs do"
             )
 
     def _mla_begin_step(self, batch: AttentionBatch) -> None:
-        """A step with prompt rows: TorchAttention's gather for their plain-form attention."""
+        """A step with prompt rows: their MLA prefill's passes and tiles."""
         plan = self._plan
         if self._mla and plan is not None and not plan.all_decode:
-            TorchAttention.begin_step(self, batch)
+            self._mla_prefill = plan_prefill(
+                batch.query_lens,
+                batch.context_lens,
+                batch.block_tables,
+                self.block_size,
+                self.mla_prefill_config.block_m,
+                max(self.mla_context_rows, sum(batch.query_lens)),
+                self.device,
+            )
             self._mla_plan = plan
 
     def _mla_splits(self, num_decode: int) -> int:
@@ -868,7 +894,8 @@ class TritonAttention(TorchAttention):
                 f"{slot_mapping.shape[0]}"
             )
         rows = k[:, 0]
-        write_latent(rows if rows.stride(-1) == 1 else rows.contiguous(), cache, slot_mapping)
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        write_latent(rows, cache, slot_mapping)
         decode = {"num_splits": self._mla_splits(plan.num_decode)}
         decode["min_split_len"] = self.mla_min_split_len
         if plan.all_decode:  # decode i is sequence i and query row i
@@ -876,25 +903,37 @@ class TritonAttention(TorchAttention):
                 q, cache, block_table, plan.context_len, mla, layer.scale, **decode
             )
         if self._mla_plan is not plan:
-            raise RuntimeError(f"{self.name}: MLA prompt rows need begin_step()'s gather")
+            raise RuntimeError(f"{self.name}: MLA prompt rows need begin_step()'s prefill plan")
         out = q.new_empty(num_tokens, q.shape[1], mla.v_head_dim)
         if plan.num_decode:
             seqs = plan.decode_seqs.long()
             at = plan.query_start[seqs].long()
             table, ctx = block_table[seqs], plan.context_len[seqs]
             out[at] = mla_decode_absorbed(q[at], cache, table, ctx, mla, layer.scale, **decode)
-        step = self._steps[layer.group]
-        context = cache.view(-1, cache.shape[-1]).index_select(0, step.slots).to(q.dtype)
-        for s in step.seqs:
-            if s.q_end - s.q_start > 1:
-                out[s.q_start : s.q_end] = mla_plain(
-                    q[s.q_start : s.q_end],
-                    context[s.ctx_start : s.ctx_end],
-                    mla,
-                    layer.scale,
-                    s.mask,
-                    s.causal,
+        prefill = self._mla_prefill
+        if prefill is not None:
+            if layer.group and any(p.slots is not None for p in prefill.passes):
+                raise NotImplementedError(
+                    f"{self.name}: an MLA prefill over cached prefixes reads KV group 0's block "
+                    f"tables; layer {layer.index} is in group {layer.group}"
                 )
+            rope = layer.spec.rope_dim or 0
+            tma = self.mla_prefill_tma and can_tma(mla.qk_nope_head_dim, rope, mla.v_head_dim)
+            config = self.mla_prefill_config
+            mla_prefill(
+                q,
+                rows,
+                cache,
+                mla,
+                layer.scale,
+                prefill,
+                plan.query_start,
+                plan.context_len,
+                out,
+                config.block_n,
+                {"num_warps": config.num_warps, "num_stages": config.num_stages},
+                tma,
+            )
         return out
 
     def forward(
