@@ -12,7 +12,7 @@ import triton
 from inferx_core.interfaces.attention import SplitAttention
 from inferx_core.interfaces.moe import QuantExperts, RouterSpec
 from inferx_core.interfaces.ops import KernelOps, check_parts
-from inferx_core.interfaces.quant import QuantLinear
+from inferx_core.interfaces.quant import ActivationQuant, QuantizedActivation, QuantLinear
 from inferx_core.quant_none import SPLIT_PARTS
 from inferx_kernels_cuda import fused_kernels as kernels
 from inferx_kernels_cuda.gemv import skinny_linear
@@ -260,7 +260,11 @@ class TritonOps(KernelOps):
             )
         return out
 
-    def linear_silu_and_mul(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def linear_silu_and_mul(
+        self, linear: torch.nn.Module, x: torch.Tensor, quant: ActivationQuant | None = None
+    ) -> torch.Tensor | QuantizedActivation:
+        if quant is not None:
+            return self.silu_and_mul_quant(linear(x), quant)
         if self.tma_gated and linear.bias is None and self._takes_tma(linear, x):
             cfg = self._tma_config(x, linear.dense_weight().shape[0] // 2, 1, gated=True)
             return tma_linear_silu_and_mul(x, linear.dense_weight(), cfg)
@@ -353,9 +357,15 @@ class TritonOps(KernelOps):
         eps: float,
         residual: torch.Tensor,
         linear: torch.nn.Module,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not (self.tma_norm and linear.bias is None and self._fuses_norm(linear, x, residual)):
-            return super().rms_norm_linear_silu_and_mul(x, weight, eps, residual, linear)
+        quant: ActivationQuant | None = None,
+    ) -> tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
+        if not (
+            quant is None
+            and self.tma_norm
+            and linear.bias is None
+            and self._fuses_norm(linear, x, residual)
+        ):
+            return super().rms_norm_linear_silu_and_mul(x, weight, eps, residual, linear, quant)
         check_parts(x, residual)
         cfg = norm_config(x.shape[1], 1, gated=True)
         return tma_norm_linear(x, residual, weight, eps, linear.dense_weight(), 1, True, cfg)
