@@ -12,9 +12,10 @@ cycling over weight copies that exceed the L2 cache). `floor` is the FP8 weight 
 the post-attention norm (down_proj's output as 4 K-slice parts plus the residual, as a decode
 step hands them over) and SiLU-and-mul, each unfused (TritonOps with fuse_act_quant off: the
 op's kernel, then fp8_gemm.quantize_rows) and fused (fp8_act: one kernel), per token and per
-128-column group; and the bf16 op alone (what an unquantized model runs). Each is timed as
-CUDA-graph replays (triton.testing.do_bench_cudagraph), so launch gaps count and Python does
-not, µs a call.
+128-column group (SiLU-and-mul per token also in its two-pass form, which rows past
+fp8_act.SILU_ONE_TILE_MAX take); and the bf16 op alone (what an unquantized model runs).
+Each is timed as CUDA-graph replays (triton.testing.do_bench_cudagraph), so launch gaps count
+and Python does not, µs a call.
 
     python benchmarks/fp8_gemm.py             # on a GPU
     python benchmarks/fp8_gemm.py --act       # fused vs unfused activation quantization
@@ -58,6 +59,17 @@ WIDTHS = {"3B": (2048, 11008), "8B": (4096, 14336)}
 ACT_ROWS = [1, 4, 16, 64, 256, 2048]
 
 
+def two_pass(ops, x: torch.Tensor, spec) -> object:  # noqa: ANN001
+    """silu_and_mul_quant per token with fp8_act's one-tile path off (SILU_ONE_TILE_MAX 0)."""
+    from inferx_kernels_cuda import fp8_act
+
+    limit, fp8_act.SILU_ONE_TILE_MAX = fp8_act.SILU_ONE_TILE_MAX, 0
+    try:
+        return ops.silu_and_mul_quant(x, spec)
+    finally:
+        fp8_act.SILU_ONE_TILE_MAX = limit
+
+
 def act_table(smoke: bool) -> None:
     """--act: fused vs unfused activation quantization (the module docstring)."""
     from inferx_core.interfaces.quant import ActivationQuant
@@ -71,9 +83,9 @@ def act_table(smoke: bool) -> None:
     unfused.fuse_act_quant = False
     specs = {"token": ActivationQuant("token"), "group": ActivationQuant("group", 128)}
     print(f"device: {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}")
-    print("| width | rows | op | bf16 op | token unfused | token fused | group unfused | "
-          "group fused |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("| width | rows | op | bf16 op | token unfused | token fused | token fused 2-pass | "
+          "group unfused | group fused |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, (hidden, inter) in widths.items():
         weight = 1 + 0.1 * torch.randn(hidden, device=dev, dtype=dtype)
         for m in rows_list:
@@ -90,6 +102,9 @@ def act_table(smoke: bool) -> None:
             for key, spec, ops in variants:
                 runs["norm"][key] = partial(ops.rms_norm_quant, *norm_args, spec, residual, True)
                 runs["silu"][key] = partial(ops.silu_and_mul_quant, gate_up, spec)
+            # per token in two passes over 4096-column tiles instead of the row in one tile
+            runs["silu"]["2-pass"] = partial(two_pass, fused, gate_up, specs["token"])
+            runs["norm"]["2-pass"] = lambda: None
             for op, fns in runs.items():
                 us = {}
                 for key, fn in fns.items():
@@ -99,8 +114,9 @@ def act_table(smoke: bool) -> None:
                         if smoke
                         else triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3
                     )
+                two = "-" if op == "norm" else f"{us['2-pass']:.1f}"
                 print(f"| {name} | {m} | {op} | {us['bf16']:.1f} | {us['token unfused']:.1f} | "
-                      f"{us['token fused']:.1f} | {us['group unfused']:.1f} | "
+                      f"{us['token fused']:.1f} | {two} | {us['group unfused']:.1f} | "
                       f"{us['group fused']:.1f} |")  # fmt: skip
 
 
