@@ -14,17 +14,17 @@ step hands them over) and SiLU-and-mul, each unfused (TritonOps with fuse_act_qu
 op's kernel, then fp8_gemm.quantize_rows) and fused (fp8_act: one kernel), per token and per
 128-column group (SiLU-and-mul per token also in its two-pass form, which rows past
 fp8_act.SILU_ONE_TILE_MAX take); and the bf16 op alone (what an unquantized model runs).
-Each is timed as CUDA-graph replays (triton.testing.do_bench_cudagraph), so launch gaps count
-and Python does not, µs a call.
+µs a call, timed as above (graph_timing.time_calls; the inputs stay in L2, as the GEMM before
+leaves them).
+
+--model-ab builds the configured model twice, fusion on then off, and runs inferx-bench
+latency's measurements on each (bench_offline.run_latency: batch-1 decode ms/token, TTFT at
+--ttft-lens): the end-to-end effect, CUDA graphs and all.
 
     python benchmarks/fp8_gemm.py             # on a GPU
     python benchmarks/fp8_gemm.py --act       # fused vs unfused activation quantization
     python benchmarks/fp8_gemm.py --model-ab --config examples/qwen2.5-3b-dummy-gpu.toml \
         --quantization-scheme fp8 --kv-cache-memory 0.4   # an FP8 model, fused vs unfused
-
---model-ab builds the configured model twice, fusion on then off, and runs inferx-bench
-latency's measurements on each (bench_offline.run_latency: batch-1 decode ms/token, TTFT at
---ttft-lens): the end-to-end effect, CUDA graphs and all.
     TRITON_INTERPRET=1 python benchmarks/fp8_gemm.py --smoke [--act]   # tiny, on the CPU
 """
 
@@ -109,11 +109,7 @@ def act_table(smoke: bool) -> None:
                 us = {}
                 for key, fn in fns.items():
                     fn()
-                    us[key] = (
-                        float("nan")
-                        if smoke
-                        else triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3
-                    )
+                    us[key] = float("nan") if smoke else time_calls([fn], True)
                 two = "-" if op == "norm" else f"{us['2-pass']:.1f}"
                 print(f"| {name} | {m} | {op} | {us['bf16']:.1f} | {us['token unfused']:.1f} | "
                       f"{us['token fused']:.1f} | {two} | {us['group unfused']:.1f} | "
