@@ -1,4 +1,5 @@
-"""FP8 linear layers on the GPU against bf16: which GEMM to run per shape (fp8_gemm.pick_gemm).
+"""FP8 linear layers on the GPU against bf16: which GEMM to run per shape (fp8_gemm.pick_gemm),
+and with --act the activation quantization fused into RMSNorm / SiLU-and-mul against unfused.
 
 Per shape and row count: bf16 F.linear (cuBLAS), FP8 per-channel weights with per-token
 activations through torch._scaled_mm (cuBLASLt) and through the Triton kernel, and block FP8
@@ -7,8 +8,24 @@ activation quantization, as a layer runs it. Times are one call's GPU time in µ
 (benchmarks/graph_timing.py: calls captured in a CUDA graph, as the decode step runs them,
 cycling over weight copies that exceed the L2 cache). `floor` is the FP8 weight bytes at --tbps.
 
+--act times, per model width and row count, what runs between the GEMMs of an FP8 layer:
+the post-attention norm (down_proj's output as 4 K-slice parts plus the residual, as a decode
+step hands them over) and SiLU-and-mul, each unfused (TritonOps with fuse_act_quant off: the
+op's kernel, then fp8_gemm.quantize_rows) and fused (fp8_act: one kernel), per token and per
+128-column group (SiLU-and-mul per token also in its two-pass form, which rows past
+fp8_act.SILU_ONE_TILE_MAX take); and the bf16 op alone (what an unquantized model runs).
+µs a call, timed as above (graph_timing.time_calls; the inputs stay in L2, as the GEMM before
+leaves them).
+
+--model-ab builds the configured model twice, fusion on then off, and runs inferx-bench
+latency's measurements on each (bench_offline.run_latency: batch-1 decode ms/token, TTFT at
+--ttft-lens): the end-to-end effect, CUDA graphs and all.
+
     python benchmarks/fp8_gemm.py             # on a GPU
-    TRITON_INTERPRET=1 python benchmarks/fp8_gemm.py --smoke   # tiny, on the CPU: runs, no times
+    python benchmarks/fp8_gemm.py --act       # fused vs unfused activation quantization
+    python benchmarks/fp8_gemm.py --model-ab --config examples/qwen2.5-3b-dummy-gpu.toml \
+        --quantization-scheme fp8 --kv-cache-memory 0.4   # an FP8 model, fused vs unfused
+    TRITON_INTERPRET=1 python benchmarks/fp8_gemm.py --smoke [--act]   # tiny, on the CPU
 """
 
 from __future__ import annotations
@@ -21,6 +38,7 @@ from functools import partial
 import torch
 import triton
 
+from inferx_core.cli import add_config_flags
 from inferx_kernels_cuda import fp8_gemm as kern
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -36,13 +54,120 @@ SHAPES = {  # name: (N, K)
     "8B down": (4096, 14336),
 }
 ROWS = [1, 4, 16, 32, 64, 256, 2048]
+# --act: name -> (hidden, intermediate)
+WIDTHS = {"3B": (2048, 11008), "8B": (4096, 14336)}
+ACT_ROWS = [1, 4, 16, 64, 256, 2048]
+
+
+def two_pass(ops, x: torch.Tensor, spec) -> object:  # noqa: ANN001
+    """silu_and_mul_quant per token with fp8_act's one-tile path off (SILU_ONE_TILE_MAX 0)."""
+    from inferx_kernels_cuda import fp8_act
+
+    limit, fp8_act.SILU_ONE_TILE_MAX = fp8_act.SILU_ONE_TILE_MAX, 0
+    try:
+        return ops.silu_and_mul_quant(x, spec)
+    finally:
+        fp8_act.SILU_ONE_TILE_MAX = limit
+
+
+def act_table(smoke: bool) -> None:
+    """--act: fused vs unfused activation quantization (the module docstring)."""
+    from inferx_core.interfaces.quant import ActivationQuant
+    from inferx_kernels_cuda.ops import TritonOps
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float16
+    widths = {"tiny": (256, 384)} if smoke else WIDTHS
+    rows_list = [1, 20] if smoke else ACT_ROWS
+    fused, unfused = TritonOps(), TritonOps()
+    unfused.fuse_act_quant = False
+    specs = {"token": ActivationQuant("token"), "group": ActivationQuant("group", 128)}
+    print(f"device: {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}")
+    print("| width | rows | op | bf16 op | token unfused | token fused | token fused 2-pass | "
+          "group unfused | group fused |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, (hidden, inter) in widths.items():
+        weight = 1 + 0.1 * torch.randn(hidden, device=dev, dtype=dtype)
+        for m in rows_list:
+            parts = torch.randn(4, m, hidden, device=dev, dtype=dtype)
+            residual = torch.randn(m, hidden, device=dev, dtype=dtype)
+            gate_up = torch.randn(m, 2 * inter, device=dev, dtype=dtype)
+            variants = [(f"{key} {label}", spec, ops) for key, spec in specs.items()
+                        for label, ops in (("unfused", unfused), ("fused", fused))]  # fmt: skip
+            norm_args = (parts, weight, 1e-6)
+            runs = {
+                "norm": {"bf16": partial(fused.rms_norm, *norm_args, residual, True)},
+                "silu": {"bf16": partial(fused.silu_and_mul, gate_up)},
+            }
+            for key, spec, ops in variants:
+                runs["norm"][key] = partial(ops.rms_norm_quant, *norm_args, spec, residual, True)
+                runs["silu"][key] = partial(ops.silu_and_mul_quant, gate_up, spec)
+            # per token in two passes over 4096-column tiles instead of the row in one tile
+            runs["silu"]["2-pass"] = partial(two_pass, fused, gate_up, specs["token"])
+            runs["norm"]["2-pass"] = lambda: None
+            for op, fns in runs.items():
+                us = {}
+                for key, fn in fns.items():
+                    fn()
+                    us[key] = float("nan") if smoke else time_calls([fn], True)
+                two = "-" if op == "norm" else f"{us['2-pass']:.1f}"
+                print(f"| {name} | {m} | {op} | {us['bf16']:.1f} | {us['token unfused']:.1f} | "
+                      f"{us['token fused']:.1f} | {two} | {us['group unfused']:.1f} | "
+                      f"{us['group fused']:.1f} |")  # fmt: skip
+
+
+def model_ab(args: argparse.Namespace) -> None:
+    """--model-ab: the configured model's batch-1 decode and TTFT, fusion on and off."""
+    import gc
+
+    from inferx_core import bench_offline
+    from inferx_core.cli import config_from_args
+    from inferx_core.engine import LLM
+    from inferx_kernels_cuda.ops import TritonOps
+
+    init = TritonOps.__init__
+    results = {}
+    try:
+        for fused in (True, False):
+
+            def set_fusion(self: TritonOps, on: bool = fused) -> None:
+                init(self)
+                self.fuse_act_quant = on
+
+            TritonOps.__init__ = set_fusion  # type: ignore[method-assign]
+            llm = LLM(config_from_args(args))
+            results["fused" if fused else "unfused"] = bench_offline.run_latency(llm, args)
+            del llm
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    finally:
+        TritonOps.__init__ = init  # type: ignore[method-assign]
+    print(f"device: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
+    print("| figure | fused | unfused |")
+    print("|---|---|---|")
+    for key, value in results["fused"].items():
+        print(f"| {key} | {value:.3f} | {results['unfused'][key]:.3f} |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, any device, no timing")
     ap.add_argument("--tbps", type=float, default=3.35, help="memory bandwidth for the floor")
+    ap.add_argument("--act", action="store_true", help="fused vs unfused activation quantization")
+    ap.add_argument("--model-ab", action="store_true", help="a model's latency, fused vs unfused")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--ttft-lens", type=int, nargs="*", default=[2048])
+    ap.add_argument("--runs", type=int, default=3)
+    add_config_flags(ap)
     args = ap.parse_args()
+    if args.act:
+        act_table(args.smoke)
+        return
+    if args.model_ab:
+        model_ab(args)
+        return
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = {"tiny": (128, 256)} if args.smoke else SHAPES
     rows = [1, 20] if args.smoke else ROWS

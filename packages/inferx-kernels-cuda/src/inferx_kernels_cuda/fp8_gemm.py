@@ -321,18 +321,37 @@ def fp8_linear(
         if block is None:
             raise ValueError("group activation scales come with block weight scales")
         xq, xs = quantize_rows(x, group=block[1])
-        return triton_fp8_gemm(xq, xs, w, w_scale, bias, x.dtype, block)
-    if activations == "static":
+    elif activations == "static":
         xq, xs = quantize_rows(x, static_scale=input_scale)
     elif activations == "tensor":
         xs = (x.abs().amax().float() / FP8_MAX).clamp(min=MIN_SCALE).reshape(1, 1)
         xq, _ = quantize_rows(x, static_scale=xs)
     else:
         xq, xs = quantize_rows(x)
+    return fp8_scaled_linear(xq, xs, w, w_scale, bias, x.dtype, block, gemm)
+
+
+def fp8_scaled_linear(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    block: tuple[int, int] | None = None,
+    gemm: str = "auto",
+) -> torch.Tensor:
+    """fp8_linear's GEMM for activations already quantized: xq [M, K] e4m3 with xs [M, 1] or
+    [1, 1] (per-row weight scales), or [M, ceil(K / block[1])] (block weight scales); from
+    quantize_rows or a norm / activation kernel that quantized as it wrote (fp8_act)."""
     if block is not None:
-        raise ValueError("block weight scales take group activation scales")
+        if xs.shape[1] == 1 and triton.cdiv(xq.shape[1], block[1]) > 1:
+            raise ValueError("block weight scales take group activation scales")
+        return triton_fp8_gemm(xq, xs, w, w_scale, bias, out_dtype, block)
+    if xs.shape[1] != 1:
+        raise ValueError("activation scales per group need block weight scales")
     n, k = w.shape
-    choice = pick_gemm(x.shape[0], n, k) if gemm == "auto" else gemm
-    if choice == "cublas" and x.is_cuda and n % 16 == 0 and k % 16 == 0:  # cuBLASLt's rule
-        return cublas_fp8_gemm(xq, xs, w, w_scale, bias, x.dtype)
-    return triton_fp8_gemm(xq, xs, w, w_scale, bias, x.dtype)
+    choice = pick_gemm(xq.shape[0], n, k) if gemm == "auto" else gemm
+    if choice == "cublas" and xq.is_cuda and n % 16 == 0 and k % 16 == 0:  # cuBLASLt's rule
+        return cublas_fp8_gemm(xq, xs, w, w_scale, bias, out_dtype)
+    return triton_fp8_gemm(xq, xs, w, w_scale, bias, out_dtype)

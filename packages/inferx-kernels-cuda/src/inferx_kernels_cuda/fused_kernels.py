@@ -30,6 +30,31 @@ def silu_times(gate, up, DTYPE: tl.constexpr):
     return _rounded(gate / (1.0 + tl.exp(-gate)), DTYPE) * up
 
 
+@triton.jit
+def norm_row(
+    x_ptr, residual_ptr, residual_out_ptr, w, row, cols, mask, stride_x, stride_residual,
+    stride_residual_out, stride_part, n_cols, eps, HAS_RESIDUAL: tl.constexpr,
+    PARTS: tl.constexpr,
+):  # fmt: skip
+    """rms_norm_kernel's row: its parts summed, the residual added (and stored), normalised,
+    times the weight w (fp32, loaded by the caller); fp32, not yet rounded to the output."""
+    dtype = x_ptr.dtype.element_ty
+    h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if PARTS > 1:
+        for p in tl.static_range(1, PARTS):
+            part = tl.load(x_ptr + p * stride_part + row * stride_x + cols, mask=mask, other=0.0)
+            h += part.to(tl.float32)
+        h = _rounded(h, dtype)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        h = _rounded(h + r.to(tl.float32), dtype)
+        tl.store(residual_out_ptr + row * stride_residual_out + cols, h.to(dtype), mask=mask)
+    # Masked columns load as 0 and add nothing to the sum of squares.
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
+    normed = _rounded(h * rstd, dtype)
+    return w * normed
+
+
 # stride_part is rows x hidden, so it changes with the batch: not specialised on.
 @triton.jit(do_not_specialize=["stride_part"])
 def rms_norm_kernel(
@@ -60,29 +85,15 @@ def rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    dtype = x_ptr.dtype.element_ty
     # The weight is loaded first: after the residual's store the compiler could not move its
     # load up (the pointers might alias), and it would start only after the row's sum.
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_start(PDL, TRIGGER)
-    h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if PARTS > 1:
-        for p in tl.static_range(1, PARTS):
-            part = tl.load(x_ptr + p * stride_part + row * stride_x + cols, mask=mask, other=0.0)
-            h += part.to(tl.float32)
-        h = _rounded(h, dtype)
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
-        h = _rounded(h + r.to(tl.float32), dtype)
-        tl.store(residual_out_ptr + row * stride_residual_out + cols, h.to(dtype), mask=mask)
-    # Masked columns load as 0 and add nothing to the sum of squares.
-    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
-    normed = _rounded(h * rstd, dtype)
-    tl.store(
-        out_ptr + row * stride_out + cols,
-        (w * normed).to(out_ptr.dtype.element_ty),
-        mask=mask,
-    )
+    y = norm_row(
+        x_ptr, residual_ptr, residual_out_ptr, w, row, cols, mask, stride_x, stride_residual,
+        stride_residual_out, stride_part, n_cols, eps, HAS_RESIDUAL, PARTS,
+    )  # fmt: skip
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import torch
 import triton
@@ -12,9 +13,11 @@ import triton
 from inferx_core.interfaces.attention import SplitAttention
 from inferx_core.interfaces.moe import QuantExperts, RouterSpec
 from inferx_core.interfaces.ops import KernelOps, check_parts
-from inferx_core.interfaces.quant import QuantLinear
+from inferx_core.interfaces.quant import ActivationQuant, QuantizedActivation, QuantLinear
 from inferx_core.quant_none import SPLIT_PARTS
+from inferx_kernels_cuda import fp8_act
 from inferx_kernels_cuda import fused_kernels as kernels
+from inferx_kernels_cuda.fp8_gemm import quantize_rows
 from inferx_kernels_cuda.gemv import skinny_linear
 from inferx_kernels_cuda.moe_kernels import fusable_router, fused_experts, topk_softmax
 from inferx_kernels_cuda.pdl import (
@@ -157,6 +160,11 @@ class TritonOps(KernelOps):
         # instead of F.embedding, whose index_select was slower in the decode graph
         # (weight[ids], the index kernel, was level).
         self.embed_triton = True
+        # fuse_act_quant: where the next layer takes e4m3 input (FP8 W8A8, its input_quant),
+        # RMSNorm and SiLU-and-mul write it themselves (fp8_act) instead of the op and then
+        # the layer's own quantization kernel: one launch and one round trip of the
+        # activations fewer. Off: the two launches (for A/B).
+        self.fuse_act_quant = True
         # moe_atomic_sum: the MoE layer's top-k sum by float32 atomics inside the down GEMM
         # instead of the sum kernel (moe_kernels.fused_experts); off: the sum kernel's fixed
         # order gives the same bits on every run, atomics do not.
@@ -191,6 +199,47 @@ class TritonOps(KernelOps):
         residual: torch.Tensor | None = None,
         parts: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self._rms_norm(x, weight, eps, residual, parts, None)
+
+    def rms_norm_quant(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        quant: ActivationQuant,
+        residual: torch.Tensor | None = None,
+        parts: bool = False,
+    ) -> QuantizedActivation | tuple[QuantizedActivation, torch.Tensor]:
+        """The norm and the quantization in one launch (fp8_act.rms_norm_quant_kernel) where
+        fuse_act_quant is on; else the norm, then the layer's own quantization kernel."""
+        if self.fuse_act_quant and self._quantizes(x, quant) and x.dtype == weight.dtype:
+            return self._rms_norm(x, weight, eps, residual, parts, quant)
+        out = self.rms_norm(x, weight, eps, residual, parts)
+        if isinstance(out, tuple):
+            return self._quantize(out[0], quant), out[1]
+        return self._quantize(out, quant)
+
+    def _quantizes(self, x: torch.Tensor, quant: ActivationQuant) -> bool:
+        """Whether the Triton kernels quantize x this way (else the torch reference does)."""
+        return (x.is_cuda or self._interpret) and fp8_act.fusable(quant.granularity, quant.group)
+
+    def _quantize(self, h: torch.Tensor, quant: ActivationQuant) -> QuantizedActivation:
+        """h quantized by fp8_gemm.quantize_rows, as an FP8 layer would quantize it itself."""
+        if not self._quantizes(h, quant):
+            return quant.quantize(h)
+        q, scale = quantize_rows(_rows(h), quant.group, quant.static_scale)
+        return QuantizedActivation(q.view(h.shape), scale, h.dtype, quant)
+
+    def _rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None,
+        parts: bool,
+        quant: ActivationQuant | None,
+    ) -> Any:
+        """rms_norm_kernel, or with `quant` rms_norm_quant_kernel writing e4m3 and scales."""
         n = x.shape[-1]
         if weight.shape != (n,):
             raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({n},)")
@@ -203,10 +252,6 @@ class TritonOps(KernelOps):
             stride_part = x.stride(0) if num_parts > 1 else 0
             x = x[0]  # part 0; the kernel finds the others stride_part further
         x2 = _rows(x)
-        out = torch.empty(
-            x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device
-        )
-        out2 = out.view(-1, n)
         if residual is not None:
             if residual.shape != x.shape:
                 raise ValueError(
@@ -220,8 +265,16 @@ class TritonOps(KernelOps):
             # Never read: HAS_RESIDUAL=False compiles the residual path away.
             r2 = s2 = x2
         rows = x2.shape[0]
+        block = triton.next_power_of_2(n)
+        if quant is not None:
+            out: Any = self._norm_quant_launch(x, x2, r2, s2, weight, eps, quant, stride_part,
+                                               num_parts, residual is not None)  # fmt: skip
+            return out if residual is None else (out, summed)
+        out = torch.empty(
+            x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device
+        )
+        out2 = out.view(-1, n)
         if rows:
-            block = triton.next_power_of_2(n)
             kernels.rms_norm_kernel[(rows,)](
                 x2,
                 r2,
@@ -243,6 +296,37 @@ class TritonOps(KernelOps):
             )
         return out if residual is None else (out, summed)
 
+    def _norm_quant_launch(
+        self,
+        x: torch.Tensor,
+        x2: torch.Tensor,
+        r2: torch.Tensor,
+        s2: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        quant: ActivationQuant,
+        stride_part: int,
+        num_parts: int,
+        has_residual: bool,
+    ) -> QuantizedActivation:
+        rows, n = x2.shape
+        q = torch.empty(x.shape, dtype=fp8_act.FP8, device=x.device)
+        q2 = q.view(-1, n)
+        group = quant.group if quant.granularity == "group" else 0
+        scale, stride_s = fp8_act.scales_for(
+            rows, n, quant.granularity, group, quant.static_scale, x.device
+        )
+        block = max(triton.next_power_of_2(n), group)
+        if rows:
+            fp8_act.rms_norm_quant_kernel[(rows,)](
+                x2, r2, weight.contiguous(), q2, scale, scale, s2,
+                x2.stride(0), r2.stride(0), q2.stride(0), stride_s, s2.stride(0), stride_part,
+                n, eps, BLOCK=block, HAS_RESIDUAL=has_residual, PARTS=num_parts, GROUP=group,
+                STATIC=quant.granularity == "static", HAND_ROUND=self._interpret,
+                num_warps=_norm_warps(block),
+            )  # fmt: skip
+        return QuantizedActivation(q, scale, x.dtype, quant)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] % 2:
             raise ValueError(f"silu_and_mul: last dim {x.shape[-1]} is not gate + up (even)")
@@ -260,7 +344,24 @@ class TritonOps(KernelOps):
             )
         return out
 
-    def linear_silu_and_mul(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def silu_and_mul_quant(self, x: torch.Tensor, quant: ActivationQuant) -> QuantizedActivation:
+        """SiLU-and-mul and the quantization in one launch (fp8_act.silu_and_mul_quant) where
+        fuse_act_quant is on; else silu_and_mul, then the layer's own quantization kernel."""
+        if not (self.fuse_act_quant and self._quantizes(x, quant)):
+            return self._quantize(self.silu_and_mul(x), quant)
+        if x.shape[-1] % 2:
+            raise ValueError(f"silu_and_mul: last dim {x.shape[-1]} is not gate + up (even)")
+        x2 = _rows(x)
+        q, scale = fp8_act.silu_and_mul_quant(
+            x2, quant.granularity, quant.group, quant.static_scale, self._interpret
+        )
+        return QuantizedActivation(q.view(*x.shape[:-1], -1), scale, x.dtype, quant)
+
+    def linear_silu_and_mul(
+        self, linear: torch.nn.Module, x: torch.Tensor, quant: ActivationQuant | None = None
+    ) -> torch.Tensor | QuantizedActivation:
+        if quant is not None:
+            return self.silu_and_mul_quant(linear(x), quant)
         if self.tma_gated and linear.bias is None and self._takes_tma(linear, x):
             cfg = self._tma_config(x, linear.dense_weight().shape[0] // 2, 1, gated=True)
             return tma_linear_silu_and_mul(x, linear.dense_weight(), cfg)
@@ -353,9 +454,15 @@ class TritonOps(KernelOps):
         eps: float,
         residual: torch.Tensor,
         linear: torch.nn.Module,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not (self.tma_norm and linear.bias is None and self._fuses_norm(linear, x, residual)):
-            return super().rms_norm_linear_silu_and_mul(x, weight, eps, residual, linear)
+        quant: ActivationQuant | None = None,
+    ) -> tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
+        if not (
+            quant is None
+            and self.tma_norm
+            and linear.bias is None
+            and self._fuses_norm(linear, x, residual)
+        ):
+            return super().rms_norm_linear_silu_and_mul(x, weight, eps, residual, linear, quant)
         check_parts(x, residual)
         cfg = norm_config(x.shape[1], 1, gated=True)
         return tma_norm_linear(x, residual, weight, eps, linear.dense_weight(), 1, True, cfg)

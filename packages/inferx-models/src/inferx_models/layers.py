@@ -12,7 +12,14 @@ from torch import nn
 
 from inferx_core.interfaces.attention import SplitAttention
 from inferx_core.interfaces.model import BuildContext
-from inferx_core.interfaces.quant import LinearSpec, ParallelStyle, QuantLinear
+from inferx_core.interfaces.quant import (
+    ActivationQuant,
+    LinearSpec,
+    ParallelStyle,
+    QuantizedActivation,
+    QuantLinear,
+    input_quant,
+)
 from inferx_core.parallel import ParallelContext
 
 
@@ -130,9 +137,14 @@ class ParallelHead(VocabShard):
         return logits if logits.shape[-1] == self.vocab else logits[..., : self.vocab].contiguous()
 
 
+# A norm's output: plain rows, or quantized for the layer it feeds.
+Normed = torch.Tensor | QuantizedActivation
+
+
 class RMSNorm(nn.Module):
     """Holds the weight and eps; the arithmetic is ctx.ops.rms_norm, which with a residual also
-    adds it first and returns the sum as the next residual."""
+    adds it first and returns the sum as the next residual. With `quant` (the input_quant of
+    the layer it feeds) the normed rows come quantized for it (ctx.ops.rms_norm_quant)."""
 
     def __init__(self, size: int, eps: float, ctx: BuildContext) -> None:
         super().__init__()
@@ -141,8 +153,14 @@ class RMSNorm(nn.Module):
         self.ops = ctx.ops
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, parts: bool = False
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        parts: bool = False,
+        quant: ActivationQuant | None = None,
+    ) -> Normed | tuple[Normed, torch.Tensor]:
+        if quant is not None:
+            return self.ops.rms_norm_quant(x, self.weight, self.eps, quant, residual, parts)
         return self.ops.rms_norm(x, self.weight, self.eps, residual, parts)
 
 
@@ -301,6 +319,8 @@ class Attention(nn.Module):
         self.o_proj = linear(
             ctx, f"{prefix}.o_proj", num_heads * head_dim, [hidden_size], o_bias, "row"
         )
+        # what the QKV GEMM takes pre-quantized from the norm before it (FP8 W8A8), or None
+        self.input_quant = input_quant(self.qkv_proj)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if qk_norm_eps is not None:
@@ -335,10 +355,11 @@ class Attention(nn.Module):
         return self.q_norm is None and self.backend.fuses_rotary and self.backend.takes_qkv_parts()
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, parts: bool = False
+        self, positions: torch.Tensor, x: torch.Tensor | QuantizedActivation, parts: bool = False
     ) -> torch.Tensor:
         """The layer's output, or with `parts` its partial results (QuantLinear.forward_parts)
-        for a norm that adds them up."""
+        for a norm that adds them up. x: the normed hidden rows, quantized where the QKV GEMM
+        takes them so (input_quant)."""
         if self._takes_parts():
             qkv, bias = self.ops.linear_split(self.qkv_proj, x)  # [S, T, q + 2 kv], bias apart
             return self._attend(positions, qkv, bias, parts)
@@ -349,13 +370,14 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """forward(norm(x, residual, parts=True), parts=True) and the norm's new residual: x
         is the partial results of the sublayer before. Where the backend takes QKV parts, the
-        norm and the QKV GEMM are one ops call (ops.rms_norm_linear_split)."""
+        norm and the QKV GEMM are one ops call (ops.rms_norm_linear_split). The norm quantizes
+        its output where the QKV GEMM takes it so (input_quant)."""
         if self._takes_parts():
             qkv, bias, residual = self.ops.rms_norm_linear_split(
                 x, norm.weight, norm.eps, residual, self.qkv_proj
             )
             return self._attend(positions, qkv, bias, True), residual
-        h, residual = norm(x, residual, parts=True)
+        h, residual = norm(x, residual, parts=True, quant=self.input_quant)
         return self.forward(positions, h, parts=True), residual
 
     def _attend(

@@ -16,6 +16,10 @@ quantized to e4m3 exactly as the GPU kernels must (quantize_fp8), then both oper
 dequantized to float32 and multiplied, so the CPU path carries the activation quantization
 error too, not only the weights'. A scale a layer learns per tensor is expanded over its rows:
 fused parts (q, k, v) each keep their own and dequantization stays exact.
+
+A layer with per-token, per-group or static activations advertises that format as its
+`input_quant`: the model's norm or SiLU-and-mul before it may then hand it activations already
+quantized (a QuantizedActivation, from one fused kernel), which it multiplies as they are.
 """
 
 from __future__ import annotations
@@ -27,17 +31,25 @@ from typing import Any, Literal
 import torch
 
 from inferx_core.interfaces.moe import ExpertsSpec, QuantExperts
-from inferx_core.interfaces.quant import LinearSpec, QuantConfig, QuantLinear, QuantScheme
+from inferx_core.interfaces.quant import (
+    ActivationQuant,
+    LinearSpec,
+    QuantConfig,
+    QuantizedActivation,
+    QuantLinear,
+    QuantScheme,
+)
 from inferx_core.moe import UnquantizedExperts
 from inferx_core.parallel import SINGLE, ParallelContext
 from inferx_core.quant_none import DenseLinear, part_shard, shard_tensor
-from inferx_core.quant_utils import is_ignored
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
-# The smallest dynamic activation scale: a row of zeros (or of denormal-sized values) still
-# gets a finite 1/scale. vLLM's per-token kernels use the same floor.
-MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+from inferx_core.quant_utils import (
+    FP8,
+    FP8_MAX,
+    dynamic_scale,
+    is_ignored,
+    quantize_e4m3,
+    quantize_fp8,
+)
 
 # The layers online FP8 leaves alone, as an ignore-list entry: MoE routers.
 ONLINE_UNQUANTIZED = r"re:.*\.gate"
@@ -64,39 +76,34 @@ class Fp8Format:
         return "weight_scale_inv" if self.inverse_name else "weight_scale"
 
 
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x / scale in float32, clamped to e4m3's range and rounded to nearest (ties to even)."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-
-
-def dynamic_scale(absmax: torch.Tensor) -> torch.Tensor:
-    """An activation scale from an absmax (float32): absmax / 448, at least MIN_SCALE."""
-    return (absmax.float() / FP8_MAX).clamp(min=MIN_SCALE)
-
-
 def quantize_activations(
     x: torch.Tensor, fmt: Fp8Format, input_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scales): per token [M, 1], per tensor [1, 1] (dynamic
     or the static input_scale), or per token per group of bk columns [M, ceil(K / bk)] (the
-    last group may be narrower)."""
-    xf = x.float()
-    if fmt.activations == "static":
-        assert input_scale is not None
-        scale = input_scale.float().reshape(1, 1)
-    elif fmt.activations == "tensor":
-        scale = dynamic_scale(xf.abs().amax()).reshape(1, 1)
-    elif fmt.activations == "token":
-        scale = dynamic_scale(xf.abs().amax(dim=1, keepdim=True))
-    elif fmt.activations == "group":
+    last group may be narrower): quant_utils.quantize_e4m3, plus the dynamic per tensor."""
+    if fmt.activations == "tensor":
+        scale = dynamic_scale(x.float().abs().amax()).reshape(1, 1)
+        return quantize_fp8(x.float(), scale), scale
+    if fmt.activations == "group":
         assert fmt.block is not None
-        bk = fmt.block[1]
-        groups = [g.abs().amax(dim=1, keepdim=True) for g in xf.split(bk, dim=1)]
-        scale = dynamic_scale(torch.cat(groups, dim=1))
-        return quantize_fp8(xf, _expand_cols(scale, bk, x.shape[1])), scale
-    else:
-        raise ValueError(f"activations {fmt.activations!r} are not quantized")
-    return quantize_fp8(xf, scale), scale
+        return quantize_e4m3(x, "group", fmt.block[1])
+    if fmt.activations in ("token", "static"):
+        return quantize_e4m3(x, fmt.activations, static_scale=input_scale)
+    raise ValueError(f"activations {fmt.activations!r} are not quantized")
+
+
+def input_quant_of(fmt: Fp8Format, input_scale: torch.Tensor | None) -> ActivationQuant | None:
+    """The pre-quantized input a layer of this format takes (QuantLinear.input_quant): per
+    token, per group or static; None for weight-only and for the dynamic per-tensor scale,
+    which needs every row's absmax before any row is quantized (no per-row kernel has it)."""
+    if fmt.activations == "token":
+        return ActivationQuant("token")
+    if fmt.activations == "group":
+        return ActivationQuant("group", fmt.block[1])  # type: ignore[index]
+    if fmt.activations == "static":
+        return ActivationQuant("static", static_scale=input_scale)
+    return None
 
 
 def _expand_cols(scale: torch.Tensor, size: int, cols: int) -> torch.Tensor:
@@ -164,6 +171,7 @@ class Fp8Linear(QuantLinear):
             self.input_scale = torch.nn.Parameter(
                 torch.zeros(1, dtype=torch.float32, device=device), requires_grad=False
             )
+        self.input_quant = input_quant_of(self.fmt, self.input_scale)
         has_bias = spec.bias and (spec.parallel != "row" or parallel.rank == 0)
         self.bias = (
             torch.nn.Parameter(torch.empty(out, dtype=dtype, device=device), requires_grad=False)
@@ -308,16 +316,20 @@ class Fp8Linear(QuantLinear):
             return w * _expand_cols(scale, bk, w.shape[1])
         return w * scale[:, None]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         """On a GPU, inferx-kernels-cuda's FP8 GEMMs (fp8_gemm.fp8_linear). Elsewhere the
         reference path: activations quantized (quantize_activations) and dequantized, the
-        weight dequantized, one float32 GEMM, cast back to x's dtype; then the bias."""
+        weight dequantized, one float32 GEMM, cast back to x's dtype; then the bias. x may be
+        already quantized to this layer's input_quant (a fused norm or activation kernel's
+        output): the GEMM then takes it as it is."""
+        if isinstance(x, QuantizedActivation):
+            return self._forward_quantized(x)
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
         if x.is_cuda:
             y = _gpu_kernels().fp8_linear(
                 x2, self.weight, self.weight_scale, self.bias, self.fmt.activations,
-                self.fmt.block if self.fmt.weights == "block" else None, self.input_scale,
+                self._block(), self.input_scale,
             )  # fmt: skip
             return y.reshape(*lead, y.shape[-1])
         if self.fmt.activations == "none":
@@ -327,10 +339,31 @@ class Fp8Linear(QuantLinear):
             if self.fmt.activations == "group":
                 scale = _expand_cols(scale, self.fmt.block[1], k)  # type: ignore[index]
             xd = xq.float() * scale
-        y = (xd @ self.dequantized_weight().t()).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*lead, y.shape[-1])
+        return self._reference_gemm(xd, x.dtype).reshape(*lead, -1)
+
+    def _block(self) -> tuple[int, int] | None:
+        return self.fmt.block if self.fmt.weights == "block" else None
+
+    def _reference_gemm(self, xd: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """xd [M, K] float32 (dequantized activations) times the dequantized weight, cast to
+        dtype, plus the bias."""
+        y = (xd @ self.dequantized_weight().t()).to(dtype)
+        return y if self.bias is None else y + self.bias
+
+    def _forward_quantized(self, x: QuantizedActivation) -> torch.Tensor:
+        if self.input_quant is None or not self.input_quant.same_as(x.spec):
+            raise ValueError(
+                f"{self.spec.prefix}: activations quantized as {x.spec.granularity!r}, but "
+                f"this layer takes {self._layout()} and no such pre-quantized input"
+            )
+        lead, k = x.shape[:-1], x.shape[-1]
+        if x.data.is_cuda:
+            y = _gpu_kernels().fp8_scaled_linear(
+                x.data.reshape(-1, k), x.scale, self.weight, self.weight_scale, self.bias,
+                x.dtype, self._block(),
+            )  # fmt: skip
+            return y.reshape(*lead, y.shape[-1])
+        return self._reference_gemm(x.dequantize().reshape(-1, k), x.dtype).reshape(*lead, -1)
 
 
 def _gpu_kernels() -> Any:

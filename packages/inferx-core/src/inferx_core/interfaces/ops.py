@@ -8,6 +8,7 @@ import torch
 
 from inferx_core.interfaces.attention import SplitAttention
 from inferx_core.interfaces.moe import QuantExperts, RouterSpec
+from inferx_core.interfaces.quant import ActivationQuant, QuantizedActivation, input_quant
 
 
 class KernelOps(ABC):
@@ -34,13 +35,59 @@ class KernelOps(ABC):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """[..., 2I] holding gate then up -> silu(gate) * up, [..., I]."""
 
-    def linear_silu_and_mul(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def rms_norm_quant(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        quant: ActivationQuant,
+        residual: torch.Tensor | None = None,
+        parts: bool = False,
+    ) -> QuantizedActivation | tuple[QuantizedActivation, torch.Tensor]:
+        """rms_norm, its output (rounded to its dtype as rms_norm's) quantized for the layer
+        that takes it (quant: that layer's input_quant): quant.quantize(rms_norm(...)), which a
+        kernel package may do in the norm's own kernel. Returns what rms_norm does, with the
+        normed rows as a QuantizedActivation."""
+        out = self.rms_norm(x, weight, eps, residual, parts)
+        if isinstance(out, tuple):
+            return quant.quantize(out[0]), out[1]
+        return quant.quantize(out)
+
+    def silu_and_mul_quant(self, x: torch.Tensor, quant: ActivationQuant) -> QuantizedActivation:
+        """silu_and_mul(x) quantized for the layer after it (its input_quant); fusable as
+        rms_norm_quant."""
+        return quant.quantize(self.silu_and_mul(x))
+
+    def norm_for(
+        self,
+        linear: torch.nn.Module,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+        parts: bool = False,
+    ) -> tuple[torch.Tensor | QuantizedActivation, torch.Tensor | None]:
+        """(the normed rows as `linear` takes them, the new residual or None): rms_norm_quant
+        where the layer takes pre-quantized input (QuantLinear.input_quant), else rms_norm."""
+        quant = input_quant(linear)
+        if quant is not None:
+            out = self.rms_norm_quant(x, weight, eps, quant, residual, parts)
+        else:
+            out = self.rms_norm(x, weight, eps, residual, parts)
+        return out if isinstance(out, tuple) else (out, None)
+
+    def linear_silu_and_mul(
+        self, linear: torch.nn.Module, x: torch.Tensor, quant: ActivationQuant | None = None
+    ) -> torch.Tensor | QuantizedActivation:
         """silu_and_mul(linear(x)) for a fused gate_up layer; a kernel package may run the two
-        as one (the activation in the GEMM's epilogue) where it knows the layer's weights."""
+        as one (the activation in the GEMM's epilogue) where it knows the layer's weights.
+        With `quant` (the next layer's input_quant) the activation comes quantized to it."""
+        if quant is not None:
+            return self.silu_and_mul_quant(linear(x), quant)
         return self.silu_and_mul(linear(x))
 
     def linear_parts(
-        self, linear: torch.nn.Module, x: torch.Tensor | SplitAttention
+        self, linear: torch.nn.Module, x: torch.Tensor | QuantizedActivation | SplitAttention
     ) -> torch.Tensor:
         """linear.forward_parts(x) (QuantLinear): the layer's output as partial results for a
         norm that sums them; a kernel package may run the GEMM itself where it knows the
@@ -52,7 +99,7 @@ class KernelOps(ABC):
         return linear.forward_parts(x)
 
     def linear_split(
-        self, linear: torch.nn.Module, x: torch.Tensor
+        self, linear: torch.nn.Module, x: torch.Tensor | QuantizedActivation
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """linear.forward_split(x): (parts, bias) for a consumer that sums them (the QKV GEMM
         of a decode step, summed by the attention backend); overridable as linear_parts."""
@@ -67,9 +114,11 @@ class KernelOps(ABC):
         linear: torch.nn.Module,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """rms_norm(x, weight, eps, residual, parts=True), then linear_split of the normed rows:
-        (parts, bias, the new residual). A kernel package may run the norm inside the GEMM."""
-        h, residual = self.rms_norm(x, weight, eps, residual, parts=True)
-        return (*self.linear_split(linear, h), residual)
+        (parts, bias, the new residual). A kernel package may run the norm inside the GEMM. A
+        layer that takes pre-quantized input gets it from rms_norm_quant (norm_for)."""
+        h, new_residual = self.norm_for(linear, x, weight, eps, residual, parts=True)
+        assert new_residual is not None
+        return (*self.linear_split(linear, h), new_residual)
 
     def rms_norm_linear_silu_and_mul(
         self,
@@ -78,11 +127,15 @@ class KernelOps(ABC):
         eps: float,
         residual: torch.Tensor,
         linear: torch.nn.Module,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        quant: ActivationQuant | None = None,
+    ) -> tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
         """rms_norm(x, weight, eps, residual, parts=True), then linear_silu_and_mul of the normed
-        rows: (activation, the new residual); fusable as rms_norm_linear_split."""
-        h, residual = self.rms_norm(x, weight, eps, residual, parts=True)
-        return self.linear_silu_and_mul(linear, h), residual
+        rows: (activation, the new residual); fusable as rms_norm_linear_split. The norm's
+        output comes quantized where gate_up takes it so (norm_for), the activation where
+        `quant` (down_proj's input_quant) is given."""
+        h, new_residual = self.norm_for(linear, x, weight, eps, residual, parts=True)
+        assert new_residual is not None
+        return self.linear_silu_and_mul(linear, h, quant), new_residual
 
     def embedding(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The rows of weight [vocab, hidden] at token ids: a model's input embeddings."""

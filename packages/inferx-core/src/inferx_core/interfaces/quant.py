@@ -46,6 +46,82 @@ class LinearSpec:
         return sum(self.output_sizes)
 
 
+ActGranularity = Literal["token", "group", "static"]
+
+
+@dataclass(frozen=True, eq=False)
+class ActivationQuant:
+    """The e4m3 input a quantized linear layer takes already quantized (its `input_quant`):
+    scales per token ("token": each row's absmax / 448), per token per `group` columns
+    ("group"), or one static scale (`static_scale`, a [1] float32 tensor the layer owns).
+    Dynamic scales are at least 1 / (448 * 512). A norm or activation kernel before the layer
+    may quantize its output to it (KernelOps.rms_norm_quant, silu_and_mul_quant)."""
+
+    granularity: ActGranularity
+    group: int = 0
+    static_scale: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if (self.granularity == "group") != (self.group > 0):
+            raise ValueError(f"activation quantization {self.granularity!r}: group {self.group}")
+        if (self.granularity == "static") != (self.static_scale is not None):
+            raise ValueError("static activation quantization needs its scale, and only it")
+
+    def same_as(self, other: ActivationQuant | None) -> bool:
+        """Whether activations quantized for one layer serve the other unchanged (a static
+        scale is the same tensor, not only the same value: a checkpoint may load it later)."""
+        return (
+            other is not None
+            and (self.granularity, self.group) == (other.granularity, other.group)
+            and self.static_scale is other.static_scale
+        )
+
+    def quantize(self, x: torch.Tensor) -> QuantizedActivation:
+        """The reference: x [..., K] quantized in torch (inferx_core.quant_utils), what every
+        fused kernel must give bit for bit."""
+        from inferx_core.quant_utils import quantize_e4m3
+
+        flat = x.reshape(-1, x.shape[-1])
+        data, scale = quantize_e4m3(flat, self.granularity, self.group, self.static_scale)
+        return QuantizedActivation(data.view(x.shape), scale, x.dtype, self)
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedActivation:
+    """Activations already quantized for the next linear layer: `data` e4m3 [..., K], `scale`
+    float32 [rows, 1] per token, [rows, ceil(K / group)] per group or [1, 1] static (rows:
+    data's leading dims flattened), `dtype` the activations' own (the layer's output dtype),
+    `spec` how they were quantized. A layer whose input_quant is the same spec takes it as
+    input in place of a plain tensor."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+    spec: ActivationQuant
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """data times its scales, float32 [..., K] (exact: e4m3 values times float32 scales)."""
+        flat = self.data.reshape(-1, self.data.shape[-1]).float()
+        scale = self.scale
+        if self.spec.granularity == "group":
+            scale = scale.repeat_interleave(self.spec.group, dim=-1)[:, : flat.shape[1]]
+        return (flat * scale).view(self.data.shape)
+
+
+def input_quant(*linears: object) -> ActivationQuant | None:
+    """The format every one of these layers takes pre-quantized (their `input_quant`, all the
+    same spec), or None where one of them takes plain activations or they differ."""
+    specs = [getattr(linear, "input_quant", None) for linear in linears]
+    first = specs[0] if specs else None
+    if first is None or not all(first.same_as(s) for s in specs[1:]):
+        return None
+    return first
+
+
 class QuantLinear(torch.nn.Module, ABC):
     """A linear layer's method bound to its tensors: y = x @ W.T (+ b), W stored however the
     scheme likes, on this rank's shard.
@@ -61,6 +137,10 @@ class QuantLinear(torch.nn.Module, ABC):
     # The tensors the checkpoint holds for each fused part besides its bias ("<part>.<kind>"),
     # which the model requires by name: a scheme whose layers keep no "weight" names its own.
     checkpoint_kinds: tuple[str, ...] = ("weight",)
+    # Where the method quantizes its input itself (FP8 W8A8), the format it takes: its
+    # forward then also accepts a QuantizedActivation of this spec, which a fused norm or
+    # activation kernel before it produced. None: plain activations only.
+    input_quant: ActivationQuant | None = None
 
     @abstractmethod
     def load(self, kind: str, tensor: torch.Tensor, part: int = 0) -> None:
@@ -79,13 +159,15 @@ class QuantLinear(torch.nn.Module, ABC):
         which the method may fuse itself."""
         return None
 
-    def forward_parts(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_parts(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         """y as [S, *y.shape]: S >= 1 partial results that add up to y, for a caller that sums
         them anyway (KernelOps.rms_norm with parts=True). A scheme may split the GEMM along K
         where thinner GEMMs read the weights faster; the default is y itself, S = 1."""
         return self(x).unsqueeze(0)
 
-    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_split(
+        self, x: torch.Tensor | QuantizedActivation
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(parts, bias): forward_parts without the bias, and the bias the caller must still
         add (None when there is none to add). The default is (y itself as one part, None)."""
         return self(x).unsqueeze(0), None
