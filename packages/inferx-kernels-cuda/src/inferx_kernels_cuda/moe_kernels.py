@@ -367,10 +367,25 @@ def _mxfp4_half(
     bytes each. An e2m1 code's bits put in an fp16's (sign to bit 15, exponent and mantissa to
     bits 11..9) make that fp16 2 ** -14 times the e2m1 value, subnormals included; the 2 ** 14
     goes into the scale."""
-    packed = tl.load(blocks_ptrs, mask=mask, other=0).to(tl.int32)
-    scale_bits = tl.load(scale_ptrs, mask=scale_mask, other=0).to(tl.int32)
-    scale = (scale_bits << 23).to(tl.float32, bitcast=True) * 16384.0
+    packed = tl.load(blocks_ptrs, mask=mask, other=0)
+    scale = _e8m0(tl.load(scale_ptrs, mask=scale_mask, other=0))
     scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (GROUPS, 16, BLOCK_N)), (HALF, BLOCK_N))
+    return _e2m1_pair(packed, scale)
+
+
+@triton.jit
+def _e8m0(bits):
+    """e8m0 scale bytes as float32 2 ** (bits - 127), times the 2 ** 14 that _e2m1_pair's
+    fp16 values lack."""
+    return (bits.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0
+
+
+@triton.jit
+def _e2m1_pair(packed, scale):
+    """Bytes of two e2m1 codes (low nibble first) as two float32 tensors times scale: a code's
+    bits placed in an fp16's (sign to bit 15, exponent and mantissa to bits 11..9) are 2 ** -14
+    times its value, subnormals included."""
+    packed = packed.to(tl.int32)
     low = packed & 15
     high = packed >> 4
     low_bits = ((low & 7) << 9) | ((low & 8) << 12)
@@ -378,6 +393,18 @@ def _mxfp4_half(
     even = low_bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * scale
     odd = high_bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * scale
     return even, odd
+
+
+@triton.jit
+def _activation(acc, acc_up, alpha, limit, ACT: tl.constexpr):
+    """gate_up's epilogue: 1 SiLU(gate) * up; 2 gpt-oss's clamped SwiGLU; 0 acc as it is."""
+    if ACT == 1:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    elif ACT == 2:
+        gate = tl.minimum(acc, limit)
+        up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+        acc = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
+    return acc
 
 
 @triton.jit
@@ -544,12 +571,7 @@ def moe_gemm_kernel(
         if gated:
             b_up = tl.load(b_base + rows_g + up_offset, mask=col_ok, other=0.0)
             acc_up += b_up.to(tl.float32)[None, :]
-    if ACT == 1:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    elif ACT == 2:
-        gate = tl.minimum(acc, limit)
-        up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-        acc = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
+    acc = _activation(acc, acc_up, alpha, limit, ACT)
     if WEIGHTED:
         acc *= tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
     out_mask = row_ok[:, None] & col_ok[None, :]
@@ -567,16 +589,8 @@ def _mxfp4_rows(blocks_ptrs, scale_ptrs, mask, scale_mask):
     bytes at blocks_ptrs (low nibble even) times 2 ** (e8m0 - 127), a group's scale at
     scale_ptrs [rows, groups, 1] broadcast over its 16 bytes. The e2m1 -> fp16 bit trick of
     _mxfp4_half."""
-    packed = tl.load(blocks_ptrs, mask=mask, other=0).to(tl.int32)
-    scale_bits = tl.load(scale_ptrs, mask=scale_mask, other=0).to(tl.int32)
-    scale = (scale_bits << 23).to(tl.float32, bitcast=True) * 16384.0
-    low = packed & 15
-    high = packed >> 4
-    low_bits = ((low & 7) << 9) | ((low & 8) << 12)
-    high_bits = ((high & 7) << 9) | ((high & 8) << 12)
-    even = low_bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * scale
-    odd = high_bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * scale
-    return even, odd
+    packed = tl.load(blocks_ptrs, mask=mask, other=0)
+    return _e2m1_pair(packed, _e8m0(tl.load(scale_ptrs, mask=scale_mask, other=0)))
 
 
 @triton.jit
@@ -689,12 +703,7 @@ def moe_gemv_kernel(
         acc += tl.load(b_base + rows_g, mask=col_ok, other=0.0).to(tl.float32)
         if gated:
             acc_up += tl.load(b_base + rows_u, mask=col_ok, other=0.0).to(tl.float32)
-    if ACT == 1:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    elif ACT == 2:
-        gate = tl.minimum(acc, limit)
-        up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-        acc = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
+    acc = _activation(acc, acc_up, alpha, limit, ACT)
     if WEIGHTED:
         acc *= tl.load(topk_w_ptr + pair)
     if ATOMIC_K:
