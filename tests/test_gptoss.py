@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import interpreted  # noqa: E402
 from test_engine import NEW_TOKENS, reference  # noqa: E402
-from test_models import Runner, hf_logits, rel_err  # noqa: E402
+from test_models import Runner, check_steps  # noqa: E402
 
 from inferx_core.attention_torch import TorchAttention  # noqa: E402
 from inferx_core.batch import make_attention_batch  # noqa: E402
@@ -269,11 +269,7 @@ def test_logits_packed_and_chunked_match_transformers(bf16_checkpoint):
         [("a", 30, 31), ("c", 6, 13)],
         [("a", 31, 37)],
     ]
-    want = {seq: hf_logits(ref, tokens) for seq, tokens in full.items()}
-    for step in schedule:
-        outs = runner.step([(seq, full[seq][a:b]) for seq, a, b in step])
-        for (seq, a, b), out in zip(step, outs, strict=True):
-            assert rel_err(out, want[seq][a:b]) <= RTOL, (seq, a, b)
+    check_steps(runner, ref, full, schedule, RTOL)
 
 
 @pytest.mark.parametrize("layout", ["bf16", "mxfp4"])

@@ -144,6 +144,45 @@ class Runner:
         return list(logits.split(query_lens))
 
 
+# Scenarios the architecture tests (Qwen3, gpt-oss, DeepSeek-V2) share.
+# Engine overrides: prompts in 7-token chunks beside other sequences' decodes.
+CHUNKED_PREFILL = {
+    "scheduler.prefill_chunk": 7,
+    "scheduler.max_batched_tokens": 16,
+    "scheduler.max_running": 4,
+    "kv_cache.block_size": 4,
+}
+# 40 blocks of 4 tokens cannot hold test_engine's five prompts at once: some are preempted.
+PREEMPTING = {"kv_cache.block_size": 4, "kv_cache.num_blocks": 40, "scheduler.prefix_cache": False}
+
+
+def check_steps(
+    runner: Runner,
+    ref: torch.nn.Module,
+    full: dict[str, list[int]],
+    schedule: list[list[tuple[str, int, int]]],
+    rtol: float,
+) -> None:
+    """Each step's (sequence, start, end) slices through runner, every output's logits within
+    rtol of transformers' over the whole sequence."""
+    want = {seq: hf_logits(ref, tokens) for seq, tokens in full.items()}
+    for step in schedule:
+        outs = runner.step([(seq, full[seq][a:b]) for seq, a, b in step])
+        for (seq, a, b), out in zip(step, outs, strict=True):
+            assert rel_err(out, want[seq][a:b]) <= rtol, (seq, a, b)
+
+
+def check_prefix_hit(llm: Any, ref: torch.nn.Module, generate: Any, reference: Any) -> None:
+    """Two prompts sharing a 40-token prefix, one after the other: the second reads the first's
+    cached blocks, and both give transformers' greedy tokens."""
+    first = list(range(3, 43)) + [50, 51, 52]
+    second = list(range(3, 43)) + [90, 91]
+    assert generate(llm, [first]) == reference(ref, [first])
+    assert llm.engine.scheduler.stats().prefix_hits == 0
+    assert generate(llm, [second]) == reference(ref, [second])
+    assert llm.engine.scheduler.stats().prefix_hits > 0
+
+
 def random_tokens(n: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 

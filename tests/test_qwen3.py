@@ -16,7 +16,15 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import interpreted  # noqa: E402
 from test_engine import PROMPTS, generate, reference  # noqa: E402
-from test_models import Runner, hf_logits, rel_err  # noqa: E402
+from test_models import (  # noqa: E402
+    CHUNKED_PREFILL,
+    PREEMPTING,
+    Runner,
+    check_prefix_hit,
+    check_steps,
+    hf_logits,
+    rel_err,
+)
 
 from inferx_core.cli import main  # noqa: E402
 from inferx_core.config import load_config  # noqa: E402
@@ -119,11 +127,7 @@ def test_logits_packed_and_chunked_match_transformers(checkpoint):
         [("a", 30, 31), ("c", 6, 13)],
         [("a", 31, 37)],
     ]
-    want = {seq: hf_logits(ref, tokens) for seq, tokens in full.items()}
-    for step in schedule:
-        outs = runner.step([(seq, full[seq][a:b]) for seq, a, b in step])
-        for (seq, a, b), out in zip(step, outs, strict=True):
-            assert rel_err(out, want[seq][a:b]) <= RTOL, (seq, a, b)
+    check_steps(runner, ref, full, schedule, RTOL)
 
 
 def test_batched_greedy_equals_transformers(checkpoint, expected):
@@ -135,37 +139,18 @@ def test_batched_greedy_equals_transformers(checkpoint, expected):
 
 
 def test_chunked_prefill_equals_transformers(checkpoint, expected):
-    llm = make_llm(
-        checkpoint[0],
-        **{
-            "scheduler.prefill_chunk": 7,
-            "scheduler.max_batched_tokens": 16,
-            "scheduler.max_running": 4,
-            "kv_cache.block_size": 4,
-        },
-    )
-    assert generate(llm) == expected
+    assert generate(make_llm(checkpoint[0], **CHUNKED_PREFILL)) == expected
 
 
 def test_prefix_cache_hit_equals_transformers(checkpoint):
     """Two prompts sharing a 40-token prefix, one after the other: the second reads the
     first's cached blocks."""
     path, model = checkpoint
-    first = list(range(3, 43)) + [50, 51, 52]
-    second = list(range(3, 43)) + [90, 91]
-    llm = make_llm(path, **{"kv_cache.block_size": 4})
-    assert generate(llm, [first]) == reference(model, [first])
-    assert llm.engine.scheduler.stats().prefix_hits == 0
-    assert generate(llm, [second]) == reference(model, [second])
-    assert llm.engine.scheduler.stats().prefix_hits > 0
+    check_prefix_hit(make_llm(path, **{"kv_cache.block_size": 4}), model, generate, reference)
 
 
 def test_preemption_equals_transformers(checkpoint, expected):
-    # 40 blocks of 4 tokens cannot hold all five sequences at once: some are preempted.
-    llm = make_llm(
-        checkpoint[0],
-        **{"kv_cache.block_size": 4, "kv_cache.num_blocks": 40, "scheduler.prefix_cache": False},
-    )
+    llm = make_llm(checkpoint[0], **PREEMPTING)
     assert generate(llm) == expected
     assert llm.engine.scheduler.stats().preemptions > 0
 
