@@ -1,6 +1,8 @@
-"""What tensor parallelism's per-step plan costs on the CPU: its pickled size, rank 0's time to
-build and pickle it, and the time a step's broadcast takes over gloo between two local ranks,
-beside a bare 8-byte broadcast. Run: python benchmarks/tp_plan_cost.py"""
+"""What tensor parallelism's per-step plan costs on the CPU: its pickled size (a sequence's
+first plan carries its whole block tables, later ones what changed: here nothing, as in the
+15 of 16 decode steps that start no block), rank 0's time to build and pickle it, and the time
+a step's broadcast takes over gloo between two local ranks, beside a bare 8-byte broadcast.
+Run: python benchmarks/tp_plan_cost.py"""
 
 from __future__ import annotations
 
@@ -11,7 +13,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from inferx_core.distributed import free_port, plan_of, receive_plan, send_plan, step_of
+from inferx_core.distributed import (
+    PlanDecoder,
+    PlanEncoder,
+    free_port,
+    receive_plan,
+    send_plan,
+)
 from inferx_core.interfaces import ScheduledChunk, SchedulerOutput
 from inferx_core.sequence import SamplingParams, Sequence
 
@@ -34,21 +42,26 @@ def run(rank: int, port: int, cases: list[tuple[str, SchedulerOutput]]) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     group = dist.new_group(backend="gloo")
     for name, out in cases:
+        encoder, decoder = PlanEncoder(), PlanDecoder()
         dist.barrier()
+        if rank == 0:
+            first = send_plan(encoder.encode(out), group)
+        else:
+            decoder.decode(receive_plan(group))
         t0 = time.perf_counter()
         for _ in range(STEPS):
             if rank == 0:
-                size = send_plan(plan_of(out), group)
+                size = send_plan(encoder.encode(out), group)
             else:
-                step_of(receive_plan(group))
+                decoder.decode(receive_plan(group))
         per_step = (time.perf_counter() - t0) / STEPS
         if rank == 0:
             t0 = time.perf_counter()
             for _ in range(STEPS):
-                pickle.dumps(plan_of(out), protocol=pickle.HIGHEST_PROTOCOL)
+                pickle.dumps(encoder.encode(out), protocol=pickle.HIGHEST_PROTOCOL)
             build = (time.perf_counter() - t0) / STEPS
             print(
-                f"{name}: {size} bytes; build+pickle {build * 1e6:.0f} us; "
+                f"{name}: {first} bytes first, {size} after; build+pickle {build * 1e6:.0f} us; "
                 f"broadcast {per_step * 1e6:.0f} us a step",
                 flush=True,
             )

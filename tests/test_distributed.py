@@ -22,10 +22,16 @@ from conftest import FIXTURES
 transformers = pytest.importorskip("transformers")
 
 from inferx_core.config import ConfigError, load_config  # noqa: E402
-from inferx_core.distributed import RankFailure, tensor_parallel_size  # noqa: E402
+from inferx_core.distributed import (  # noqa: E402
+    PlanDecoder,
+    PlanEncoder,
+    RankFailure,
+    tensor_parallel_size,
+)
 from inferx_core.engine import LLM  # noqa: E402
 from inferx_core.executor import LoadError  # noqa: E402
-from inferx_core.sequence import SamplingParams  # noqa: E402
+from inferx_core.interfaces import ScheduledChunk, SchedulerOutput  # noqa: E402
+from inferx_core.sequence import SamplingParams, Sequence  # noqa: E402
 
 pytestmark = pytest.mark.slow  # processes that import torch and join: seconds each
 QWEN_TOKENIZER = FIXTURES / "tokenizers" / "qwen"
@@ -438,3 +444,41 @@ def test_moe_presets_on_two_gpus(preset):
     gpu |= {"kv_cache.num_blocks": None, "kv_cache.memory": "2GiB"}
     expected = _preset_tokens(preset, 1, **gpu)
     assert _preset_tokens(preset, 2, **gpu) == expected
+
+
+def test_plans_send_what_changed_and_rebuild_every_table() -> None:
+    """Random steps over sequences of two KV groups whose tables grow, get entries zeroed (a
+    sliding window's freed blocks), are replaced (preemption), skip steps and come back: after
+    every plan the receiver holds the sender's tables and input ids, and a step that only
+    decodes sends no table entry."""
+    import pickle
+    import random
+
+    rng = random.Random(5)
+    seqs = [Sequence(list(range(40)), SamplingParams()) for _ in range(6)]
+    for s in seqs:
+        s.block_tables = [[rng.randrange(100) for _ in range(3)] for _ in range(2)]
+    encoder, decoder = PlanEncoder(), PlanDecoder()
+    for step in range(60):
+        for s in seqs:
+            roll = rng.random()
+            if roll < 0.2:
+                s.block_tables[rng.randrange(2)].append(rng.randrange(100))
+            elif roll < 0.25:
+                s.block_tables[1][0] = 0
+            elif roll < 0.28:
+                s.block_tables = [[rng.randrange(100)] for _ in range(2)]
+        picked = [s for s in seqs if rng.random() < 0.8]
+        out = SchedulerOutput(chunks=[ScheduledChunk(s, 30 + step % 5, 2, True) for s in picked])
+        got = decoder.decode(pickle.loads(pickle.dumps(encoder.encode(out))))
+        for want, chunk in zip(out.chunks, got.chunks, strict=True):
+            assert chunk.seq.block_tables == want.seq.block_tables
+            assert chunk.seq.block_tables is not want.seq.block_tables
+            assert (chunk.start, chunk.num_tokens, chunk.sample) == (want.start, 2, True)
+            assert (
+                chunk.seq.token_ids[want.start : want.start + 2]
+                == want.seq.token_ids[want.start : want.start + 2]
+            )
+    plan = encoder.encode(out)  # the same step again: nothing changed
+    assert all(not full and part == [[], []] for *_, full, part in plan)
+    assert decoder.decode(plan).chunks[0].seq.block_tables == out.chunks[0].seq.block_tables

@@ -116,28 +116,66 @@ class _PlannedSeq:
         return self.block_tables[0]
 
 
-def plan_of(out: SchedulerOutput) -> list[tuple[int, int, bool, list[int], list[list[int]]]]:
-    """What the other ranks need of a step: per chunk its start, token count, whether it samples
-    (the head's all-gather runs for those rows), its input ids and its block tables."""
-    return [
-        (
-            c.start,
-            c.num_tokens,
-            c.sample,
-            c.seq.token_ids[c.start : c.start + c.num_tokens],
-            c.seq.block_tables,
-        )
-        for c in out.chunks
-    ]
+Plan = list[tuple[int, int, int, bool, list[int], bool, list[list[int]]]]
 
 
-def step_of(plan: list[tuple[int, int, bool, list[int], list[list[int]]]]) -> SchedulerOutput:
-    return SchedulerOutput(
-        chunks=[
-            ScheduledChunk(_PlannedSeq(start, ids, tables), start, n, sample)  # type: ignore[arg-type]
-            for start, n, sample, ids, tables in plan
-        ]
-    )
+class PlanEncoder:
+    """Rank 0's side of the plans. Per chunk: a key for its sequence, its start, token count,
+    whether it samples (the head's all-gather runs for those rows), its input ids, and its
+    block tables as what changed since the previous plan: when that plan held the sequence and
+    each of its tables still begins with what was sent then, only the tables' new entries go
+    (a decode step appends a block every block_size tokens, so most steps send none);
+    otherwise the whole tables. Both sides remember exactly the previous plan's sequences, so
+    a sequence that skips a step is sent whole when it returns. A key is only a name both
+    sides agree on: whatever it names, the receiver's tables are the sender's."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, list[list[int]]] = {}
+
+    def encode(self, out: SchedulerOutput) -> Plan:
+        plan: Plan = []
+        sent: dict[int, list[list[int]]] = {}
+        for c in out.chunks:
+            key = id(c.seq)
+            tables = c.seq.block_tables
+            old = sent.get(key, self._sent.get(key))
+            if (
+                old is not None
+                and len(old) == len(tables)
+                and all(t[: len(o)] == o for o, t in zip(old, tables, strict=True))
+            ):
+                full, part = False, [t[len(o) :] for o, t in zip(old, tables, strict=True)]
+            else:
+                full, part = True, tables
+            sent[key] = [list(t) for t in tables]
+            ids = c.seq.token_ids[c.start : c.start + c.num_tokens]
+            plan.append((key, c.start, c.num_tokens, c.sample, ids, full, part))
+        self._sent = sent
+        return plan
+
+
+class PlanDecoder:
+    """The other ranks' side: each plan back into the step PlanEncoder encoded."""
+
+    def __init__(self) -> None:
+        self._tables: dict[int, list[list[int]]] = {}
+
+    def decode(self, plan: Plan) -> SchedulerOutput:
+        chunks = []
+        tables_now: dict[int, list[list[int]]] = {}
+        for key, start, n, sample, ids, full, part in plan:
+            if full:
+                tables = [list(t) for t in part]
+            else:
+                old = tables_now.get(key, self._tables.get(key))
+                if old is None:
+                    raise RuntimeError("a plan extends block tables this rank never received")
+                tables = [o + d for o, d in zip(old, part, strict=True)]
+            tables_now[key] = tables
+            seq = _PlannedSeq(start, ids, tables)
+            chunks.append(ScheduledChunk(seq, start, n, sample))  # type: ignore[arg-type]
+        self._tables = tables_now
+        return SchedulerOutput(chunks=chunks)
 
 
 def send_plan(plan: Any, group: Any) -> int:
@@ -247,6 +285,7 @@ class TensorParallelExecutor(Executor):
         self.num_kv_blocks = inner.num_kv_blocks
         self.block_size = inner.block_size
         self.plan_bytes = 0  # the last plan's pickled size
+        self._plans = PlanEncoder()
         self._closed = False
         self._failed = False  # a step raised: the ranks cannot be trusted to be in step
         atexit.register(self.close)
@@ -270,7 +309,7 @@ class TensorParallelExecutor(Executor):
             raise RankFailure("an earlier step failed; the ranks are out of step")
         try:
             self.check()
-            self.plan_bytes = send_plan(plan_of(out), self.parallel.cpu_group)
+            self.plan_bytes = send_plan(self._plans.encode(out), self.parallel.cpu_group)
             return self.inner.execute(out)
         except RankFailure:
             self._failed = True
@@ -431,9 +470,10 @@ def worker_loop(
         leave()
         raise
     runner._sample = _no_sample  # type: ignore[attr-defined]  # rank 0 samples
+    plans = PlanDecoder()
     try:
         while (plan := receive_plan(parallel.cpu_group)) is not None:
-            runner.execute(step_of(plan))
+            runner.execute(plans.decode(plan))
         return 0
     except RuntimeError as exc:  # rank 0 (or another rank) went away mid-collective
         print(f"inferx tensor-parallel rank {rank}: stopping: {exc}", file=sys.stderr)
