@@ -31,6 +31,7 @@ from test_fp8 import (  # noqa: E402
 )
 from test_qwen3 import hf_model  # noqa: E402
 
+from inferx_core.interfaces.kv import KVLayerSpec  # noqa: E402
 from inferx_core.interfaces.moe import ExpertsSpec, RouterSpec  # noqa: E402
 from inferx_core.interfaces.quant import LinearSpec, QuantConfig  # noqa: E402
 from inferx_core.moe import UnquantizedExperts, route  # noqa: E402
@@ -332,6 +333,26 @@ def qwen3_moe(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3-moe")
     hf_model("qwen3-moe").save_pretrained(path)
     return path
+
+
+def test_auto_attention_on_cuda_takes_torch_for_the_tiny_qwen3_moe(qwen3_moe) -> None:
+    """The fixture's head_dim (24) is no power of two: engine.attention_backend auto on a GPU
+    must not pick the triton backend, which refuses it (the GPU test below failed at start-up
+    so); torch takes it. A power-of-two head_dim still gets triton. No GPU needed: the pick
+    reads the layout only."""
+    pytest.importorskip("triton")
+    from inferx_core.executor import pick_attention_backend
+    from inferx_core.plugins import plugins
+
+    reg = plugins()
+    arch = reg.get("model_arch", "Qwen3MoeForCausalLM")
+    layers = arch.kv_layout(json.loads((qwen3_moe / "config.json").read_text()))
+    assert {s.head_dim for s in layers} == {24}
+    cuda = torch.device("cuda")
+    assert pick_attention_backend("auto", cuda, reg, layers, "Qwen3MoeForCausalLM") == "torch"
+    pow2 = [KVLayerSpec(s.num_q_heads, s.num_kv_heads, 32) for s in layers]
+    assert pick_attention_backend("auto", cuda, reg, pow2) == "triton"
+    assert pick_attention_backend("auto", CPU, reg, layers) == "torch"
 
 
 def moe_layers(llm):

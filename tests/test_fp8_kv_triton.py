@@ -290,6 +290,48 @@ def test_fp8_kv_graph_runner_generates_like_eager(llama) -> None:  # noqa: ANN00
     assert ex.graphs.replays
 
 
+def bf16_to_nearest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make Triton's interpreter round fp32 -> bf16 to nearest, as the GPU does (it truncates:
+    test_kernel_ops), so that bf16 kernels can be checked on the CPU as the GPU runs them."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    convert = getattr(interpreter, "_convert_float", None)
+    if convert is None:
+        pytest.skip("this Triton's interpreter has no _convert_float to patch")
+
+    def nearest(data, src, dst, rounding):  # noqa: ANN001, ANN202 - the interpreter's own
+        if src == tl.float32 and dst == tl.bfloat16:
+            x = torch.from_numpy(np.frombuffer(data.tobytes(), np.float32).reshape(data.shape))
+            return x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        return convert(data, src, dst, rounding)
+
+    monkeypatch.setattr(interpreter, "_convert_float", nearest)
+
+
+@interpreted
+def test_fused_rotary_paths_fp8_bf16_as_the_gpu_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU test below on the CPU: bf16 rounded to nearest in the interpreter (bf16 tl.dot
+    still upcast there), the GPU's 64-token tiles, e4m3 caches at SCALES[1]: the rotary write
+    and the decode kernel's own write, split, early and preloading, against torch with the
+    same bytes in the caches (same_fp8_caches) and outputs within TOL."""
+    bf16_to_nearest(monkeypatch)
+    init = TritonAttention.__init__
+
+    def gpu_tiles(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        init(self, *args, **kwargs)
+        self.decode_block_n = self.prefill_block_m = self.prefill_block_n = 64
+
+    monkeypatch.setattr(TritonAttention, "__init__", gpu_tiles)
+    torch.manual_seed(12)
+    cpu = torch.device("cpu")
+    check_fused_rotary(4, torch.bfloat16, cpu, fp8_scales=SCALES[1])
+    check_decode_rotary(4, torch.bfloat16, cpu, False, fp8_scales=SCALES[1])
+    check_decode_rotary(4, torch.bfloat16, cpu, True, early=True, preload=True,
+                        fp8_scales=SCALES[1])  # fmt: skip
+
+
 # --- on a GPU (compiled kernels, bf16) ---
 
 
@@ -308,15 +350,21 @@ def test_gpu_steps_match_torch_fp8_bf16(scales: tuple[float, float]) -> None:
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("split", [False, True])
-def test_gpu_fused_rotary_paths_fp8_bf16(split: bool) -> None:
-    """rotary_kv_write_kernel and the decode kernel's own write (with its early, preloading
-    form) over e4m3 caches, bf16, against torch."""
+@pytest.mark.parametrize(
+    ("path", "split"),
+    [("write", False), ("decode", False), ("decode", True), ("preload", False), ("preload", True)],
+)
+def test_gpu_fused_rotary_paths_fp8_bf16(path: str, split: bool) -> None:
+    """rotary_kv_write_kernel (write) and the decode kernel's own write (decode; preload: its
+    early, preloading form) over e4m3 caches, bf16, against torch: one path a case, so that a
+    failure names its kernel."""
     torch.manual_seed(12)
     cuda = torch.device("cuda")
-    check_fused_rotary(4, torch.bfloat16, cuda, fp8_scales=SCALES[1])
-    check_decode_rotary(4, torch.bfloat16, cuda, split, fp8_scales=SCALES[1])
-    check_decode_rotary(4, torch.bfloat16, cuda, split, early=True, preload=True,
+    if path == "write":
+        check_fused_rotary(4, torch.bfloat16, cuda, fp8_scales=SCALES[1])
+        return
+    early = path == "preload"
+    check_decode_rotary(4, torch.bfloat16, cuda, split, early=early, preload=early,
                         fp8_scales=SCALES[1])  # fmt: skip
 
 

@@ -721,6 +721,79 @@ def test_gpu_layer_in_cuda_graph(shape):
                 assert err.max() < GPU_ROW_TOL, (tokens, err.max())
 
 
+def write_tiny_moe_model(arch: str, path) -> None:  # noqa: ANN001
+    """A tiny gpt-oss (bf16 or MXFP4 experts: arch gpt-oss-mxfp4) or Qwen3-MoE checkpoint at
+    path. Qwen3-MoE gets head_dim 32 (test_qwen3's 24 is no power of two, which the triton
+    attention backend refuses)."""
+    from test_gptoss import NOT_CONVERT, random_mxfp4
+    from test_gptoss import hf_model as gptoss_model
+    from test_qwen3 import hf_model as qwen3_model
+
+    model = qwen3_model("qwen3-moe", head_dim=32) if arch == "qwen3-moe" else gptoss_model()
+    model.save_pretrained(path)
+    if arch == "gpt-oss-mxfp4":
+        import json
+
+        from safetensors.torch import load_file, save_file
+
+        g = torch.Generator().manual_seed(1)
+        tensors = {}
+        for name, t in load_file(path / "model.safetensors").items():
+            if name.endswith(("gate_up_proj", "down_proj")):
+                experts, cols, rows = t.shape
+                for what, q in random_mxfp4(g, rows, cols, experts).items():
+                    tensors[f"{name}_{what}"] = q
+            else:
+                tensors[name] = t
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        config = json.loads((path / "config.json").read_text())
+        config["quantization_config"] = {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": NOT_CONVERT,
+        }
+        (path / "config.json").write_text(json.dumps(config))
+
+
+def tiny_moe_llm(path, device: str, kernels: str, attention: str, graphs: bool):  # noqa: ANN001, ANN201
+    from inferx_core.config import load_config
+    from inferx_core.engine import LLM
+
+    return LLM(
+        load_config(
+            None,
+            {
+                "model.path": str(path),
+                "model.dtype": "float32",
+                "engine.device": device,
+                "engine.kernels": kernels,
+                "engine.attention_backend": attention,
+                "engine.cuda_graphs": graphs,
+                "kv_cache.memory": "1GiB",
+            },
+        )
+    )
+
+
+@interpreted
+def test_tiny_qwen3_moe_model_on_triton_kernels_and_attention_matches_torch(tmp_path):
+    """The GPU test below's Qwen3-MoE on the CPU: the engine builds it with engine.kernels and
+    engine.attention_backend triton (the triton backend takes its head_dim), and its greedy
+    tokens agree with the torch ops' and backend's in the top-5 sense."""
+    import test_gpu_correctness as gc
+
+    from inferx_kernels_cuda.triton_attention import TritonAttention
+
+    write_tiny_moe_model("qwen3-moe", tmp_path)
+    prompts = [[5, 9, 17, 33, 65, 129, 200], [7] * 3]
+    runs = []
+    for kernels in ("torch", "triton"):
+        llm = tiny_moe_llm(tmp_path, "cpu", kernels, kernels, False)
+        assert isinstance(llm.engine.executor.attention, TritonAttention) == (kernels == "triton")
+        runs.append(gc.ours_greedy(llm, prompts))
+    for ref, ours in zip(*runs, strict=True):
+        gc.check_close(ours, ref, "qwen3-moe")
+
+
 @on_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["gpt-oss", "gpt-oss-mxfp4", "qwen3-moe"])
@@ -731,56 +804,15 @@ def test_gpu_tiny_model_with_graphs_matches_torch_path(arch, tmp_path):
     attention backend with sinks and windows for graphs: while the triton one lacks them, its
     Triton-ops run is eager on the torch backend."""
     import test_gpu_correctness as gc
-    from test_gptoss import NOT_CONVERT, random_mxfp4
-    from test_gptoss import hf_model as gptoss_model
-    from test_qwen3 import hf_model as qwen3_model
 
-    from inferx_core.config import load_config
-    from inferx_core.engine import LLM
-
-    model = qwen3_model("qwen3-moe") if arch == "qwen3-moe" else gptoss_model()
-    model.save_pretrained(tmp_path)
-    if arch == "gpt-oss-mxfp4":
-        import json
-
-        from safetensors.torch import load_file, save_file
-
-        g = torch.Generator().manual_seed(1)
-        tensors = {}
-        for name, t in load_file(tmp_path / "model.safetensors").items():
-            if name.endswith(("gate_up_proj", "down_proj")):
-                experts, cols, rows = t.shape
-                for what, q in random_mxfp4(g, rows, cols, experts).items():
-                    tensors[f"{name}_{what}"] = q
-            else:
-                tensors[name] = t
-        save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-        config = json.loads((tmp_path / "config.json").read_text())
-        config["quantization_config"] = {
-            "quant_method": "mxfp4",
-            "modules_to_not_convert": NOT_CONVERT,
-        }
-        (tmp_path / "config.json").write_text(json.dumps(config))
     from inferx_kernels_cuda.triton_attention import TritonAttention
 
+    write_tiny_moe_model(arch, tmp_path)
     prompts = [list(range(3, 40)), [5, 9, 17, 33, 65, 129, 200], [7] * 3]
     graphs_ok = arch == "qwen3-moe" or {"sinks", "sliding"} <= TritonAttention.features
     runs = []
     for kernels, graphs in (("torch", False), ("triton", graphs_ok)):
-        llm = LLM(
-            load_config(
-                None,
-                {
-                    "model.path": str(tmp_path),
-                    "model.dtype": "float32",
-                    "engine.device": "cuda",
-                    "engine.kernels": kernels,
-                    "engine.attention_backend": "triton" if graphs else "torch",
-                    "engine.cuda_graphs": graphs,
-                    "kv_cache.memory": "1GiB",
-                },
-            )
-        )
+        llm = tiny_moe_llm(tmp_path, "cuda", kernels, "triton" if graphs else "torch", graphs)
         assert (llm.engine.executor.graphs is not None) == graphs
         runs.append(gc.ours_greedy(llm, prompts))
         del llm

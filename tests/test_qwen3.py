@@ -59,11 +59,14 @@ COMMON = dict(
 )
 
 
-def hf_config(arch: str) -> transformers.PretrainedConfig:
+def hf_config(arch: str, **overrides: Any) -> transformers.PretrainedConfig:
+    """overrides: COMMON's keys changed (head_dim=32 for the triton attention backend, which
+    takes power-of-two head dims only)."""
+    common = COMMON | overrides
     if arch == "qwen3":
-        return transformers.Qwen3Config(**COMMON, tie_word_embeddings=True)
+        return transformers.Qwen3Config(**common, tie_word_embeddings=True)
     return transformers.Qwen3MoeConfig(
-        **COMMON,
+        **common,
         moe_intermediate_size=32,
         num_experts=8,
         num_experts_per_tok=2,
@@ -72,10 +75,10 @@ def hf_config(arch: str) -> transformers.PretrainedConfig:
     )
 
 
-def hf_model(arch: str) -> torch.nn.Module:
+def hf_model(arch: str, **overrides: Any) -> torch.nn.Module:
     torch.manual_seed(0)
     cls = transformers.Qwen3ForCausalLM if arch == "qwen3" else transformers.Qwen3MoeForCausalLM
-    model = cls(hf_config(arch)).eval()
+    model = cls(hf_config(arch, **overrides)).eval()
     # Larger weights than the default init so that logits are far apart and greedy is stable;
     # norm weights (q_norm and k_norm among them) away from 1 so that they matter.
     with torch.no_grad():

@@ -645,11 +645,13 @@ def test_on_the_gpu_the_kernel_agrees_with_the_dequantized_weights(
     llama, tmp_path, kind: str, cfg: dict
 ) -> None:
     """The same check on CUDA in bf16 (the CUDA runtime, its graphs and the W4A16 Triton
-    kernel) against the dequantized checkpoint served unquantized in bf16."""
+    kernel) against the dequantized checkpoint served unquantized in bf16. kv_cache.memory is
+    a size: the default fraction (0.9 of the card) would leave the second engine, built while
+    the first still holds its cache, nothing (LoadError)."""
     from test_fp8 import agree_in_top5, make_llm, run
 
     quant, ref = write_w4(llama, tmp_path / kind, cfg)
-    gpu = {"engine.device": "cuda", "model.dtype": "bfloat16"}
+    gpu = {"engine.device": "cuda", "model.dtype": "bfloat16", "kv_cache.memory": "1GiB"}
     llm = make_llm(quant, **gpu)
     down = llm.engine.executor.model.get_submodule("model.layers.0.mlp.down_proj")
     assert isinstance(down, W4A16Linear) and down.qweight.is_cuda

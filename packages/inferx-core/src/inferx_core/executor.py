@@ -24,6 +24,7 @@ from inferx_core.interfaces import (
     DecodeGraphs,
     DoneStep,
     Executor,
+    KVLayerSpec,
     MixedGraphs,
     ModelArch,
     PendingStep,
@@ -125,8 +126,15 @@ def _format(reg: Plugins, name: str) -> CheckpointFormat:
     return cls()  # type: ignore[operator]
 
 
-def pick_attention_backend(name: str, device: torch.device, reg: Plugins) -> str:
-    """auto: the fastest installed backend for the device; logs why."""
+def pick_attention_backend(
+    name: str,
+    device: torch.device,
+    reg: Plugins,
+    layers: list[KVLayerSpec] | None = None,
+    model: str = "the model",
+) -> str:
+    """auto: the fastest installed backend for the device that takes `layers` (its
+    check_layers), else torch; logs why."""
     if name != "auto":
         return name
     if device.type == "cuda":
@@ -135,6 +143,13 @@ def pick_attention_backend(name: str, device: torch.device, reg: Plugins) -> str
         # installed (an optional extra) and runs fp16/bf16 only, so check both then.
         for candidate in ("triton", "flashinfer"):
             if candidate in reg.names("attention_backend"):
+                cls = reg.get("attention_backend", candidate)
+                try:
+                    if layers is not None:
+                        cls.check_layers(layers, model=model)  # type: ignore[attr-defined]
+                except (NotImplementedError, ValueError) as exc:
+                    log.info("attention backend auto -> torch (%s refuses: %s)", candidate, exc)
+                    return "torch"
                 log.info("attention backend auto -> %s (installed, device is cuda)", candidate)
                 return candidate
     log.info("attention backend auto -> torch (device is %s)", device.type)
@@ -345,11 +360,13 @@ class ModelRunner(Executor):
                 ckpt.hf_config, parallel=parallel, kv_dtype=config.kv_cache.dtype
             )
         self.block_size = config.kv_cache.block_size
-        backend_name = pick_attention_backend(config.engine.attention_backend, self.device, reg)
+        backend_name = pick_attention_backend(
+            config.engine.attention_backend, self.device, reg, self.kv_layout, archs[0]
+        )
         backend_cls = reg.get("attention_backend", backend_name)
         try:
             backend_cls.check_layers(self.kv_layout, model=archs[0])  # type: ignore[attr-defined]
-        except NotImplementedError as exc:
+        except (NotImplementedError, ValueError) as exc:
             raise LoadError(f"{exc}; pick another engine.attention_backend") from None
         self.attention: AttentionBackend = backend_cls(  # type: ignore[operator]
             self.kv_layout, self.block_size, self.dtype, self.device

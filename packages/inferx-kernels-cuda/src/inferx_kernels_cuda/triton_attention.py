@@ -236,6 +236,19 @@ class TritonAttention(TorchAttention):
     supports_mixed_graphs = True
     fuses_rotary = True
 
+    @classmethod
+    def check_layers(cls, layers: list[KVLayerSpec], model: str = "the model") -> None:
+        """The shared checks, then the kernels' own limit: full and sliding layers need a
+        power-of-two head_dim of 16 or more (tl.arange over it); a ValueError naming the layer.
+        engine.attention_backend auto takes torch where this refuses."""
+        super().check_layers(layers, model)
+        for i, spec in enumerate(layers):
+            d = spec.head_dim
+            if spec.kind in ("full", "sliding") and (d < 16 or d & (d - 1)):  # others: refused
+                raise ValueError(
+                    f"triton attention needs a power-of-two head_dim >= 16; layer {i} has {d}"
+                )
+
     def __init__(
         self,
         layers: list[KVLayerSpec],
@@ -250,12 +263,6 @@ class TritonAttention(TorchAttention):
             raise NotImplementedError(
                 f"triton attention runs float16, bfloat16 or float32; got {dtype}"
             )
-        for i, spec in enumerate(layers):
-            d = spec.head_dim
-            if spec.kind in ("full", "sliding") and (d < 16 or d & (d - 1)):  # others: refused
-                raise ValueError(
-                    f"triton attention needs a power-of-two head_dim >= 16; layer {i} has {d}"
-                )
         super().__init__(layers, block_size, dtype, device)  # + the shared checks
         self.interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
         self.min_split_len = min_split_len
