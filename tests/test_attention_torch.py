@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -336,11 +338,14 @@ def test_kernel_backends_refuse_what_they_lack(backend_path: str) -> None:
     cls = getattr(__import__(f"inferx_kernels_cuda.{module}", fromlist=[name]), name)
     assert cls.features == frozenset({"sliding", "sinks", "fp8_kv", "mla"})
     assert cls.supports_kv_groups
-    cls.check_layers(GROUP_LAYERS[:2], model="GptOssForCausalLM")  # sliding, two groups
+    layers = [dataclasses.replace(spec, head_dim=16) for spec in GROUP_LAYERS]
+    cls.check_layers(layers[:2], model="GptOssForCausalLM")  # sliding, two groups
     with pytest.raises(NotImplementedError, match="softcap.*triton attention"):
-        cls.check_layers(GROUP_LAYERS, model="Gemma2ForCausalLM")
+        cls.check_layers(layers, model="Gemma2ForCausalLM")
+    with pytest.raises(ValueError, match="power-of-two head_dim >= 16; layer 0 has 8"):
+        cls.check_layers(GROUP_LAYERS[:2])  # the kernels' own limit
     # A backend with the feature but one block table a sequence refuses several groups.
     one_table = type("OneTable", (cls,), {"supports_kv_groups": False})
     with pytest.raises(NotImplementedError, match="2 KV cache groups"):
-        one_table.check_layers(GROUP_LAYERS[:2])
-    one_table.check_layers(GROUP_LAYERS[1:2])  # one sliding group is one table
+        one_table.check_layers(layers[:2])
+    one_table.check_layers(layers[1:2])  # one sliding group is one table
