@@ -882,38 +882,34 @@ def fused_experts(
     ):
         scale_t = scales if scales is not None else weights
         bias_t = bias if bias is not None else weights
+        up_offset = (n if silu else 1) if gated else 0
+        strides = (
+            a.stride(0), weights.stride(0), weights.stride(1),
+            scale_t.stride(0), scale_t.stride(1), bias_t.stride(0), dest.stride(0),
+        )  # fmt: skip
+        # the constexprs both kernels take (the GEMV runs no K-blocked scales: ROW_SCALE holds)
+        shared = dict(
+            A_ROW_DIV=k if gated else 1,
+            ACT=(ACT_SILU if silu else ACT_SWIGLU_OAI) if gated else ACT_NONE,
+            GATE_STRIDE=1 if silu or not gated else 2,
+            MXFP4=mxfp4, ROW_SCALE=w.format == "fp8" and not bk, HAS_BIAS=bias is not None,
+            WEIGHTED=not gated, ATOMIC_K=k if atomic_sum and not gated else 0,
+            BLOCK_N=cfg.block_n,
+        )  # fmt: skip
         if gemv:
             moe_gemv_kernel[(num_pairs, triton.cdiv(n_out, cfg.block_n))](
                 a, weights, scale_t, bias_t, topk_weights, sorted_ids, dest, n_out, k_in,
-                (n if silu else 1) if gated else 0,
-                a.stride(0), weights.stride(0), weights.stride(1),
-                scale_t.stride(0), scale_t.stride(1), bias_t.stride(0), dest.stride(0),
-                float(spec.alpha), float(spec.limit),
-                A_ROW_DIV=k if gated else 1,
-                ACT=(ACT_SILU if silu else ACT_SWIGLU_OAI) if gated else ACT_NONE,
-                GATE_STRIDE=1 if silu or not gated else 2,
-                MXFP4=mxfp4, ROW_SCALE=w.format == "fp8", HAS_BIAS=bias is not None,
-                WEIGHTED=not gated, ATOMIC_K=k if atomic_sum and not gated else 0,
-                BLOCK_N=cfg.block_n, BLOCK_K=GEMV_BLOCK_K if not _interpreting() else 64,
-                num_warps=4,
+                up_offset, *strides, float(spec.alpha), float(spec.limit), **shared,
+                BLOCK_K=GEMV_BLOCK_K if not _interpreting() else 64, num_warps=4,
             )  # fmt: skip
             continue
         grid = (tiles * triton.cdiv(n_out, cfg.block_n),)
         moe_gemm_kernel[grid](
             a, weights, scale_t, bias_t, topk_weights, dest, sorted_ids, block_expert,
-            num_padded, num_pairs, n_out, k_in,
-            (n if silu else 1) if gated else 0,
-            a.stride(0), weights.stride(0), weights.stride(1),
-            scale_t.stride(0), scale_t.stride(1), bias_t.stride(0), dest.stride(0),
-            float(spec.alpha), float(spec.limit), max(bk, 1),
-            A_ROW_DIV=k if gated else 1,
-            ACT=(ACT_SILU if silu else ACT_SWIGLU_OAI) if gated else ACT_NONE,
-            GATE_STRIDE=1 if silu or not gated else 2,
-            MXFP4=mxfp4, ROW_SCALE=w.format == "fp8" and not bk,
-            K_SCALE=bk > 0, HAS_BIAS=bias is not None, WEIGHTED=not gated,
-            ATOMIC_K=k if atomic_sum and not gated else 0, PER_PAIR=per_pair,
-            DOT_FP32=dot_fp32,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            num_padded, num_pairs, n_out, k_in, up_offset, *strides,
+            float(spec.alpha), float(spec.limit), max(bk, 1), **shared,
+            K_SCALE=bk > 0, PER_PAIR=per_pair, DOT_FP32=dot_fp32,
+            BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     if atomic_sum:
