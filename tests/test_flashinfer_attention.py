@@ -879,6 +879,56 @@ def test_fp8_scales_are_read_once_per_tensor_and_never_while_capturing() -> None
     assert step(other) == (0.25, 4.0)
 
 
+def llama_with_kv_scales(root: Path) -> Path:
+    """test_fp8's tiny random Llama at head_dim 128 (2 query heads, 1 KV head), with FP8 KV
+    scales in its checkpoint: k 0.5 / v 0.25 in layer 0, k 2 / v 4 in layer 1."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from test_fp8 import tiny_llama
+
+    plain = tiny_llama(root / "plain", 256, 2, 1, 512)
+    path = root / "scaled"
+    shutil.copytree(plain, path)
+    tensors = load_file(path / "model.safetensors")
+    for layer, (k, v) in enumerate(KV_SCALES):
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k)
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v)
+    save_file(tensors, path / "model.safetensors")
+    return path
+
+
+KV_SCALES = [(0.5, 0.25), (2.0, 4.0)]
+
+
+@interpreted
+def test_fp8_kv_engine_with_the_stand_in_agrees_with_torch(tmp_path, monkeypatch) -> None:
+    """The engine on the CPU with engine.attention_backend flashinfer (FlashInfer's stand-in),
+    bf16, an e4m3 cache and checkpoint scales: the checkpoint's scales reach run() as floats,
+    and greedy tokens agree with the torch backend's in the top-5 sense, prompts then
+    prompts over their cached prefixes."""
+    from test_fp8_kv import PROMPTS, agree_in_top5, make_llm, run
+
+    fa = flashinfer_module()
+    monkeypatch.setattr(fa.FlashInferAttention, "workspace_bytes", 1024)
+    monkeypatch.setattr(
+        fa.FlashInferAttention, "_load_flashinfer", lambda self: FakeFlashInfer.module
+    )
+    path = llama_with_kv_scales(tmp_path)
+    base = {"model.dtype": "bfloat16", "kv_cache.dtype": "fp8_e4m3", "kv_cache.memory": "4MiB"}
+    FakeFlashInfer.created.clear()
+    on_fi = make_llm(path, **base, **{"engine.attention_backend": "flashinfer"})
+    backend = on_fi.engine.executor.attention
+    assert isinstance(backend, fa.FlashInferAttention) and backend.caches[0].dtype == FP8
+    on_torch = make_llm(path, **base)
+    assert type(on_torch.engine.executor.attention) is TorchAttention
+    again = [p[:40] + [9, 8, 7] for p in PROMPTS if len(p) > 40]  # prefix-cache hits
+    for prompts in (PROMPTS, again):
+        agree_in_top5(run(on_fi, prompts), run(on_torch, prompts))
+    assert [backend._scales[i][1] for i in range(2)] == KV_SCALES
+    assert {s for w in FakeFlashInfer.created for s in w.scales} == set(KV_SCALES)
+
+
 @pytest.mark.gpu
 @on_gpu
 @pytest.mark.parametrize("scales", FP8_SCALES)
@@ -974,26 +1024,15 @@ def test_gpu_fp8_kv_flashinfer_agrees_with_torch(flashinfer, tmp_path_factory) -
     against the torch backend, greedy tokens in the top-5 sense (identical up to the first
     divergence, there each side's token in the other's top 5), prompts then prompts over
     their cached prefixes."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-    from test_fp8 import tiny_llama
     from test_fp8_kv import PROMPTS, agree_in_top5, make_llm, run
 
-    root = tmp_path_factory.mktemp("llama_fi_fp8")
-    plain = tiny_llama(root / "plain", 256, 2, 1, 512)
-    path = root / "scaled"
-    shutil.copytree(plain, path)
-    tensors = load_file(path / "model.safetensors")
-    for layer, (k, v) in enumerate([(0.5, 0.25), (2.0, 4.0)]):
-        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k)
-        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v)
-    save_file(tensors, path / "model.safetensors")
+    path = llama_with_kv_scales(tmp_path_factory.mktemp("llama_fi_fp8"))
     base = {
         "model.dtype": "bfloat16",
         "engine.device": "cuda",
         "kv_cache.dtype": "fp8_e4m3",
         "kv_cache.memory": "256MiB",
+        "scheduler.max_running": 8,  # few graph sizes to capture
     }
     on_fi = make_llm(path, **base, **{"engine.attention_backend": "flashinfer"})
     ex = on_fi.engine.executor
@@ -1007,5 +1046,5 @@ def test_gpu_fp8_kv_flashinfer_agrees_with_torch(flashinfer, tmp_path_factory) -
     again = [p[:40] + [9, 8, 7] for p in PROMPTS if len(p) > 40]  # prefix-cache hits
     for prompts in (PROMPTS + [list(range(3, 200)), [11] * 5], again):
         agree_in_top5(run(on_fi, prompts), run(on_torch, prompts))
-    assert ex.attention._scales[0][1] == (0.5, 0.25) and ex.attention._scales[1][1] == (2.0, 4.0)
+    assert [ex.attention._scales[i][1] for i in range(2)] == KV_SCALES
     assert sum(ex.graphs.replays.values()) > 0
