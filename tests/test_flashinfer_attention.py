@@ -24,7 +24,7 @@ from conftest import (
 )
 from test_attention_torch import dense_reference, rel_err
 
-from inferx_core.attention_torch import TorchAttention
+from inferx_core.attention_torch import FP8, TorchAttention
 from inferx_core.batch import make_attention_batch
 from inferx_core.interfaces.kv import KVLayerSpec
 
@@ -113,13 +113,6 @@ def test_paged_layout() -> None:
             "mla",
         ),
         (KVLayerSpec(4, 2, 64, v_head_dim=128), torch.bfloat16, "cuda", NotImplementedError, "v_"),
-        (
-            KVLayerSpec(4, 2, 64, dtype="fp8_e4m3"),
-            torch.bfloat16,
-            "cuda",
-            NotImplementedError,
-            "fp8",
-        ),
         (KVLayerSpec(4, 2, 96), torch.bfloat16, "cuda", ValueError, "head_dim in"),
         (KVLayerSpec(6, 4, 64), torch.bfloat16, "cuda", ValueError, "multiple of num_kv_heads"),
         (KVLayerSpec(4, 2, 64), torch.bfloat16, "cpu", ValueError, "CUDA device"),
@@ -165,6 +158,7 @@ class FakeWrapper:
         self.kv_indptr = paged_kv_indptr_buffer
         self.kv_indices = paged_kv_indices_buffer
         self.kv_last = paged_kv_last_page_len_buffer
+        self.scales: list[tuple[float | None, float | None]] = []  # run()'s k_scale, v_scale
         FakeFlashInfer.created.append(self)
 
     def _keep(self, qo_indptr, kv_indptr, kv_indices, kv_last, q_heads, kv_heads, dim, page_size):
@@ -188,9 +182,16 @@ class FakeWrapper:
         self.shape = (q_heads, kv_heads, dim)
         self.page_size = page_size
 
-    def run(self, q, paged_kv_cache, *, q_scale=None, out=None):
+    def run(self, q, paged_kv_cache, *, q_scale=None, k_scale=None, v_scale=None, out=None):
         k_cache, v_cache = paged_kv_cache
-        assert q.dtype == self.q_dtype and k_cache.dtype == self.kv_dtype
+        assert q.dtype == self.q_dtype and k_cache.dtype == v_cache.dtype == self.kv_dtype
+        # Floats: FlashInfer's FA2 and CUDA-core kernels take the softmax scale as a double,
+        # and run() multiplies k_scale into it on the host.
+        for x in (q_scale, k_scale, v_scale):
+            assert x is None or type(x) is float, f"a scale of {type(x).__name__}"
+        self.scales.append((k_scale, v_scale))
+        if k_cache.dtype == FP8:  # indexed as bytes: torch's CPU index ops take no float8
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         q_heads, kv_heads, dim = self.shape
         assert q.shape[1:] == (q_heads, dim) and k_cache.shape[1:] == (
             self.page_size,
@@ -202,12 +203,15 @@ class FakeWrapper:
         assert q.shape[0] == qo[-1]
         assert out is not None and out.shape == q.shape and out.dtype == q.dtype
         sm_scale = dim**-0.5 * (1.0 if q_scale is None else q_scale)
+        sm_scale *= 1.0 if k_scale is None else k_scale
+        fp8 = self.kv_dtype == FP8
+        as_float = (lambda x: x.view(FP8).float()) if fp8 else (lambda x: x.float())
         kv_indptr, kv_last = self.kv_indptr.tolist(), self.kv_last.tolist()
         for i in range(rows):
             pages = self.kv_indices[kv_indptr[i] : kv_indptr[i + 1]].long().to(q.device)
             kv_len = (len(pages) - 1) * self.page_size + kv_last[i]
-            keys = k_cache[pages].reshape(-1, kv_heads, dim)[:kv_len].float()
-            values = v_cache[pages].reshape(-1, kv_heads, dim)[:kv_len].float()
+            keys = as_float(k_cache[pages].reshape(-1, kv_heads, dim)[:kv_len])
+            values = as_float(v_cache[pages].reshape(-1, kv_heads, dim)[:kv_len])
             keys = keys.repeat_interleave(q_heads // kv_heads, dim=1)
             values = values.repeat_interleave(q_heads // kv_heads, dim=1)
             queries = q[qo[i] : qo[i + 1]].float()
@@ -218,6 +222,8 @@ class FakeWrapper:
                 visible = torch.arange(kv_len, device=q.device)[None, :] <= pos[:, None]
                 scores = scores.masked_fill(~visible, float("-inf"))
             out[qo[i] : qo[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+        if v_scale is not None and v_scale != 1.0:  # as FlashInfer: on the output, after
+            out *= v_scale
         return out
 
 
@@ -707,3 +713,338 @@ def test_gpu_generates_like_triton(flashinfer, arch: str, tmp_path_factory) -> N
             name = f"{arch}/graphs {'on' if graphs else 'off'}/{label}"
             problems += compare_runs(name, fi, tr, fi_steps, tr_steps, "bfloat16")
     assert not problems, "\n".join(problems)
+
+
+# -- an FP8 (e4m3) KV cache ----------------------------------------------------------------------
+# test_fp8_kv_triton's helpers (imported in the tests: that module needs Triton to import):
+# run_steps checks a backend against TorchAttention over e4m3 caches, the same bytes after every
+# write and outputs within its TOL (fp16 2e-3, bf16 2e-2 of the largest |output|).
+
+FP8_SCALES = [(1.0, 1.0), (0.013, 2.5)]  # test_fp8_kv_triton.SCALES: plain; clamped and subnormal
+
+
+def as_floats(scales: tuple[float, float]) -> tuple[float, ...]:
+    """The scales as float32 tensors hold them, as Python floats (what run() must get)."""
+    return tuple(torch.tensor(scales, dtype=torch.float32).tolist())
+
+
+@pytest.mark.parametrize("module", ["fa3"])
+def test_fp8_cache_refuses_the_fa3_prefill_module(module: str) -> None:
+    """Refused before FlashInfer is imported or anything touches the device, naming the
+    module, the cache dtype and the layer."""
+    fa = flashinfer_module()
+    layers = [KVLayerSpec(4, 2, 64), KVLayerSpec(4, 2, 64, dtype="fp8_e4m3")]
+    with pytest.raises(
+        NotImplementedError,
+        match=r"prefill_backend 'fa3' cannot read an fp8_e4m3 KV cache \(layer 1\)",
+    ):
+        fa.FlashInferAttention(
+            layers, 16, torch.bfloat16, torch.device("cuda"), prefill_backend=module
+        )
+    # check_layers (engine.attention_backend auto) takes e4m3 layers, and still refuses MLA ones
+    fa.FlashInferAttention.check_layers(layers)
+    mla = KVLayerSpec(1, 1, 576, kind="mla", v_head_dim=512, rope_dim=64, dtype="fp8_e4m3")
+    with pytest.raises(NotImplementedError, match="mla"):
+        fa.FlashInferAttention.check_layers([mla])
+
+
+@interpreted
+def test_fp8_layers_plan_e4m3_wrappers_and_take_half_the_bytes() -> None:
+    """An e4m3 layer and a bf16 layer of one head shape get wrappers of their own, planned with
+    their cache's dtype (and auto, FlashInfer's choice, is accepted: FA2 for an e4m3 cache);
+    an e4m3 block takes half the bytes of a bf16 one."""
+    plain = KVLayerSpec(4, 2, 64)
+    fp8 = KVLayerSpec(4, 2, 64, dtype="fp8_e4m3")
+    half = cpu_flashinfer([fp8, fp8], 4, torch.bfloat16).bytes_per_block()
+    assert 2 * half == cpu_flashinfer([plain, plain], 4, torch.bfloat16).bytes_per_block()
+    backend = cpu_flashinfer([plain, fp8], 4, torch.bfloat16, prefill_backend="auto")
+    assert [s.kv_dtype for s in backend._shapes] == [torch.bfloat16, FP8]
+    assert backend._shape_of == [0, 1]
+    backend.allocate(8)
+    assert [c.dtype for c in backend.caches] == [torch.bfloat16, FP8]
+    for query_lens in ([5], [1]):  # a prompt, then a decode
+        batch = make_attention_batch(query_lens, [5 + len(query_lens) - 1], [[1, 2]], 4)
+        backend.begin_step(batch)
+        for i, wrapper in enumerate(backend._plan.wrappers):
+            assert (wrapper.q_dtype, wrapper.kv_dtype) == (
+                torch.bfloat16,
+                backend._shapes[i].kv_dtype,
+            )
+
+
+@interpreted
+@pytest.mark.parametrize("scales", FP8_SCALES)
+@pytest.mark.parametrize(
+    ("block_size", "group", "dtype"), [(4, 1, torch.float16), (16, 6, torch.bfloat16)]
+)
+def test_fp8_steps_match_torch_fp8(
+    block_size: int, group: int, dtype: torch.dtype, scales: tuple[float, float]
+) -> None:
+    """A ragged prefill, a mixed step (fresh prompt, chunk over a cached prefix, decodes), two
+    decode steps (group 6: on tensor cores) over e4m3 caches: the write kernel stores the
+    bytes torch's to_fp8 does, the wrappers are planned with e4m3 KV and queries in the
+    model's dtype, run() gets the layer's scales as floats, and the outputs (the stand-in
+    computing what FlashInfer's docs say) are TorchAttention's within run_steps' TOL."""
+    from test_fp8_kv_triton import PLAN, fp8_layers, run_steps
+
+    torch.manual_seed(block_size * 10 + group)
+    backend = cpu_flashinfer(fp8_layers(group, 64), block_size, dtype)
+    totals, steps = plan_steps(PLAN)
+    assert run_steps(backend, steps, totals, scales) == [None] * 4
+    planned = [w for w in FakeFlashInfer.created if w.scales]
+    assert {type(w) for w in planned} == {FakeDecode, FakePrefill}
+    assert {w.tensor_cores for w in planned if isinstance(w, FakeDecode)} == {group >= 5}
+    assert all((w.q_dtype, w.kv_dtype) == (dtype, FP8) for w in planned)
+    assert all(set(w.scales) == {as_floats(scales)} for w in planned)
+
+
+@interpreted
+def test_fp8_graph_life_cycle_matches_torch() -> None:
+    """The CUDA-graph decode wrappers over e4m3 caches with scales (CUDA-core and tensor-core
+    decode): planned with e4m3 KV; replays for new contexts, padding rows with garbage and a
+    slot of -1, write the bytes torch writes and attend like it within TOL."""
+    from test_fp8_kv_triton import TOL as FP8_TOL
+
+    torch.manual_seed(9)
+    dtype, bs, max_blocks = torch.float16, 4, 16
+    num_blocks = 4 * max_blocks + 1
+    layers = [KVLayerSpec(4, 2, 64, dtype="fp8_e4m3"), KVLayerSpec(6, 1, 64, dtype="fp8_e4m3")]
+    static = cpu_flashinfer(layers, bs, dtype)
+    reference = TorchAttention(layers, bs, dtype, CPU)
+    for b in (static, reference):
+        b.allocate(num_blocks)
+    for mine, theirs in zip(static.caches, reference.caches, strict=True):
+        mine.copy_(torch.randn(mine.shape).to(FP8))
+        theirs.copy_(mine)
+    k_scale, v_scale = (torch.tensor([s]) for s in FP8_SCALES[1])
+    attn = [
+        [
+            b.layer(i, s.head_dim**-0.5, k_scale=k_scale, v_scale=v_scale)
+            for i, s in enumerate(layers)
+        ]
+        for b in (static, reference)
+    ]
+    static.init_graph_buffers(8, max_blocks)
+    for size in (4, 2):
+        static.prepare_for_capture(size)
+    graphs = [w for s in static._shapes for w in s.graphs.values()]
+    assert len(graphs) == 4 and all(w.graph and w.kv_dtype == FP8 for w in graphs)
+    assert [s.graphs[4].tensor_cores for s in static._shapes] == [False, True]
+    for contexts, size in (([37, 5, 64, 20], 4), ([1, 50], 4), ([63], 2)):
+        n = len(contexts)
+        batch = make_attention_batch(
+            [1] * n, contexts, scattered_tables(contexts, bs, num_blocks), bs
+        )
+        static.prepare_for_replay(batch, size)
+        reference.begin_step(batch)
+        for i, spec in enumerate(layers):
+            heads = (spec.num_q_heads, spec.num_kv_heads, spec.num_kv_heads)
+            qkv = [(torch.randn(size, h, spec.head_dim) * 3).to(dtype) for h in heads]
+            got = static.forward(attn[0][i], *fused_views(*qkv))[:n]
+            want = reference.forward(attn[1][i], *(x[:n] for x in qkv))
+            err = rel_err(got.float(), want.float())
+            assert err <= FP8_TOL[dtype], f"contexts {contexts}, layer {i}: {err:.2e}"
+            assert torch.equal(
+                static.caches[i].view(torch.uint8), reference.caches[i].view(torch.uint8)
+            ), (contexts, i)
+    assert {s for w in graphs for s in w.scales} == {as_floats(FP8_SCALES[1])}
+
+
+@interpreted
+def test_fp8_scales_are_read_once_per_tensor_and_never_while_capturing() -> None:
+    """A layer's scales reach run() as floats (1.0 where a layer has none), read from their
+    tensors once; a layer with other scale tensors is read anew; a layer whose scales were
+    not read before a CUDA-graph capture is refused inside it, by name (a capture cannot read
+    a device tensor on the host), while one read before runs."""
+    fp8 = KVLayerSpec(4, 2, 64, dtype="fp8_e4m3")
+    backend = cpu_flashinfer([fp8, fp8], 4, torch.float16)
+    backend.allocate(8)
+    x = torch.randn(1, 8, 64).to(torch.float16)
+    q, k, v = x[:, :4], x[:, 4:6], x[:, 6:]
+
+    def step(layer) -> tuple[float | None, float | None]:
+        backend.begin_step(make_attention_batch([1], [1], [[1]], 4))
+        backend.forward(layer, q, k, v)
+        return backend._plan.wrappers[0].scales[-1]
+
+    first = backend.layer(0, 0.125, k_scale=torch.tensor([0.5]), v_scale=torch.tensor([2.0]))
+    assert step(first) == (0.5, 2.0) and step(first) == (0.5, 2.0)
+    assert step(backend.layer(0, 0.125)) == (1.0, 1.0)
+    other = backend.layer(1, 0.125, k_scale=torch.tensor([0.25]), v_scale=torch.tensor([4.0]))
+    backend._capturing = lambda: True
+    assert step(backend.layer(0, 0.125)) == (1.0, 1.0)  # read before the capture
+    with pytest.raises(RuntimeError, match="layer 1's k_scale / v_scale were first seen while"):
+        step(other)
+    backend._capturing = lambda: False
+    assert step(other) == (0.25, 4.0)
+
+
+def llama_with_kv_scales(root: Path) -> Path:
+    """test_fp8's tiny random Llama at head_dim 128 (2 query heads, 1 KV head), with FP8 KV
+    scales in its checkpoint: k 0.5 / v 0.25 in layer 0, k 2 / v 4 in layer 1."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from test_fp8 import tiny_llama
+
+    plain = tiny_llama(root / "plain", 256, 2, 1, 512)
+    path = root / "scaled"
+    shutil.copytree(plain, path)
+    tensors = load_file(path / "model.safetensors")
+    for layer, (k, v) in enumerate(KV_SCALES):
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k)
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v)
+    save_file(tensors, path / "model.safetensors")
+    return path
+
+
+KV_SCALES = [(0.5, 0.25), (2.0, 4.0)]
+
+
+@interpreted
+def test_fp8_kv_engine_with_the_stand_in_agrees_with_torch(tmp_path, monkeypatch) -> None:
+    """The engine on the CPU with engine.attention_backend flashinfer (FlashInfer's stand-in),
+    bf16, an e4m3 cache and checkpoint scales: the checkpoint's scales reach run() as floats,
+    and greedy tokens agree with the torch backend's in the top-5 sense, prompts then
+    prompts over their cached prefixes."""
+    from test_fp8_kv import PROMPTS, agree_in_top5, make_llm, run
+
+    fa = flashinfer_module()
+    monkeypatch.setattr(fa.FlashInferAttention, "workspace_bytes", 1024)
+    monkeypatch.setattr(
+        fa.FlashInferAttention, "_load_flashinfer", lambda self: FakeFlashInfer.module
+    )
+    path = llama_with_kv_scales(tmp_path)
+    base = {"model.dtype": "bfloat16", "kv_cache.dtype": "fp8_e4m3", "kv_cache.memory": "4MiB"}
+    FakeFlashInfer.created.clear()
+    on_fi = make_llm(path, **base, **{"engine.attention_backend": "flashinfer"})
+    backend = on_fi.engine.executor.attention
+    assert isinstance(backend, fa.FlashInferAttention) and backend.caches[0].dtype == FP8
+    on_torch = make_llm(path, **base)
+    assert type(on_torch.engine.executor.attention) is TorchAttention
+    again = [p[:40] + [9, 8, 7] for p in PROMPTS if len(p) > 40]  # prefix-cache hits
+    for prompts in (PROMPTS, again):
+        agree_in_top5(run(on_fi, prompts), run(on_torch, prompts))
+    assert [backend._scales[i][1] for i in range(2)] == KV_SCALES
+    assert {s for w in FakeFlashInfer.created for s in w.scales} == set(KV_SCALES)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("scales", FP8_SCALES)
+def test_gpu_fp8_steps_match_torch_fp8(flashinfer, scales: tuple[float, float]) -> None:
+    """run_steps on the GPU, bf16, head_dim 128, over e4m3 caches: FlashInfer's FA2 prefill
+    (a ragged prefill, fresh prompts and chunks over cached prefixes beside decodes), its
+    tensor-core decode (group 8) and CUDA-core decode (group 2) against TorchAttention over
+    the same bytes, within 2e-2 of the largest |output|: FlashInfer folds k_scale into the
+    softmax scale and rounds the output once more for v_scale, torch rounds k * k_scale and
+    v * v_scale to bf16, and bf16 rounds the softmax weights before P @ V."""
+    from test_fp8_kv_triton import run_steps
+
+    torch.manual_seed(21)
+    layers = [KVLayerSpec(16, 2, 128, dtype="fp8_e4m3"), KVLayerSpec(4, 2, 128, dtype="fp8_e4m3")]
+    backend = gpu_backend(layers, 16, torch.bfloat16)
+    assert [s.tensor_cores for s in backend._shapes] == [True, False]
+    totals, steps = plan_steps([(0, 130), (200, 70), (300, 1), (65, 1), (0, 1), (1500, 1)])
+    run_steps(backend, steps, totals, scales)
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_gpu_fp8_captured_decode_matches_torch(flashinfer) -> None:
+    """Decode captured per batch size over e4m3 caches with scales (k 0.013: keys clamped; v
+    2.5) through the backend's graph hooks, replayed for new contexts and fewer real rows than
+    captured: the graph writes the bytes torch writes (padding rows nothing) and its outputs
+    are TorchAttention's within 2e-2 (bf16)."""
+    from test_fp8_kv_triton import TOL as FP8_TOL
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(22)
+    bs, max_ctx, sizes = 16, 1024, [1, 4]
+    max_blocks = max_ctx // bs
+    num_blocks = sizes[-1] * max_blocks + 1
+    layers = [KVLayerSpec(16, 2, 128, dtype="fp8_e4m3"), KVLayerSpec(4, 2, 128, dtype="fp8_e4m3")]
+    graphed = gpu_backend(layers, bs, dtype)
+    reference = TorchAttention(layers, bs, dtype, dev)
+    for b in (graphed, reference):
+        b.allocate(num_blocks)
+    for mine, theirs in zip(graphed.caches, reference.caches, strict=True):
+        mine.copy_(torch.randn(mine.shape, device=dev).to(FP8))
+        theirs.copy_(mine)
+    k_scale, v_scale = (torch.tensor([s], device=dev) for s in FP8_SCALES[1])
+    attn = [
+        [
+            b.layer(i, s.head_dim**-0.5, k_scale=k_scale, v_scale=v_scale)
+            for i, s in enumerate(layers)
+        ]
+        for b in (graphed, reference)
+    ]
+    graphed.init_graph_buffers(sizes[-1], max_blocks)
+    captured = {}
+    for size in reversed(sizes):
+        inputs = [
+            [torch.zeros(size, h, s.head_dim, dtype=dtype, device=dev) for h in heads]
+            for s in layers
+            for heads in [(s.num_q_heads, s.num_kv_heads, s.num_kv_heads)]
+        ]
+
+        def step(inputs=inputs) -> list[torch.Tensor]:
+            return [graphed.forward(attn[0][i], *fused_views(*inputs[i])) for i in range(2)]
+
+        graphed.prepare_for_capture(size)
+        step()  # eager first, as the runtime does: the scales are read here
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = step()
+        captured[size] = (graph, inputs, outs)
+    for contexts, size in (([1, 700, 1024], 4), ([64, 65, 1023, 7], 4), ([1000], 1), ([5], 4)):
+        graph, inputs, outs = captured[size]
+        n = len(contexts)
+        tables = scattered_tables(contexts, bs, num_blocks)
+        graphed.prepare_for_replay(make_attention_batch([1] * n, contexts, tables, bs), size)
+        for x in (t for per_layer in inputs for t in per_layer):
+            x.copy_((torch.randn(x.shape, device=dev) * 3).to(dtype))  # padding rows too
+        graph.replay()
+        reference.begin_step(make_attention_batch([1] * n, contexts, tables, bs, dev))
+        for i in range(len(layers)):
+            want = reference.forward(attn[1][i], *(x[:n] for x in inputs[i]))
+            err = rel_err(outs[i][:n].float(), want.float())
+            assert err <= FP8_TOL[dtype], f"size {size}, contexts {contexts}, layer {i}: {err:.2e}"
+            assert torch.equal(
+                graphed.caches[i].view(torch.uint8), reference.caches[i].view(torch.uint8)
+            ), (size, contexts, i)
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_gpu_fp8_kv_flashinfer_agrees_with_torch(flashinfer, tmp_path_factory) -> None:
+    """A tiny Llama (head_dim 128, group 2) in bf16 with an e4m3 cache and checkpoint scales
+    (k 0.5 / v 0.25 and k 2 / v 4 in its two layers): the flashinfer backend with CUDA graphs
+    against the torch backend, greedy tokens in the top-5 sense (identical up to the first
+    divergence, there each side's token in the other's top 5), prompts then prompts over
+    their cached prefixes."""
+    from test_fp8_kv import PROMPTS, agree_in_top5, make_llm, run
+
+    path = llama_with_kv_scales(tmp_path_factory.mktemp("llama_fi_fp8"))
+    base = {
+        "model.dtype": "bfloat16",
+        "engine.device": "cuda",
+        "kv_cache.dtype": "fp8_e4m3",
+        "kv_cache.memory": "256MiB",
+        "scheduler.max_running": 8,  # few graph sizes to capture
+    }
+    on_fi = make_llm(path, **base, **{"engine.attention_backend": "flashinfer"})
+    ex = on_fi.engine.executor
+    assert type(ex.attention).__name__ == "FlashInferAttention"
+    assert ex.graphs is not None, ex.eager_reason
+    assert ex.attention.caches[0].dtype == FP8
+    on_torch = make_llm(
+        path, **base, **{"engine.attention_backend": "torch", "engine.cuda_graphs": False}
+    )
+    assert type(on_torch.engine.executor.attention) is TorchAttention
+    again = [p[:40] + [9, 8, 7] for p in PROMPTS if len(p) > 40]  # prefix-cache hits
+    for prompts in (PROMPTS + [list(range(3, 200)), [11] * 5], again):
+        agree_in_top5(run(on_fi, prompts), run(on_torch, prompts))
+    assert [ex.attention._scales[i][1] for i in range(2)] == KV_SCALES
+    assert sum(ex.graphs.replays.values()) > 0

@@ -1,16 +1,18 @@
 """The `flashinfer` attention backend: FlashInfer's paged prefill and decode wrappers over
-TorchAttention's cache, planned once per step, with decode CUDA graphs."""
+TorchAttention's cache (in the model's dtype or e4m3), planned once per step, with decode CUDA
+graphs."""
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from inferx_core.attention_torch import TorchAttention
+from inferx_core.attention_torch import FP8, TorchAttention
 from inferx_core.interfaces.attention import AttentionBatch, AttentionLayer
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda.triton_attention import checked_graph_buffers, write_kv
@@ -83,6 +85,7 @@ class _Shape:
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
+    kv_dtype: torch.dtype  # the cache's: the model's dtype or e4m3
     tensor_cores: bool  # decode through FlashInfer's tensor-core (prefill) kernels
     decode: Any  # eager wrappers: decode-only steps, and steps with any prefill chunk
     prefill: Any
@@ -136,12 +139,21 @@ class FlashInferAttention(TorchAttention):
     forward() its scale. plan() keeps FlashInfer's default of 1/sqrt(head_dim) and run() gets
     q_scale = scale * sqrt(head_dim) when a layer's scale differs (run() multiplies the scale
     by q_scale, the same as scaling q).
+
+    An fp8_e4m3 layer: the write kernel stores k / k_scale and v / v_scale in e4m3 as the torch
+    and triton backends do (the same bytes), the wrappers are planned with e4m3 KV and queries
+    in the model's dtype (FlashInfer's FA2 and CUDA-core kernels cast each e4m3 tile up), and
+    run() gets k_scale and v_scale as floats: FlashInfer folds k_scale into the softmax scale
+    on the host (a double argument of its kernels) and multiplies the output by v_scale. The
+    floats are read once per scale tensor, in the layer's first eager forward, so captured
+    graphs hold the loaded values (_host_scales).
     """
 
     name = "flashinfer attention"
     # Not TorchAttention's: these kernels read one full-attention block table, no window, sinks
-    # or softcap, so start-up refuses models that need them (check_layers).
-    features: frozenset[str] = frozenset()
+    # or softcap, so start-up refuses models that need them (check_layers). fp8_kv: an e4m3
+    # cache on FA2 (prefill_backend fa2 or auto; fa3 is refused in __init__).
+    features: frozenset[str] = frozenset({"fp8_kv"})
     supports_kv_groups = False
     supports_cuda_graphs = True
     # Split-KV partial outputs (fp32), shared by every wrapper. FlashInfer suggests 128 MiB, but
@@ -178,15 +190,28 @@ class FlashInferAttention(TorchAttention):
                     f"flashinfer attention needs head_dim in {_HEAD_DIMS}; layer {i} has "
                     f"{spec.head_dim}"
                 )
+        fp8 = [i for i, spec in enumerate(layers) if spec.dtype == "fp8_e4m3"]
+        if fp8 and prefill_backend == "fa3":
+            raise NotImplementedError(
+                f"flashinfer attention: prefill_backend 'fa3' cannot read an fp8_e4m3 KV cache "
+                f"(layer {fp8[0]}): FlashInfer 0.6's FA3 prefill takes e4m3 keys and values only "
+                "with e4m3 queries; use prefill_backend 'fa2' or 'auto' (FA2 for an e4m3 cache), "
+                "or kv_cache.dtype = auto"
+            )
         super().__init__(layers, block_size, dtype, torch.device(device))  # + the shared checks
         fi = self._load_flashinfer()
         self._fi = fi
+        # The write kernel's e4m3 rounding by hand under Triton's interpreter (CPU tests).
+        self._interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        self._one = torch.ones(1, dtype=torch.float32, device=self.device)  # a missing scale
+        # layer index -> (its scale tensors, their values as floats): _host_scales
+        self._scales: dict[int, tuple[tuple[Any, Any], tuple[float, float]]] = {}
         self.prefill_backend = prefill_backend
         self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=self.device)
         self._shapes: list[_Shape] = []
-        index: dict[tuple[int, int, int], int] = {}
-        for spec in layers:
-            key = (spec.num_q_heads, spec.num_kv_heads, spec.head_dim)
+        index: dict[tuple[int, int, int, torch.dtype], int] = {}
+        keys = [(s.num_q_heads, s.num_kv_heads, s.head_dim, self.cache_dtype(s)) for s in layers]
+        for spec, key in zip(layers, keys, strict=True):
             if key in index:
                 continue
             group = spec.num_q_heads // spec.num_kv_heads
@@ -204,7 +229,7 @@ class FlashInferAttention(TorchAttention):
                     ),
                 )
             )
-        self._shape_of = [index[(s.num_q_heads, s.num_kv_heads, s.head_dim)] for s in layers]
+        self._shape_of = [index[key] for key in keys]
         self._plan: _Plan | None = None
         self._graph: _GraphBuffers | None = None
 
@@ -247,7 +272,7 @@ class FlashInferAttention(TorchAttention):
                     self.block_size,
                     causal=True,
                     q_data_type=self.dtype,
-                    kv_data_type=self.dtype,
+                    kv_data_type=shape.kv_dtype,
                 )
                 wrappers.append(shape.prefill)
         self._plan = _Plan("decode" if decode else "prefill", num_tokens, slot_mapping, wrappers)
@@ -262,7 +287,7 @@ class FlashInferAttention(TorchAttention):
             shape.head_dim,
             self.block_size,
             q_data_type=self.dtype,
-            kv_data_type=self.dtype,
+            kv_data_type=shape.kv_dtype,
         )
 
     # -- CUDA graphs: decode batches over static buffers ------------------------------------
@@ -370,7 +395,9 @@ class FlashInferAttention(TorchAttention):
         # Both kernels take any token and head strides (q, k, v are views of one fused
         # projection) but need each head's dim contiguous.
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        write_kv(k, v, k_cache, v_cache, plan.slot_mapping, spec)
+        fp8 = k_cache.dtype == FP8
+        write_kv(k, v, k_cache, v_cache, plan.slot_mapping, spec, self._fp8_write(attn, fp8))
+        k_scale, v_scale = self._host_scales(attn) if fp8 else (None, None)
         q = q.to(self.dtype)
         if plan.kind == "prefill":
             # Prefill costs far more than a copy of q; only decode (graphs) is launch-bound,
@@ -381,5 +408,48 @@ class FlashInferAttention(TorchAttention):
         )
         ratio = scale * math.sqrt(spec.head_dim)
         q_scale = None if abs(ratio - 1.0) < 1e-6 else ratio
-        plan.wrappers[self._shape_of[layer]].run(q, (k_cache, v_cache), q_scale=q_scale, out=out)
+        plan.wrappers[self._shape_of[layer]].run(
+            q, (k_cache, v_cache), q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out
+        )
         return out if out_dtype == self.dtype else out.to(out_dtype)
+
+    # -- an e4m3 cache --------------------------------------------------------------------------
+
+    def _fp8_write(self, attn: AttentionLayer, fp8: bool) -> dict[str, Any]:
+        """The write kernel's arguments for an e4m3 cache (as TritonAttention._fp8_args): the
+        scales by pointer, so a captured write divides by the values they hold."""
+        if not fp8:
+            return {}
+        k_scale, v_scale = (
+            self._one if t is None else t.to(self.device, torch.float32)
+            for t in (attn.k_scale, attn.v_scale)
+        )
+        return {
+            "k_scale_ptr": k_scale,
+            "v_scale_ptr": v_scale,
+            "KV_FP8": True,
+            "HAND_ROUND": self._interpret,
+        }
+
+    def _host_scales(self, attn: AttentionLayer) -> tuple[float, float]:
+        """The layer's (k_scale, v_scale) as floats, as FlashInfer's run() takes them (1.0
+        for a missing one). Read from the device once per scale tensor (one synchronisation, in
+        the layer's first eager forward), not per step: the scales are fixed once the weights
+        are loaded, and a captured graph keeps the floats it was captured with."""
+        tensors = (attn.k_scale, attn.v_scale)
+        held = self._scales.get(attn.index)
+        if held is not None and held[0][0] is tensors[0] and held[0][1] is tensors[1]:
+            return held[1]
+        if self._capturing():
+            raise RuntimeError(
+                f"flashinfer attention: layer {attn.index}'s k_scale / v_scale were first "
+                "seen while capturing a CUDA graph; FlashInfer takes them as floats, read "
+                "on the host, so run an eager step with the layer before capturing"
+            )
+        read = [self._one if t is None else t.reshape(1) for t in tensors]
+        k_scale, v_scale = torch.cat(read).float().tolist()
+        self._scales[attn.index] = (tensors, (k_scale, v_scale))
+        return k_scale, v_scale
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
