@@ -1,6 +1,6 @@
 """The `flashinfer` attention backend: FlashInfer's paged prefill and decode wrappers over
 TorchAttention's cache (in the model's dtype or e4m3), planned once per step, with decode CUDA
-graphs."""
+graphs; MLA layers through flashinfer_mla."""
 
 from __future__ import annotations
 
@@ -8,14 +8,17 @@ import math
 import os
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from inferx_core.attention_torch import FP8, TorchAttention
-from inferx_core.interfaces.attention import AttentionBatch, AttentionLayer
+from inferx_core.interfaces.attention import AttentionBatch, AttentionLayer, MLAWeights
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda.triton_attention import checked_graph_buffers, write_kv
+
+if TYPE_CHECKING:
+    from inferx_kernels_cuda.flashinfer_mla import FlashInferMLA
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _HEAD_DIMS = (64, 128, 256)
@@ -135,6 +138,10 @@ class FlashInferAttention(TorchAttention):
     buffers and writes its work split to the wrapper's own device workspace; in CUDA-graph
     mode the split's shape depends on the batch size alone, so a replay matches its capture).
 
+    MLA layers (DeepSeek-V2) go to flashinfer_mla.FlashInferMLA, planned and captured in the
+    same calls: decodes through FlashInfer's MLA wrapper, prompt rows through the Triton MLA
+    prefill.
+
     The softmax scale: FlashInfer 0.6 takes it in plan(), which runs before the model hands
     forward() its scale. plan() keeps FlashInfer's default of 1/sqrt(head_dim) and run() gets
     q_scale = scale * sqrt(head_dim) when a layer's scale differs (run() multiplies the scale
@@ -152,8 +159,9 @@ class FlashInferAttention(TorchAttention):
     name = "flashinfer attention"
     # Not TorchAttention's: these kernels read one full-attention block table, no window, sinks
     # or softcap, so start-up refuses models that need them (check_layers). fp8_kv: an e4m3
-    # cache on FA2 (prefill_backend fa2 or auto; fa3 is refused in __init__).
-    features: frozenset[str] = frozenset({"fp8_kv"})
+    # cache on FA2 (prefill_backend fa2 or auto; fa3 is refused in __init__). MLA layers run
+    # through FlashInfer's MLA wrapper (flashinfer_mla.FlashInferMLA).
+    features: frozenset[str] = frozenset({"fp8_kv", "mla"})
     supports_kv_groups = False
     supports_cuda_graphs = True
     # Split-KV partial outputs (fp32), shared by every wrapper. FlashInfer suggests 128 MiB, but
@@ -169,6 +177,7 @@ class FlashInferAttention(TorchAttention):
         device: torch.device,
         *,
         prefill_backend: str = "fa2",
+        mla_backend: str = "fa2",
     ) -> None:
         # prefill_backend: FlashInfer's prefill module, fa2 by default (the module the
         # tensor-core decode shares); fa3, or auto (FlashInfer picks FA3 on Hopper), compiles
@@ -212,7 +221,7 @@ class FlashInferAttention(TorchAttention):
         index: dict[tuple[int, int, int, torch.dtype], int] = {}
         keys = [(s.num_q_heads, s.num_kv_heads, s.head_dim, self.cache_dtype(s)) for s in layers]
         for spec, key in zip(layers, keys, strict=True):
-            if key in index:
+            if key in index or spec.kind == "mla":
                 continue
             group = spec.num_q_heads // spec.num_kv_heads
             tensor_cores = group >= self.tensor_core_min_group or group not in _CUDA_CORE_GROUPS
@@ -229,9 +238,41 @@ class FlashInferAttention(TorchAttention):
                     ),
                 )
             )
-        self._shape_of = [index[key] for key in keys]
+        self._shape_of = [
+            -1 if s.kind == "mla" else index[key] for s, key in zip(layers, keys, strict=True)
+        ]
         self._plan: _Plan | None = None
         self._graph: _GraphBuffers | None = None
+        self._mla: FlashInferMLA | None = None
+        mla = [s for s in layers if s.kind == "mla"]
+        if mla:
+            from inferx_kernels_cuda.flashinfer_mla import FlashInferMLA
+
+            self._mla = FlashInferMLA(
+                fi, self._workspace, mla[0], block_size, dtype, self.device, mla_backend
+            )
+
+    @classmethod
+    def check_layers(cls, layers: list[KVLayerSpec], model: str = "the model") -> None:
+        super().check_layers(layers, model)
+        if any(s.kind == "mla" for s in layers):  # the widths FlashInfer's MLA kernels take
+            from inferx_kernels_cuda.flashinfer_mla import check_mla_layers
+
+            check_mla_layers(layers, f"{model} on the {cls.name} backend")
+
+    def layer(
+        self,
+        index: int,
+        scale: float,
+        sinks: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        mla: MLAWeights | None = None,
+    ) -> AttentionLayer:
+        attn = super().layer(index, scale, sinks, k_scale, v_scale, mla)
+        if mla is not None and self._mla is not None:
+            self._mla.note_layer(attn)  # FlashInfer's MLA plan takes the softmax scale
+        return attn
 
     def _load_flashinfer(self) -> ModuleType:
         """FlashInfer, imported only when the backend is built: listing plugins never needs it."""
@@ -250,10 +291,14 @@ class FlashInferAttention(TorchAttention):
         num_tokens = sum(batch.query_lens)
         if not batch.query_lens:
             self._plan = _Plan("decode", 0, slot_mapping, [])
+            if self._mla is not None:
+                self._mla.begin_step(batch, None)
             return
         layout = paged_layout(
             batch.query_lens, batch.context_lens, batch.block_tables, self.block_size
         )
+        if self._mla is not None:
+            self._mla.begin_step(batch, layout)
         decode = batch.is_decode_only
         wrappers = []
         for shape in self._shapes:
@@ -306,6 +351,8 @@ class FlashInferAttention(TorchAttention):
         )
         for shape in self._shapes:  # wrappers over older buffers
             shape.graphs.clear()
+        if self._mla is not None:
+            self._mla.init_graph_buffers(max_batch, max_blocks_per_seq)
 
     def prepare_for_capture(self, batch_size: int) -> None:
         g = self._graph_buffers(batch_size)
@@ -326,6 +373,8 @@ class FlashInferAttention(TorchAttention):
                 shape.graphs[batch_size] = wrapper
             self._plan_decode(wrapper, shape, padding)
             wrappers.append(wrapper)
+        if self._mla is not None:
+            self._mla.prepare_for_capture(batch_size, padding)
         g.slot_mapping[:batch_size].fill_(-1)
         self._plan = _Plan("graph", batch_size, g.slot_mapping[:batch_size], wrappers)
 
@@ -362,6 +411,8 @@ class FlashInferAttention(TorchAttention):
         layout.kv_indices = layout.kv_indices.to(self.device, non_blocking=True)
         for shape, wrapper in zip(self._shapes, wrappers, strict=True):
             self._plan_decode(wrapper, shape, layout)
+        if self._mla is not None:
+            self._mla.prepare_for_replay(padded_batch_size, layout)
         # A fresh (pageable) host tensor: the copy has read it by the time copy_ returns.
         slots = torch.full((padded_batch_size,), -1, dtype=torch.int64)
         slots[:n] = batch.slot_mapping
@@ -387,6 +438,9 @@ class FlashInferAttention(TorchAttention):
                 f"flashinfer attention: {num_tokens} tokens but the step was planned for "
                 f"{plan.num_tokens}"
             )
+        if attn.mla is not None and self._mla is not None:
+            out = self._mla.forward(attn, q, k, self.caches[layer], plan.slot_mapping)
+            return out if out.dtype == q.dtype else out.to(q.dtype)
         out_dtype = q.dtype
         if num_tokens == 0:
             return q.new_empty(0, spec.num_q_heads, spec.head_dim)
