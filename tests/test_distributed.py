@@ -1,7 +1,8 @@
 """The engine over tensor-parallel ranks on the CPU (gloo): ranks 1..N-1 are processes that rank
 0 starts (inferx_core.distributed); greedy tokens at parallel.tensor = 2 and 4 equal those of
 one rank in fp32, through LLM, `inferx generate`, `inferx-server` and torchrun. Faults: a rank
-killed is an error on rank 0, not a hang; rank 0 gone leaves no rank behind."""
+killed is an error on rank 0, not a hang, also while a step is blocked as an NCCL collective
+would block it (the watchdog and the heartbeat); rank 0 gone leaves no rank behind."""
 
 from __future__ import annotations
 
@@ -177,6 +178,115 @@ def test_a_rank_killed_mid_step_is_an_error_not_a_hang(checkpoint):
         executor.close()
 
 
+BLOCKED_STEP = """
+import sys, threading, time
+from inferx_core.config import load_config
+from inferx_core.engine import LLM
+from inferx_core.sequence import SamplingParams
+llm = LLM(load_config(None, {{"model.path": {path!r}, "model.dtype": "float32",
+    "engine.device": "cpu", "kv_cache.num_blocks": 64, "parallel.tensor": 2}}))
+executor = llm.engine.executor
+run, calls = executor.inner.execute, []
+
+def execute(out):  # as an NCCL all-reduce whose peer died: blocked, nothing raised
+    calls.append(out)
+    if len(calls) == 3:
+        executor.workers[0].kill()
+        print("killed", time.monotonic(), flush=True)
+        threading.Event().wait()
+    return run(out)
+
+executor.inner.execute = execute
+llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+print("returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("checkpoint", ["llama"], indirect=True)
+def test_a_rank_lost_while_a_step_blocks_ends_rank_0(checkpoint):
+    """The NCCL case on gloo: rank 1 dies while rank 0's step is blocked in a way no error
+    reaches (a collective waiting on the GPU). The watchdog ends rank 0 with exit code 1 a
+    few seconds later instead of the collective timeout."""
+    proc = subprocess.run(
+        [sys.executable, "-c", BLOCKED_STEP.format(path=str(checkpoint))],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
+    end = time.monotonic()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "returned" not in proc.stdout
+    killed = float(proc.stdout.split("killed", 1)[1].split()[0])
+    assert end - killed < 15, end - killed
+    assert "tensor-parallel rank 1 exited" in proc.stderr
+    assert "the step in flight has not ended" in proc.stderr
+
+
+BLOCKED_RANK = """
+import os, sys, threading, time
+from inferx_core.config import load_config
+from inferx_core.engine import LLM
+from inferx_core.executor import ModelRunner
+from inferx_core.sequence import SamplingParams
+if int(os.environ["RANK"]) == int(sys.argv[1]):  # this rank's third step blocks
+    run, calls = ModelRunner.execute, []
+
+    def execute(self, out):
+        calls.append(out)
+        if len(calls) == 3:
+            print("blocked", time.monotonic(), flush=True)
+            threading.Event().wait()
+        return run(self, out)
+
+    ModelRunner.execute = execute
+llm = LLM(load_config(None, {{"model.path": {path!r}, "model.dtype": "float32",
+    "engine.device": "cpu", "kv_cache.num_blocks": 64, "parallel.tensor": 2}}))
+llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+print("returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("checkpoint", ["llama"], indirect=True)
+@pytest.mark.parametrize("blocked", [0, 1])
+def test_a_rank_lost_under_torchrun_ends_the_blocked_rank(checkpoint, blocked):
+    """Ranks launched as torchrun launches them (RANK, WORLD_SIZE, MASTER_ADDR/PORT), so that
+    no rank is another's child: one rank's step blocks (as in an NCCL collective whose peer
+    died) and the test kills the other. The heartbeat tells the blocked rank within seconds,
+    which exits 1: rank 0 through its watchdog, rank 1 by itself."""
+    port = _free_port()
+    script = BLOCKED_RANK.format(path=str(checkpoint))
+    procs = []
+    for rank in range(2):
+        env = {**ENV, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+        env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", script, str(blocked)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+        )
+    try:
+        line = procs[blocked].stdout.readline()
+        assert line.startswith("blocked"), line + procs[blocked].stderr.read()[-3000:]
+        other = procs[1 - blocked]
+        other.kill()
+        other.wait(10)
+        t0 = time.monotonic()
+        assert procs[blocked].wait(30) == 1
+        assert time.monotonic() - t0 < 15
+        err = procs[blocked].stderr.read()
+        assert ("stopped answering" if blocked == 0 else "a rank is gone") in err, err[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
 def _preset_tokens(preset: str, tensor: int, **overrides: object) -> list[list[int]]:
     config = {"model.preset": preset, "model.dtype": "float32", "engine.device": "cpu"}
     config |= {"kv_cache.num_blocks": 64, "parallel.tensor": tensor} | overrides
@@ -320,7 +430,7 @@ def _ranks_under(pid: int) -> list[int]:
     ]
 
 
-def test_inferx_server_over_two_ranks_exits_1_when_a_rank_dies(cli_expected):
+def test_inferx_server_over_two_ranks_exits_1_when_a_rank_dies_while_idle(cli_expected):
     import httpx
 
     cmd = [sys.executable, "-m", "inferx_server.cli", *CLI, "--port", "0"]
@@ -336,10 +446,67 @@ def test_inferx_server_over_two_ranks_exits_1_when_a_rank_dies(cli_expected):
         assert reply["choices"][0]["text"] == cli_expected["text"], reply
         (rank,) = _ranks_under(proc.pid)
         os.kill(rank, signal.SIGKILL)
-        failed = httpx.post(url + "/v1/completions", json=body, timeout=60)
-        assert failed.status_code >= 500
+        t0 = time.monotonic()  # idle: no request needed for the server to find out
         assert proc.wait(30) == 1
+        assert time.monotonic() - t0 < 10
         assert "tensor-parallel rank 1 exited" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+BLOCKED_SERVER = """
+import sys, threading, time
+from inferx_core.distributed import TensorParallelExecutor
+from inferx_core.executor import ModelRunner
+init, run, made, calls = TensorParallelExecutor.__init__, ModelRunner.execute, [], []
+
+def __init__(self, *args):
+    made.append(self)
+    init(self, *args)
+
+def execute(self, out):  # rank 0's third step: rank 1 dies, the step blocks (as under NCCL)
+    calls.append(out)
+    if len(calls) == 3:
+        made[0].workers[0].kill()
+        print("killed", time.monotonic(), file=sys.stderr, flush=True)
+        threading.Event().wait()
+    return run(self, out)
+
+# rank 0 only (the ranks above run inferx_core.distributed), also in an engine process: it
+# imports this file
+TensorParallelExecutor.__init__, ModelRunner.execute = __init__, execute
+
+if __name__ == "__main__":
+    from inferx_server.cli import main
+
+    sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("engine_process", ["false", "true"])
+def test_inferx_server_exits_1_when_a_rank_dies_during_a_blocked_step(tmp_path, engine_process):
+    import httpx
+
+    script = tmp_path / "blocked_server.py"
+    script.write_text(BLOCKED_SERVER)
+    cmd = [sys.executable, str(script), *CLI, "--port", "0", "--parallel-tensor", "2"]
+    cmd += ["--server-engine-process", engine_process]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on http://" in line, line + proc.stderr.read()
+        url = line.rsplit(" ", 1)[1].strip()
+        body = {"model": "tiny-qwen2", "prompt": TEXT, "max_tokens": 5, "temperature": 0}
+        with pytest.raises(httpx.HTTPError):  # the step never ends: the server goes first
+            httpx.post(url + "/v1/completions", json=body, timeout=60).raise_for_status()
+        end = time.monotonic()
+        assert proc.wait(30) == 1
+        err = proc.stderr.read()
+        killed = float(err.split("killed", 1)[1].split()[0])
+        assert end - killed < 15, err[-3000:]
+        assert "tensor-parallel rank 1 exited" in err, err[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
