@@ -107,10 +107,60 @@ def test_ranks_give_the_greedy_tokens_of_one(checkpoint, expected, tensor):
     assert generate(checkpoint, tensor) == expected
 
 
+SAMPLED = [
+    SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+    SamplingParams(max_tokens=7, temperature=1.0, top_k=20, seed=3, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=0.7, seed=11, repetition_penalty=1.3, ignore_eos=True),
+]
+# small steps: prompt chunks share steps with the decodes of PENDING tokens
+CHUNKED = {
+    "scheduler.max_batched_tokens": 12,
+    "scheduler.prefill_chunk": 8,
+    "scheduler.max_running": 4,
+}
+
+
+def tokens_with(llm: LLM, params) -> list[list[int]]:
+    return [c.token_ids for c in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("tensor", [2, 4])
+def test_overlap_over_ranks_gives_the_tokens_of_one(checkpoint, expected, tensor):
+    """engine.overlap at parallel.tensor = N: each step is submitted before the previous one's
+    tokens are collected, its PENDING inputs taken on every rank from the sampled ids rank 0
+    broadcast inside the previous step. Greedy tokens equal one rank's (a rank above 0 that
+    read a wrong or no PENDING token would embed another token or none), and so do seeded
+    temperature samples, with and without prompt chunks sharing steps with decodes."""
+    llm = make_llm(checkpoint, tensor, **{"engine.overlap": True})
+    executor = llm.engine.executor
+    fill, fills = executor.inner._fill_pending, []
+
+    def spy(input_ids, rows, chunks, pending):
+        fills.append(len(rows))
+        return fill(input_ids, rows, chunks, pending)
+
+    executor.inner._fill_pending = spy
+    try:
+        assert llm.engine.overlap
+        assert tokens_with(llm, GREEDY) == expected
+        assert fills
+        sampled = tokens_with(llm, SAMPLED)
+    finally:
+        executor.close()
+    assert sampled == tokens_with(make_llm(checkpoint, 1), SAMPLED)
+    chunked = make_llm(checkpoint, tensor, **{"engine.overlap": True, **CHUNKED})
+    try:
+        got = tokens_with(chunked, [GREEDY, *SAMPLED[:2]])
+    finally:
+        chunked.engine.executor.close()
+    assert got == tokens_with(make_llm(checkpoint, 1, **CHUNKED), [GREEDY, *SAMPLED[:2]])
+
+
 @pytest.mark.parametrize("checkpoint", ["qwen2"], indirect=True)
 def test_one_rank_through_the_distributed_executor(checkpoint, expected):
     """parallel.distributed_executor at parallel.tensor = 1: a process group of one rank and no
-    worker processes, each step's plan broadcast, no overlap; the plain executor's tokens."""
+    worker processes, each step's plan broadcast (overlap off on the CPU, as on the plain
+    path); the plain executor's tokens."""
     import torch.distributed as dist
 
     from inferx_core.distributed import TensorParallelExecutor
@@ -583,21 +633,75 @@ def test_inferx_server_under_torchrun(cli_expected):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_two_gpus_over_nccl(checkpoint, dtype):
     """The same engine on two GPUs: NCCL all-reduces, the CUDA runtime (graphs captured per rank
-    with the all-reduce inside), the cache sized by the smaller rank. fp32 gives the tokens of
-    one GPU; in bf16 the summation order may flip a near tie, so the first tokens are compared."""
+    with the all-reduce inside), the cache sized by the smaller rank, one step in flight
+    (engine.overlap auto: on a GPU), the sampled ids broadcast for the next step's PENDING
+    inputs. fp32 gives the tokens of one GPU, greedy and seeded; in bf16 the summation order
+    may flip a near tie, so the first greedy tokens are compared."""
     gpu = {"engine.device": "cuda", "model.dtype": dtype, "kv_cache.memory": "2GiB"}
     one = make_llm(checkpoint, 1, **gpu)
     expected = [c.token_ids for c in one.generate(PROMPTS, GREEDY)]
+    expected_sampled = tokens_with(one, SAMPLED)
     del one
     two = make_llm(checkpoint, 2, **gpu)
     try:
+        assert two.engine.overlap
         got = [c.token_ids for c in two.generate(PROMPTS, GREEDY)]
+        sampled = tokens_with(two, SAMPLED)
     finally:
         two.engine.executor.close()
     if dtype == "float32":
         assert got == expected
+        assert sampled == expected_sampled
     else:
         assert [g[:2] for g in got] == [e[:2] for e in expected]
+        assert [len(g) for g in sampled] == [p.max_tokens for p in SAMPLED]
+
+
+KILLED_OVER_NCCL = """
+import threading, time
+from inferx_core.config import load_config
+from inferx_core.engine import LLM
+from inferx_core.sequence import SamplingParams
+llm = LLM(load_config(None, {{"model.path": {path!r}, "model.dtype": "float32",
+    "engine.device": "cuda", "kv_cache.memory": "2GiB", "parallel.tensor": 2}}))
+executor = llm.engine.executor
+assert llm.engine.overlap  # on a GPU, engine.overlap auto: the engine submits
+run, calls = executor.inner.submit, []
+
+def submit(out):  # rank 1 dies before rank 0's third step: its all-reduces have no peer
+    calls.append(out)
+    if len(calls) == 3:
+        executor.workers[0].kill()
+        executor.workers[0].wait()
+        print("killed", time.monotonic(), flush=True)
+    return run(out)
+
+executor.inner.submit = submit
+llm.generate([[5, 6, 7]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+print("returned", flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("checkpoint", ["llama"], indirect=True)
+def test_a_rank_killed_mid_step_over_nccl_ends_rank_0(checkpoint):
+    """The real case the watchdog is for: over NCCL a collective whose peer died waits on the
+    GPU until the collective timeout (300 s). Rank 0 ends within seconds with exit code 1,
+    either through a RankFailure raised or through its watchdog."""
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_OVER_NCCL.format(path=str(checkpoint))],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=240,
+    )
+    end = time.monotonic()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "returned" not in proc.stdout
+    killed = float(proc.stdout.split("killed", 1)[1].split()[0])
+    assert end - killed < 20, end - killed
+    assert "tensor-parallel rank 1 exited" in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.gpu

@@ -69,7 +69,7 @@ HEARTBEAT_S = 1.0
 HEARTBEAT_TIMEOUT = timedelta(seconds=30)
 # Once a rank is lost, how long a step in flight on rank 0 may take to fail by itself (gloo's
 # collectives fail at once) before the watchdog ends the process.
-STEP_GRACE_S = 3.0
+STEP_GRACE_S = 5.0
 FATAL_EXIT = 1  # rank 0's exit code when the watchdog ends it
 STOP = -1  # a plan length that tells the workers to exit
 PLAN_BYTES = 16384  # the first broadcast of each step: the plan's size, then the plan
@@ -169,14 +169,18 @@ class PlanEncoder:
 
 
 class PlanDecoder:
-    """The other ranks' side: each plan back into the step PlanEncoder encoded."""
+    """The other ranks' side: each plan back into the step PlanEncoder encoded. A sequence in
+    consecutive plans is the same _PlannedSeq object, as it is the same Sequence on rank 0:
+    the runner finds a PENDING input's token by the sequence's identity (_fill_pending)."""
 
     def __init__(self) -> None:
         self._tables: dict[int, list[list[int]]] = {}
+        self._seqs: dict[int, _PlannedSeq] = {}
 
     def decode(self, plan: Plan) -> SchedulerOutput:
         chunks = []
         tables_now: dict[int, list[list[int]]] = {}
+        seqs_now: dict[int, _PlannedSeq] = {}
         for key, start, n, sample, ids, full, part in plan:
             if full:
                 tables = [list(t) for t in part]
@@ -186,9 +190,14 @@ class PlanDecoder:
                     raise RuntimeError("a plan extends block tables this rank never received")
                 tables = [o + d for o, d in zip(old, part, strict=True)]
             tables_now[key] = tables
-            seq = _PlannedSeq(start, ids, tables)
+            seq = self._seqs.get(key) if key not in seqs_now else None
+            if seq is None:
+                seq = _PlannedSeq(start, ids, tables)
+            else:
+                seq.token_ids, seq.block_tables = _Window(start, ids), tables
+            seqs_now[key] = seq
             chunks.append(ScheduledChunk(seq, start, n, sample))  # type: ignore[arg-type]
-        self._tables = tables_now
+        self._tables, self._seqs = tables_now, seqs_now
         return SchedulerOutput(chunks=chunks)
 
 
@@ -340,9 +349,13 @@ class TensorParallelExecutor(Executor):
     next call, and from `check()`, which the serving loops call while idle. A step in flight
     when a rank is lost either fails by itself (gloo) or may block until the collective
     timeout (NCCL): the watchdog thread gives it STEP_GRACE_S, then calls `on_fatal` (the
-    server's engine process tells its parent) and ends the process with exit code 1."""
+    server's engine process tells its parent) and ends the process with exit code 1.
 
-    supports_overlap = False  # the plan is sent per step; no step is submitted ahead
+    Overlap: a step the engine submits ahead (`submit`) tells the ranks so in its plan, and
+    its sampled token ids go to every rank inside the step (SampledTokens), where the next
+    step's PENDING inputs are taken from, as on one rank."""
+
+    supports_overlap = True
 
     def __init__(
         self,
@@ -366,7 +379,11 @@ class TensorParallelExecutor(Executor):
         self._busy = 0  # the engine's calls inside a step here (where a lost rank can block)
         self._beat_error: BaseException | None = None
         self._heartbeat: Heartbeat | None = None
+        self._sampled: SampledTokens | None = None
         if parallel.world_size > 1:
+            if isinstance(inner, ModelRunner):
+                self._sampled = SampledTokens(inner, parallel)
+                inner._sample = self._sampled  # type: ignore[method-assign]
             dist.barrier(group=parallel.cpu_group)  # every rank is built: heartbeats from now
         atexit.register(self.close)
         if parallel.world_size > 1:
@@ -435,11 +452,20 @@ class TensorParallelExecutor(Executor):
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         with self._step():
-            self.plan_bytes = send_plan(self._plans.encode(out), self.parallel.cpu_group)
+            self._send(out, share=False)
             return self.inner.execute(out)
 
     def submit(self, out: SchedulerOutput) -> PendingStep:
-        return DoneStep(self.execute(out))
+        with self._step():
+            self._send(out, share=True)
+            return _Collected(self, self.inner.submit(out))
+
+    def _send(self, out: SchedulerOutput, share: bool) -> None:
+        """The step's plan to the ranks; `share`: the step was submitted ahead, so the next
+        one may read its sampled tokens on every rank."""
+        if self._sampled is not None:
+            self._sampled.share = share
+        self.plan_bytes = send_plan((self._plans.encode(out), share), self.parallel.cpu_group)
 
     def _watch(self) -> None:
         """Rank 0's watchdog: a rank lost while the engine is inside a step here, which has
@@ -489,6 +515,51 @@ class TensorParallelExecutor(Executor):
                 send_stop(self.parallel.cpu_group)
         _reap(self.workers)
         leave()
+
+
+class _Collected:
+    """A step rank 0 submitted ahead: its result is waited for inside the executor's _step(),
+    so that a rank lost meanwhile is a RankFailure, and a wait it blocks is the watchdog's."""
+
+    def __init__(self, executor: TensorParallelExecutor, pending: PendingStep) -> None:
+        self.executor = executor
+        self.pending = pending
+
+    def result(self) -> StepResult:
+        with self.executor._step():
+            return self.pending.result()
+
+
+class SampledTokens:
+    """A rank's ModelRunner._sample under TP. Rank 0 samples; when the step was submitted
+    ahead (`share`, from its plan) it then broadcasts the sampled ids over the model's group,
+    and every other rank receives them where it would have sampled. So each rank holds the
+    step's tokens on its device, and the next step's PENDING inputs are filled there from them
+    as on one rank (_fill_pending). The broadcast is queued on the device after sampling, like
+    the step's other collectives: no rank's host waits for it. Steps not submitted ahead send
+    nothing (no later step reads their tokens on the device)."""
+
+    def __init__(self, runner: ModelRunner, parallel: ParallelContext) -> None:
+        self.runner = runner
+        self.group = parallel.group
+        self.rank = parallel.rank
+        self.sample = runner._sample
+        self.share = False
+
+    def __call__(self, logits: torch.Tensor | None, seqs: list) -> PendingStep:
+        runner = self.runner
+        if self.rank == 0:
+            step = self.sample(logits, seqs)
+            tokens = runner._last_sampled[0]
+            if self.share and tokens is not None:
+                dist.broadcast(tokens.long(), 0, group=self.group)  # long already: no copy
+            return step
+        runner._last_sampled = (None, {})
+        if self.share and logits is not None and seqs:
+            tokens = torch.empty(len(seqs), dtype=torch.long, device=runner.device)
+            dist.broadcast(tokens, 0, group=self.group)
+            runner._last_sampled = (tokens, {id(s): i for i, s in enumerate(seqs)})
+        return DoneStep(StepResult(sampled=[]))
 
 
 def _reap(workers: list[Any], wait: float = 10.0) -> None:
@@ -596,10 +667,6 @@ def build_rank_executor(
 # -- ranks above 0 -------------------------------------------------------------------------------
 
 
-def _no_sample(logits: torch.Tensor | None, seqs: list) -> PendingStep:
-    return DoneStep(StepResult(sampled=[]))
-
-
 def worker_loop(
     config: Config,
     rank: int,
@@ -617,12 +684,15 @@ def worker_loop(
     except BaseException:
         leave()
         raise
-    runner._sample = _no_sample  # type: ignore[attr-defined]  # rank 0 samples
+    assert isinstance(runner, ModelRunner)  # build_rank_executor's
+    sampled = SampledTokens(runner, parallel)  # rank 0 samples; this rank receives
+    runner._sample = sampled  # type: ignore[method-assign]
     plans = PlanDecoder()
     try:
         dist.barrier(group=parallel.cpu_group)  # every rank is built (TensorParallelExecutor)
         heartbeat = Heartbeat(beat, rank, lambda exc: _lost_peer(rank, exc))
-        while (plan := receive_plan(parallel.cpu_group)) is not None:
+        while (msg := receive_plan(parallel.cpu_group)) is not None:
+            plan, sampled.share = msg
             runner.execute(plans.decode(plan))
         heartbeat.stop(wait=HEARTBEAT_S + 5.0)  # ended by rank 0's last round already
         return 0
