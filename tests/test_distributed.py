@@ -720,8 +720,9 @@ def test_moe_presets_on_two_gpus(preset):
 def test_plans_send_what_changed_and_rebuild_every_table() -> None:
     """Random steps over sequences of two KV groups whose tables grow, get entries zeroed (a
     sliding window's freed blocks), are replaced (preemption), skip steps and come back: after
-    every plan the receiver holds the sender's tables and input ids, and a step that only
-    decodes sends no table entry."""
+    every plan the receiver holds the sender's tables and input ids, a sequence in consecutive
+    plans is one object on the receiver too (a PENDING input is found by it), and a step that
+    only decodes sends no table entry."""
     import pickle
     import random
 
@@ -730,6 +731,7 @@ def test_plans_send_what_changed_and_rebuild_every_table() -> None:
     for s in seqs:
         s.block_tables = [[rng.randrange(100) for _ in range(3)] for _ in range(2)]
     encoder, decoder = PlanEncoder(), PlanDecoder()
+    previous: dict[int, object] = {}  # sender's sequence -> the receiver's, in the last plan
     for step in range(60):
         for s in seqs:
             roll = rng.random()
@@ -742,6 +744,10 @@ def test_plans_send_what_changed_and_rebuild_every_table() -> None:
         picked = [s for s in seqs if rng.random() < 0.8]
         out = SchedulerOutput(chunks=[ScheduledChunk(s, 30 + step % 5, 2, True) for s in picked])
         got = decoder.decode(pickle.loads(pickle.dumps(encoder.encode(out))))
+        now = {id(c.seq): g.seq for c, g in zip(out.chunks, got.chunks, strict=True)}
+        assert all(now[k] is previous[k] for k in now.keys() & previous.keys())
+        assert len({id(v) for v in now.values()}) == len(now)
+        previous = now
         for want, chunk in zip(out.chunks, got.chunks, strict=True):
             assert chunk.seq.block_tables == want.seq.block_tables
             assert chunk.seq.block_tables is not want.seq.block_tables
