@@ -1,7 +1,8 @@
 """The engine over tensor-parallel ranks on the CPU (gloo): ranks 1..N-1 are processes that rank
 0 starts (inferx_core.distributed); greedy tokens at parallel.tensor = 2 and 4 equal those of
 one rank in fp32, through LLM, `inferx generate`, `inferx-server` and torchrun. Faults: a rank
-killed is an error on rank 0, not a hang; rank 0 gone leaves no rank behind."""
+killed is an error on rank 0, not a hang, also while a step is blocked as an NCCL collective
+would block it (the watchdog and the heartbeat); rank 0 gone leaves no rank behind."""
 
 from __future__ import annotations
 
@@ -106,10 +107,60 @@ def test_ranks_give_the_greedy_tokens_of_one(checkpoint, expected, tensor):
     assert generate(checkpoint, tensor) == expected
 
 
+SAMPLED = [
+    SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+    SamplingParams(max_tokens=7, temperature=1.0, top_k=20, seed=3, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=0.7, seed=11, repetition_penalty=1.3, ignore_eos=True),
+]
+# small steps: prompt chunks share steps with the decodes of PENDING tokens
+CHUNKED = {
+    "scheduler.max_batched_tokens": 12,
+    "scheduler.prefill_chunk": 8,
+    "scheduler.max_running": 4,
+}
+
+
+def tokens_with(llm: LLM, params) -> list[list[int]]:
+    return [c.token_ids for c in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("tensor", [2, 4])
+def test_overlap_over_ranks_gives_the_tokens_of_one(checkpoint, expected, tensor):
+    """engine.overlap at parallel.tensor = N: each step is submitted before the previous one's
+    tokens are collected, its PENDING inputs taken on every rank from the sampled ids rank 0
+    broadcast inside the previous step. Greedy tokens equal one rank's (a rank above 0 that
+    read a wrong or no PENDING token would embed another token or none), and so do seeded
+    temperature samples, with and without prompt chunks sharing steps with decodes."""
+    llm = make_llm(checkpoint, tensor, **{"engine.overlap": True})
+    executor = llm.engine.executor
+    fill, fills = executor.inner._fill_pending, []
+
+    def spy(input_ids, rows, chunks, pending):
+        fills.append(len(rows))
+        return fill(input_ids, rows, chunks, pending)
+
+    executor.inner._fill_pending = spy
+    try:
+        assert llm.engine.overlap
+        assert tokens_with(llm, GREEDY) == expected
+        assert fills
+        sampled = tokens_with(llm, SAMPLED)
+    finally:
+        executor.close()
+    assert sampled == tokens_with(make_llm(checkpoint, 1), SAMPLED)
+    chunked = make_llm(checkpoint, tensor, **{"engine.overlap": True, **CHUNKED})
+    try:
+        got = tokens_with(chunked, [GREEDY, *SAMPLED[:2]])
+    finally:
+        chunked.engine.executor.close()
+    assert got == tokens_with(make_llm(checkpoint, 1, **CHUNKED), [GREEDY, *SAMPLED[:2]])
+
+
 @pytest.mark.parametrize("checkpoint", ["qwen2"], indirect=True)
 def test_one_rank_through_the_distributed_executor(checkpoint, expected):
     """parallel.distributed_executor at parallel.tensor = 1: a process group of one rank and no
-    worker processes, each step's plan broadcast, no overlap; the plain executor's tokens."""
+    worker processes, each step's plan broadcast (overlap off on the CPU, as on the plain
+    path); the plain executor's tokens."""
     import torch.distributed as dist
 
     from inferx_core.distributed import TensorParallelExecutor
@@ -175,6 +226,115 @@ def test_a_rank_killed_mid_step_is_an_error_not_a_hang(checkpoint):
         assert len(steps) == 3 and time.monotonic() - t0 < 30
     finally:
         executor.close()
+
+
+BLOCKED_STEP = """
+import sys, threading, time
+from inferx_core.config import load_config
+from inferx_core.engine import LLM
+from inferx_core.sequence import SamplingParams
+llm = LLM(load_config(None, {{"model.path": {path!r}, "model.dtype": "float32",
+    "engine.device": "cpu", "kv_cache.num_blocks": 64, "parallel.tensor": 2}}))
+executor = llm.engine.executor
+run, calls = executor.inner.execute, []
+
+def execute(out):  # as an NCCL all-reduce whose peer died: blocked, nothing raised
+    calls.append(out)
+    if len(calls) == 3:
+        executor.workers[0].kill()
+        print("killed", time.monotonic(), flush=True)
+        threading.Event().wait()
+    return run(out)
+
+executor.inner.execute = execute
+llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+print("returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("checkpoint", ["llama"], indirect=True)
+def test_a_rank_lost_while_a_step_blocks_ends_rank_0(checkpoint):
+    """The NCCL case on gloo: rank 1 dies while rank 0's step is blocked in a way no error
+    reaches (a collective waiting on the GPU). The watchdog ends rank 0 with exit code 1 a
+    few seconds later instead of the collective timeout."""
+    proc = subprocess.run(
+        [sys.executable, "-c", BLOCKED_STEP.format(path=str(checkpoint))],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
+    end = time.monotonic()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "returned" not in proc.stdout
+    killed = float(proc.stdout.split("killed", 1)[1].split()[0])
+    assert end - killed < 15, end - killed
+    assert "tensor-parallel rank 1 exited" in proc.stderr
+    assert "the step in flight has not ended" in proc.stderr
+
+
+BLOCKED_RANK = """
+import os, sys, threading, time
+from inferx_core.config import load_config
+from inferx_core.engine import LLM
+from inferx_core.executor import ModelRunner
+from inferx_core.sequence import SamplingParams
+if int(os.environ["RANK"]) == int(sys.argv[1]):  # this rank's third step blocks
+    run, calls = ModelRunner.execute, []
+
+    def execute(self, out):
+        calls.append(out)
+        if len(calls) == 3:
+            print("blocked", time.monotonic(), flush=True)
+            threading.Event().wait()
+        return run(self, out)
+
+    ModelRunner.execute = execute
+llm = LLM(load_config(None, {{"model.path": {path!r}, "model.dtype": "float32",
+    "engine.device": "cpu", "kv_cache.num_blocks": 64, "parallel.tensor": 2}}))
+llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+print("returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("checkpoint", ["llama"], indirect=True)
+@pytest.mark.parametrize("blocked", [0, 1])
+def test_a_rank_lost_under_torchrun_ends_the_blocked_rank(checkpoint, blocked):
+    """Ranks launched as torchrun launches them (RANK, WORLD_SIZE, MASTER_ADDR/PORT), so that
+    no rank is another's child: one rank's step blocks (as in an NCCL collective whose peer
+    died) and the test kills the other. The heartbeat tells the blocked rank within seconds,
+    which exits 1: rank 0 through its watchdog, rank 1 by itself."""
+    port = _free_port()
+    script = BLOCKED_RANK.format(path=str(checkpoint))
+    procs = []
+    for rank in range(2):
+        env = {**ENV, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+        env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", script, str(blocked)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+        )
+    try:
+        line = procs[blocked].stdout.readline()
+        assert line.startswith("blocked"), line + procs[blocked].stderr.read()[-3000:]
+        other = procs[1 - blocked]
+        other.kill()
+        other.wait(10)
+        t0 = time.monotonic()
+        assert procs[blocked].wait(30) == 1
+        assert time.monotonic() - t0 < 15
+        err = procs[blocked].stderr.read()
+        assert ("stopped answering" if blocked == 0 else "a rank is gone") in err, err[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
 
 
 def _preset_tokens(preset: str, tensor: int, **overrides: object) -> list[list[int]]:
@@ -320,7 +480,7 @@ def _ranks_under(pid: int) -> list[int]:
     ]
 
 
-def test_inferx_server_over_two_ranks_exits_1_when_a_rank_dies(cli_expected):
+def test_inferx_server_over_two_ranks_exits_1_when_a_rank_dies_while_idle(cli_expected):
     import httpx
 
     cmd = [sys.executable, "-m", "inferx_server.cli", *CLI, "--port", "0"]
@@ -336,10 +496,67 @@ def test_inferx_server_over_two_ranks_exits_1_when_a_rank_dies(cli_expected):
         assert reply["choices"][0]["text"] == cli_expected["text"], reply
         (rank,) = _ranks_under(proc.pid)
         os.kill(rank, signal.SIGKILL)
-        failed = httpx.post(url + "/v1/completions", json=body, timeout=60)
-        assert failed.status_code >= 500
+        t0 = time.monotonic()  # idle: no request needed for the server to find out
         assert proc.wait(30) == 1
+        assert time.monotonic() - t0 < 10
         assert "tensor-parallel rank 1 exited" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+BLOCKED_SERVER = """
+import sys, threading, time
+from inferx_core.distributed import TensorParallelExecutor
+from inferx_core.executor import ModelRunner
+init, run, made, calls = TensorParallelExecutor.__init__, ModelRunner.execute, [], []
+
+def __init__(self, *args):
+    made.append(self)
+    init(self, *args)
+
+def execute(self, out):  # rank 0's third step: rank 1 dies, the step blocks (as under NCCL)
+    calls.append(out)
+    if len(calls) == 3:
+        made[0].workers[0].kill()
+        print("killed", time.monotonic(), file=sys.stderr, flush=True)
+        threading.Event().wait()
+    return run(self, out)
+
+# rank 0 only (the ranks above run inferx_core.distributed), also in an engine process: it
+# imports this file
+TensorParallelExecutor.__init__, ModelRunner.execute = __init__, execute
+
+if __name__ == "__main__":
+    from inferx_server.cli import main
+
+    sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("engine_process", ["false", "true"])
+def test_inferx_server_exits_1_when_a_rank_dies_during_a_blocked_step(tmp_path, engine_process):
+    import httpx
+
+    script = tmp_path / "blocked_server.py"
+    script.write_text(BLOCKED_SERVER)
+    cmd = [sys.executable, str(script), *CLI, "--port", "0", "--parallel-tensor", "2"]
+    cmd += ["--server-engine-process", engine_process]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on http://" in line, line + proc.stderr.read()
+        url = line.rsplit(" ", 1)[1].strip()
+        body = {"model": "tiny-qwen2", "prompt": TEXT, "max_tokens": 5, "temperature": 0}
+        with pytest.raises(httpx.HTTPError):  # the step never ends: the server goes first
+            httpx.post(url + "/v1/completions", json=body, timeout=60).raise_for_status()
+        end = time.monotonic()
+        assert proc.wait(30) == 1
+        err = proc.stderr.read()
+        killed = float(err.split("killed", 1)[1].split()[0])
+        assert end - killed < 15, err[-3000:]
+        assert "tensor-parallel rank 1 exited" in err, err[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -416,21 +633,75 @@ def test_inferx_server_under_torchrun(cli_expected):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_two_gpus_over_nccl(checkpoint, dtype):
     """The same engine on two GPUs: NCCL all-reduces, the CUDA runtime (graphs captured per rank
-    with the all-reduce inside), the cache sized by the smaller rank. fp32 gives the tokens of
-    one GPU; in bf16 the summation order may flip a near tie, so the first tokens are compared."""
+    with the all-reduce inside), the cache sized by the smaller rank, one step in flight
+    (engine.overlap auto: on a GPU), the sampled ids broadcast for the next step's PENDING
+    inputs. fp32 gives the tokens of one GPU, greedy and seeded; in bf16 the summation order
+    may flip a near tie, so the first greedy tokens are compared."""
     gpu = {"engine.device": "cuda", "model.dtype": dtype, "kv_cache.memory": "2GiB"}
     one = make_llm(checkpoint, 1, **gpu)
     expected = [c.token_ids for c in one.generate(PROMPTS, GREEDY)]
+    expected_sampled = tokens_with(one, SAMPLED)
     del one
     two = make_llm(checkpoint, 2, **gpu)
     try:
+        assert two.engine.overlap
         got = [c.token_ids for c in two.generate(PROMPTS, GREEDY)]
+        sampled = tokens_with(two, SAMPLED)
     finally:
         two.engine.executor.close()
     if dtype == "float32":
         assert got == expected
+        assert sampled == expected_sampled
     else:
         assert [g[:2] for g in got] == [e[:2] for e in expected]
+        assert [len(g) for g in sampled] == [p.max_tokens for p in SAMPLED]
+
+
+KILLED_OVER_NCCL = """
+import threading, time
+from inferx_core.config import load_config
+from inferx_core.engine import LLM
+from inferx_core.sequence import SamplingParams
+llm = LLM(load_config(None, {{"model.path": {path!r}, "model.dtype": "float32",
+    "engine.device": "cuda", "kv_cache.memory": "2GiB", "parallel.tensor": 2}}))
+executor = llm.engine.executor
+assert llm.engine.overlap  # on a GPU, engine.overlap auto: the engine submits
+run, calls = executor.inner.submit, []
+
+def submit(out):  # rank 1 dies before rank 0's third step: its all-reduces have no peer
+    calls.append(out)
+    if len(calls) == 3:
+        executor.workers[0].kill()
+        executor.workers[0].wait()
+        print("killed", time.monotonic(), flush=True)
+    return run(out)
+
+executor.inner.submit = submit
+llm.generate([[5, 6, 7]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+print("returned", flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("checkpoint", ["llama"], indirect=True)
+def test_a_rank_killed_mid_step_over_nccl_ends_rank_0(checkpoint):
+    """The real case the watchdog is for: over NCCL a collective whose peer died waits on the
+    GPU until the collective timeout (300 s). Rank 0 ends within seconds with exit code 1,
+    either through a RankFailure raised or through its watchdog."""
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_OVER_NCCL.format(path=str(checkpoint))],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=240,
+    )
+    end = time.monotonic()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "returned" not in proc.stdout
+    killed = float(proc.stdout.split("killed", 1)[1].split()[0])
+    assert end - killed < 20, end - killed
+    assert "tensor-parallel rank 1 exited" in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.gpu
@@ -449,8 +720,9 @@ def test_moe_presets_on_two_gpus(preset):
 def test_plans_send_what_changed_and_rebuild_every_table() -> None:
     """Random steps over sequences of two KV groups whose tables grow, get entries zeroed (a
     sliding window's freed blocks), are replaced (preemption), skip steps and come back: after
-    every plan the receiver holds the sender's tables and input ids, and a step that only
-    decodes sends no table entry."""
+    every plan the receiver holds the sender's tables and input ids, a sequence in consecutive
+    plans is one object on the receiver too (a PENDING input is found by it), and a step that
+    only decodes sends no table entry."""
     import pickle
     import random
 
@@ -459,6 +731,7 @@ def test_plans_send_what_changed_and_rebuild_every_table() -> None:
     for s in seqs:
         s.block_tables = [[rng.randrange(100) for _ in range(3)] for _ in range(2)]
     encoder, decoder = PlanEncoder(), PlanDecoder()
+    previous: dict[int, object] = {}  # sender's sequence -> the receiver's, in the last plan
     for step in range(60):
         for s in seqs:
             roll = rng.random()
@@ -471,6 +744,10 @@ def test_plans_send_what_changed_and_rebuild_every_table() -> None:
         picked = [s for s in seqs if rng.random() < 0.8]
         out = SchedulerOutput(chunks=[ScheduledChunk(s, 30 + step % 5, 2, True) for s in picked])
         got = decoder.decode(pickle.loads(pickle.dumps(encoder.encode(out))))
+        now = {id(c.seq): g.seq for c, g in zip(out.chunks, got.chunks, strict=True)}
+        assert all(now[k] is previous[k] for k in now.keys() & previous.keys())
+        assert len({id(v) for v in now.values()}) == len(now)
+        previous = now
         for want, chunk in zip(out.chunks, got.chunks, strict=True):
             assert chunk.seq.block_tables == want.seq.block_tables
             assert chunk.seq.block_tables is not want.seq.block_tables

@@ -264,7 +264,7 @@ class ParallelSection(Section):
     # size that does not divide the model's heads, KV heads or MLP is refused at start-up.
     tensor: int = Field(default=1, ge=1, description="GPUs (ranks) to shard the model over")
     # At parallel.tensor = 1, run through the same path as N ranks (a process group, NCCL on a
-    # GPU; rank 0's TensorParallelExecutor broadcasting each step's plan; no overlap) instead
+    # GPU; rank 0's TensorParallelExecutor broadcasting each step's plan) instead
     # of the plain executor: what that path costs, measured on one GPU. Above 1 it always is.
     distributed_executor: bool = Field(
         default=False,

@@ -11,6 +11,11 @@ subprocess each: a subprocess, not multiprocessing, so a daemonic engine process
 them too). Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR set) nothing is started: the process
 of rank 0 runs the engine and every other rank's make_executor call runs the worker loop and
 exits the process.
+
+Faults: every rank runs a Heartbeat (a thread in an all-reduce of one flag on a gloo group of its
+own, once a second), so a rank that dies or stops answering is seen by the others whoever
+started it; rank 0's watchdog makes a step in flight that a lost rank leaves blocked (an NCCL
+collective waits on the GPU) end the process with exit code 1 after STEP_GRACE_S.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -57,6 +63,14 @@ log = logging.getLogger("inferx.distributed")
 COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 # The plan broadcast waits while the engine is idle, for as long as the engine lives.
 CONTROL_TIMEOUT = timedelta(days=365)
+# Each rank's heartbeat thread meets the others this often; a round that waits longer than
+# HEARTBEAT_TIMEOUT (a rank that vanished without closing its sockets) counts as a rank lost.
+HEARTBEAT_S = 1.0
+HEARTBEAT_TIMEOUT = timedelta(seconds=30)
+# Once a rank is lost, how long a step in flight on rank 0 may take to fail by itself (gloo's
+# collectives fail at once) before the watchdog ends the process.
+STEP_GRACE_S = 5.0
+FATAL_EXIT = 1  # rank 0's exit code when the watchdog ends it
 STOP = -1  # a plan length that tells the workers to exit
 PLAN_BYTES = 16384  # the first broadcast of each step: the plan's size, then the plan
 
@@ -155,14 +169,18 @@ class PlanEncoder:
 
 
 class PlanDecoder:
-    """The other ranks' side: each plan back into the step PlanEncoder encoded."""
+    """The other ranks' side: each plan back into the step PlanEncoder encoded. A sequence in
+    consecutive plans is the same _PlannedSeq object, as it is the same Sequence on rank 0:
+    the runner finds a PENDING input's token by the sequence's identity (_fill_pending)."""
 
     def __init__(self) -> None:
         self._tables: dict[int, list[list[int]]] = {}
+        self._seqs: dict[int, _PlannedSeq] = {}
 
     def decode(self, plan: Plan) -> SchedulerOutput:
         chunks = []
         tables_now: dict[int, list[list[int]]] = {}
+        seqs_now: dict[int, _PlannedSeq] = {}
         for key, start, n, sample, ids, full, part in plan:
             if full:
                 tables = [list(t) for t in part]
@@ -172,9 +190,14 @@ class PlanDecoder:
                     raise RuntimeError("a plan extends block tables this rank never received")
                 tables = [o + d for o, d in zip(old, part, strict=True)]
             tables_now[key] = tables
-            seq = _PlannedSeq(start, ids, tables)
+            seq = self._seqs.get(key) if key not in seqs_now else None
+            if seq is None:
+                seq = _PlannedSeq(start, ids, tables)
+            else:
+                seq.token_ids, seq.block_tables = _Window(start, ids), tables
+            seqs_now[key] = seq
             chunks.append(ScheduledChunk(seq, start, n, sample))  # type: ignore[arg-type]
-        self._tables = tables_now
+        self._tables, self._seqs = tables_now, seqs_now
         return SchedulerOutput(chunks=chunks)
 
 
@@ -245,9 +268,12 @@ def _device_type(config: Config) -> str:
     return torch.device(name).type
 
 
-def join(config: Config, rank: int, world: int, local_rank: int, init: str) -> ParallelContext:
-    """Join the process group (init: a tcp:// address or env://) and return this rank's
-    ParallelContext, its model group NCCL on GPUs and gloo on the CPU."""
+def join(
+    config: Config, rank: int, world: int, local_rank: int, init: str
+) -> tuple[ParallelContext, Any]:
+    """Join the process group (init: a tcp:// address or env://); return this rank's
+    ParallelContext, its model group NCCL on GPUs and gloo on the CPU, and (above world size
+    1, else None) a gloo group of the same ranks for the Heartbeat."""
     device = _device_type(config)
     if device == "cuda":
         name = config.engine.device  # "cuda:N" only at world size 1 (tensor_parallel_size)
@@ -259,7 +285,8 @@ def join(config: Config, rank: int, world: int, local_rank: int, init: str) -> P
         backend, init_method=init, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
     )
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return ParallelContext(rank, world, dist.group.WORLD, cpu_group=control)
+    beat = dist.new_group(backend="gloo", timeout=HEARTBEAT_TIMEOUT) if world > 1 else None
+    return ParallelContext(rank, world, dist.group.WORLD, cpu_group=control), beat
 
 
 def leave() -> None:
@@ -268,63 +295,205 @@ def leave() -> None:
             dist.destroy_process_group()
 
 
+class Heartbeat:
+    """A thread on every rank of a world above one: each HEARTBEAT_S it joins an all-reduce
+    (MAX) of one flag on the heartbeat group. A rank that dies closes its sockets and fails the
+    round at once on every other rank; one that vanishes with its host fails it after
+    HEARTBEAT_TIMEOUT; either way `on_lost(error)` runs on this thread. The round is independent
+    of the step: a rank blocked in an NCCL collective still answers. Rank 0 ends the heartbeat
+    for all (`stop()`: its next round carries the flag) before it tells the ranks to exit, so a
+    clean shutdown is not a loss. Start it once every rank is built (a barrier): start-up
+    times differ by more than the timeout."""
+
+    def __init__(self, group: Any, rank: int, on_lost: Callable[[BaseException], None]) -> None:
+        self.group = group
+        self.rank = rank
+        self.on_lost = on_lost
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="inferx-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        flag = torch.zeros(1, dtype=torch.int32)
+        try:
+            while True:
+                if self.rank == 0:
+                    self._stopping.wait(HEARTBEAT_S)  # stop() goes out at once
+                else:
+                    time.sleep(HEARTBEAT_S)
+                flag.fill_(1 if self._stopping.is_set() else 0)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+                if int(flag.item()):
+                    return
+        except Exception as exc:  # noqa: BLE001 - any failure of a round is a lost rank
+            if not self._stopping.is_set():
+                self.on_lost(exc)
+
+    def stop(self, wait: float = 0.0) -> None:
+        """Rank 0: end every rank's heartbeat (the next round carries the flag); wait up to
+        `wait` seconds for that round. Other ranks: stop reporting losses."""
+        self._stopping.set()
+        if wait:
+            self._thread.join(wait)
+
+
 # -- rank 0 --------------------------------------------------------------------------------------
 
 
 class TensorParallelExecutor(Executor):
     """Rank 0's executor: before each step it checks that the other ranks live and sends them
     the step's plan; then its own executor runs the step and samples. Everything else
-    (tokenizer, cache size, kv groups, ...) is the inner executor's."""
+    (tokenizer, cache size, kv groups, ...) is the inner executor's.
 
-    supports_overlap = False  # the plan is sent per step; no step is submitted ahead
+    A rank lost (a worker it started exited, or the heartbeat failed) is a RankFailure from the
+    next call, and from `check()`, which the serving loops call while idle. A step in flight
+    when a rank is lost either fails by itself (gloo) or may block until the collective
+    timeout (NCCL): the watchdog thread gives it STEP_GRACE_S, then calls `on_fatal` (the
+    server's engine process tells its parent) and ends the process with exit code 1.
 
-    def __init__(self, inner: Executor, parallel: ParallelContext, workers: list[Any]) -> None:
+    Overlap: a step the engine submits ahead (`submit`) tells the ranks so in its plan, and
+    its sampled token ids go to every rank inside the step (SampledTokens), where the next
+    step's PENDING inputs are taken from, as on one rank."""
+
+    supports_overlap = True
+
+    def __init__(
+        self,
+        inner: Executor,
+        parallel: ParallelContext,
+        workers: list[Any],
+        beat_group: Any = None,
+    ) -> None:
         self.inner = inner
         self.parallel = parallel
         self.workers = workers  # subprocesses of the ranks above 0; empty under torchrun
         self.num_kv_blocks = inner.num_kv_blocks
         self.block_size = inner.block_size
         self.plan_bytes = 0  # the last plan's pickled size
+        # Called on the watchdog's thread just before it ends the process.
+        self.on_fatal: Callable[[RankFailure], None] | None = None
         self._plans = PlanEncoder()
         self._closed = False
         self._failed = False  # a step raised: the ranks cannot be trusted to be in step
+        self._reported = False  # a RankFailure reached the caller: the watchdog stands down
+        self._busy = 0  # the engine's calls inside a step here (where a lost rank can block)
+        self._beat_error: BaseException | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._sampled: SampledTokens | None = None
+        if parallel.world_size > 1:
+            if isinstance(inner, ModelRunner):
+                self._sampled = SampledTokens(inner, parallel)
+                inner._sample = self._sampled  # type: ignore[method-assign]
+            dist.barrier(group=parallel.cpu_group)  # every rank is built: heartbeats from now
         atexit.register(self.close)
+        if parallel.world_size > 1:
+            self._heartbeat = Heartbeat(beat_group, 0, self._heartbeat_failed)
+            threading.Thread(target=self._watch, name="inferx-tp-watchdog", daemon=True).start()
 
     def __getattr__(self, name: str) -> Any:
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    def check(self) -> None:
-        """Raise RankFailure if a rank this process started has exited."""
+    def lost(self) -> RankFailure | None:
+        """Why a rank is gone, or None: a rank this process started exited, or a heartbeat
+        round failed (a rank died or stopped answering, whoever started it)."""
         for rank, proc in enumerate(self.workers, 1):
             code = proc.poll()
             if code is not None:
-                raise RankFailure(f"tensor-parallel rank {rank} exited (code {code})")
+                return RankFailure(f"tensor-parallel rank {rank} exited (code {code})")
+        if self._beat_error is not None:
+            return RankFailure(f"a tensor-parallel rank stopped answering ({self._beat_error})")
+        return None
 
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        if self._closed:
-            raise RankFailure("the tensor-parallel ranks were shut down")
-        if self._failed:
+    def check(self) -> None:
+        """Raise RankFailure if a rank is gone (see lost())."""
+        if (failure := self.lost()) is not None:
+            self._failed = self._reported = True
+            raise failure
+
+    def _heartbeat_failed(self, exc: BaseException) -> None:
+        # a worker killed closes its sockets as it exits: give its exit a moment to show, so
+        # that the failure names the rank
+        deadline = time.monotonic() + 1.0
+        while self.workers and all(p.poll() is None for p in self.workers):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        self._beat_error = exc
+
+    @contextlib.contextmanager
+    def _step(self) -> Iterator[None]:
+        """Around the engine's calls that run (or wait for) a step: a rank lost before is a
+        RankFailure; a collective that fails is one too (the ranks are out of step); the
+        watchdog sees the call in flight."""
+        if self._closed or self._failed:
+            self._reported = True
+            if self._closed:
+                raise RankFailure("the tensor-parallel ranks were shut down")
             raise RankFailure("an earlier step failed; the ranks are out of step")
+        self._busy += 1
         try:
             self.check()
-            self.plan_bytes = send_plan(self._plans.encode(out), self.parallel.cpu_group)
-            return self.inner.execute(out)
+            yield
         except RankFailure:
-            self._failed = True
+            self._failed = self._reported = True
             raise
         except RuntimeError as exc:  # a collective failed (or the step): is a rank gone?
-            self._failed = True
+            self._failed = self._reported = True
             time.sleep(0.2)  # a rank killed mid-step: let its exit be seen
             self.check()
             raise RankFailure(f"a tensor-parallel step failed: {exc}") from exc
         except BaseException:
             self._failed = True
             raise
+        finally:
+            self._busy -= 1
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        with self._step():
+            self._send(out, share=False)
+            return self.inner.execute(out)
 
     def submit(self, out: SchedulerOutput) -> PendingStep:
-        return DoneStep(self.execute(out))
+        with self._step():
+            self._send(out, share=True)
+            return _Collected(self, self.inner.submit(out))
+
+    def _send(self, out: SchedulerOutput, share: bool) -> None:
+        """The step's plan to the ranks; `share`: the step was submitted ahead, so the next
+        one may read its sampled tokens on every rank."""
+        if self._sampled is not None:
+            self._sampled.share = share
+        self.plan_bytes = send_plan((self._plans.encode(out), share), self.parallel.cpu_group)
+
+    def _watch(self) -> None:
+        """Rank 0's watchdog: a rank lost while the engine is inside a step here, which has
+        neither returned nor raised STEP_GRACE_S later, ends the process (_fatal). Stands down
+        once a RankFailure reached the engine, or at close()."""
+        since: float | None = None
+        while not (self._closed or self._reported):
+            time.sleep(0.25)
+            failure = self.lost() if self._busy else None
+            if failure is None:
+                since = None
+            elif since is None:
+                since = time.monotonic()
+                log.error("%s while a step is in flight", failure)
+            elif time.monotonic() - since >= STEP_GRACE_S and not self._reported:
+                self._fatal(failure)
+
+    def _fatal(self, failure: RankFailure) -> None:
+        log.critical(
+            "%s; the step in flight has not ended in %.0f s: exiting", failure, STEP_GRACE_S
+        )
+        if self.on_fatal is not None:
+            with contextlib.suppress(Exception):
+                self.on_fatal(failure)
+        for proc in self.workers:
+            with contextlib.suppress(OSError):
+                proc.kill()
+        os._exit(FATAL_EXIT)
 
     def close(self) -> None:
         """Tell the other ranks to exit, wait for them (killing those that do not), leave the
@@ -334,15 +503,63 @@ class TensorParallelExecutor(Executor):
             return
         self._closed = True
         atexit.unregister(self.close)
-        if self._failed:
+        failed = self._failed or self.lost() is not None
+        if self._heartbeat is not None:  # ended first, so that the ranks' exit is no loss
+            self._heartbeat.stop(wait=0.0 if failed else HEARTBEAT_S + 5.0)
+        if failed:
             for proc in self.workers:
                 if proc.poll() is None:
                     proc.kill()
-        elif all(p.poll() is None for p in self.workers) and dist.is_initialized():
+        elif dist.is_initialized():
             with contextlib.suppress(Exception):  # a rank gone: the rest are killed below
                 send_stop(self.parallel.cpu_group)
         _reap(self.workers)
         leave()
+
+
+class _Collected:
+    """A step rank 0 submitted ahead: its result is waited for inside the executor's _step(),
+    so that a rank lost meanwhile is a RankFailure, and a wait it blocks is the watchdog's."""
+
+    def __init__(self, executor: TensorParallelExecutor, pending: PendingStep) -> None:
+        self.executor = executor
+        self.pending = pending
+
+    def result(self) -> StepResult:
+        with self.executor._step():
+            return self.pending.result()
+
+
+class SampledTokens:
+    """A rank's ModelRunner._sample under TP. Rank 0 samples; when the step was submitted
+    ahead (`share`, from its plan) it then broadcasts the sampled ids over the model's group,
+    and every other rank receives them where it would have sampled. So each rank holds the
+    step's tokens on its device, and the next step's PENDING inputs are filled there from them
+    as on one rank (_fill_pending). The broadcast is queued on the device after sampling, like
+    the step's other collectives: no rank's host waits for it. Steps not submitted ahead send
+    nothing (no later step reads their tokens on the device)."""
+
+    def __init__(self, runner: ModelRunner, parallel: ParallelContext) -> None:
+        self.runner = runner
+        self.group = parallel.group
+        self.rank = parallel.rank
+        self.sample = runner._sample
+        self.share = False
+
+    def __call__(self, logits: torch.Tensor | None, seqs: list) -> PendingStep:
+        runner = self.runner
+        if self.rank == 0:
+            step = self.sample(logits, seqs)
+            tokens = runner._last_sampled[0]
+            if self.share and tokens is not None:
+                dist.broadcast(tokens.long(), 0, group=self.group)  # long already: no copy
+            return step
+        runner._last_sampled = (None, {})
+        if self.share and logits is not None and seqs:
+            tokens = torch.empty(len(seqs), dtype=torch.long, device=runner.device)
+            dist.broadcast(tokens, 0, group=self.group)
+            runner._last_sampled = (tokens, {id(s): i for i, s in enumerate(seqs)})
+        return DoneStep(StepResult(sampled=[]))
 
 
 def _reap(workers: list[Any], wait: float = 10.0) -> None:
@@ -376,19 +593,20 @@ def make_tensor_parallel_executor(config: Config, reg: Plugins | None = None) ->
         if rank != 0:
             code = worker_loop(config, rank, world, local_rank, "env://", reg=reg)
             sys.exit(code)
-        parallel = join(config, 0, world, local_rank, "env://")
+        parallel, beat = join(config, 0, world, local_rank, "env://")
         try:
             inner = build_rank_executor(config, parallel, reg)
+            return TensorParallelExecutor(inner, parallel, [], beat)
         except BaseException:
             leave()
             raise
-        return TensorParallelExecutor(inner, parallel, [])
     init = f"tcp://127.0.0.1:{free_port()}"
     errors = Path(tempfile.mkdtemp(prefix="inferx-tp-"))
     workers = [_start_worker(config, rank, world, init, errors) for rank in range(1, world)]
     try:
-        parallel = join(config, 0, world, 0, init)
+        parallel, beat = join(config, 0, world, 0, init)
         inner = build_rank_executor(config, parallel, reg)
+        executor = TensorParallelExecutor(inner, parallel, workers, beat)
     except BaseException as exc:
         time.sleep(0.5)  # a rank that failed first: let it finish writing why
         reason = _worker_error(errors)
@@ -402,7 +620,7 @@ def make_tensor_parallel_executor(config: Config, reg: Plugins | None = None) ->
         raise
     finally:
         shutil.rmtree(errors, ignore_errors=True)
-    return TensorParallelExecutor(inner, parallel, workers)
+    return executor
 
 
 def _worker_error(errors: Path) -> str:
@@ -449,10 +667,6 @@ def build_rank_executor(
 # -- ranks above 0 -------------------------------------------------------------------------------
 
 
-def _no_sample(logits: torch.Tensor | None, seqs: list) -> PendingStep:
-    return DoneStep(StepResult(sampled=[]))
-
-
 def worker_loop(
     config: Config,
     rank: int,
@@ -462,24 +676,39 @@ def worker_loop(
     reg: Plugins | None = None,
 ) -> int:
     """Join, build this rank's executor, then run every plan rank 0 sends until it says stop
-    (returns 0) or goes away (returns 1)."""
-    parallel = join(config, rank, world, local_rank, init)
+    (returns 0) or goes away (returns 1). A failed heartbeat (rank 0 or another rank gone,
+    perhaps while this one is blocked in a collective) ends the process with exit code 1."""
+    parallel, beat = join(config, rank, world, local_rank, init)
     try:
         runner = build_rank_executor(config, parallel, reg)
     except BaseException:
         leave()
         raise
-    runner._sample = _no_sample  # type: ignore[attr-defined]  # rank 0 samples
+    assert isinstance(runner, ModelRunner)  # build_rank_executor's
+    sampled = SampledTokens(runner, parallel)  # rank 0 samples; this rank receives
+    runner._sample = sampled  # type: ignore[method-assign]
     plans = PlanDecoder()
     try:
-        while (plan := receive_plan(parallel.cpu_group)) is not None:
+        dist.barrier(group=parallel.cpu_group)  # every rank is built (TensorParallelExecutor)
+        heartbeat = Heartbeat(beat, rank, lambda exc: _lost_peer(rank, exc))
+        while (msg := receive_plan(parallel.cpu_group)) is not None:
+            plan, sampled.share = msg
             runner.execute(plans.decode(plan))
+        heartbeat.stop(wait=HEARTBEAT_S + 5.0)  # ended by rank 0's last round already
         return 0
     except RuntimeError as exc:  # rank 0 (or another rank) went away mid-collective
         print(f"inferx tensor-parallel rank {rank}: stopping: {exc}", file=sys.stderr)
         return 1
     finally:
         leave()
+
+
+def _lost_peer(rank: int, exc: BaseException) -> None:
+    """A worker's heartbeat failed: rank 0 (or another rank) is gone. The main thread may be
+    blocked in a collective that would wait for its timeout, so the process ends here."""
+    print(f"inferx tensor-parallel rank {rank}: stopping: a rank is gone ({exc})", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _watch_parent(pid: int) -> None:

@@ -220,6 +220,13 @@ class Engine:
     def has_work(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_work()
 
+    def check(self) -> None:
+        """Raise what the next step would if the executor can run no more (RankFailure: a
+        tensor-parallel rank is gone); the serving loops call it while idle."""
+        check = getattr(self.executor, "check", None)
+        if check is not None:
+            check()
+
     # -- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

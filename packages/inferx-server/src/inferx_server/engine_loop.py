@@ -238,6 +238,7 @@ class EngineLoop:
     def _run(self) -> None:
         engine, loop = self.engine, self._loop
         assert loop is not None
+        check = getattr(engine, "check", None)  # Engine.check: a dead device side, while idle
         try:
             while not self._stopping:
                 idle = not engine.has_work()
@@ -250,6 +251,8 @@ class EngineLoop:
                     self.steps += 1
                     if outputs:
                         loop.call_soon_threadsafe(self._deliver, outputs, time.monotonic())
+                elif check is not None:
+                    check()
                 self.stats = engine.scheduler.stats()
                 self._heartbeat = time.monotonic()
         except BaseException as exc:

@@ -70,20 +70,43 @@ def show_startup_progress() -> None:
         logging.getLogger("inferx.startup").setLevel(logging.INFO)
 
 
-def _child(conn: Connection, factory: Callable[[], Any]) -> None:
+class _LockedConn:
+    """The child's end of the pipe, each send under a lock: a tensor-parallel executor's
+    watchdog sends "dead" from its own thread (TensorParallelExecutor.on_fatal)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, msg: tuple) -> None:
+        with self._lock:
+            self.conn.send(msg)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.conn, name)
+
+
+def _child(pipe: Connection, factory: Callable[[], Any]) -> None:
     logging.basicConfig(level=logging.WARNING, format="inferx-server: %(message)s")
     show_startup_progress()
+    conn: Any = _LockedConn(pipe)
     try:
         engine = factory()
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
         conn.send(("dead", exc))
         return
+    executor = getattr(engine, "executor", None)
+    if hasattr(executor, "on_fatal"):  # a tensor-parallel rank 0: its watchdog's last word
+        executor.on_fatal = lambda exc: conn.send(("dead", exc))
     conn.send(("ready", engine.tokenizer, engine.max_model_len, checkpoint_source(engine)))
     trace = StepTrace.from_env()
+    check = getattr(engine, "check", None)  # Engine.check: a dead device side, while idle
     try:
         while True:
             idle = not engine.has_work()
             if idle and not conn.poll(_BEAT_S):
+                if check is not None:
+                    check()  # a tensor-parallel rank gone: "dead" below
                 conn.send(("beat", engine.scheduler.stats()))
                 continue
             hold = _take(engine, conn, trace)
