@@ -169,9 +169,10 @@ def rotate_into(
 def to_cache(x, scale_ptr, cache_ptr, KV_FP8: tl.constexpr, HAND_ROUND: tl.constexpr):
     """x as a KV cache at cache_ptr stores it: cast to its dtype, or (KV_FP8, an e4m3 cache)
     x / *scale_ptr in fp32, clamped to +-448 and rounded to nearest e4m3 (HAND_ROUND: under
-    the interpreter, see fp8_gemm._to_e4m3)."""
+    the interpreter, see fp8_gemm._to_e4m3). The division is IEEE's, as torch's: Triton's `/`
+    is the GPU's approximate one, a rounding boundary apart from the reference now and then."""
     if KV_FP8:
-        x = tl.clamp(x.to(tl.float32) / tl.load(scale_ptr), -448.0, 448.0)
+        x = tl.clamp(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr)), -448.0, 448.0)
         x = _to_e4m3(x, HAND_ROUND)
     return x.to(cache_ptr.dtype.element_ty)
 
