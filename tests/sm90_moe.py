@@ -72,7 +72,8 @@ def cases():
         for fmt in ("dense", "mxfp4", "fp8", "fp8-block"):
             for tokens in (1, 8, 2048):
                 configs = mk.gemm_configs(tokens * k, experts, inter, hidden, fmt, 132)
-                for gated, cfg in zip((True, False), configs, strict=True):
+                gemv_configs = mk.gemm_configs(tokens * k, experts, inter, hidden, fmt, 132, True)
+                for gated, cfg, gemv_cfg in zip((True, False), configs, gemv_configs, strict=True):
                     constexprs = dict(
                         A_ROW_DIV=k if gated else 1,
                         ACT=(mk.ACT_SILU if silu else mk.ACT_SWIGLU_OAI) if gated else 0,
@@ -89,7 +90,7 @@ def cases():
                     yield label, kernel, types, constexprs, cfg.num_warps, cfg.num_stages
                     if tokens <= mk.GEMV_MAX_TOKENS and fmt != "fp8-block":
                         gemv = {n: constexprs[n] for n in GEMV_SHARED} | dict(
-                            BLOCK_N=cfg.block_n, BLOCK_K=mk.GEMV_BLOCK_K
+                            BLOCK_N=gemv_cfg.block_n, BLOCK_K=mk.GEMV_BLOCK_K
                         )
                         types = gemm_types(fmt, True) | {"ids_ptr": "*i64"}
                         yield f"{label} gemv", mk.moe_gemv_kernel, types, gemv, 4, 1

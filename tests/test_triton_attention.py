@@ -682,13 +682,16 @@ def same_fp8_caches(mine: torch.Tensor, theirs: torch.Tensor, dtype: torch.dtype
     """Two e4m3 caches hold the same bytes: the kernels quantize exactly as to_fp8 does, over
     rotated keys rounded as the reference rounds them. In fp32 and fp16 the rare one-ulp flip
     of a rotated element almost never crosses an e4m3 rounding boundary; in bf16 (an ulp of
-    2^-8 against e4m3's 2^-4) it can: there a byte may be the adjacent code, in 1% at most."""
+    2^-8 against e4m3's 2^-4) it can: there a byte may be the adjacent code, in 1% at most.
+    On the GPU a flip can be a product's before the rotation's subtraction: where x1 * cos and
+    x2 * sin nearly cancel, one ulp of a product is a few ulps of the small result, two e4m3
+    codes apart (seen on an H100: 23 of 8192 bytes, 0.75 against 0.875)."""
     a, b = mine.view(torch.uint8), theirs.view(torch.uint8)
     if dtype != torch.bfloat16:
         assert torch.equal(a, b)
         return
     diff = (a.int() - b.int()).abs()
-    if diff.max() > 1 or (diff > 0).float().mean() > 1e-2:
+    if diff.max() > 2 or (diff > 0).float().mean() > 1e-2:
         at = diff.flatten().argmax().item()
         raise AssertionError(
             f"{int((diff > 0).sum())} of {diff.numel()} bytes differ; the largest at flat index "

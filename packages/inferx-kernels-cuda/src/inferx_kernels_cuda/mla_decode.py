@@ -41,6 +41,7 @@ def mla_decode_kernel(
     stride_row,
     RANK: tl.constexpr,
     ROPE: tl.constexpr,
+    ROPE_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -49,7 +50,8 @@ def mla_decode_kernel(
 ):
     """Grid (sequences, splits). Every head of sequence b against context positions [lo, hi)
     of its split; writes part_o [b, head, split, RANK] (normalised, float32) and part_lse
-    [b, head, split] (log2 units; _NO_MAX for an empty split)."""
+    [b, head, split] (log2 units; _NO_MAX for an empty split). ROPE_PAD: the rope width
+    widened (with zeros) to the 16 a GPU dot needs."""
     b = tl.program_id(0)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -61,10 +63,11 @@ def mla_decode_kernel(
     h = tl.arange(0, BLOCK_H)
     head_ok = h < num_heads
     r = tl.arange(0, RANK)
-    e = tl.arange(0, ROPE)
+    e = tl.arange(0, ROPE_PAD)
+    e_ok = e < ROPE
     q_row = q_ptr + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh
     q_lat = tl.load(q_row + r[None, :], mask=head_ok[:, None], other=0.0)
-    q_pe = tl.load(q_row + RANK + e[None, :], mask=head_ok[:, None], other=0.0)
+    q_pe = tl.load(q_row + RANK + e[None, :], mask=head_ok[:, None] & e_ok[None, :], other=0.0)
     if UPCAST:
         q_lat = q_lat.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
@@ -78,7 +81,11 @@ def mla_decode_kernel(
         block = tl.load(block_table_ptr + b * stride_table + pos // BLOCK_SIZE, mask=valid, other=0)
         row = (block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * stride_row
         latent = tl.load(cache_ptr + row[:, None] + r[None, :], mask=valid[:, None], other=0.0)
-        k_pe = tl.load(cache_ptr + row[:, None] + RANK + e[None, :], mask=valid[:, None], other=0.0)
+        k_pe = tl.load(
+            cache_ptr + row[:, None] + RANK + e[None, :],
+            mask=valid[:, None] & e_ok[None, :],
+            other=0.0,
+        )
         if UPCAST:
             latent = latent.to(tl.float32)
             k_pe = k_pe.to(tl.float32)
@@ -181,6 +188,7 @@ def mla_decode(
         cache.stride(1),
         RANK=rank,
         ROPE=rope,
+        ROPE_PAD=max(16, rope),
         BLOCK_H=block_h,
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,

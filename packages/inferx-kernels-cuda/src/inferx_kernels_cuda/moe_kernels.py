@@ -756,23 +756,44 @@ def _decode_block_n(tiles: int, n_out: int, num_sms: int) -> int:
     return 16
 
 
+def _gemv_block_n(num_pairs: int, n_out: int, num_sms: int) -> int:
+    """moe_gemv_kernel's output columns a program: the widest of 64, 32, 16 that still gives
+    every SM eight programs, else 8 (docs/ARCHITECTURE.md, MoE decisions)."""
+    for block_n in (64, 32, 16):
+        if num_pairs * triton.cdiv(n_out, block_n) >= 8 * num_sms:
+            return block_n
+    return 8
+
+
 def gemm_configs(
-    num_pairs: int, num_experts: int, n: int, hidden: int, fmt: str, num_sms: int
+    num_pairs: int,
+    num_experts: int,
+    n: int,
+    hidden: int,
+    fmt: str,
+    num_sms: int,
+    gemv: bool = False,
 ) -> tuple[GemmConfig, GemmConfig]:
     """(gate_up's, down's) tiles for a step of num_pairs pairs over experts of intermediate
     size n. Up to 16 pairs an expert on average, 16-row tiles (a decode step reads weights;
     a tile is mostly one expert's few tokens) and output columns narrow enough to spread the
-    tiles over the SMs; above, 64-row tiles (a prefill computes). Small tiles under the
-    interpreter."""
+    tiles over the SMs (MXFP4: at most 32 columns by 128 rows, whose dequantization fits the
+    registers); above, 64-row tiles (a prefill computes). gemv: moe_gemv_kernel's columns.
+    Small tiles under the interpreter."""
     mxfp4 = fmt == "mxfp4"
     if _interpreting():
         small = GemmConfig(16, 32, 32 if mxfp4 else 16, 4, 1)
         return small, small
+    if gemv:
+        return (
+            GemmConfig(16, _gemv_block_n(num_pairs, n, num_sms), 0),
+            GemmConfig(16, _gemv_block_n(num_pairs, hidden, num_sms), 0),
+        )
     if num_pairs <= 16 * num_experts:
         tiles = min(num_pairs, num_experts)  # tiles holding pairs, about
-        block_k = 256 if mxfp4 else 128
-        gate_up = GemmConfig(16, _decode_block_n(tiles, n, num_sms), block_k, 4, 4)
-        down = GemmConfig(16, _decode_block_n(tiles, hidden, num_sms), block_k, 4, 4)
+        widest = 32 if mxfp4 else 64
+        gate_up = GemmConfig(16, min(widest, _decode_block_n(tiles, n, num_sms)), 128, 4, 4)
+        down = GemmConfig(16, min(widest, _decode_block_n(tiles, hidden, num_sms)), 128, 4, 4)
     else:
         gate_up = GemmConfig(64, 64, 64, 4, 3)
         down = GemmConfig(64, 128, 64, 8, 3)
@@ -844,11 +865,15 @@ def fused_experts(
         return out
     num_pairs = t * k
     mxfp4 = w.format == "mxfp4"
+    bk = w.scale_block_k if w.format == "fp8" else 0
+    if gemv is None:
+        gemv = t <= GEMV_MAX_TOKENS and not bk
+    elif gemv and bk:
+        raise ValueError(f"{spec.prefix}: the MoE GEMV takes no K-blocked fp8 scales")
     if configs is None:
         sms = 132 if _interpreting() else _num_sms(x.device)
-        configs = gemm_configs(num_pairs, e, n, hidden, w.format, sms)
+        configs = gemm_configs(num_pairs, e, n, hidden, w.format, sms, gemv)
     gate_up_cfg, down_cfg = configs
-    bk = w.scale_block_k if w.format == "fp8" else 0
     if bk:  # a K tile must lie in one scale block
         tiles_k = [math.gcd(cfg.block_k, bk) for cfg in configs]
         if min(tiles_k) < 16:
@@ -857,10 +882,6 @@ def fused_experts(
         down_cfg = dataclasses.replace(down_cfg, block_k=tiles_k[1])
     if gate_up_cfg.block_m != down_cfg.block_m:
         raise ValueError("fused_experts: gate_up and down tiles must share block_m")
-    if gemv is None:
-        gemv = t <= GEMV_MAX_TOKENS and not bk
-    elif gemv and bk:
-        raise ValueError(f"{spec.prefix}: the MoE GEMV takes no K-blocked fp8 scales")
     per_pair = gemv or t <= PER_PAIR_MAX_TOKENS
     if per_pair:
         ids = topk_ids.reshape(-1).contiguous()

@@ -396,11 +396,14 @@ class _SampledStep:
         if device.type == "cuda":
             self.copied = torch.cuda.Event()
             self.copied.record(stream)
+        self._result: StepResult | None = None
 
     def result(self) -> StepResult:
-        if self.copied is not None:
-            self.copied.synchronize()  # waits for this step only, not for a later one
-        result = StepResult(sampled=self.tokens.tolist())
-        if self.top is not None and self.ks is not None:
-            result.logprobs = self.top.rows(self.ks)
-        return result
+        """The step's result, built once (structured rows ask for it a row at a time)."""
+        if self._result is None:
+            if self.copied is not None:
+                self.copied.synchronize()  # waits for this step only, not for a later one
+            self._result = StepResult(sampled=self.tokens.tolist())
+            if self.top is not None and self.ks is not None:
+                self._result.logprobs = self.top.rows(self.ks)
+        return self._result
