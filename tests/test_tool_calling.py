@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from chat_servers import openai_client, serve_scripted
 from conftest import FIXTURES
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -178,44 +179,11 @@ def test_family_of_templates() -> None:
 # -- through the server, with a scripted model ---------------------------------------------------
 
 
-class ScriptedExecutor:
-    """A "model" that replies with `script` (token ids), then `filler` forever; it records the
-    last prompt it saw."""
-
-    def __init__(self, script: list[int], filler: int) -> None:
-        self.num_kv_blocks, self.block_size, self.max_model_len = 256, 16, 2048
-        self.script = script
-        self.filler = filler
-        self.prompt: list[int] = []
-
-    def execute(self, out: Any) -> Any:
-        from inferx_core.interfaces import StepResult
-
-        sampled = []
-        for c in out.chunks:
-            if c.sample:
-                seq = c.seq
-                self.prompt = seq.token_ids[: seq.num_prompt]
-                n = c.start + c.num_tokens - seq.num_prompt
-                sampled.append(self.script[n] if n < len(self.script) else self.filler)
-        return StepResult(sampled, [])
-
-
 def _serve(name: str, template: str | None = None) -> Iterator[Any]:
-    from test_server_api import serve_engine
-
-    from inferx_core.config import load_config
-    from inferx_core.engine import Engine
-
     tok = Tokenizer.from_dir(TOKENIZERS / name)
     if template is not None:
         tok.chat_template = template
-    config = load_config(None, {"model.served_name": name})
-    executor = ScriptedExecutor([], tok.encode(".", add_special_tokens=False)[0])
-    engine = Engine(config, executor=executor, tokenizer=tok)
-    with serve_engine(engine, config) as transport:
-        transport.tok = tok
-        yield transport
+    yield from serve_scripted(tok, name)
 
 
 @pytest.fixture(scope="module")
@@ -229,9 +197,7 @@ def llama_server() -> Iterator[Any]:
 
 
 def _client(server: Any) -> Any:
-    import openai
-
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    return openai_client(server.url)
 
 
 def _script(server: Any, reply: str, end: str) -> None:
