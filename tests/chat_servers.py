@@ -1,8 +1,9 @@
-"""What the chat tests share: a scripted "model" behind the real HTTP server, and the demo
-model's `inferx-server` in a subprocess."""
+"""What the chat tests share: a scripted "model" behind the real HTTP server, the demo model's
+`inferx-server` in a subprocess, and Llama 3.1's tokenizer made from the Llama 3 fixture."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -13,6 +14,48 @@ from typing import Any
 
 import pytest
 from conftest import FIXTURES
+
+TOKENIZERS = FIXTURES / "tokenizers"
+# Meta's chat template of Llama-3.1-8B-Instruct (its tokenizer_config.json), unchanged.
+LLAMA31_TEMPLATE = (Path(__file__).parent / "fixtures" / "llama3.1_chat_template.jinja").read_text(
+    encoding="utf-8"
+)
+# Llama 3.1's special tokens that Llama 3 has as reserved ones; the rest stay reserved,
+# renumbered around them as 3.1 numbers them.
+LLAMA31_SPECIAL = {
+    128000: "<|begin_of_text|>",
+    128001: "<|end_of_text|>",
+    128004: "<|finetune_right_pad_id|>",
+    128006: "<|start_header_id|>",
+    128007: "<|end_header_id|>",
+    128008: "<|eom_id|>",
+    128009: "<|eot_id|>",
+    128010: "<|python_tag|>",
+}
+
+
+def llama31_tokenizer(out: Path) -> Path:
+    """Llama-3.1-8B-Instruct's tokenizer in `out`: Llama 3's vocabulary (the same BPE) with 3.1's
+    special tokens at their ids, eos `<|eot_id|>` and Meta's chat template. No
+    generation_config.json, so nothing but the tokenizer says which ids end a reply."""
+    source = TOKENIZERS / "llama3"
+    doc = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
+    reserved = (f"<|reserved_special_token_{i}|>" for i in itertools.count())
+    names = {
+        t["id"]: LLAMA31_SPECIAL.get(t["id"]) or next(reserved)
+        for t in sorted(doc["added_tokens"], key=lambda t: t["id"])
+    }
+    for t in doc["added_tokens"]:
+        t["content"] = names[t["id"]]
+    config = json.loads((source / "tokenizer_config.json").read_text(encoding="utf-8"))
+    for key, t in config["added_tokens_decoder"].items():
+        t["content"] = names[int(key)]
+    config |= {"eos_token": "<|eot_id|>", "chat_template": LLAMA31_TEMPLATE}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(json.dumps(doc), encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return out
+
 
 # -- a scripted model behind the server ----------------------------------------------------------
 
@@ -90,7 +133,7 @@ def tiny_gpt_oss_server(path: Path, max_len: int) -> Iterator[Any]:
         {
             "model.path": str(path),
             "model.load_format": "dummy",
-            "model.tokenizer": str(FIXTURES / "tokenizers" / "gpt-oss"),
+            "model.tokenizer": str(TOKENIZERS / "gpt-oss"),
             "model.served_name": "tiny",
         },
     )
