@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from test_deepseek_v2 import VARIANTS, hf_model  # noqa: E402
 from test_engine import PROMPTS, generate, make_llm, reference  # noqa: E402
-from test_models import saved  # noqa: E402
+from test_models import CHUNKED_PREFILL, saved  # noqa: E402
 
 from inferx_core.engine import LLM  # noqa: E402
 from inferx_kernels_cuda import triton_attention  # noqa: E402
@@ -99,16 +99,7 @@ def test_triton_chunked_prefill_and_split_decodes_equal_transformers(
     """Prompt chunks of 7 over cached prefixes packed with decodes (mixed eager steps: the
     decode rows gathered), contexts expanded at most 20 rows a pass, then decodes over split
     contexts: transformers' tokens."""
-    llm = make_llm(
-        checkpoint[0],
-        **TRITON,
-        **{
-            "scheduler.prefill_chunk": 7,
-            "scheduler.max_batched_tokens": 16,
-            "scheduler.max_running": 4,
-            "kv_cache.block_size": 4,
-        },
-    )
+    llm = make_llm(checkpoint[0], **TRITON, **CHUNKED_PREFILL)
     split_mla_decodes(llm).mla_context_rows = 20
     assert generate(llm) == expected
     assert any(p.pieces for p in gathered(prefill_plans))
