@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import plan_steps, scattered_tables
 
 from inferx_core.attention_torch import TorchAttention
 from inferx_core.batch import make_attention_batch
@@ -53,17 +54,13 @@ def test_mixed_batch_matches_dense(block_size: int, group: int, head_dim: int) -
     # (prefix already cached, new tokens this step): a fresh prefill, a chunk over a cached prefix,
     # two decodes, a one-token prompt.
     plan = [(0, 13), (9, 7), (21, 1), (5, 1), (0, 1)]
-    totals = [p + n + 2 for p, n in plan]  # two decode steps follow the mixed one
+    # The cached prefixes as one ragged prefill, the mixed step, two decode steps.
+    totals, steps = plan_steps(plan)
     blocks_needed = [-(-t // block_size) for t in totals]
     num_blocks = sum(blocks_needed) + 3
     backend = TorchAttention(layers, block_size, torch.float32, torch.device("cpu"))
     backend.allocate(num_blocks)
-    # Scattered, non-contiguous block ids, as a real block manager hands them out.
-    ids = torch.randperm(num_blocks).tolist()
-    tables = []
-    for n in blocks_needed:
-        tables.append(ids[:n])
-        ids = ids[n:]
+    tables = scattered_tables(totals, block_size, num_blocks)
     hist = [
         [(torch.randn(t, hkv, head_dim), torch.randn(t, hkv, head_dim)) for t in totals]
         for _ in layers
@@ -98,10 +95,8 @@ def test_mixed_batch_matches_dense(block_size: int, group: int, head_dim: int) -
             assert out.shape == (sum(query_lens), hq, head_dim)
             assert rel_err(out, expected) <= RTOL
 
-    step([(0, p) for p, _ in plan])  # the cached prefixes, as one ragged prefill
-    step([(p, p + n) for p, n in plan])  # the mixed step
-    step([(t - 2, t - 1) for t in totals])
-    step([(t - 1, t) for t in totals])
+    for spans in steps:
+        step(spans)
 
 
 def test_decode_steps_after_prefill() -> None:

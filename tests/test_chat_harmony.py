@@ -10,6 +10,7 @@ from datetime import date
 from typing import Any
 
 import pytest
+from chat_servers import openai_client, serve_scripted, tiny_gpt_oss_server
 from conftest import FIXTURES
 
 pytest.importorskip("openai_harmony")
@@ -154,39 +155,9 @@ def test_parse_holds_back_split_characters_and_keeps_tool_calls(tok: Tokenizer, 
 # -- through the server ----------------------------------------------------------------------
 
 
-class ScriptedExecutor:
-    """A "model" that replies with `script` (token ids), then "." forever; it records the last
-    prompt it saw."""
-
-    def __init__(self, script: list[int]) -> None:
-        self.num_kv_blocks, self.block_size, self.max_model_len = 256, 16, 1024
-        self.script = script
-        self.prompt: list[int] = []
-
-    def execute(self, out: Any) -> Any:
-        from inferx_core.interfaces import StepResult
-
-        sampled = []
-        for c in out.chunks:
-            if c.sample:
-                seq = c.seq
-                self.prompt = seq.token_ids[: seq.num_prompt]
-                n = c.start + c.num_tokens - seq.num_prompt  # outputs before this one
-                sampled.append(self.script[n] if n < len(self.script) else 13)
-        return StepResult(sampled, [])
-
-
 @pytest.fixture(scope="module")
 def harmony_server(tok: Tokenizer) -> Any:
-    from test_server_api import serve_engine
-
-    from inferx_core.config import load_config
-    from inferx_core.engine import Engine
-
-    config = load_config(None, {"model.served_name": "gpt-oss"})
-    engine = Engine(config, executor=ScriptedExecutor(DOC_REPLY_IDS), tokenizer=tok)
-    with serve_engine(engine, config) as transport:
-        yield transport
+    yield from serve_scripted(tok, "gpt-oss", DOC_REPLY_IDS, max_model_len=1024)
 
 
 def _sse(body: str) -> list[dict[str, Any]]:
@@ -197,11 +168,10 @@ def _sse(body: str) -> list[dict[str, Any]]:
 
 def test_server_chat_returns_reasoning_and_content(harmony_server: Any, tok: Tokenizer) -> None:
     import httpx
-    import openai
 
     executor = harmony_server.engine.executor
     executor.script = DOC_REPLY_IDS
-    client = openai.OpenAI(base_url=harmony_server.url + "/v1", api_key="x", max_retries=0)
+    client = openai_client(harmony_server.url)
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is 2 + 2?"},
@@ -286,30 +256,8 @@ def test_tiny_gpt_oss_serves_harmony_chat(tmp_path: Any, tok: Tokenizer) -> None
     preset's 320 ids would not cover o200k), random weights. Its reply is noise, so this checks
     that the harmony prompt runs and the response is well formed."""
     import httpx
-    from test_server_api import serve_engine
 
-    from inferx_core.config import load_config
-    from inferx_core.engine import Engine
-    from inferx_models.presets import preset
-
-    config = preset("tiny-gpt-oss") | {
-        "vocab_size": 201088,
-        "bos_token_id": 199998,
-        "eos_token_id": RETURN,
-        "pad_token_id": 199999,
-        "max_position_embeddings": 512,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    cfg = load_config(
-        None,
-        {
-            "model.path": str(tmp_path),
-            "model.load_format": "dummy",
-            "model.tokenizer": str(GPT_OSS),
-            "model.served_name": "tiny",
-        },
-    )
-    with serve_engine(Engine(cfg), cfg) as server:
+    with tiny_gpt_oss_server(tmp_path, 512) as server:
         body = {
             "messages": [{"role": "user", "content": "Hi"}],
             "reasoning_effort": "high",

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
-from test_engine import NEW_TOKENS, PROMPTS, generate, reference  # noqa: E402
+from test_engine import NEW_TOKENS, PROMPTS, generate, make_llm, reference  # noqa: E402
 from test_models import (  # noqa: E402
     CHUNKED_PREFILL,
     PREEMPTING,
@@ -25,6 +25,8 @@ from test_models import (  # noqa: E402
     check_steps,
     hf_logits,
     rel_err,
+    saved,
+    spread_weights,
 )
 
 from inferx_core.attention_torch import TorchAttention, mla_absorbed, mla_plain  # noqa: E402
@@ -102,34 +104,18 @@ def hf_config(variant: str) -> transformers.PretrainedConfig:
 
 def hf_model(variant: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = transformers.DeepseekV2ForCausalLM(hf_config(variant)).eval()
-    # Weights larger than the default init so that logits are far apart and greedy is stable;
-    # norm weights (the latents' among them) away from 1 so that they matter.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.uniform_(0.7, 1.3)
-            else:
-                p.normal_(0, 0.08)
-    return model
+    # The latents' norms among the norms spread away from 1.
+    return spread_weights(transformers.DeepseekV2ForCausalLM(hf_config(variant)).eval())
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def checkpoint(request, tmp_path_factory):
-    model = hf_model(request.param)
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return path, model
+    return saved(hf_model(request.param), tmp_path_factory, request.param)
 
 
 @pytest.fixture(scope="module")
 def expected(checkpoint):
     return reference(checkpoint[1], PROMPTS)
-
-
-def make_llm(path: Path, **overrides: Any) -> LLM:
-    base = {"model.path": str(path), "model.dtype": "float32", "engine.device": "cpu"}
-    return LLM(load_config(None, {**base, **overrides}))
 
 
 def test_published_layout_is_what_we_declare(checkpoint):
@@ -209,13 +195,7 @@ def test_stacked_expert_layout_and_default_rope(tmp_path: Path):
     config = transformers.DeepseekV2Config(**COMMON | {"q_lora_rank": 24})
     config.architectures = ["DeepseekV2ForCausalLM"]
     torch.manual_seed(1)
-    model = transformers.DeepseekV2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.uniform_(0.7, 1.3)
-            else:
-                p.normal_(0, 0.08)
+    model = spread_weights(transformers.DeepseekV2ForCausalLM(config).eval())
     model.save_pretrained(tmp_path / "published")
     (tmp_path / "stacked").mkdir()
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -456,6 +436,13 @@ def test_dummy_v2_lite_matches_transformers_on_the_gpu(tmp_path: Path):
     on the GPU with the torch backend, a batch of four prompts, 64 tokens each: equal to
     transformers until the first divergence, and there each side's token in the other's top-5
     (test_gpu_correctness's check; transformers keeps the router in float32, we in bf16)."""
+    dummy_v2_lite_matches_transformers(tmp_path, "torch", cuda_graphs=False)
+
+
+def dummy_v2_lite_matches_transformers(tmp_path: Path, backend: str, cuda_graphs: bool) -> LLM:
+    """V2-Lite's shapes (4 layers) with random weights in bf16 on the GPU, on `backend`: four
+    prompts (one of 300 tokens), 64 greedy tokens each, test_gpu_correctness's check against
+    transformers. Returns the LLM, for what a caller checks of its executor."""
     from test_gpu_correctness import TOP, check_close, hf_greedy, ours_greedy
 
     from inferx_models.presets import write_checkpoint
@@ -468,8 +455,8 @@ def test_dummy_v2_lite_matches_transformers_on_the_gpu(tmp_path: Path):
         "model.path": str(path),
         "engine.device": "cuda",
         "model.dtype": "bfloat16",
-        "engine.attention_backend": "torch",
-        "engine.cuda_graphs": False,
+        "engine.attention_backend": backend,
+        "engine.cuda_graphs": cuda_graphs,
         "kv_cache.memory": "4GiB",
     }
     llm = LLM(load_config(None, overrides))
@@ -477,4 +464,5 @@ def test_dummy_v2_lite_matches_transformers_on_the_gpu(tmp_path: Path):
     got = ours_greedy(llm, prompts)
     assert TOP == 5 and all(len(g) == 64 for g in got)
     for p, g in zip(prompts, got, strict=True):
-        check_close(g, hf_greedy(ref, p), "deepseek-v2-lite-dummy/torch")
+        check_close(g, hf_greedy(ref, p), f"deepseek-v2-lite-dummy/{backend}")
+    return llm

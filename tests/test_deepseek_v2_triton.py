@@ -8,8 +8,6 @@ with CUDA graphs against transformers."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from conftest import interpreted
@@ -17,8 +15,9 @@ from conftest import interpreted
 pytest.importorskip("triton")
 transformers = pytest.importorskip("transformers")
 
-from test_deepseek_v2 import VARIANTS, hf_model, make_llm  # noqa: E402
-from test_engine import PROMPTS, generate, reference  # noqa: E402
+from test_deepseek_v2 import VARIANTS, hf_model  # noqa: E402
+from test_engine import PROMPTS, generate, make_llm, reference  # noqa: E402
+from test_models import CHUNKED_PREFILL, saved  # noqa: E402
 
 from inferx_core.engine import LLM  # noqa: E402
 from inferx_kernels_cuda import triton_attention  # noqa: E402
@@ -28,24 +27,17 @@ from inferx_kernels_cuda.triton_attention import TritonAttention  # noqa: E402
 TRITON = {"engine.attention_backend": "triton"}
 
 
-def _save(variant: str, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
-    model = hf_model(variant)
-    path = tmp_path_factory.mktemp(variant)
-    model.save_pretrained(path)
-    return path, model
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """test_deepseek_v2's tiny V2 (q LoRA); V2-Lite's shape runs the prefix and graph tests (the
     interpreter makes each whole-model run minutes long on CI's two cores)."""
     assert "v2" in VARIANTS
-    return _save("v2", tmp_path_factory)
+    return saved(hf_model("v2"), tmp_path_factory, "v2")
 
 
 @pytest.fixture(scope="module")
 def lite(tmp_path_factory):
-    return _save("lite", tmp_path_factory)
+    return saved(hf_model("lite"), tmp_path_factory, "lite")
 
 
 @pytest.fixture(scope="module")
@@ -107,16 +99,7 @@ def test_triton_chunked_prefill_and_split_decodes_equal_transformers(
     """Prompt chunks of 7 over cached prefixes packed with decodes (mixed eager steps: the
     decode rows gathered), contexts expanded at most 20 rows a pass, then decodes over split
     contexts: transformers' tokens."""
-    llm = make_llm(
-        checkpoint[0],
-        **TRITON,
-        **{
-            "scheduler.prefill_chunk": 7,
-            "scheduler.max_batched_tokens": 16,
-            "scheduler.max_running": 4,
-            "kv_cache.block_size": 4,
-        },
-    )
+    llm = make_llm(checkpoint[0], **TRITON, **CHUNKED_PREFILL)
     split_mla_decodes(llm).mla_context_rows = 20
     assert generate(llm) == expected
     assert any(p.pieces for p in gathered(prefill_plans))
@@ -167,30 +150,9 @@ def test_dummy_v2_lite_on_triton_with_graphs_matches_transformers(tmp_path):
     (4 layers), random weights, bf16, four prompts (one of 300 tokens), 64 tokens each: equal
     to transformers until the first divergence, there each side's token in the other's
     top-5."""
-    from test_deepseek_v2 import preset
-    from test_gpu_correctness import TOP, check_close, hf_greedy, ours_greedy
+    from test_deepseek_v2 import dummy_v2_lite_matches_transformers
 
-    from inferx_core.config import load_config
-    from inferx_models.presets import write_checkpoint
-
-    config = preset("deepseek-v2-lite") | {"num_hidden_layers": 4}
-    path = write_checkpoint(config, tmp_path / "v2-lite", dtype=torch.bfloat16)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-    ref = ref.cuda().eval()
-    overrides = {
-        "model.path": str(path),
-        "engine.device": "cuda",
-        "model.dtype": "bfloat16",
-        "engine.attention_backend": "triton",
-        "engine.cuda_graphs": True,
-        "kv_cache.memory": "4GiB",
-    }
-    llm = LLM(load_config(None, overrides))
+    llm = dummy_v2_lite_matches_transformers(tmp_path, "triton", cuda_graphs=True)
     ex = llm.engine.executor
     assert ex.graphs is not None and ex.mixed is None
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3], [100 + 997 * i % 100000 for i in range(300)]]
-    got = ours_greedy(llm, prompts)
-    assert TOP == 5 and all(len(g) == 64 for g in got)
     assert ex.graphs.replays
-    for p, g in zip(prompts, got, strict=True):
-        check_close(g, hf_greedy(ref, p), "deepseek-v2-lite-dummy/triton")

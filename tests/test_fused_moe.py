@@ -205,20 +205,25 @@ def mxfp4_experts(spec: ExpertsSpec, dtype: torch.dtype, seed: int) -> Mxfp4Expe
     return experts
 
 
+def dequantized(w: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up, down) exactly dequantized (float32) for mxfp4 and fp8; dense ones as they are."""
+    if w.format == "mxfp4":
+        return dequant_mxfp4(w.gate_up, w.gate_up_scales), dequant_mxfp4(w.down, w.down_scales)
+    if w.format == "fp8":
+        return (
+            w.gate_up.float() * w.gate_up_scales[..., None],
+            w.down.float() * w.down_scales[..., None],
+        )
+    return w.gate_up, w.down
+
+
 def check_experts(experts, fmt, spec, dtype, tokens, k, seed, ids=None, **kw):
     x = torch.randn(tokens, spec.hidden_size, generator=gen(seed)).to(dtype)
     weights, routed = random_routing(tokens, spec.num_experts, k, seed + 1)
     ids = routed if ids is None else ids
     w = experts.expert_weights()
     assert w.format == fmt
-    if fmt == "mxfp4":
-        gate_up = dequant_mxfp4(w.gate_up, w.gate_up_scales)
-        down = dequant_mxfp4(w.down, w.down_scales)
-    elif fmt == "fp8":
-        gate_up = w.gate_up.float() * w.gate_up_scales[..., None]
-        down = w.down.float() * w.down_scales[..., None]
-    else:
-        gate_up, down = w.gate_up, w.down
+    gate_up, down = dequantized(w)
     want = reference_experts(x, weights, ids, gate_up, w.gate_up_bias, down, w.down_bias, spec)
     got = fused_experts(x, weights, ids, w, spec, **kw)
     assert got.shape == x.shape and got.dtype == dtype
@@ -630,14 +635,7 @@ def test_gpu_grouped_gemm_formats(shape, fmt, tokens, atomic_sum):
     act, bias = ("swiglu_oai", True) if kind.startswith("gpt-oss") else ("silu", False)
     spec = ExpertsSpec("mlp.experts", experts, hidden, inter, act, bias=bias)
     w = gpu_expert_weights(fmt, spec)
-    if fmt == "mxfp4":
-        gate_up = dequant_mxfp4(w.gate_up, w.gate_up_scales)
-        down = dequant_mxfp4(w.down, w.down_scales)
-    elif fmt == "fp8":
-        gate_up = w.gate_up.float() * w.gate_up_scales[..., None]
-        down = w.down.float() * w.down_scales[..., None]
-    else:
-        gate_up, down = w.gate_up.float(), w.down.float()
+    gate_up, down = (t.float() for t in dequantized(w))
     x = torch.randn(tokens, hidden, device=GPU).to(torch.bfloat16)
     logits = torch.randn(tokens, experts, device=GPU)
     weights, ids = route(logits, RouterSpec(experts, k, renormalize=True))

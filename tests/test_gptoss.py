@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,13 +15,12 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 
 from conftest import interpreted  # noqa: E402
-from test_engine import NEW_TOKENS, reference  # noqa: E402
-from test_models import Runner, check_steps  # noqa: E402
+from test_engine import NEW_TOKENS, make_llm, reference  # noqa: E402
+from test_models import PACKED_CHUNKS, Runner, check_steps, saved  # noqa: E402
 
 from inferx_core.attention_torch import TorchAttention  # noqa: E402
 from inferx_core.batch import make_attention_batch  # noqa: E402
 from inferx_core.cli import main  # noqa: E402
-from inferx_core.config import load_config  # noqa: E402
 from inferx_core.engine import LLM  # noqa: E402
 from inferx_core.interfaces.moe import ExpertsSpec  # noqa: E402
 from inferx_core.interfaces.quant import QuantConfig  # noqa: E402
@@ -109,10 +107,7 @@ def random_mxfp4(gen: torch.Generator, rows: int, cols: int, experts: int) -> di
 
 @pytest.fixture(scope="module")
 def bf16_checkpoint(tmp_path_factory):
-    model = hf_model()
-    path = tmp_path_factory.mktemp("gptoss-bf16")
-    model.save_pretrained(path)
-    return path, model
+    return saved(hf_model(), tmp_path_factory, "gptoss-bf16")
 
 
 @pytest.fixture(scope="module")
@@ -141,11 +136,6 @@ def mxfp4_checkpoint(bf16_checkpoint, tmp_path_factory):
         attn_implementation="eager",
     ).eval()
     return path, model
-
-
-def make_llm(path: Path, **overrides: Any) -> LLM:
-    base = {"model.path": str(path), "model.dtype": "float32", "engine.device": "cpu"}
-    return LLM(load_config(None, {**base, **overrides}))
 
 
 def generate(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
@@ -263,13 +253,7 @@ def test_logits_packed_and_chunked_match_transformers(bf16_checkpoint):
     path, ref = bf16_checkpoint
     runner = GroupRunner(path, 4)
     full = {"a": PROMPTS[0], "b": PROMPTS[1][:21], "c": PROMPTS[4]}
-    schedule = [
-        [("a", 0, 11), ("b", 0, 21)],
-        [("a", 11, 30), ("c", 0, 6)],
-        [("a", 30, 31), ("c", 6, 13)],
-        [("a", 31, 37)],
-    ]
-    check_steps(runner, ref, full, schedule, RTOL)
+    check_steps(runner, ref, full, PACKED_CHUNKS, RTOL)
 
 
 @pytest.mark.parametrize("layout", ["bf16", "mxfp4"])

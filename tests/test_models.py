@@ -98,6 +98,37 @@ def hf_model(cfg: dict[str, Any], path: Path | None = None) -> torch.nn.Module:
     return model
 
 
+def spread_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """Weights larger than the default init, so that logits are far apart and greedy is stable;
+    norm weights (the 1-d ones) away from 1, so that they matter."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.7, 1.3)
+            else:
+                p.normal_(0, 0.08)
+    return model
+
+
+def saved(
+    model: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory, name: str
+) -> tuple[Path, torch.nn.Module]:
+    """(a fresh folder named after `name` holding the model's checkpoint, the model)."""
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    return path, model
+
+
+# Steps of (sequence, start, end) for check_steps: prompt chunks packed with fresh prompts, a
+# chunk over a cached prefix beside a decode, then the rest of one prompt.
+PACKED_CHUNKS = [
+    [("a", 0, 11), ("b", 0, 21)],
+    [("a", 11, 30), ("c", 0, 6)],
+    [("a", 30, 31), ("c", 6, 13)],
+    [("a", 31, 37)],
+]
+
+
 def hf_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=torch.tensor([tokens])).logits[0].float()

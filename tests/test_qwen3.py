@@ -15,20 +15,21 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 
 from conftest import interpreted  # noqa: E402
-from test_engine import PROMPTS, generate, reference  # noqa: E402
+from test_engine import PROMPTS, generate, make_llm, reference  # noqa: E402
 from test_models import (  # noqa: E402
     CHUNKED_PREFILL,
+    PACKED_CHUNKS,
     PREEMPTING,
     Runner,
     check_prefix_hit,
     check_steps,
     hf_logits,
     rel_err,
+    saved,
+    spread_weights,
 )
 
 from inferx_core.cli import main  # noqa: E402
-from inferx_core.config import load_config  # noqa: E402
-from inferx_core.engine import LLM  # noqa: E402
 from inferx_core.interfaces.model import BuildContext  # noqa: E402
 from inferx_core.plugins import plugins  # noqa: E402
 from inferx_core.quant_none import Unquantized  # noqa: E402
@@ -78,34 +79,18 @@ def hf_config(arch: str, **overrides: Any) -> transformers.PretrainedConfig:
 def hf_model(arch: str, **overrides: Any) -> torch.nn.Module:
     torch.manual_seed(0)
     cls = transformers.Qwen3ForCausalLM if arch == "qwen3" else transformers.Qwen3MoeForCausalLM
-    model = cls(hf_config(arch, **overrides)).eval()
-    # Larger weights than the default init so that logits are far apart and greedy is stable;
-    # norm weights (q_norm and k_norm among them) away from 1 so that they matter.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.uniform_(0.7, 1.3)
-            else:
-                p.normal_(0, 0.08)
-    return model
+    # q_norm and k_norm among the norms spread away from 1.
+    return spread_weights(cls(hf_config(arch, **overrides)).eval())
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3-moe"])
 def checkpoint(request, tmp_path_factory):
-    model = hf_model(request.param)
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return path, model
+    return saved(hf_model(request.param), tmp_path_factory, request.param)
 
 
 @pytest.fixture(scope="module")
 def expected(checkpoint):
     return reference(checkpoint[1], PROMPTS)
-
-
-def make_llm(path: Path, **overrides: Any) -> LLM:
-    base = {"model.path": str(path), "model.dtype": "float32", "engine.device": "cpu"}
-    return LLM(load_config(None, {**base, **overrides}))
 
 
 def test_published_layout_is_what_transformers_writes(checkpoint):
@@ -124,13 +109,7 @@ def test_logits_packed_and_chunked_match_transformers(checkpoint):
     path, ref = checkpoint
     runner = Runner(path, 4)
     full = {"a": PROMPTS[0], "b": PROMPTS[3][:21], "c": PROMPTS[4]}
-    schedule = [
-        [("a", 0, 11), ("b", 0, 21)],
-        [("a", 11, 30), ("c", 0, 6)],
-        [("a", 30, 31), ("c", 6, 13)],
-        [("a", 31, 37)],
-    ]
-    check_steps(runner, ref, full, schedule, RTOL)
+    check_steps(runner, ref, full, PACKED_CHUNKS, RTOL)
 
 
 def test_batched_greedy_equals_transformers(checkpoint, expected):

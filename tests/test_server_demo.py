@@ -5,20 +5,15 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
+from chat_servers import demo_server, openai_client, require_demo_model
 
-try:
-    from inferx_models.gguf import find_demo_gguf
-
-    find_demo_gguf()
-except (ImportError, FileNotFoundError) as exc:
-    pytest.skip(f"the demo model is not installed ({exc})", allow_module_level=True)
+require_demo_model()
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -26,23 +21,13 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[subprocess.Popen, str]]:
-    cmd = [sys.executable, "-m", "inferx_server.cli", "--port", "0", "--max-model-len", "512"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()  # blocks until the model is loaded, or the server died
-        assert "loaded in" in line and "listening on http://127.0.0.1:" in line, (
-            line + proc.stderr.read()
-        )
-        yield proc, line.rsplit(" ", 1)[1].strip()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
+    with demo_server(512) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
 def client(server: tuple[subprocess.Popen, str]) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server[1] + "/v1", api_key="none", max_retries=0, timeout=60)
+    return openai_client(server[1], timeout=60)
 
 
 def test_chat_answers_paris_and_reuses_the_prefix(client: openai.OpenAI) -> None:

@@ -7,23 +7,17 @@ its schema."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import openai
 import pytest
+from chat_servers import demo_server, openai_client, require_demo_model
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
-try:
-    from inferx_models.gguf import find_demo_gguf
-
-    find_demo_gguf()
-except (ImportError, FileNotFoundError) as exc:
-    pytest.skip(f"the demo model is not installed ({exc})", allow_module_level=True)
+require_demo_model()
 
 pytestmark = pytest.mark.slow
 
@@ -329,16 +323,8 @@ def ask(what: str) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    cmd = [sys.executable, "-m", "inferx_server.cli", "--port", "0", "--max-model-len", "512"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert "listening on http://127.0.0.1:" in line, line + proc.stderr.read()
-        yield line.rsplit(" ", 1)[1].strip()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
+    with demo_server(512) as (_, url):
+        yield url
 
 
 MODEL = ""  # the served model's name, set by the client fixture
@@ -347,7 +333,7 @@ MODEL = ""  # the served model's name, set by the client fixture
 @pytest.fixture(scope="module")
 def client(server: str) -> openai.OpenAI:
     global MODEL
-    c = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=600)
+    c = openai_client(server, timeout=600)
     MODEL = c.models.list().data[0].id
     return c
 

@@ -7,6 +7,7 @@ OpenAI streams them, and 400s naming the field."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from chat_servers import llama31_tokenizer, openai_client, serve_scripted
 from conftest import FIXTURES
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -178,44 +180,11 @@ def test_family_of_templates() -> None:
 # -- through the server, with a scripted model ---------------------------------------------------
 
 
-class ScriptedExecutor:
-    """A "model" that replies with `script` (token ids), then `filler` forever; it records the
-    last prompt it saw."""
-
-    def __init__(self, script: list[int], filler: int) -> None:
-        self.num_kv_blocks, self.block_size, self.max_model_len = 256, 16, 2048
-        self.script = script
-        self.filler = filler
-        self.prompt: list[int] = []
-
-    def execute(self, out: Any) -> Any:
-        from inferx_core.interfaces import StepResult
-
-        sampled = []
-        for c in out.chunks:
-            if c.sample:
-                seq = c.seq
-                self.prompt = seq.token_ids[: seq.num_prompt]
-                n = c.start + c.num_tokens - seq.num_prompt
-                sampled.append(self.script[n] if n < len(self.script) else self.filler)
-        return StepResult(sampled, [])
-
-
 def _serve(name: str, template: str | None = None) -> Iterator[Any]:
-    from test_server_api import serve_engine
-
-    from inferx_core.config import load_config
-    from inferx_core.engine import Engine
-
     tok = Tokenizer.from_dir(TOKENIZERS / name)
     if template is not None:
         tok.chat_template = template
-    config = load_config(None, {"model.served_name": name})
-    executor = ScriptedExecutor([], tok.encode(".", add_special_tokens=False)[0])
-    engine = Engine(config, executor=executor, tokenizer=tok)
-    with serve_engine(engine, config) as transport:
-        transport.tok = tok
-        yield transport
+    yield from serve_scripted(tok, name)
 
 
 @pytest.fixture(scope="module")
@@ -229,9 +198,7 @@ def llama_server() -> Iterator[Any]:
 
 
 def _client(server: Any) -> Any:
-    import openai
-
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    return openai_client(server.url)
 
 
 def _script(server: Any, reply: str, end: str) -> None:
@@ -522,3 +489,176 @@ def test_required_grammar_holds_qwen_to_a_call(parallel: bool) -> None:
     assert not accepts('<tool_call>\n{"name": "get_news", "arguments": {}}')[0]
     assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"unit": "K"')[0]
     assert not accepts("Sure")[0]
+
+
+# -- Llama 3.1: Meta's template, replies ending at <|eom_id|> ------------------------------------
+
+EOM, EOT, PYTHON_TAG = 128008, 128009, 128010
+LLAMA31_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+PARIS = [("get_weather", {"city": "Paris"})]
+ASK_WEATHER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def llama31(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return Tokenizer.from_dir(llama31_tokenizer(tmp_path_factory.mktemp("llama31")))
+
+
+@pytest.fixture(scope="module")
+def llama31_server(llama31: Tokenizer) -> Iterator[Any]:
+    yield from serve_scripted(llama31, "llama31")
+
+
+def _script_ids(server: Any, reply: str, end: int) -> list[int]:
+    """The scripted model writes `reply`, then the token `end` (then "." until max_tokens)."""
+    ids = server.tok.encode(reply, add_special_tokens=False) + [end]
+    server.engine.executor.script = ids
+    return ids
+
+
+def test_llama31_replies_end_at_eom_and_eot(llama31: Tokenizer) -> None:
+    """Llama 3's end of turn and 3.1's end of message both end a reply, from the tokenizer alone:
+    this one has no generation_config.json and its eos_token is <|eot_id|>. Llama 3's own
+    vocabulary (128008 a reserved token there) gets <|eot_id|> beside <|end_of_text|>."""
+    assert llama31.eos_token_ids == {EOM, EOT}
+    ids = llama31.encode("<|python_tag|>{}<|eom_id|>", add_special_tokens=False)
+    assert ids[0] == PYTHON_TAG and ids[-1] == EOM
+    assert Tokenizer.from_dir(TOKENIZERS / "llama3").eos_token_ids == {128001, EOT}
+    assert family_of(llama31.chat_template) == ("llama3", True)
+
+
+@pytest.mark.parametrize("grammar", ["lazy", "off"])
+@pytest.mark.parametrize("tag", ["", "<|python_tag|>"])
+def test_llama31_call_ending_at_eom(
+    llama31_server: Any, monkeypatch: Any, caplog: Any, grammar: str, tag: str
+) -> None:
+    """A recorded call closed by <|eom_id|>, as Llama 3.1 closes one in its ipython environment
+    (which Meta's template declares whenever tools are given), with and without <|python_tag|>:
+    the reply stops there (the scripted model would write "." after it up to max_tokens) and
+    is one tool call with finish_reason "tool_calls", whole and streamed. Under the lazy
+    grammar <|eom_id|> is one of the call's allowed ends, not a token the grammar refuses."""
+    monkeypatch.setattr(llama31_server.state, "tool_call_grammar", grammar)
+    script = _script_ids(llama31_server, tag + LLAMA31_CALL, EOM)
+    client = _client(llama31_server)
+    kw: dict[str, Any] = dict(
+        model="llama31", messages=ASK_WEATHER, tools=[WEATHER], max_tokens=100
+    )
+    with caplog.at_level(logging.WARNING, logger="inferx"):
+        r = client.chat.completions.create(**kw)
+        content, calls, finish = _stream_calls(client.chat.completions.create(**kw, stream=True))
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert got == PARIS
+    assert r.usage.completion_tokens == len(script)
+    assert content == "" and finish[-1] == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == PARIS
+    assert "refused" not in caplog.text
+
+
+def test_llama31_eom_kept_as_text_still_ends_the_call(llama31_server: Any) -> None:
+    """With skip_special_tokens false the reply's text ends with "<|eom_id|>": the parser takes
+    it as the call's end, not as content that would turn the call into text."""
+    _script_ids(llama31_server, "<|python_tag|>" + LLAMA31_CALL, EOM)
+    client = _client(llama31_server)
+    kw: dict[str, Any] = dict(
+        model="llama31", messages=ASK_WEATHER, tools=[WEATHER], max_tokens=100,
+        extra_body={"skip_special_tokens": False},
+    )  # fmt: skip
+    r = client.chat.completions.create(**kw)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == PARIS
+    content, calls, finish = _stream_calls(client.chat.completions.create(**kw, stream=True))
+    assert content == "" and finish[-1] == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == PARIS
+    # A text reply keeps its end marker as text, as asked.
+    _script_ids(llama31_server, "Sunny.", EOT)
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].message.content == "Sunny.<|eot_id|>"
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_llama31_round_trip_renders_as_metas_template(
+    llama31_server: Any, llama31: Tokenizer
+) -> None:
+    """The conversation goes back through Meta's template exactly as transformers renders it:
+    "Environment: ipython" in the system message (tools given), the tools in the first user
+    message, the call as `{"name": ..., "parameters": ...}<|eot_id|>` and the result as an
+    ipython message. The answer then ends at <|eot_id|> with finish_reason "stop". Two calls in
+    one assistant turn are a 400 with the template's own reason: Meta's template renders one."""
+    transformers = pytest.importorskip("transformers")
+    client = _client(llama31_server)
+    _script_ids(llama31_server, LLAMA31_CALL, EOM)
+    r = client.chat.completions.create(model="llama31", messages=ASK_WEATHER, tools=[WEATHER])
+    msg = r.choices[0].message
+    first = llama31.decode(llama31_server.engine.executor.prompt, skip_special_tokens=False)
+    assert first.startswith(
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n"
+    )
+    assert json.dumps(WEATHER, indent=4) + "\n\nWeather in Paris?<|eot_id|>" in first
+
+    answer = _script_ids(llama31_server, "It is 18 C in Paris.", EOT)
+    history = [
+        *ASK_WEATHER,
+        msg.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": '{"temp": 18}'},
+    ]
+    r = client.chat.completions.create(model="llama31", messages=history, tools=[WEATHER])
+    assert r.choices[0].message.content == "It is 18 C in Paris."
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    assert r.usage.completion_tokens == len(answer)
+    prompt = llama31_server.engine.executor.prompt
+    text = llama31.decode(prompt, skip_special_tokens=False)
+    assert (
+        "<|start_header_id|>assistant<|end_header_id|>\n\n" + LLAMA31_CALL + "<|eot_id|>"
+        "<|start_header_id|>ipython<|end_header_id|>\n\n"
+        + json.dumps('{"temp": 18}')  # the template writes a string result as JSON text
+        + "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    ) in text
+    # transformers, given the same conversation as its users write it (arguments decoded).
+    hf = transformers.AutoTokenizer.from_pretrained(llama31.name_or_path)
+    call = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    reference = [
+        *ASK_WEATHER,
+        {"role": "assistant", "tool_calls": [{"type": "function", "function": call}]},
+        history[2],
+    ]
+    rendered = hf.apply_chat_template(
+        reference, tools=[WEATHER], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt == llama31.encode(rendered, add_special_tokens=False)
+
+    two = msg.model_dump(exclude_none=True)
+    two["tool_calls"] = [two["tool_calls"][0], {**two["tool_calls"][0], "id": "call_2"}]
+    body = {"model": "llama31", "messages": [*ASK_WEATHER, two], "tools": [WEATHER]}
+    err = httpx.post(llama31_server.url + "/v1/chat/completions", json=body)
+    assert err.status_code == 400 and "single tool-calls" in err.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("required", [False, True])
+def test_llama31_grammar_lets_a_call_end_at_eom(llama31: Tokenizer, required: bool) -> None:
+    """The grammar holding a Llama 3.1 call (tool_choice "auto" and "required"): once the
+    call's JSON is complete, <|eom_id|> and <|eot_id|> are both allowed (the grammar's ends are
+    the tokenizer's eos ids), so a sampling model may close its call as it was trained to."""
+    pytest.importorskip("llguidance")
+    import torch
+
+    from inferx_server.grammar_llguidance import LLGuidanceBackend
+    from inferx_server.tool_grammars import tool_grammar
+
+    vocab = 128256
+    backend = LLGuidanceBackend(llama31, vocab)
+    grammar = tool_grammar(llama31, "llama3", [WEATHER["function"]], required=required)
+    compiled = backend.compile(grammar, "lark")
+    for reply in (LLAMA31_CALL, "<|python_tag|>" + LLAMA31_CALL):
+        m = backend.matcher(compiled)
+        assert all(m.accept(t) for t in llama31.encode(reply, add_special_tokens=False)), reply
+        mask = torch.zeros(1, vocab // 32, dtype=torch.int32)
+        backend.fill_bitmask([m], mask)
+
+        def allowed(t: int, mask: torch.Tensor = mask) -> bool:
+            return bool((int(mask[0, t // 32]) >> (t % 32)) & 1)
+
+        assert allowed(EOM) and allowed(EOT) and not allowed(PYTHON_TAG)
+        assert m.accept(EOM) and m.is_terminated()

@@ -8,22 +8,16 @@ this tiny model calls reliably, and under "auto" a call it opens is held to the 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
+from chat_servers import demo_server, openai_client, require_demo_model
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
-try:
-    from inferx_models.gguf import find_demo_gguf
-
-    find_demo_gguf()
-except (ImportError, FileNotFoundError) as exc:
-    pytest.skip(f"the demo model is not installed ({exc})", allow_module_level=True)
+require_demo_model()
 
 pytestmark = pytest.mark.slow
 
@@ -59,17 +53,8 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER,
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[openai.OpenAI]:
-    cmd = [sys.executable, "-m", "inferx_server.cli", "--port", "0", "--max-model-len", "1024"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert "listening on http://127.0.0.1:" in line, line + proc.stderr.read()
-        url = line.rsplit(" ", 1)[1].strip()
-        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
+    with demo_server(1024) as (_, url):
+        yield openai_client(url, timeout=600)
 
 
 def _model(client: openai.OpenAI) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from chat_servers import openai_client, tiny_gpt_oss_server
 from conftest import FIXTURES
 
 pytest.importorskip("llguidance")
@@ -304,31 +305,7 @@ def test_config_key_is_checked() -> None:
 def tiny_gpt_oss(tmp_path_factory: Any) -> Iterator[Any]:
     """tiny-gpt-oss's shapes with o200k_harmony's full vocabulary, random weights, served."""
     pytest.importorskip("openai_harmony")
-    from test_server_api import serve_engine
-
-    from inferx_core.config import load_config
-    from inferx_core.engine import Engine
-    from inferx_models.presets import preset
-
-    path = tmp_path_factory.mktemp("tiny-gpt-oss")
-    config = preset("tiny-gpt-oss") | {
-        "vocab_size": VOCAB["gpt-oss"],
-        "bos_token_id": 199998,
-        "eos_token_id": RETURN,
-        "pad_token_id": 199999,
-        "max_position_embeddings": 1024,
-    }
-    (path / "config.json").write_text(json.dumps(config))
-    cfg = load_config(
-        None,
-        {
-            "model.path": str(path),
-            "model.load_format": "dummy",
-            "model.tokenizer": str(TOKENIZERS / "gpt-oss"),
-            "model.served_name": "tiny",
-        },
-    )
-    with serve_engine(Engine(cfg), cfg) as server:
+    with tiny_gpt_oss_server(tmp_path_factory.mktemp("tiny-gpt-oss"), 1024) as server:
         yield server
 
 
@@ -364,9 +341,8 @@ def test_tiny_gpt_oss_required_call(tiny_gpt_oss: Any, choice: str) -> None:
     """A random model, held by the grammar: its reply is a call that parses (finish_reason
     "tool_calls", arguments valid for the function). Analysis text would run on for ever in a
     random model, so <|end|> is biased up: it can only be taken where a message may end."""
-    import openai
 
-    client = openai.OpenAI(base_url=tiny_gpt_oss.url + "/v1", api_key="x", max_retries=0)
+    client = openai_client(tiny_gpt_oss.url)
     tool_choice: Any = "required"
     names = {"set_unit", "get_hour"}
     if choice == "named":
@@ -427,9 +403,8 @@ def test_tiny_gpt_oss_auto_calls_are_valid(tiny_gpt_oss: Any, monkeypatch: Any) 
     of any channel (ended at once by the <|end|> bias) or addresses a function; that call is
     held to the function's schema. Each reply is a valid call or no call at all. With "off"
     the same model writes no call: the grammar is what made them."""
-    import openai
 
-    client = openai.OpenAI(base_url=tiny_gpt_oss.url + "/v1", api_key="x", max_retries=0)
+    client = openai_client(tiny_gpt_oss.url)
     kw: dict[str, Any] = dict(
         model="tiny", messages=[{"role": "user", "content": "Use a tool."}],
         tools=[UNIT, CLOCK], max_tokens=300, temperature=1.0, logit_bias={"200007": 100},
@@ -469,9 +444,8 @@ def test_harmony_response_format_grammar(toks: dict[str, Tokenizer]) -> None:
 def test_tiny_gpt_oss_response_format(tiny_gpt_oss: Any) -> None:
     """A chat request to gpt-oss with a JSON schema: the final message is JSON valid for it
     (reasoning first, free); a schema llguidance cannot compile is a 400 on response_format."""
-    import openai
 
-    client = openai.OpenAI(base_url=tiny_gpt_oss.url + "/v1", api_key="x", max_retries=0)
+    client = openai_client(tiny_gpt_oss.url)
     schema = {
         "type": "object",
         "properties": {"unit": {"enum": ["C", "F"]}, "hot": {"type": "boolean"}},

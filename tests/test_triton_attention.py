@@ -9,7 +9,13 @@ import torch
 
 pytest.importorskip("triton", reason="the triton package is not installed")
 
-from conftest import fused_views, interpreted, on_gpu, plan_steps  # noqa: E402
+from conftest import (  # noqa: E402
+    fused_views,
+    interpreted,
+    on_gpu,
+    plan_steps,
+    scattered_tables,
+)
 from test_attention_torch import dense_reference, rel_err  # noqa: E402
 
 from inferx_core.attention_torch import TorchAttention  # noqa: E402
@@ -49,12 +55,7 @@ def check_steps(
         backends.append(TorchAttention(layers, bs, dtype, device))
     for b in backends:
         b.allocate(num_blocks)
-    # Scattered, non-contiguous block ids, as a real block manager hands them out.
-    ids = torch.randperm(num_blocks).tolist()
-    tables = []
-    for n in blocks_needed:
-        tables.append(ids[:n])
-        ids = ids[n:]
+    tables = scattered_tables(totals, bs, num_blocks)
     hist = [
         [
             tuple(

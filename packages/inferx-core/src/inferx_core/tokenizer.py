@@ -16,6 +16,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # The names transformers exposes to chat templates as variables (its special_tokens_map).
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# Llama 3's end of turn and Llama 3.1's end of message (written after a tool call in its ipython
+# environment): a reply ends at either, whatever eos the checkpoint's config lists.
+_TURN_ENDS = ("<|eot_id|>", "<|eom_id|>")
 
 
 def _token_str(value: Any) -> str | None:
@@ -47,7 +50,8 @@ class Tokenizer:
     tokenizer.json post-processor decides about BOS, add_bos_token in the config does not).
     `config` is a tokenizer_config.json dict; the keys read are the special tokens (bos_token,
     eos_token, pad_token, unk_token, additional_special_tokens), chat_template and
-    split_special_tokens. `eos_token_ids` adds stop ids to the config's eos_token.
+    split_special_tokens. `eos_token_ids` adds stop ids to the config's eos_token, and so do
+    Llama 3's `<|eot_id|>` and `<|eom_id|>` where the vocabulary has them as special tokens.
     """
 
     def __init__(
@@ -69,6 +73,8 @@ class Tokenizer:
         eos = set(eos_token_ids)
         if (eos_id := self._id_of(self.eos_token)) is not None:
             eos.add(eos_id)
+        special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        eos.update(special[t] for t in _TURN_ENDS if t in special)
         self.eos_token_ids: set[int] = eos
         self.chat_template: str | dict[str, str] | None = self._read_template(
             self.config.get("chat_template")

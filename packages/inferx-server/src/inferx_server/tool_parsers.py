@@ -9,7 +9,8 @@ Families:
 - "hermes": Qwen2.5 / Qwen3 (and the fallback for templates without tools):
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, several allowed, text around them.
 - "llama3": Llama 3.1's JSON tool calls: the whole reply is `{"name": ..., "parameters": {...}}`
-  (or "arguments"), optionally after `<|python_tag|>`, several separated by `;`.
+  (or "arguments"), optionally after `<|python_tag|>`, several separated by `;`, ending at
+  `<|eom_id|>` (or `<|eot_id|>`), both end-of-sequence tokens (inferx_core.tokenizer).
 """
 
 from __future__ import annotations
@@ -118,6 +119,9 @@ class HermesParser(ToolParser):
 
 class Llama3Parser(ToolParser):
     TAG = "<|python_tag|>"
+    # The turn's end, in the text when special tokens are not skipped: <|eom_id|> after a call
+    # in the ipython environment (tools given), <|eot_id|> otherwise.
+    ENDS = ("<|eom_id|>", "<|eot_id|>")
 
     def __init__(self) -> None:
         self._buf = ""
@@ -144,6 +148,10 @@ class Llama3Parser(ToolParser):
         body = rest.strip()
         if body.startswith(self.TAG):
             body = body[len(self.TAG) :].strip()
+        for end in self.ENDS:
+            if body.endswith(end):
+                body = body[: -len(end)].rstrip()
+                break
         calls: list[Event] = []
         decoder = json.JSONDecoder()
         pos = 0
