@@ -155,11 +155,11 @@ def require_demo_model() -> None:
 
 
 @contextmanager
-def demo_server(max_model_len: int) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`inferx-server` serving the demo model in a subprocess: (the process, its URL) once it
-    listens; killed at the end if still running."""
+def demo_server(max_model_len: int, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`inferx-server` serving the demo model in a subprocess (flags added to its command
+    line): (the process, its URL) once it listens; killed at the end if still running."""
     cmd = [sys.executable, "-m", "inferx_server.cli", "--port", "0"]
-    cmd += ["--max-model-len", str(max_model_len)]
+    cmd += ["--max-model-len", str(max_model_len), *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()  # blocks until the model is loaded, or the server died

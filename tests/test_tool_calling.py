@@ -286,10 +286,11 @@ def test_qwen_round_trip(qwen_server: Any) -> None:
 
 
 def test_qwen_malformed_call_is_content(qwen_server: Any, monkeypatch: Any) -> None:
-    """With server.tool_call_grammar "off" a malformed call is content; with "lazy" (the
-    default) the grammar refuses it (the scripted model ignores the mask: the reply ends at the
+    """With server.tool_call_grammar "off" (the default) a malformed call is content; with
+    "lazy" the grammar refuses it (the scripted model ignores the mask: the reply ends at the
     refused token, which a sampling model could not have picked)."""
     bad = '<tool_call>\n{"name": get_weather}\n</tool_call>'
+    monkeypatch.setattr(qwen_server.state, "tool_call_grammar", "lazy")
     _script(qwen_server, bad, "<|im_end|>")
     client = _client(qwen_server)
     messages = [{"role": "user", "content": "?"}]

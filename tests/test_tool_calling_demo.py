@@ -53,7 +53,8 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER,
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[openai.OpenAI]:
-    with demo_server(1024) as (_, url):
+    # the lazy tool-call grammar for tool_choice auto (off by default)
+    with demo_server(1024, "--server-tool-call-grammar", "lazy") as (_, url):
         yield openai_client(url, timeout=600)
 
 

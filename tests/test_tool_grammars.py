@@ -295,8 +295,9 @@ def test_plans_pick_the_grammar(toks: dict[str, Tokenizer]) -> None:
 def test_config_key_is_checked() -> None:
     from inferx_core.config import load_config
 
-    assert load_config(None, {}).server.tool_call_grammar == "lazy"
-    assert load_config(None, {"server.tool_call_grammar": "off"}).server.tool_call_grammar == "off"
+    assert load_config(None, {}).server.tool_call_grammar == "off"
+    lazy = load_config(None, {"server.tool_call_grammar": "lazy"})
+    assert lazy.server.tool_call_grammar == "lazy"
     with pytest.raises(ValueError, match="tool_call_grammar"):
         load_config(None, {"server.tool_call_grammar": "eager"})
 
@@ -403,6 +404,7 @@ def test_tiny_gpt_oss_auto_calls_are_valid(tiny_gpt_oss: Any, monkeypatch: Any) 
     of any channel (ended at once by the <|end|> bias) or addresses a function; that call is
     held to the function's schema. Each reply is a valid call or no call at all. With "off"
     the same model writes no call: the grammar is what made them."""
+    monkeypatch.setattr(tiny_gpt_oss.state, "tool_call_grammar", "lazy")
 
     client = openai_client(tiny_gpt_oss.url)
     kw: dict[str, Any] = dict(

@@ -252,10 +252,11 @@ class ServerSection(Section):
         default=5.0, ge=0, le=1000, description="ms an idle engine waits for a burst's prompts"
     )
     # tool_choice "auto": "lazy" holds a tool call to the tools' schemas from the moment the
-    # model opens one (its text stays free); "off" only parses the reply. "required" and a
-    # named function are always held to a call.
+    # model opens one (its text stays free); "off" (the default, as vLLM) only parses the
+    # reply: a grammar on every row costs host time each step (docs/ARCHITECTURE.md).
+    # "required" and a named function are always held to a call.
     tool_call_grammar: Literal["lazy", "off"] = Field(
-        default="lazy", description="tool_choice auto: constrain calls once opened (lazy) or off"
+        default="off", description="tool_choice auto: constrain calls once opened (lazy) or off"
     )
 
 

@@ -90,7 +90,7 @@ class ServerState:
     max_waiting: int | None = None  # scheduler.max_waiting: the most sequences ever queued
     api_key: str | None = None
     chat_format: Any = None  # harmony for gpt-oss (chat_formats.harmony_format); None: template
-    tool_call_grammar: str = "lazy"  # server.tool_call_grammar: tool_choice "auto" constrained
+    tool_call_grammar: str = "off"  # server.tool_call_grammar: tool_choice "auto" constrained
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     _token_strs: dict[int, str] = field(default_factory=dict)
