@@ -6,7 +6,11 @@ part's rows) or per block ([ceil(N/bn), ceil(K/bk)], DeepSeek-V3 / Qwen3-FP8 sty
 activations quantized per token per group of bk columns); activations quantized per token
 (dynamic), per tensor (dynamic or a static input_scale), or not at all (weight-only).
 
-Two GEMMs:
+Three GEMMs:
+- `tma_fp8_gemm` (tma_gemv.tma_fp8_linear_parts) for per-row weight scales at decode sizes on
+  Hopper: the weight (and x) read through TMA tensor descriptors, e4m3 x e4m3 on tensor cores
+  (weight-only: the weight tile cast to x's dtype in registers), both scales and the bias in
+  the epilogue, K split into parts summed by split_sum_kernel;
 - `torch._scaled_mm` (cuBLASLt) for per-row weight scales with quantized activations: row-wise
   scales on both sides, the bias in its epilogue;
 - `fp8_gemm_kernel`, a Triton GEMM for every layout: the e4m3 tiles go to tensor cores as they
@@ -17,7 +21,8 @@ Two GEMMs:
   second launch (deterministic, no atomics, no host sync: graph-capturable).
 
 Which runs for per-row layouts is `pick_gemm`'s rule (`gemm="auto"`), from
-benchmarks/fp8_gemm.py (docs/BENCHMARKS.md); `gemm` forces one.
+benchmarks/fp8_gemm.py (docs/BENCHMARKS.md); `gemm` ("tma", "triton", "cublas") forces one.
+Block-scaled weights always take the Triton kernel.
 """
 
 from __future__ import annotations
@@ -28,10 +33,14 @@ import torch
 import triton
 import triton.language as tl
 
+from inferx_kernels_cuda import tma_gemv
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 _SMS = 132
+# Rows up to which auto takes the TMA decode GEMM (pick_gemm) on a Hopper or newer GPU.
+TMA_MAX_ROWS = 64
 
 
 def _interpreting() -> bool:
@@ -297,8 +306,57 @@ def cublas_fp8_gemm(
     )
 
 
-def pick_gemm(m: int, n: int, k: int) -> str:
-    """auto's GEMM for per-row layouts with quantized activations (benchmarks/fp8_gemm.py)."""
+def tma_fp8_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    parts: int | None = None,
+) -> torch.Tensor:
+    """tma_gemv.tma_fp8_linear_parts as one [M, N] result: a [M <= 64-ish, K] e4m3 with a_scale
+    [M, 1] or [1, 1], or half precision with a_scale None (weight-only); w [N, K] e4m3 with
+    w_scale [N]. Split into tma_gemv.fp8_parts K-slices (or `parts`); more than one are kept
+    in fp32 and summed, with the bias, by split_sum_kernel."""
+    m, k = a.shape
+    n = w.shape[0]
+    sms = (
+        _SMS
+        if _interpreting()
+        else torch.cuda.get_device_properties(a.device).multi_processor_count
+    )
+    parts = parts or tma_gemv.fp8_parts(n, k, m, sms)
+    elem = 1 if a_scale is not None else a.element_size()
+    cfg = tma_gemv.plain_config(n, parts, sms, m, False, elem)
+    if parts == 1:
+        return tma_gemv.tma_fp8_linear_parts(a, a_scale, w, w_scale, bias, 1, cfg, out_dtype)[0]
+    p = tma_gemv.tma_fp8_linear_parts(a, a_scale, w, w_scale, None, parts, cfg, torch.float32)
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    reduce_block = 1024
+    split_sum_kernel[(triton.cdiv(m * n, reduce_block),)](
+        p, bias if bias is not None else w_scale, out, m * n, n,
+        SPLIT_K=parts, HAS_BIAS=bias is not None, BLOCK=reduce_block,
+    )  # fmt: skip
+    return out
+
+
+def tma_readable(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
+                 w_scale: torch.Tensor) -> bool:  # fmt: skip
+    """Whether tma_fp8_gemm runs here: a Hopper or newer GPU (TMA descriptors, as TritonOps'
+    TMA GEMMs) and inputs it can read (tma_gemv.fp8_input_problem)."""
+    if not (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] >= 9):
+        return False
+    return tma_gemv.fp8_input_problem(a, a_scale, w, w_scale) is None
+
+
+def pick_gemm(m: int, n: int, k: int, tma: bool = False) -> str:
+    """auto's GEMM for per-row layouts (benchmarks/fp8_gemm.py): the TMA decode GEMM at up to
+    TMA_MAX_ROWS rows where it can read the inputs (`tma`: tma_readable); else the Triton
+    kernel to 16 rows and cuBLASLt past them (weight-only: the Triton kernel, cuBLASLt takes
+    no half-precision x with e4m3 weights)."""
+    if tma and m <= TMA_MAX_ROWS:
+        return "tma"
     return "triton" if m <= 16 else "cublas"
 
 
@@ -316,6 +374,10 @@ def fp8_linear(
     activations: token / tensor (dynamic), static (input_scale), group (per token per block[1]
     columns; block weights), none (weight-only)."""
     if activations == "none":
+        if block is None and gemm in ("auto", "tma"):
+            choice = pick_gemm(x.shape[0], *w.shape, tma_readable(x, None, w, w_scale))
+            if gemm == "tma" or choice == "tma":
+                return tma_fp8_gemm(x, None, w, w_scale, bias, x.dtype)
         return triton_fp8_gemm(x, None, w, w_scale, bias, x.dtype, block)
     if activations == "group":
         if block is None:
@@ -351,7 +413,12 @@ def fp8_scaled_linear(
     if xs.shape[1] != 1:
         raise ValueError("activation scales per group need block weight scales")
     n, k = w.shape
-    choice = pick_gemm(xq.shape[0], n, k) if gemm == "auto" else gemm
+    if gemm == "auto":
+        choice = pick_gemm(xq.shape[0], n, k, tma_readable(xq, xs, w, w_scale))
+    else:
+        choice = gemm
+    if choice == "tma":
+        return tma_fp8_gemm(xq, xs, w, w_scale, bias, out_dtype)
     if choice == "cublas" and xq.is_cuda and n % 16 == 0 and k % 16 == 0:  # cuBLASLt's rule
         return cublas_fp8_gemm(xq, xs, w, w_scale, bias, out_dtype)
     return triton_fp8_gemm(xq, xs, w, w_scale, bias, out_dtype)
