@@ -33,12 +33,18 @@ import torch
 import triton
 import triton.language as tl
 
-from inferx_kernels_cuda import tma_gemv
-
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 _SMS = 132
+
+
+def _tma_gemv():  # noqa: ANN202
+    """inferx_kernels_cuda.tma_gemv, imported at first use: it imports fused_kernels, which
+    imports this module."""
+    from inferx_kernels_cuda import tma_gemv
+
+    return tma_gemv
 # Rows up to which auto takes the TMA decode GEMM (pick_gemm) on a Hopper or newer GPU.
 TMA_MAX_ROWS = 64
 
@@ -319,6 +325,7 @@ def tma_fp8_gemm(
     [M, 1] or [1, 1], or half precision with a_scale None (weight-only); w [N, K] e4m3 with
     w_scale [N]. Split into tma_gemv.fp8_parts K-slices (or `parts`); more than one are kept
     in fp32 and summed, with the bias, by split_sum_kernel."""
+    tma_gemv = _tma_gemv()
     m, k = a.shape
     n = w.shape[0]
     sms = (
@@ -347,7 +354,7 @@ def tma_readable(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
     TMA GEMMs) and inputs it can read (tma_gemv.fp8_input_problem)."""
     if not (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] >= 9):
         return False
-    return tma_gemv.fp8_input_problem(a, a_scale, w, w_scale) is None
+    return _tma_gemv().fp8_input_problem(a, a_scale, w, w_scale) is None
 
 
 def pick_gemm(m: int, n: int, k: int, tma: bool = False) -> str:

@@ -282,10 +282,9 @@ def tma_fp8_gemv_kernel(
         xs = tl.load(x_scale_ptr + cols * stride_xs, mask=cols < m, other=0.0)
     ws = tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0)
     acc = acc * ws[:, None] * xs[None, :]
-    bias_part = pid_s == 0
     if HAS_BIAS:
-        b = tl.load(bias_ptr + rows, mask=row_ok & bias_part, other=0.0).to(tl.float32)
-        acc += b[:, None]
+        b = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        acc += tl.where(pid_s == 0, b, 0.0)[:, None]
     if GATED:
         dtype = out_ptr.dtype.element_ty
         ws_up = tl.load(w_scale_ptr + up_row + rows, mask=row_ok, other=0.0)
