@@ -143,7 +143,12 @@ def test_fp8_linear_on_tma_matches_the_reference_layer(how, m) -> None:
     got = kern.fp8_linear(x, w, ws, bias, activations=how, input_scale=static, gemm="tma")
     assert got.shape == (m, n) and got.dtype == torch.float16
     xq, xs = (x, None) if how == "none" else quantized(x, how)
-    assert rel_err(got, reference(xq, xs, w, ws, bias)) < 2**-10
+    ref = reference(xq, xs, w, ws, bias)
+    assert rel_err(got, ref) < 2**-10
+    parts = kern.fp8_linear(x, w, ws, bias, how, input_scale=static, gemm="tma", parts=True)
+    slices = fp8_parts(n, k, m, 132)
+    assert slices > 1 and parts.shape == (slices, m, n)
+    assert rel_err(parts.sum(0), ref) < slices * 2**-10
 
 
 @interpreted
@@ -151,9 +156,11 @@ def test_tma_fp8_gemm_splits_and_keeps_one_part_alike() -> None:
     w, ws = weights(64, 1024, seed=5, per_tensor=False)
     xq, xs = quantized(activations(3, 1024, seed=6), "token")
     ref = reference(xq, xs, w, ws)
-    for parts in (1, 4):
-        got = kern.tma_fp8_gemm(xq, xs, w, ws, None, torch.float16, parts=parts)
-        assert rel_err(got, ref) < 2**-10
+    for slices in (1, 4):
+        got = kern.tma_fp8_gemm(xq, xs, w, ws, None, torch.float16, slices=slices)
+        assert got.shape == (3, 64) and rel_err(got, ref) < 2**-10
+        parts = kern.tma_fp8_gemm(xq, xs, w, ws, None, torch.float16, slices=slices, parts=True)
+        assert parts.shape == (slices, 3, 64) and rel_err(parts.sum(0), ref) < slices * 2**-10
 
 
 def test_what_tma_cannot_read_is_refused_naming_it() -> None:
@@ -250,3 +257,33 @@ def test_3b_shapes_on_the_gpu(m, n, k, how) -> None:
     assert rel_err(got.cpu(), ref) < 2**-7  # one bf16 rounding of the sum
     triton = kern.fp8_linear(x, w, ws, bias, activations=act, gemm="triton")
     assert rel_err(got.cpu(), triton.double().cpu()) < 2**-6
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize(
+    "name", ["channel-token", "tensor-static", "tensor-tensor", "channel-weight-only"]
+)
+@pytest.mark.parametrize("m", [1, 8])
+def test_fp8_linear_layer_parts_on_the_gpu(name, m) -> None:
+    """Fp8Linear on the GPU: forward_parts (K-slice parts from the TMA GEMM on Hopper, the bias
+    in part 0) and forward_split (no bias left) sum to forward, which matches the CPU
+    reference layer's output."""
+    from test_fp8 import LAYOUTS, loaded_layer
+
+    from inferx_core.interfaces.quant import LinearSpec
+
+    spec = LinearSpec("model.layers.0.mlp.down_proj", 2048, (1024,), bias=True, parallel="row")
+    layer, _, _, _ = loaded_layer(LAYOUTS[name], spec, dtype=torch.bfloat16, seed=m)
+    x = activations(m, 2048, seed=m, dtype=torch.bfloat16)
+    ref = layer(x).double()  # the CPU reference
+    layer = layer.cuda()
+    x = x.cuda()
+    y = layer(x)
+    parts = layer.forward_parts(x)
+    split, bias = layer.forward_split(x)
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert parts.shape[0] > 1  # the TMA GEMM splits K at these rows
+    assert bias is None and torch.equal(split, parts)
+    assert rel_err(y.cpu(), ref) < 2**-6
+    assert rel_err(parts.double().sum(0).cpu(), ref) < 2**-6

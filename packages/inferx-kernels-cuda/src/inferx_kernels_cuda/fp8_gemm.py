@@ -27,6 +27,7 @@ Block-scaled weights always take the Triton kernel.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -45,6 +46,8 @@ def _tma_gemv():  # noqa: ANN202
     from inferx_kernels_cuda import tma_gemv
 
     return tma_gemv
+
+
 # Rows up to which auto takes the TMA decode GEMM (pick_gemm) on a Hopper or newer GPU.
 TMA_MAX_ROWS = 64
 
@@ -319,40 +322,49 @@ def tma_fp8_gemm(
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
-    parts: int | None = None,
+    slices: int | None = None,
+    parts: bool = False,
 ) -> torch.Tensor:
-    """tma_gemv.tma_fp8_linear_parts as one [M, N] result: a [M <= 64-ish, K] e4m3 with a_scale
-    [M, 1] or [1, 1], or half precision with a_scale None (weight-only); w [N, K] e4m3 with
-    w_scale [N]. Split into tma_gemv.fp8_parts K-slices (or `parts`); more than one are kept
-    in fp32 and summed, with the bias, by split_sum_kernel."""
+    """tma_gemv.tma_fp8_linear_parts: a [M <= its MAX_ROWS, K] e4m3 with a_scale [M, 1] or
+    [1, 1], or half precision with a_scale None (weight-only); w [N, K] e4m3 with w_scale [N].
+    K in tma_gemv.fp8_parts slices (or `slices`). parts: the [S, M, N] slices in out_dtype,
+    the bias in slice 0, for a caller that sums them anyway; else one [M, N] result, more than
+    one slice kept in fp32 and summed with the bias by split_sum_kernel."""
     tma_gemv = _tma_gemv()
     m, k = a.shape
     n = w.shape[0]
-    sms = (
-        _SMS
-        if _interpreting()
-        else torch.cuda.get_device_properties(a.device).multi_processor_count
-    )
-    parts = parts or tma_gemv.fp8_parts(n, k, m, sms)
+    sms = _SMS if _interpreting() else _num_sms(a.device)
+    slices = slices or tma_gemv.fp8_parts(n, k, m, sms)
     elem = 1 if a_scale is not None else a.element_size()
-    cfg = tma_gemv.plain_config(n, parts, sms, m, False, elem)
-    if parts == 1:
-        return tma_gemv.tma_fp8_linear_parts(a, a_scale, w, w_scale, bias, 1, cfg, out_dtype)[0]
-    p = tma_gemv.tma_fp8_linear_parts(a, a_scale, w, w_scale, None, parts, cfg, torch.float32)
+    cfg = tma_gemv.plain_config(n, slices, sms, m, False, elem)
+    if parts or slices == 1:
+        out = tma_gemv.tma_fp8_linear_parts(a, a_scale, w, w_scale, bias, slices, cfg, out_dtype)
+        return out if parts else out[0]
+    p = tma_gemv.tma_fp8_linear_parts(a, a_scale, w, w_scale, None, slices, cfg, torch.float32)
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     reduce_block = 1024
     split_sum_kernel[(triton.cdiv(m * n, reduce_block),)](
         p, bias if bias is not None else w_scale, out, m * n, n,
-        SPLIT_K=parts, HAS_BIAS=bias is not None, BLOCK=reduce_block,
+        SPLIT_K=slices, HAS_BIAS=bias is not None, BLOCK=reduce_block,
     )  # fmt: skip
     return out
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def tma_readable(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
                  w_scale: torch.Tensor) -> bool:  # fmt: skip
     """Whether tma_fp8_gemm runs here: a Hopper or newer GPU (TMA descriptors, as TritonOps'
     TMA GEMMs) and inputs it can read (tma_gemv.fp8_input_problem)."""
-    if not (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] >= 9):
+    if not (a.is_cuda and _capability(a.device)[0] >= 9):
         return False
     return _tma_gemv().fp8_input_problem(a, a_scale, w, w_scale) is None
 
@@ -376,16 +388,17 @@ def fp8_linear(
     block: tuple[int, int] | None = None,
     input_scale: torch.Tensor | None = None,
     gemm: str = "auto",
+    parts: bool = False,
 ) -> torch.Tensor:
     """x [M, K] in half precision -> x @ dequant(w).T + bias, [M, N] in x's dtype.
     activations: token / tensor (dynamic), static (input_scale), group (per token per block[1]
-    columns; block weights), none (weight-only)."""
+    columns; block weights), none (weight-only). parts: [S, M, N] K-slice parts that sum to
+    it, the bias in part 0 (QuantLinear.forward_parts' form): S > 1 where the TMA GEMM splits
+    K, else the result as one part."""
     if activations == "none":
-        if block is None and gemm in ("auto", "tma"):
-            choice = pick_gemm(x.shape[0], *w.shape, tma_readable(x, None, w, w_scale))
-            if gemm == "tma" or choice == "tma":
-                return tma_fp8_gemm(x, None, w, w_scale, bias, x.dtype)
-        return triton_fp8_gemm(x, None, w, w_scale, bias, x.dtype, block)
+        if block is not None:
+            return _as_parts(triton_fp8_gemm(x, None, w, w_scale, bias, x.dtype, block), parts)
+        return _per_row(x, None, w, w_scale, bias, x.dtype, gemm, parts)
     if activations == "group":
         if block is None:
             raise ValueError("group activation scales come with block weight scales")
@@ -397,7 +410,7 @@ def fp8_linear(
         xq, _ = quantize_rows(x, static_scale=xs)
     else:
         xq, xs = quantize_rows(x)
-    return fp8_scaled_linear(xq, xs, w, w_scale, bias, x.dtype, block, gemm)
+    return fp8_scaled_linear(xq, xs, w, w_scale, bias, x.dtype, block, gemm, parts)
 
 
 def fp8_scaled_linear(
@@ -409,6 +422,7 @@ def fp8_scaled_linear(
     out_dtype: torch.dtype,
     block: tuple[int, int] | None = None,
     gemm: str = "auto",
+    parts: bool = False,
 ) -> torch.Tensor:
     """fp8_linear's GEMM for activations already quantized: xq [M, K] e4m3 with xs [M, 1] or
     [1, 1] (per-row weight scales), or [M, ceil(K / block[1])] (block weight scales); from
@@ -416,16 +430,37 @@ def fp8_scaled_linear(
     if block is not None:
         if xs.shape[1] == 1 and triton.cdiv(xq.shape[1], block[1]) > 1:
             raise ValueError("block weight scales take group activation scales")
-        return triton_fp8_gemm(xq, xs, w, w_scale, bias, out_dtype, block)
+        return _as_parts(triton_fp8_gemm(xq, xs, w, w_scale, bias, out_dtype, block), parts)
     if xs.shape[1] != 1:
         raise ValueError("activation scales per group need block weight scales")
+    return _per_row(xq, xs, w, w_scale, bias, out_dtype, gemm, parts)
+
+
+def _as_parts(y: torch.Tensor, parts: bool) -> torch.Tensor:
+    return y.unsqueeze(0) if parts else y
+
+
+def _per_row(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    gemm: str,
+    parts: bool,
+) -> torch.Tensor:
+    """A per-row-scaled GEMM by pick_gemm's choice (or `gemm`'s): a e4m3 with a_scale, or half
+    precision with a_scale None (weight-only: the TMA GEMM or the Triton kernel)."""
+    if gemm not in ("auto", "tma", "triton", "cublas"):
+        raise ValueError(f"gemm {gemm!r}: expected auto, tma, triton or cublas")
     n, k = w.shape
+    choice = gemm
     if gemm == "auto":
-        choice = pick_gemm(xq.shape[0], n, k, tma_readable(xq, xs, w, w_scale))
-    else:
-        choice = gemm
+        choice = pick_gemm(a.shape[0], n, k, tma_readable(a, a_scale, w, w_scale))
     if choice == "tma":
-        return tma_fp8_gemm(xq, xs, w, w_scale, bias, out_dtype)
-    if choice == "cublas" and xq.is_cuda and n % 16 == 0 and k % 16 == 0:  # cuBLASLt's rule
-        return cublas_fp8_gemm(xq, xs, w, w_scale, bias, out_dtype)
-    return triton_fp8_gemm(xq, xs, w, w_scale, bias, out_dtype)
+        return tma_fp8_gemm(a, a_scale, w, w_scale, bias, out_dtype, parts=parts)
+    # cuBLASLt's rule: 16-aligned sizes, e4m3 on both sides
+    if choice == "cublas" and a_scale is not None and a.is_cuda and n % 16 == 0 and k % 16 == 0:
+        return _as_parts(cublas_fp8_gemm(a, a_scale, w, w_scale, bias, out_dtype), parts)
+    return _as_parts(triton_fp8_gemm(a, a_scale, w, w_scale, bias, out_dtype), parts)
