@@ -2,7 +2,10 @@
 and with --act the activation quantization fused into RMSNorm / SiLU-and-mul against unfused.
 
 Per shape and row count: bf16 F.linear (cuBLAS), FP8 per-channel weights with per-token
-activations through torch._scaled_mm (cuBLASLt) and through the Triton kernel, and block FP8
+activations through torch._scaled_mm (cuBLASLt), through the Triton kernel, through the TMA
+decode GEMM (`tma`: one [M, N] result, K-slices summed by split_sum_kernel; `tma parts`: the
+K-slice parts a decode layer hands its norm, fp8_linear(parts=True); both up to 64 rows on
+Hopper, "-" elsewhere) and weight-only through the TMA GEMM (`tma w8a16`), and block FP8
 (128x128 weight blocks, activations per token per 128 columns, Triton): each including its
 activation quantization, as a layer runs it. Times are one call's GPU time in µs
 (benchmarks/graph_timing.py: calls captured in a CUDA graph, as the decode step runs them,
@@ -173,8 +176,9 @@ def main() -> None:
     rows = [1, 20] if args.smoke else ROWS
     dtype = torch.bfloat16 if dev == "cuda" else torch.float16
     print(f"device: {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}")
-    print("| shape | rows | bf16 | fp8 cuBLASLt | fp8 Triton | block fp8 Triton | floor | best |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| shape | rows | bf16 | fp8 cuBLASLt | fp8 Triton | fp8 TMA | fp8 TMA parts | "
+          "w8a16 TMA | block fp8 Triton | floor | best |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, (n, k) in shapes.items():
         layers = []
         for _ in range(copies_for(n * k, dev == "cuda")):
@@ -199,6 +203,15 @@ def main() -> None:
                     for _, w8, _, wb in layers
                 ],
             }
+            xq, xs = kern.quantize_rows(x)
+            readable = kern.tma_readable(xq, xs, layers[0][1], layers[0][2])
+            if m <= kern.TMA_MAX_ROWS and (readable or os.environ.get("TRITON_INTERPRET") == "1"):
+                tma = partial(kern.fp8_linear, gemm="tma")
+                runs["tma"] = [partial(tma, x, w8, ws) for _, w8, ws, _ in layers]
+                runs["tma parts"] = [partial(tma, x, w8, ws, parts=True) for _, w8, ws, _ in layers]
+                runs["w8a16"] = [
+                    partial(tma, x, w8, ws, activations="none") for _, w8, ws, _ in layers
+                ]
             if args.smoke:
                 for fns in runs.values():
                     fns[0]()
@@ -206,10 +219,14 @@ def main() -> None:
             else:
                 us = {key: time_calls(fns, True) for key, fns in runs.items()}
             floor = n * k / (args.tbps * 1e12) * 1e6
-            fp8 = {key: us[key] for key in ("cublas", "triton")}
+            fp8 = {key: us[key] for key in ("cublas", "triton", "tma") if key in us}
             best = min(fp8, key=fp8.get)
+            tma = " | ".join(
+                f"{us[key]:.1f}" if key in us else "-" for key in ("tma", "tma parts", "w8a16")
+            )
             print(f"| {name} | {m} | {us['bf16']:.1f} | {us['cublas']:.1f} | "
-                  f"{us['triton']:.1f} | {us['block']:.1f} | {floor:.1f} | {best} |")  # fmt: skip
+                  f"{us['triton']:.1f} | {tma} | {us['block']:.1f} | {floor:.1f} | "
+                  f"{best} |")  # fmt: skip
 
 
 if __name__ == "__main__":

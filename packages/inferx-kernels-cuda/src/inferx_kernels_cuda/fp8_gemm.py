@@ -6,7 +6,11 @@ part's rows) or per block ([ceil(N/bn), ceil(K/bk)], DeepSeek-V3 / Qwen3-FP8 sty
 activations quantized per token per group of bk columns); activations quantized per token
 (dynamic), per tensor (dynamic or a static input_scale), or not at all (weight-only).
 
-Two GEMMs:
+Three GEMMs:
+- `tma_fp8_gemm` (tma_gemv.tma_fp8_linear_parts) for per-row weight scales at decode sizes on
+  Hopper: the weight (and x) read through TMA tensor descriptors, e4m3 x e4m3 on tensor cores
+  (weight-only: the weight tile cast to x's dtype in registers), both scales and the bias in
+  the epilogue, K split into parts summed by split_sum_kernel;
 - `torch._scaled_mm` (cuBLASLt) for per-row weight scales with quantized activations: row-wise
   scales on both sides, the bias in its epilogue;
 - `fp8_gemm_kernel`, a Triton GEMM for every layout: the e4m3 tiles go to tensor cores as they
@@ -17,11 +21,13 @@ Two GEMMs:
   second launch (deterministic, no atomics, no host sync: graph-capturable).
 
 Which runs for per-row layouts is `pick_gemm`'s rule (`gemm="auto"`), from
-benchmarks/fp8_gemm.py (docs/BENCHMARKS.md); `gemm` forces one.
+benchmarks/fp8_gemm.py (docs/BENCHMARKS.md); `gemm` ("tma", "triton", "cublas") forces one.
+Block-scaled weights always take the Triton kernel.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -32,6 +38,18 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 _SMS = 132
+
+
+def _tma_gemv():  # noqa: ANN202
+    """inferx_kernels_cuda.tma_gemv, imported at first use: it imports fused_kernels, which
+    imports this module."""
+    from inferx_kernels_cuda import tma_gemv
+
+    return tma_gemv
+
+
+# Rows up to which auto takes the TMA decode GEMM (pick_gemm) on a Hopper or newer GPU.
+TMA_MAX_ROWS = 64
 
 
 def _interpreting() -> bool:
@@ -297,8 +315,67 @@ def cublas_fp8_gemm(
     )
 
 
-def pick_gemm(m: int, n: int, k: int) -> str:
-    """auto's GEMM for per-row layouts with quantized activations (benchmarks/fp8_gemm.py)."""
+def tma_fp8_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    slices: int | None = None,
+    parts: bool = False,
+) -> torch.Tensor:
+    """tma_gemv.tma_fp8_linear_parts: a [M <= its MAX_ROWS, K] e4m3 with a_scale [M, 1] or
+    [1, 1], or half precision with a_scale None (weight-only); w [N, K] e4m3 with w_scale [N].
+    K in tma_gemv.fp8_parts slices (or `slices`). parts: the [S, M, N] slices in out_dtype,
+    the bias in slice 0, for a caller that sums them anyway; else one [M, N] result, more than
+    one slice kept in fp32 and summed with the bias by split_sum_kernel."""
+    tma_gemv = _tma_gemv()
+    m, k = a.shape
+    n = w.shape[0]
+    sms = _SMS if _interpreting() else _num_sms(a.device)
+    slices = slices or tma_gemv.fp8_parts(n, k, m, sms)
+    elem = 1 if a_scale is not None else a.element_size()
+    cfg = tma_gemv.plain_config(n, slices, sms, m, False, elem)
+    if parts or slices == 1:
+        out = tma_gemv.tma_fp8_linear_parts(a, a_scale, w, w_scale, bias, slices, cfg, out_dtype)
+        return out if parts else out[0]
+    p = tma_gemv.tma_fp8_linear_parts(a, a_scale, w, w_scale, None, slices, cfg, torch.float32)
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    reduce_block = 1024
+    split_sum_kernel[(triton.cdiv(m * n, reduce_block),)](
+        p, bias if bias is not None else w_scale, out, m * n, n,
+        SPLIT_K=slices, HAS_BIAS=bias is not None, BLOCK=reduce_block,
+    )  # fmt: skip
+    return out
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def tma_readable(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
+                 w_scale: torch.Tensor) -> bool:  # fmt: skip
+    """Whether tma_fp8_gemm runs here: a Hopper or newer GPU (TMA descriptors, as TritonOps'
+    TMA GEMMs) and inputs it can read (tma_gemv.fp8_input_problem)."""
+    if not (a.is_cuda and _capability(a.device)[0] >= 9):
+        return False
+    return _tma_gemv().fp8_input_problem(a, a_scale, w, w_scale) is None
+
+
+def pick_gemm(m: int, n: int, k: int, tma: bool = False) -> str:
+    """auto's GEMM for per-row layouts (benchmarks/fp8_gemm.py): the TMA decode GEMM at up to
+    TMA_MAX_ROWS rows where it can read the inputs (`tma`: tma_readable); else the Triton
+    kernel to 16 rows and cuBLASLt past them (weight-only: the Triton kernel, cuBLASLt takes
+    no half-precision x with e4m3 weights)."""
+    if tma and m <= TMA_MAX_ROWS:
+        return "tma"
     return "triton" if m <= 16 else "cublas"
 
 
@@ -311,12 +388,17 @@ def fp8_linear(
     block: tuple[int, int] | None = None,
     input_scale: torch.Tensor | None = None,
     gemm: str = "auto",
+    parts: bool = False,
 ) -> torch.Tensor:
     """x [M, K] in half precision -> x @ dequant(w).T + bias, [M, N] in x's dtype.
     activations: token / tensor (dynamic), static (input_scale), group (per token per block[1]
-    columns; block weights), none (weight-only)."""
+    columns; block weights), none (weight-only). parts: [S, M, N] K-slice parts that sum to
+    it, the bias in part 0 (QuantLinear.forward_parts' form): S > 1 where the TMA GEMM splits
+    K, else the result as one part."""
     if activations == "none":
-        return triton_fp8_gemm(x, None, w, w_scale, bias, x.dtype, block)
+        if block is not None:
+            return _as_parts(triton_fp8_gemm(x, None, w, w_scale, bias, x.dtype, block), parts)
+        return _per_row(x, None, w, w_scale, bias, x.dtype, gemm, parts)
     if activations == "group":
         if block is None:
             raise ValueError("group activation scales come with block weight scales")
@@ -328,7 +410,7 @@ def fp8_linear(
         xq, _ = quantize_rows(x, static_scale=xs)
     else:
         xq, xs = quantize_rows(x)
-    return fp8_scaled_linear(xq, xs, w, w_scale, bias, x.dtype, block, gemm)
+    return fp8_scaled_linear(xq, xs, w, w_scale, bias, x.dtype, block, gemm, parts)
 
 
 def fp8_scaled_linear(
@@ -340,6 +422,7 @@ def fp8_scaled_linear(
     out_dtype: torch.dtype,
     block: tuple[int, int] | None = None,
     gemm: str = "auto",
+    parts: bool = False,
 ) -> torch.Tensor:
     """fp8_linear's GEMM for activations already quantized: xq [M, K] e4m3 with xs [M, 1] or
     [1, 1] (per-row weight scales), or [M, ceil(K / block[1])] (block weight scales); from
@@ -347,11 +430,37 @@ def fp8_scaled_linear(
     if block is not None:
         if xs.shape[1] == 1 and triton.cdiv(xq.shape[1], block[1]) > 1:
             raise ValueError("block weight scales take group activation scales")
-        return triton_fp8_gemm(xq, xs, w, w_scale, bias, out_dtype, block)
+        return _as_parts(triton_fp8_gemm(xq, xs, w, w_scale, bias, out_dtype, block), parts)
     if xs.shape[1] != 1:
         raise ValueError("activation scales per group need block weight scales")
+    return _per_row(xq, xs, w, w_scale, bias, out_dtype, gemm, parts)
+
+
+def _as_parts(y: torch.Tensor, parts: bool) -> torch.Tensor:
+    return y.unsqueeze(0) if parts else y
+
+
+def _per_row(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    gemm: str,
+    parts: bool,
+) -> torch.Tensor:
+    """A per-row-scaled GEMM by pick_gemm's choice (or `gemm`'s): a e4m3 with a_scale, or half
+    precision with a_scale None (weight-only: the TMA GEMM or the Triton kernel)."""
+    if gemm not in ("auto", "tma", "triton", "cublas"):
+        raise ValueError(f"gemm {gemm!r}: expected auto, tma, triton or cublas")
     n, k = w.shape
-    choice = pick_gemm(xq.shape[0], n, k) if gemm == "auto" else gemm
-    if choice == "cublas" and xq.is_cuda and n % 16 == 0 and k % 16 == 0:  # cuBLASLt's rule
-        return cublas_fp8_gemm(xq, xs, w, w_scale, bias, out_dtype)
-    return triton_fp8_gemm(xq, xs, w, w_scale, bias, out_dtype)
+    choice = gemm
+    if gemm == "auto":
+        choice = pick_gemm(a.shape[0], n, k, tma_readable(a, a_scale, w, w_scale))
+    if choice == "tma":
+        return tma_fp8_gemm(a, a_scale, w, w_scale, bias, out_dtype, parts=parts)
+    # cuBLASLt's rule: 16-aligned sizes, e4m3 on both sides
+    if choice == "cublas" and a_scale is not None and a.is_cuda and n % 16 == 0 and k % 16 == 0:
+        return _as_parts(cublas_fp8_gemm(a, a_scale, w, w_scale, bias, out_dtype), parts)
+    return _as_parts(triton_fp8_gemm(a, a_scale, w, w_scale, bias, out_dtype), parts)

@@ -77,11 +77,12 @@ def _products(w_desc, x, acc, acc_up, n0, col, up_row, GATED: tl.constexpr, UPCA
     if UPCAST:  # the interpreter's bf16 dot would round the products to bf16
         w = w.to(tl.float32)
         x = x.to(tl.float32)
+    else:  # an e4m3 weight with half-precision x (weight-only FP8): cast in registers
+        w = w.to(x.dtype)
     acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
     if GATED:
         wu = w_desc.load([up_row + n0, col])
-        if UPCAST:
-            wu = wu.to(tl.float32)
+        wu = wu.to(x.dtype)
         acc_up = tl.dot(wu, tl.trans(x), acc_up, input_precision=DOT_PRECISION)
     return acc, acc_up
 
@@ -216,6 +217,198 @@ def _launch(
         **gemv_launch(x.device, m, trigger),
     )  # fmt: skip
     return out
+
+
+# --- FP8 weights (per-row scales) --------------------------------------------------------------
+#
+# The same decode GEMM for an e4m3 weight [N, K] with a float32 scale per output row (per channel,
+# or a per-tensor scale repeated over its part's rows): x either e4m3 with a scale per row (or
+# one for the tensor), so the dot runs e4m3 x e4m3 on the tensor cores, or half precision
+# (weight-only), the weight tile cast to it in registers. The accumulator is fp32 and takes both
+# scales once after the K loop; the bias goes into part 0. Block-scaled weights (a scale per
+# 128 x 128 block) stay on fp8_gemm's pointer kernel.
+
+FP8 = torch.float8_e4m3fn
+
+
+@triton.jit(do_not_specialize=["m"])
+def tma_fp8_gemv_kernel(
+    x_desc,
+    w_desc,
+    x_scale_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    m,
+    n,
+    k_per_split,
+    up_row,
+    stride_xs,
+    stride_os,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr,
+    X_SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PDL: tl.constexpr = False,
+    TRIGGER: tl.constexpr = False,
+    LATE: tl.constexpr = False,
+):
+    """tma_gemv_kernel's grid and parts for W e4m3 with w_scale [N] (gated: [2I], up rows from
+    up_row): out[s, :, rows] = (x[:, ks] @ W[rows, ks].T) * w_scale[rows] * x_scale (X_SCALED:
+    x e4m3, row r's scale at x_scale_ptr[r * stride_xs]; else x half precision), + bias[rows]
+    in part 0. GATED (one split): out [m, n] = silu(gate) * up of the scaled (and biased)
+    gate and up rows, each rounded to out's dtype first as silu_and_mul reads them."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    k0 = pid_s * k_per_split
+    pdl_start(PDL, TRIGGER)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for kk in range(0, k_per_split, BLOCK_K):
+        x = x_desc.load([0, k0 + kk])  # [BLOCK_M, BLOCK_K], rows past m zero
+        acc, acc_up = _products(w_desc, x, acc, acc_up, n0, k0 + kk, up_row, GATED, UPCAST,
+                                "tf32")  # fmt: skip
+    pdl_late(LATE)
+    rows = n0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < n
+    xs = tl.full([BLOCK_M], 1.0, tl.float32)
+    if X_SCALED:
+        cols = tl.arange(0, BLOCK_M)
+        xs = tl.load(x_scale_ptr + cols * stride_xs, mask=cols < m, other=0.0)
+    ws = tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0)
+    acc = acc * ws[:, None] * xs[None, :]
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        acc += tl.where(pid_s == 0, b, 0.0)[:, None]
+    if GATED:
+        dtype = out_ptr.dtype.element_ty
+        ws_up = tl.load(w_scale_ptr + up_row + rows, mask=row_ok, other=0.0)
+        acc_up = acc_up * ws_up[:, None] * xs[None, :]
+        if HAS_BIAS:
+            b_up = tl.load(bias_ptr + up_row + rows, mask=row_ok, other=0.0).to(tl.float32)
+            acc_up += b_up[:, None]
+        acc = silu_times(_rounded(acc, dtype), _rounded(acc_up, dtype), dtype)
+    _store_part(out_ptr, acc, pid_s, n0, m, n, stride_os, stride_om, BLOCK_N, BLOCK_M)
+
+
+def fp8_input_problem(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    weight: torch.Tensor,
+    w_scale: torch.Tensor,
+    parts: int = 1,
+    name: str = "tma_fp8_linear_parts",
+) -> str | None:
+    """Why the FP8 TMA GEMM cannot take these inputs, or None when it can: weight e4m3 [N, K]
+    with float32 w_scale [N]; x [M <= MAX_ROWS, K] e4m3 with float32 x_scale [M, 1] or [1, 1],
+    or float16 / bfloat16 with x_scale None; TMA-readable rows (16-byte aligned)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        return (
+            f"{name}: x [M, K] and weight [N, K] must agree on K, got "
+            f"{tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    if not 1 <= x.shape[0] <= MAX_ROWS or parts < 1:
+        return f"{name}: takes 1 to {MAX_ROWS} rows and parts >= 1, got {x.shape[0]}, {parts}"
+    if weight.dtype != FP8 or w_scale.dtype != torch.float32 or w_scale.shape != weight.shape[:1]:
+        return (
+            f"{name}: weight must be float8_e4m3fn with a float32 scale per row [N], got "
+            f"{weight.dtype} and {w_scale.dtype} {tuple(w_scale.shape)}"
+        )
+    if x_scale is None and x.dtype not in (torch.float16, torch.bfloat16):
+        return f"{name}: x without a scale (weight-only) must be float16 or bfloat16, got {x.dtype}"
+    if x_scale is not None and (
+        x.dtype != FP8
+        or x_scale.dtype != torch.float32
+        or x_scale.dim() != 2
+        or x_scale.shape[1] != 1
+        or x_scale.shape[0] not in (1, x.shape[0])
+    ):
+        return (
+            f"{name}: scaled x must be float8_e4m3fn with a float32 scale per row [M, 1] or "
+            f"per tensor [1, 1], got {x.dtype} and {x_scale.dtype} {tuple(x_scale.shape)}"
+        )
+    for arg, t in (("x", x), ("weight", weight)):
+        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return (
+                f"{name}: {arg} needs a unit K stride and 16-byte aligned rows "
+                f"(strides {t.stride()}, {t.element_size()}-byte elements, address "
+                f"{t.data_ptr()})"
+            )
+    return None
+
+
+def tma_fp8_linear_parts(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    weight: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    parts: int = 1,
+    config: TmaGemvConfig | None = None,
+    out_dtype: torch.dtype | None = None,
+    gated: bool = False,
+    trigger: bool = False,
+) -> torch.Tensor:
+    """[parts, M, N] K-slice parts of (x * x_scale) @ (weight * w_scale[:, None]).T, the bias
+    in part 0, in out_dtype (x's for weight-only; needed for e4m3 x): fp8_input_problem says
+    what it takes. gated (parts 1; weight [2I, K], gate rows then up rows): silu(gate) * up
+    as [M, I]. trigger: let the next kernel launch early (PDL)."""
+    problem = fp8_input_problem(x, x_scale, weight, w_scale, parts)
+    if problem:
+        raise ValueError(problem)
+    if gated and (parts != 1 or weight.shape[0] % 2):
+        raise ValueError(
+            f"tma_fp8_linear_parts: gated takes parts=1 and an even weight row count (gate "
+            f"then up), got parts={parts} and {weight.shape[0]} rows"
+        )
+    if out_dtype is None:
+        if x_scale is not None:
+            raise ValueError("tma_fp8_linear_parts: e4m3 x needs an out_dtype")
+        out_dtype = x.dtype
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(
+            f"tma_fp8_linear_parts: bias must be [{weight.shape[0]}], got {tuple(bias.shape)}"
+        )
+    m, k = x.shape
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    cfg = config or plain_config(n, parts, 132, m, gated, x.element_size())
+    block_m = max(16, triton.next_power_of_2(m))
+    k_per_split = triton.cdiv(triton.cdiv(k, parts), cfg.block_k) * cfg.block_k
+    out = torch.empty((m, n) if gated else (parts, m, n), dtype=out_dtype, device=x.device)
+    x_desc = TensorDescriptor.from_tensor(x, block_shape=[block_m, cfg.block_k])
+    w_desc = TensorDescriptor.from_tensor(weight, block_shape=[cfg.block_n, cfg.block_k])
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    scaled = x_scale is not None
+    stride_xs = x_scale.stride(0) if scaled and x_scale.shape[0] > 1 else 0
+    tma_fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), parts)](
+        x_desc, w_desc, x_scale if scaled else w_scale, w_scale,
+        bias if bias is not None else w_scale, out, m, n, k_per_split, n, stride_xs,
+        0 if gated else out.stride(0), out.stride(-2),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated,
+        X_SCALED=scaled, HAS_BIAS=bias is not None,
+        UPCAST=interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **gemv_launch(x.device, m, trigger),
+    )  # fmt: skip
+    return out
+
+
+def fp8_parts(n: int, k: int, rows: int, num_sms: int, block_k: int = 128) -> int:
+    """K-slices of an FP8 decode GEMM of n weight rows: doubled from 1 (up to 8) while the
+    programs (plain_config's row blocks x slices) fill fewer than 3/4 of the SMs and each
+    slice keeps at least two K tiles: a 3B gate_up whole, its QKV, o_proj and down_proj in 4,
+    as the bf16 path splits them."""
+    parts = 1
+    while parts < 8 and k >= 4 * parts * block_k:
+        programs = triton.cdiv(n, plain_config(n, parts, num_sms, rows).block_n) * parts
+        if 4 * programs >= 3 * num_sms:
+            break
+        parts *= 2
+    return parts
 
 
 # --- The norm before a decode GEMM, in the GEMM ------------------------------------------------

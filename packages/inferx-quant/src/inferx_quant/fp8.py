@@ -327,11 +327,7 @@ class Fp8Linear(QuantLinear):
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
         if x.is_cuda:
-            y = _gpu_kernels().fp8_linear(
-                x2, self.weight, self.weight_scale, self.bias, self.fmt.activations,
-                self._block(), self.input_scale,
-            )  # fmt: skip
-            return y.reshape(*lead, y.shape[-1])
+            return self._gpu(x, parts=False)
         if self.fmt.activations == "none":
             xd = x2.float()
         else:
@@ -340,6 +336,38 @@ class Fp8Linear(QuantLinear):
                 scale = _expand_cols(scale, self.fmt.block[1], k)  # type: ignore[index]
             xd = xq.float() * scale
         return self._reference_gemm(xd, x.dtype).reshape(*lead, -1)
+
+    def forward_parts(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        """On a GPU, the FP8 GEMM's K-slice parts, the bias in part 0, where it splits K (the
+        TMA decode GEMM at decode sizes on Hopper: the caller's sum replaces its reduce
+        launch); else y as one part."""
+        if isinstance(x, QuantizedActivation):
+            self._check_quantized(x)
+        if not (x.data if isinstance(x, QuantizedActivation) else x).is_cuda:
+            return super().forward_parts(x)
+        return self._gpu(x, parts=True)
+
+    def forward_split(
+        self, x: torch.Tensor | QuantizedActivation
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward_parts, whose part 0 already holds the bias: none is left to add."""
+        return self.forward_parts(x), None
+
+    def _gpu(self, x: torch.Tensor | QuantizedActivation, parts: bool) -> torch.Tensor:
+        """inferx-kernels-cuda's FP8 GEMM (fp8_gemm.fp8_linear, or fp8_scaled_linear for x
+        already quantized): y [..., N], or with `parts` [S, ..., N]."""
+        lead, k = x.shape[:-1], x.shape[-1]
+        if isinstance(x, QuantizedActivation):
+            y = _gpu_kernels().fp8_scaled_linear(
+                x.data.reshape(-1, k), x.scale, self.weight, self.weight_scale, self.bias,
+                x.dtype, self._block(), parts=parts,
+            )  # fmt: skip
+        else:
+            y = _gpu_kernels().fp8_linear(
+                x.reshape(-1, k), self.weight, self.weight_scale, self.bias,
+                self.fmt.activations, self._block(), self.input_scale, parts=parts,
+            )  # fmt: skip
+        return y.reshape(*y.shape[:-2], *lead, y.shape[-1])
 
     def _block(self) -> tuple[int, int] | None:
         return self.fmt.block if self.fmt.weights == "block" else None
@@ -350,19 +378,18 @@ class Fp8Linear(QuantLinear):
         y = (xd @ self.dequantized_weight().t()).to(dtype)
         return y if self.bias is None else y + self.bias
 
-    def _forward_quantized(self, x: QuantizedActivation) -> torch.Tensor:
+    def _check_quantized(self, x: QuantizedActivation) -> None:
         if self.input_quant is None or not self.input_quant.same_as(x.spec):
             raise ValueError(
                 f"{self.spec.prefix}: activations quantized as {x.spec.granularity!r}, but "
                 f"this layer takes {self._layout()} and no such pre-quantized input"
             )
+
+    def _forward_quantized(self, x: QuantizedActivation) -> torch.Tensor:
+        self._check_quantized(x)
         lead, k = x.shape[:-1], x.shape[-1]
         if x.data.is_cuda:
-            y = _gpu_kernels().fp8_scaled_linear(
-                x.data.reshape(-1, k), x.scale, self.weight, self.weight_scale, self.bias,
-                x.dtype, self._block(),
-            )  # fmt: skip
-            return y.reshape(*lead, y.shape[-1])
+            return self._gpu(x, parts=False)
         return self._reference_gemm(x.dequantize().reshape(-1, k), x.dtype).reshape(*lead, -1)
 
 
