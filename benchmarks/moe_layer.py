@@ -189,8 +189,13 @@ def sweep(shape: str, tokens: int, args, device: torch.device) -> list[tuple[flo
     results = []
     runs: list[tuple[tuple | None, bool | None]] = [(None, None)]
     runs += [(cfg, False) for cfg in candidates(decode, SHAPES[shape][4] == "mxfp4")]
-    if decode:  # moe_gemv_kernel: only block_n matters
-        runs += [((GemmConfig(16, bn, 0),) * 2, True) for bn in (8, 16, 32, 64)]
+    if decode:  # moe_gemv_kernel: output columns, K columns a step, warps
+        runs += [
+            ((GemmConfig(16, bn, bk, warps),) * 2, True)
+            for bn in (8, 16, 32)
+            for bk in (256, 512, 1024)
+            for warps in (4, 8)
+        ]
     for cfg, gemv in runs:
 
         def step(cfg=cfg, gemv=gemv) -> None:
@@ -199,7 +204,11 @@ def sweep(shape: str, tokens: int, args, device: torch.device) -> list[tuple[flo
                     x, w, ids, layer.experts.expert_weights(), spec, configs=cfg, gemv=gemv
                 )
 
-        label = cfg if not gemv else f"gemv block_n={cfg[0].block_n}"
+        label = (
+            cfg
+            if not gemv
+            else f"gemv {cfg[0].block_n} x {cfg[0].block_k}, {cfg[0].num_warps} warps"
+        )
         try:
             with torch.no_grad():
                 step()

@@ -90,10 +90,11 @@ def cases():
                     yield label, kernel, types, constexprs, cfg.num_warps, cfg.num_stages
                     if tokens <= mk.GEMV_MAX_TOKENS and fmt != "fp8-block":
                         gemv = {n: constexprs[n] for n in GEMV_SHARED} | dict(
-                            BLOCK_N=gemv_cfg.block_n, BLOCK_K=mk.GEMV_BLOCK_K
+                            BLOCK_N=gemv_cfg.block_n, BLOCK_K=gemv_cfg.block_k
                         )
                         types = gemm_types(fmt, True) | {"ids_ptr": "*i64"}
-                        yield f"{label} gemv", mk.moe_gemv_kernel, types, gemv, 4, 1
+                        warps = gemv_cfg.num_warps
+                        yield f"{label} gemv", mk.moe_gemv_kernel, types, gemv, warps, 1
 
 
 if __name__ == "__main__":

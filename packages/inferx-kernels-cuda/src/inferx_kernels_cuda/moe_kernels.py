@@ -786,8 +786,8 @@ def gemm_configs(
         return small, small
     if gemv:
         return (
-            GemmConfig(16, _gemv_block_n(num_pairs, n, num_sms), 0),
-            GemmConfig(16, _gemv_block_n(num_pairs, hidden, num_sms), 0),
+            GemmConfig(16, _gemv_block_n(num_pairs, n, num_sms), GEMV_BLOCK_K, 4),
+            GemmConfig(16, _gemv_block_n(num_pairs, hidden, num_sms), GEMV_BLOCK_K, 4),
         )
     if num_pairs <= 16 * num_experts:
         tiles = min(num_pairs, num_experts)  # tiles holding pairs, about
@@ -851,7 +851,8 @@ def fused_experts(
     output into a float32 [T, H] (zeroed first, cast after) with atomics instead of writing
     [T * k, H] for the sum kernel: fewer bytes, in an order that varies from run to run.
     gemv: the pairs through moe_gemv_kernel (None: up to GEMV_MAX_TOKENS tokens, weights
-    without K-blocked scales); configs then give only the output columns a program."""
+    without K-blocked scales); configs then give its output columns a program, K columns a
+    step (0: GEMV_BLOCK_K) and warps."""
     check_weights(w, spec, x)
     t, hidden = x.shape
     k = topk_ids.shape[1]
@@ -921,7 +922,8 @@ def fused_experts(
             moe_gemv_kernel[(num_pairs, triton.cdiv(n_out, cfg.block_n))](
                 a, weights, scale_t, bias_t, topk_weights, sorted_ids, dest, n_out, k_in,
                 up_offset, *strides, float(spec.alpha), float(spec.limit), **shared,
-                BLOCK_K=GEMV_BLOCK_K if not _interpreting() else 64, num_warps=4,
+                BLOCK_K=(cfg.block_k or GEMV_BLOCK_K) if not _interpreting() else 64,
+                num_warps=cfg.num_warps,
             )  # fmt: skip
             continue
         grid = (tiles * triton.cdiv(n_out, cfg.block_n),)
