@@ -265,7 +265,7 @@ def main() -> None:
             for tokens in (int(t) for t in args.tokens.split(",")):
                 results = sweep(shape, tokens, args, device)
                 print(f"{shape} {tokens} tokens: the experts alone, per layer, fastest first")
-                shown = results[:4] + [r for r in results[4:] if r[1] is None]
+                shown = results[:6] + [r for r in results[6:] if r[1] is None]
                 for us, cfg in shown:
                     if cfg is None or isinstance(cfg, str):
                         label = cfg or "default"
