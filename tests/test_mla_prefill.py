@@ -71,7 +71,9 @@ class Case:
     def mla(self, dtype: torch.dtype | None = None) -> MLAWeights:
         heads, nope, _, v, _ = self.widths
         w = self.w if dtype is None else self.w.to(dtype)
-        return MLAWeights(nope, v, lambda lat: (lat @ w.t()).view(-1, heads, nope + v))
+        return MLAWeights(
+            nope, v, lambda lat: (lat @ w.to(lat.device).t()).view(-1, heads, nope + v)
+        )
 
     def reference(self) -> list[torch.Tensor | None]:
         """Each prompt's output rows by mla_plain in float64 (None for one-query rows)."""
