@@ -42,6 +42,7 @@ SHAPES = {
     "gpt-oss-20b": (2880, 2880, 32, 4, "mxfp4", "swiglu_oai", True, False),
     "gpt-oss-20b-bf16": (2880, 2880, 32, 4, "bf16", "swiglu_oai", True, False),
     "qwen3-30b-a3b": (2048, 768, 128, 8, "bf16", "silu", False, True),
+    "deepseek-v2-lite": (2048, 1408, 64, 6, "bf16", "silu", False, False),
     "smoke-mxfp4": (64, 64, 4, 2, "mxfp4", "swiglu_oai", True, False),
     "smoke-bf16": (64, 32, 8, 2, "bf16", "silu", False, True),
 }
