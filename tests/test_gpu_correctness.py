@@ -6,6 +6,7 @@ eagerly and (where the backend supports them) with CUDA graphs for decode."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from inferx_core.sequence import SamplingParams  # noqa: E402
 
 NEW = 64
 TOP = 5
+NEAR_TIE = 0.25  # logits (test_tiny_gptoss_matches_transformers)
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    ",
@@ -46,11 +48,19 @@ def backends() -> list[tuple[str, bool]]:
     return runs
 
 
-def check_close(ours: list[tuple[int, set[int]]], ref: list[tuple[int, set[int]]], label: str):
-    """Equal until the first divergence; there, each token is in the other's top-5."""
+def check_close(
+    ours: list[tuple[int, set[int]]],
+    ref: list[tuple[int, set[int]]],
+    label: str,
+    tie: Callable[[int, int, int], bool] | None = None,
+):
+    """Equal until the first divergence; there, each token is in the other's top-5, or
+    tie(step, ours, theirs) says both are near-ties of a float32 reference."""
     for i, ((a, a_top), (b, b_top)) in enumerate(zip(ours, ref, strict=True)):
         if a == b:
             continue
+        if tie is not None and tie(i, a, b):
+            return
         assert a in b_top and b in a_top, f"{label}: token {i}: ours {a} vs transformers {b}"
         return
 
@@ -160,6 +170,21 @@ def test_tiny_gptoss_matches_transformers(tmp_path_factory):
             LLM(load_config(None, {"model.path": str(path), "engine.attention_backend": backend}))
     assert ("triton", True) in runs or "triton" not in reg.names("attention_backend")
     refs = [hf_greedy(model, p) for p in GPTOSS_PROMPTS]
+    model32 = hf_model().cuda().eval()
+
+    def near_tie(prompt: list[int], ref: list[tuple[int, set[int]]]):
+        """The amplified random weights make bf16's logits noisy: transformers' own bf16 run
+        leaves its float32 run at a 0.19 gap between the two tokens (outside the top 5 of a
+        flat 256-token row). Both tokens within NEAR_TIE of float32's best is a tie."""
+
+        def tie(step: int, a: int, b: int) -> bool:
+            ids = torch.tensor([prompt + [t for t, _ in ref[:step]]], device="cuda")
+            with torch.no_grad():
+                row = model32(ids).logits[0, -1].float()
+            return bool(row.max() - row[[a, b]].min() <= NEAR_TIE)
+
+        return tie
+
     for backend, graphs in runs:
         config = {
             "model.path": str(path),
@@ -175,7 +200,8 @@ def test_tiny_gptoss_matches_transformers(tmp_path_factory):
         got = ours_greedy(llm, GPTOSS_PROMPTS)
         mode = "graphs" if graphs else "eager"
         for i, (g, ref) in enumerate(zip(got, refs, strict=True)):
-            check_close(g, ref, f"tiny gpt-oss/{backend}/{mode}/prompt {i}")
+            tie = near_tie(GPTOSS_PROMPTS[i], ref)
+            check_close(g, ref, f"tiny gpt-oss/{backend}/{mode}/prompt {i}", tie)
         if graphs:
             ex = llm.engine.executor
             assert ex.graphs.replays, "decode steps replayed graphs of two KV groups"
