@@ -341,8 +341,9 @@ def test_one_token_skips_the_grouping(fmt, monkeypatch):
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4", "fp8"])
 @pytest.mark.parametrize("name", list(SPECS))
 def test_gemv_matches_the_reference(name, fmt, atomic_sum, monkeypatch):
-    """moe_gemv_kernel (the decode path: one token by default, here also three) against the
-    float64 reference on the exact weights; the grouped path never runs."""
+    """moe_gemv_kernel (MXFP4's decode path: one token by default; here any format's, one
+    token and three) against the float64 reference on the exact weights; the grouped path
+    never runs."""
     spec = SPECS[name]
     dtype = torch.float16
     if fmt == "fp8":
@@ -364,9 +365,11 @@ def test_gemv_matches_the_reference(name, fmt, atomic_sum, monkeypatch):
 
     monkeypatch.setattr(moe_kernels, "moe_gemv_kernel", Counted())
     check_experts(experts, fmt, spec, dtype, 1, 2, seed=41, atomic_sum=atomic_sum)
-    assert len(calls) == 2  # gate_up and down, by default for one token
+    by_default = 2 if fmt == "mxfp4" else 0  # gate_up and down for one MXFP4 token
+    assert len(calls) == by_default
+    check_experts(experts, fmt, spec, dtype, 1, 2, seed=43, atomic_sum=atomic_sum, gemv=True)
     check_experts(experts, fmt, spec, dtype, 3, 2, seed=42, atomic_sum=atomic_sum, gemv=True)
-    assert len(calls) == 4
+    assert len(calls) == by_default + 4
 
 
 @interpreted

@@ -291,8 +291,9 @@ class Grouping:
 # have distinct experts, so a tile per pair reads each expert once, as the grouped tiles would,
 # without the grouping's launch. (Two tokens' pairs may share experts, read twice then.)
 PER_PAIR_MAX_TOKENS = 1
-# Tokens up to which the pairs run moe_gemv_kernel (CUDA cores, no tile padding) instead of
-# moe_gemm_kernel's per-pair tiles; GEMV_BLOCK_K columns a step (bytes: half that for MXFP4).
+# Tokens up to which MXFP4 pairs run moe_gemv_kernel (CUDA cores, no tile padding) instead of
+# moe_gemm_kernel's per-pair tiles (faster for bf16 weights); GEMV_BLOCK_K columns a step
+# (bytes: half that for MXFP4).
 GEMV_MAX_TOKENS = 1
 GEMV_BLOCK_K = 256
 # Chunks of pairs up to which one program groups them all (a few decode tokens); above, three
@@ -856,8 +857,8 @@ def fused_experts(
     passes for many pairs), with no host synchronisation. atomic_sum: down adds each pair's
     output into a float32 [T, H] (zeroed first, cast after) with atomics instead of writing
     [T * k, H] for the sum kernel: fewer bytes, in an order that varies from run to run.
-    gemv: the pairs through moe_gemv_kernel (None: up to GEMV_MAX_TOKENS tokens, weights
-    without K-blocked scales); configs then give its output columns a program, K columns a
+    gemv: the pairs through moe_gemv_kernel (None: up to GEMV_MAX_TOKENS MXFP4 tokens; never
+    for K-blocked fp8 scales); configs then give its output columns a program, K columns a
     step (0: GEMV_BLOCK_K) and warps."""
     check_weights(w, spec, x)
     t, hidden = x.shape
@@ -874,7 +875,7 @@ def fused_experts(
     mxfp4 = w.format == "mxfp4"
     bk = w.scale_block_k if w.format == "fp8" else 0
     if gemv is None:
-        gemv = t <= GEMV_MAX_TOKENS and not bk
+        gemv = t <= GEMV_MAX_TOKENS and w.format == "mxfp4"
     elif gemv and bk:
         raise ValueError(f"{spec.prefix}: the MoE GEMV takes no K-blocked fp8 scales")
     if configs is None:
