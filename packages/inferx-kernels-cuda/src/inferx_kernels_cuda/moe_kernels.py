@@ -779,8 +779,8 @@ def gemm_configs(
     size n. Up to 16 pairs an expert on average, 16-row tiles (a decode step reads weights;
     a tile is mostly one expert's few tokens) and output columns narrow enough to spread the
     tiles over the SMs (MXFP4: at most 32 columns by 128 rows, whose dequantization fits the
-    registers); above, 64-row tiles (a prefill computes), MXFP4's with 4 warps (8 spill the
-    dequantization) and 128 rows from 128 pairs an expert. gemv: moe_gemv_kernel's columns.
+    registers); above, 64-row tiles (a prefill computes), 128 rows from 128 pairs an expert;
+    MXFP4's with 4 warps (8 spill the dequantization). gemv: moe_gemv_kernel's columns.
     Small tiles under the interpreter."""
     mxfp4 = fmt == "mxfp4"
     if _interpreting():
@@ -796,14 +796,15 @@ def gemm_configs(
         widest = 32 if mxfp4 else 64
         gate_up = GemmConfig(16, min(widest, _decode_block_n(tiles, n, num_sms)), 128, 4, 4)
         down = GemmConfig(16, min(widest, _decode_block_n(tiles, hidden, num_sms)), 128, 4, 4)
-    elif not mxfp4:
+    elif num_pairs >= 128 * num_experts:
+        warps = 4 if mxfp4 else 8
+        gate_up = GemmConfig(128, 64, 64, warps, 3)
+        down = GemmConfig(128, 128, 64, warps, 3)
+    elif mxfp4:
+        gate_up = down = GemmConfig(64, 64, 64, 4, 3)
+    else:
         gate_up = GemmConfig(64, 64, 64, 4, 3)
         down = GemmConfig(64, 128, 64, 8, 3)
-    elif num_pairs >= 128 * num_experts:
-        gate_up = GemmConfig(128, 64, 64, 4, 3)
-        down = GemmConfig(128, 128, 64, 4, 3)
-    else:
-        gate_up = down = GemmConfig(64, 64, 64, 4, 3)
     return gate_up, down
 
 
