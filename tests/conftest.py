@@ -132,6 +132,19 @@ def begin_spans(
     return live, query_lens
 
 
+def replay_decodes(static, eager: list, contexts: list[int], size: int, num_blocks: int):
+    """A decode step over `contexts` (scattered tables): prepared for a graph's replay at `size`
+    rows on `static` and begun on each of the `eager` backends. Returns its batch."""
+    from inferx_core.batch import make_attention_batch
+
+    tables = scattered_tables(contexts, static.block_size, num_blocks)
+    batch = make_attention_batch([1] * len(contexts), contexts, tables, static.block_size)
+    static.prepare_for_replay(batch, size)
+    for b in eager:
+        b.begin_step(batch)
+    return batch
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -20,6 +20,7 @@ from conftest import (
     interpreted,
     on_gpu,
     plan_steps,
+    replay_decodes,
     same_random_caches,
     scattered_tables,
 )
@@ -411,11 +412,7 @@ def test_graph_life_cycle_replans_static_buffers() -> None:
 
     for contexts, size in (([37, 5, 64, 20], 4), ([1, 50], 4), ([63], 2), ([9, 2], 2)):
         n = len(contexts)
-        tables = scattered_tables(contexts, bs, num_blocks)
-        batch = make_attention_batch([1] * n, contexts, tables, bs)
-        static.prepare_for_replay(batch, size)
-        eager.begin_step(batch)
-        reference.begin_step(batch)
+        batch = replay_decodes(static, [eager, reference], contexts, size, num_blocks)
         assert static._plan.kind == "graph" and eager._plan.kind == "decode"
         assert static._plan.wrappers == [s.graphs[size] for s in static._shapes]
         g = static._graph

@@ -12,7 +12,14 @@ import types
 
 import pytest
 import torch
-from conftest import begin_spans, beside_reference, interpreted, on_gpu, scattered_tables
+from conftest import (
+    begin_spans,
+    beside_reference,
+    interpreted,
+    on_gpu,
+    replay_decodes,
+    scattered_tables,
+)
 from gpu_attention import capture, recorded_runs, replay
 from test_flashinfer_attention import (
     GPU_PLANS,
@@ -411,11 +418,7 @@ def test_graph_life_cycle_replans_static_buffers() -> None:
 
     for contexts, size in (([37, 5, 48, 20], 4), ([1, 30], 4), ([47], 2), ([9, 2], 2)):
         n = len(contexts)
-        tables = scattered_tables(contexts, bs, num_blocks)
-        batch = make_attention_batch([1] * n, contexts, tables, bs)
-        static.prepare_for_replay(batch, size)
-        eager.begin_step(batch)
-        reference.begin_step(batch)
+        replay_decodes(static, [eager, reference], contexts, size, num_blocks)
         assert mla._step.wrapper is graphs[size]
         assert graphs[size].plans[-1]["kv_len"] == contexts + [1] * (size - n)
         for layer in range(2):
