@@ -101,6 +101,50 @@ def plan_steps(plan: list[tuple[int, int]]) -> tuple[list[int], list[list[tuple[
     return totals, steps
 
 
+def beside_reference(backend, against: type, plan: list[tuple[int, int]]) -> tuple:
+    """For running `plan` (plan_steps) on `backend` and on `against`, built with the backend's
+    layers, block size, dtype and device: both allocated for the plan's sequences (with 4 blocks
+    to spare) and the sequences' scattered tables. Returns (reference, totals, steps, tables)."""
+    bs = backend.block_size
+    totals, steps = plan_steps(plan)
+    num_blocks = sum(-(-t // bs) for t in totals) + 4
+    reference = against(backend.layers, bs, backend.dtype, backend.device)
+    for b in (backend, reference):
+        b.allocate(num_blocks)
+    return reference, totals, steps, scattered_tables(totals, bs, num_blocks)
+
+
+def begin_spans(
+    backends: list, spans: list[tuple[int, int]], tables: list[list[int]]
+) -> tuple[list[int], list[int]]:
+    """Begin one of plan_steps' steps on every backend: a batch of the sequences whose span
+    [a, b) is not empty, of b - a new tokens each. Returns those sequences and their lengths."""
+    from inferx_core.batch import make_attention_batch
+
+    live = [i for i, (a, b) in enumerate(spans) if b > a]
+    query_lens = [spans[i][1] - spans[i][0] for i in live]
+    block_size, device = backends[0].block_size, backends[0].device
+    batch = make_attention_batch(
+        query_lens, [spans[i][1] for i in live], [tables[i] for i in live], block_size, device
+    )
+    for b in backends:
+        b.begin_step(batch)
+    return live, query_lens
+
+
+def replay_decodes(static, eager: list, contexts: list[int], size: int, num_blocks: int):
+    """A decode step over `contexts` (scattered tables): prepared for a graph's replay at `size`
+    rows on `static` and begun on each of the `eager` backends. Returns its batch."""
+    from inferx_core.batch import make_attention_batch
+
+    tables = scattered_tables(contexts, static.block_size, num_blocks)
+    batch = make_attention_batch([1] * len(contexts), contexts, tables, static.block_size)
+    static.prepare_for_replay(batch, size)
+    for b in eager:
+        b.begin_step(batch)
+    return batch
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -19,6 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import interpreted, same_random_caches, scattered_tables  # noqa: E402
+from gpu_attention import capture, replay, zero_decode_inputs  # noqa: E402
 from test_attention_torch import rel_err  # noqa: E402
 from test_engine import tiny_config  # noqa: E402
 
@@ -689,11 +690,7 @@ def test_gpu_captured_attention_serves_any_context(dtype: torch.dtype) -> None:
     eager = TritonAttention(layers, bs, dtype, dev)
     reference = TorchAttention(layers, bs, dtype, dev)
     same_random_caches([graphed, eager, reference], num_blocks, dtype)
-    inputs = [
-        [torch.zeros(padded, h, s.head_dim, dtype=dtype, device=dev) for h in heads]
-        for s in layers
-        for heads in [(s.num_q_heads, s.num_kv_heads, s.num_kv_heads)]
-    ]
+    inputs = zero_decode_inputs(layers, padded, dtype, dev)
     scales = [s.head_dim**-0.5 for s in layers]
 
     def step() -> list[torch.Tensor]:
@@ -702,12 +699,7 @@ def test_gpu_captured_attention_serves_any_context(dtype: torch.dtype) -> None:
         ]
 
     graphed.init_graph_buffers(8, max_blocks)
-    graphed.prepare_for_capture(padded)
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture(graphed, padded, step)
     assert graphed._plan is not None
     print(f"{dtype}: captured with {graphed._plan.num_splits} splits per sequence")
 
@@ -715,12 +707,7 @@ def test_gpu_captured_attention_serves_any_context(dtype: torch.dtype) -> None:
         n = len(contexts)
         tables = scattered_tables(contexts, bs, num_blocks)
         graphed.prepare_for_replay(make_attention_batch([1] * n, contexts, tables, bs), padded)
-        for x in (t for per_layer in inputs for t in per_layer):
-            x.copy_(torch.randn(x.shape, device=dev).to(dtype))  # padding rows get garbage too
-        graph.replay()
-        batch = make_attention_batch([1] * n, contexts, tables, bs, dev)
-        eager.begin_step(batch)
-        reference.begin_step(batch)
+        replay(graph, inputs, [eager, reference], contexts, tables, bs)
         for i in range(len(layers)):
             real = [x[:n] for x in inputs[i]]
             want = eager.forward(eager.layer(i, scales[i]), *real)

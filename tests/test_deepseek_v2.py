@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,16 +21,17 @@ from test_models import (  # noqa: E402
     CHUNKED_PREFILL,
     PREEMPTING,
     Runner,
+    check_preemption,
     check_prefix_hit,
+    check_preset_command,
+    check_stacked_experts,
     check_steps,
-    hf_logits,
     rel_err,
     saved,
     spread_weights,
 )
 
 from inferx_core.attention_torch import TorchAttention, mla_absorbed, mla_plain  # noqa: E402
-from inferx_core.cli import main  # noqa: E402
 from inferx_core.config import load_config  # noqa: E402
 from inferx_core.engine import LLM  # noqa: E402
 from inferx_core.executor import LoadError  # noqa: E402
@@ -38,7 +39,6 @@ from inferx_core.interfaces.attention import MLAWeights  # noqa: E402
 from inferx_core.interfaces.kv import KVLayerSpec, kv_groups  # noqa: E402
 from inferx_core.interfaces.moe import RouterSpec  # noqa: E402
 from inferx_core.moe import route  # noqa: E402
-from inferx_core.plugins import plugins  # noqa: E402
 from inferx_models.deepseek_v2 import (  # noqa: E402
     DeepseekV2ForCausalLM,
     MLAttention,
@@ -167,10 +167,7 @@ def test_prefix_cache_hit_equals_transformers(checkpoint):
 
 
 def test_preemption_equals_transformers(checkpoint, expected):
-    llm = make_llm(checkpoint[0], **PREEMPTING)
-    assert generate(llm) == expected
-    assert llm.engine.scheduler.stats().preemptions > 0
-    assert llm.engine.kv.usage() == 0.0
+    check_preemption(make_llm(checkpoint[0], **PREEMPTING), generate, expected)
 
 
 @pytest.mark.slow  # a rank process over gloo: seconds
@@ -196,18 +193,8 @@ def test_stacked_expert_layout_and_default_rope(tmp_path: Path):
     config.architectures = ["DeepseekV2ForCausalLM"]
     torch.manual_seed(1)
     model = spread_weights(transformers.DeepseekV2ForCausalLM(config).eval())
-    model.save_pretrained(tmp_path / "published")
-    (tmp_path / "stacked").mkdir()
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    assert "model.layers.1.mlp.experts.gate_up_proj" in state
-    save_file(state, tmp_path / "stacked" / "model.safetensors", metadata={"format": "pt"})
-    text = (tmp_path / "published" / "config.json").read_text()
-    (tmp_path / "stacked" / "config.json").write_text(text)
-    tokens = PROMPTS[3]
-    (published,) = Runner(tmp_path / "published", 4).step([("a", tokens)])
-    (stacked,) = Runner(tmp_path / "stacked", 4).step([("a", tokens)])
-    assert torch.equal(published, stacked)
-    assert rel_err(published, hf_logits(model, tokens)) <= RTOL
+    stacked = "model.layers.1.mlp.experts.gate_up_proj"
+    check_stacked_experts(model, tmp_path, stacked, PROMPTS[3], RTOL)
 
 
 def test_missing_and_unexpected_tensors_are_named():
@@ -402,15 +389,8 @@ def test_softmax_scale_follows_mscale_all_dim():
 
 @pytest.mark.parametrize("name", ["tiny-deepseek-v2", "tiny-deepseek-v2-lite"])
 def test_checkpoint_command_writes_a_loadable_preset(tmp_path: Path, capsys, name: str):
-    out = tmp_path / name
-    assert main(["checkpoint", "--preset", name, "--dtype", "float32", str(out)]) == 0
-    assert capsys.readouterr().out.strip() == str(out)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    tokens = PROMPTS[4]
-    (ours,) = Runner(out, 16).step([("a", tokens)])
-    assert rel_err(ours, hf_logits(ref, tokens)) <= RTOL
-    config = json.loads((out / "config.json").read_text())
-    assert plugins().get("model_arch", config["architectures"][0]) is DeepseekV2ForCausalLM
+    arch = check_preset_command(name, tmp_path, capsys, PROMPTS[4], RTOL)
+    assert arch is DeepseekV2ForCausalLM
 
 
 def test_v2_lite_preset_has_the_published_shapes():

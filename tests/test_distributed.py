@@ -257,20 +257,28 @@ def test_a_rank_lost_while_a_step_blocks_ends_rank_0(checkpoint):
     """The NCCL case on gloo: rank 1 dies while rank 0's step is blocked in a way no error
     reaches (a collective waiting on the GPU). The watchdog ends rank 0 with exit code 1 a
     few seconds later instead of the collective timeout."""
+    stderr = rank_0_ended(BLOCKED_STEP, checkpoint, timeout=120, within=15)
+    assert "tensor-parallel rank 1 exited" in stderr
+    assert "the step in flight has not ended" in stderr
+
+
+def rank_0_ended(script: str, checkpoint, timeout: float, within: float) -> str:
+    """Run `script` (formatted with the checkpoint's path), in which rank 1 dies mid-step and
+    which prints "killed <time.monotonic()>" then: rank 0 exits with code 1, within `within`
+    seconds of the kill and before generate returns. Returns its stderr."""
     proc = subprocess.run(
-        [sys.executable, "-c", BLOCKED_STEP.format(path=str(checkpoint))],
+        [sys.executable, "-c", script.format(path=str(checkpoint))],
         capture_output=True,
         text=True,
         env=ENV,
-        timeout=120,
+        timeout=timeout,
     )
     end = time.monotonic()
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "returned" not in proc.stdout
     killed = float(proc.stdout.split("killed", 1)[1].split()[0])
-    assert end - killed < 15, end - killed
-    assert "tensor-parallel rank 1 exited" in proc.stderr
-    assert "the step in flight has not ended" in proc.stderr
+    assert end - killed < within, end - killed
+    return proc.stderr
 
 
 BLOCKED_RANK = """
@@ -689,19 +697,8 @@ def test_a_rank_killed_mid_step_over_nccl_ends_rank_0(checkpoint):
     """The real case the watchdog is for: over NCCL a collective whose peer died waits on the
     GPU until the collective timeout (300 s). Rank 0 ends within seconds with exit code 1,
     either through a RankFailure raised or through its watchdog."""
-    proc = subprocess.run(
-        [sys.executable, "-c", KILLED_OVER_NCCL.format(path=str(checkpoint))],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=240,
-    )
-    end = time.monotonic()
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "returned" not in proc.stdout
-    killed = float(proc.stdout.split("killed", 1)[1].split()[0])
-    assert end - killed < 20, end - killed
-    assert "tensor-parallel rank 1 exited" in proc.stderr, proc.stderr[-3000:]
+    stderr = rank_0_ended(KILLED_OVER_NCCL, checkpoint, timeout=240, within=20)
+    assert "tensor-parallel rank 1 exited" in stderr, stderr[-3000:]
 
 
 @pytest.mark.gpu

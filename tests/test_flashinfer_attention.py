@@ -4,7 +4,6 @@ suite against TorchAttention, captured decode graphs, and generation equal to th
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
@@ -15,13 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    begin_spans,
+    beside_reference,
     fused_views,
     interpreted,
     on_gpu,
     plan_steps,
+    replay_decodes,
     same_random_caches,
     scattered_tables,
 )
+from gpu_attention import capture, recorded_runs, replay, zero_decode_inputs
 from test_attention_torch import dense_reference, rel_err
 
 from inferx_core.attention_torch import FP8, TorchAttention
@@ -271,14 +274,9 @@ def check_steps(backend, plan: list[tuple[int, int]], scale_factor: float = 1.0)
     """Run a plan's steps on `backend` and on TorchAttention (same device, same scattered
     tables) and check every layer against both and against dense float64 attention. Returns
     the kind of plan each step made ("prefill", "decode")."""
-    layers, bs, dtype, device = backend.layers, backend.block_size, backend.dtype, backend.device
+    layers, dtype, device = backend.layers, backend.dtype, backend.device
     tol = TOL[dtype]
-    totals, steps = plan_steps(plan)
-    num_blocks = sum(-(-t // bs) for t in totals) + 4
-    reference = TorchAttention(layers, bs, dtype, device)
-    for b in (backend, reference):
-        b.allocate(num_blocks)
-    tables = scattered_tables(totals, bs, num_blocks)
+    reference, totals, steps, tables = beside_reference(backend, TorchAttention, plan)
     hist = [
         [
             [
@@ -291,13 +289,7 @@ def check_steps(backend, plan: list[tuple[int, int]], scale_factor: float = 1.0)
     ]
     kinds = []
     for step, spans in enumerate(steps):
-        live = [i for i, (a, b) in enumerate(spans) if b > a]
-        query_lens = [spans[i][1] - spans[i][0] for i in live]
-        batch = make_attention_batch(
-            query_lens, [spans[i][1] for i in live], [tables[i] for i in live], bs, device
-        )
-        backend.begin_step(batch)
-        reference.begin_step(batch)
+        live, query_lens = begin_spans([backend, reference], spans, tables)
         kinds.append(backend._plan.kind)
         for layer, spec in enumerate(layers):
             q, k, v = (
@@ -420,11 +412,7 @@ def test_graph_life_cycle_replans_static_buffers() -> None:
 
     for contexts, size in (([37, 5, 64, 20], 4), ([1, 50], 4), ([63], 2), ([9, 2], 2)):
         n = len(contexts)
-        tables = scattered_tables(contexts, bs, num_blocks)
-        batch = make_attention_batch([1] * n, contexts, tables, bs)
-        static.prepare_for_replay(batch, size)
-        eager.begin_step(batch)
-        reference.begin_step(batch)
+        batch = replay_decodes(static, [eager, reference], contexts, size, num_blocks)
         assert static._plan.kind == "graph" and eager._plan.kind == "decode"
         assert static._plan.wrappers == [s.graphs[size] for s in static._shapes]
         g = static._graph
@@ -560,11 +548,7 @@ def test_gpu_captured_decode_serves_new_contexts(flashinfer) -> None:
     graphed.init_graph_buffers(sizes[-1], max_blocks)
     captured = {}
     for size in reversed(sizes):
-        inputs = [
-            [torch.zeros(size, h, s.head_dim, dtype=dtype, device=dev) for h in heads]
-            for s in layers
-            for heads in [(s.num_q_heads, s.num_kv_heads, s.num_kv_heads)]
-        ]
+        inputs = zero_decode_inputs(layers, size, dtype, dev)
 
         def step(inputs=inputs) -> list[torch.Tensor]:
             return [
@@ -572,12 +556,7 @@ def test_gpu_captured_decode_serves_new_contexts(flashinfer) -> None:
                 for i in range(3)
             ]
 
-        graphed.prepare_for_capture(size)
-        step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = step()
+        graph, outs = capture(graphed, size, step)
         plans = [plan_info(s.graphs[size]) for s in graphed._shapes]
         captured[size] = (graph, inputs, outs, plans)
     print("captured sizes", sorted(captured), "plan info", {k: v[3] for k, v in captured.items()})
@@ -591,12 +570,7 @@ def test_gpu_captured_decode_serves_new_contexts(flashinfer) -> None:
         graphed.prepare_for_replay(make_attention_batch([1] * n, contexts, tables, bs), size)
         now = [plan_info(s.graphs[size]) for s in graphed._shapes]
         assert now == plans, f"size {size}, contexts {contexts}: plan {now}, captured {plans}"
-        for x in (t for per_layer in inputs for t in per_layer):
-            x.copy_(torch.randn(x.shape, device=dev).to(dtype))  # padding rows get garbage too
-        graph.replay()
-        batch = make_attention_batch([1] * n, contexts, tables, bs, dev)
-        eager.begin_step(batch)
-        reference.begin_step(batch)
+        replay(graph, inputs, [eager, reference], contexts, tables, bs)
         for i in range(len(layers)):
             real = [x[:n] for x in inputs[i]]
             got = outs[i][:n]
@@ -652,9 +626,8 @@ def test_gpu_generates_like_triton(flashinfer, arch: str, tmp_path_factory) -> N
     batches that hit and miss captured sizes, a batch that shrinks, prompts chunked over 64
     tokens beside decodes, and prompts that hit the prefix cache (prefill over a cached
     prefix). In compare_runs' messages "graphs" is flashinfer and "eager" triton."""
-    from test_cuda_graphs import NEW, TOP, LogitsRecorder, compare_runs, ragged_prompts
+    from test_cuda_graphs import NEW, TOP, compare_runs, ragged_prompts
 
-    from inferx_core.config import load_config
     from inferx_core.engine import LLM
     from inferx_core.sequence import SamplingParams
 
@@ -667,46 +640,34 @@ def test_gpu_generates_like_triton(flashinfer, arch: str, tmp_path_factory) -> N
         ("prefix, first", [common + [5, 6, 7]], [NEW]),
         ("prefix, cached", [common + [9] * k for k in (1, 20, 40)], [NEW] * 3),
     ]
+    batches = [
+        (
+            prompts,
+            [
+                SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=TOP)
+                for m in max_tokens
+            ],
+        )
+        for _, prompts, max_tokens in scenarios
+    ]
+    overrides = {
+        "kv_cache.memory": "512MiB",
+        "scheduler.max_running": 16,
+        "scheduler.prefill_chunk": 64,
+        "scheduler.prefix_cache": True,
+    }
     problems = []
     for graphs in (True, False):
         runs = {}
-        for backend in ("flashinfer", "triton"):
-            llm = LLM(
-                load_config(
-                    None,
-                    {
-                        "model.path": str(path),
-                        "model.dtype": "bfloat16",
-                        "engine.device": "cuda",
-                        "engine.attention_backend": backend,
-                        "engine.cuda_graphs": graphs,
-                        "kv_cache.memory": "512MiB",
-                        "scheduler.max_running": 16,
-                        "scheduler.prefill_chunk": 64,
-                        "scheduler.prefix_cache": True,
-                    },
-                )
-            )
-            ex = llm.engine.executor
-            assert type(ex.attention).__name__ == (
-                "FlashInferAttention" if backend == "flashinfer" else "TritonAttention"
-            )
-            assert (ex.graphs is not None) == graphs, ex.eager_reason
-            recorder = ex.sampler = LogitsRecorder(ex.sampler)
-            results = []
-            for _, prompts, max_tokens in scenarios:
-                params = [
-                    SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=TOP)
-                    for m in max_tokens
-                ]
-                results.append((llm.generate(prompts, params), recorder.take()))
-            if graphs:
-                print(f"{arch}/{backend}: graph replays by padded size {dict(ex.graphs.replays)}")
-                assert sum(ex.graphs.replays.values()) > 0
-            runs[backend] = results
-            del llm, ex, recorder
-            gc.collect()
-            torch.cuda.empty_cache()
+        for backend, attention in (
+            ("flashinfer", "FlashInferAttention"),
+            ("triton", "TritonAttention"),
+        ):
+
+            def check(llm: LLM, attention: str = attention) -> None:
+                assert type(llm.engine.executor.attention).__name__ == attention
+
+            runs[backend] = recorded_runs(path, backend, graphs, overrides, batches, check)
         for (label, _, _), (fi, fi_steps), (tr, tr_steps) in zip(
             scenarios, runs["flashinfer"], runs["triton"], strict=True
         ):
@@ -982,31 +943,19 @@ def test_gpu_fp8_captured_decode_matches_torch(flashinfer) -> None:
     graphed.init_graph_buffers(sizes[-1], max_blocks)
     captured = {}
     for size in reversed(sizes):
-        inputs = [
-            [torch.zeros(size, h, s.head_dim, dtype=dtype, device=dev) for h in heads]
-            for s in layers
-            for heads in [(s.num_q_heads, s.num_kv_heads, s.num_kv_heads)]
-        ]
+        inputs = zero_decode_inputs(layers, size, dtype, dev)
 
         def step(inputs=inputs) -> list[torch.Tensor]:
             return [graphed.forward(attn[0][i], *fused_views(*inputs[i])) for i in range(2)]
 
-        graphed.prepare_for_capture(size)
-        step()  # eager first, as the runtime does: the scales are read here
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = step()
+        graph, outs = capture(graphed, size, step)  # its eager run reads the scales
         captured[size] = (graph, inputs, outs)
     for contexts, size in (([1, 700, 1024], 4), ([64, 65, 1023, 7], 4), ([1000], 1), ([5], 4)):
         graph, inputs, outs = captured[size]
         n = len(contexts)
         tables = scattered_tables(contexts, bs, num_blocks)
         graphed.prepare_for_replay(make_attention_batch([1] * n, contexts, tables, bs), size)
-        for x in (t for per_layer in inputs for t in per_layer):
-            x.copy_((torch.randn(x.shape, device=dev) * 3).to(dtype))  # padding rows too
-        graph.replay()
-        reference.begin_step(make_attention_batch([1] * n, contexts, tables, bs, dev))
+        replay(graph, inputs, [reference], contexts, tables, bs, spread=3)
         for i in range(len(layers)):
             want = reference.forward(attn[1][i], *(x[:n] for x in inputs[i]))
             err = rel_err(outs[i][:n].float(), want.float())

@@ -8,12 +8,19 @@ torch backend."""
 
 from __future__ import annotations
 
-import gc
 import types
 
 import pytest
 import torch
-from conftest import interpreted, on_gpu, plan_steps, scattered_tables
+from conftest import (
+    begin_spans,
+    beside_reference,
+    interpreted,
+    on_gpu,
+    replay_decodes,
+    scattered_tables,
+)
+from gpu_attention import capture, recorded_runs, replay
 from test_flashinfer_attention import (
     GPU_PLANS,
     SMALL_PLANS,
@@ -282,14 +289,9 @@ def check_mla_steps(
     """Run a plan's steps (conftest.plan_steps) through `backend`'s MLA layers and through
     `against` (same device, scattered tables): every layer's output within TOL of each other
     and of the float64 plain form, the caches equal at the end."""
-    layers, bs, dtype, device = backend.layers, backend.block_size, backend.dtype, backend.device
+    layers, dtype, device = backend.layers, backend.dtype, backend.device
     tol = TOL[dtype]
-    totals, steps = plan_steps(plan)
-    num_blocks = sum(-(-t // bs) for t in totals) + 4
-    reference = against(layers, bs, dtype, device)
-    for b in (backend, reference):
-        b.allocate(num_blocks)
-    tables = scattered_tables(totals, bs, num_blocks)
+    reference, totals, steps, tables = beside_reference(backend, against, plan)
     factors = [scale_factors[i % len(scale_factors)] for i in range(len(layers))]
     scales = [(nope + ROPE) ** -0.5 * f for f in factors]
     model = MLAModel(layers, nope, v, totals, dtype, device, scales)
@@ -299,13 +301,7 @@ def check_mla_steps(
         for b in (backend, reference)
     ]
     for step, spans in enumerate(steps):
-        live = [i for i, (a, b) in enumerate(spans) if b > a]
-        query_lens = [spans[i][1] - spans[i][0] for i in live]
-        batch = make_attention_batch(
-            query_lens, [spans[i][1] for i in live], [tables[i] for i in live], bs, device
-        )
-        backend.begin_step(batch)
-        reference.begin_step(batch)
+        live, query_lens = begin_spans([backend, reference], spans, tables)
         for layer in range(len(layers)):
             q = torch.cat([model.queries[layer][i][slice(*spans[i])] for i in live])
             k = torch.cat([model.rows[layer][i][slice(*spans[i])] for i in live])[:, None]
@@ -422,11 +418,7 @@ def test_graph_life_cycle_replans_static_buffers() -> None:
 
     for contexts, size in (([37, 5, 48, 20], 4), ([1, 30], 4), ([47], 2), ([9, 2], 2)):
         n = len(contexts)
-        tables = scattered_tables(contexts, bs, num_blocks)
-        batch = make_attention_batch([1] * n, contexts, tables, bs)
-        static.prepare_for_replay(batch, size)
-        eager.begin_step(batch)
-        reference.begin_step(batch)
+        replay_decodes(static, [eager, reference], contexts, size, num_blocks)
         assert mla._step.wrapper is graphs[size]
         assert graphs[size].plans[-1]["kv_len"] == contexts + [1] * (size - n)
         for layer in range(2):
@@ -538,12 +530,7 @@ def test_gpu_captured_mla_decode_serves_new_contexts(flashinfer) -> None:
         def step(q=q, k=k) -> list[torch.Tensor]:
             return [graphed.forward(attns[0][i], q[i], k[i], k[i][..., :RANK]) for i in range(2)]
 
-        graphed.prepare_for_capture(size)
-        step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = step()
+        graph, outs = capture(graphed, size, step)
         captured[size] = (graph, q, k, outs, plan_info(graphed._mla._buffers.graphs[size]))
 
     cases = [([1, 1000, 2048], 4), ([64, 65, 2047, 7], 4), ([2048], 1), ([5], 4), ([1], 1)]
@@ -555,12 +542,7 @@ def test_gpu_captured_mla_decode_serves_new_contexts(flashinfer) -> None:
         graphed.prepare_for_replay(make_attention_batch([1] * n, contexts, tables, bs), size)
         now = plan_info(graphed._mla._buffers.graphs[size])
         assert now == info, f"size {size}, contexts {contexts}: plan {now}, captured {info}"
-        for x in (*q, *k):
-            x.copy_(torch.randn(x.shape, device=dev).to(dtype))  # padding rows get garbage too
-        graph.replay()
-        batch = make_attention_batch([1] * n, contexts, tables, bs, dev)
-        eager.begin_step(batch)
-        reference.begin_step(batch)
+        replay(graph, [q, k], [eager, reference], contexts, tables, bs)
         for i in range(2):
             real = (q[i][:n], k[i][:n], k[i][:n, :, :RANK])
             for b, attn, label in (
@@ -666,10 +648,9 @@ def test_gpu_tiny_deepseek_generates_like_torch(flashinfer, tmp_path_factory) ->
     step before (test_cuda_graphs.compare_runs); prompts chunked over 32 tokens beside decodes
     (mixed steps: decodes through FlashInfer, chunks through the Triton prefill) and prompts
     that hit the prefix cache."""
-    from test_cuda_graphs import LogitsRecorder, compare_runs
+    from test_cuda_graphs import compare_runs
     from test_engine import PROMPTS
 
-    from inferx_core.config import load_config
     from inferx_core.engine import LLM
     from inferx_core.sequence import SamplingParams
 
@@ -677,36 +658,27 @@ def test_gpu_tiny_deepseek_generates_like_torch(flashinfer, tmp_path_factory) ->
     common = [3 + (7 * i) % 250 for i in range(100)]
     batches = [[PROMPTS[0], PROMPTS[1], common + [5, 6]], [common + [9] * 20, common[:70]]]
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=5)
+    overrides = {
+        "kv_cache.memory": "1GiB",
+        "scheduler.max_running": 8,
+        "scheduler.prefill_chunk": 32,
+        "scheduler.prefix_cache": True,
+    }
+
+    def check(llm: LLM) -> None:
+        assert type(llm.engine.executor.attention).__name__ == "FlashInferAttention"
+        assert llm.engine.scheduler.stats().prefix_hits > 0
+
     runs = {}
     for backend, graphs in (("torch", False), ("flashinfer", True), ("flashinfer", False)):
-        llm = LLM(
-            load_config(
-                None,
-                {
-                    "model.path": str(path),
-                    "model.dtype": "bfloat16",
-                    "engine.device": "cuda",
-                    "engine.attention_backend": backend,
-                    "engine.cuda_graphs": graphs,
-                    "kv_cache.memory": "1GiB",
-                    "scheduler.max_running": 8,
-                    "scheduler.prefill_chunk": 32,
-                    "scheduler.prefix_cache": True,
-                },
-            )
+        runs[(backend, graphs)] = recorded_runs(
+            path,
+            backend,
+            graphs,
+            overrides,
+            [(b, params) for b in batches],
+            check if backend == "flashinfer" else lambda llm: None,
         )
-        ex = llm.engine.executor
-        assert (ex.graphs is not None) == graphs, ex.eager_reason
-        recorder = ex.sampler = LogitsRecorder(ex.sampler)
-        runs[(backend, graphs)] = [(llm.generate(b, params), recorder.take()) for b in batches]
-        if graphs:
-            assert sum(ex.graphs.replays.values()) > 0
-        if backend == "flashinfer":
-            assert type(ex.attention).__name__ == "FlashInferAttention"
-            assert llm.engine.scheduler.stats().prefix_hits > 0
-        del llm, ex, recorder
-        gc.collect()
-        torch.cuda.empty_cache()
     problems = []
     for key in (("flashinfer", True), ("flashinfer", False)):
         for n, ((a, a_steps), (b, b_steps)) in enumerate(

@@ -414,20 +414,20 @@ def tiny_llama(path, hidden: int, heads: int, kv_heads: int, inter: int, positio
     return path
 
 
-def write_quantized(src, dst, quant_config: dict | None, quantize, scale_name: str, skip=()):
-    """dst: src with each projection's weight quantized (quantize(w) -> q, scale) and
-    quant_config in config.json; -> the reference: src with the exact dequantized weights."""
+def write_projections(src, dst, quant_config: dict | None, quantize, skip=()) -> tuple:
+    """dst: src with each projection's weight (a PROJ layer not named in `skip`) replaced by
+    the tensors quantize(name, weight) gives, and quant_config in config.json; -> (dst, the
+    reference: src with each such weight replaced by the exact dequantized weight that
+    quantize gives beside them)."""
     ref = dst.parent / f"{dst.name}-reference"
     for d in (dst, ref):
         shutil.copytree(src, d)
-    tensors = load_file(src / "model.safetensors")
     quantized, dequantized = {}, {}
-    for name, t in tensors.items():
+    for name, t in load_file(src / "model.safetensors").items():
         base = name.removesuffix(".weight")
         if base.rpartition(".")[2] in PROJ and name.endswith(".weight") and base not in skip:
-            q, scale = quantize(t)
-            quantized[name], quantized[f"{base}.{scale_name}"] = q, scale
-            dequantized[name] = dequantize(q, scale, quantize is quantize_block)
+            tensors, dequantized[name] = quantize(name, t)
+            quantized |= tensors
         else:
             quantized[name] = dequantized[name] = t
     save_file(quantized, dst / "model.safetensors")
@@ -436,6 +436,18 @@ def write_quantized(src, dst, quant_config: dict | None, quantize, scale_name: s
     config["quantization_config"] = quant_config
     (dst / "config.json").write_text(json.dumps(config))
     return dst, ref
+
+
+def write_quantized(src, dst, quant_config: dict | None, quantize, scale_name: str, skip=()):
+    """write_projections with each projection's weight quantized (quantize(w) -> q, scale) and
+    its scale beside it as `scale_name`."""
+
+    def fp8(name: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        q, scale = quantize(w)
+        scales = {f"{name.removesuffix('.weight')}.{scale_name}": scale}
+        return {name: q} | scales, dequantize(q, scale, quantize is quantize_block)
+
+    return write_projections(src, dst, quant_config, fp8, skip)
 
 
 def make_llm(path, **overrides) -> LLM:

@@ -214,6 +214,53 @@ def check_prefix_hit(llm: Any, ref: torch.nn.Module, generate: Any, reference: A
     assert llm.engine.scheduler.stats().prefix_hits > 0
 
 
+def check_preemption(llm: Any, generate: Any, expected: list[list[int]]) -> None:
+    """An engine with PREEMPTING's cache gives transformers' greedy tokens (`expected`) although
+    it preempted sequences, and holds no block at the end."""
+    assert generate(llm) == expected
+    assert llm.engine.scheduler.stats().preemptions > 0
+    assert llm.engine.kv.usage() == 0.0
+
+
+def check_stacked_experts(
+    model: torch.nn.Module, tmp_path: Path, stacked: str, tokens: list[int], rtol: float
+) -> None:
+    """transformers 5's in-memory layout (experts.gate_up_proj [E, 2I, H], experts.down_proj
+    [E, H, I]; `stacked` among its names) saved as a checkpoint gives the logits of the
+    per-expert checkpoint transformers writes exactly, and those are within rtol of its own."""
+    from safetensors.torch import save_file
+
+    model.save_pretrained(tmp_path / "published")
+    (tmp_path / "stacked").mkdir()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert stacked in state
+    save_file(state, tmp_path / "stacked" / "model.safetensors", metadata={"format": "pt"})
+    config = (tmp_path / "published" / "config.json").read_text()
+    (tmp_path / "stacked" / "config.json").write_text(config)
+    (published,) = Runner(tmp_path / "published", 4).step([("a", tokens)])
+    (from_stacked,) = Runner(tmp_path / "stacked", 4).step([("a", tokens)])
+    assert torch.equal(published, from_stacked)
+    assert rel_err(published, hf_logits(model, tokens)) <= rtol
+
+
+def check_preset_command(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture, tokens: list[int], rtol: float
+) -> type:
+    """`inferx checkpoint --preset name` writes a checkpoint that transformers loads and whose
+    logits over `tokens` ours match within rtol. Returns the model arch registered for the
+    checkpoint's architecture."""
+    from inferx_core.cli import main
+
+    out = tmp_path / name
+    assert main(["checkpoint", "--preset", name, "--dtype", "float32", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    (ours,) = Runner(out, 16).step([("a", tokens)])
+    assert rel_err(ours, hf_logits(ref, tokens)) <= rtol
+    config = json.loads((out / "config.json").read_text())
+    return plugins().get("model_arch", config["architectures"][0])
+
+
 def random_tokens(n: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 

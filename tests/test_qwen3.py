@@ -4,13 +4,12 @@ layouts; the presets' checkpoints."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,17 +20,16 @@ from test_models import (  # noqa: E402
     PACKED_CHUNKS,
     PREEMPTING,
     Runner,
+    check_preemption,
     check_prefix_hit,
+    check_preset_command,
+    check_stacked_experts,
     check_steps,
-    hf_logits,
-    rel_err,
     saved,
     spread_weights,
 )
 
-from inferx_core.cli import main  # noqa: E402
 from inferx_core.interfaces.model import BuildContext  # noqa: E402
-from inferx_core.plugins import plugins  # noqa: E402
 from inferx_core.quant_none import Unquantized  # noqa: E402
 from inferx_models.presets import preset  # noqa: E402
 from inferx_models.qwen3 import (  # noqa: E402
@@ -132,27 +130,14 @@ def test_prefix_cache_hit_equals_transformers(checkpoint):
 
 
 def test_preemption_equals_transformers(checkpoint, expected):
-    llm = make_llm(checkpoint[0], **PREEMPTING)
-    assert generate(llm) == expected
-    assert llm.engine.scheduler.stats().preemptions > 0
+    check_preemption(make_llm(checkpoint[0], **PREEMPTING), generate, expected)
 
 
 def test_stacked_expert_layout_loads_the_same(tmp_path: Path):
-    """transformers 5's in-memory layout (experts.gate_up_proj [E, 2I, H], experts.down_proj
-    [E, H, I]) as checkpoint names gives the per-expert checkpoint's logits exactly."""
-    model = hf_model("qwen3-moe")
-    model.save_pretrained(tmp_path / "published")
-    (tmp_path / "stacked").mkdir()
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    assert "model.layers.0.mlp.experts.gate_up_proj" in state
-    save_file(state, tmp_path / "stacked" / "model.safetensors", metadata={"format": "pt"})
-    config = (tmp_path / "published" / "config.json").read_text()
-    (tmp_path / "stacked" / "config.json").write_text(config)
-    tokens = PROMPTS[4]
-    (published,) = Runner(tmp_path / "published", 4).step([("a", tokens)])
-    (stacked,) = Runner(tmp_path / "stacked", 4).step([("a", tokens)])
-    assert torch.equal(published, stacked)
-    assert rel_err(published, hf_logits(model, tokens)) <= RTOL
+    """transformers 5's in-memory layout as checkpoint names gives the per-expert checkpoint's
+    logits exactly."""
+    stacked = "model.layers.0.mlp.experts.gate_up_proj"
+    check_stacked_experts(hf_model("qwen3-moe"), tmp_path, stacked, PROMPTS[4], RTOL)
 
 
 def _moe_model(cfg: dict[str, Any]) -> Qwen3MoeForCausalLM:
@@ -191,18 +176,8 @@ def test_moe_layer_rule():
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-moe"])
 def test_checkpoint_command_writes_a_loadable_preset(tmp_path: Path, capsys, name: str):
-    out = tmp_path / name
-    assert main(["checkpoint", "--preset", name, "--dtype", "float32", str(out)]) == 0
-    assert capsys.readouterr().out.strip() == str(out)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    tokens = PROMPTS[4]
-    (ours,) = Runner(out, 16).step([("a", tokens)])
-    assert rel_err(ours, hf_logits(ref, tokens)) <= RTOL
-    config = json.loads((out / "config.json").read_text())
-    assert plugins().get("model_arch", config["architectures"][0]) in (
-        Qwen3ForCausalLM,
-        Qwen3MoeForCausalLM,
-    )
+    arch = check_preset_command(name, tmp_path, capsys, PROMPTS[4], RTOL)
+    assert arch in (Qwen3ForCausalLM, Qwen3MoeForCausalLM)
 
 
 @interpreted

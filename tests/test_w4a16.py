@@ -6,9 +6,6 @@ agree in vLLM's top-5 sense."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -515,38 +512,26 @@ def write_w4(src, dst, quant_config: dict, skip: tuple[str, ...] = ()):
     config.json); -> (dst, the reference: src with the exact dequantized weights in float32).
     Layers named in `skip` keep their float weights. Fused parts (q, k, v; gate, up) share an
     act-order, as GPTQ gives them."""
-    from test_fp8 import PROJ
+    from test_fp8 import write_projections
 
-    ref = dst.parent / f"{dst.name}-reference"
-    for d in (dst, ref):
-        shutil.copytree(src, d)
     method = quant_config["quant_method"]
     group = quant_config["group_size"]
     sym = quant_config.get("sym", False)
     act_order = quant_config.get("desc_act", False)
     v2 = quant_config.get("checkpoint_format") == "gptq_v2"
-    quantized, dequantized = {}, {}
-    for name, t in load_file(src / "model.safetensors").items():
+
+    def w4(name: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         base = name.removesuffix(".weight")
         leaf = base.rpartition(".")[2]
-        if leaf not in PROJ or not name.endswith(".weight") or base in skip:
-            quantized[name] = dequantized[name] = t
-            continue
         layer = int(base.split(".")[2])
         fused = 0 if leaf in ("q_proj", "k_proj", "v_proj") else 1 if leaf != "down_proj" else 2
         gen = torch.Generator().manual_seed(1000 * layer + fused)  # one act-order per fused layer
         zero_min = 1 if method == "gptq" and not v2 else 0
-        parts = quantize(t, group, sym, gen, act_order=act_order, zero_min=zero_min)
+        parts = quantize(w, group, sym, gen, act_order=act_order, zero_min=zero_min)
         tensors = gptq_tensors(parts, v2) if method == "gptq" else awq_tensors(parts)
-        for kind, tensor in tensors.items():
-            quantized[f"{base}.{kind}"] = tensor.contiguous()
-        dequantized[name] = parts["exact"]
-    save_file(quantized, dst / "model.safetensors")
-    save_file(dequantized, ref / "model.safetensors")
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quant_config
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst, ref
+        return {f"{base}.{kind}": t.contiguous() for kind, t in tensors.items()}, parts["exact"]
+
+    return write_projections(src, dst, quant_config, w4, skip)
 
 
 @pytest.fixture(scope="module")
