@@ -508,7 +508,7 @@ def test_bad_schemas_are_400s_that_name_the_problem(
 def test_offline_llm_with_and_without_a_step_in_flight() -> None:
     """SamplingParams.json_schema in the offline API, stepped in series and with a step in
     flight: overlapped, a structured row's matcher reads the previous step's token from that
-    step's result before masking (`_previous_token`), and the outputs equal the serial ones,
+    step's result before masking (`_previous_tokens`), and the outputs equal the serial ones,
     next to an unconstrained request."""
     from inferx_core.engine import LLM
     from inferx_core.sequence import SamplingParams
@@ -523,13 +523,20 @@ def test_offline_llm_with_and_without_a_step_in_flight() -> None:
         SamplingParams(max_tokens=8, temperature=0),
     ]
     executor = llm.engine.executor
-    real, asked = executor._previous_token, []
+    real, asked = executor._previous_tokens, []
 
-    def spy(seq: Any) -> int:
-        asked.append(seq.request_id)
-        return real(seq)
+    def spy() -> Any:
+        previous = real()
+        if previous is None:
+            return None
 
-    executor._previous_token = spy
+        def ask(seq: Any) -> int:
+            asked.append(seq.request_id)
+            return previous(seq)
+
+        return ask
+
+    executor._previous_tokens = spy
     outs = []
     for overlap in (False, True):
         llm.engine.overlap = overlap

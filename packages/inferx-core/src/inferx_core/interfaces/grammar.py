@@ -53,3 +53,8 @@ class GrammarBackend(ABC):
         """Row i of `bitmask` (int32 [len(matchers), ceil(vocab / 32)], on the CPU) gets the
         tokens matchers[i] allows next: token t is bit t % 32 of word t // 32. Rows whose
         matcher is None are left as they are."""
+
+    def accept_tokens(self, pairs: Sequence[tuple[GrammarMatcher, int]]) -> list[bool]:
+        """Advance each matcher by its token (one pair a matcher), as accept() does; a backend
+        may do them in parallel."""
+        return [m.accept(t) for m, t in pairs]
