@@ -87,7 +87,7 @@ class GrammarWorker:
     sequences) when it asks, so the worker never reads a sequence the engine is changing.
 
     wait_s: seconds the caller's thread spent waiting for this work (all of it, inline);
-    work_s: seconds of the work itself; masks: steps masked."""
+    work_s: seconds of the work itself; masks_filled: steps whose masks it filled."""
 
     def __init__(self, threaded: bool = True) -> None:
         self.threaded = threaded
@@ -142,12 +142,6 @@ class GrammarWorker:
         for task in tasks.values():
             if task is not None:
                 self.wait(task)
-
-    def close(self) -> None:
-        """End the thread once its queued tasks are done (a later task starts another)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
 
     def _hand_over(
         self, seqs: Seq[Sequence], end_of: Callable[[Sequence], int], previous: Previous | None
