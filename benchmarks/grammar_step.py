@@ -8,6 +8,10 @@ and filling the masks). With --profile, cProfile's top functions of one run of e
 
 python benchmarks/grammar_step.py --tokenizer DIR [--preset qwen2.5-3b-instruct] [--rows 64]
     [--prompt-len 512] [--steps 128] [--kv-memory 0.5] [--repeat 2] [--profile] [--json OUT]
+    [--switch-interval S]
+
+--switch-interval sets Python's GIL switch interval (5 ms by default): a thread that wants the
+GIL back (the worker, after llguidance's calls) waits up to that long while another runs Python.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import cProfile
 import json
 import pstats
 import random
+import sys
 import time
 
 import torch
@@ -93,7 +98,10 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="KEY=VALUE config overrides")
     ap.add_argument("--profile", action="store_true", help="cProfile one run of each")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval, seconds")
     args = ap.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     overrides = {
         "model.preset": args.preset,
         "model.tokenizer": args.tokenizer,
@@ -111,7 +119,10 @@ def main() -> None:
     for mode in modes:  # warm-up: the grammar backend, the schemas' compiles, graphs
         run(llm, prompts, mode, 16)
     results = []
-    print(f"commit {commit_id()}, {args.preset}, {args.rows} rows, overlap {llm.engine.overlap}")
+    print(
+        f"commit {commit_id()}, {args.preset}, {args.rows} rows, overlap {llm.engine.overlap}, "
+        f"GIL switch interval {sys.getswitchinterval() * 1e3:g} ms"
+    )
     print("| worker | mode | ms/step | rows/step | grammar wait ms/step | grammar work ms/step |")
     print("|---|---|---:|---:|---:|---:|")
     for threaded in (True, False):

@@ -125,27 +125,32 @@ class GrammarWorker:
     ) -> GrammarMasks:
         """Queue the masks of a step that samples one token for each of `seqs`: each
         structured row's matcher first reads the output before that token (a PENDING one is
-        `previous(seq)`, which a step in flight sampled), then the rows' bitmask is filled."""
-        advanced = self._hand_over(seqs, lambda seq: len(seq.token_ids) - 1, previous)
+        `previous(seq)`, which a step in flight sampled), then the rows' bitmask is filled.
+        One task does both, so the worker takes the GIL back as seldom as it can."""
+        feeds, advanced = self._hand_over(seqs, lambda seq: len(seq.token_ids) - 1)
         rows = [(i, seq.grammar) for i, seq in enumerate(seqs) if seq.grammar is not None]
         words = (vocab + 31) // 32
         # A fresh pinned buffer each step: torch's host allocator reuses one only after the
         # copies queued from it are done.
         host = torch.empty((len(seqs), words), dtype=torch.int32, pin_memory=pin)
-        return GrammarMasks(self, self._run(self._fill, rows, host, advanced))
+        return GrammarMasks(self, self._run(self._masks, feeds, previous, advanced, rows, host))
 
     def catch_up(self, seqs: Seq[Sequence]) -> None:
         """Bring each structured sequence's matcher up to its known output (no PENDING token
         left) and wait until it has read it; then its done/refused fields are current."""
-        self._hand_over(seqs, lambda seq: len(seq.token_ids) - seq.num_pending, None)
+        feeds, advanced = self._hand_over(seqs, lambda seq: len(seq.token_ids) - seq.num_pending)
+        if feeds:
+            self._run(self._advance, feeds, None, advanced)
         tasks = {id(s.grammar.advanced): s.grammar.advanced for s in seqs if s.grammar is not None}
         for task in tasks.values():
             if task is not None:
                 self.wait(task)
 
     def _hand_over(
-        self, seqs: Seq[Sequence], end_of: Callable[[Sequence], int], previous: Previous | None
-    ) -> Future | None:
+        self, seqs: Seq[Sequence], end_of: Callable[[Sequence], int]
+    ) -> tuple[list[tuple[Sequence, GrammarState, list[int]]], Future | None]:
+        """The structured rows' output tokens up to end_of(seq) not yet handed over, and the
+        future their states wait on until the worker has read them."""
         feeds = []
         for seq in seqs:
             state = seq.grammar
@@ -156,15 +161,31 @@ class GrammarWorker:
                 feeds.append((seq, state, seq.token_ids[start:end]))
                 state.queued = end - seq.num_prompt
         if not feeds:
-            return None
-        task = self._run(self._advance, feeds, previous)
+            return feeds, None
+        advanced: Future = Future()
         for _, state, _ in feeds:
-            state.advanced = task
-        return task
+            state.advanced = advanced
+        return feeds, advanced
+
+    def _masks(
+        self,
+        feeds: list[tuple[Sequence, GrammarState, list[int]]],
+        previous: Previous | None,
+        advanced: Future | None,
+        rows: list[tuple[int, GrammarState]],
+        host: torch.Tensor,
+    ) -> torch.Tensor | None:
+        if advanced is not None:
+            self._advance(feeds, previous, advanced)
+        return self._fill(rows, host)
 
     def _advance(
-        self, feeds: list[tuple[Sequence, GrammarState, list[int]]], previous: Previous | None
+        self,
+        feeds: list[tuple[Sequence, GrammarState, list[int]]],
+        previous: Previous | None,
+        advanced: Future,
     ) -> None:
+        """Feed each state its tokens, then settle `advanced` (with the failure, if any)."""
         t0 = time.perf_counter()
         try:
             single = []
@@ -185,14 +206,17 @@ class GrammarWorker:
                     if not good:
                         state.refused = token
                     state.terminated = state.matcher.is_terminated()
+        except BaseException as exc:
+            advanced.set_exception(exc)
+            raise
+        else:
+            advanced.set_result(None)
         finally:
             self.work_s += time.perf_counter() - t0
 
     def _fill(
-        self, rows: list[tuple[int, GrammarState]], host: torch.Tensor, advanced: Future | None
+        self, rows: list[tuple[int, GrammarState]], host: torch.Tensor
     ) -> torch.Tensor | None:
-        if advanced is not None:
-            advanced.result()  # done (tasks run in order): its failure is this one's
         t0 = time.perf_counter()
         try:
             matchers: list[GrammarMatcher | None] = [None] * host.shape[0]
