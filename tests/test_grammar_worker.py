@@ -12,6 +12,7 @@ import json
 import logging
 import random
 import threading
+import time
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -296,6 +297,45 @@ def test_one_thread_touches_the_matchers_and_refusals_end_a_reply(caplog) -> Non
     assert GUARD.overlaps == 0
 
 
+class SlowBackend(EvenBackend):
+    """Fills like EvenBackend in 30 ms outside the GIL, as llguidance's batched fill is."""
+
+    def fill_bitmask(self, matchers: Seq[GrammarMatcher | None], bitmask: torch.Tensor) -> None:
+        time.sleep(0.03)
+        super().fill_bitmask(matchers, bitmask)
+
+
+class SlowPlugin:
+    @hookimpl
+    def inferx_grammar_backends(self, register: object) -> None:
+        register("slow", SlowBackend)  # type: ignore[operator]
+
+
+def test_the_masks_fill_while_the_engine_applies_the_step_before() -> None:
+    """With a step in flight, the worker fills step N+1's masks while the engine's thread
+    applies step N (here 30 ms of it): the engine waits for little of the fill's time, where
+    inline it waits for all of it; the tokens are the same."""
+    got, waits = [], []
+    for worker in (False, True):
+        reg = Plugins()
+        reg.register(SlowPlugin(), package="test")
+        config = {"engine.grammar_backend": "slow", "model.max_model_len": 128}
+        llm = make_llm(worker, True, reg=reg, **config)
+        engine = llm.engine
+        apply = engine._apply
+
+        def slow_apply(*args: Any, _apply: Any = apply) -> Any:
+            time.sleep(0.03)  # the host's own work on a step (detokenizing, a server's)
+            return _apply(*args)
+
+        engine._apply = slow_apply  # type: ignore[method-assign]
+        got.append(run(llm, PROMPTS[:2], [even(12), even(12)]))
+        grammar = engine.grammars.worker
+        waits.append(grammar.wait_s / grammar.work_s)
+    assert got[0] == got[1]
+    assert waits[0] > 0.95 and waits[1] < 0.5, waits
+
+
 def test_a_failing_matcher_is_an_error_not_a_hang() -> None:
     for worker in (False, True):
         llm = even_llm(worker, overlap=True)
@@ -336,15 +376,18 @@ def test_the_worker_on_the_gpu_with_graphs_gives_the_tokens_of_the_engine_thread
                     "model.preset": "tiny-qwen2",
                     "model.tokenizer": str(QWEN),
                     "engine.device": "cuda",
+                    "kv_cache.num_blocks": 512,
                     "engine.grammar_worker": worker,
                 },
             )
         )
-        assert llm.engine.overlap
+        assert llm.engine.overlap and llm.engine.executor.graphs is not None
         out = []
         for seed in range(3):
             prompts, params, _ = rows(seed)
             out.append(run(llm, prompts * 8, params * 8))
         results.append(out)
-        assert llm.engine.grammars.worker.masks_filled > 0
+        grammar = llm.engine.grammars.worker
+        assert grammar.masks_filled > 0 and (grammar._pool is not None) == worker
+        del llm
     assert results[0] == results[1]
