@@ -1,7 +1,9 @@
 """The grammar contract for structured output: a backend compiles a JSON schema once and makes a
 matcher per sequence; matchers say which tokens may come next as a bitmask and advance with each
 sampled token. Matchers live on the host beside their Sequence; the sampler applies their masks
-to the logits on the device."""
+to the logits on the device. A matcher is made on the engine's thread and then used (accept,
+is_terminated, fill_bitmask, accept_tokens) by one thread at a time, the engine's grammar worker
+by default: a backend must allow that thread to be another than the one that made it."""
 
 from __future__ import annotations
 
