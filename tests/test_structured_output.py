@@ -409,6 +409,25 @@ def test_streaming_equals_the_whole_reply(client: openai.OpenAI, answers: list[A
     _check("".join(parts), schema)
 
 
+def test_a_stream_left_mid_way_leaves_the_engine_serving(
+    client: openai.OpenAI, answers: list[Any]
+) -> None:
+    """Structured streams (n = 2) closed after a few chunks: their requests are aborted with a
+    step in flight and grammar work queued; nothing hangs, and the next reply is whole."""
+    index = next(i for i, (w, _) in enumerate(SCHEMAS) if w == "a team of people")
+    what, schema = SCHEMAS[index]
+    kw: dict[str, Any] = dict(
+        model=MODEL, messages=ask(what), max_tokens=CHAT_TOKENS, response_format=_format(schema)
+    )
+    for _ in range(3):
+        stream = client.chat.completions.create(**kw, temperature=1.0, n=2, stream=True)
+        for _, _ in zip(stream, range(3), strict=False):
+            pass
+        stream.close()
+    reply = client.chat.completions.create(**kw, temperature=0)
+    assert reply.choices[0].message.content == answers[index].choices[0].message.content
+
+
 def test_n_2_gives_each_choice_its_own_grammar(client: openai.OpenAI) -> None:
     for stream in (False, True):
         kw: dict[str, Any] = dict(
