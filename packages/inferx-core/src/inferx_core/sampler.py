@@ -138,11 +138,12 @@ def apply_grammar(
     host = masks.wait()
     if host is None:
         return logits
-    words = host.shape[1]
-    bits = to_device(host, logits.device)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bits.unsqueeze(2) >> shifts) & 1).view(n, words * 32)[:, :vocab]
-    return logits.masked_fill_(allowed == 0, _MASK)
+    # Read as bytes (little-endian: token t is bit t % 8 of byte t // 8), the unpacked mask
+    # is [rows, vocab] of one byte, not of int32.
+    octets = to_device(host, logits.device).view(torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    barred = (((octets.unsqueeze(2) >> shifts) & 1) == 0).view(n, -1)[:, :vocab]
+    return logits.masked_fill_(barred, _MASK)
 
 
 def filter_logits(
@@ -225,8 +226,10 @@ class Sampler:
         if plain and all(p.greedy and p.logprobs is None for p in params):
             return self.argmax(logits), None
         raw = logits.float()
-        # Logprobs are of the raw logits; penalties, biases and grammars change a copy.
-        logits = raw if plain else raw.clone()
+        ks = [p.logprobs for p in params if p.logprobs is not None]
+        # Logprobs are of the raw logits; penalties, biases and grammars change a copy, which
+        # the upcast already is unless logits were float32 (the caller's, left as they are).
+        logits = raw if plain or (raw is not logits and not ks) else raw.clone()
         if any(p.needs_history for p in params):
             logits = apply_penalties(logits, seqs)
         if any(p.logit_bias for p in params):
@@ -234,7 +237,6 @@ class Sampler:
         if grammar:
             logits = apply_grammar(logits, seqs, masks)
         tokens = self._draw(logits, seqs, out_index)
-        ks = [p.logprobs for p in params if p.logprobs is not None]
         return tokens, top_logprobs(raw, tokens, max(ks)) if ks else None
 
     def _draw(
