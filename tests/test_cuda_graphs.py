@@ -123,9 +123,9 @@ class LogitsRecorder:
         self.sampler = sampler
         self.steps: list[Step] = []
 
-    def __call__(self, logits: torch.Tensor, seqs, pending=None):
+    def __call__(self, logits: torch.Tensor, seqs, *later):
         self.steps.append(Step([s.request_id for s in seqs], logits.float().cpu().clone()))
-        return self.sampler(logits, seqs, pending)
+        return self.sampler(logits, seqs, *later)
 
     def take(self) -> list[Step]:
         steps, self.steps = self.steps, []

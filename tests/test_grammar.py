@@ -13,7 +13,7 @@ import torch
 from conftest import FIXTURES
 
 from inferx_core.config import EngineSection
-from inferx_core.grammar import Grammars, GrammarState
+from inferx_core.grammar import Grammars, GrammarState, catch_up, grammar_masks
 from inferx_core.hookspecs import hookimpl
 from inferx_core.interfaces import GrammarBackend, GrammarError, GrammarMatcher
 from inferx_core.plugins import Plugins
@@ -102,9 +102,10 @@ def test_mask_matches_a_plain_reference() -> None:
 
 
 def test_matchers_read_the_token_of_the_step_in_flight() -> None:
-    """With a step in flight the previous token is still PENDING on the host: the sampler asks
-    for it (the executor reads that step's result) before masking; the engine's later catch-up
-    finds nothing new; a complete grammar masks nothing (its row's token is dropped)."""
+    """With a step in flight the previous token is still PENDING on the host: the masks' task
+    asks for it (the executor reads that step's result) before filling; the engine's later
+    catch-up finds nothing new to hand over; a complete grammar masks nothing (its row's token
+    is dropped)."""
     seq = Sequence([1, 2, 3], SamplingParams())
     state = GrammarState(SetMatcher(SetBackend(), {7, 8, 9}, length=3))
     seq.grammar = state
@@ -116,12 +117,13 @@ def test_matchers_read_the_token_of_the_step_in_flight() -> None:
         asked.append(s)
         return 8
 
-    logits = apply_grammar(torch.zeros(1, 40), [seq], pending)
+    masks = grammar_masks([seq], pending, 40)
+    logits = apply_grammar(torch.zeros(1, 40), [seq], masks)
     assert asked == [seq] and state.matcher.accepted == [7, 8] and state.accepted == 2
     assert set(torch.nonzero(logits[0] == 0).flatten().tolist()) == {7, 8, 9}
     seq.token_ids[-2:] = [8, 9]  # update() fills both in
     seq.num_pending = 0
-    state.catch_up(seq, len(seq.token_ids))
+    catch_up([seq])
     assert state.matcher.accepted == [7, 8, 9] and state.done
     seq.token_ids.append(PENDING)
     assert bool(apply_grammar(torch.zeros(1, 40), [seq]).isfinite().all())

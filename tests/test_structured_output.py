@@ -409,6 +409,25 @@ def test_streaming_equals_the_whole_reply(client: openai.OpenAI, answers: list[A
     _check("".join(parts), schema)
 
 
+def test_a_stream_left_mid_way_leaves_the_engine_serving(
+    client: openai.OpenAI, answers: list[Any]
+) -> None:
+    """Structured streams (n = 2) closed after a few chunks: their requests are aborted with a
+    step in flight and grammar work queued; nothing hangs, and the next reply is whole."""
+    index = next(i for i, (w, _) in enumerate(SCHEMAS) if w == "a team of people")
+    what, schema = SCHEMAS[index]
+    kw: dict[str, Any] = dict(
+        model=MODEL, messages=ask(what), max_tokens=CHAT_TOKENS, response_format=_format(schema)
+    )
+    for _ in range(3):
+        stream = client.chat.completions.create(**kw, temperature=1.0, n=2, stream=True)
+        for _, _ in zip(stream, range(3), strict=False):
+            pass
+        stream.close()
+    reply = client.chat.completions.create(**kw, temperature=0)
+    assert reply.choices[0].message.content == answers[index].choices[0].message.content
+
+
 def test_n_2_gives_each_choice_its_own_grammar(client: openai.OpenAI) -> None:
     for stream in (False, True):
         kw: dict[str, Any] = dict(
@@ -508,7 +527,7 @@ def test_bad_schemas_are_400s_that_name_the_problem(
 def test_offline_llm_with_and_without_a_step_in_flight() -> None:
     """SamplingParams.json_schema in the offline API, stepped in series and with a step in
     flight: overlapped, a structured row's matcher reads the previous step's token from that
-    step's result before masking (`_previous_token`), and the outputs equal the serial ones,
+    step's result before masking (`_previous_tokens`), and the outputs equal the serial ones,
     next to an unconstrained request."""
     from inferx_core.engine import LLM
     from inferx_core.sequence import SamplingParams
@@ -523,13 +542,20 @@ def test_offline_llm_with_and_without_a_step_in_flight() -> None:
         SamplingParams(max_tokens=8, temperature=0),
     ]
     executor = llm.engine.executor
-    real, asked = executor._previous_token, []
+    real, asked = executor._previous_tokens, []
 
-    def spy(seq: Any) -> int:
-        asked.append(seq.request_id)
-        return real(seq)
+    def spy() -> Any:
+        previous = real()
+        if previous is None:
+            return None
 
-    executor._previous_token = spy
+        def ask(seq: Any) -> int:
+            asked.append(seq.request_id)
+            return previous(seq)
+
+        return ask
+
+    executor._previous_tokens = spy
     outs = []
     for overlap in (False, True):
         llm.engine.overlap = overlap

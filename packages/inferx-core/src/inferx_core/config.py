@@ -114,6 +114,12 @@ class EngineSection(Section):
     grammar_cache_size: int = Field(
         default=128, ge=0, description="compiled JSON schemas kept for reuse"
     )
+    # Advance the matchers and fill the token masks on a thread of their own while the engine
+    # applies the previous step and schedules the next (false: in the sampler, on the engine's
+    # thread, as the step is submitted). docs/ARCHITECTURE.md, "Structured output".
+    grammar_worker: bool = Field(
+        default=True, description="fill structured output's token masks on a thread of their own"
+    )
 
     @field_validator("device")
     @classmethod

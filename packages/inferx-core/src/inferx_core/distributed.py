@@ -121,6 +121,8 @@ class _Window:
 class _PlannedSeq:
     """The part of a Sequence that the executor reads to run a chunk (not to sample)."""
 
+    grammar = None  # structured output is rank 0's
+
     def __init__(self, start: int, ids: list[int], tables: list[list[int]]) -> None:
         self.token_ids = _Window(start, ids)
         self.block_tables = tables
@@ -462,7 +464,11 @@ class TensorParallelExecutor(Executor):
 
     def _send(self, out: SchedulerOutput, share: bool) -> None:
         """The step's plan to the ranks; `share`: the step was submitted ahead, so the next
-        one may read its sampled tokens on every rank."""
+        one may read its sampled tokens on every rank. A step before it whose sampling waits
+        for grammar masks samples (and broadcasts) first: the other ranks wait in that
+        broadcast before they take the next plan."""
+        if isinstance(self.inner, ModelRunner):
+            self.inner.flush()
         if self._sampled is not None:
             self._sampled.share = share
         self.plan_bytes = send_plan((self._plans.encode(out), share), self.parallel.cpu_group)
@@ -546,10 +552,11 @@ class SampledTokens:
         self.sample = runner._sample
         self.share = False
 
-    def __call__(self, logits: torch.Tensor | None, seqs: list) -> PendingStep:
+    def __call__(self, logits: torch.Tensor | None, seqs: list, *later: Any) -> PendingStep:
+        """`later`: what rank 0's _sample takes for a step sampled after it was submitted."""
         runner = self.runner
         if self.rank == 0:
-            step = self.sample(logits, seqs)
+            step = self.sample(logits, seqs, *later)
             tokens = runner._last_sampled[0]
             if self.share and tokens is not None:
                 dist.broadcast(tokens.long(), 0, group=self.group)  # long already: no copy

@@ -10,9 +10,10 @@ at step N has one step N+1 computed in vain; a step whose sequences need their t
 host to sample the next one (penalties) is collected before the next is scheduled.
 
 Structured output: a request with a JSON schema gets a GrammarState (`Grammars`: the backend
-plugin, compiled schemas cached) on its Sequence; the sampler masks its logits with it (feeding
-it the previous step's token first, from the device when that step is still in flight), and
-_apply finishes the request once its JSON is complete.
+plugin, compiled schemas cached) on its Sequence; the executor queues its masks on the grammar
+worker (which feeds the matcher the previous step's token first, from that step's result when it
+is still in flight) and samples once they are filled; _apply finishes the request once its JSON
+is complete, reading the matcher's state after the worker has published it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from inferx_core.config import Config, load_config
+from inferx_core.grammar import Grammars, catch_up
 from inferx_core.interfaces import (
     DoneStep,
     Executor,
@@ -143,8 +145,6 @@ class Engine:
             config.scheduler, self.kv, self.max_model_len
         )
         self.requests: dict[str, _Request] = {}
-        from inferx_core.grammar import Grammars
-
         self.grammars = Grammars(
             config.engine, reg, self.tokenizer, getattr(executor, "vocab_size", None)
         )
@@ -276,16 +276,21 @@ class Engine:
 
     @staticmethod
     def _complete_grammars(seqs: list[Sequence]) -> list[Sequence]:
-        """Bring each structured sequence's matcher up to its known output (the sampler of a
-        step in flight may have done so already); returns those whose grammar is complete. A
-        token the grammar refused (the mask allowed only what it accepts, so a backend's bug)
-        ends the sequence too, with a warning."""
+        """Bring each structured sequence's matcher up to its known output (the grammar worker
+        may be doing so already, for the step in flight) and wait until it has; returns those
+        whose grammar is complete. A token the grammar refused (the mask allowed only what it
+        accepts, so a backend's bug) ends the sequence too, with a warning."""
+        live = [
+            s
+            for s in seqs
+            if s.grammar is not None and not (s.finished and s.finish_reason != "length")
+        ]
+        if not live:
+            return []
+        catch_up(live)
         complete = []
-        for seq in seqs:
+        for seq in live:
             state = seq.grammar
-            if state is None or (seq.finished and seq.finish_reason != "length"):
-                continue
-            state.catch_up(seq, len(seq.token_ids) - seq.num_pending)
             if state.refused is not None:
                 log.warning("%s: the grammar refused token %d", seq.request_id, state.refused)
             if state.done:

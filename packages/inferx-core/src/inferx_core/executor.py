@@ -16,6 +16,7 @@ import torch
 
 from inferx_core.batch import make_attention_batch, pack_aligned, to_device
 from inferx_core.config import Config, ConfigError
+from inferx_core.grammar import GrammarMasks, grammar_masks
 from inferx_core.interfaces import (
     AttentionBackend,
     BuildContext,
@@ -35,7 +36,7 @@ from inferx_core.interfaces import (
 )
 from inferx_core.parallel import SINGLE, ParallelContext
 from inferx_core.plugins import PluginError, Plugins, plugins
-from inferx_core.sampler import Sampler, TopLogprobs
+from inferx_core.sampler import Sampler, TopLogprobs, output_index
 from inferx_core.sequence import PENDING, Sequence
 
 log = logging.getLogger("inferx.executor")
@@ -405,6 +406,7 @@ class ModelRunner(Executor):
         # What the last submitted step sampled, on the device, and each sequence's row in it.
         self._last_sampled: tuple[torch.Tensor | None, dict[int, int]] = (None, {})
         self._last_step: PendingStep | None = None  # what _sample returned last
+        self._deferred: _Deferred | None = None  # a step waiting for its grammar masks
         # the profiling step's part of sizing is reported apart
         t0 += self.report.seconds.get("profile", 0.0)
         size = self.num_kv_blocks * self.attention.bytes_per_block() / GiB
@@ -453,7 +455,9 @@ class ModelRunner(Executor):
     def submit(self, out: SchedulerOutput) -> PendingStep:
         """Queue the step's forward pass and sampling on the device and return at once; the
         sampled tokens (and logprobs) come back in one non-blocking copy. A PENDING input token
-        is taken from what the step submitted before sampled, still on the device."""
+        is taken from what the step submitted before sampled, still on the device. A step with
+        structured rows samples once their masks are filled (see _sample_later)."""
+        self.flush()
         chunks = out.chunks
         sample_seqs = [c.seq for c in chunks if c.sample]
         pending = [
@@ -466,7 +470,7 @@ class ModelRunner(Executor):
             if 0 < len(sample_seqs) < len(chunks):  # one-token prompt chunks sample nothing
                 rows = [i for i, c in enumerate(chunks) if c.sample]
                 logits = logits[to_device(torch.tensor(rows), self.device)]
-            return self._sample(logits, sample_seqs)
+            return self._sample_later(logits, sample_seqs)
         ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -508,7 +512,8 @@ class ModelRunner(Executor):
             hidden = self.model(input_ids, pos)
         if not sample_rows:
             return self._sample(None, [])
-        return self._sample(self.model.compute_logits(hidden.index_select(0, rows)), sample_seqs)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        return self._sample_later(logits, sample_seqs)
 
     def _pending_filler(
         self, rows: list[int], chunks: list, pending: list[int]
@@ -536,25 +541,53 @@ class ModelRunner(Executor):
         index = to_device(torch.tensor(rows + src), self.device)
         input_ids[index[: len(rows)]] = tokens[index[len(rows) :]]
 
-    def _sample(self, logits: torch.Tensor | None, sample_seqs: list) -> PendingStep:
+    def _sample_later(self, logits: torch.Tensor, seqs: list) -> PendingStep:
+        """Sample now, or, with structured rows, queue their masks (inferx_core.grammar) and
+        sample once they are needed: when the next step is submitted (its inputs read these
+        tokens on the device) or this step's result is asked for. Meanwhile the grammar
+        worker reads the previous step's tokens into the matchers and fills the masks, and the
+        engine applies the previous step and schedules the next."""
+        pin = self.device.type == "cuda"
+        masks = grammar_masks(seqs, self._previous_tokens(), logits.shape[1], pin)
+        if masks is None:
+            return self._sample(logits, seqs)
+        self._deferred = _Deferred(self, logits, seqs, masks, [output_index(s) for s in seqs])
+        return self._deferred
+
+    @torch.inference_mode()
+    def flush(self) -> None:
+        """Queue the sampling of a submitted step that waits for its grammar masks (waiting
+        for them): before anything else is queued on the device."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            logits, deferred.logits = deferred.logits, None  # its memory may go after this
+            deferred.step = self._sample(logits, deferred.seqs, deferred.masks, deferred.out_index)
+
+    def _sample(
+        self,
+        logits: torch.Tensor | None,
+        sample_seqs: list,
+        masks: GrammarMasks | None = None,
+        out_index: list[int] | None = None,
+    ) -> PendingStep:
         if logits is None or not sample_seqs:
             self._last_sampled = (None, {})
             self._last_step = None
             return DoneStep(StepResult(sampled=[]))
-        tokens, top = self.sampler(logits, sample_seqs, self._previous_token)
+        tokens, top = self.sampler(logits, sample_seqs, masks, out_index)
         self._last_sampled = (tokens, {id(s): i for i, s in enumerate(sample_seqs)})
         ks = [s.params.logprobs for s in sample_seqs] if top is not None else None
         self._last_step = self._sampled_step(tokens, top, ks)
         return self._last_step
 
-    def _previous_token(self, seq: Sequence) -> int:
-        """The token the step submitted before this one sampled for seq, from that step's
-        result: the host waits for that step only (its copy has an event of its own), while
-        this step's forward pass, already queued, runs on. A structured row needs it to mask
-        its next token."""
-        if self._last_step is None:
-            raise RuntimeError(f"{seq.request_id}: no step in flight sampled its last token")
-        return self._last_step.result().sampled[self._last_sampled[1][id(seq)]]
+    def _previous_tokens(self) -> Callable[[Sequence], int] | None:
+        """What gives the token the step submitted last sampled for a sequence, from that
+        step's result: whoever calls it waits for that step only (its copy has an event of its
+        own). A structured row needs it to mask its next token."""
+        step, (_, row_of) = self._last_step, self._last_sampled
+        if step is None:
+            return None
+        return lambda seq: step.result().sampled[row_of[id(seq)]]
 
     def _sampled_step(
         self, tokens: torch.Tensor, top: TopLogprobs | None, ks: list[int | None] | None
@@ -564,3 +597,28 @@ class ModelRunner(Executor):
         if top is not None and ks is not None:
             result.logprobs = top.copy_to_host().rows(ks)
         return DoneStep(result)
+
+
+class _Deferred:
+    """A submitted step whose sampling waits for its grammar masks (ModelRunner.flush)."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        logits: torch.Tensor,
+        seqs: list,
+        masks: GrammarMasks,
+        out_index: list[int],
+    ) -> None:
+        self.runner = runner
+        self.logits: torch.Tensor | None = logits
+        self.seqs = seqs
+        self.masks = masks
+        self.out_index = out_index  # as submitted: the next schedule() appends to the seqs
+        self.step: PendingStep | None = None
+
+    def result(self) -> StepResult:
+        if self.step is None:
+            self.runner.flush()
+        assert self.step is not None, "a deferred step outlived its runner's flush"
+        return self.step.result()

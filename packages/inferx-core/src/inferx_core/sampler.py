@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from inferx_core.batch import to_device, to_host
+from inferx_core.grammar import GrammarMasks, grammar_masks
 from inferx_core.sequence import Sequence
 
 _MASK = float("-inf")
@@ -121,34 +122,28 @@ def apply_logit_bias(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
 
 
 def apply_grammar(
-    logits: torch.Tensor,
-    seqs: Seq[Sequence],
-    pending: Callable[[Sequence], int] | None = None,
+    logits: torch.Tensor, seqs: Seq[Sequence], masks: GrammarMasks | None = None
 ) -> torch.Tensor:
-    """Mask, in place, the tokens each structured row's grammar does not allow next. Each
-    row's matcher first reads the output before the token sampled now (`pending` gives a token
-    a step in flight sampled, still PENDING on the host). The matchers fill one int32 bitmask
-    of ceil(vocab / 32) words a row (all ones for unconstrained rows, and for rows whose grammar
-    is done: their token is dropped), which goes over in one copy and is unpacked on the device
-    into a boolean mask."""
-    matchers = []
-    for seq in seqs:
-        state = seq.grammar
-        if state is not None:
-            state.catch_up(seq, len(seq.token_ids) - 1, pending)
-        matchers.append(None if state is None or state.done else state.matcher)
-    live = [m for m in matchers if m is not None]
-    if not live:
-        return logits
-    backend = live[0].backend
+    """Mask, in place, the tokens each structured row's grammar does not allow next. `masks`:
+    the step's masks as the executor queued them (inferx_core.grammar); without, they are
+    queued here, with no step in flight (the rows' output is known on the host). The masks are
+    one int32 bitmask of ceil(vocab / 32) words a row (all ones for unconstrained rows, and for
+    rows whose grammar is done: their token is dropped), which goes over in one copy and is
+    unpacked on the device into a boolean mask."""
     n, vocab = logits.shape
-    words = (vocab + 31) // 32
-    host = torch.full((n, words), -1, dtype=torch.int32)
-    backend.fill_bitmask(matchers, host)
-    bits = to_device(host, logits.device)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bits.unsqueeze(2) >> shifts) & 1).view(n, words * 32)[:, :vocab]
-    return logits.masked_fill_(allowed == 0, _MASK)
+    if masks is None:
+        masks = grammar_masks(seqs, None, vocab, pin=logits.device.type == "cuda")
+        if masks is None:
+            return logits
+    host = masks.wait()
+    if host is None:
+        return logits
+    # Read as bytes (little-endian: token t is bit t % 8 of byte t // 8), the unpacked mask
+    # is [rows, vocab] of one byte, not of int32.
+    octets = to_device(host, logits.device).view(torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    barred = (((octets.unsqueeze(2) >> shifts) & 1) == 0).view(n, -1)[:, :vocab]
+    return logits.masked_fill_(barred, _MASK)
 
 
 def filter_logits(
@@ -215,33 +210,38 @@ class Sampler:
         self,
         logits: torch.Tensor,
         seqs: Seq[Sequence],
-        pending: Callable[[Sequence], int] | None = None,
+        masks: GrammarMasks | None = None,
+        out_index: list[int] | None = None,
     ) -> tuple[torch.Tensor, TopLogprobs | None]:
         """Returns (token ids [N], the requested logprobs of the unprocessed logits, or None
         when no row asked), both on the logits' device. Logits of any float dtype: all-greedy
         steps without penalties or logprobs take the argmax of them as they are (upcasting is
-        exact, so it is the same token); everything else computes in float32. `pending(seq)`:
-        the token the step in flight before this one sampled for seq (structured rows read it
-        to mask this one)."""
+        exact, so it is the same token); everything else computes in float32. `masks`: the
+        structured rows' grammar masks as the executor queued them (see apply_grammar).
+        `out_index`: each row's output_index when the step was submitted (a step sampled
+        later, once the next one is scheduled), for the seeded rows' noise."""
         params = [s.params for s in seqs]
         grammar = any(s.grammar is not None for s in seqs)
         plain = not grammar and not any(p.needs_history or p.logit_bias for p in params)
         if plain and all(p.greedy and p.logprobs is None for p in params):
             return self.argmax(logits), None
         raw = logits.float()
-        # Logprobs are of the raw logits; penalties, biases and grammars change a copy.
-        logits = raw if plain else raw.clone()
+        ks = [p.logprobs for p in params if p.logprobs is not None]
+        # Logprobs are of the raw logits; penalties, biases and grammars change a copy, which
+        # the upcast already is unless logits were float32 (the caller's, left as they are).
+        logits = raw if plain or (raw is not logits and not ks) else raw.clone()
         if any(p.needs_history for p in params):
             logits = apply_penalties(logits, seqs)
         if any(p.logit_bias for p in params):
             logits = apply_logit_bias(logits, seqs)
         if grammar:
-            logits = apply_grammar(logits, seqs, pending)
-        tokens = self._draw(logits, seqs)
-        ks = [p.logprobs for p in params if p.logprobs is not None]
+            logits = apply_grammar(logits, seqs, masks)
+        tokens = self._draw(logits, seqs, out_index)
         return tokens, top_logprobs(raw, tokens, max(ks)) if ks else None
 
-    def _draw(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    def _draw(
+        self, logits: torch.Tensor, seqs: Seq[Sequence], out_index: list[int] | None = None
+    ) -> torch.Tensor:
         """Token ids [N]: argmax for greedy rows, an exponential race over the filtered
         distribution for the rest."""
         params = [s.params for s in seqs]
@@ -260,7 +260,7 @@ class Sampler:
             + [p.greedy for p in params]
             + seeded
             + [params[i].seed for i in seeded]
-            + [output_index(seqs[i]) for i in seeded],
+            + [output_index(seqs[i]) if out_index is None else out_index[i] for i in seeded],
             dtype=torch.int64,
         )
         floats, ints = to_device(floats, dev), to_device(ints, dev)

@@ -399,11 +399,13 @@ class _SampledStep:
         self._result: StepResult | None = None
 
     def result(self) -> StepResult:
-        """The step's result, built once (structured rows ask for it a row at a time)."""
+        """The step's result, built once (structured rows ask for it a row at a time). The
+        grammar worker's thread may ask too: the result is whole before it is published."""
         if self._result is None:
             if self.copied is not None:
                 self.copied.synchronize()  # waits for this step only, not for a later one
-            self._result = StepResult(sampled=self.tokens.tolist())
+            result = StepResult(sampled=self.tokens.tolist())
             if self.top is not None and self.ks is not None:
-                self._result.logprobs = self.top.rows(self.ks)
+                result.logprobs = self.top.rows(self.ks)
+            self._result = result
         return self._result

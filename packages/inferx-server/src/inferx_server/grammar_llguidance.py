@@ -1,6 +1,6 @@
 """Structured output's grammar backend on llguidance: JSON schemas compiled for the engine's
-vocabulary, one LLMatcher per sequence, and every structured row's token mask filled in one call
-on llguidance's own threads (outside the GIL)."""
+vocabulary, one LLMatcher per sequence; a step's tokens accepted and every structured row's token
+mask filled in one call each, on llguidance's own threads (outside the GIL)."""
 
 from __future__ import annotations
 
@@ -65,6 +65,11 @@ class LLGuidanceBackend(GrammarBackend):
 
     def matcher(self, compiled: str) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self, llguidance.LLMatcher(self.tokenizer, compiled, log_level=0))
+
+    def accept_tokens(self, pairs: Sequence[tuple[GrammarMatcher, int]]) -> list[bool]:
+        if len(pairs) < 2:
+            return [m.accept(t) for m, t in pairs]
+        return self.executor.consume_token_par([(m.ll, t) for m, t in pairs])  # type: ignore[attr-defined]
 
     def fill_bitmask(
         self, matchers: Sequence[GrammarMatcher | None], bitmask: torch.Tensor

@@ -1,7 +1,9 @@
 """The grammar contract for structured output: a backend compiles a JSON schema once and makes a
 matcher per sequence; matchers say which tokens may come next as a bitmask and advance with each
 sampled token. Matchers live on the host beside their Sequence; the sampler applies their masks
-to the logits on the device."""
+to the logits on the device. A matcher is made on the engine's thread and then used (accept,
+is_terminated, fill_bitmask, accept_tokens) by one thread at a time, the engine's grammar worker
+by default: a backend must allow that thread to be another than the one that made it."""
 
 from __future__ import annotations
 
@@ -53,3 +55,8 @@ class GrammarBackend(ABC):
         """Row i of `bitmask` (int32 [len(matchers), ceil(vocab / 32)], on the CPU) gets the
         tokens matchers[i] allows next: token t is bit t % 32 of word t // 32. Rows whose
         matcher is None are left as they are."""
+
+    def accept_tokens(self, pairs: Sequence[tuple[GrammarMatcher, int]]) -> list[bool]:
+        """Advance each matcher by its token (one pair a matcher), as accept() does; a backend
+        may do them in parallel."""
+        return [m.accept(t) for m, t in pairs]
