@@ -61,3 +61,13 @@ class TorchOps(KernelOps):
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rotate_interleaved(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, rope] by its tokens' rows of the rotary table, cos_sin [T, rope]
+    (cos then sin, as RotaryEmbedding tabulates them), pairing dimensions (2i, 2i + 1) as
+    DeepSeek does (not Llama's halves). In float32, cast back to x's dtype."""
+    cos, sin = cos_sin[:, None].chunk(2, dim=-1)
+    even, odd = x[..., 0::2].float(), x[..., 1::2].float()
+    out = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
+    return out.flatten(-2).to(x.dtype)

@@ -246,3 +246,58 @@ def argmax_kernel(seg_max_ptr, seg_arg_ptr, out_ptr, segments, SEGMENTS_PAD: tl.
     best = tl.max(m, 0)
     first = tl.min(tl.where(m == best, s, SEGMENTS_PAD), 0)
     tl.store(out_ptr + r, tl.load(seg_arg_ptr + r * segments + first).to(tl.int64))
+
+
+@triton.jit
+def _rotate_pairs(src, dst, cos, sin, mask, i, DTYPE: tl.constexpr):
+    """Rotate the interleaved pairs (2i, 2i + 1) at src into dst (pointers offset by the rows
+    the caller broadcasts i against): in fp32, rounded once to DTYPE as rotate_interleaved."""
+    even = tl.load(src + 2 * i, mask=mask, other=0.0).to(tl.float32)
+    odd = tl.load(src + 2 * i + 1, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst + 2 * i, (even * cos - odd * sin).to(DTYPE), mask=mask)
+    tl.store(dst + 2 * i + 1, (even * sin + odd * cos).to(DTYPE), mask=mask)
+
+
+@triton.jit
+def mla_rope_norm_kernel(
+    q_ptr, kv_ptr, weight_ptr, positions_ptr, cos_sin_ptr, q_out_ptr, k_out_ptr, stride_qt,
+    stride_qh, stride_kv, stride_cos_sin, stride_k_out, num_heads, eps, NOPE: tl.constexpr,
+    NOPE_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, RANK: tl.constexpr,
+    RANK_PAD: tl.constexpr, HEADS_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """MLA's glue after its projections (KernelOps.mla_rope_norm). Grid (tokens, 1 + head
+    blocks): program 0 of a token writes its k row (the latent RMS-normed, then the rope key
+    rotated), each other one HEADS_BLOCK heads of q (the nope part copied, the rope part
+    rotated) into the contiguous q_out [T, heads, NOPE + 2 * HALF]. q and kv may be strided
+    views with a unit last stride. Rounds where the torch reference does."""
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    dtype = q_out_ptr.dtype.element_ty
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    i = tl.arange(0, HALF_PAD)
+    row = cos_sin_ptr + pos * stride_cos_sin
+    cos = tl.load(row + i, mask=i < HALF, other=0.0)
+    sin = tl.load(row + HALF + i, mask=i < HALF, other=0.0)
+    if g == 0:
+        # (Names differ from the other branch's: Triton merges those defined in both.)
+        c = tl.arange(0, RANK_PAD)
+        in_rank = c < RANK
+        w = tl.load(weight_ptr + c, mask=in_rank, other=0.0).to(tl.float32)
+        kv_row = kv_ptr + t * stride_kv
+        k_row = k_out_ptr + t * stride_k_out
+        latent = tl.load(kv_row + c, mask=in_rank, other=0.0).to(tl.float32)
+        # Masked columns load as 0 and add nothing to the sum of squares.
+        rstd = tl.rsqrt(tl.sum(latent * latent, axis=0) / RANK + eps)
+        tl.store(k_row + c, (w * _rounded(latent * rstd, dtype)).to(dtype), mask=in_rank)
+        _rotate_pairs(kv_row + RANK, k_row + RANK, cos, sin, i < HALF, i, dtype)
+    else:
+        head = (g - 1) * HEADS_BLOCK + tl.arange(0, HEADS_BLOCK)[:, None]
+        src = q_ptr + t * stride_qt + head * stride_qh
+        dst = q_out_ptr + (t * num_heads + head) * (NOPE + 2 * HALF)
+        if NOPE > 0:
+            d = tl.arange(0, NOPE_PAD)[None, :]
+            in_nope = (head < num_heads) & (d < NOPE)
+            tl.store(dst + d, tl.load(src + d, mask=in_nope), mask=in_nope)
+        in_rope = (head < num_heads) & (i[None, :] < HALF)
+        _rotate_pairs(src + NOPE, dst + NOPE, cos[None, :], sin[None, :], in_rope, i[None, :],
+                      dtype)  # fmt: skip

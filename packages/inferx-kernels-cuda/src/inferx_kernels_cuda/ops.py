@@ -12,7 +12,7 @@ import triton
 
 from inferx_core.interfaces.attention import SplitAttention
 from inferx_core.interfaces.moe import QuantExperts, RouterSpec
-from inferx_core.interfaces.ops import KernelOps, check_parts
+from inferx_core.interfaces.ops import KernelOps, check_mla_rope_norm, check_parts
 from inferx_core.interfaces.quant import ActivationQuant, QuantizedActivation, QuantLinear
 from inferx_core.quant_none import SPLIT_PARTS
 from inferx_kernels_cuda import fp8_act
@@ -169,6 +169,8 @@ class TritonOps(KernelOps):
         # instead of the sum kernel (moe_kernels.fused_experts); off: the sum kernel's fixed
         # order gives the same bits on every run, atomics do not.
         self.moe_atomic_sum = False
+        # q heads per program of mla_rope_norm_kernel (a power of two; unmeasured).
+        self.mla_heads_block = 4
 
     def embedding(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if not (
@@ -565,6 +567,43 @@ class TritonOps(KernelOps):
         return fused_experts(
             x, topk_weights, topk_ids, weights, experts.spec, atomic_sum=self.moe_atomic_sum
         )
+
+    def mla_rope_norm(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One mla_rope_norm_kernel launch: every head's q and the k row of all tokens; the
+        torch reference where the dtypes differ or a last dim is strided."""
+        nope, rank = check_mla_rope_norm(q, kv, norm_weight, cos_sin)
+        if not (
+            (q.is_cuda or self._interpret)
+            and q.dtype == kv.dtype == norm_weight.dtype
+            and cos_sin.dtype == torch.float32
+            and q.stride(2) == 1
+            and kv.stride(1) == 1
+        ):
+            return super().mla_rope_norm(q, kv, norm_weight, eps, positions, cos_sin)
+        tokens, heads, width = q.shape
+        half = cos_sin.shape[1] // 2
+        q_out = torch.empty((tokens, heads, width), dtype=q.dtype, device=q.device)
+        k = torch.empty((tokens, 1, kv.shape[1]), dtype=kv.dtype, device=kv.device)
+        if tokens:
+            heads_block = min(triton.next_power_of_2(heads), self.mla_heads_block)
+            cos_sin = cos_sin.contiguous()
+            grid = (tokens, 1 + triton.cdiv(heads, heads_block))
+            kernels.mla_rope_norm_kernel[grid](
+                q, kv, norm_weight.contiguous(), positions.contiguous(), cos_sin, q_out, k,
+                q.stride(0), q.stride(1), kv.stride(0), cos_sin.stride(0), k.stride(0), heads,
+                eps, NOPE=nope, NOPE_PAD=triton.next_power_of_2(max(nope, 1)), HALF=half,
+                HALF_PAD=triton.next_power_of_2(max(half, 1)), RANK=rank,
+                RANK_PAD=triton.next_power_of_2(rank), HEADS_BLOCK=heads_block, num_warps=4,
+            )  # fmt: skip
+        return q_out, k
 
     def rotary(
         self,

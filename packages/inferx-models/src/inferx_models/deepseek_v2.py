@@ -102,16 +102,6 @@ def softmax_scale(hf_config: dict[str, Any]) -> float:
     return scale
 
 
-def rotate_interleaved(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, rope] by its tokens' rows of the rotary table, cos_sin [T, rope]
-    (cos then sin, as RotaryEmbedding tabulates them), pairing dimensions (2i, 2i + 1) as
-    DeepSeek does (not Llama's halves). In float32, cast back to x's dtype."""
-    cos, sin = cos_sin[:, None].chunk(2, dim=-1)
-    even, odd = x[..., 0::2].float(), x[..., 1::2].float()
-    out = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
-    return out.flatten(-2).to(x.dtype)
-
-
 class SharedExperts(MLP):
     """A MoE layer's shared experts: one SiLU MLP of n_shared_experts * moe_intermediate_size
     that every token takes, x -> [T, H] (FusedMoE adds it to the routed experts' output)."""
@@ -211,15 +201,19 @@ class MLAttention(nn.Module):
     def _attend(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> the attention output before o_proj, [T, heads * v_head_dim]."""
         t = x.shape[0]
-        q, latent, k_pe = self.qkv_a_proj(x).split([self.q_out, self.rank, self.rope], dim=-1)
+        q, kv = self.qkv_a_proj(x).split([self.q_out, self.rank + self.rope], dim=-1)
         if self.q_a_layernorm is not None and self.q_b_proj is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(t, self.heads, self.nope + self.rope)
-        cos_sin = self.rotary.cos_sin[positions]
-        q_pe = rotate_interleaved(q[..., self.nope :], cos_sin)
-        k_pe = rotate_interleaved(k_pe[:, None], cos_sin)
-        q = torch.cat([q[..., : self.nope], q_pe], dim=-1)
-        k = torch.cat([self.kv_a_layernorm(latent)[:, None], k_pe], dim=-1)  # [T, 1, rank + rope]
+        # q rotated; k [T, 1, rank + rope]: the normed latent and the rotated rope key
+        q, k = self.ops.mla_rope_norm(
+            q,
+            kv,
+            self.kv_a_layernorm.weight,
+            self.kv_a_layernorm.eps,
+            positions,
+            self.rotary.cos_sin,
+        )
         out = self.backend.forward(self.attn, q, k, k[..., : self.rank])
         return out.reshape(t, self.heads * self.v_dim)
 

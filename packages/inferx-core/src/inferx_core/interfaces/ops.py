@@ -168,6 +168,38 @@ class KernelOps(ABC):
         method without them runs its own forward."""
         return experts(x, topk_weights, topk_ids)
 
+    def mla_rope_norm(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Multi-head latent attention's work between its projections and attention: q's rope
+        parts and the shared rope key rotated, the latent normed.
+
+        q: [T, heads, nope + rope], each head's nope part then its rope part; kv: [T, rank +
+        rope], the latent then the rope key (either may be a strided view of a GEMM's output,
+        its last dim contiguous). norm_weight: [rank], the latent's RMSNorm weight (eps);
+        cos_sin: [max_positions, rope] float32, cos then sin (RotaryEmbedding's table), looked
+        up at positions [T]. Returns (q rotated, [T, heads, nope + rope] contiguous; k, [T, 1,
+        rank + rope]: rms_norm(latent) then the rotated rope key). The rotation pairs
+        dimensions (2i, 2i + 1) as DeepSeek does (rotate_interleaved: float32, rounded once to
+        the dtype); the norm is this KernelOps' rms_norm. A kernel package may run it all as
+        one launch."""
+        from inferx_core.ops_torch import rotate_interleaved
+
+        nope, rank = check_mla_rope_norm(q, kv, norm_weight, cos_sin)
+        rows = cos_sin[positions]
+        q_pe = rotate_interleaved(q[..., nope:], rows)
+        k_pe = rotate_interleaved(kv[:, None, rank:], rows)
+        normed = self.rms_norm(kv[:, :rank], norm_weight, eps)
+        assert isinstance(normed, torch.Tensor)
+        q = torch.cat([q[..., :nope], q_pe], dim=-1)
+        return q, torch.cat([normed[:, None], k_pe], dim=-1)
+
     @abstractmethod
     def rotary(
         self,
@@ -189,3 +221,27 @@ def check_parts(x: torch.Tensor, residual: torch.Tensor | None) -> None:
             f"rms_norm: parts of shape {tuple(x.shape)} need a residual of shape "
             f"{tuple(x.shape[1:])}"
         )
+
+
+def check_mla_rope_norm(
+    q: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[int, int]:
+    """mla_rope_norm's input check, shared by every KernelOps; returns (nope, rank)."""
+    rope, rank = cos_sin.shape[-1], norm_weight.shape[0]
+    nope = q.shape[-1] - rope
+    if (
+        q.dim() != 3
+        or kv.dim() != 2
+        or norm_weight.dim() != 1
+        or cos_sin.dim() != 2
+        or rope % 2
+        or nope < 0
+        or kv.shape != (q.shape[0], rank + rope)
+    ):
+        raise ValueError(
+            f"mla_rope_norm: q {tuple(q.shape)}, kv {tuple(kv.shape)}, norm weight "
+            f"{tuple(norm_weight.shape)} and cos_sin {tuple(cos_sin.shape)} do not fit q [T, "
+            "heads, nope + rope], kv [T, rank + rope], weight [rank], cos_sin [positions, rope] "
+            "with rope even"
+        )
+    return nope, rank
