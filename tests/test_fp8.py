@@ -422,16 +422,24 @@ def write_projections(src, dst, quant_config: dict | None, quantize, skip=()) ->
     ref = dst.parent / f"{dst.name}-reference"
     for d in (dst, ref):
         shutil.copytree(src, d)
-    quantized, dequantized = {}, {}
-    for name, t in load_file(src / "model.safetensors").items():
-        base = name.removesuffix(".weight")
-        if base.rpartition(".")[2] in PROJ and name.endswith(".weight") and base not in skip:
-            tensors, dequantized[name] = quantize(name, t)
-            quantized |= tensors
-        else:
-            quantized[name] = dequantized[name] = t
-    save_file(quantized, dst / "model.safetensors")
-    save_file(dequantized, ref / "model.safetensors")
+    quantized_names = {}  # a sharded checkpoint's index: where each new tensor lies
+    for shard in sorted(src.glob("*.safetensors")):
+        quantized, dequantized = {}, {}
+        for name, t in load_file(shard).items():
+            base = name.removesuffix(".weight")
+            if base.rpartition(".")[2] in PROJ and name.endswith(".weight") and base not in skip:
+                tensors, dequantized[name] = quantize(name, t)
+                quantized |= tensors
+            else:
+                quantized[name] = dequantized[name] = t
+        save_file(quantized, dst / shard.name)
+        save_file(dequantized, ref / shard.name)
+        quantized_names |= dict.fromkeys(quantized, shard.name)
+    index = dst / "model.safetensors.index.json"
+    if index.is_file():
+        doc = json.loads(index.read_text())
+        doc["weight_map"] = quantized_names
+        index.write_text(json.dumps(doc))
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = quant_config
     (dst / "config.json").write_text(json.dumps(config))
