@@ -19,6 +19,7 @@ from test_mla_prefill import QUARTER, SMALL, TOL, Case, backends  # noqa: E402
 from inferx_core.attention_torch import FP8, TorchAttention, mla_absorbed, to_fp8  # noqa: E402
 from inferx_core.interfaces.attention import AttentionLayer, MLAWeights  # noqa: E402
 from inferx_core.interfaces.kv import KVLayerSpec  # noqa: E402
+from inferx_kernels_cuda import triton_attention  # noqa: E402
 from inferx_kernels_cuda.mla_decode import mla_decode, mla_decode_absorbed, write_latent  # noqa: E402
 
 SCALES = [1.0, 0.05]
@@ -294,7 +295,7 @@ def agree_in_top5(got: list, want: list) -> None:
 
 
 @interpreted
-def test_deepseek_with_e4m3_latents_generates_alike_on_torch_and_triton(lite):
+def test_deepseek_with_e4m3_latents_generates_alike_on_torch_and_triton(lite, monkeypatch):
     """The tiny V2-Lite (fp32) with an e4m3 latent cache: the triton backend (chunked prefill
     over cached prefixes, split decodes) gives the torch backend's greedy tokens (both hold the
     same bytes and attend the same dequantized latents; the reference for the torch path is
@@ -321,12 +322,22 @@ def test_deepseek_with_e4m3_latents_generates_alike_on_torch_and_triton(lite):
     )
     attention = triton_fp8.engine.executor.attention
     assert attention.caches[0].dtype == FP8
-    assert attention.bytes_per_block() == width * layers * block
+    assert attention.bytes_per_block() == width * layers * attention.block_size
     attention.mla_min_split_len, attention.mla_max_splits = 16, 4
     attention.target_programs = 10**6
     attention.mla_context_rows = 20
+    plans: list = []
+    plan = triton_attention.plan_prefill
+
+    def recorded(*args, **kwargs):  # noqa: ANN202
+        plans.append(plan(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(triton_attention, "plan_prefill", recorded)
     got = generate_top5(triton_fp8)
     assert [t for t, _ in got] == [t for t, _ in want]
+    # chunks over cached prefixes gathered from the e4m3 cache, in pieces of 20 rows
+    assert any(p is not None and p.passes[0].slots is not None and p.pieces for p in plans)
 
 
 def test_checkpoint_k_scale_reaches_the_latent_cache(lite, tmp_path):
