@@ -62,7 +62,8 @@ class TorchAttention(AttentionBackend):
     (latent then rope key; no V plane). A sequence's prompt chunk attends in the plain form
     (mla_plain: its context's latents expanded to per-head keys and values), a decode query in
     the absorbed form (mla_absorbed: over the latents themselves); `absorbed_decode` False
-    runs decodes in the plain form too.
+    runs decodes in the plain form too. An fp8_e4m3 MLA layer stores the whole row (latent
+    and rope key) / k_scale, one scale (the latent is the value too; v_scale is unused).
     """
 
     name = "torch attention"  # in error messages
@@ -91,11 +92,6 @@ class TorchAttention(AttentionBackend):
                     raise ValueError(
                         f"layer {i}: MLA head_dim {spec.head_dim} is not kv_lora_rank "
                         f"{spec.v_head_dim} + rope_dim {spec.rope_dim}"
-                    )
-                if spec.dtype == "fp8_e4m3":
-                    raise NotImplementedError(
-                        f"{name} has no fp8_e4m3 cache for MLA layers yet (layer {i}); "
-                        "use kv_cache.dtype = auto"
                     )
                 continue
             if spec.v_head_dim not in (None, spec.head_dim):
@@ -263,8 +259,13 @@ class TorchAttention(AttentionBackend):
         step = self._steps[layer.group]
         cache = self.caches[layer.index]
         flat = cache.view(-1, cache.shape[-1])
-        flat.index_copy_(0, step.slot_mapping, k[:, 0].to(cache.dtype))
-        context = flat.index_select(0, step.slots).to(q.dtype)
+        if cache.dtype == FP8:  # moved as bytes, as forward() does
+            fb = flat.view(torch.uint8)
+            fb.index_copy_(0, step.slot_mapping, to_fp8(k[:, 0], layer.k_scale).view(torch.uint8))
+            context = from_fp8(fb.index_select(0, step.slots).view(FP8), layer.k_scale, q.dtype)
+        else:
+            flat.index_copy_(0, step.slot_mapping, k[:, 0].to(cache.dtype))
+            context = flat.index_select(0, step.slots).to(q.dtype)
         out = q.new_empty(q.shape[0], q.shape[1], mla.v_head_dim)
         for s in step.seqs:
             rows = slice(s.q_start, s.q_end)

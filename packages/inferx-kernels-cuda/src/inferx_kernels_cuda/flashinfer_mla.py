@@ -64,8 +64,9 @@ def check_mla_layers(layers: list[KVLayerSpec], name: str) -> None:
             )
         if spec.dtype != "auto":
             raise NotImplementedError(
-                f"{name} has no {spec.dtype} cache for MLA layers (layer {i}); use "
-                "kv_cache.dtype = auto"
+                f"{name} has no {spec.dtype} cache for MLA layers (layer {i}): FlashInfer "
+                "has e4m3 latents only in its fa3 kernel, not wired; use kv_cache.dtype = "
+                "auto, or the triton or torch backend"
             )
         if spec.num_q_heads != first.num_q_heads:
             raise NotImplementedError(

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from inferx_core.interfaces.attention import MLAWeights
+from inferx_kernels_cuda.fused_kernels import to_cache
 from inferx_kernels_cuda.triton_kernels import _NO_MAX, _seq_split_len, _softmax_step
 
 
@@ -47,11 +48,15 @@ def mla_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    k_scale_ptr=None,
+    KV_FP8: tl.constexpr = False,
 ):
     """Grid (sequences, splits). Every head of sequence b against context positions [lo, hi)
     of its split; writes part_o [b, head, split, RANK] (normalised, float32) and part_lse
     [b, head, split] (log2 units; _NO_MAX for an empty split). ROPE_PAD: the rope width
-    widened (with zeros) to the 16 a GPU dot needs."""
+    widened (with zeros) to the 16 a GPU dot needs. KV_FP8: an e4m3 cache holding row /
+    *k_scale_ptr; each tile is cast to q's dtype (exact), the scale folded into the softmax
+    scale and (the latent being the value too) into the output."""
     b = tl.program_id(0)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -71,6 +76,8 @@ def mla_decode_kernel(
     if UPCAST:
         q_lat = q_lat.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
 
     m = tl.full([BLOCK_H], _NO_MAX, tl.float32)
     row_sum = tl.zeros([BLOCK_H], tl.float32)
@@ -86,15 +93,17 @@ def mla_decode_kernel(
             mask=valid[:, None] & e_ok[None, :],
             other=0.0,
         )
-        if UPCAST:
-            latent = latent.to(tl.float32)
-            k_pe = k_pe.to(tl.float32)
+        if UPCAST or KV_FP8:
+            latent = latent.to(q_lat.dtype)
+            k_pe = k_pe.to(q_lat.dtype)
         s = tl.dot(q_lat, tl.trans(latent), input_precision=DOT_PRECISION)
         s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m, row_sum, acc = _softmax_step(s, latent, m, row_sum, acc, DOT_PRECISION)
 
     out = acc / tl.maximum(row_sum, 1e-30)[:, None]
+    if KV_FP8:
+        out = out * tl.load(k_scale_ptr)
     lse = tl.where(row_sum > 0, m + tl.log2(tl.maximum(row_sum, 1e-30)), _NO_MAX)
     part = (b * num_heads + h) * num_splits + split  # [BLOCK_H]
     tl.store(part_lse_ptr + part, lse, mask=head_ok)
@@ -150,13 +159,15 @@ def mla_decode(
     num_splits: int = 1,
     min_split_len: int = 256,
     block_n: int = 32,
+    k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode: q [B, H, rank + rope] (q_nope @ W_UK, then the rotated q_pe), one
     query a sequence, over cache [num_blocks, block_size, 1, rank + rope] by block_table [B,
     max_blocks] int32 and context_len [B] int32 -> the latent-space output [B, H, rank] in q's
     dtype (W_UV still to apply). rank and rope are powers of two (512 and 64 for DeepSeek-V2).
     num_splits: context splits per sequence (the grid's second axis), each at least
-    min_split_len tokens."""
+    min_split_len tokens. An e4m3 cache holds rows / k_scale ([1] float32, read by pointer
+    so CUDA graphs replay with its value; None: 1.0)."""
     bsz, heads, width = q.shape
     rope = width - rank
     if any(n <= 0 or n & (n - 1) for n in (rank, rope)) or cache.shape[-2:] != (1, width):
@@ -172,6 +183,9 @@ def mla_decode(
     part_o = torch.empty(bsz, heads, num_splits, rank, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q.device)
     block_h = max(16, triton.next_power_of_2(heads))
+    fp8 = {}
+    if cache.dtype == torch.float8_e4m3fn:
+        fp8 = {"k_scale_ptr": _scale(k_scale, q.device), "KV_FP8": True}
     mla_decode_kernel[(bsz, num_splits)](
         q,
         cache,
@@ -194,6 +208,7 @@ def mla_decode(
         BLOCK_SIZE=block_size,
         UPCAST=upcast,
         DOT_PRECISION="ieee" if upcast else "tf32",
+        **fp8,
     )
     out = torch.empty(bsz, heads, rank, dtype=q.dtype, device=q.device)
     mla_reduce_kernel[(bsz, heads)](
@@ -221,18 +236,21 @@ def mla_decode_absorbed(
     scale: float,
     num_splits: int = 1,
     min_split_len: int = 256,
+    k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A decode step of one MLA layer in the absorbed form: q [B, H, nope + rope] (rope part
     rotated) -> [B, H, v_head_dim], as inferx_core.attention_torch.mla_absorbed computes it per
-    sequence: W_UK folded into the query, mla_decode over the latent cache, W_UV after."""
+    sequence: W_UK folded into the query, mla_decode over the latent cache (k_scale: an e4m3
+    cache's, as mla_decode takes it), W_UV after."""
     assert mla.w_uk is not None and mla.w_uv is not None, "MLA weights not loaded"
     nope = mla.qk_nope_head_dim
     q_lat = torch.einsum("bhn,hnr->bhr", q[..., :nope], mla.w_uk.to(q.dtype))
     q_full = torch.cat([q_lat, q[..., nope:]], dim=-1).contiguous()
     rank = mla.w_uk.shape[-1]
     o_lat = mla_decode(
-        q_full, cache, block_table, context_len, scale, rank, num_splits, min_split_len
-    )
+        q_full, cache, block_table, context_len, scale, rank, num_splits, min_split_len,
+        k_scale=k_scale,
+    )  # fmt: skip
     return torch.einsum("bhr,hvr->bhv", o_lat, mla.w_uv.to(q.dtype))
 
 
@@ -245,20 +263,31 @@ def mla_write_kernel(
     stride_slot,
     WIDTH: tl.constexpr,
     WIDTH_PAD: tl.constexpr,
+    k_scale_ptr=None,
+    KV_FP8: tl.constexpr = False,
+    HAND_ROUND: tl.constexpr = False,
 ):
     """One program per new token: its cache row (latent + rope key) into its slot. A negative
-    slot is padding (a CUDA graph's rows past the batch) and writes nothing."""
+    slot is padding (a CUDA graph's rows past the batch) and writes nothing. KV_FP8: an e4m3
+    cache, row / *k_scale_ptr stored as the KV write stores k (fused_kernels.to_cache)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     d = tl.arange(0, WIDTH_PAD)
     mask = d < tl.where(slot >= 0, WIDTH, 0)  # a scalar & tensor mask trips the interpreter
     row = tl.load(row_ptr + t.to(tl.int64) * stride_row + d, mask=mask)
-    tl.store(cache_ptr + slot * stride_slot + d, row.to(cache_ptr.dtype.element_ty), mask=mask)
+    row = to_cache(row, k_scale_ptr, cache_ptr, KV_FP8, HAND_ROUND)
+    tl.store(cache_ptr + slot * stride_slot + d, row, mask=mask)
 
 
-def write_latent(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_latent(
+    rows: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+) -> None:
     """rows [T, RANK + ROPE] (last dim contiguous) into an MLA layer's cache [num_blocks,
-    block_size, 1, RANK + ROPE] at slot_mapping [T] int64 (-1: skip)."""
+    block_size, 1, RANK + ROPE] at slot_mapping [T] int64 (-1: skip). An e4m3 cache stores
+    rows / k_scale ([1] float32; None: 1.0), clamped to +-448, rounded to nearest."""
     width = cache.shape[-1]
     if rows.shape != (slot_mapping.shape[0], width) or rows.stride(-1) != 1:
         raise ValueError(
@@ -269,6 +298,13 @@ def write_latent(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Te
         raise ValueError("MLA cache write: the cache rows must be contiguous")
     if rows.shape[0] == 0:
         return
+    fp8 = {}
+    if cache.dtype == torch.float8_e4m3fn:
+        fp8 = {
+            "k_scale_ptr": _scale(k_scale, rows.device),
+            "KV_FP8": True,
+            "HAND_ROUND": _interpreting(),
+        }
     mla_write_kernel[(rows.shape[0],)](
         rows,
         cache,
@@ -277,4 +313,12 @@ def write_latent(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Te
         width,
         WIDTH=width,
         WIDTH_PAD=triton.next_power_of_2(width),
+        **fp8,
     )
+
+
+def _scale(k_scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """An e4m3 cache's scale as the kernels read it: [1] float32 on the device."""
+    if k_scale is None:
+        return torch.ones(1, dtype=torch.float32, device=device)
+    return k_scale.to(device, torch.float32)

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from inferx_core.attention_torch import from_fp8, to_fp8
 from inferx_core.batch import pack_aligned, to_device
 from inferx_core.interfaces.attention import MLAWeights
 from inferx_kernels_cuda.triton_kernels import _NO_MAX
@@ -348,12 +349,16 @@ def mla_prefill(
     block_n: int = 64,
     launch: dict[str, Any] | None = None,
     tma: bool = False,
+    k_scale: torch.Tensor | None = None,
 ) -> None:
     """The plan's prompt rows of out [T, H, v_head_dim] from q [T, H, nope + rope] (rope part
     rotated): rows [T, rank + rope] are the step's cache rows (already written to cache
     [num_blocks, block_size, 1, rank + rope]); query_start [num_seqs + 1] and context_len
     [num_seqs] int32 the step's. tma: read q, keys and values through TMA descriptors (a
-    Hopper GPU, power-of-two widths: can_tma)."""
+    Hopper GPU, power-of-two widths: can_tma). An e4m3 cache holds rows / k_scale ([1]
+    float32; None: 1.0): attention then reads the latents it holds, dequantized to q's dtype
+    as TorchAttention does, the step's own rows too (quantized as the cache write does), so a
+    prompt sees what later decodes will."""
     tokens, heads, qk = q.shape
     nope, v_dim = mla.qk_nope_head_dim, mla.v_head_dim
     rope = qk - nope
@@ -391,8 +396,17 @@ def mla_prefill(
             torch.full((n, heads), float("-inf"), dtype=torch.float32, device=q.device),
         )
     flat = cache.view(-1, width)
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    if fp8:
+        rows = from_fp8(to_fp8(rows, k_scale), k_scale, q.dtype)
     for p in plan.passes:
-        context = rows if p.slots is None else flat.index_select(0, p.slots)
+        if p.slots is None:
+            context = rows
+        elif fp8:  # moved as bytes, as TorchAttention does
+            picked = flat.view(torch.uint8).index_select(0, p.slots).view(cache.dtype)
+            context = from_fp8(picked, k_scale, q.dtype)
+        else:
+            context = flat.index_select(0, p.slots)
         if context.stride(-1) != 1:
             context = context.contiguous()
         kv = mla.expand(context[:, :rank]).reshape(context.shape[0], heads * (nope + v_dim))

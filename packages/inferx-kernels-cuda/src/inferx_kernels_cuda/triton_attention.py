@@ -902,8 +902,13 @@ class TritonAttention(TorchAttention):
             )
         rows = k[:, 0]
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-        write_latent(rows, cache, slot_mapping)
-        decode = {"num_splits": self._mla_splits(plan.num_decode)}
+        # An e4m3 cache: one scale for the row (k_scale; 1.0 where the layer has none), read
+        # by pointer, so decode graphs replay with the loaded value.
+        k_scale = None
+        if cache.dtype == torch.float8_e4m3fn:
+            k_scale = self._one if layer.k_scale is None else layer.k_scale
+        write_latent(rows, cache, slot_mapping, k_scale)
+        decode = {"num_splits": self._mla_splits(plan.num_decode), "k_scale": k_scale}
         decode["min_split_len"] = self.mla_min_split_len
         if plan.all_decode:  # decode i is sequence i and query row i
             return mla_decode_absorbed(
@@ -940,6 +945,7 @@ class TritonAttention(TorchAttention):
                 config.block_n,
                 {"num_warps": config.num_warps, "num_stages": config.num_stages},
                 tma,
+                k_scale,
             )
         return out
 

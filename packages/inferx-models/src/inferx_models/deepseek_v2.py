@@ -182,7 +182,15 @@ class MLAttention(nn.Module):
         self.ops = ctx.ops
         self.dtype, self.device = ctx.dtype, ctx.device
         self.mla = MLAWeights(self.nope, self.v_dim, self._expand)
-        self.attn = ctx.attention.layer(layer, softmax_scale(cfg), mla=self.mla)
+        # An fp8 latent cache stores the row / k_scale (one scale: the latent is the value
+        # too): the checkpoint's self_attn.k_scale where it has one, else 1.0.
+        self.k_scale: nn.Parameter | None = None
+        if ctx.attention.layers[layer].dtype == "fp8_e4m3":
+            one = torch.ones(1, dtype=torch.float32, device=ctx.device)
+            self.k_scale = nn.Parameter(one, requires_grad=False)
+        self.attn = ctx.attention.layer(
+            layer, softmax_scale(cfg), k_scale=self.k_scale, mla=self.mla
+        )
 
     def _expand(self, latent: torch.Tensor) -> torch.Tensor:
         """kv_b_proj: latent [N, rank] -> [N, heads, nope + v]."""
