@@ -14,7 +14,7 @@ from conftest import interpreted, on_gpu
 pytest.importorskip("triton")
 
 from test_mla_decode import paged, rel_err  # noqa: E402
-from test_mla_prefill import QUARTER, SMALL, TOL, Case, backends  # noqa: E402
+from test_mla_prefill import QUARTER, SMALL, TOL, Case, step_backends  # noqa: E402
 
 from inferx_core.attention_torch import FP8, TorchAttention, mla_absorbed, to_fp8  # noqa: E402
 from inferx_core.interfaces.attention import AttentionLayer, MLAWeights  # noqa: E402
@@ -127,11 +127,7 @@ def fp8_step(case: Case, device: str, context_rows: int, scale: float, tol: floa
     ]  # fmt: skip
     spec = KVLayerSpec(heads, 1, width, kind="mla", v_head_dim=rank, rope_dim=rope,
                        dtype="fp8_e4m3")  # fmt: skip
-    triton_b, torch_b = backends(spec, case.dtype, device, *case.cache.shape[:2])
-    triton_b.mla_context_rows = context_rows
-    mla = case.mla()
-    w = case.w.view(heads, nope + v, rank)
-    mla.w_uk, mla.w_uv = w[:, :nope], w[:, nope:]
+    (triton_b, torch_b), mla = step_backends(case, spec, device, context_rows)
     outs = []
     for b in (triton_b, torch_b):
         assert b.caches[0].dtype == FP8
@@ -148,7 +144,7 @@ def fp8_step(case: Case, device: str, context_rows: int, scale: float, tol: floa
     case.check(outs[0], tol)
     # The decode rows (absorbed) against the float64 absorbed form on the dequantized rows.
     ref = MLAWeights(nope, v, lambda latent: latent)
-    ref.w_uk, ref.w_uv = w[:, :nope].double().cpu(), w[:, nope:].double().cpu()
+    ref.w_uk, ref.w_uv = mla.w_uk.double().cpu(), mla.w_uv.double().cpu()
     at = 0
     for q_len, ctx in zip(case.query_lens, case.contexts, strict=True):
         if q_len == 1:

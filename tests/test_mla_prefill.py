@@ -165,17 +165,25 @@ def backends(spec: KVLayerSpec, dtype: torch.dtype, device: str, num_blocks: int
     return out
 
 
+def step_backends(case: Case, spec: KVLayerSpec, device: str, context_rows: int):  # noqa: ANN201
+    """(TritonAttention, TorchAttention) for the case's cache and the layer's MLAWeights with
+    W_UK / W_UV set (both forms on hand)."""
+    heads, nope, _, v, rank = case.widths
+    triton_b, torch_b = backends(spec, case.dtype, device, *case.cache.shape[:2])
+    triton_b.mla_context_rows = context_rows
+    mla = case.mla()
+    w = case.w.view(heads, nope + v, rank)
+    mla.w_uk, mla.w_uv = w[:, :nope], w[:, nope:]
+    return (triton_b, torch_b), mla
+
+
 def backend_step(case: Case, device: str, context_rows: int, tol: float) -> None:
     """TritonAttention's MLA forward of the case's step against TorchAttention's (plain
     prompts, absorbed decodes) on the same cache: the cache rows equal, the outputs within tol
     of each other and of the float64 plain form."""
     heads, nope, rope, v, rank = case.widths
     spec = KVLayerSpec(heads, 1, rank + rope, kind="mla", v_head_dim=rank, rope_dim=rope)
-    triton_b, torch_b = backends(spec, case.dtype, device, *case.cache.shape[:2])
-    triton_b.mla_context_rows = context_rows
-    mla = case.mla()
-    w = case.w.view(heads, nope + v, rank)
-    mla.w_uk, mla.w_uv = w[:, :nope], w[:, nope:]
+    (triton_b, torch_b), mla = step_backends(case, spec, device, context_rows)
     outs = []
     for b in (triton_b, torch_b):
         b.caches[0].copy_(case.cache)
