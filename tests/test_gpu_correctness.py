@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable
 
 import pytest
+import tokenizers
 import torch
 from conftest import FIXTURES
 
@@ -145,6 +146,55 @@ def test_dummy_qwen25_3b_matches_transformers(tmp_path_factory):
     compare(
         model, {"model.path": str(path)}, "qwen2.5-3b-dummy", lambda llm, p: llm.tokenizer.encode(p)
     )
+
+
+def test_dummy_gptoss_20b_matches_transformers(tmp_path_factory):
+    """The dummy gpt-oss-20b (published layout, MXFP4 experts kept in MXFP4) against
+    transformers with the experts dequantized to bf16 (Mxfp4Config(dequantize=True)), 64 greedy
+    tokens of each prompt, on each backend with sinks and windows, graphs off and on.
+    transformers' model (~42 GB in bf16) runs first and is freed before ours loads."""
+    from inferx_models.presets import write_checkpoint
+
+    path = write_checkpoint(
+        "gpt-oss-20b",
+        tmp_path_factory.mktemp("gptoss20b"),
+        tokenizer_dir=FIXTURES / "tokenizers" / "gpt-oss",
+    )
+    tokenizer = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    prompts = [tokenizer.encode(p).ids for p in PROMPTS]
+    model = transformers.GptOssForCausalLM.from_pretrained(
+        path,
+        quantization_config=transformers.Mxfp4Config(dequantize=True),
+        dtype=torch.bfloat16,
+        attn_implementation="eager",
+    )
+    model = model.cuda().eval()
+    refs = [hf_greedy(model, p) for p in prompts]
+    del model
+    torch.cuda.empty_cache()
+    reg = plugins()
+    runs = [
+        (backend, graphs)
+        for backend, graphs in backends()
+        if {"sliding", "sinks"} <= reg.get("attention_backend", backend).features  # type: ignore[attr-defined]
+    ]
+    assert runs
+    for backend, graphs in runs:
+        config = {
+            "model.path": str(path),
+            "model.dtype": "bfloat16",
+            "engine.device": "cuda",
+            "engine.attention_backend": backend,
+            "engine.cuda_graphs": graphs,
+            "kv_cache.memory": "8GiB",
+        }
+        llm = LLM(load_config(None, config))
+        assert (llm.engine.executor.graphs is not None) == graphs
+        mode = "graphs" if graphs else "eager"
+        for g, ref in zip(ours_greedy(llm, prompts), refs, strict=True):
+            check_close(g, ref, f"gpt-oss-20b-dummy/{backend}/{mode}")
+        del llm
+        torch.cuda.empty_cache()
 
 
 def test_tiny_gptoss_matches_transformers(tmp_path_factory):
