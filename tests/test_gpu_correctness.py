@@ -93,22 +93,24 @@ def ours_greedy(llm: LLM, prompts: list[list[int]]) -> list[list[tuple[int, set[
     ]
 
 
+def cuda_llm(overrides: dict, backend: str, graphs: bool, kv: str = "8GiB") -> LLM:
+    """An engine in bf16 on the GPU on `backend`, CUDA graphs as asked (checked)."""
+    config = {
+        **overrides,
+        "engine.device": "cuda",
+        "model.dtype": "bfloat16",
+        "engine.attention_backend": backend,
+        "engine.cuda_graphs": graphs,
+        "kv_cache.memory": kv,
+    }
+    llm = LLM(load_config(None, config))
+    assert (llm.engine.executor.graphs is not None) == graphs
+    return llm
+
+
 def compare(hf_model, overrides: dict, label: str, encode) -> None:
     for backend, graphs in backends():
-        llm = LLM(
-            load_config(
-                None,
-                {
-                    **overrides,
-                    "engine.device": "cuda",
-                    "model.dtype": "bfloat16",
-                    "engine.attention_backend": backend,
-                    "engine.cuda_graphs": graphs,
-                    "kv_cache.memory": "8GiB",
-                },
-            )
-        )
-        assert (llm.engine.executor.graphs is not None) == graphs
+        llm = cuda_llm(overrides, backend, graphs)
         prompts = [encode(llm, p) for p in PROMPTS]
         got = ours_greedy(llm, prompts)
         mode = "graphs" if graphs else "eager"
@@ -180,16 +182,7 @@ def test_dummy_gptoss_20b_matches_transformers(tmp_path_factory):
     ]
     assert runs
     for backend, graphs in runs:
-        config = {
-            "model.path": str(path),
-            "model.dtype": "bfloat16",
-            "engine.device": "cuda",
-            "engine.attention_backend": backend,
-            "engine.cuda_graphs": graphs,
-            "kv_cache.memory": "8GiB",
-        }
-        llm = LLM(load_config(None, config))
-        assert (llm.engine.executor.graphs is not None) == graphs
+        llm = cuda_llm({"model.path": str(path)}, backend, graphs)
         mode = "graphs" if graphs else "eager"
         for g, ref in zip(ours_greedy(llm, prompts), refs, strict=True):
             check_close(g, ref, f"gpt-oss-20b-dummy/{backend}/{mode}")
@@ -239,17 +232,9 @@ def test_tiny_gptoss_matches_transformers(tmp_path_factory):
         return tie
 
     for backend, graphs in runs:
-        config = {
-            "model.path": str(path),
-            "model.dtype": "bfloat16",
-            "engine.device": "cuda",
-            "engine.attention_backend": backend,
-            "engine.cuda_graphs": graphs,
-            "kv_cache.memory": "2GiB",
-            "scheduler.prefill_chunk": 32,  # chunks past the window over a cached prefix
-        }
-        llm = LLM(load_config(None, config))
-        assert (llm.engine.executor.graphs is not None) == graphs
+        # prefill chunks of 32: chunks past the window over a cached prefix
+        overrides = {"model.path": str(path), "scheduler.prefill_chunk": 32}
+        llm = cuda_llm(overrides, backend, graphs, kv="2GiB")
         got = ours_greedy(llm, GPTOSS_PROMPTS)
         mode = "graphs" if graphs else "eager"
         for i, (g, ref) in enumerate(zip(got, refs, strict=True)):
