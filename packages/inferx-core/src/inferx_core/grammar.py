@@ -61,10 +61,14 @@ class GrammarState:
         for token in tokens:
             if self.refused is not None:
                 return
-            self.accepted += 1
-            if not self.matcher.accept(token):
-                self.refused = token
+            self.record(token, self.matcher.accept(token))
         self.terminated = self.matcher.is_terminated()
+
+    def record(self, token: int, accepted: bool) -> None:
+        """The worker's: the matcher took `token` (or refused it, when not `accepted`)."""
+        self.accepted += 1
+        if not accepted:
+            self.refused = token
 
 
 class GrammarMasks:
@@ -202,9 +206,7 @@ class GrammarWorker:
                 backend = single[0][0].matcher.backend
                 ok = backend.accept_tokens([(s.matcher, t) for s, t in single])
                 for (state, token), good in zip(single, ok, strict=True):
-                    state.accepted += 1
-                    if not good:
-                        state.refused = token
+                    state.record(token, good)
                     state.terminated = state.matcher.is_terminated()
         except BaseException as exc:
             advanced.set_exception(exc)

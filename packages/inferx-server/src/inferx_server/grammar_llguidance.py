@@ -68,7 +68,7 @@ class LLGuidanceBackend(GrammarBackend):
 
     def accept_tokens(self, pairs: Sequence[tuple[GrammarMatcher, int]]) -> list[bool]:
         if len(pairs) < 2:
-            return [m.accept(t) for m, t in pairs]
+            return super().accept_tokens(pairs)
         return self.executor.consume_token_par([(m.ll, t) for m, t in pairs])  # type: ignore[attr-defined]
 
     def fill_bitmask(
