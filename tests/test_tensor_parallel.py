@@ -5,6 +5,7 @@ a whole latent) and must give the logits of the unsharded model, in fp32."""
 
 from __future__ import annotations
 
+import gc
 import socket
 from typing import Any
 
@@ -139,21 +140,29 @@ def _logits(cfg: dict[str, Any], parallel: ParallelContext) -> list[torch.Tensor
     return out
 
 
+def _check(rank: int, world_size: int, names: list[str]) -> None:
+    parallel = ParallelContext(rank, world_size, dist.group.WORLD)
+    for name in names:
+        cfg = CONFIGS[name]
+        got = _logits(cfg, parallel)
+        if rank == 0:
+            for step, (ours, ref) in enumerate(zip(got, _logits(cfg, SINGLE), strict=True)):
+                assert ours.shape == ref.shape, (name, step, ours.shape, ref.shape)
+                err = (ours - ref).abs().max().item()
+                assert err <= ATOL, f"{name} at world size {world_size}, step {step}: {err}"
+
+
 def _rank(rank: int, world_size: int, port: int, names: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     try:
-        parallel = ParallelContext(rank, world_size, dist.group.WORLD)
-        for name in names:
-            cfg = CONFIGS[name]
-            got = _logits(cfg, parallel)
-            if rank == 0:
-                for step, (ours, ref) in enumerate(zip(got, _logits(cfg, SINGLE), strict=True)):
-                    assert ours.shape == ref.shape, (name, step, ours.shape, ref.shape)
-                    err = (ours - ref).abs().max().item()
-                    assert err <= ATOL, f"{name} at world size {world_size}, step {step}: {err}"
+        _check(rank, world_size, names)
+        # Models and contexts that outlive the group reach gloo's threads only at interpreter
+        # exit, where tearing them down aborts now and then: collect them first, leave together.
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
