@@ -90,7 +90,9 @@ def cases():
                     yield label, kernel, types, constexprs, cfg.num_warps, cfg.num_stages
                     if tokens <= mk.GEMV_MAX_TOKENS and fmt != "fp8-block":
                         gemv = {n: constexprs[n] for n in GEMV_SHARED} | dict(
-                            BLOCK_N=gemv_cfg.block_n, BLOCK_K=gemv_cfg.block_k
+                            BLOCK_N=gemv_cfg.block_n,
+                            BLOCK_K=gemv_cfg.block_k,
+                            A_PAIRS=fmt == "mxfp4",  # bf16 rows, as fused_experts reads them
                         )
                         types = gemm_types(fmt, True) | {"ids_ptr": "*i64"}
                         warps = gemv_cfg.num_warps

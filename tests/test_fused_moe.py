@@ -373,6 +373,60 @@ def test_gemv_matches_the_reference(name, fmt, atomic_sum, monkeypatch):
 
 
 @interpreted
+@pytest.mark.parametrize("name", list(SPECS))
+def test_gemv_mxfp4_scale_range_and_bf16_pairs(name, monkeypatch):
+    """moe_gemv_kernel's MXFP4 arithmetic (codes 2 ** -126 times their value, activations 2 **
+    64 times theirs, group sums scaled once): float32 activations against the float64
+    reference to float32 rounding, with group scales across 2 ** -100 .. 2 ** 10 and
+    activations from 1e-3 to 1e3; bf16 rows read as int32 pairs give bit for bit what the
+    same rows read one by one give (a view of odd row stride), and the reference to bf16's."""
+    spec = SPECS[name]
+    experts = mxfp4_experts(spec, torch.float32, 50)
+    g = gen(51)
+    for buf_name, buf in experts.named_buffers():
+        if buf_name.endswith("scales"):
+            buf.copy_(torch.randint(27, 138, buf.shape, generator=g))
+    magnitude = 10.0 ** (torch.rand(2, spec.hidden_size, generator=g) * 6 - 3)
+    x = magnitude * torch.randn(2, spec.hidden_size, generator=g).sign()
+    weights, ids = random_routing(2, spec.num_experts, 2, 52)
+    w = experts.expert_weights()
+    gate_up, down = dequantized(w)
+    bias = (w.gate_up_bias, w.down_bias)
+    want = reference_experts(x, weights, ids, gate_up, bias[0], down, bias[1], spec)
+    got = fused_experts(x, weights, ids, w, spec, gemv=True)
+    assert rel(got, want) < TOL[torch.float32]
+
+    pairs: list[bool] = []
+    real = moe_kernels.moe_gemv_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                pairs.append(kw["A_PAIRS"])
+                return real[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(moe_kernels, "moe_gemv_kernel", Recorded())
+    xb = (x / 100).to(torch.bfloat16)
+    wb = mxfp4_experts(spec, torch.bfloat16, 50)
+    for buf_name, buf in wb.named_buffers():
+        buf.copy_(dict(experts.named_buffers())[buf_name])
+    for p_name, p in wb.named_parameters():
+        p.data.copy_(dict(experts.named_parameters())[p_name].data)
+    wbw = wb.expert_weights()
+    paired = fused_experts(xb, weights, ids, wbw, spec, gemv=True)
+    odd = torch.zeros(2, spec.hidden_size + 1, dtype=torch.bfloat16)
+    odd[:, : spec.hidden_size] = xb
+    one_by_one = fused_experts(odd[:, : spec.hidden_size], weights, ids, wbw, spec, gemv=True)
+    # gate_up reads x (pairs, then not); down reads the intermediate, contiguous both times
+    assert pairs == [True, True, False, True]
+    assert torch.equal(paired, one_by_one)
+    want_b = reference_experts(xb.float(), weights, ids, gate_up, bias[0], down, bias[1], spec)
+    assert rel(paired, want_b) < TOL[torch.bfloat16]
+
+
+@interpreted
 def test_no_tokens():
     spec = SPECS["qwen3"]
     experts = dense_experts(spec, torch.float32, 16)

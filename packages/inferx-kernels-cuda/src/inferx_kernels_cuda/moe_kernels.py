@@ -584,14 +584,36 @@ def moe_gemm_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+# moe_gemv_kernel's MXFP4 products: activations times 2 ** 64 and group sums times 2 ** 62
+# (besides the scale), so the 2 ** -126 of _e2m1_raw's codes leaves products in float32's
+# normal range.
+_A_UP: tl.constexpr = tl.constexpr(18446744073709551616.0)  # 2 ** 64
+_SCALE_UP: tl.constexpr = tl.constexpr(62)
+# 2 ** 64 added to a float32's exponent field (exact for |a| < 2 ** 64; a zero or subnormal
+# activation becomes at most 2 ** -62, whose products with the codes underflow to zero)
+_A_UP_BITS: tl.constexpr = tl.constexpr(64 << 23)
+
+
 @triton.jit
-def _mxfp4_rows(blocks_ptrs, scale_ptrs, mask, scale_mask):
-    """MXFP4 weights as [rows, groups, 16] tiles of their (even, odd) columns in float32: the
-    bytes at blocks_ptrs (low nibble even) times 2 ** (e8m0 - 127), a group's scale at
-    scale_ptrs [rows, groups, 1] broadcast over its 16 bytes. The e2m1 -> fp16 bit trick of
-    _mxfp4_half."""
-    packed = tl.load(blocks_ptrs, mask=mask, other=0)
-    return _e2m1_pair(packed, _e8m0(tl.load(scale_ptrs, mask=scale_mask, other=0)))
+def _e2m1_raw(packed):
+    """Bytes of two e2m1 codes (low nibble first) as two float32 tensors 2 ** -126 times the
+    codes' values, by their bits alone: exponent and mantissa to bits 24..22, sign to bit 31
+    (the subnormal code 0.5 lands on float32's subnormal 2 ** -127)."""
+    b = packed.to(tl.int32)
+    even = ((b << 22) & 0x01C00000) | ((b << 28) & -2147483648)
+    odd = ((b << 18) & 0x01C00000) | ((b << 24) & -2147483648)
+    return even.to(tl.float32, bitcast=True), odd.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_group_dots(blocks_ptrs, scale_ptrs, a_even, a_odd, mask, scale_mask):
+    """[rows, groups] dot products of MXFP4 weight groups with activations: the bytes at
+    blocks_ptrs [rows, groups, 16] (low nibble even) against a_even, a_odd [1, groups, 16]
+    (float32, times _A_UP), summed per group, then times the group's scale 2 ** (e8m0 - 127)
+    at scale_ptrs [rows, groups] and 2 ** _SCALE_UP: a multiply a group, not a weight."""
+    even, odd = _e2m1_raw(tl.load(blocks_ptrs, mask=mask, other=0))
+    bits = tl.load(scale_ptrs, mask=scale_mask, other=0).to(tl.int32) + _SCALE_UP
+    return tl.sum(even * a_even + odd * a_odd, axis=2) * (bits << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -625,14 +647,16 @@ def moe_gemv_kernel(
     ATOMIC_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    A_PAIRS: tl.constexpr = False,
 ):
     """moe_gemm_kernel's product for one pair (program axis 0) and BLOCK_N output columns (axis
     1) on the CUDA cores: weight tiles [BLOCK_N, BLOCK_K] in their stored layout (K along the
     fast axis), times the pair's input row, partial sums kept per column and lane and reduced
     once at the end. No tl.dot, so no 16-row padding of one row and no conversion of the
-    dequantized tile to an MMA operand layout; MXFP4 scales are loaded per byte (16 bytes share
-    an address, served by L1) instead of broadcast by a reshape. Same arguments and epilogue as
-    moe_gemm_kernel; FP8 only with per-row scales."""
+    dequantized tile to an MMA operand layout. MXFP4: codes made float32 by their bits alone,
+    summed per 32-weight group and scaled once a group (_mxfp4_group_dots); A_PAIRS reads a
+    bf16 row's activations two at a time as int32 (an even row stride, 4-byte aligned). Same
+    arguments and epilogue as moe_gemm_kernel; FP8 only with per-row scales."""
     pair = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
@@ -648,34 +672,36 @@ def moe_gemv_kernel(
         GROUPS: tl.constexpr = BLOCK_K // 32
         kg = tl.arange(0, GROUPS)
         kb = tl.arange(0, 16)
-        acc3 = tl.zeros([BLOCK_N, GROUPS, 16], dtype=tl.float32)
-        up3 = tl.zeros([BLOCK_N, GROUPS, 16], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
+        up2 = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
         rows_g3 = rows_g[:, None, None]
         rows_u3 = rows_u[:, None, None]
         col_ok3 = col_ok[:, None, None]
+        a_pairs = a_row.to(tl.pointer_type(tl.int32))
         for k0 in range(0, k_in, BLOCK_K):
             group = k0 // 32 + kg
             byte = group[:, None] * 16 + kb[None, :]
             k_ok = byte < k_in // 2
-            a_even = tl.load(a_row + 2 * byte, mask=k_ok, other=0.0).to(tl.float32)[None, :, :]
-            a_odd = tl.load(a_row + 2 * byte + 1, mask=k_ok, other=0.0).to(tl.float32)[None, :, :]
+            if A_PAIRS:  # a byte's two bf16 activations as one int32, their bits made float32's
+                both = tl.load(a_pairs + byte, mask=k_ok, other=0)
+                a_even = (both * 65536 + _A_UP_BITS).to(tl.float32, bitcast=True)
+                a_odd = ((both + _A_UP_BITS) & -65536).to(tl.float32, bitcast=True)
+            else:
+                a_even = tl.load(a_row + 2 * byte, mask=k_ok, other=0.0).to(tl.float32) * _A_UP
+                a_odd = tl.load(a_row + 2 * byte + 1, mask=k_ok, other=0.0).to(tl.float32) * _A_UP
             m = col_ok3 & k_ok[None, :, :]
-            sm = col_ok3 & (group < k_in // 32)[None, :, None]
-            even, odd = _mxfp4_rows(
+            sm = col_ok[:, None] & (group < k_in // 32)[None, :]
+            acc2 += _mxfp4_group_dots(
                 w_base + rows_g3 * stride_wn + byte[None, :, :],
-                s_base + rows_g3 * stride_sn + group[None, :, None],
-                m, sm,
+                s_base + rows_g[:, None] * stride_sn + group[None, :],
+                a_even[None, :, :], a_odd[None, :, :], m, sm,
             )  # fmt: skip
-            acc3 += even * a_even + odd * a_odd
             if gated:
-                even, odd = _mxfp4_rows(
+                up2 += _mxfp4_group_dots(
                     w_base + rows_u3 * stride_wn + byte[None, :, :],
-                    s_base + rows_u3 * stride_sn + group[None, :, None],
-                    m, sm,
+                    s_base + rows_u[:, None] * stride_sn + group[None, :],
+                    a_even[None, :, :], a_odd[None, :, :], m, sm,
                 )  # fmt: skip
-                up3 += even * a_even + odd * a_odd
-        acc2 = tl.sum(acc3, axis=2)
-        up2 = tl.sum(up3, axis=2)
     else:
         kr = tl.arange(0, BLOCK_K)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -808,6 +834,11 @@ def gemm_configs(
     return gate_up, down
 
 
+def _bf16_pairs(a: torch.Tensor) -> bool:
+    """Whether moe_gemv_kernel may read a's rows as int32 pairs of bf16."""
+    return a.dtype == torch.bfloat16 and a.stride(0) % 2 == 0 and a.data_ptr() % 4 == 0
+
+
 def check_weights(w: ExpertWeights, spec: ExpertsSpec, x: torch.Tensor) -> None:
     """Refuse weights the kernels do not read, naming what is wrong."""
     if w.format not in ("dense", "mxfp4", "fp8"):
@@ -931,7 +962,7 @@ def fused_experts(
                 a, weights, scale_t, bias_t, topk_weights, sorted_ids, dest, n_out, k_in,
                 up_offset, *strides, float(spec.alpha), float(spec.limit), **shared,
                 BLOCK_K=(cfg.block_k or GEMV_BLOCK_K) if not _interpreting() else 64,
-                num_warps=cfg.num_warps,
+                A_PAIRS=mxfp4 and _bf16_pairs(a), num_warps=cfg.num_warps,
             )  # fmt: skip
             continue
         grid = (tiles * triton.cdiv(n_out, cfg.block_n),)

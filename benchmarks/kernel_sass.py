@@ -1,0 +1,137 @@
+"""Instructions a weight byte in a decode kernel's main loop, from its sm_90 SASS, without a GPU.
+
+A decode GEMV that dequantizes in registers is bound by its instruction issue before its memory:
+an H100 SM issues at most 128 thread-instructions a clock and must take ~14.5 weight bytes a
+clock (3.35 TB/s over 132 SMs at 1.755 GHz) to read at full bandwidth, so a loop spending more
+than ~8.8 instructions a weight byte cannot reach the bandwidth. This compiles the kernel for
+sm_90 with the installed Triton (its ptxas; nvdisasm, which Triton's wheel ships), finds the
+longest loop in the SASS and prints its length, the instructions a weight byte and the opcode mix.
+
+python benchmarks/kernel_sass.py [--kernels moe_gemv] [--block-n 8,16,32] [--json OUT]
+
+moe_gemv: moe_gemv_kernel at gpt-oss-20b's one-token shapes (MXFP4, gate_up gated with the
+clamped SwiGLU, down weighted), at the block_n given and the kernel's BLOCK_K.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import json
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+# bytes an SM must take a clock to read at the bandwidth, and thread-instructions it issues
+H100_BYTES_PER_CLOCK = 3.35e12 / 132 / 1.755e9
+ISSUE_PER_CLOCK = 128
+# runtime arguments a launch passes that are not multiples of 16 (the rest are specialised as
+# Triton's launcher would), or floats
+UNALIGNED = {"num_pairs", "up_offset", "alpha", "limit"}
+
+
+def compile_sm90(kernel: Any, types: dict[str, str], constexprs: dict[str, Any], warps: int):
+    names = list(inspect.signature(kernel.fn).parameters)
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(names)
+        if n not in constexprs and n not in UNALIGNED and not sig[n].startswith("fp")
+    }
+    src = ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": warps, "num_stages": 1}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def nvdisasm() -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+
+
+def loop_mix(compiled: Any) -> tuple[int, collections.Counter]:
+    """(length, opcode counts) of the longest loop (a backward branch) in the SASS."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        out = subprocess.run([nvdisasm(), "-c", f.name], capture_output=True, text=True, check=True)
+    finally:
+        os.unlink(f.name)
+    instrs, labels, label = [], {}, None
+    for line in out.stdout.splitlines():
+        if m := re.match(r"\s*\.L_x_(\d+):", line):
+            label = m.group(1)
+        elif m := re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line):
+            addr = int(m.group(1), 16)
+            if label is not None:
+                labels[label], label = addr, None
+            instrs.append((addr, m.group(2).strip()))
+    loops = [
+        (labels[m.group(1)], addr)
+        for addr, ins in instrs
+        if (m := re.search(r"BRA.*\.L_x_(\d+)", ins)) and labels.get(m.group(1), addr) < addr
+    ]
+    if not loops:
+        return 0, collections.Counter()
+    start, end = max(loops, key=lambda span: span[1] - span[0])
+    body = [ins for addr, ins in instrs if start <= addr <= end]
+    ops = collections.Counter(
+        re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0] for ins in body
+    )
+    return len(body), ops
+
+
+def moe_gemv_cases(block_ns: list[int]) -> Iterator[tuple[str, Any, dict, dict, int, float]]:
+    """(label, kernel, types, constexprs, warps, weight bytes a thread a loop iteration)."""
+    from inferx_kernels_cuda import moe_kernels as mk
+
+    types = {"a_ptr": "*bf16", "w_ptr": "*u8", "scale_ptr": "*u8", "bias_ptr": "*bf16"}
+    types |= {"topk_w_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*bf16", "stride_we": "i64"}
+    types |= {"alpha": "fp32", "limit": "fp32"}
+    warps, block_k = 4, mk.GEMV_BLOCK_K
+    for gated in (True, False):
+        for block_n in block_ns:
+            constexprs = dict(
+                A_ROW_DIV=4 if gated else 1, ACT=mk.ACT_SWIGLU_OAI if gated else mk.ACT_NONE,
+                GATE_STRIDE=2 if gated else 1, MXFP4=True, ROW_SCALE=False, HAS_BIAS=True,
+                WEIGHTED=not gated, ATOMIC_K=0, BLOCK_N=block_n, BLOCK_K=block_k, A_PAIRS=True,
+            )  # fmt: skip
+            per_thread = block_n * block_k / 2 * (2 if gated else 1) / (32 * warps)
+            label = f"moe_gemv gpt-oss {'gate_up' if gated else 'down'} N{block_n} K{block_k}"
+            yield label, mk.moe_gemv_kernel, types, constexprs, warps, per_thread
+
+
+KERNELS = {"moe_gemv": moe_gemv_cases}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", default=",".join(KERNELS))
+    parser.add_argument("--block-n", default="8,16,32")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    block_ns = [int(b) for b in args.block_n.split(",")]
+    budget = ISSUE_PER_CLOCK / H100_BYTES_PER_CLOCK
+    print(f"Triton {triton.__version__}, sm_90; at most {budget:.1f} instructions a weight byte")
+    print("for an H100's bandwidth (the loop's only, one SM's issue rate)")
+    print(f"{'kernel':44s} {'loop':>5s} {'/byte':>6s}  top opcodes")
+    rows = []
+    for name in args.kernels.split(","):
+        for label, kernel, types, constexprs, warps, per_thread in KERNELS[name](block_ns):
+            length, ops = loop_mix(compile_sm90(kernel, types, constexprs, warps))
+            top = " ".join(f"{op} {n}" for op, n in ops.most_common(6))
+            print(f"{label:44s} {length:5d} {length / per_thread:6.1f}  {top}")
+            rows.append({"kernel": label, "loop": length, "per_byte": length / per_thread})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"triton": triton.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
