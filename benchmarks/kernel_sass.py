@@ -7,10 +7,12 @@ than ~8.8 instructions a weight byte cannot reach the bandwidth. This compiles t
 sm_90 with the installed Triton (its ptxas; nvdisasm, which Triton's wheel ships), finds the
 longest loop in the SASS and prints its length, the instructions a weight byte and the opcode mix.
 
-python benchmarks/kernel_sass.py [--kernels moe_gemv] [--block-n 8,16,32] [--json OUT]
+python benchmarks/kernel_sass.py [--kernels moe_gemv,moe_gemm] [--block-n 8,16,32] [--json OUT]
 
 moe_gemv: moe_gemv_kernel at gpt-oss-20b's one-token shapes (MXFP4, gate_up gated with the
-clamped SwiGLU, down weighted), at the block_n given and the kernel's BLOCK_K.
+clamped SwiGLU, down weighted), at the block_n given and the kernel's BLOCK_K. moe_gemm:
+moe_gemm_kernel's MXFP4 tiles at 8, 256 and 2048 tokens (gemm_configs'), whose weight tile is
+dequantized once per M tile: its bytes a clock then also feed the tensor cores.
 """
 
 from __future__ import annotations
@@ -107,7 +109,33 @@ def moe_gemv_cases(block_ns: list[int]) -> Iterator[tuple[str, Any, dict, dict, 
             yield label, mk.moe_gemv_kernel, types, constexprs, warps, per_thread
 
 
-KERNELS = {"moe_gemv": moe_gemv_cases}
+def moe_gemm_cases(block_ns: list[int]) -> Iterator[tuple[str, Any, dict, dict, int, float]]:
+    """moe_gemm_kernel's MXFP4 tiles at gpt-oss-20b's shapes as gemm_configs picks them for 8,
+    256 and 2048 tokens (block_ns unused): a weight tile is dequantized once per M tile."""
+    from inferx_kernels_cuda import moe_kernels as mk
+
+    types = {"a_ptr": "*bf16", "w_ptr": "*u8", "scale_ptr": "*u8", "bias_ptr": "*bf16"}
+    types |= {"topk_w_ptr": "*fp32", "out_ptr": "*bf16", "stride_we": "i64"}
+    types |= {n: "*i32" for n in ("sorted_ptr", "block_expert_ptr", "num_padded_ptr")}
+    types |= {"alpha": "fp32", "limit": "fp32"}
+    for tokens in (8, 256, 2048):
+        configs = mk.gemm_configs(tokens * 4, 32, 2880, 2880, "mxfp4", 132)
+        for gated, cfg in zip((True, False), configs, strict=True):
+            constexprs = dict(
+                A_ROW_DIV=4 if gated else 1, ACT=mk.ACT_SWIGLU_OAI if gated else mk.ACT_NONE,
+                GATE_STRIDE=2 if gated else 1, MXFP4=True, ROW_SCALE=False, K_SCALE=False,
+                HAS_BIAS=True, WEIGHTED=not gated, ATOMIC_K=0, PER_PAIR=False, DOT_FP32=False,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            )  # fmt: skip
+            per_thread = cfg.block_n * cfg.block_k / 2 * (2 if gated else 1) / (32 * cfg.num_warps)
+            label = (
+                f"moe_gemm gpt-oss {'gate_up' if gated else 'down'} {tokens} tok "
+                f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/{cfg.num_warps}"
+            )
+            yield label, mk.moe_gemm_kernel, types, constexprs, cfg.num_warps, per_thread
+
+
+KERNELS = {"moe_gemv": moe_gemv_cases, "moe_gemm": moe_gemm_cases}
 
 
 def main() -> None:
@@ -120,13 +148,13 @@ def main() -> None:
     budget = ISSUE_PER_CLOCK / H100_BYTES_PER_CLOCK
     print(f"Triton {triton.__version__}, sm_90; at most {budget:.1f} instructions a weight byte")
     print("for an H100's bandwidth (the loop's only, one SM's issue rate)")
-    print(f"{'kernel':44s} {'loop':>5s} {'/byte':>6s}  top opcodes")
+    print(f"{'kernel':52s} {'loop':>5s} {'/byte':>6s}  top opcodes")
     rows = []
     for name in args.kernels.split(","):
         for label, kernel, types, constexprs, warps, per_thread in KERNELS[name](block_ns):
             length, ops = loop_mix(compile_sm90(kernel, types, constexprs, warps))
             top = " ".join(f"{op} {n}" for op, n in ops.most_common(6))
-            print(f"{label:44s} {length:5d} {length / per_thread:6.1f}  {top}")
+            print(f"{label:52s} {length:5d} {length / per_thread:6.1f}  {top}")
             rows.append({"kernel": label, "loop": length, "per_byte": length / per_thread})
     if args.json:
         with open(args.json, "w") as f:
