@@ -276,11 +276,38 @@ def test_grouped_gemm_dense(name, dtype):
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("name", list(SPECS))
 def test_grouped_gemm_mxfp4(name, dtype):
+    """bf16 and float32 tiles hold the weights 2 ** -64 times theirs, fp16 tiles at theirs."""
     spec = SPECS[name]
     check_experts(mxfp4_experts(spec, dtype, seed=12), "mxfp4", spec, dtype, 9, 3, seed=13)
+
+
+def wide_mxfp4(spec: ExpertsSpec, dtype: torch.dtype) -> tuple[Mxfp4Experts, torch.Tensor]:
+    """MXFP4 experts with group scales across 2 ** -100 .. 2 ** 10 and two tokens whose
+    activations run from 1e-3 to 1e3 in magnitude."""
+    experts = mxfp4_experts(spec, dtype, 50)
+    g = gen(51)
+    for buf_name, buf in experts.named_buffers():
+        if buf_name.endswith("scales"):
+            buf.copy_(torch.randint(27, 138, buf.shape, generator=g))
+    magnitude = 10.0 ** (torch.rand(2, spec.hidden_size, generator=g) * 6 - 3)
+    return experts, magnitude * torch.randn(2, spec.hidden_size, generator=g).sign()
+
+
+@interpreted
+@pytest.mark.parametrize("name", list(SPECS))
+def test_grouped_gemm_mxfp4_scale_range(name):
+    """The grouped GEMM's float32 tiles of weights 2 ** -64 times theirs, against the float64
+    reference to float32 rounding across wide scales and activations."""
+    spec = SPECS[name]
+    experts, x = wide_mxfp4(spec, torch.float32)
+    weights, ids = random_routing(2, spec.num_experts, 2, 52)
+    w = experts.expert_weights()
+    gate_up, down = dequantized(w)
+    want = reference_experts(x, weights, ids, gate_up, w.gate_up_bias, down, w.down_bias, spec)
+    assert rel(fused_experts(x, weights, ids, w, spec, gemv=False), want) < TOL[torch.float32]
 
 
 @interpreted
@@ -381,13 +408,7 @@ def test_gemv_mxfp4_scale_range_and_bf16_pairs(name, monkeypatch):
     activations from 1e-3 to 1e3; bf16 rows read as int32 pairs give bit for bit what the
     same rows read one by one give (a view of odd row stride), and the reference to bf16's."""
     spec = SPECS[name]
-    experts = mxfp4_experts(spec, torch.float32, 50)
-    g = gen(51)
-    for buf_name, buf in experts.named_buffers():
-        if buf_name.endswith("scales"):
-            buf.copy_(torch.randint(27, 138, buf.shape, generator=g))
-    magnitude = 10.0 ** (torch.rand(2, spec.hidden_size, generator=g) * 6 - 3)
-    x = magnitude * torch.randn(2, spec.hidden_size, generator=g).sign()
+    experts, x = wide_mxfp4(spec, torch.float32)
     weights, ids = random_routing(2, spec.num_experts, 2, 52)
     w = experts.expert_weights()
     gate_up, down = dequantized(w)

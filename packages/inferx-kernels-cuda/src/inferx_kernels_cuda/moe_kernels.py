@@ -352,6 +352,27 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> G
 ACT_NONE, ACT_SILU, ACT_SWIGLU_OAI = 0, 1, 2
 
 
+# MXFP4 products in float32 from codes 2 ** -126 times their values (_e2m1_raw): the GEMV's
+# activations 2 ** 64 times theirs and its group sums (the GEMM's weights) 2 ** 62 besides the
+# scale, which keeps every product in float32's normal range.
+_A_UP: tl.constexpr = tl.constexpr(18446744073709551616.0)  # 2 ** 64
+_SCALE_UP: tl.constexpr = tl.constexpr(62)
+# 2 ** 64 added to a float32's exponent field (exact for |a| < 2 ** 64; a zero or subnormal
+# activation becomes at most 2 ** -62, whose products with the codes underflow to zero)
+_A_UP_BITS: tl.constexpr = tl.constexpr(64 << 23)
+
+
+@triton.jit
+def _e2m1_raw(packed):
+    """Bytes of two e2m1 codes (low nibble first) as two float32 tensors 2 ** -126 times the
+    codes' values, by their bits alone: exponent and mantissa to bits 24..22, sign to bit 31
+    (the subnormal code 0.5 lands on float32's subnormal 2 ** -127)."""
+    b = packed.to(tl.int32)
+    even = ((b << 22) & 0x01C00000) | ((b << 28) & -2147483648)
+    odd = ((b << 18) & 0x01C00000) | ((b << 24) & -2147483648)
+    return even.to(tl.float32, bitcast=True), odd.to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _mxfp4_half(
     blocks_ptrs,
@@ -361,16 +382,26 @@ def _mxfp4_half(
     HALF: tl.constexpr,
     GROUPS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    W_DOWN: tl.constexpr,
 ):
     """A [2 * HALF, BLOCK_N] tile of MXFP4 weights as its (even, odd) rows, [HALF, BLOCK_N]
     each in float32: the bytes at blocks_ptrs [HALF, BLOCK_N] (low nibble even), each times
     2 ** (its e8m0 scale - 127), the GROUPS scales at scale_ptrs [GROUPS, BLOCK_N] covering 16
-    bytes each. An e2m1 code's bits put in an fp16's (sign to bit 15, exponent and mantissa to
-    bits 11..9) make that fp16 2 ** -14 times the e2m1 value, subnormals included; the 2 ** 14
-    goes into the scale."""
+    bytes each. W_DOWN: 2 ** -64 times those values (the caller's sums go up by _A_UP), the
+    codes by _e2m1_raw's bits, one multiply a weight (a bf16 or float32 tile's range); else
+    an e2m1 code's bits placed in an fp16's (sign to bit 15, exponent and mantissa to bits
+    11..9) make that fp16 2 ** -14 times the e2m1 value, subnormals included; the 2 ** 14
+    goes into the scale (an fp16 tile's: its values must stay normal fp16)."""
     packed = tl.load(blocks_ptrs, mask=mask, other=0)
-    scale = _e8m0(tl.load(scale_ptrs, mask=scale_mask, other=0))
+    bits = tl.load(scale_ptrs, mask=scale_mask, other=0)
+    if W_DOWN:
+        scale = ((bits.to(tl.int32) + _SCALE_UP) << 23).to(tl.float32, bitcast=True)
+    else:
+        scale = _e8m0(bits)
     scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (GROUPS, 16, BLOCK_N)), (HALF, BLOCK_N))
+    if W_DOWN:
+        even, odd = _e2m1_raw(packed)
+        return even * scale, odd * scale
     return _e2m1_pair(packed, scale)
 
 
@@ -498,6 +529,7 @@ def moe_gemm_kernel(
         kk = tl.arange(0, HALF)
         kg = tl.arange(0, GROUPS)
         s_base = scale_ptr + expert * stride_se
+        W_DOWN: tl.constexpr = a_ptr.dtype.element_ty != tl.float16
         rows_gate = rows_g[None, :].to(tl.int64)
         rows_up = (rows_g + up_offset)[None, :].to(tl.int64)
         for k0 in range(0, k_in, BLOCK_K):
@@ -515,7 +547,7 @@ def moe_gemm_kernel(
             even, odd = _mxfp4_half(
                 w_base + rows_gate * stride_wn + byte_off,
                 s_base + rows_gate * stride_sn + scale_off,
-                w_mask, s_mask, HALF, GROUPS, BLOCK_N,
+                w_mask, s_mask, HALF, GROUPS, BLOCK_N, W_DOWN,
             )  # fmt: skip
             acc = _dot(a_even, even.to(a.dtype), acc, DOT_FP32)
             acc = _dot(a_odd, odd.to(a.dtype), acc, DOT_FP32)
@@ -523,10 +555,13 @@ def moe_gemm_kernel(
                 even, odd = _mxfp4_half(
                     w_base + rows_up * stride_wn + byte_off,
                     s_base + rows_up * stride_sn + scale_off,
-                    w_mask, s_mask, HALF, GROUPS, BLOCK_N,
+                    w_mask, s_mask, HALF, GROUPS, BLOCK_N, W_DOWN,
                 )  # fmt: skip
                 acc_up = _dot(a_even, even.to(a.dtype), acc_up, DOT_FP32)
                 acc_up = _dot(a_odd, odd.to(a.dtype), acc_up, DOT_FP32)
+        if W_DOWN:  # the weights were 2 ** -64 times theirs
+            acc *= _A_UP
+            acc_up *= _A_UP
     else:
         kr = tl.arange(0, BLOCK_K)
         s_base = scale_ptr + expert * stride_se
@@ -582,27 +617,6 @@ def moe_gemm_kernel(
     else:
         out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_out + cols[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-# moe_gemv_kernel's MXFP4 products: activations times 2 ** 64 and group sums times 2 ** 62
-# (besides the scale), so the 2 ** -126 of _e2m1_raw's codes leaves products in float32's
-# normal range.
-_A_UP: tl.constexpr = tl.constexpr(18446744073709551616.0)  # 2 ** 64
-_SCALE_UP: tl.constexpr = tl.constexpr(62)
-# 2 ** 64 added to a float32's exponent field (exact for |a| < 2 ** 64; a zero or subnormal
-# activation becomes at most 2 ** -62, whose products with the codes underflow to zero)
-_A_UP_BITS: tl.constexpr = tl.constexpr(64 << 23)
-
-
-@triton.jit
-def _e2m1_raw(packed):
-    """Bytes of two e2m1 codes (low nibble first) as two float32 tensors 2 ** -126 times the
-    codes' values, by their bits alone: exponent and mantissa to bits 24..22, sign to bit 31
-    (the subnormal code 0.5 lands on float32's subnormal 2 ** -127)."""
-    b = packed.to(tl.int32)
-    even = ((b << 22) & 0x01C00000) | ((b << 28) & -2147483648)
-    odd = ((b << 18) & 0x01C00000) | ((b << 24) & -2147483648)
-    return even.to(tl.float32, bitcast=True), odd.to(tl.float32, bitcast=True)
 
 
 @triton.jit
