@@ -163,9 +163,9 @@ def candidates(decode: bool, mxfp4: bool) -> list[tuple[GemmConfig, GemmConfig]]
                         c = GemmConfig(16, bn, bk, 4, stages)
                         out.append((c, c))
     else:
-        for bm in (64, 128):
+        for bm in (64, 128, 256):  # 256 rows: MXFP4 tiles dequantized once for more rows
             for bn in (64, 128):
-                for warps in (4, 8):
+                for warps in (4, 8) if bm < 256 else (8,):
                     c = GemmConfig(bm, bn, 64, warps, 3)
                     out.append((c, c))
                     if bn == 64:
