@@ -12,7 +12,7 @@ only busy samples (utilization >= 50%). Without nvidia-smi (the CPU VM) the summ
 
 The CSV is nvidia-smi's own, one line a sample; its first line, written here, is the offset of
 the wall clock from time.monotonic() (the step trace's clock), so samples can be matched to
-steps: `python benchmarks/step_trace.py TRACE --clocks clocks.csv`.
+steps (as the deleted step_trace.py did: `git show 0fe8913^:benchmarks/step_trace.py`).
 """
 
 from __future__ import annotations

@@ -101,6 +101,30 @@ def run_experts(
 _PARTS = ("gate", "up", "down")
 
 
+def gate_and_up(
+    tensor: torch.Tensor, spec: ExpertsSpec, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up rows (dim 1) of a gate_up tensor [E', 2n, ...], as views, by the
+    activation's layout: "silu" gate rows then up rows, "swiglu_oai" interleaved."""
+    if spec.activation == "silu":
+        gate, up = tensor.split(n, 1)
+        return gate, up
+    return tensor[:, 0::2], tensor[:, 1::2]
+
+
+def check_experts_loaded(
+    spec: ExpertsSpec, loaded: dict[str, set[int]], names: dict[str, str]
+) -> None:
+    """A QuantExperts.finish_loading check: every expert's gate, up and down projections were
+    loaded with each kind of `names` (loaded: "{part}.{kind}" -> experts; names: kind -> its
+    checkpoint name); a ValueError names the first tensor the checkpoint lacks."""
+    for e in range(spec.num_experts):
+        for what, name in names.items():
+            for part in _PARTS:
+                if e not in loaded.get(f"{part}.{what}", ()):
+                    raise ValueError(f"checkpoint lacks {spec.prefix}.{e}.{part}_proj.{name}")
+
+
 def expert_rows(
     spec: ExpertsSpec,
     kind: str,
@@ -182,10 +206,7 @@ class UnquantizedExperts(QuantExperts):
         experts, tensor = expert_rows(spec, kind, tensor, expert, shape)
         index = slice(experts.start, experts.stop)
         if part == "gate_up":
-            if spec.activation == "silu":
-                gate, up = tensor.split(inter, 1)
-            else:
-                gate, up = tensor[:, 0::2], tensor[:, 1::2]
+            gate, up = gate_and_up(tensor, spec, inter)
             self._copy("gate", what, gate, index)
             self._copy("up", what, up, index)
             parts: tuple[str, ...] = ("gate", "up")
@@ -204,22 +225,12 @@ class UnquantizedExperts(QuantExperts):
                 self.down_bias.data[index].copy_(tensor)
             return
         dest = (self.gate_up if what == "weight" else self.gate_up_bias).data[index]
-        n = self.n
-        if self.spec.activation == "silu":
-            dest = dest[:, :n] if part == "gate" else dest[:, n:]
-        else:
-            dest = dest[:, 0::2] if part == "gate" else dest[:, 1::2]
-        dest.copy_(tensor.narrow(1, self.start, n))
+        gate, up = gate_and_up(dest, self.spec, self.n)
+        (gate if part == "gate" else up).copy_(tensor.narrow(1, self.start, self.n))
 
     def finish_loading(self) -> None:
         whats = ("weight", "bias") if self.spec.bias else ("weight",)
-        for e in range(self.spec.num_experts):
-            for what in whats:
-                for part in _PARTS:
-                    if e not in self._loaded.get(f"{part}.{what}", ()):
-                        raise ValueError(
-                            f"checkpoint lacks {self.spec.prefix}.{e}.{part}_proj.{what}"
-                        )
+        check_experts_loaded(self.spec, self._loaded, {what: what for what in whats})
 
     def expert_weights(self) -> ExpertWeights:
         return ExpertWeights(

@@ -15,7 +15,7 @@ import torch
 from inferx_core.attention_torch import FP8, TorchAttention
 from inferx_core.interfaces.attention import AttentionBatch, AttentionLayer, MLAWeights
 from inferx_core.interfaces.kv import KVLayerSpec
-from inferx_kernels_cuda.triton_attention import checked_graph_buffers, write_kv
+from inferx_kernels_cuda.triton_attention import checked_graph_buffers, fp8_kv_args, write_kv
 
 if TYPE_CHECKING:
     from inferx_kernels_cuda.flashinfer_mla import FlashInferMLA
@@ -450,7 +450,8 @@ class FlashInferAttention(TorchAttention):
         # projection) but need each head's dim contiguous.
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         fp8 = k_cache.dtype == FP8
-        write_kv(k, v, k_cache, v_cache, plan.slot_mapping, spec, self._fp8_write(attn, fp8))
+        fp8_args = fp8_kv_args(attn, self._one, self._interpret) if fp8 else None
+        write_kv(k, v, k_cache, v_cache, plan.slot_mapping, spec, fp8_args)
         k_scale, v_scale = self._host_scales(attn) if fp8 else (None, None)
         q = q.to(self.dtype)
         if plan.kind == "prefill":
@@ -468,22 +469,6 @@ class FlashInferAttention(TorchAttention):
         return out if out_dtype == self.dtype else out.to(out_dtype)
 
     # -- an e4m3 cache --------------------------------------------------------------------------
-
-    def _fp8_write(self, attn: AttentionLayer, fp8: bool) -> dict[str, Any]:
-        """The write kernel's arguments for an e4m3 cache (as TritonAttention._fp8_args): the
-        scales by pointer, so a captured write divides by the values they hold."""
-        if not fp8:
-            return {}
-        k_scale, v_scale = (
-            self._one if t is None else t.to(self.device, torch.float32)
-            for t in (attn.k_scale, attn.v_scale)
-        )
-        return {
-            "k_scale_ptr": k_scale,
-            "v_scale_ptr": v_scale,
-            "KV_FP8": True,
-            "HAND_ROUND": self._interpret,
-        }
 
     def _host_scales(self, attn: AttentionLayer) -> tuple[float, float]:
         """The layer's (k_scale, v_scale) as floats, as FlashInfer's run() takes them (1.0

@@ -85,14 +85,7 @@ def quant_rows_kernel(
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
     cols = tl.arange(0, BLOCK)
-    if STATIC:
-        scale = tl.load(static_ptr)
-        for k0 in range(0, K, BLOCK):
-            m = k0 + cols < K
-            x = tl.load(x_row + k0 + cols, mask=m, other=0.0).to(tl.float32)
-            q = _to_e4m3(tl.clamp(x / scale, -448.0, 448.0), HAND_ROUND)
-            tl.store(q_row + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=m)
-    elif GROUP > 0:
+    if GROUP > 0 and not STATIC:
         for k0 in range(0, K, BLOCK):
             m = k0 + cols < K
             x = tl.load(x_row + k0 + cols, mask=m, other=0.0).to(tl.float32)
@@ -100,19 +93,23 @@ def quant_rows_kernel(
             q = _to_e4m3(tl.clamp(x / scale, -448.0, 448.0), HAND_ROUND)
             tl.store(q_row + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=m)
             tl.store(s_ptr + row * stride_s + k0 // BLOCK, scale)
-    else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK):
-            m = k0 + cols < K
-            x = tl.load(x_row + k0 + cols, mask=m, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1.0 / (448.0 * 512.0))
+    else:  # one scale for the row: the static one, or from a first pass for its absmax
+        if STATIC:
+            scale = tl.load(static_ptr)
+        else:
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK):
+                m = k0 + cols < K
+                x = tl.load(x_row + k0 + cols, mask=m, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1.0 / (448.0 * 512.0))
         for k0 in range(0, K, BLOCK):
             m = k0 + cols < K
             x = tl.load(x_row + k0 + cols, mask=m, other=0.0).to(tl.float32)
             q = _to_e4m3(tl.clamp(x / scale, -448.0, 448.0), HAND_ROUND)
             tl.store(q_row + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=m)
-        tl.store(s_ptr + row * stride_s, scale)
+        if not STATIC:
+            tl.store(s_ptr + row * stride_s, scale)
 
 
 def quantize_rows(
@@ -285,12 +282,18 @@ def triton_fp8_gemm(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if partial:
-        reduce_block = 1024
-        split_sum_kernel[(triton.cdiv(m * n, reduce_block),)](
-            c, bias if bias is not None else dummy, out, m * n, n,
-            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=reduce_block,
-        )  # fmt: skip
+        _split_sum(c, bias, out)
     return out
+
+
+def _split_sum(parts: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out [M, N] = the sum of parts [S, M, N] (fp32) + bias, by split_sum_kernel."""
+    m, n = out.shape
+    block = 1024
+    split_sum_kernel[(triton.cdiv(m * n, block),)](
+        parts, bias if bias is not None else parts, out, m * n, n,
+        SPLIT_K=parts.shape[0], HAS_BIAS=bias is not None, BLOCK=block,
+    )  # fmt: skip
 
 
 def cublas_fp8_gemm(
@@ -342,11 +345,7 @@ def tma_fp8_gemm(
         return out if parts else out[0]
     p = tma_gemv.tma_fp8_linear_parts(a, a_scale, w, w_scale, None, slices, cfg, torch.float32)
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    reduce_block = 1024
-    split_sum_kernel[(triton.cdiv(m * n, reduce_block),)](
-        p, bias if bias is not None else w_scale, out, m * n, n,
-        SPLIT_K=slices, HAS_BIAS=bias is not None, BLOCK=reduce_block,
-    )  # fmt: skip
+    _split_sum(p, bias, out)
     return out
 
 

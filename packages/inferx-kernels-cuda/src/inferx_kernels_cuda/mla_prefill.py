@@ -29,7 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from inferx_core.attention_torch import from_fp8, to_fp8
 from inferx_core.batch import pack_aligned, to_device
 from inferx_core.interfaces.attention import MLAWeights
-from inferx_kernels_cuda.triton_kernels import _NO_MAX
+from inferx_kernels_cuda.triton_kernels import _NO_MAX, _dense_softmax_step
 
 
 @triton.jit
@@ -66,12 +66,7 @@ def _mla_step(q_nope, q_pe, m, row_sum, acc, k_src, v_src, pe_src, head_col, row
     s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=DOT_PRECISION)
     if MASKED:
         s = tl.where(seen, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1) * scale_log2)
-    p = tl.exp2(s * scale_log2 - m_new[:, None])
-    alpha = tl.exp2(m - m_new)
-    row_sum = row_sum * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-    return m_new, row_sum, acc
+    return _dense_softmax_step(s, v, m, row_sum, acc, scale_log2, DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_tokens"])

@@ -150,12 +150,17 @@ def input_problem(
             f"{name}: x and weight must share float16, bfloat16 or float32, got "
             f"{x.dtype} and {weight.dtype}"
         )
-    # TMA: 16-byte aligned base and row strides, unit stride along K.
+    return _alignment_problem(x, weight, name)
+
+
+def _alignment_problem(x: torch.Tensor, weight: torch.Tensor, name: str) -> str | None:
+    """TMA's rule for x and weight: 16-byte aligned base and row strides, unit stride along K."""
     for arg, t in (("x", x), ("weight", weight)):
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             return (
                 f"{name}: {arg} needs a unit K stride and 16-byte aligned rows "
-                f"(strides {t.stride()}, address {t.data_ptr()})"
+                f"(strides {t.stride()}, {t.element_size()}-byte elements, address "
+                f"{t.data_ptr()})"
             )
     return None
 
@@ -332,14 +337,7 @@ def fp8_input_problem(
             f"{name}: scaled x must be float8_e4m3fn with a float32 scale per row [M, 1] or "
             f"per tensor [1, 1], got {x.dtype} and {x_scale.dtype} {tuple(x_scale.shape)}"
         )
-    for arg, t in (("x", x), ("weight", weight)):
-        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
-            return (
-                f"{name}: {arg} needs a unit K stride and 16-byte aligned rows "
-                f"(strides {t.stride()}, {t.element_size()}-byte elements, address "
-                f"{t.data_ptr()})"
-            )
-    return None
+    return _alignment_problem(x, weight, name)
 
 
 def tma_fp8_linear_parts(

@@ -155,7 +155,7 @@ def write_kv(
     fp8: dict[str, Any] | None = None,
 ) -> None:
     """k, v [T, Hkv, D] (head dim contiguous) into the cache slots of slot_mapping (-1: skip).
-    fp8: an e4m3 cache's kernel arguments (TritonAttention._fp8_args)."""
+    fp8: an e4m3 cache's kernel arguments (fp8_kv_args)."""
     kernels.kv_write_kernel[(k.shape[0],)](
         k,
         v,
@@ -173,6 +173,17 @@ def write_kv(
         HEAD_DIM=spec.head_dim,
         **(fp8 or {}),
     )
+
+
+def fp8_kv_args(layer: AttentionLayer, one: torch.Tensor, interpret: bool) -> dict[str, Any]:
+    """The KV kernels' arguments for the layer's e4m3 cache: KV_FP8 and pointers to its scales
+    (`one`, a float32 1 on the cache's device, for a missing one), read at run time so that
+    CUDA graphs replay with the loaded values; HAND_ROUND under the interpreter."""
+    k_scale, v_scale = (
+        one if s is None else s.to(one.device, torch.float32)
+        for s in (layer.k_scale, layer.v_scale)
+    )
+    return {"k_scale_ptr": k_scale, "v_scale_ptr": v_scale, "KV_FP8": True, "HAND_ROUND": interpret}
 
 
 def _group_fields(
@@ -1138,21 +1149,11 @@ class TritonAttention(TorchAttention):
         )
 
     def _fp8_args(self, layer: AttentionLayer, cache: torch.Tensor) -> dict[str, Any]:
-        """The kernels' arguments for the layer's cache: none for one in the model's dtype;
-        for an e4m3 one, KV_FP8 and pointers to the layer's scales (read at run time, so
-        CUDA graphs replay with the loaded values)."""
+        """The kernels' arguments for the layer's cache: none for one in the model's dtype,
+        fp8_kv_args for an e4m3 one."""
         if cache.dtype != torch.float8_e4m3fn:
             return {}
-        k_scale, v_scale = (
-            self._one if s is None else s.to(self.device, torch.float32)
-            for s in (layer.k_scale, layer.v_scale)
-        )
-        return {
-            "k_scale_ptr": k_scale,
-            "v_scale_ptr": v_scale,
-            "KV_FP8": True,
-            "HAND_ROUND": self.interpret,
-        }
+        return fp8_kv_args(layer, self._one, self.interpret)
 
     def _forward(
         self,

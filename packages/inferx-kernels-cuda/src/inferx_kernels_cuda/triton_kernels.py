@@ -236,6 +236,20 @@ def _attend_tile(
 
 
 @triton.jit
+def _query(q, scale_log2, k_cache_ptr, k_scale_ptr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr):
+    """A query tile as _attend_tile takes it, and the softmax scale: q in the cache's dtype (an
+    e4m3 cache's tiles go to q's instead, its k_scale folded into scale_log2), float32 with
+    UPCAST."""
+    if not KV_FP8:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+    if UPCAST:
+        q = q.to(tl.float32)
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+    return q, scale_log2
+
+
+@triton.jit
 def _with_sinks(m, row_sum, acc, sinks_ptr, head, mask):
     """Fold each row's learned sink logit (sinks_ptr[head], natural log units) into the
     running (max, sum, unnormalised output) as one more softmax column with no value."""
@@ -480,12 +494,7 @@ def decode_kernel(
         )  # fmt: skip
     else:
         q = tl.load(q_ptr + q_offs + d[None, :], mask=live[:, None], other=0.0)
-    if not KV_FP8:
-        q = q.to(k_cache_ptr.dtype.element_ty)
-    if UPCAST:
-        q = q.to(tl.float32)
-    if KV_FP8:
-        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+    q, scale_log2 = _query(q, scale_log2, k_cache_ptr, k_scale_ptr, UPCAST, KV_FP8)
 
     m = tl.full([GROUP_PAD], _NO_MAX, tl.float32)
     row_sum = tl.zeros([GROUP_PAD], tl.float32)
@@ -683,12 +692,7 @@ def prefill_kernel(
     r_valid = (r < BLOCK_Q * GROUP) & (qi < q_len)
     q_rows = (q_begin + qi) * stride_qt + head * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=r_valid[:, None], other=0.0)
-    if not KV_FP8:
-        q = q.to(k_cache_ptr.dtype.element_ty)
-    if UPCAST:
-        q = q.to(tl.float32)
-    if KV_FP8:
-        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+    q, scale_log2 = _query(q, scale_log2, k_cache_ptr, k_scale_ptr, UPCAST, KV_FP8)
     q_pos = prefix + qi
 
     m = tl.full([BLOCK_M], _NO_MAX, tl.float32)

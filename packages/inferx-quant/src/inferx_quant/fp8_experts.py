@@ -16,7 +16,13 @@ import math
 import torch
 
 from inferx_core.interfaces.moe import ExpertsSpec, ExpertWeights, QuantExperts
-from inferx_core.moe import expert_mlp, expert_rows, run_experts
+from inferx_core.moe import (
+    check_experts_loaded,
+    expert_mlp,
+    expert_rows,
+    gate_and_up,
+    run_experts,
+)
 from inferx_core.parallel import SINGLE, ParallelContext
 from inferx_quant.fp8 import FP8, Fp8Format, quantize_weight_rows
 
@@ -108,8 +114,9 @@ class Fp8Experts(QuantExperts):
             experts, tensor = expert_rows(spec, kind, tensor, expert, (rows,))
         index = slice(experts.start, experts.stop)
         if part == "gate_up":
-            pieces = self._split(tensor)
-            scales = (None, None) if scale is None else self._split(scale)
+            inter = spec.intermediate_size
+            pieces = gate_and_up(tensor, spec, inter)
+            scales = (None, None) if scale is None else gate_and_up(scale, spec, inter)
             parts: tuple[str, ...] = ("gate", "up")
         else:
             pieces, scales, parts = (tensor,), (scale,), (part,)
@@ -166,13 +173,6 @@ class Fp8Experts(QuantExperts):
             scale, shape = flat.expand(count, rows), (rows,)
         return expert_rows(self.spec, kind, scale if expert is None else scale[0], expert, shape)
 
-    def _split(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A whole gate_up tensor [E', 2I, ...] -> its gate and up rows, by the activation."""
-        if self.spec.activation == "silu":
-            gate, up = tensor.split(self.spec.intermediate_size, 1)
-            return gate, up
-        return tensor[:, 0::2], tensor[:, 1::2]
-
     def _copy(self, part: str, what: str, tensor: torch.Tensor, index: slice) -> None:
         """This rank's share of a whole gate / up / down tensor [E', rows, ...] to `index`."""
         if part == "down":
@@ -187,27 +187,16 @@ class Fp8Experts(QuantExperts):
                 self.down_bias.data[index].copy_(tensor)
             return
         name = {"weight": "gate_up", "weight_scale": "gate_up_scale", "bias": "gate_up_bias"}
-        dest = getattr(self, name[what]).data[index]
-        n = self.n
-        if self.spec.activation == "silu":
-            dest = dest[:, :n] if part == "gate" else dest[:, n:]
-        else:
-            dest = dest[:, 0::2] if part == "gate" else dest[:, 1::2]
-        dest.copy_(tensor.narrow(1, self.start, n))
+        gate, up = gate_and_up(getattr(self, name[what]).data[index], self.spec, self.n)
+        (gate if part == "gate" else up).copy_(tensor.narrow(1, self.start, self.n))
 
     def finish_loading(self) -> None:
-        whats = ["weight"] if self.online else ["weight", "weight_scale"]
+        names = {"weight": "weight"}
+        if not self.online:
+            names["weight_scale"] = self.fmt.scale_kind
         if self.spec.bias:
-            whats.append("bias")
-        for what in whats:
-            name = self.fmt.scale_kind if what == "weight_scale" else what
-            for part in _PARTS:
-                done = self._loaded.get(f"{part}.{what}", set())
-                for e in range(self.spec.num_experts):
-                    if e not in done:
-                        raise ValueError(
-                            f"checkpoint lacks {self.spec.prefix}.{e}.{part}_proj.{name}"
-                        )
+            names["bias"] = "bias"
+        check_experts_loaded(self.spec, self._loaded, names)
 
     def expert_weights(self) -> ExpertWeights:
         return ExpertWeights(
