@@ -39,7 +39,7 @@ MODELS = {
                      "down": (14336, 4096)},
 }  # fmt: skip
 GROUP = 128
-H100_IPB = 128 / (3.35e12 / 132 / 1.755e9)  # thread-instructions a clock / bytes a clock
+H100_IPB = 128 / (3.35e12 / 132 / 1.75e9)  # thread-instructions a clock / bytes a clock
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 

@@ -186,7 +186,14 @@ def _fma_row(part, xs, x_ptrs, row, m, d, X_SCALE: tl.constexpr, MASKED: tl.cons
     else:
         x = tl.load(x_ptrs)
     x = x.to(tl.float32)
-    return part + (x * X_SCALE)[:, None] * d, xs + x
+    # tl.fma, not a * b + c: one rounding whatever triton's default for contracting them
+    return tl.fma(tl.broadcast_to((x * X_SCALE)[:, None], d.shape), d, part), xs + x
+
+
+@triton.jit
+def _group_sum(acc, part, xs, scale, neg_zs):
+    """acc + part * scale - xs * zero * scale: a group's sums in, two FFMAs an element."""
+    return tl.fma(tl.broadcast_to(xs[:, None], part.shape), neg_zs, tl.fma(part, scale, acc))
 
 
 @triton.jit
@@ -231,8 +238,10 @@ def _fma_rows(
         x_step = x_rows + k0 + kw * 8
         group = k0 >> group_shift
         scale = tl.load(s_ptr + group * n + cols).to(tl.float32)
-        zs = (tl.load(z_ptr + group * n + cols).to(tl.float32) * scale)[None, :]
-        scale = (scale * 3.8685626227668134e25)[None, :]  # 2^85: the sums' unit back to 1
+        zs = tl.load(z_ptr + group * n + cols).to(tl.float32) * scale
+        zs = tl.broadcast_to(-zs[None, :], (KW, BLOCK_N))
+        scale = scale * 3.8685626227668134e25  # 2^85: the sums' unit back to 1
+        scale = tl.broadcast_to(scale[None, :], (KW, BLOCK_N))
         part0 = tl.zeros([KW, BLOCK_N], tl.float32)
         part1 = tl.zeros([KW, BLOCK_N], tl.float32)
         part2 = tl.zeros([KW, BLOCK_N], tl.float32)
@@ -254,17 +263,12 @@ def _fma_rows(
             if BLOCK_M > 2:
                 part2, xs2 = _fma_row(part2, xs2, x0 + 2 * stride_xm, row0 + 2, m, d, xsc, True)
                 part3, xs3 = _fma_row(part3, xs3, x0 + 3 * stride_xm, row0 + 3, m, d, xsc, True)
-        # two FFMAs an accumulator, where one expression would leave a multiply and an add
-        acc0 = acc0 + part0 * scale
-        acc0 = acc0 - xs0[:, None] * zs
+        acc0 = _group_sum(acc0, part0, xs0, scale, zs)
         if BLOCK_M > 1:
-            acc1 = acc1 + part1 * scale
-            acc1 = acc1 - xs1[:, None] * zs
+            acc1 = _group_sum(acc1, part1, xs1, scale, zs)
         if BLOCK_M > 2:
-            acc2 = acc2 + part2 * scale
-            acc2 = acc2 - xs2[:, None] * zs
-            acc3 = acc3 + part3 * scale
-            acc3 = acc3 - xs3[:, None] * zs
+            acc2 = _group_sum(acc2, part2, xs2, scale, zs)
+            acc3 = _group_sum(acc3, part3, xs3, scale, zs)
     rows = tl.arange(0, BLOCK_M)[:, None]
     out = tl.where(rows == 0, tl.sum(acc0, axis=0)[None, :], 0.0)
     if BLOCK_M > 1:
