@@ -4,7 +4,8 @@ give Qwen2.5-3B's decode shapes, disassembled with the nvdisasm that triton ship
 instructions of its longest loop counted.
 
     PYTHONPATH=<triton 3.6>:packages/inferx-core/src:packages/inferx-kernels-cuda/src \\
-        python benchmarks/w4a16_sass.py [--rows 1] [--act-order] [--model llama-3.1-8b]
+        python benchmarks/w4a16_sass.py [--rows 1] [--act-order] [--model llama-3.1-8b] \
+        [--shapes qkv,o]
 
 Per shape and config: registers a thread and stack bytes (spills) from cuobjdump, the loop's
 SASS instructions (one warp's pass), `ipb` = the thread-instructions the loop issues per byte
@@ -117,6 +118,7 @@ def main() -> None:
     p.add_argument("--model", choices=MODELS, default="qwen2.5-3b")
     p.add_argument("--rows", type=int, default=1, help="x's rows (1-4 for the CUDA-core path)")
     p.add_argument("--act-order", action="store_true", help="with the K permutation")
+    p.add_argument("--shapes", default=None, help="comma-separated: qkv,o,gate_up,down")
     args = p.parse_args()
     print(
         f"# w4a16_kernel loop, sm_90, triton {triton.__version__}, {args.model}, "
@@ -124,7 +126,9 @@ def main() -> None:
         f"H100 budget ~{H100_IPB:.1f} ipb"
     )
     print(f"{'shape':<8} {'config':<38} {'regs':>4} {'stack':>5} {'loop':>5} {'ipb':>5}  opcodes")
-    for shape, (k, n) in MODELS[args.model].items():
+    shapes = MODELS[args.model]
+    for shape in args.shapes.split(",") if args.shapes else shapes:
+        k, n = shapes[shape]
         for cfg in (
             w4a16.pick_config(args.rows, n, k),
             w4a16.fma_config(args.rows, n, k),

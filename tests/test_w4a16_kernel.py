@@ -130,6 +130,27 @@ def test_picked_configs_run() -> None:
         fma_config(5, 64, 1024)
 
 
+def test_fma_loop_within_the_h100_issue_budget() -> None:
+    """The CUDA-core path's loop at one row, compiled for sm_90 without a GPU and counted by
+    benchmarks/w4a16_sass.py (in a process of its own: this one may run the interpreter):
+    at most 8.8 thread-instructions a weight byte, what an H100 SM can issue while taking its
+    share of 3.35 TB/s (8.5 with triton 3.6, 8.2-8.4 with 3.9)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).parents[1] / "benchmarks" / "w4a16_sass.py"
+    cmd = [sys.executable, str(script), "--shapes", "o"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    fma = [line.split() for line in out.stdout.splitlines() if " fma " in line]
+    assert len(fma) == 1, out.stdout
+    ipb = float(fma[0][fma[0].index("fma") + 4])  # after regs, stack, loop
+    assert 0 < ipb <= 8.8, out.stdout
+
+
 def test_bad_inputs_are_refused() -> None:
     layer, _, _ = _layer("awq-g64")
     with pytest.raises(ValueError, match="x must be"):
