@@ -1,11 +1,17 @@
 """The W4A16 Triton GEMM (inferx_kernels_cuda.w4a16) against bf16 torch.matmul at Llama-3.1-8B's
 linear shapes (fused QKV 4096 -> 6144, o_proj 4096 -> 4096, fused gate_up 4096 -> 28672,
-down_proj 14336 -> 4096) and 1, 4, 16, 64, 256 rows, group size 128.
+down_proj 14336 -> 4096; `--model qwen2.5-3b`: 2048 -> 2560, 2048 -> 2048, 2048 -> 22016,
+11008 -> 2048) and 1, 4, 16, 64, 256 rows, group size 128.
 
     python benchmarks/w4a16_gemm.py                 # on a GPU: the table
     python benchmarks/w4a16_gemm.py --act-order     # weights with an act-order permutation
+    python benchmarks/w4a16_gemm.py --fma           # up to 4 rows also the CUDA-core path
     python benchmarks/w4a16_gemm.py --sweep         # also the best of a few configs a shape
     python benchmarks/w4a16_gemm.py --smoke         # CPU: tiny shapes under the interpreter
+
+`--fma` times the CUDA-core path (W4Config.use_dot=False at w4a16.fma_config) in the same
+process, beside the picked config, checked the same way (see benchmarks/w4a16_sass.py for
+both loops' instruction counts).
 
 Each figure is one call's time in µs, from a CUDA graph of `--calls` calls replayed `--reps`
 times (the decode step runs in CUDA graphs, so launch gaps are not counted), the calls cycling
@@ -24,7 +30,12 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 
-SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+MODELS = {
+    "llama-3.1-8b": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+                     "down": (14336, 4096)},
+    "qwen2.5-3b": {"qkv": (2048, 2560), "o": (2048, 2048), "gate_up": (2048, 22016),
+                   "down": (11008, 2048)},
+}  # fmt: skip
 SMOKE_SHAPES = {"qkv": (256, 96), "down": (512, 64)}
 BATCHES = (1, 4, 16, 64, 256)
 SMOKE_BATCHES = (1, 17)
@@ -36,6 +47,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter)")
     p.add_argument("--act-order", action="store_true", help="weights with a K permutation")
     p.add_argument("--sweep", action="store_true", help="time a few configs a shape too")
+    p.add_argument("--fma", action="store_true", help="up to 4 rows, the CUDA-core path too")
+    p.add_argument("--model", choices=MODELS, default="llama-3.1-8b", help="the shapes")
     p.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
     p.add_argument("--reps", type=int, default=20, help="graph replays timed")
     p.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s for the floor")
@@ -49,7 +62,13 @@ if ARGS.smoke:
 
 import torch  # noqa: E402
 
-from inferx_kernels_cuda.w4a16 import W4Config, pick_config, w4a16_linear  # noqa: E402
+from inferx_kernels_cuda.w4a16 import (  # noqa: E402
+    MAX_FMA_ROWS,
+    W4Config,
+    fma_config,
+    pick_config,
+    w4a16_linear,
+)
 from inferx_quant.w4a16 import unpack_rows  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -97,14 +116,16 @@ def sweep_configs(m: int) -> list[W4Config]:
             for s in (1, 2, 4, 8)
             for p in (True, False)
         ]
-        if m <= 4:  # the CUDA-core path, m rows a program
+        if m <= MAX_FMA_ROWS:  # the CUDA-core path, m rows a program
             rows = 1 << (m - 1).bit_length()
             configs += [
-                W4Config(block_m=rows, block_n=bn, block_k=bk, split_k=s, use_dot=False)
-                for bn in (32, 64)
-                for bk in (32, 64, 128)
-                for s in (2, 4, 8)
-            ]
+                W4Config(
+                    block_m=rows, block_n=bn, block_k=128, split_k=s, num_warps=w,
+                    num_stages=1, use_dot=False,
+                )
+                for bn, w in ((64, 4), (64, 2), (128, 4))
+                for s in (2, 4, 8, 16, 32)
+            ]  # fmt: skip
         return configs
     return [
         W4Config(block_m=bm, block_n=bn, block_k=64, split_k=1, num_warps=w, num_stages=st)
@@ -114,19 +135,33 @@ def sweep_configs(m: int) -> list[W4Config]:
     ]
 
 
+def check(shape: str, m: int, x, args, want, cfg: W4Config | None) -> None:
+    """The call's output within 2^-7 of float64's over the bf16 weight, at the output's scale."""
+    got = w4a16_linear(x, *args, config=cfg).double()
+    err = (got - want).abs().max().item() / want.abs().max().item()
+    if err > 2**-7:
+        raise SystemExit(f"{shape} M={m} {cfg}: relative error {err:.2e} past 2^-7")
+
+
 def main() -> None:
     cuda = torch.cuda.is_available() and not ARGS.smoke
     device = torch.device("cuda" if cuda else "cpu")
-    shapes = SMOKE_SHAPES if ARGS.smoke else SHAPES
+    shapes = SMOKE_SHAPES if ARGS.smoke else MODELS[ARGS.model]
     batches = SMOKE_BATCHES if ARGS.smoke else BATCHES
     if ARGS.batches:
         batches = tuple(int(b) for b in ARGS.batches.split(","))
     name = torch.cuda.get_device_name() if cuda else "CPU (interpreter: timings mean nothing)"
     sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 132
-    print(f"# W4A16 GEMM vs bf16 torch.matmul, group {GROUP}, act-order {ARGS.act_order}, {name}")
+    print(
+        f"# W4A16 GEMM vs bf16 torch.matmul, {'smoke' if ARGS.smoke else ARGS.model} shapes, "
+        f"group {GROUP}, "
+        f"act-order {ARGS.act_order}, {name}"
+    )
     print(f"# floor: bytes / {ARGS.bandwidth / 1e12:.2f} TB/s")
     head = f"{'shape':<8} {'K->N':>12} {'M':>4} {'w4a16 µs':>9} {'floor':>7} {'%floor':>6} "
     head += f"{'bf16 µs':>8} {'floor':>7} {'speedup':>7}  config"
+    if ARGS.fma:
+        head += f"  | {'fma µs':>7} {'%floor':>6}  config"
     if ARGS.sweep:
         head += "  | best swept config (µs)"
     print(head)
@@ -142,10 +177,7 @@ def main() -> None:
             cfg = None if cuda else pick_config(m, n, k)
             args0, w0 = layers[0]
             want = x.double() @ w0.double().t()
-            got = w4a16_linear(x, *args0, config=cfg).double()
-            err = (got - want).abs().max().item() / want.abs().max().item()
-            if err > 2**-7:
-                raise SystemExit(f"{shape} M={m}: relative error {err:.2e} past 2^-7")
+            check(shape, m, x, args0, want, cfg)
             w4_us = time_calls(
                 [lambda a=a, x=x, c=cfg: w4a16_linear(x, *a, config=c) for a, _ in layers], cuda
             )
@@ -158,6 +190,14 @@ def main() -> None:
                 f"{100 * w4_floor / w4_us:>5.0f}% {bf_us:>8.2f} {bf_floor:>7.2f} "
                 f"{bf_us / w4_us:>6.2f}x  {picked}"
             )
+            if ARGS.fma and m <= MAX_FMA_ROWS:
+                fma = fma_config(m, n, k, sms)
+                check(shape, m, x, args0, want, fma)
+                fma_us = time_calls(
+                    [lambda a=a, x=x, c=fma: w4a16_linear(x, *a, config=c) for a, _ in layers],
+                    cuda,
+                )
+                line += f"  | {fma_us:>7.2f} {100 * w4_floor / fma_us:>5.0f}%  {fma}"
             if ARGS.sweep and cuda:
                 best = None
                 for c in sweep_configs(m):

@@ -16,6 +16,7 @@ from test_w4a16 import CASES, loaded  # noqa: E402
 from inferx_core.interfaces.quant import LinearSpec  # noqa: E402
 from inferx_kernels_cuda.w4a16 import (  # noqa: E402
     W4Config,
+    fma_config,
     pick_config,
     w4a16_linear,
     w4a16_linear_parts,
@@ -32,6 +33,11 @@ CONFIGS = {
     "gemv-split3-dup-loads": W4Config(block_m=16, split_k=3, packed_loads=False, **SMALL),
     "gemm": W4Config(block_m=32, split_k=1, **SMALL),
     "fma-split3": W4Config(block_m=2, split_k=3, use_dot=False, **SMALL),
+}
+# the CUDA-core path's other row counts a program (1 and 4; 2 above)
+FMA_ROWS = {
+    "fma-m1": W4Config(block_m=1, split_k=1, use_dot=False, **SMALL),
+    "fma-m4-split3": W4Config(block_m=4, split_k=3, use_dot=False, **SMALL),
 }
 
 
@@ -85,6 +91,22 @@ def test_half_precision(name: str, rows: int, dtype: torch.dtype) -> None:
 
 
 @interpreted
+@pytest.mark.parametrize("config", FMA_ROWS)
+@pytest.mark.parametrize("name", ["gptq-act-order-g64", "awq-g64"])
+def test_fma_path_over_the_range_of_x(name: str, config: str) -> None:
+    """The CUDA-core path sums x * 2^(64 - p) times denormal nibbles (w4a16._fma_rows): rows
+    of x scaled by 2^-30, 1 and 2^40 (inside its documented range, |x| < 2^64) each within
+    1e-5 of their own output's scale of float64."""
+    layer, exact, bias = _layer(name)
+    x = torch.randn(3, SPEC.in_features, generator=torch.Generator().manual_seed(11))
+    x = x * torch.tensor([2.0**-30, 1.0, 2.0**40])[:, None]
+    want = x.double() @ exact.double().t()
+    got = w4a16_linear(x, *_args(layer), config=FMA_ROWS[config])
+    for row in range(3):
+        _close(got[row], want[row], 1e-5)
+
+
+@interpreted
 def test_picked_configs_run() -> None:
     """The default configs (block_k lowered to the group): a GEMV with a K split, a GEMM."""
     fmt = W4Format("gptq", 32, True, 1)
@@ -98,6 +120,35 @@ def test_picked_configs_run() -> None:
         x = torch.randn(rows, 1024)
         got = w4a16_linear(x, *_args(layer), config=pick_config(rows, 64, 1024, num_sms=8))
         _close(got, x.double() @ exact.double().t(), 1e-5)
+    # the CUDA-core path's config (timed by the benchmark, not picked): 2 rows -> block_m 2,
+    # K split for eight programs an SM down to two 128-row steps a split
+    fma = fma_config(2, 64, 1024, num_sms=8)
+    assert (fma.use_dot, fma.block_m, fma.split_k) == (False, 2, 4)
+    x = torch.randn(2, 1024)
+    _close(w4a16_linear(x, *_args(layer), config=fma), x.double() @ exact.double().t(), 1e-5)
+    with pytest.raises(ValueError, match="1-4 rows"):
+        fma_config(5, 64, 1024)
+
+
+def test_fma_loop_within_the_h100_issue_budget() -> None:
+    """The CUDA-core path's loop at one row, compiled for sm_90 without a GPU and counted by
+    benchmarks/w4a16_sass.py (in a process of its own: this one may run the interpreter):
+    at most 8.8 thread-instructions a weight byte, what an H100 SM can issue while taking its
+    share of 3.35 TB/s (8.5 with triton 3.6, 8.2-8.4 with 3.9)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).parents[1] / "benchmarks" / "w4a16_sass.py"
+    cmd = [sys.executable, str(script), "--shapes", "o"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    fma = [line.split() for line in out.stdout.splitlines() if " fma " in line]
+    assert len(fma) == 1, out.stdout
+    ipb = float(fma[0][fma[0].index("fma") + 4])  # after regs, stack, loop
+    assert 0 < ipb <= 8.8, out.stdout
 
 
 def test_bad_inputs_are_refused() -> None:
@@ -169,6 +220,28 @@ def test_random_weights_are_the_layers_own() -> None:
 
 # (N, K) of Llama-3.1-8B's decode GEMMs: fused QKV, o_proj, fused gate_up, down_proj.
 LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+# (N, K) of Qwen2.5-3B's: fused QKV, o_proj, fused gate_up, down_proj.
+QWEN_3B = [(2560, 2048), (2048, 2048), (22016, 2048), (2048, 11008)]
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("shape", QWEN_3B)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_fma_path_on_the_gpu(shape: tuple[int, int], rows: int, act_order: bool) -> None:
+    """The CUDA-core path at its benchmark config, bf16 x at the 3B shapes: the weights are
+    exact there, so within 2^-7 of the output's scale of float64 over the exact weights (the
+    output's one rounding to bf16); the partials, each rounded to bf16, within 2^-6."""
+    n, k = shape
+    args, exact = random_weights(n, k, 128, act_order, torch.device("cuda"))
+    x = torch.randn(rows, k, device="cuda").bfloat16()
+    want = x.double() @ exact.double().t()
+    cfg = fma_config(rows, n, k)
+    _close(w4a16_linear(x, *args, config=cfg), want, 2.0**-7)
+    _close(w4a16_linear_parts(x, *args, config=cfg).float().sum(0), want, 2.0**-6)
 
 
 @on_gpu

@@ -28,6 +28,12 @@ Two regimes, one kernel:
 
 Accumulation is fp32. The weights are rounded once, to x's dtype, for tl.dot (what any bf16
 GEMM of the dequantized weight does); in fp32 (the interpreter tests) nothing is rounded.
+
+A CUDA-core path for 1-4 rows (W4Config.use_dot=False, `_fma_rows`) skips tl.dot's padding and
+its operand layout: two instructions a weight in its loop (a mask, a fused multiply-add; the
+zero point and scale once a group), where the dot path spends about ten (unpack, convert,
+scale, round, and the trip through shared memory into the MMA layout). Exact weights; x's
+magnitude below 2^64. benchmarks/w4a16_sass.py counts both loops' instructions.
 """
 
 from __future__ import annotations
@@ -56,9 +62,10 @@ class W4Config:
     lowered to a power of two dividing the group size and K. packed_loads: load each word once
     and unpack its eight nibbles in registers (else: load the word once per row it holds, and
     let the cache serve the repeats, as gemlite does). use_dot=False: products and sums on the
-    CUDA cores in fp32 instead of tl.dot (no padding of x to 16 rows, no conversion of the
-    weight tile to tl.dot's operand layout), block_m rows a program (a power of two, at most
-    MAX_FMA_ROWS), for the sweep to weigh against the dot path at a few rows."""
+    CUDA cores in fp32 instead of tl.dot (`_fma_rows`: no padding of x to 16 rows, no
+    conversion of the weight tile to tl.dot's operand layout), block_m rows a program (1, 2
+    or 4), for the benchmark to weigh against the dot path at a few rows; packed_loads and
+    num_stages do not apply to it."""
 
     block_m: int = 16
     block_n: int = 64
@@ -77,16 +84,24 @@ class W4Config:
         )
 
 
-def split_for(tiles: int, k: int, block_k: int, rows: int, num_sms: int = _H100_SMS) -> int:
-    """The K split count: the smallest power of two giving at least two programs an SM, while
-    each split keeps at least four BLOCK_K steps and the fp32 partial sums (8 bytes a row and
-    column a split, written and read back) stay within a quarter of the weight's bytes (K / 2 a
-    column): split * rows <= K / 64. 1 when the tiles alone fill the GPU. (Guesses to tune
-    with benchmarks/w4a16_gemm.py --sweep.)"""
+def split_for(
+    tiles: int,
+    k: int,
+    block_k: int,
+    rows: int,
+    num_sms: int = _H100_SMS,
+    per_sm: int = 2,
+    min_steps: int = 4,
+) -> int:
+    """The K split count: the smallest power of two giving at least `per_sm` programs an SM,
+    while each split keeps at least `min_steps` BLOCK_K steps and the fp32 partial sums (8
+    bytes a row and column a split, written and read back) stay within a quarter of the
+    weight's bytes (K / 2 a column): split * rows <= K / 64. 1 when the tiles alone fill the
+    GPU. (Guesses to tune with benchmarks/w4a16_gemm.py --sweep.)"""
     split = 1
     while (
-        tiles * split < 2 * num_sms
-        and k >= 8 * block_k * split
+        tiles * split < per_sm * num_sms
+        and k >= 2 * min_steps * block_k * split
         and 2 * split * max(rows, 1) * 64 <= k
     ):
         split *= 2
@@ -107,6 +122,20 @@ def pick_config(m: int, n: int, k: int, num_sms: int = _H100_SMS) -> W4Config:
     return replace(cfg, split_k=split_for(tiles, k, cfg.block_k, m, num_sms))
 
 
+def fma_config(m: int, n: int, k: int, num_sms: int = _H100_SMS) -> W4Config:
+    """The CUDA-core path's config for 1-4 rows, which benchmarks/w4a16_gemm.py --fma times
+    beside pick_config's (not picked at run time until it has been timed): 64 columns, a
+    128-row step (one group), four warps (~40 registers a thread at one row). Its loads are
+    not software-pipelined, so memory parallelism comes from resident programs: K is split for
+    eight programs an SM, down to two steps a split (a guess for the sweep to tune)."""
+    if not 1 <= m <= MAX_FMA_ROWS:
+        raise ValueError(f"w4a16: the CUDA-core path takes 1-{MAX_FMA_ROWS} rows, not {m}")
+    cfg = W4Config(block_m=1 << (m - 1).bit_length(), block_n=64, block_k=128, num_stages=1)
+    cfg = replace(cfg, use_dot=False)
+    split = split_for(triton.cdiv(n, cfg.block_n), k, cfg.block_k, m, num_sms, 8, 2)
+    return replace(cfg, split_k=split)
+
+
 @functools.lru_cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -122,7 +151,7 @@ def _dequantized(
     k0,
     cols,
     n,
-    group_size,
+    group_shift,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PACKED: tl.constexpr,
@@ -138,7 +167,7 @@ def _dequantized(
         rows = k0 + tl.arange(0, BLOCK_K)
         packed = tl.load(qw_ptr + (rows // 8)[:, None] * n + cols[None, :])
         q = (packed >> ((rows % 8) * 4)[:, None]) & 0xF
-    group = k0 // group_size
+    group = k0 >> group_shift
     scale = tl.load(s_ptr + group * n + cols).to(tl.float32)
     zero = tl.load(z_ptr + group * n + cols).to(tl.float32)
     # q - zero without an int-to-float conversion per weight: 0x4B000000 are the bits of 2^23,
@@ -149,46 +178,105 @@ def _dequantized(
 
 
 @triton.jit
+def _fma_row(part, xs, x_ptrs, row, m, d, X_SCALE: tl.constexpr, MASKED: tl.constexpr):
+    """One row of x times one nibble's denormals d [KW, BLOCK_N] (see _fma_rows): part plus
+    x * X_SCALE * d, and the row's sum of x for its zero points."""
+    if MASKED:  # a block's first row is always below m
+        x = tl.load(x_ptrs, mask=tl.full(x_ptrs.shape, row, tl.int32) < m, other=0.0)
+    else:
+        x = tl.load(x_ptrs)
+    x = x.to(tl.float32)
+    # tl.fma, not a * b + c: one rounding whatever triton's default for contracting them
+    return tl.fma(tl.broadcast_to((x * X_SCALE)[:, None], d.shape), d, part), xs + x
+
+
+@triton.jit
+def _group_sum(acc, part, xs, scale, neg_zs):
+    """acc + part * scale - xs * zero * scale: a group's sums in, two FFMAs an element."""
+    return tl.fma(tl.broadcast_to(xs[:, None], part.shape), neg_zs, tl.fma(part, scale, acc))
+
+
+@triton.jit
 def _fma_rows(
     x_rows,
     qw_ptr,
     s_ptr,
     z_ptr,
     perm_ptr,
-    m_mask,
+    m,
+    row0,
     cols,
     n,
+    stride_xm,
     k_start,
     k_end,
-    group_size,
+    group_shift,
     HAS_PERM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """x[rows, k_start:k_end] @ W[.., cols] on the CUDA cores, [BLOCK_M, BLOCK_N] fp32. The
-    words stay a [BLOCK_K / 8, BLOCK_N] tile as loaded; nibble j of every word is one
-    [BLOCK_K / 8, BLOCK_N] slice of rows 8i + j, times x's columns 8i + j: no reshape, no
-    operand-layout conversion, and partial sums per (row, word, column) reduced across the
-    threads once, after the loop."""
+    """x[row0 + (0..BLOCK_M), k_start:k_end] @ W[.., cols] on the CUDA cores: [BLOCK_M,
+    BLOCK_N] fp32, BLOCK_M 1, 2 or 4. The words stay the [BLOCK_K / 8, BLOCK_N] tile they were
+    loaded as, each thread summing its own (word, column) positions until one cross-thread sum
+    after the loop. Two instructions a weight and row: one LOP3 masks nibble j in place, and
+    its bits read as the float32 denormal q * 2^(p - 149), p its bit position (4j; the top
+    three nibbles come from the word shifted right by 12, p 8 to 16, so every nibble sits
+    below the exponent); one FFMA multiplies that by x * 2^(64 - p) into a sum in units of
+    2^-85, exact products as the plain q * x would be. Zero points and scales apply once a
+    group (BLOCK_K divides it): s * (sum x q - z * sum x). Range: |x| < 2^64 (x * 2^64 must
+    not overflow); a product under 2^-126 (|x q| < 2^-41) is a denormal and loses bits."""
     KW: tl.constexpr = BLOCK_K // 8
     kw = tl.arange(0, KW)
-    acc = tl.zeros([BLOCK_M, KW, BLOCK_N], tl.float32)
+    acc0 = tl.zeros([KW, BLOCK_N], tl.float32)
+    acc1 = tl.zeros([KW, BLOCK_N], tl.float32)
+    acc2 = tl.zeros([KW, BLOCK_N], tl.float32)
+    acc3 = tl.zeros([KW, BLOCK_N], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         packed = tl.load(qw_ptr + (k0 // 8 + kw)[:, None] * n + cols[None, :])
-        group = k0 // group_size
-        scale = tl.load(s_ptr + group * n + cols).to(tl.float32)[None, :]
-        zero = 8388608.0 + tl.load(z_ptr + group * n + cols).to(tl.float32)[None, :]
+        high = packed >> 12
+        x_step = x_rows + k0 + kw * 8
+        group = k0 >> group_shift
+        scale = tl.load(s_ptr + group * n + cols).to(tl.float32)
+        zs = tl.load(z_ptr + group * n + cols).to(tl.float32) * scale
+        zs = tl.broadcast_to(-zs[None, :], (KW, BLOCK_N))
+        scale = scale * 3.8685626227668134e25  # 2^85: the sums' unit back to 1
+        scale = tl.broadcast_to(scale[None, :], (KW, BLOCK_N))
+        part0 = tl.zeros([KW, BLOCK_N], tl.float32)
+        part1 = tl.zeros([KW, BLOCK_N], tl.float32)
+        part2 = tl.zeros([KW, BLOCK_N], tl.float32)
+        part3 = tl.zeros([KW, BLOCK_N], tl.float32)
+        xs0 = tl.zeros([KW], tl.float32)
+        xs1 = tl.zeros([KW], tl.float32)
+        xs2 = tl.zeros([KW], tl.float32)
+        xs3 = tl.zeros([KW], tl.float32)
         for j in tl.static_range(8):
-            q = (packed >> (4 * j)) & 0xF
-            # 2^23 + q from the bits (see _dequantized), minus 2^23 + zero: q - zero exactly
-            w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - zero) * scale
-            offs_k = k0 + kw * 8 + j
+            pos = 4 * j - 12 * (j >= 5)
+            d = ((packed if j < 5 else high) & (15 << pos)).to(tl.float32, bitcast=True)
+            x0 = x_step + j
             if HAS_PERM:
-                offs_k = tl.load(perm_ptr + offs_k)
-            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-            acc += x.to(tl.float32)[:, :, None] * w[None, :, :]
-    return tl.sum(acc, axis=1)
+                x0 = x_rows + tl.load(perm_ptr + k0 + kw * 8 + j)
+            xsc = 18446744073709551616.0 / (1 << pos)  # 2^(64 - p)
+            part0, xs0 = _fma_row(part0, xs0, x0, row0, m, d, xsc, False)
+            if BLOCK_M > 1:
+                part1, xs1 = _fma_row(part1, xs1, x0 + stride_xm, row0 + 1, m, d, xsc, True)
+            if BLOCK_M > 2:
+                part2, xs2 = _fma_row(part2, xs2, x0 + 2 * stride_xm, row0 + 2, m, d, xsc, True)
+                part3, xs3 = _fma_row(part3, xs3, x0 + 3 * stride_xm, row0 + 3, m, d, xsc, True)
+        acc0 = _group_sum(acc0, part0, xs0, scale, zs)
+        if BLOCK_M > 1:
+            acc1 = _group_sum(acc1, part1, xs1, scale, zs)
+        if BLOCK_M > 2:
+            acc2 = _group_sum(acc2, part2, xs2, scale, zs)
+            acc3 = _group_sum(acc3, part3, xs3, scale, zs)
+    rows = tl.arange(0, BLOCK_M)[:, None]
+    out = tl.where(rows == 0, tl.sum(acc0, axis=0)[None, :], 0.0)
+    if BLOCK_M > 1:
+        out = tl.where(rows == 1, tl.sum(acc1, axis=0)[None, :], out)
+    if BLOCK_M > 2:
+        out = tl.where(rows == 2, tl.sum(acc2, axis=0)[None, :], out)
+        out = tl.where(rows == 3, tl.sum(acc3, axis=0)[None, :], out)
+    return out
 
 
 @triton.jit(do_not_specialize=["m"])
@@ -207,7 +295,7 @@ def w4a16_kernel(
     stride_os,
     stride_om,
     k_per_split,
-    group_size,
+    group_shift,
     HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -234,7 +322,8 @@ def w4a16_kernel(
     k_end = tl.minimum(k_start + k_per_split, k)
     if not USE_DOT:
         acc = _fma_rows(
-            x_rows, qw_ptr, s_ptr, z_ptr, perm_ptr, m_mask, cols, n, k_start, k_end, group_size,
+            x_ptr + pid_m.to(tl.int64) * BLOCK_M * stride_xm, qw_ptr, s_ptr, z_ptr, perm_ptr, m,
+            pid_m * BLOCK_M, cols, n, stride_xm, k_start, k_end, group_shift,
             HAS_PERM, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
     else:
@@ -245,7 +334,7 @@ def w4a16_kernel(
                 offs_k = tl.load(perm_ptr + offs_k)
             x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
             w = _dequantized(
-                qw_ptr, s_ptr, z_ptr, k0, cols, n, group_size, BLOCK_K, BLOCK_N, PACKED
+                qw_ptr, s_ptr, z_ptr, k0, cols, n, group_shift, BLOCK_K, BLOCK_N, PACKED
             )
             if UPCAST:
                 acc += tl.dot(x.to(tl.float32), w, input_precision=DOT_PRECISION)
@@ -267,6 +356,16 @@ def _block_k(cfg: W4Config, group_size: int, k: int) -> int:
     if common % block:
         raise ValueError(f"w4a16: group_size {group_size} and K {k} need a common factor of 16")
     return block
+
+
+def _group_shift(group_size: int, k: int) -> int:
+    """The shift that takes a row to its group (k0 >> shift, no division in the loop): log2 of
+    a power-of-two group size, or past K's top bit for one group over K."""
+    if group_size & (group_size - 1) == 0:
+        return group_size.bit_length() - 1
+    if group_size == k:
+        return k.bit_length()
+    raise ValueError(f"w4a16: group_size {group_size} must be a power of two or K ({k})")
 
 
 def _check(
@@ -344,7 +443,7 @@ def _launch(
         out.stride(0),
         out.stride(1),
         k_per_split,
-        group_size,
+        _group_shift(group_size, k),
         HAS_PERM=perm is not None,
         HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m,
