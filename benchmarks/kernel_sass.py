@@ -53,20 +53,30 @@ def compile_sm90(kernel: Any, types: dict[str, str], constexprs: dict[str, Any],
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def nvdisasm() -> str:
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+def _tool(name: str, cubin: bytes, *flags: str) -> str:
+    """stdout of one of the CUDA tools Triton's wheel ships (nvdisasm, cuobjdump) on a cubin."""
+    binary = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        return subprocess.run(
+            [binary, *flags, f.name], capture_output=True, text=True, check=True
+        ).stdout
+    finally:
+        os.unlink(f.name)
+
+
+def resources(compiled: Any) -> tuple[int, int]:
+    """(registers a thread, stack bytes a thread: spills) from cuobjdump -res-usage."""
+    out = _tool("cuobjdump", compiled.asm["cubin"], "-res-usage")
+    regs, stack = re.search(r"REG:(\d+)", out), re.search(r"STACK:(\d+)", out)
+    return int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else -1
 
 
 def loop_mix(compiled: Any) -> tuple[int, collections.Counter]:
     """(length, opcode counts) of the longest loop (a backward branch) in the SASS."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-    try:
-        out = subprocess.run([nvdisasm(), "-c", f.name], capture_output=True, text=True, check=True)
-    finally:
-        os.unlink(f.name)
     instrs, labels, label = [], {}, None
-    for line in out.stdout.splitlines():
+    for line in _tool("nvdisasm", compiled.asm["cubin"], "-c").splitlines():
         if m := re.match(r"\s*\.L_x_(\d+):", line):
             label = m.group(1)
         elif m := re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line):

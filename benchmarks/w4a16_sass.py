@@ -19,14 +19,10 @@ that a launch passes divisible by 16 as such (pointers, N, K, strides), as Trito
 from __future__ import annotations
 
 import argparse
-import collections
 import inspect
-import os
-import re
-import subprocess
-import tempfile
 
 import triton
+from kernel_sass import H100_BYTES_PER_CLOCK, ISSUE_PER_CLOCK, loop_mix, resources
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -40,8 +36,7 @@ MODELS = {
                      "down": (14336, 4096)},
 }  # fmt: skip
 GROUP = 128
-H100_IPB = 128 / (3.35e12 / 132 / 1.75e9)  # thread-instructions a clock / bytes a clock
-_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+H100_IPB = ISSUE_PER_CLOCK / H100_BYTES_PER_CLOCK
 
 
 def compile_sm90(config: w4a16.W4Config, k: int, act_order: bool, split_out: bool):
@@ -69,50 +64,6 @@ def compile_sm90(config: w4a16.W4Config, k: int, act_order: bool, split_out: boo
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options), block_k
 
 
-def _tool(name: str, cubin: bytes, *flags: str) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    try:
-        cmd = [os.path.join(_BIN, name), *flags, f.name]
-        return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
-
-
-def resources(cubin: bytes) -> tuple[int, int]:
-    """(registers a thread, stack bytes a thread) from cuobjdump -res-usage."""
-    out = _tool("cuobjdump", cubin, "-res-usage")
-    regs, stack = re.search(r"REG:(\d+)", out), re.search(r"STACK:(\d+)", out)
-    return int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else -1
-
-
-def longest_loop(cubin: bytes) -> list[str]:
-    """The instructions from the target of the longest backward branch to the branch."""
-    at, labels, pending = [], {}, []
-    for line in _tool("nvdisasm", cubin, "-c").splitlines():
-        label = re.match(r"\s*(\.L_x_\d+):", line)
-        if label:
-            pending.append(label.group(1))
-            continue
-        ins = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if ins:
-            addr = int(ins.group(1), 16)
-            labels.update(dict.fromkeys(pending, addr))
-            pending = []
-            at.append((addr, ins.group(2).strip()))
-    best = (0, -1)
-    for addr, ins in at:
-        target = re.search(r"BRA.*?(\.L_x_\d+)", ins)
-        if target and labels.get(target.group(1), addr + 1) <= addr:
-            start = labels[target.group(1)]
-            best = max(best, (start, addr), key=lambda span: span[1] - span[0])
-    return [ins for addr, ins in at if best[0] <= addr <= best[1]]
-
-
-def opcode(ins: str) -> str:
-    return re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", choices=MODELS, default="qwen2.5-3b")
@@ -134,14 +85,12 @@ def main() -> None:
             w4a16.fma_config(args.rows, n, k),
         ):
             compiled, block_k = compile_sm90(cfg, k, args.act_order, cfg.split_k > 1)
-            cubin = compiled.asm["cubin"]
-            regs, stack = resources(cubin)
-            loop = longest_loop(cubin)
-            ipb = len(loop) * 32 * cfg.num_warps / (block_k * cfg.block_n / 2)
-            mix = collections.Counter(opcode(i) for i in loop).most_common(8)
-            ops = " ".join(f"{op}:{count}" for op, count in mix)
+            regs, stack = resources(compiled)
+            length, mix = loop_mix(compiled)
+            ipb = length * 32 * cfg.num_warps / (block_k * cfg.block_n / 2)
+            ops = " ".join(f"{op}:{count}" for op, count in mix.most_common(8))
             print(
-                f"{shape:<8} {str(cfg):<38} {regs:>4} {stack:>5} {len(loop):>5} {ipb:>5.1f}  {ops}",
+                f"{shape:<8} {str(cfg):<38} {regs:>4} {stack:>5} {length:>5} {ipb:>5.1f}  {ops}",
                 flush=True,
             )
 
