@@ -698,7 +698,7 @@ def moe_gemv_kernel(
             k_ok = byte < k_in // 2
             if A_PAIRS:  # a byte's two bf16 activations as one int32, their bits made float32's
                 both = tl.load(a_pairs + byte, mask=k_ok, other=0)
-                a_even = (both * 65536 + _A_UP_BITS).to(tl.float32, bitcast=True)
+                a_even = ((both << 16) + _A_UP_BITS).to(tl.float32, bitcast=True)
                 a_odd = ((both + _A_UP_BITS) & -65536).to(tl.float32, bitcast=True)
             else:
                 a_even = tl.load(a_row + 2 * byte, mask=k_ok, other=0.0).to(tl.float32) * _A_UP
