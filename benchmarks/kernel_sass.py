@@ -35,12 +35,16 @@ from triton.compiler import ASTSource
 # bytes an SM must take a clock to read at the bandwidth, and thread-instructions it issues
 H100_BYTES_PER_CLOCK = 3.35e12 / 132 / 1.755e9
 ISSUE_PER_CLOCK = 128
-# runtime arguments a launch passes that are not multiples of 16 (the rest are specialised as
-# Triton's launcher would), or floats
-UNALIGNED = {"num_pairs", "up_offset", "alpha", "limit"}
+# runtime arguments of the MoE kernels that a launch passes as other than multiples of 16 (the
+# rest are specialised as Triton's launcher would), or floats
+UNALIGNED = {"num_tokens", "num_pairs", "num_experts", "up_offset", "alpha", "limit", "scaling"}
+UNALIGNED |= {"num_chunks", "max_blocks"}
 
 
-def compile_sm90(kernel: Any, types: dict[str, str], constexprs: dict[str, Any], warps: int):
+def compile_sm90(
+    kernel: Any, types: dict[str, str], constexprs: dict[str, Any], warps: int, stages: int = 1
+):
+    """kernel compiled for sm_90; types: each runtime argument's ("*bf16", "i32", ...)."""
     names = list(inspect.signature(kernel.fn).parameters)
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     attrs = {
@@ -49,7 +53,7 @@ def compile_sm90(kernel: Any, types: dict[str, str], constexprs: dict[str, Any],
         if n not in constexprs and n not in UNALIGNED and not sig[n].startswith("fp")
     }
     src = ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": warps, "num_stages": 1}
+    options = {"num_warps": warps, "num_stages": stages}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 

@@ -3,38 +3,24 @@ of its own, outside the interpreter): every kernel of moe_kernels at the tiles g
 for gpt-oss-20b's and Qwen3-30B-A3B's shapes, decode and prefill, each weight format. Arguments
 that a launch passes divisible by 16 (pointers, strides, sizes) are compiled as such, as
 Triton's specialisation would, so the loads pipeline as they will on the GPU. Prints one JSON
-line: [name, shared memory bytes, whether the loads went through cp.async] per kernel."""
+line: [name, shared memory bytes, whether the loads went through cp.async] per kernel.
+benchmarks/kernel_sass.py compiles them (its UNALIGNED: the arguments not divisible by 16)."""
 
 from __future__ import annotations
 
-import inspect
 import json
+import sys
+from pathlib import Path
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
-from inferx_kernels_cuda import moe_kernels as mk
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+from kernel_sass import compile_sm90  # noqa: E402
 
-# arguments that are not multiples of 16 at these shapes, or are floats
-UNALIGNED = {"num_tokens", "num_pairs", "num_experts", "up_offset", "alpha", "limit", "scaling"}
-UNALIGNED |= {"num_chunks", "max_blocks"}
+from inferx_kernels_cuda import moe_kernels as mk  # noqa: E402
+
 GEMV_SHARED = ("A_ROW_DIV", "ACT", "GATE_STRIDE", "MXFP4", "ROW_SCALE", "HAS_BIAS", "WEIGHTED")
 GEMV_SHARED += ("ATOMIC_K",)
-
-
-def compile_sm90(kernel, types: dict[str, str], constexprs: dict, warps: int, stages: int):
-    """kernel compiled for sm_90; types: each runtime argument's ("*bf16", "i32", ...)."""
-    names = list(inspect.signature(kernel.fn).parameters)
-    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, n in enumerate(names)
-        if n not in constexprs and n not in UNALIGNED and not sig[n].startswith("fp")
-    }
-    src = ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": warps, "num_stages": stages}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def gemm_types(fmt: str, per_pair: bool) -> dict[str, str]:
