@@ -374,6 +374,12 @@ def _e2m1_raw(packed):
 
 
 @triton.jit
+def _e8m0_up(bits):
+    """e8m0 scale bytes as float32 2 ** (bits - 127 + _SCALE_UP), from the bits (bytes to 192)."""
+    return ((bits.to(tl.int32) + _SCALE_UP) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _mxfp4_half(
     blocks_ptrs,
     scale_ptrs,
@@ -394,10 +400,7 @@ def _mxfp4_half(
     goes into the scale (an fp16 tile's: its values must stay normal fp16)."""
     packed = tl.load(blocks_ptrs, mask=mask, other=0)
     bits = tl.load(scale_ptrs, mask=scale_mask, other=0)
-    if W_DOWN:
-        scale = ((bits.to(tl.int32) + _SCALE_UP) << 23).to(tl.float32, bitcast=True)
-    else:
-        scale = _e8m0(bits)
+    scale = _e8m0_up(bits) if W_DOWN else _e8m0(bits)
     scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (GROUPS, 16, BLOCK_N)), (HALF, BLOCK_N))
     if W_DOWN:
         even, odd = _e2m1_raw(packed)
@@ -626,8 +629,8 @@ def _mxfp4_group_dots(blocks_ptrs, scale_ptrs, a_even, a_odd, mask, scale_mask):
     (float32, times _A_UP), summed per group, then times the group's scale 2 ** (e8m0 - 127)
     at scale_ptrs [rows, groups] and 2 ** _SCALE_UP: a multiply a group, not a weight."""
     even, odd = _e2m1_raw(tl.load(blocks_ptrs, mask=mask, other=0))
-    bits = tl.load(scale_ptrs, mask=scale_mask, other=0).to(tl.int32) + _SCALE_UP
-    return tl.sum(even * a_even + odd * a_odd, axis=2) * (bits << 23).to(tl.float32, bitcast=True)
+    scale = _e8m0_up(tl.load(scale_ptrs, mask=scale_mask, other=0))
+    return tl.sum(even * a_even + odd * a_odd, axis=2) * scale
 
 
 @triton.jit
