@@ -7,12 +7,20 @@ than ~8.8 instructions a weight byte cannot reach the bandwidth. This compiles t
 sm_90 with the installed Triton (its ptxas; nvdisasm, which Triton's wheel ships), finds the
 longest loop in the SASS and prints its length, the instructions a weight byte and the opcode mix.
 
-python benchmarks/kernel_sass.py [--kernels moe_gemv,moe_gemm] [--block-n 8,16,32] [--json OUT]
+python benchmarks/kernel_sass.py [--kernels moe_gemv,moe_gemm,w4a16] [--block-n 8,16,32]
+    [--model qwen2.5-3b] [--rows 1] [--act-order] [--shapes qkv,o,gate_up,down] [--json OUT]
+
+Per kernel and config: registers a thread and stack bytes (spills) from cuobjdump, the loop's
+SASS instructions (one warp's pass), those over the weight bytes a thread takes a pass, and the
+commonest opcodes.
 
 moe_gemv: moe_gemv_kernel at gpt-oss-20b's one-token shapes (MXFP4, gate_up gated with the
 clamped SwiGLU, down weighted), at the block_n given and the kernel's BLOCK_K. moe_gemm:
 moe_gemm_kernel's MXFP4 tiles at 8, 256 and 2048 tokens (gemm_configs'), whose weight tile is
-dequantized once per M tile: its bytes a clock then also feed the tensor cores.
+dequantized once per M tile: its bytes a clock then also feed the tensor cores. w4a16:
+w4a16_kernel at a dense model's decode shapes (benchmarks/gemm_shapes.py; --model, --shapes),
+--rows rows of bf16 x, group 128, at the configs w4a16.pick_config (tl.dot) and, up to 4 rows,
+w4a16.fma_config (CUDA cores) give; --act-order with the K permutation.
 """
 
 from __future__ import annotations
@@ -25,10 +33,11 @@ import os
 import re
 import subprocess
 import tempfile
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Collection, Iterator
+from typing import Any, NamedTuple
 
 import triton
+from gemm_shapes import MODELS  # this directory: sys.path[0] as a script or by sys.path.insert
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -39,18 +48,26 @@ ISSUE_PER_CLOCK = 128
 # rest are specialised as Triton's launcher would), or floats
 UNALIGNED = {"num_tokens", "num_pairs", "num_experts", "up_offset", "alpha", "limit", "scaling"}
 UNALIGNED |= {"num_chunks", "max_blocks"}
+W4A16_GROUP = 128
+W4A16_UNALIGNED = {"m", "group_shift"}  # m is never specialised; the shift is 7
 
 
 def compile_sm90(
-    kernel: Any, types: dict[str, str], constexprs: dict[str, Any], warps: int, stages: int = 1
+    kernel: Any,
+    types: dict[str, str],
+    constexprs: dict[str, Any],
+    warps: int,
+    stages: int = 1,
+    unaligned: Collection[str] = UNALIGNED,
 ):
-    """kernel compiled for sm_90; types: each runtime argument's ("*bf16", "i32", ...)."""
+    """kernel compiled for sm_90; types: each runtime argument's ("*bf16", "i32", ...); the
+    runtime arguments outside `unaligned` and not floats are specialised as multiples of 16."""
     names = list(inspect.signature(kernel.fn).parameters)
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     attrs = {
         (i,): [["tt.divisibility", 16]]
         for i, n in enumerate(names)
-        if n not in constexprs and n not in UNALIGNED and not sig[n].startswith("fp")
+        if n not in constexprs and n not in unaligned and not sig[n].startswith("fp")
     }
     src = ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": warps, "num_stages": stages}
@@ -103,8 +120,21 @@ def loop_mix(compiled: Any) -> tuple[int, collections.Counter]:
     return len(body), ops
 
 
-def moe_gemv_cases(block_ns: list[int]) -> Iterator[tuple[str, Any, dict, dict, int, float]]:
-    """(label, kernel, types, constexprs, warps, weight bytes a thread a loop iteration)."""
+class Case(NamedTuple):
+    """One compile: per_thread is the weight bytes a thread takes a loop iteration."""
+
+    label: str
+    kernel: Any
+    types: dict[str, str]
+    constexprs: dict[str, Any]
+    warps: int
+    per_thread: float
+    stages: int = 1
+    unaligned: Collection[str] = UNALIGNED
+
+
+def moe_gemv_cases(args: argparse.Namespace) -> Iterator[Case]:
+    """moe_gemv_kernel at gpt-oss-20b's one-token shapes, at each of --block-n."""
     from inferx_kernels_cuda import moe_kernels as mk
 
     types = {"a_ptr": "*bf16", "w_ptr": "*u8", "scale_ptr": "*u8", "bias_ptr": "*bf16"}
@@ -112,7 +142,7 @@ def moe_gemv_cases(block_ns: list[int]) -> Iterator[tuple[str, Any, dict, dict, 
     types |= {"alpha": "fp32", "limit": "fp32"}
     warps, block_k = 4, mk.GEMV_BLOCK_K
     for gated in (True, False):
-        for block_n in block_ns:
+        for block_n in _ints(args.block_n):
             constexprs = dict(
                 A_ROW_DIV=4 if gated else 1, ACT=mk.ACT_SWIGLU_OAI if gated else mk.ACT_NONE,
                 GATE_STRIDE=2 if gated else 1, MXFP4=True, ROW_SCALE=False, HAS_BIAS=True,
@@ -120,12 +150,12 @@ def moe_gemv_cases(block_ns: list[int]) -> Iterator[tuple[str, Any, dict, dict, 
             )  # fmt: skip
             per_thread = block_n * block_k / 2 * (2 if gated else 1) / (32 * warps)
             label = f"moe_gemv gpt-oss {'gate_up' if gated else 'down'} N{block_n} K{block_k}"
-            yield label, mk.moe_gemv_kernel, types, constexprs, warps, per_thread
+            yield Case(label, mk.moe_gemv_kernel, types, constexprs, warps, per_thread)
 
 
-def moe_gemm_cases(block_ns: list[int]) -> Iterator[tuple[str, Any, dict, dict, int, float]]:
+def moe_gemm_cases(args: argparse.Namespace) -> Iterator[Case]:
     """moe_gemm_kernel's MXFP4 tiles at gpt-oss-20b's shapes as gemm_configs picks them for 8,
-    256 and 2048 tokens (block_ns unused): a weight tile is dequantized once per M tile."""
+    256 and 2048 tokens: a weight tile is dequantized once per M tile."""
     from inferx_kernels_cuda import moe_kernels as mk
 
     types = {"a_ptr": "*bf16", "w_ptr": "*u8", "scale_ptr": "*u8", "bias_ptr": "*bf16"}
@@ -146,30 +176,93 @@ def moe_gemm_cases(block_ns: list[int]) -> Iterator[tuple[str, Any, dict, dict, 
                 f"moe_gemm gpt-oss {'gate_up' if gated else 'down'} {tokens} tok "
                 f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/{cfg.num_warps}"
             )
-            yield label, mk.moe_gemm_kernel, types, constexprs, cfg.num_warps, per_thread
+            yield Case(label, mk.moe_gemm_kernel, types, constexprs, cfg.num_warps, per_thread)
 
 
-KERNELS = {"moe_gemv": moe_gemv_cases, "moe_gemm": moe_gemm_cases}
+def w4a16_cases(args: argparse.Namespace) -> Iterator[Case]:
+    """w4a16_kernel as w4a16._launch starts it for a bf16 x of --rows rows, at each shape, at
+    pick_config's config and (1-4 rows) fma_config's; a split K writes fp32 partial sums."""
+    from inferx_kernels_cuda import w4a16
+
+    shapes = MODELS[args.model]
+    for shape in args.shapes.split(",") if args.shapes else shapes:
+        k, n = shapes[shape]
+        configs = [w4a16.pick_config(args.rows, n, k)]
+        if args.rows <= w4a16.MAX_FMA_ROWS:
+            configs.append(w4a16.fma_config(args.rows, n, k))
+        for cfg in configs:
+            block_k = w4a16._block_k(cfg, W4A16_GROUP, k)
+            constexprs = dict(
+                HAS_PERM=args.act_order, HAS_BIAS=False, BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n, BLOCK_K=block_k, PACKED=cfg.packed_loads,
+                USE_DOT=cfg.use_dot, UPCAST=False, DOT_PRECISION="tf32",
+            )  # fmt: skip
+            types = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8"}
+            types |= {"perm_ptr": "*i32", "bias_ptr": "*bf16"}
+            types["out_ptr"] = "*fp32" if cfg.split_k > 1 else "*bf16"
+            per_thread = block_k * cfg.block_n / 2 / (32 * cfg.num_warps)
+            yield Case(
+                f"w4a16 {shape} {cfg}", w4a16.w4a16_kernel, types, constexprs, cfg.num_warps,
+                per_thread, cfg.num_stages, W4A16_UNALIGNED,
+            )  # fmt: skip
+
+
+KERNELS = {"moe_gemv": moe_gemv_cases, "moe_gemm": moe_gemm_cases, "w4a16": w4a16_cases}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def _args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", default=",".join(KERNELS), help=", ".join(KERNELS))
+    parser.add_argument("--block-n", default="8,16,32", help="moe_gemv's columns a program")
+    parser.add_argument("--model", choices=MODELS, default="qwen2.5-3b", help="w4a16's shapes")
+    parser.add_argument("--rows", type=int, default=1, help="w4a16's rows of x")
+    parser.add_argument("--act-order", action="store_true", help="w4a16 with the K permutation")
+    parser.add_argument("--shapes", help="w4a16's, comma-separated (default: all)")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args()
+    if unknown := [k for k in args.kernels.split(",") if k not in KERNELS]:
+        parser.error(f"unknown kernels {unknown}; known: {', '.join(KERNELS)}")
+    if unknown := [s for s in (args.shapes or "").split(",") if s and s not in MODELS[args.model]]:
+        parser.error(f"unknown shapes {unknown}; {args.model}'s: {', '.join(MODELS[args.model])}")
+    if args.rows < 1:
+        parser.error(f"--rows must be at least 1, not {args.rows}")
+    return args
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernels", default=",".join(KERNELS))
-    parser.add_argument("--block-n", default="8,16,32")
-    parser.add_argument("--json")
-    args = parser.parse_args()
-    block_ns = [int(b) for b in args.block_n.split(",")]
+    args = _args()
+    kernels = args.kernels.split(",")
     budget = ISSUE_PER_CLOCK / H100_BYTES_PER_CLOCK
     print(f"Triton {triton.__version__}, sm_90; at most {budget:.1f} instructions a weight byte")
     print("for an H100's bandwidth (the loop's only, one SM's issue rate)")
-    print(f"{'kernel':52s} {'loop':>5s} {'/byte':>6s}  top opcodes")
+    if "w4a16" in kernels:
+        print(
+            f"w4a16: {args.model}, {args.rows} row(s), group {W4A16_GROUP}, "
+            f"act-order {args.act_order}"
+        )
+    print(f"{'kernel':52s} {'regs':>4s} {'stack':>5s} {'loop':>5s} {'/byte':>6s}  top opcodes")
     rows = []
-    for name in args.kernels.split(","):
-        for label, kernel, types, constexprs, warps, per_thread in KERNELS[name](block_ns):
-            length, ops = loop_mix(compile_sm90(kernel, types, constexprs, warps))
-            top = " ".join(f"{op} {n}" for op, n in ops.most_common(6))
-            print(f"{label:52s} {length:5d} {length / per_thread:6.1f}  {top}")
-            rows.append({"kernel": label, "loop": length, "per_byte": length / per_thread})
+    for name in kernels:
+        for case in KERNELS[name](args):
+            compiled = compile_sm90(
+                case.kernel, case.types, case.constexprs, case.warps, case.stages, case.unaligned
+            )
+            regs, stack = resources(compiled)
+            length, ops = loop_mix(compiled)
+            per_byte = length / case.per_thread
+            top = " ".join(f"{op} {n}" for op, n in ops.most_common(8))
+            print(
+                f"{case.label:52s} {regs:4d} {stack:5d} {length:5d} {per_byte:6.1f}  {top}",
+                flush=True,
+            )
+            rows.append(
+                {"kernel": case.label, "regs": regs, "stack": stack, "loop": length}
+                | {"per_byte": per_byte}
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"triton": triton.__version__, "rows": rows}, f, indent=1)

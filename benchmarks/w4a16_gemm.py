@@ -10,8 +10,8 @@ down_proj 14336 -> 4096; `--model qwen2.5-3b`: 2048 -> 2560, 2048 -> 2048, 2048 
     python benchmarks/w4a16_gemm.py --smoke         # CPU: tiny shapes under the interpreter
 
 `--fma` times the CUDA-core path (W4Config.use_dot=False at w4a16.fma_config) in the same
-process, beside the picked config, checked the same way (see benchmarks/w4a16_sass.py for
-both loops' instruction counts).
+process, beside the picked config, checked the same way (`python benchmarks/kernel_sass.py
+--kernels w4a16` counts both loops' instructions).
 
 Each figure is one call's time in µs, from a CUDA graph of `--calls` calls replayed `--reps`
 times (the decode step runs in CUDA graphs, so launch gaps are not counted), the calls cycling
@@ -30,12 +30,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 
-MODELS = {
-    "llama-3.1-8b": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
-                     "down": (14336, 4096)},
-    "qwen2.5-3b": {"qkv": (2048, 2560), "o": (2048, 2048), "gate_up": (2048, 22016),
-                   "down": (11008, 2048)},
-}  # fmt: skip
+from gemm_shapes import MODELS  # this directory: sys.path[0] when run as a script
+
 SMOKE_SHAPES = {"qkv": (256, 96), "down": (512, 64)}
 BATCHES = (1, 4, 16, 64, 256)
 SMOKE_BATCHES = (1, 17)

@@ -130,25 +130,29 @@ def test_picked_configs_run() -> None:
         fma_config(5, 64, 1024)
 
 
-def test_fma_loop_within_the_h100_issue_budget() -> None:
+def test_fma_loop_within_the_h100_issue_budget(tmp_path) -> None:
     """The CUDA-core path's loop at one row, compiled for sm_90 without a GPU and counted by
-    benchmarks/w4a16_sass.py (in a process of its own: this one may run the interpreter):
-    at most 8.8 thread-instructions a weight byte, what an H100 SM can issue while taking its
-    share of 3.35 TB/s (8.5 with triton 3.6, 8.2-8.4 with 3.9)."""
+    `benchmarks/kernel_sass.py --kernels w4a16` (in a process of its own: this one may run the
+    interpreter): at most 8.8 thread-instructions a weight byte, what an H100 SM can issue
+    while taking its share of 3.35 TB/s (8.5 with triton 3.6, 8.2-8.4 with 3.9)."""
+    import json
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).parents[1] / "benchmarks" / "w4a16_sass.py"
-    cmd = [sys.executable, str(script), "--shapes", "o"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    script = Path(__file__).parents[1] / "benchmarks" / "kernel_sass.py"
+    out_json = tmp_path / "sass.json"
+    cmd = [sys.executable, str(script), "--kernels", "w4a16", "--shapes", "o"]
+    out = subprocess.run([*cmd, "--json", str(out_json)], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
-    fma = [line.split() for line in out.stdout.splitlines() if " fma " in line]
-    assert len(fma) == 1, out.stdout
-    ipb = float(fma[0][fma[0].index("fma") + 4])  # after regs, stack, loop
-    assert 0 < ipb <= 8.8, out.stdout
+    rows = json.loads(out_json.read_text())["rows"]
+    assert len(rows) == 2, out.stdout  # pick_config's tl.dot config and fma_config's
+    fma = [row for row in rows if row["kernel"].endswith(" fma")]
+    assert len(fma) == 1 and fma[0]["kernel"].startswith("w4a16 o m1 "), out.stdout
+    assert fma[0]["stack"] == 0, out.stdout  # no spills
+    assert 0 < fma[0]["per_byte"] <= 8.8, out.stdout
 
 
 def test_bad_inputs_are_refused() -> None:

@@ -33,7 +33,8 @@ A CUDA-core path for 1-4 rows (W4Config.use_dot=False, `_fma_rows`) skips tl.dot
 its operand layout: two instructions a weight in its loop (a mask, a fused multiply-add; the
 zero point and scale once a group), where the dot path spends about ten (unpack, convert,
 scale, round, and the trip through shared memory into the MMA layout). Exact weights; x's
-magnitude below 2^64. benchmarks/w4a16_sass.py counts both loops' instructions.
+magnitude below 2^64. `benchmarks/kernel_sass.py --kernels w4a16` counts both loops'
+instructions.
 """
 
 from __future__ import annotations
