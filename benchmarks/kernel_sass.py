@@ -176,7 +176,10 @@ def moe_gemm_cases(args: argparse.Namespace) -> Iterator[Case]:
                 f"moe_gemm gpt-oss {'gate_up' if gated else 'down'} {tokens} tok "
                 f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/{cfg.num_warps}"
             )
-            yield Case(label, mk.moe_gemm_kernel, types, constexprs, cfg.num_warps, per_thread)
+            yield Case(
+                label, mk.moe_gemm_kernel, types, constexprs, cfg.num_warps, per_thread,
+                cfg.num_stages,
+            )  # fmt: skip
 
 
 def w4a16_cases(args: argparse.Namespace) -> Iterator[Case]:
