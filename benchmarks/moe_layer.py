@@ -193,7 +193,7 @@ def sweep(shape: str, tokens: int, args, device: torch.device) -> list[tuple[flo
     if decode:  # moe_gemv_kernel: output columns, K columns a step, warps
         runs += [
             ((GemmConfig(16, bn, bk, warps),) * 2, True)
-            for bn in (8, 16, 32)
+            for bn in (8, 16, 32, 64)
             for bk in (256, 512, 1024)
             for warps in (4, 8)
         ]
