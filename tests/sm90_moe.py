@@ -68,7 +68,7 @@ def cases():
                         HAS_BIAS=not silu,
                         WEIGHTED=not gated, ATOMIC_K=0, DOT_FP32=False, BLOCK_M=cfg.block_m,
                         PER_PAIR=tokens <= mk.PER_PAIR_MAX_TOKENS,
-                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BF16_BITS=True,
                     )  # fmt: skip
                     label = f"{name} {fmt} {tokens} {'gate_up' if gated else 'down'}"
                     kernel = mk.moe_gemm_kernel

@@ -399,6 +399,27 @@ def test_gemv_matches_the_reference(name, fmt, atomic_sum, monkeypatch):
     assert len(calls) == by_default + 4
 
 
+def test_mxfp4_bf16_bits_in_torch():
+    """The grouped GEMM's GPU dequantization (_mxfp4_rows_bf16 with BF16_BITS, PTX the
+    interpreter cannot run) done in torch with the kernel's constants: a byte times 4097,
+    shifted and masked, is the pair's bf16 bits 2 ** -126 times the codes; times the bf16
+    2 ** (scale - 65) (mul.bf16x2 rounds to nearest; the products are exact) the values 2 ** -64
+    times the exactly dequantized weights, for every byte and scale bytes 66..192."""
+    g = gen(61)
+    blocks = torch.randint(0, 256, (64, 2, 16), generator=g, dtype=torch.uint8)
+    blocks[0, 0] = torch.arange(16, dtype=torch.uint8)  # every code, both nibbles
+    blocks[1, 0] = torch.arange(16, dtype=torch.uint8) * 16
+    scales = torch.randint(66, 193, (64, 2), generator=g, dtype=torch.uint8)
+    scales[2] = torch.tensor([66, 192], dtype=torch.uint8)
+    spread = blocks.to(torch.int32) * 4097
+    bits = ((spread << 6) & 0x01C001C0) | ((spread << 12) & -2147450880)
+    halves = torch.stack((bits & 0xFFFF, (bits >> 16) & 0xFFFF), dim=-1).flatten(-2)
+    codes = halves.to(torch.int16).view(torch.bfloat16).double()
+    scale = (((scales.to(torch.int32) + 62) << 7).to(torch.int16)).view(torch.bfloat16).double()
+    got = (codes * scale[..., None]).to(torch.bfloat16).double() * 2.0**64
+    assert torch.equal(got.flatten(-2), dequant_mxfp4(blocks, scales, torch.float64))
+
+
 @interpreted
 @pytest.mark.parametrize("name", list(SPECS))
 def test_gemv_mxfp4_scale_range_and_bf16_pairs(name, monkeypatch):

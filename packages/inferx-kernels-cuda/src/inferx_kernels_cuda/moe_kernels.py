@@ -409,6 +409,51 @@ def _mxfp4_half(
 
 
 @triton.jit
+def _mxfp4_rows_bf16(
+    blocks_ptrs,
+    scale_ptrs,
+    mask,
+    scale_mask,
+    GROUPS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+):
+    """A [BLOCK_N, BLOCK_K] tile of MXFP4 weight rows in bf16, 2 ** -64 times their values
+    (the caller's sums go up by _A_UP): the bytes at blocks_ptrs [BLOCK_N, BLOCK_K / 2], the
+    GROUPS e8m0 scales at scale_ptrs [BLOCK_N, GROUPS]; exact for scale bytes 66 to 192.
+    BF16_BITS: a byte b times 4097 holds its low nibble at bits 0..3 and its high one at bits
+    16..19, so one shift-and-mask pass makes both codes' bf16 bits in one register (exponent
+    and mantissa to bits 6..8, sign to bit 15 of each half): 2 ** -126 times the codes'
+    values, the code 0.5 a bf16 subnormal; one mul.bf16x2 by 2 ** (scale - 65) twice, a power
+    of two, makes the pair's values (PTX: Triton's scalar bf16 multiplies cost a swap of
+    halves before and after each pair). Else the same values through float32 (_e2m1_raw):
+    the interpreter runs no PTX and its bf16 conversions flush subnormals."""
+    packed = tl.load(blocks_ptrs, mask=mask, other=0)
+    exps = tl.load(scale_ptrs, mask=scale_mask, other=0).to(tl.int32)
+    if BF16_BITS:
+        spread = packed.to(tl.int32) * 4097
+        bits = ((spread << 6) & 0x01C001C0) | ((spread << 12) & -2147450880)  # 0x80008000
+        scale = ((exps + 62) << 7) * 65537  # the bf16 scale in both halves
+        scale = tl.broadcast_to(scale[:, :, None], (BLOCK_N, GROUPS, 16))
+        pairs = tl.inline_asm_elementwise(
+            "mul.rn.bf16x2 $0, $1, $2;",
+            "=r,r,r",
+            [bits, tl.reshape(scale, (BLOCK_N, BLOCK_K // 2))],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+        even = pairs.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        odd = (pairs >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return tl.interleave(even, odd)
+    even, odd = _e2m1_raw(packed)
+    scale = tl.broadcast_to(_e8m0_up(exps)[:, :, None], (BLOCK_N, GROUPS, 32))
+    codes = tl.interleave(even, odd)
+    return (codes * tl.reshape(scale, (BLOCK_N, BLOCK_K))).to(tl.bfloat16)
+
+
+@triton.jit
 def _e8m0(bits):
     """e8m0 scale bytes as float32 2 ** (bits - 127), times the 2 ** 14 that _e2m1_pair's
     fp16 values lack."""
@@ -488,6 +533,7 @@ def moe_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BF16_BITS: tl.constexpr,
 ):
     """One BLOCK_M tile of the grouped pairs (one expert's) times BLOCK_N output columns of that
     expert's weight [rows, K]. Row r of the tile is pair p = sorted[r]; its input row is
@@ -535,33 +581,62 @@ def moe_gemm_kernel(
         W_DOWN: tl.constexpr = a_ptr.dtype.element_ty != tl.float16
         rows_gate = rows_g[None, :].to(tl.int64)
         rows_up = (rows_g + up_offset)[None, :].to(tl.int64)
-        for k0 in range(0, k_in, BLOCK_K):
-            # the activations' even and odd columns, to meet the low and high nibbles
-            a = tl.load(
-                a_ptr + a_rows[:, None] + (k0 + kr)[None, :],
-                mask=row_ok[:, None] & ((k0 + kr) < k_in)[None, :],
-                other=0.0,
-            )
-            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, HALF, 2)))
-            w_mask = ((k0 // 2 + kk) < k_in // 2)[:, None] & col_ok[None, :]
-            s_mask = ((k0 // 32 + kg) < k_in // 32)[:, None] & col_ok[None, :]
-            byte_off = (k0 // 2 + kk)[:, None]
-            scale_off = (k0 // 32 + kg)[:, None]
-            even, odd = _mxfp4_half(
-                w_base + rows_gate * stride_wn + byte_off,
-                s_base + rows_gate * stride_sn + scale_off,
-                w_mask, s_mask, HALF, GROUPS, BLOCK_N, W_DOWN,
-            )  # fmt: skip
-            acc = _dot(a_even, even.to(a.dtype), acc, DOT_FP32)
-            acc = _dot(a_odd, odd.to(a.dtype), acc, DOT_FP32)
-            if gated:
+        if W_DOWN:
+            gate_rows = rows_g[:, None].to(tl.int64)
+            up_rows = (rows_g + up_offset)[:, None].to(tl.int64)
+            for k0 in range(0, k_in, BLOCK_K):
+                # weight rows [BLOCK_N, BLOCK_K] in bf16, 2 ** -64 times theirs
+                k_ok = (k0 + kr) < k_in
+                a = tl.load(
+                    a_ptr + a_rows[:, None] + (k0 + kr)[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                w_mask = col_ok[:, None] & ((k0 // 2 + kk) < k_in // 2)[None, :]
+                s_mask = col_ok[:, None] & ((k0 // 32 + kg) < k_in // 32)[None, :]
+                byte_off = (k0 // 2 + kk)[None, :]
+                scale_off = (k0 // 32 + kg)[None, :]
+                w = _mxfp4_rows_bf16(
+                    w_base + gate_rows * stride_wn + byte_off,
+                    s_base + gate_rows * stride_sn + scale_off,
+                    w_mask, s_mask, GROUPS, BLOCK_N, BLOCK_K, BF16_BITS,
+                )  # fmt: skip
+                acc = _dot(a, tl.trans(w.to(a.dtype)), acc, DOT_FP32)
+                if gated:
+                    w = _mxfp4_rows_bf16(
+                        w_base + up_rows * stride_wn + byte_off,
+                        s_base + up_rows * stride_sn + scale_off,
+                        w_mask, s_mask, GROUPS, BLOCK_N, BLOCK_K, BF16_BITS,
+                    )  # fmt: skip
+                    acc_up = _dot(a, tl.trans(w.to(a.dtype)), acc_up, DOT_FP32)
+        else:
+            for k0 in range(0, k_in, BLOCK_K):
+                # the activations' even and odd columns, to meet the low and high nibbles
+                a = tl.load(
+                    a_ptr + a_rows[:, None] + (k0 + kr)[None, :],
+                    mask=row_ok[:, None] & ((k0 + kr) < k_in)[None, :],
+                    other=0.0,
+                )
+                a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, HALF, 2)))
+                w_mask = ((k0 // 2 + kk) < k_in // 2)[:, None] & col_ok[None, :]
+                s_mask = ((k0 // 32 + kg) < k_in // 32)[:, None] & col_ok[None, :]
+                byte_off = (k0 // 2 + kk)[:, None]
+                scale_off = (k0 // 32 + kg)[:, None]
                 even, odd = _mxfp4_half(
-                    w_base + rows_up * stride_wn + byte_off,
-                    s_base + rows_up * stride_sn + scale_off,
+                    w_base + rows_gate * stride_wn + byte_off,
+                    s_base + rows_gate * stride_sn + scale_off,
                     w_mask, s_mask, HALF, GROUPS, BLOCK_N, W_DOWN,
                 )  # fmt: skip
-                acc_up = _dot(a_even, even.to(a.dtype), acc_up, DOT_FP32)
-                acc_up = _dot(a_odd, odd.to(a.dtype), acc_up, DOT_FP32)
+                acc = _dot(a_even, even.to(a.dtype), acc, DOT_FP32)
+                acc = _dot(a_odd, odd.to(a.dtype), acc, DOT_FP32)
+                if gated:
+                    even, odd = _mxfp4_half(
+                        w_base + rows_up * stride_wn + byte_off,
+                        s_base + rows_up * stride_sn + scale_off,
+                        w_mask, s_mask, HALF, GROUPS, BLOCK_N, W_DOWN,
+                    )  # fmt: skip
+                    acc_up = _dot(a_even, even.to(a.dtype), acc_up, DOT_FP32)
+                    acc_up = _dot(a_odd, odd.to(a.dtype), acc_up, DOT_FP32)
         if W_DOWN:  # the weights were 2 ** -64 times theirs
             acc *= _A_UP
             acc_up *= _A_UP
@@ -988,7 +1063,7 @@ def fused_experts(
             num_padded, num_pairs, n_out, k_in, up_offset, *strides,
             float(spec.alpha), float(spec.limit), max(bk, 1), **shared,
             K_SCALE=bk > 0, PER_PAIR=per_pair, DOT_FP32=dot_fp32,
-            BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+            BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BF16_BITS=not _interpreting(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     if atomic_sum:
