@@ -21,10 +21,15 @@ from test_cuda_graphs import (  # noqa: E402
     seeded_backends,
     triton_attention,
 )
+from test_mla_prefill import SMALL  # noqa: E402
+from test_mla_prefill import Case as MLACase  # noqa: E402
+from test_mla_prefill import rel_err as mla_rel_err  # noqa: E402
 
+from inferx_core.attention_torch import TorchAttention  # noqa: E402
 from inferx_core.batch import make_attention_batch  # noqa: E402
 from inferx_core.config import load_config  # noqa: E402
 from inferx_core.engine import LLM  # noqa: E402
+from inferx_core.interfaces.attention import AttentionLayer, MLAWeights  # noqa: E402
 from inferx_core.interfaces.kv import KVLayerSpec  # noqa: E402
 from inferx_core.sequence import SamplingParams  # noqa: E402
 from inferx_kernels_cuda.cuda_graphs import MixedGraphRunner, token_ladder  # noqa: E402
@@ -133,6 +138,104 @@ def test_mixed_buffers_check_their_inputs() -> None:
     too_wide = make_attention_batch([2], [20], [[1, 2, 3, 4, 5]], 4)
     with pytest.raises(ValueError, match="4 blocks each"):
         backend.prepare_mixed_replay(too_wide, 8)
+
+
+# -- MLA layers (DeepSeek-V2): fresh prompts beside decodes ----------------------------------
+
+
+def mla_backends(widths: tuple, dtype: torch.dtype, num_blocks: int, block_size: int) -> tuple:
+    """A Triton backend to run from static buffers, one to run eagerly and TorchAttention, over
+    one MLA layer of test_mla_prefill's widths (heads, nope, rope, v, rank)."""
+    heads, _, rope, _, rank = widths
+    spec = KVLayerSpec(heads, 1, rank + rope, kind="mla", v_head_dim=rank, rope_dim=rope)
+    static = triton_attention([spec], block_size, dtype, CPU)
+    eager = triton_attention([spec], block_size, dtype, CPU)
+    reference = TorchAttention([spec], block_size, dtype, CPU)
+    for b in (static, eager, reference):
+        b.allocate(num_blocks)
+    return static, eager, reference
+
+
+def mla_weights(case) -> MLAWeights:
+    """The case's kv_b_proj as MLAWeights with W_UK / W_UV set (both forms on hand)."""
+    heads, nope, _, v, rank = case.widths
+    mla = case.mla()
+    w = case.w.view(heads, nope + v, rank)
+    mla.w_uk, mla.w_uv = w[:, :nope], w[:, nope:]
+    return mla
+
+
+@interpreted
+@pytest.mark.parametrize(("block_size", "dtype"), [(4, torch.float32), (16, torch.float16)])
+def test_static_mla_mixed_path_matches_eager(block_size: int, dtype: torch.dtype) -> None:
+    """One set of buffers serves MLA steps of fresh prompts beside decodes, padded to 48 tokens
+    (garbage queries and cache rows on the padding tokens, slot -1): fresh prompts and decodes,
+    a step of exactly 48 tokens (its unused decode slots write the output's spare row), a
+    smaller step (tiles and slots that held real sequences turn into padding), decodes alone.
+    Prompt rows equal the float64 plain form (mla_plain) and every row the eager step's and
+    TorchAttention's (absorbed decodes) within 1e-5 (fp32) / 3e-3 (fp16) of the largest
+    element; padding writes no cache slot, so the static and eager caches end equal."""
+    tol = {torch.float32: 1e-5, torch.float16: 3e-3}[dtype]
+    padded = 48
+    static, eager, reference = mla_backends(SMALL, dtype, 40, block_size)
+    static.init_mixed_graph_buffers(padded, 6, 64 // block_size)
+    static.prepare_mixed_capture(padded)
+    steps = (
+        ([9, 1, 20, 1, 3], [9, 17, 20, 40, 3]),
+        ([30, 1, 1, 16], [30, 33, 7, 16]),  # 48 tokens
+        ([1, 13], [40, 13]),
+        ([1, 1, 1], [5, 9, 30]),
+    )
+    for seed, (query_lens, contexts) in enumerate(steps):
+        case = MLACase(query_lens, contexts, SMALL, dtype, block_size, seed=10 + seed)
+        assert static.takes_mixed_step(query_lens, contexts)
+        assert case.cache.shape[0] <= 40
+        mla = mla_weights(case)
+        real, rank = sum(query_lens), SMALL[4]
+        g = torch.Generator().manual_seed(seed)
+        garbage = padded - real
+        q = torch.cat([case.q, torch.randn(garbage, *case.q.shape[1:], generator=g).to(dtype)])
+        width = case.rows.shape[1]
+        rows = torch.cat([case.rows, torch.randn(garbage, width, generator=g).to(dtype)])
+        outs = []
+        runs = ((static, q, rows), (eager, case.q, case.rows), (reference, case.q, case.rows))
+        for b, q_in, rows_in in runs:
+            cache = b.caches[0]
+            cache.zero_()
+            cache[: case.cache.shape[0]].copy_(case.cache)
+            cache.view(-1, cache.shape[-1])[case.batch.slot_mapping] = 0  # the step writes them
+            if b is static:
+                b.prepare_mixed_replay(case.batch, padded)
+            else:
+                b.begin_step(case.batch)
+            k = rows_in[:, None]
+            layer = AttentionLayer(0, b.layers[0], case.scale, mla=mla)
+            outs.append(b.forward(layer, q_in, k, k[..., :rank])[:real])
+        got, want, ref = outs
+        label = f"{query_lens}"
+        assert got.shape == want.shape == ref.shape == (real, SMALL[0], SMALL[3])
+        assert mla_rel_err(got, want) <= tol, label
+        assert mla_rel_err(got, ref) <= tol, label
+        case.check(got, tol)
+        assert torch.equal(static.caches[0], eager.caches[0]), label
+        assert torch.equal(static.caches[0], reference.caches[0]), label
+
+
+@interpreted
+def test_mla_steps_with_a_cached_prefix_are_declined() -> None:
+    """Mixed graphs of MLA layers take fresh prompts and decodes only: a chunk over a cached
+    prefix (a continuation or a prefix hit) is declined (the runner then runs it eagerly) and
+    a replay of one is refused by name; one-token chunks over a prefix are decodes."""
+    static, _, _ = mla_backends(SMALL, torch.float32, 40, 4)
+    static.init_mixed_graph_buffers(32, 4, 16)
+    assert static.supports_mixed_graphs
+    assert static.takes_mixed_step([5, 1, 1], [5, 30, 2])
+    assert not static.takes_mixed_step([7, 1], [40, 9])
+    batch = make_attention_batch([7, 1], [40, 9], scattered_tables([40, 9], 4, 40), 4)
+    with pytest.raises(ValueError, match="fresh prompts"):
+        static.prepare_mixed_replay(batch, 32)
+    plain = triton_attention([KVLayerSpec(2, 1, 16)], 4, torch.float32, CPU)
+    assert plain.takes_mixed_step([7, 1], [40, 9])
 
 
 def test_first_tokens() -> None:

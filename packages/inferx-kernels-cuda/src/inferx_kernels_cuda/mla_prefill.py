@@ -219,7 +219,9 @@ class PrefillPlan:
         return len(self.passes) > 1
 
 
-def _tiles(query_lens: list[int], seqs: list[int], block_m: int) -> tuple[list[int], list[int]]:
+def query_tiles(
+    query_lens: list[int], seqs: list[int], block_m: int
+) -> tuple[list[int], list[int]]:
     """Query tiles of `seqs`, those with later first queries (more keys to see) first."""
     tiles = [(i, s) for i in seqs for s in range(0, query_lens[i], block_m)]
     tiles.sort(key=lambda t: -t[1])
@@ -308,7 +310,7 @@ def _pass(
     block_m: int,
     device: torch.device,
 ) -> PrefillPass:
-    tile_seq, tile_start = _tiles(query_lens, seqs, block_m)
+    tile_seq, tile_start = query_tiles(query_lens, seqs, block_m)
     parts = [key_lo, key_hi, row0, tile_seq, tile_start]
     packed, at = pack_aligned(parts, torch.int32)
     packed = to_device(packed, device)
