@@ -143,17 +143,97 @@ def test_mixed_buffers_check_their_inputs() -> None:
 # -- MLA layers (DeepSeek-V2): fresh prompts beside decodes ----------------------------------
 
 
-def mla_backends(widths: tuple, dtype: torch.dtype, num_blocks: int, block_size: int) -> tuple:
+def mla_backends(
+    widths: tuple, dtype: torch.dtype, num_blocks: int, block_size: int, device: torch.device
+) -> tuple:
     """A Triton backend to run from static buffers, one to run eagerly and TorchAttention, over
     one MLA layer of test_mla_prefill's widths (heads, nope, rope, v, rank)."""
     heads, _, rope, _, rank = widths
     spec = KVLayerSpec(heads, 1, rank + rope, kind="mla", v_head_dim=rank, rope_dim=rope)
-    static = triton_attention([spec], block_size, dtype, CPU)
-    eager = triton_attention([spec], block_size, dtype, CPU)
-    reference = TorchAttention([spec], block_size, dtype, CPU)
+    static = triton_attention([spec], block_size, dtype, device)
+    eager = triton_attention([spec], block_size, dtype, device)
+    reference = TorchAttention([spec], block_size, dtype, device)
     for b in (static, eager, reference):
         b.allocate(num_blocks)
     return static, eager, reference
+
+
+# Steps of (query lengths, contexts) over one mixed buffer of 48 tokens and 6 sequences: fresh
+# prompts and decodes, exactly 48 tokens (the unused decode slots write the output's spare
+# row), a smaller step (tiles and slots that held real sequences turn into padding), decodes.
+MLA_STEPS = (
+    ([9, 1, 20, 1, 3], [9, 17, 20, 40, 3]),
+    ([30, 1, 1, 16], [30, 33, 7, 16]),
+    ([1, 13], [40, 13]),
+    ([1, 1, 1], [5, 9, 30]),
+)
+
+
+def mla_static_steps(
+    widths: tuple, dtype: torch.dtype, block_size: int, device: str, tol: float, graph: bool
+) -> None:
+    """MLA_STEPS through a backend's mixed-graph path, padded to 48 tokens (garbage queries and
+    cache rows on the padding tokens, slot -1), against the eager step and TorchAttention
+    (prompt rows plain, decodes absorbed) and, for the prompt rows, the float64 plain form
+    (mla_plain): within tol of the largest element. graph: captured once as a CUDA graph and
+    replayed for every step. Padding writes no cache slot: the caches end equal."""
+    dev = torch.device(device)
+    padded, rank = 48, widths[4]
+    static, eager, reference = mla_backends(widths, dtype, 64, block_size, dev)
+    static.init_mixed_graph_buffers(padded, 6, 64 // block_size)
+    static.prepare_mixed_capture(padded)
+    first = MLACase([2], [2], widths, dtype, block_size, seed=9, device=device)
+    mla = mla_weights(first)  # one kv_b_proj for every step (a graph holds its weights)
+    q_in = torch.zeros(padded, *first.q.shape[1:], dtype=dtype, device=dev)
+    rows_in = torch.zeros(padded, first.rows.shape[1], dtype=dtype, device=dev)
+    layer = AttentionLayer(0, static.layers[0], first.scale, mla=mla)
+
+    def forward() -> torch.Tensor:
+        return static.forward(layer, q_in, rows_in[:, None], rows_in[:, None, :rank])
+
+    out = forward()  # the capture layout: every tile and slot empty
+    cuda_graph = None
+    if graph:
+        torch.cuda.synchronize(dev)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            out = forward()
+    for seed, (query_lens, contexts) in enumerate(MLA_STEPS):
+        case = MLACase(query_lens, contexts, widths, dtype, block_size, seed=10 + seed,
+                       device=device)  # fmt: skip
+        case.w = first.w
+        assert static.takes_mixed_step(query_lens, contexts) and case.cache.shape[0] <= 64
+        real = sum(query_lens)
+        g = torch.Generator().manual_seed(seed)
+        q_in.copy_(torch.randn(q_in.shape, generator=g).to(dtype))  # the padding's garbage
+        rows_in.copy_(torch.randn(rows_in.shape, generator=g).to(dtype))
+        q_in[:real], rows_in[:real] = case.q, case.rows
+        for b in (static, eager, reference):
+            cache = b.caches[0]
+            cache.zero_()
+            cache[: case.cache.shape[0]].copy_(case.cache)
+            cache.view(-1, cache.shape[-1])[case.batch.slot_mapping] = 0  # the step writes them
+        batch = make_attention_batch(query_lens, contexts, case.tables, block_size)  # host
+        static.prepare_mixed_replay(batch, padded)
+        if cuda_graph is not None:
+            cuda_graph.replay()
+        else:
+            out = forward()
+        got = out[:real]
+        k = case.rows[:, None]
+        want, ref = [], []
+        for b, into in ((eager, want), (reference, ref)):
+            b.begin_step(case.batch)
+            layer_b = AttentionLayer(0, b.layers[0], case.scale, mla=mla)
+            into.append(b.forward(layer_b, case.q, k, k[..., :rank]))
+        want, ref = want[0], ref[0]
+        label = f"{query_lens}"
+        assert got.shape == want.shape == ref.shape == (real, widths[0], widths[3])
+        assert mla_rel_err(got, want) <= tol, label
+        assert mla_rel_err(got, ref) <= tol, label
+        case.check(got, tol)
+        assert torch.equal(static.caches[0], eager.caches[0]), label
+        assert torch.equal(static.caches[0], reference.caches[0]), label
 
 
 def mla_weights(case) -> MLAWeights:
@@ -166,59 +246,13 @@ def mla_weights(case) -> MLAWeights:
 
 
 @interpreted
-@pytest.mark.parametrize(("block_size", "dtype"), [(4, torch.float32), (16, torch.float16)])
-def test_static_mla_mixed_path_matches_eager(block_size: int, dtype: torch.dtype) -> None:
-    """One set of buffers serves MLA steps of fresh prompts beside decodes, padded to 48 tokens
-    (garbage queries and cache rows on the padding tokens, slot -1): fresh prompts and decodes,
-    a step of exactly 48 tokens (its unused decode slots write the output's spare row), a
-    smaller step (tiles and slots that held real sequences turn into padding), decodes alone.
-    Prompt rows equal the float64 plain form (mla_plain) and every row the eager step's and
-    TorchAttention's (absorbed decodes) within 1e-5 (fp32) / 3e-3 (fp16) of the largest
-    element; padding writes no cache slot, so the static and eager caches end equal."""
-    tol = {torch.float32: 1e-5, torch.float16: 3e-3}[dtype]
-    padded = 48
-    static, eager, reference = mla_backends(SMALL, dtype, 40, block_size)
-    static.init_mixed_graph_buffers(padded, 6, 64 // block_size)
-    static.prepare_mixed_capture(padded)
-    steps = (
-        ([9, 1, 20, 1, 3], [9, 17, 20, 40, 3]),
-        ([30, 1, 1, 16], [30, 33, 7, 16]),  # 48 tokens
-        ([1, 13], [40, 13]),
-        ([1, 1, 1], [5, 9, 30]),
-    )
-    for seed, (query_lens, contexts) in enumerate(steps):
-        case = MLACase(query_lens, contexts, SMALL, dtype, block_size, seed=10 + seed)
-        assert static.takes_mixed_step(query_lens, contexts)
-        assert case.cache.shape[0] <= 40
-        mla = mla_weights(case)
-        real, rank = sum(query_lens), SMALL[4]
-        g = torch.Generator().manual_seed(seed)
-        garbage = padded - real
-        q = torch.cat([case.q, torch.randn(garbage, *case.q.shape[1:], generator=g).to(dtype)])
-        width = case.rows.shape[1]
-        rows = torch.cat([case.rows, torch.randn(garbage, width, generator=g).to(dtype)])
-        outs = []
-        runs = ((static, q, rows), (eager, case.q, case.rows), (reference, case.q, case.rows))
-        for b, q_in, rows_in in runs:
-            cache = b.caches[0]
-            cache.zero_()
-            cache[: case.cache.shape[0]].copy_(case.cache)
-            cache.view(-1, cache.shape[-1])[case.batch.slot_mapping] = 0  # the step writes them
-            if b is static:
-                b.prepare_mixed_replay(case.batch, padded)
-            else:
-                b.begin_step(case.batch)
-            k = rows_in[:, None]
-            layer = AttentionLayer(0, b.layers[0], case.scale, mla=mla)
-            outs.append(b.forward(layer, q_in, k, k[..., :rank])[:real])
-        got, want, ref = outs
-        label = f"{query_lens}"
-        assert got.shape == want.shape == ref.shape == (real, SMALL[0], SMALL[3])
-        assert mla_rel_err(got, want) <= tol, label
-        assert mla_rel_err(got, ref) <= tol, label
-        case.check(got, tol)
-        assert torch.equal(static.caches[0], eager.caches[0]), label
-        assert torch.equal(static.caches[0], reference.caches[0]), label
+@pytest.mark.parametrize(
+    ("block_size", "dtype", "tol"), [(4, torch.float32, 1e-5), (16, torch.float16, 3e-3)]
+)
+def test_static_mla_mixed_path_matches_eager(block_size: int, dtype: torch.dtype, tol) -> None:
+    """mla_static_steps on the CPU, the padded static path run eagerly: fp32 within 1e-5, fp16
+    within 3e-3."""
+    mla_static_steps(SMALL, dtype, block_size, "cpu", tol, graph=False)
 
 
 @interpreted
@@ -226,7 +260,7 @@ def test_mla_steps_with_a_cached_prefix_are_declined() -> None:
     """Mixed graphs of MLA layers take fresh prompts and decodes only: a chunk over a cached
     prefix (a continuation or a prefix hit) is declined (the runner then runs it eagerly) and
     a replay of one is refused by name; one-token chunks over a prefix are decodes."""
-    static, _, _ = mla_backends(SMALL, torch.float32, 40, 4)
+    static, _, _ = mla_backends(SMALL, torch.float32, 40, 4, CPU)
     static.init_mixed_graph_buffers(32, 4, 16)
     assert static.supports_mixed_graphs
     assert static.takes_mixed_step([5, 1, 1], [5, 30, 2])
@@ -331,4 +365,63 @@ def test_gpu_mixed_graphs_generate_like_eager(tmp_path_factory) -> None:
             assert ex.mixed is not None and set(ex.mixed.graphs) == set(token_ladder(300))
             replayed = set(ex.mixed.replays)
             assert replayed <= set(ex.mixed.graphs) and len(replayed) >= 3, ex.mixed.replays
+    assert outs[True] == outs[False]
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("widths", "dtype", "tol"),
+    [
+        (SMALL, torch.float32, 1e-4),  # pointer loads
+        ((16, 128, 64, 128, 512), torch.bfloat16, 2e-2),  # V2-Lite's widths: TMA on Hopper
+    ],
+)
+def test_gpu_mla_mixed_graph_replays_like_eager(widths: tuple, dtype: torch.dtype, tol) -> None:
+    """mla_static_steps with a real CUDA graph: captured once over the empty layout, replayed
+    for each step (fresh prompts beside decodes, a full graph, a smaller step, decodes alone)
+    with 16-token blocks."""
+    mla_static_steps(widths, dtype, 16, "cuda", tol, graph=True)
+
+
+@on_gpu
+@pytest.mark.gpu
+def test_gpu_mla_mixed_graphs_generate_like_eager(tmp_path_factory) -> None:
+    """A tiny DeepSeek-V2-Lite (test_deepseek_v2's, MLA over a 32 + 8 latent) on the triton
+    backend, fp32, with graphs on and off: prompts of random lengths (two pairs sharing a
+    40-token prefix, for prefix hits) in chunks of up to 100 tokens beside decodes. The same
+    tokens; steps of fresh prompts replayed mixed graphs, chunks over a cached prefix ran
+    eagerly (declined)."""
+    from test_deepseek_v2 import hf_model
+    from test_models import saved
+
+    path, _ = saved(hf_model("lite"), tmp_path_factory, "lite")
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(3, 200))] for _ in range(8)]
+    shared = [rng.randrange(3, 250) for _ in range(40)]
+    prompts += [shared + [rng.randrange(3, 250) for _ in range(n)] for n in (5, 30, 9, 60)]
+    params = [
+        SamplingParams(max_tokens=rng.randrange(4, 24), temperature=0, ignore_eos=True)
+        for _ in prompts
+    ]
+    outs = {}
+    for graphs in (True, False):
+        config = {
+            "model.path": str(path),
+            "model.dtype": "float32",
+            "model.max_model_len": 256,
+            "engine.attention_backend": "triton",
+            "engine.cuda_graphs": graphs,
+            "engine.graph_max_tokens": 300,
+            "kv_cache.memory": "1GiB",
+            "scheduler.max_running": 4,
+            "scheduler.prefill_chunk": 100,
+        }
+        llm = LLM(load_config(None, config))
+        ex = llm.engine.executor
+        assert (ex.mixed is not None) == graphs
+        outs[graphs] = [c.token_ids for c in llm.generate(prompts, params)]
+        if graphs:
+            assert ex.mixed is not None and set(ex.mixed.graphs) == set(token_ladder(300))
+            assert ex.mixed.replays and ex.mixed.declined, (ex.mixed.replays, ex.mixed.declined)
     assert outs[True] == outs[False]
