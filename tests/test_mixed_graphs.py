@@ -25,7 +25,7 @@ from test_mla_prefill import SMALL  # noqa: E402
 from test_mla_prefill import Case as MLACase  # noqa: E402
 from test_mla_prefill import rel_err as mla_rel_err  # noqa: E402
 
-from inferx_core.attention_torch import TorchAttention  # noqa: E402
+from inferx_core.attention_torch import TorchAttention, to_fp8  # noqa: E402
 from inferx_core.batch import make_attention_batch  # noqa: E402
 from inferx_core.config import load_config  # noqa: E402
 from inferx_core.engine import LLM  # noqa: E402
@@ -144,12 +144,19 @@ def test_mixed_buffers_check_their_inputs() -> None:
 
 
 def mla_backends(
-    widths: tuple, dtype: torch.dtype, num_blocks: int, block_size: int, device: torch.device
+    widths: tuple,
+    dtype: torch.dtype,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+    kv_dtype: str = "auto",
 ) -> tuple:
     """A Triton backend to run from static buffers, one to run eagerly and TorchAttention, over
-    one MLA layer of test_mla_prefill's widths (heads, nope, rope, v, rank)."""
+    one MLA layer of test_mla_prefill's widths (heads, nope, rope, v, rank); kv_dtype:
+    "fp8_e4m3" for an e4m3 cache."""
     heads, _, rope, _, rank = widths
-    spec = KVLayerSpec(heads, 1, rank + rope, kind="mla", v_head_dim=rank, rope_dim=rope)
+    spec = KVLayerSpec(heads, 1, rank + rope, kind="mla", v_head_dim=rank, rope_dim=rope,
+                       dtype=kv_dtype)  # fmt: skip
     static = triton_attention([spec], block_size, dtype, device)
     eager = triton_attention([spec], block_size, dtype, device)
     reference = TorchAttention([spec], block_size, dtype, device)
@@ -170,23 +177,33 @@ MLA_STEPS = (
 
 
 def mla_static_steps(
-    widths: tuple, dtype: torch.dtype, block_size: int, device: str, tol: float, graph: bool
+    widths: tuple,
+    dtype: torch.dtype,
+    block_size: int,
+    device: str,
+    tol: float,
+    graph: bool,
+    fp8: bool = False,
 ) -> None:
     """MLA_STEPS through a backend's mixed-graph path, padded to 48 tokens (garbage queries and
     cache rows on the padding tokens, slot -1), against the eager step and TorchAttention
     (prompt rows plain, decodes absorbed) and, for the prompt rows, the float64 plain form
     (mla_plain): within tol of the largest element. graph: captured once as a CUDA graph and
-    replayed for every step. Padding writes no cache slot: the caches end equal."""
+    replayed for every step. fp8: over an e4m3 cache (k_scale 0.5), the same bytes in every
+    backend's (test_mla_fp8 holds the eager path to the float64 forms on the dequantized rows).
+    Padding writes no cache slot: the caches end equal."""
     dev = torch.device(device)
     padded, rank = 48, widths[4]
-    static, eager, reference = mla_backends(widths, dtype, 64, block_size, dev)
+    kv_dtype = "fp8_e4m3" if fp8 else "auto"
+    k_scale = torch.tensor([0.5], device=dev) if fp8 else None
+    static, eager, reference = mla_backends(widths, dtype, 64, block_size, dev, kv_dtype)
     static.init_mixed_graph_buffers(padded, 6, 64 // block_size)
     static.prepare_mixed_capture(padded)
     first = MLACase([2], [2], widths, dtype, block_size, seed=9, device=device)
     mla = mla_weights(first)  # one kv_b_proj for every step (a graph holds its weights)
     q_in = torch.zeros(padded, *first.q.shape[1:], dtype=dtype, device=dev)
     rows_in = torch.zeros(padded, first.rows.shape[1], dtype=dtype, device=dev)
-    layer = AttentionLayer(0, static.layers[0], first.scale, mla=mla)
+    layer = AttentionLayer(0, static.layers[0], first.scale, k_scale=k_scale, mla=mla)
 
     def forward() -> torch.Tensor:
         return static.forward(layer, q_in, rows_in[:, None], rows_in[:, None, :rank])
@@ -209,9 +226,10 @@ def mla_static_steps(
         rows_in.copy_(torch.randn(rows_in.shape, generator=g).to(dtype))
         q_in[:real], rows_in[:real] = case.q, case.rows
         for b in (static, eager, reference):
-            cache = b.caches[0]
+            cache = b.caches[0].view(torch.uint8) if fp8 else b.caches[0]
             cache.zero_()
-            cache[: case.cache.shape[0]].copy_(case.cache)
+            rows = to_fp8(case.cache, k_scale).view(torch.uint8) if fp8 else case.cache
+            cache[: case.cache.shape[0]].copy_(rows)
             cache.view(-1, cache.shape[-1])[case.batch.slot_mapping] = 0  # the step writes them
         batch = make_attention_batch(query_lens, contexts, case.tables, block_size)  # host
         static.prepare_mixed_replay(batch, padded)
@@ -224,16 +242,17 @@ def mla_static_steps(
         want, ref = [], []
         for b, into in ((eager, want), (reference, ref)):
             b.begin_step(case.batch)
-            layer_b = AttentionLayer(0, b.layers[0], case.scale, mla=mla)
+            layer_b = AttentionLayer(0, b.layers[0], case.scale, k_scale=k_scale, mla=mla)
             into.append(b.forward(layer_b, case.q, k, k[..., :rank]))
         want, ref = want[0], ref[0]
         label = f"{query_lens}"
         assert got.shape == want.shape == ref.shape == (real, widths[0], widths[3])
         assert mla_rel_err(got, want) <= tol, label
         assert mla_rel_err(got, ref) <= tol, label
-        case.check(got, tol)
-        assert torch.equal(static.caches[0], eager.caches[0]), label
-        assert torch.equal(static.caches[0], reference.caches[0]), label
+        if not fp8:
+            case.check(got, tol)
+        caches = [b.caches[0].view(torch.uint8) for b in (static, eager, reference)]
+        assert torch.equal(caches[0], caches[1]) and torch.equal(caches[0], caches[2]), label
 
 
 def mla_weights(case) -> MLAWeights:
@@ -247,12 +266,19 @@ def mla_weights(case) -> MLAWeights:
 
 @interpreted
 @pytest.mark.parametrize(
-    ("block_size", "dtype", "tol"), [(4, torch.float32, 1e-5), (16, torch.float16, 3e-3)]
+    ("block_size", "dtype", "tol", "fp8"),
+    [
+        (4, torch.float32, 1e-5, False),
+        (16, torch.float16, 3e-3, False),
+        (4, torch.float32, 1e-5, True),
+    ],
 )
-def test_static_mla_mixed_path_matches_eager(block_size: int, dtype: torch.dtype, tol) -> None:
+def test_static_mla_mixed_path_matches_eager(
+    block_size: int, dtype: torch.dtype, tol: float, fp8: bool
+) -> None:
     """mla_static_steps on the CPU, the padded static path run eagerly: fp32 within 1e-5, fp16
-    within 3e-3."""
-    mla_static_steps(SMALL, dtype, block_size, "cpu", tol, graph=False)
+    within 3e-3; fp32 over an e4m3 cache."""
+    mla_static_steps(SMALL, dtype, block_size, "cpu", tol, graph=False, fp8=fp8)
 
 
 @interpreted
