@@ -175,7 +175,9 @@ class _MLAMixed:
     tile_seq: torch.Tensor  # [cdiv(max_tokens, BLOCK_M) + min(max_tokens, max_seqs)] int32
     tile_start: torch.Tensor
     key_lo: torch.Tensor  # [max_seqs + 1] int32 zeros: a fresh prompt attends from position 0
-    rows: torch.Tensor  # [2, max_seqs] int64: the decode slots' query rows, output rows
+    # [2 * max_seqs] int64: a graph of s decode slots reads their query rows from [:s], their
+    # output rows from [s : 2s] (one contiguous copy a replay)
+    rows: torch.Tensor
     block_table: torch.Tensor  # [max_seqs, max_blocks] int32, the decode slots'
     context_len: torch.Tensor  # [max_seqs] int32, the decode slots' (0: unused)
 
@@ -929,7 +931,7 @@ class TritonAttention(TorchAttention):
             tile_seq=torch.zeros(tiles, dtype=torch.int32, device=device),
             tile_start=torch.zeros(tiles, dtype=torch.int32, device=device),
             key_lo=torch.zeros(max_seqs + 1, dtype=torch.int32, device=device),
-            rows=torch.zeros(2, max_seqs, dtype=torch.int64, device=device),
+            rows=torch.zeros(2 * max_seqs, dtype=torch.int64, device=device),
             block_table=torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device),
             context_len=torch.zeros(max_seqs, dtype=torch.int32, device=device),
         )
@@ -960,8 +962,8 @@ class TritonAttention(TorchAttention):
         )
         self._mla_prefill = PrefillPlan([own_rows], self.mla_prefill_config.block_m)
         self._mla_decodes = _MLADecodes(
-            q_rows=mm.rows[0, :slots],
-            out_rows=mm.rows[1, :slots],
+            q_rows=mm.rows[:slots],
+            out_rows=mm.rows[slots : 2 * slots],
             tables=[mm.block_table[:slots]],
             context_len=mm.context_len[:slots],
         )
@@ -999,8 +1001,8 @@ class TritonAttention(TorchAttention):
         ]
         dests += [mm.tile_seq[:count], mm.tile_start[:count], mm.context_len[:slots]]
         at = [query_start[i] for i in one_query]
-        rows = torch.tensor([at + [0] * unused, at + [num_tokens] * unused], dtype=torch.int64)
-        mm.rows[:, :slots].copy_(_pinned(rows), non_blocking=True)
+        rows = torch.tensor(at + [0] * unused + at + [num_tokens] * unused, dtype=torch.int64)
+        mm.rows[: 2 * slots].copy_(_pinned(rows), non_blocking=True)
         if one_query:
             table = batch.block_table[one_query]
             mm.block_table[: len(one_query), : table.shape[1]].copy_(
