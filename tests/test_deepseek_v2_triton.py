@@ -3,8 +3,8 @@ written by mla_write_kernel, decodes through the Triton MLA decode kernel (split
 prompt chunks through the Triton MLA prefill (fresh prompts over their own rows, chunks over
 cached prefixes gathered, contexts in several passes); the tiny checkpoints of test_deepseek_v2
 give transformers' greedy tokens under chunked prefill, prefix hits and decode, and the decode
-and mixed graph runners' static buffers generate like eager. On a GPU: the V2-Lite-shaped dummy in bf16
-with CUDA graphs against transformers."""
+and mixed graph runners' static buffers generate like eager. On a GPU: the V2-Lite-shaped dummy
+in bf16 with CUDA graphs against transformers."""
 
 from __future__ import annotations
 
