@@ -3,8 +3,8 @@ written by mla_write_kernel, decodes through the Triton MLA decode kernel (split
 prompt chunks through the Triton MLA prefill (fresh prompts over their own rows, chunks over
 cached prefixes gathered, contexts in several passes); the tiny checkpoints of test_deepseek_v2
 give transformers' greedy tokens under chunked prefill, prefix hits and decode, and the decode
-graph runner's static buffers generate like eager. On a GPU: the V2-Lite-shaped dummy in bf16
-with CUDA graphs against transformers."""
+and mixed graph runners' static buffers generate like eager. On a GPU: the V2-Lite-shaped dummy
+in bf16 with CUDA graphs against transformers."""
 
 from __future__ import annotations
 
@@ -120,10 +120,12 @@ def test_triton_prefix_cache_hit_equals_transformers(lite, prefill_plans):
 
 
 @interpreted
-def test_triton_decode_graph_runner_generates_like_eager(lite):
-    """The decode graph runner's static buffers (block tables and context lengths of the
-    padded batch, slot -1 on padding rows) on the CPU without graphs: the eager steps' tokens
-    and logits. Mixed-step graphs decline MLA models, with the reason."""
+def test_triton_graph_runners_generate_like_eager(lite):
+    """The decode and mixed graph runners' static buffers on the CPU without graphs (block
+    tables and context lengths of the padded batch, slot -1 on padding rows; the mixed steps'
+    prompt tiles over the step's own rows): the eager steps' tokens and logits. 5-token chunks:
+    a prompt's first chunk (a fresh prompt) beside decodes replays the mixed runner, its later
+    chunks (over a cached prefix) run eagerly."""
     from test_cuda_graphs import generates_like_eager
 
     from inferx_kernels_cuda.cuda_graphs import DecodeGraphRunner, MixedGraphRunner
@@ -132,16 +134,15 @@ def test_triton_decode_graph_runner_generates_like_eager(lite):
     llm = make_llm(lite[0], **config, **{"scheduler.prefix_cache": False})
     attention = split_mla_decodes(llm)
     ex = llm.engine.executor
-    assert not attention.supports_mixed_graphs and ex.graphs is None and ex.mixed is None
+    assert attention.supports_mixed_graphs and ex.graphs is None and ex.mixed is None
     bs = ex.block_size
-    with pytest.raises(NotImplementedError, match="mixed-step CUDA graphs do not take MLA"):
-        MixedGraphRunner(ex.model, attention, ex.device, 16, 4, ex.max_model_len, bs)
 
     def install() -> None:
         ex.graphs = DecodeGraphRunner(ex.model, attention, ex.device, 4, ex.max_model_len, bs)
+        ex.mixed = MixedGraphRunner(ex.model, attention, ex.device, 16, 4, ex.max_model_len, bs)
 
     generates_like_eager(llm, install)
-    assert ex.graphs.replays
+    assert ex.graphs.replays and ex.mixed.replays and ex.mixed.declined
 
 
 @pytest.mark.gpu
@@ -154,5 +155,5 @@ def test_dummy_v2_lite_on_triton_with_graphs_matches_transformers(tmp_path):
 
     llm = dummy_v2_lite_matches_transformers(tmp_path, "triton", cuda_graphs=True)
     ex = llm.engine.executor
-    assert ex.graphs is not None and ex.mixed is None
-    assert ex.graphs.replays
+    assert ex.graphs is not None and ex.mixed is not None
+    assert ex.graphs.replays and ex.mixed.replays  # the four fresh prompts in one step

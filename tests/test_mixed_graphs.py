@@ -21,10 +21,15 @@ from test_cuda_graphs import (  # noqa: E402
     seeded_backends,
     triton_attention,
 )
+from test_mla_prefill import SMALL  # noqa: E402
+from test_mla_prefill import Case as MLACase  # noqa: E402
+from test_mla_prefill import rel_err as mla_rel_err  # noqa: E402
 
+from inferx_core.attention_torch import TorchAttention, to_fp8  # noqa: E402
 from inferx_core.batch import make_attention_batch  # noqa: E402
 from inferx_core.config import load_config  # noqa: E402
 from inferx_core.engine import LLM  # noqa: E402
+from inferx_core.interfaces.attention import AttentionLayer, MLAWeights  # noqa: E402
 from inferx_core.interfaces.kv import KVLayerSpec  # noqa: E402
 from inferx_core.sequence import SamplingParams  # noqa: E402
 from inferx_kernels_cuda.cuda_graphs import MixedGraphRunner, token_ladder  # noqa: E402
@@ -135,6 +140,163 @@ def test_mixed_buffers_check_their_inputs() -> None:
         backend.prepare_mixed_replay(too_wide, 8)
 
 
+# -- MLA layers (DeepSeek-V2): fresh prompts beside decodes ----------------------------------
+
+
+def mla_backends(
+    widths: tuple,
+    dtype: torch.dtype,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+    kv_dtype: str = "auto",
+) -> tuple:
+    """A Triton backend to run from static buffers, one to run eagerly and TorchAttention, over
+    one MLA layer of test_mla_prefill's widths (heads, nope, rope, v, rank); kv_dtype:
+    "fp8_e4m3" for an e4m3 cache."""
+    heads, _, rope, _, rank = widths
+    spec = KVLayerSpec(heads, 1, rank + rope, kind="mla", v_head_dim=rank, rope_dim=rope,
+                       dtype=kv_dtype)  # fmt: skip
+    static = triton_attention([spec], block_size, dtype, device)
+    eager = triton_attention([spec], block_size, dtype, device)
+    reference = TorchAttention([spec], block_size, dtype, device)
+    for b in (static, eager, reference):
+        b.allocate(num_blocks)
+    return static, eager, reference
+
+
+# Steps of (query lengths, contexts) over one mixed buffer of 48 tokens and 6 sequences: fresh
+# prompts and decodes, exactly 48 tokens (the unused decode slots write the output's spare
+# row), a smaller step (tiles and slots that held real sequences turn into padding), decodes.
+MLA_STEPS = (
+    ([9, 1, 20, 1, 3], [9, 17, 20, 40, 3]),
+    ([30, 1, 1, 16], [30, 33, 7, 16]),
+    ([1, 13], [40, 13]),
+    ([1, 1, 1], [5, 9, 30]),
+)
+
+
+def mla_static_steps(
+    widths: tuple,
+    dtype: torch.dtype,
+    block_size: int,
+    device: str,
+    tol: float,
+    graph: bool,
+    fp8: bool = False,
+) -> None:
+    """MLA_STEPS through a backend's mixed-graph path, padded to 48 tokens (NaN queries and
+    cache rows on the padding tokens, slot -1), against the eager step and TorchAttention
+    (prompt rows plain, decodes absorbed) and, for the prompt rows, the float64 plain form
+    (mla_plain): within tol of the largest element. graph: captured once as a CUDA graph and
+    replayed for every step. fp8: over an e4m3 cache (k_scale 0.5), the same bytes in every
+    backend's (test_mla_fp8 holds the eager path to the float64 forms on the dequantized rows).
+    Padding writes no cache slot: the caches end equal."""
+    dev = torch.device(device)
+    padded, rank = 48, widths[4]
+    kv_dtype = "fp8_e4m3" if fp8 else "auto"
+    k_scale = torch.tensor([0.5], device=dev) if fp8 else None
+    static, eager, reference = mla_backends(widths, dtype, 64, block_size, dev, kv_dtype)
+    static.init_mixed_graph_buffers(padded, 6, 64 // block_size)
+    static.prepare_mixed_capture(padded)
+    first = MLACase([2], [2], widths, dtype, block_size, seed=9, device=device)
+    mla = mla_weights(first)  # one kv_b_proj for every step (a graph holds its weights)
+    q_in = torch.zeros(padded, *first.q.shape[1:], dtype=dtype, device=dev)
+    rows_in = torch.zeros(padded, first.rows.shape[1], dtype=dtype, device=dev)
+    layer = AttentionLayer(0, static.layers[0], first.scale, k_scale=k_scale, mla=mla)
+
+    def forward() -> torch.Tensor:
+        return static.forward(layer, q_in, rows_in[:, None], rows_in[:, None, :rank])
+
+    out = forward()  # the capture layout: every tile and slot empty
+    cuda_graph = None
+    if graph:
+        torch.cuda.synchronize(dev)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            out = forward()
+    for seed, (query_lens, contexts) in enumerate(MLA_STEPS):
+        case = MLACase(query_lens, contexts, widths, dtype, block_size, seed=10 + seed,
+                       device=device)  # fmt: skip
+        case.w = first.w
+        assert static.takes_mixed_step(query_lens, contexts) and case.cache.shape[0] <= 64
+        real = sum(query_lens)
+        q_in.fill_(float("nan"))  # the padding's garbage: NaN must not reach a real row
+        rows_in.fill_(float("nan"))
+        q_in[:real], rows_in[:real] = case.q, case.rows
+        for b in (static, eager, reference):
+            cache = b.caches[0].view(torch.uint8) if fp8 else b.caches[0]
+            cache.zero_()
+            rows = to_fp8(case.cache, k_scale).view(torch.uint8) if fp8 else case.cache
+            cache[: case.cache.shape[0]].copy_(rows)
+            cache.view(-1, cache.shape[-1])[case.batch.slot_mapping] = 0  # the step writes them
+        batch = make_attention_batch(query_lens, contexts, case.tables, block_size)  # host
+        static.prepare_mixed_replay(batch, padded)
+        if cuda_graph is not None:
+            cuda_graph.replay()
+        else:
+            out = forward()
+        got = out[:real]
+        k = case.rows[:, None]
+        want, ref = [], []
+        for b, into in ((eager, want), (reference, ref)):
+            b.begin_step(case.batch)
+            layer_b = AttentionLayer(0, b.layers[0], case.scale, k_scale=k_scale, mla=mla)
+            into.append(b.forward(layer_b, case.q, k, k[..., :rank]))
+        want, ref = want[0], ref[0]
+        label = f"{query_lens}"
+        assert got.shape == want.shape == ref.shape == (real, widths[0], widths[3])
+        assert mla_rel_err(got, want) <= tol, label
+        assert mla_rel_err(got, ref) <= tol, label
+        if not fp8:
+            case.check(got, tol)
+        caches = [b.caches[0].view(torch.uint8) for b in (static, eager, reference)]
+        assert torch.equal(caches[0], caches[1]) and torch.equal(caches[0], caches[2]), label
+
+
+def mla_weights(case) -> MLAWeights:
+    """The case's kv_b_proj as MLAWeights with W_UK / W_UV set (both forms on hand)."""
+    heads, nope, _, v, rank = case.widths
+    mla = case.mla()
+    w = case.w.view(heads, nope + v, rank)
+    mla.w_uk, mla.w_uv = w[:, :nope], w[:, nope:]
+    return mla
+
+
+@interpreted
+@pytest.mark.parametrize(
+    ("block_size", "dtype", "tol", "fp8"),
+    [
+        (4, torch.float32, 1e-5, False),
+        (16, torch.float16, 3e-3, False),
+        (4, torch.float32, 1e-5, True),
+    ],
+)
+def test_static_mla_mixed_path_matches_eager(
+    block_size: int, dtype: torch.dtype, tol: float, fp8: bool
+) -> None:
+    """mla_static_steps on the CPU, the padded static path run eagerly: fp32 within 1e-5, fp16
+    within 3e-3; fp32 over an e4m3 cache."""
+    mla_static_steps(SMALL, dtype, block_size, "cpu", tol, graph=False, fp8=fp8)
+
+
+@interpreted
+def test_mla_steps_with_a_cached_prefix_are_declined() -> None:
+    """Mixed graphs of MLA layers take fresh prompts and decodes only: a chunk over a cached
+    prefix (a continuation or a prefix hit) is declined (the runner then runs it eagerly) and
+    a replay of one is refused by name; one-token chunks over a prefix are decodes."""
+    static, _, _ = mla_backends(SMALL, torch.float32, 40, 4, CPU)
+    static.init_mixed_graph_buffers(32, 4, 16)
+    assert static.supports_mixed_graphs
+    assert static.takes_mixed_step([5, 1, 1], [5, 30, 2])
+    assert not static.takes_mixed_step([7, 1], [40, 9])
+    batch = make_attention_batch([7, 1], [40, 9], scattered_tables([40, 9], 4, 40), 4)
+    with pytest.raises(ValueError, match="fresh prompts"):
+        static.prepare_mixed_replay(batch, 32)
+    plain = triton_attention([KVLayerSpec(2, 1, 16)], 4, torch.float32, CPU)
+    assert plain.takes_mixed_step([7, 1], [40, 9])
+
+
 def test_first_tokens() -> None:
     assert first_tokens([8, 8, 8], 20) == [8, 8, 4]
     assert first_tokens([8, 8], 16) == [8, 8]
@@ -228,4 +390,63 @@ def test_gpu_mixed_graphs_generate_like_eager(tmp_path_factory) -> None:
             assert ex.mixed is not None and set(ex.mixed.graphs) == set(token_ladder(300))
             replayed = set(ex.mixed.replays)
             assert replayed <= set(ex.mixed.graphs) and len(replayed) >= 3, ex.mixed.replays
+    assert outs[True] == outs[False]
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("widths", "dtype", "tol"),
+    [
+        (SMALL, torch.float32, 1e-4),  # pointer loads
+        ((16, 128, 64, 128, 512), torch.bfloat16, 2e-2),  # V2-Lite's widths: TMA on Hopper
+    ],
+)
+def test_gpu_mla_mixed_graph_replays_like_eager(widths: tuple, dtype: torch.dtype, tol) -> None:
+    """mla_static_steps with a real CUDA graph: captured once over the empty layout, replayed
+    for each step (fresh prompts beside decodes, a full graph, a smaller step, decodes alone)
+    with 16-token blocks."""
+    mla_static_steps(widths, dtype, 16, "cuda", tol, graph=True)
+
+
+@on_gpu
+@pytest.mark.gpu
+def test_gpu_mla_mixed_graphs_generate_like_eager(tmp_path_factory) -> None:
+    """A tiny DeepSeek-V2-Lite (test_deepseek_v2's, MLA over a 32 + 8 latent) on the triton
+    backend, fp32, with graphs on and off: prompts of random lengths (two pairs sharing a
+    40-token prefix, for prefix hits) in chunks of up to 100 tokens beside decodes. The same
+    tokens; steps of fresh prompts replayed mixed graphs, chunks over a cached prefix ran
+    eagerly (declined)."""
+    from test_deepseek_v2 import hf_model
+    from test_models import saved
+
+    path, _ = saved(hf_model("lite"), tmp_path_factory, "lite")
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(3, 200))] for _ in range(8)]
+    shared = [rng.randrange(3, 250) for _ in range(40)]
+    prompts += [shared + [rng.randrange(3, 250) for _ in range(n)] for n in (5, 30, 9, 60)]
+    params = [
+        SamplingParams(max_tokens=rng.randrange(4, 24), temperature=0, ignore_eos=True)
+        for _ in prompts
+    ]
+    outs = {}
+    for graphs in (True, False):
+        config = {
+            "model.path": str(path),
+            "model.dtype": "float32",
+            "model.max_model_len": 256,
+            "engine.attention_backend": "triton",
+            "engine.cuda_graphs": graphs,
+            "engine.graph_max_tokens": 300,
+            "kv_cache.memory": "1GiB",
+            "scheduler.max_running": 4,
+            "scheduler.prefill_chunk": 100,
+        }
+        llm = LLM(load_config(None, config))
+        ex = llm.engine.executor
+        assert (ex.mixed is not None) == graphs
+        outs[graphs] = [c.token_ids for c in llm.generate(prompts, params)]
+        if graphs:
+            assert ex.mixed is not None and set(ex.mixed.graphs) == set(token_ladder(300))
+            assert ex.mixed.replays and ex.mixed.declined, (ex.mixed.replays, ex.mixed.declined)
     assert outs[True] == outs[False]

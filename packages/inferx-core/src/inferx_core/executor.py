@@ -493,7 +493,7 @@ class ModelRunner(Executor):
         groups = None  # one group: its tables are the layout's
         if len(self.kv_groups) > 1:
             groups = [[c.seq.block_tables[g.index] for c in chunks] for g in self.kv_groups]
-        if self.mixed is not None and self.mixed.fits(len(ids), len(chunks)):
+        if self.mixed is not None and self.mixed.fits(layout[0], layout[1]):
             batch = make_attention_batch(*layout, "cpu", groups)  # host tensors for the replay
             hidden = self.mixed.run(ids, positions, batch, fill)
             rows = to_device(torch.tensor(sample_rows, dtype=torch.long), self.device)

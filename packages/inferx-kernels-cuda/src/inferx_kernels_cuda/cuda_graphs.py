@@ -362,12 +362,20 @@ class MixedGraphRunner:
         self.hidden: torch.Tensor | None = None  # [max_tokens, hidden], sized by the first run
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays: Counter[int] = Counter()
+        self.declined = 0  # steps of a fitting size whose layout the backend declined
 
     def padded_size(self, num_tokens: int) -> int | None:
         return _next_size(self.sizes, num_tokens)
 
-    def fits(self, num_tokens: int, num_seqs: int) -> bool:
-        return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs
+    def fits(self, query_lens: list[int], context_lens: list[int]) -> bool:
+        """Whether a step of these chunks replays: few enough tokens and sequences, and a
+        layout the backend's graphs hold (takes_mixed_step; `declined` counts the others)."""
+        if sum(query_lens) > self.max_tokens or len(query_lens) > self.max_seqs:
+            return False
+        if self.attention.takes_mixed_step(query_lens, context_lens):
+            return True
+        self.declined += 1
+        return False
 
     @torch.inference_mode()
     def capture(self, pool: object = None) -> object:

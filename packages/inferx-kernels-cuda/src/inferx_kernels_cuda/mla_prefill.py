@@ -52,13 +52,16 @@ def _rows(src, row, col, limit, stride, BLOCK: tl.constexpr, WIDTH: tl.constexpr
 
 @triton.jit
 def _mla_step(q_nope, q_pe, m, row_sum, acc, k_src, v_src, pe_src, head_col, row, limit,
-              stride_kv, stride_pe, scale_log2, seen, MASKED: tl.constexpr, NOPE: tl.constexpr,
-              ROPE: tl.constexpr, V: tl.constexpr, NOPE_PAD: tl.constexpr,
+              stride_kv, stride_pe, scale_log2, seen, key_ok, MASKED: tl.constexpr,
+              NOPE: tl.constexpr, ROPE: tl.constexpr, V: tl.constexpr, NOPE_PAD: tl.constexpr,
               ROPE_PAD: tl.constexpr, V_PAD: tl.constexpr, PE_COL: tl.constexpr,
               BLOCK_N: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
               DOT_PRECISION: tl.constexpr):  # fmt: skip
     """One BLOCK_N-key tile from context row `row`: scores of the tile's queries (hidden where
-    `seen` is false, when MASKED), folded into the running (max, sum, unnormalised output)."""
+    `seen` is false, when MASKED), folded into the running (max, sum, unnormalised output).
+    MASKED: values of rows past the sequence's keys (key_ok false) are zeroed, as a hidden
+    score's weight of 0 times a NaN there would still be NaN: in a mixed graph the rows after
+    a step's last token are padding, whatever they hold."""
     k_nope = _rows(k_src, row, head_col, limit, stride_kv, BLOCK_N, NOPE, NOPE_PAD, TMA, UPCAST)
     k_pe = _rows(pe_src, row, PE_COL, limit, stride_pe, BLOCK_N, ROPE, ROPE_PAD, TMA, UPCAST)
     v = _rows(v_src, row, head_col + NOPE, limit, stride_kv, BLOCK_N, V, V_PAD, TMA, UPCAST)
@@ -66,6 +69,7 @@ def _mla_step(q_nope, q_pe, m, row_sum, acc, k_src, v_src, pe_src, head_col, row
     s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=DOT_PRECISION)
     if MASKED:
         s = tl.where(seen, s, float("-inf"))
+        v = tl.where(key_ok[:, None], v, tl.zeros_like(v))
     return _dense_softmax_step(s, v, m, row_sum, acc, scale_log2, DOT_PRECISION)
 
 
@@ -158,15 +162,16 @@ def mla_prefill_kernel(
     for start in range(lo, full, BLOCK_N):
         m, row_sum, acc = _mla_step(
             q_nope, q_pe, m, row_sum, acc, k_src, v_src, pe_src, kv_col, row0 + start, num_rows,
-            stride_kv, stride_pe, scale_log2, None, False, NOPE, ROPE, V, NOPE_PAD, ROPE_PAD,
+            stride_kv, stride_pe, scale_log2, None, None, False, NOPE, ROPE, V, NOPE_PAD, ROPE_PAD,
             V_PAD, PE_COL, BLOCK_N, TMA, UPCAST, DOT_PRECISION,
         )  # fmt: skip
     for start in range(full, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        seen = (pos < hi)[None, :] & (pos[None, :] <= q_pos[:, None])
+        key_ok = pos < hi
+        seen = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         m, row_sum, acc = _mla_step(
             q_nope, q_pe, m, row_sum, acc, k_src, v_src, pe_src, kv_col, row0 + start, num_rows,
-            stride_kv, stride_pe, scale_log2, seen, True, NOPE, ROPE, V, NOPE_PAD, ROPE_PAD,
+            stride_kv, stride_pe, scale_log2, seen, key_ok, True, NOPE, ROPE, V, NOPE_PAD, ROPE_PAD,
             V_PAD, PE_COL, BLOCK_N, TMA, UPCAST, DOT_PRECISION,
         )  # fmt: skip
 
@@ -219,7 +224,9 @@ class PrefillPlan:
         return len(self.passes) > 1
 
 
-def _tiles(query_lens: list[int], seqs: list[int], block_m: int) -> tuple[list[int], list[int]]:
+def query_tiles(
+    query_lens: list[int], seqs: list[int], block_m: int
+) -> tuple[list[int], list[int]]:
     """Query tiles of `seqs`, those with later first queries (more keys to see) first."""
     tiles = [(i, s) for i in seqs for s in range(0, query_lens[i], block_m)]
     tiles.sort(key=lambda t: -t[1])
@@ -308,7 +315,7 @@ def _pass(
     block_m: int,
     device: torch.device,
 ) -> PrefillPass:
-    tile_seq, tile_start = _tiles(query_lens, seqs, block_m)
+    tile_seq, tile_start = query_tiles(query_lens, seqs, block_m)
     parts = [key_lo, key_hi, row0, tile_seq, tile_start]
     packed, at = pack_aligned(parts, torch.int32)
     packed = to_device(packed, device)

@@ -16,7 +16,14 @@ from inferx_core.interfaces.attention import AttentionBatch, AttentionLayer, Spl
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_kernels_cuda import triton_kernels as kernels
 from inferx_kernels_cuda.mla_decode import mla_decode_absorbed, write_latent
-from inferx_kernels_cuda.mla_prefill import PrefillPlan, can_tma, mla_prefill, plan_prefill
+from inferx_kernels_cuda.mla_prefill import (
+    PrefillPass,
+    PrefillPlan,
+    can_tma,
+    mla_prefill,
+    plan_prefill,
+    query_tiles,
+)
 from inferx_kernels_cuda.ops import _ROTARY_TILE, _has_tma
 from inferx_kernels_cuda.pdl import attention_early, between_launch, in_ranges
 
@@ -143,6 +150,36 @@ class _MixedBuffers:
     # with several KV groups, the slot mappings and block tables of groups 1..
     more_slot_mappings: list[torch.Tensor] = field(default_factory=list)
     more_block_tables: list[torch.Tensor] = field(default_factory=list)
+    mla: _MLAMixed | None = None  # a model with MLA layers: theirs
+
+
+@dataclass
+class _MLADecodes:
+    """The decode rows of a step with prompt rows, for its MLA layers, gathered once a step:
+    each one's query row, the row its output goes to, its block table (one a KV group) and
+    context. A mixed graph's unused decode slots read query row 0, have no context and write
+    the output's spare row past the step's."""
+
+    q_rows: torch.Tensor  # [decodes] int64
+    out_rows: torch.Tensor  # [decodes] int64
+    tables: list[torch.Tensor]  # [decodes, blocks] int32
+    context_len: torch.Tensor  # [decodes] int32
+
+
+@dataclass
+class _MLAMixed:
+    """Static metadata of mixed graphs for MLA layers, whose prompt rows must be fresh prompts
+    (takes_mixed_step): mla_prefill_kernel's tiles over the step's own rows (tiles past the
+    step's on the empty sequence row), and the decode slots' rows, tables and contexts."""
+
+    tile_seq: torch.Tensor  # [cdiv(max_tokens, BLOCK_M) + min(max_tokens, max_seqs)] int32
+    tile_start: torch.Tensor
+    key_lo: torch.Tensor  # [max_seqs + 1] int32 zeros: a fresh prompt attends from position 0
+    # [2 * max_seqs] int64: a graph of s decode slots reads their query rows from [:s], their
+    # output rows from [s : 2s] (one contiguous copy a replay)
+    rows: torch.Tensor
+    block_table: torch.Tensor  # [max_seqs, max_blocks] int32, the decode slots'
+    context_len: torch.Tensor  # [max_seqs] int32, the decode slots' (0: unused)
 
 
 def write_kv(
@@ -649,11 +686,13 @@ class TritonAttention(TorchAttention):
     ) -> None:
         self._mla_refuse_mixed()
         device = self.device
-        tiles = {g: self._mixed_tile_count(max_tokens, max_seqs, g) for g in self._groups}
+        tiles = {g: self._mixed_tile_count(max_tokens, max_seqs, g) for g in self._plain_groups}
         # a graph of t tokens has min(t, max_seqs) decode slots
-        part_o, part_lse = self._split_scratch(
-            min(max_tokens, max_seqs), max_blocks_per_seq * self.block_size
-        )
+        part_o = part_lse = torch.empty(0, dtype=torch.float32, device=device)
+        if self._plain_groups:  # (MLA layers' decodes have scratch of their own)
+            part_o, part_lse = self._split_scratch(
+                min(max_tokens, max_seqs), max_blocks_per_seq * self.block_size
+            )
         more = range(len(self.groups) - 1)  # groups past the first, each with its own metadata
         self._mixed = _MixedBuffers(
             max_tokens=max_tokens,
@@ -681,6 +720,7 @@ class TritonAttention(TorchAttention):
                 torch.zeros(max_seqs + 1, max_blocks_per_seq, dtype=torch.int32, device=device)
                 for _ in more
             ],
+            mla=self._mla_mixed_buffers(max_tokens, max_seqs, max_blocks_per_seq),
         )
 
     def _mixed_tile_count(self, num_tokens: int, max_seqs: int, group: int) -> int:
@@ -705,7 +745,7 @@ class TritonAttention(TorchAttention):
     def _mixed_plan(self, m: _MixedBuffers, num_tokens: int) -> _Plan:
         tiles = {}
         slots = min(num_tokens, m.max_seqs)
-        for group in self._groups:
+        for group in self._plain_groups:
             block_m, block_q = self._tile_shape(group)
             count = self._mixed_tile_count(num_tokens, m.max_seqs, group)
             seq, start = m.tile_seq[group][:count], m.tile_start[group][:count]
@@ -742,6 +782,10 @@ class TritonAttention(TorchAttention):
         for t in (m.query_start, m.context_len, *tile_lists):
             t.zero_()  # every tile on row 0, which has no queries and no context
         self._plan = self._mixed_plan(m, num_tokens)
+        if m.mla is not None:
+            for t in (m.mla.tile_seq, m.mla.tile_start, m.mla.rows, m.mla.context_len):
+                t.zero_()
+            self._mla_mixed_plan(m, num_tokens)
 
     def prepare_mixed_replay(self, batch: AttentionBatch, num_tokens: int) -> None:
         m = self._mixed_buffers(num_tokens)
@@ -766,7 +810,9 @@ class TritonAttention(TorchAttention):
             one_query + [n] * (slots - len(one_query)),
         ]
         dests = [m.query_start[: n + 2], m.context_len[: n + 1], m.decode_seqs[:slots]]
-        for group in self._groups:
+        if m.mla is not None:
+            self._mla_replay(m.mla, batch, num_tokens, slots, query_start, parts, dests)
+        for group in self._plain_groups:
             count = self._mixed_tile_count(num_tokens, m.max_seqs, group)
             seqs, starts = self._tiles_of(batch.query_lens, more, self._tile_shape(group)[1])
             pad = count - len(seqs)
@@ -797,6 +843,8 @@ class TritonAttention(TorchAttention):
             dest_slots[:num_tokens].copy_(_pinned(padded), non_blocking=True)
             dest_table[:n, : table.shape[1]].copy_(_pinned(table), non_blocking=True)
         self._plan = self._mixed_plan(m, num_tokens)
+        if m.mla is not None:
+            self._mla_mixed_plan(m, num_tokens)
 
     @staticmethod
     def _no_new_tokens(plan: _Plan) -> dict[str, Any]:
@@ -825,8 +873,9 @@ class TritonAttention(TorchAttention):
     # (decodes) attend in the absorbed form through mla_decode's kernels, over the plan's block
     # tables and context lengths (a decode graph's static ones); rows of longer chunks attend in
     # the plain form through mla_prefill (their contexts expanded through kv_b_proj, in passes
-    # of at most mla_context_rows gathered rows), planned per eager step: mixed-step graphs,
-    # whose shapes are fixed, do not take MLA layers.
+    # of at most mla_context_rows gathered rows), planned per eager step. Mixed-step graphs take
+    # the steps whose prompt rows are fresh prompts (takes_mixed_step): those expand the step's
+    # own rows, a shape fixed by the token count; a chunk over a cached prefix runs eagerly.
 
     # MLA decode: fewest context tokens per split, most splits per sequence.
     mla_min_split_len = 256
@@ -847,20 +896,122 @@ class TritonAttention(TorchAttention):
         )
         device = torch.device(self.device)
         self.mla_prefill_tma = device.type == "cuda" and _has_tma(device)
-        if self._mla:
+        self._mla_decodes: _MLADecodes | None = None  # the decode rows of _mla_plan
+        # GQA group sizes of the layers that are not MLA (the plain kernels' tiles)
+        self._plain_groups = sorted(
+            {s.num_q_heads // s.num_kv_heads for s in self.layers if s.kind != "mla"}
+        )
+        if self._mla and len(self.groups) > 1:
             self.supports_mixed_graphs = False  # see _mla_refuse_mixed
         if all(s.kind == "mla" for s in self.layers):
             self.dense_prefill = False  # no layer for it (nor its warm-up prompts)
 
     def _mla_refuse_mixed(self) -> None:
-        if self._mla:
+        if self._mla and len(self.groups) > 1:
             raise NotImplementedError(
-                f"{self.name}: mixed-step CUDA graphs do not take MLA layers (their prompt "
-                "rows expand their contexts, whose sizes change every step); decode graphs do"
+                f"{self.name}: mixed-step CUDA graphs take MLA layers in a model of one KV "
+                f"group; this one has {len(self.groups)}"
+            )
+
+    def takes_mixed_step(self, query_lens: list[int], context_lens: list[int]) -> bool:
+        """AttentionBackend.takes_mixed_step: with MLA layers, steps whose prompt rows (chunks
+        of several queries) are fresh prompts, no cached prefix; any step otherwise."""
+        if not self._mla:
+            return True
+        return all(q == c for q, c in zip(query_lens, context_lens, strict=True) if q > 1)
+
+    def _mla_mixed_buffers(
+        self, max_tokens: int, max_seqs: int, max_blocks: int
+    ) -> _MLAMixed | None:
+        if not self._mla:
+            return None
+        device = self.device
+        tiles = self._mla_tile_count(max_tokens, max_seqs)
+        return _MLAMixed(
+            tile_seq=torch.zeros(tiles, dtype=torch.int32, device=device),
+            tile_start=torch.zeros(tiles, dtype=torch.int32, device=device),
+            key_lo=torch.zeros(max_seqs + 1, dtype=torch.int32, device=device),
+            rows=torch.zeros(2 * max_seqs, dtype=torch.int64, device=device),
+            block_table=torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device),
+            context_len=torch.zeros(max_seqs, dtype=torch.int32, device=device),
+        )
+
+    def _mla_tile_count(self, num_tokens: int, max_seqs: int) -> int:
+        """mla_prefill_kernel's tiles a head in a mixed graph of num_tokens: the most that
+        many tokens' prompts can need."""
+        block_m = self.mla_prefill_config.block_m
+        return _cdiv(num_tokens, block_m) + min(num_tokens, max_seqs)
+
+    def _mla_mixed_plan(self, m: _MixedBuffers, num_tokens: int) -> None:
+        """The MLA prefill plan and decode rows of a mixed graph of num_tokens, over the static
+        buffers: one pass over the step's own rows (fresh prompts: position p of sequence i is
+        row query_start[i] + p)."""
+        mm = m.mla
+        assert mm is not None and self._plan is not None
+        count = self._mla_tile_count(num_tokens, m.max_seqs)
+        slots = min(num_tokens, m.max_seqs)
+        own_rows = PrefillPass(
+            slots=None,
+            num_rows=num_tokens,
+            key_lo=mm.key_lo,
+            key_hi=m.context_len,
+            row0=m.query_start,
+            tile_seq=mm.tile_seq[:count],
+            tile_start=mm.tile_start[:count],
+            tiles=count,
+        )
+        self._mla_prefill = PrefillPlan([own_rows], self.mla_prefill_config.block_m)
+        self._mla_decodes = _MLADecodes(
+            q_rows=mm.rows[:slots],
+            out_rows=mm.rows[slots : 2 * slots],
+            tables=[mm.block_table[:slots]],
+            context_len=mm.context_len[:slots],
+        )
+        self._mla_plan = self._plan
+
+    def _mla_replay(
+        self,
+        mm: _MLAMixed,
+        batch: AttentionBatch,
+        num_tokens: int,
+        slots: int,
+        query_start: list[int],
+        parts: list[list[int]],
+        dests: list[torch.Tensor],
+    ) -> None:
+        """prepare_mixed_replay's MLA part: the prompt tiles and decode contexts join its
+        packed copy (parts, dests); the decode slots' rows and tables are copied here."""
+        if not self.takes_mixed_step(batch.query_lens, batch.context_lens):
+            raise ValueError(
+                f"{self.name}: a mixed graph of MLA layers takes fresh prompts (no cached "
+                f"prefix) beside decodes; got chunks of {batch.query_lens} tokens with "
+                f"contexts {batch.context_lens}"
+            )
+        n = len(batch.query_lens)
+        one_query = [i for i, q in enumerate(batch.query_lens) if q == 1]
+        more = [i for i, q in enumerate(batch.query_lens) if q != 1]
+        count = self._mla_tile_count(num_tokens, mm.context_len.shape[0])
+        seqs, starts = query_tiles(batch.query_lens, more, self.mla_prefill_config.block_m)
+        pad = count - len(seqs)
+        unused = slots - len(one_query)
+        parts += [
+            seqs + [n] * pad,
+            starts + [0] * pad,
+            [batch.context_lens[i] for i in one_query] + [0] * unused,
+        ]
+        dests += [mm.tile_seq[:count], mm.tile_start[:count], mm.context_len[:slots]]
+        at = [query_start[i] for i in one_query]
+        rows = torch.tensor(at + [0] * unused + at + [num_tokens] * unused, dtype=torch.int64)
+        mm.rows[: 2 * slots].copy_(_pinned(rows), non_blocking=True)
+        if one_query:
+            table = batch.block_table[one_query]
+            mm.block_table[: len(one_query), : table.shape[1]].copy_(
+                _pinned(table), non_blocking=True
             )
 
     def _mla_begin_step(self, batch: AttentionBatch) -> None:
-        """A step with prompt rows: their MLA prefill's passes and tiles."""
+        """A step with prompt rows: their MLA prefill's passes and tiles, and the decode
+        rows' query rows, tables and contexts."""
         plan = self._plan
         if self._mla and plan is not None and not plan.all_decode:
             self._mla_prefill = plan_prefill(
@@ -872,6 +1023,17 @@ class TritonAttention(TorchAttention):
                 max(self.mla_context_rows, sum(batch.query_lens)),
                 self.device,
             )
+            self._mla_decodes = None
+            if plan.num_decode:
+                seqs = plan.decode_seqs.long()
+                at = plan.query_start.index_select(0, seqs).long()
+                tables = plan.group_block_tables or [plan.block_table]
+                self._mla_decodes = _MLADecodes(
+                    q_rows=at,
+                    out_rows=at,
+                    tables=[t.index_select(0, seqs) for t in tables],
+                    context_len=plan.context_len.index_select(0, seqs),
+                )
             self._mla_plan = plan
 
     def _mla_splits(self, num_decode: int) -> int:
@@ -927,12 +1089,17 @@ class TritonAttention(TorchAttention):
             )
         if self._mla_plan is not plan:
             raise RuntimeError(f"{self.name}: MLA prompt rows need begin_step()'s prefill plan")
-        out = q.new_empty(num_tokens, q.shape[1], mla.v_head_dim)
-        if plan.num_decode:
-            seqs = plan.decode_seqs.long()
-            at = plan.query_start[seqs].long()
-            table, ctx = block_table[seqs], plan.context_len[seqs]
-            out[at] = mla_decode_absorbed(q[at], cache, table, ctx, mla, layer.scale, **decode)
+        # one spare row past the step's: a mixed graph's unused decode slots write there
+        spare = q.new_empty(num_tokens + 1, q.shape[1], mla.v_head_dim)
+        out = spare[:num_tokens]
+        dec = self._mla_decodes
+        if dec is not None:
+            q_dec = q.index_select(0, dec.q_rows)
+            table = dec.tables[layer.group]
+            o = mla_decode_absorbed(
+                q_dec, cache, table, dec.context_len, mla, layer.scale, **decode
+            )
+            spare.index_copy_(0, dec.out_rows, o)
         prefill = self._mla_prefill
         if prefill is not None:
             if layer.group and any(p.slots is not None for p in prefill.passes):

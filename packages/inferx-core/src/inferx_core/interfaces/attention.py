@@ -133,7 +133,8 @@ class AttentionBackend(ABC):
     Steps with prompt tokens (any query lengths) can be graphs too, over a padded token count:
     a backend that sets `supports_mixed_graphs` gets init_mixed_graph_buffers() once, then
     prepare_mixed_capture(t) before capturing a step of t tokens and prepare_mixed_replay()
-    before each replay, with the same rules as the decode hooks.
+    before each replay, with the same rules as the decode hooks; takes_mixed_step() may decline
+    a step's layout (it then runs eagerly).
 
     Optional capabilities beside the contract (a model asks before it uses them):
     `fuses_rotary`: forward_with_rotary() takes q and k before the rotary embedding and rotates
@@ -315,3 +316,9 @@ class AttentionBackend(ABC):
         buffers; tokens from sum(batch.query_lens) to `num_tokens` are padding that writes no
         cache slot and whose outputs are unspecified."""
         raise NotImplementedError(f"{type(self).__name__} does not support mixed CUDA graphs")
+
+    def takes_mixed_step(self, query_lens: list[int], context_lens: list[int]) -> bool:
+        """Whether a step of this layout (each sequence's new tokens and its context with them)
+        can replay a mixed graph, once its size fits; a step it declines runs eagerly. Any step,
+        unless a backend's graphs hold only some layouts."""
+        return True

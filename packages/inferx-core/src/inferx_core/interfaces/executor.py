@@ -59,7 +59,9 @@ class DecodeGraphs(Protocol):
 class MixedGraphs(Protocol):
     """Steps with prompt tokens replayed from graphs by padded token count (ModelRunner.mixed)."""
 
-    def fits(self, num_tokens: int, num_seqs: int) -> bool: ...
+    def fits(self, query_lens: list[int], context_lens: list[int]) -> bool:
+        """Whether a step of these chunks (new tokens, context with them) can replay."""
+        ...
 
     def run(
         self, ids: list[int], positions: list[int], batch: AttentionBatch, fill: Fill | None = None
