@@ -756,3 +756,23 @@ def test_plans_send_what_changed_and_rebuild_every_table() -> None:
     plan = encoder.encode(out)  # the same step again: nothing changed
     assert all(not full and part == [[], []] for *_, full, part in plan)
     assert decoder.decode(plan).chunks[0].seq.block_tables == out.chunks[0].seq.block_tables
+
+
+def test_exit_if_joined_runs_exit_handlers_then_ends_the_process():
+    """A process that joined a group ends by os._exit after Python's exit handlers (no C++
+    static destructors racing gloo's threads); one that did not gets its code back."""
+    from inferx_core import distributed
+
+    assert distributed.exit_if_joined(3) == 3
+    code = (
+        "import atexit, sys\n"
+        "from inferx_core import distributed\n"
+        "atexit.register(lambda: print('handler ran', flush=True))\n"
+        "distributed._joined = True\n"
+        "print('before', end=' ')\n"
+        "distributed.exit_if_joined(7)\n"
+        "print('not reached')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV)
+    assert out.returncode == 7, out.stderr
+    assert out.stdout.split() == ["before", "handler", "ran"]

@@ -283,12 +283,31 @@ def join(
     elif not config.engine.threads:  # the ranks share the machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     backend = "nccl" if device == "cuda" else "gloo"
+    global _joined
+    _joined = True
     dist.init_process_group(
         backend, init_method=init, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
     )
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     beat = dist.new_group(backend="gloo", timeout=HEARTBEAT_TIMEOUT) if world > 1 else None
     return ParallelContext(rank, world, dist.group.WORLD, cpu_group=control), beat
+
+
+_joined = False  # whether this process ever joined a group (join)
+
+
+def exit_if_joined(code: int) -> int:
+    """Return code, unless this process joined a process group: then run Python's exit
+    handlers, flush the streams and end the process with code at once (os._exit). A normal
+    interpreter exit runs C++ static destructors while gloo's threads may still be alive, and
+    a joinable thread destroyed there aborts the process (std::terminate) now and then."""
+    if not _joined:
+        return code
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def leave() -> None:
@@ -599,7 +618,7 @@ def make_tensor_parallel_executor(config: Config, reg: Plugins | None = None) ->
         rank, _, local_rank = launched
         if rank != 0:
             code = worker_loop(config, rank, world, local_rank, "env://", reg=reg)
-            sys.exit(code)
+            sys.exit(exit_if_joined(code))
         parallel, beat = join(config, 0, world, local_rank, "env://")
         try:
             inner = build_rank_executor(config, parallel, reg)
@@ -746,4 +765,4 @@ def _write(path: str, text: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(_worker_main(sys.argv[1:]))
+    sys.exit(exit_if_joined(_worker_main(sys.argv[1:])))

@@ -69,10 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(build_parser().parse_args(argv))
         if os.environ.get("RANK", "0") != "0":  # under torchrun: a tensor-parallel rank only
-            from inferx_core.distributed import run_if_worker
+            from inferx_core.distributed import exit_if_joined, run_if_worker
 
             if (code := run_if_worker(config)) is not None:
-                return code
+                return exit_if_joined(code)
         # Listening first: a taken port is reported now, not after the model has loaded.
         sock = bind(config.server.host, config.server.port)
         t0 = time.perf_counter()
@@ -115,7 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"inferx-server: {name} loaded in {loaded:.1f} s; listening on {url}", flush=True)
 
     transport.serve(sock, on_ready=ready)
-    return 1 if getattr(transport, "failure", None) is not None else 0
+    code = 1 if getattr(transport, "failure", None) is not None else 0
+    if "inferx_core.distributed" in sys.modules:  # a tensor-parallel rank 0 under torchrun
+        from inferx_core.distributed import exit_if_joined
+
+        return exit_if_joined(code)
+    return code
 
 
 def _close(engine: object, sock: socket.socket | None = None) -> None:
