@@ -761,18 +761,21 @@ def test_plans_send_what_changed_and_rebuild_every_table() -> None:
 def test_exit_if_joined_runs_exit_handlers_then_ends_the_process():
     """A process that joined a group ends by os._exit after Python's exit handlers (no C++
     static destructors racing gloo's threads); one that did not gets its code back."""
-    from inferx_core import distributed
 
-    assert distributed.exit_if_joined(3) == 3
-    code = (
-        "import atexit, sys\n"
-        "from inferx_core import distributed\n"
-        "atexit.register(lambda: print('handler ran', flush=True))\n"
-        "distributed._joined = True\n"
-        "print('before', end=' ')\n"
-        "distributed.exit_if_joined(7)\n"
-        "print('not reached')\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV)
+    def run(joined: bool) -> subprocess.CompletedProcess:
+        code = (  # in a process of its own: this one may have joined groups in earlier tests
+            "import atexit, sys\n"
+            "from inferx_core import distributed\n"
+            "atexit.register(lambda: print('handler ran', flush=True))\n"
+            f"distributed._joined = {joined}\n"
+            "print('before', end=' ')\n"
+            "print(distributed.exit_if_joined(7), end=' ')\n"
+        )
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV)
+
+    out = run(True)
     assert out.returncode == 7, out.stderr
     assert out.stdout.split() == ["before", "handler", "ran"]
+    out = run(False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["before", "7", "handler", "ran"]

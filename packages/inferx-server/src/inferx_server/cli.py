@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
     transport.serve(sock, on_ready=ready)
     code = 1 if getattr(transport, "failure", None) is not None else 0
-    if "inferx_core.distributed" in sys.modules:  # a tensor-parallel rank 0 under torchrun
+    if os.environ.get("WORLD_SIZE", "1") != "1":  # rank 0 of a tensor-parallel torchrun
         from inferx_core.distributed import exit_if_joined
 
         return exit_if_joined(code)
