@@ -722,7 +722,7 @@ def gpu_expert_weights(fmt: str, spec: ExpertsSpec) -> ExpertWeights:
 @on_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("atomic_sum", [False, True])
-@pytest.mark.parametrize("tokens", [1, 64, 2048])
+@pytest.mark.parametrize("tokens", [1, 4, 8, 64, 2048])
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4", "fp8"])
 @pytest.mark.parametrize("shape", ["gpt-oss-20b", "qwen3-30b-a3b"])
 def test_gpu_grouped_gemm_formats(shape, fmt, tokens, atomic_sum):

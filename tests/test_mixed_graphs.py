@@ -354,6 +354,24 @@ def test_runner_dry_run_walks_every_size(tmp_path_factory, monkeypatch) -> None:
 # -- on the GPU ---------------------------------------------------------------------------------
 
 
+def graphs_llm(path, graphs: bool, prefix_cache: bool) -> LLM:
+    """A tiny fp32 model on the triton backend for the generate tests: 4 sequences at a time,
+    chunks of up to 100 tokens, mixed graphs up to 300 tokens when `graphs`."""
+    config = {
+        "model.path": str(path),
+        "model.dtype": "float32",
+        "model.max_model_len": 256,
+        "engine.attention_backend": "triton",
+        "engine.cuda_graphs": graphs,
+        "engine.graph_max_tokens": 300,
+        "kv_cache.memory": "1GiB",  # sized after the profiling pass, which runs
+        "scheduler.max_running": 4,
+        "scheduler.prefix_cache": prefix_cache,
+        "scheduler.prefill_chunk": 100,
+    }
+    return LLM(load_config(None, config))
+
+
 @on_gpu
 @pytest.mark.gpu
 def test_gpu_mixed_graphs_generate_like_eager(tmp_path_factory) -> None:
@@ -370,19 +388,7 @@ def test_gpu_mixed_graphs_generate_like_eager(tmp_path_factory) -> None:
     ]
     outs = {}
     for graphs in (True, False):
-        config = {
-            "model.path": str(path),
-            "model.dtype": "float32",
-            "model.max_model_len": 256,
-            "engine.attention_backend": "triton",
-            "engine.cuda_graphs": graphs,
-            "engine.graph_max_tokens": 300,
-            "kv_cache.memory": "1GiB",  # sized after the profiling pass, which runs
-            "scheduler.max_running": 4,
-            "scheduler.prefix_cache": False,
-            "scheduler.prefill_chunk": 100,
-        }
-        llm = LLM(load_config(None, config))
+        llm = graphs_llm(path, graphs, prefix_cache=False)
         ex = llm.engine.executor
         assert (ex.mixed is not None) == graphs
         outs[graphs] = [c.token_ids for c in llm.generate(prompts, params)]
@@ -431,18 +437,7 @@ def test_gpu_mla_mixed_graphs_generate_like_eager(tmp_path_factory) -> None:
     ]
     outs = {}
     for graphs in (True, False):
-        config = {
-            "model.path": str(path),
-            "model.dtype": "float32",
-            "model.max_model_len": 256,
-            "engine.attention_backend": "triton",
-            "engine.cuda_graphs": graphs,
-            "engine.graph_max_tokens": 300,
-            "kv_cache.memory": "1GiB",
-            "scheduler.max_running": 4,
-            "scheduler.prefill_chunk": 100,
-        }
-        llm = LLM(load_config(None, config))
+        llm = graphs_llm(path, graphs, prefix_cache=True)
         ex = llm.engine.executor
         assert (ex.mixed is not None) == graphs
         outs[graphs] = [c.token_ids for c in llm.generate(prompts, params)]

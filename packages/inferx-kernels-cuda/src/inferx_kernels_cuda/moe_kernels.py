@@ -292,10 +292,13 @@ class Grouping:
 # without the grouping's launch. (Two tokens' pairs may share experts, read twice then.)
 PER_PAIR_MAX_TOKENS = 1
 # Tokens up to which MXFP4 pairs run moe_gemv_kernel (CUDA cores, no tile padding) instead of
-# moe_gemm_kernel's per-pair tiles (faster for bf16 weights); GEMV_BLOCK_K columns a step
-# (bytes: half that for MXFP4).
-GEMV_MAX_TOKENS = 1
+# moe_gemm_kernel's tiles (faster for bf16 weights): GEMV_BLOCK_N output columns a program of
+# GEMV_WARPS warps, GEMV_BLOCK_K columns a step (bytes: half that for MXFP4); measured choices
+# (docs/ARCHITECTURE.md, MoE decisions).
+GEMV_MAX_TOKENS = 4
+GEMV_BLOCK_N = 16
 GEMV_BLOCK_K = 256
+GEMV_WARPS = 8
 # Chunks of pairs up to which one program groups them all (a few decode tokens); above, three
 # launches, whose passes over the chunks run in parallel.
 ALIGN_ONE_MAX_CHUNKS = 2
@@ -388,23 +391,18 @@ def _mxfp4_half(
     HALF: tl.constexpr,
     GROUPS: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    W_DOWN: tl.constexpr,
 ):
     """A [2 * HALF, BLOCK_N] tile of MXFP4 weights as its (even, odd) rows, [HALF, BLOCK_N]
-    each in float32: the bytes at blocks_ptrs [HALF, BLOCK_N] (low nibble even), each times
-    2 ** (its e8m0 scale - 127), the GROUPS scales at scale_ptrs [GROUPS, BLOCK_N] covering 16
-    bytes each. W_DOWN: 2 ** -64 times those values (the caller's sums go up by _A_UP), the
-    codes by _e2m1_raw's bits, one multiply a weight (a bf16 or float32 tile's range); else
-    an e2m1 code's bits placed in an fp16's (sign to bit 15, exponent and mantissa to bits
-    11..9) make that fp16 2 ** -14 times the e2m1 value, subnormals included; the 2 ** 14
-    goes into the scale (an fp16 tile's: its values must stay normal fp16)."""
+    each in float32 for an fp16 tile: the bytes at blocks_ptrs [HALF, BLOCK_N] (low nibble
+    even), each times 2 ** (its e8m0 scale - 127), the GROUPS scales at scale_ptrs [GROUPS,
+    BLOCK_N] covering 16 bytes each. An e2m1 code's bits placed in an fp16's (sign to bit 15,
+    exponent and mantissa to bits 11..9) make that fp16 2 ** -14 times the e2m1 value,
+    subnormals included; the 2 ** 14 goes into the scale (the values must stay normal fp16)."""
     packed = tl.load(blocks_ptrs, mask=mask, other=0)
     bits = tl.load(scale_ptrs, mask=scale_mask, other=0)
-    scale = _e8m0_up(bits) if W_DOWN else _e8m0(bits)
-    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (GROUPS, 16, BLOCK_N)), (HALF, BLOCK_N))
-    if W_DOWN:
-        even, odd = _e2m1_raw(packed)
-        return even * scale, odd * scale
+    scale = tl.reshape(
+        tl.broadcast_to(_e8m0(bits)[:, None, :], (GROUPS, 16, BLOCK_N)), (HALF, BLOCK_N)
+    )
     return _e2m1_pair(packed, scale)
 
 
@@ -579,19 +577,17 @@ def moe_gemm_kernel(
         kg = tl.arange(0, GROUPS)
         s_base = scale_ptr + expert * stride_se
         W_DOWN: tl.constexpr = a_ptr.dtype.element_ty != tl.float16
-        rows_gate = rows_g[None, :].to(tl.int64)
-        rows_up = (rows_g + up_offset)[None, :].to(tl.int64)
-        if W_DOWN:
-            gate_rows = rows_g[:, None].to(tl.int64)
-            up_rows = (rows_g + up_offset)[:, None].to(tl.int64)
-            for k0 in range(0, k_in, BLOCK_K):
+        for k0 in range(0, k_in, BLOCK_K):
+            k_ok = (k0 + kr) < k_in
+            a = tl.load(
+                a_ptr + a_rows[:, None] + (k0 + kr)[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            if W_DOWN:
                 # weight rows [BLOCK_N, BLOCK_K] in bf16, 2 ** -64 times theirs
-                k_ok = (k0 + kr) < k_in
-                a = tl.load(
-                    a_ptr + a_rows[:, None] + (k0 + kr)[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
+                gate_rows = rows_g[:, None].to(tl.int64)
+                up_rows = (rows_g + up_offset)[:, None].to(tl.int64)
                 w_mask = col_ok[:, None] & ((k0 // 2 + kk) < k_in // 2)[None, :]
                 s_mask = col_ok[:, None] & ((k0 // 32 + kg) < k_in // 32)[None, :]
                 byte_off = (k0 // 2 + kk)[None, :]
@@ -609,14 +605,10 @@ def moe_gemm_kernel(
                         w_mask, s_mask, GROUPS, BLOCK_N, BLOCK_K, BF16_BITS,
                     )  # fmt: skip
                     acc_up = _dot(a, tl.trans(w.to(a.dtype)), acc_up, DOT_FP32)
-        else:
-            for k0 in range(0, k_in, BLOCK_K):
-                # the activations' even and odd columns, to meet the low and high nibbles
-                a = tl.load(
-                    a_ptr + a_rows[:, None] + (k0 + kr)[None, :],
-                    mask=row_ok[:, None] & ((k0 + kr) < k_in)[None, :],
-                    other=0.0,
-                )
+            else:
+                # fp16: the activations' even and odd columns, to meet the low and high nibbles
+                rows_gate = rows_g[None, :].to(tl.int64)
+                rows_up = (rows_g + up_offset)[None, :].to(tl.int64)
                 a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, HALF, 2)))
                 w_mask = ((k0 // 2 + kk) < k_in // 2)[:, None] & col_ok[None, :]
                 s_mask = ((k0 // 32 + kg) < k_in // 32)[:, None] & col_ok[None, :]
@@ -625,7 +617,7 @@ def moe_gemm_kernel(
                 even, odd = _mxfp4_half(
                     w_base + rows_gate * stride_wn + byte_off,
                     s_base + rows_gate * stride_sn + scale_off,
-                    w_mask, s_mask, HALF, GROUPS, BLOCK_N, W_DOWN,
+                    w_mask, s_mask, HALF, GROUPS, BLOCK_N,
                 )  # fmt: skip
                 acc = _dot(a_even, even.to(a.dtype), acc, DOT_FP32)
                 acc = _dot(a_odd, odd.to(a.dtype), acc, DOT_FP32)
@@ -633,7 +625,7 @@ def moe_gemm_kernel(
                     even, odd = _mxfp4_half(
                         w_base + rows_up * stride_wn + byte_off,
                         s_base + rows_up * stride_sn + scale_off,
-                        w_mask, s_mask, HALF, GROUPS, BLOCK_N, W_DOWN,
+                        w_mask, s_mask, HALF, GROUPS, BLOCK_N,
                     )  # fmt: skip
                     acc_up = _dot(a_even, even.to(a.dtype), acc_up, DOT_FP32)
                     acc_up = _dot(a_odd, odd.to(a.dtype), acc_up, DOT_FP32)
@@ -875,15 +867,6 @@ def _decode_block_n(tiles: int, n_out: int, num_sms: int) -> int:
     return 16
 
 
-def _gemv_block_n(num_pairs: int, n_out: int, num_sms: int) -> int:
-    """moe_gemv_kernel's output columns a program: the widest of 64, 32, 16 that still gives
-    every SM eight programs, else 8 (docs/ARCHITECTURE.md, MoE decisions)."""
-    for block_n in (64, 32, 16):
-        if num_pairs * triton.cdiv(n_out, block_n) >= 8 * num_sms:
-            return block_n
-    return 8
-
-
 def gemm_configs(
     num_pairs: int,
     num_experts: int,
@@ -896,8 +879,7 @@ def gemm_configs(
     """(gate_up's, down's) tiles for a step of num_pairs pairs over experts of intermediate
     size n. Up to 16 pairs an expert on average, 16-row tiles (a decode step reads weights;
     a tile is mostly one expert's few tokens) and output columns narrow enough to spread the
-    tiles over the SMs (MXFP4: at most 32 columns by 128 rows, whose dequantization fits the
-    registers); above, 64-row tiles (a prefill computes), 128 rows from 128 pairs an expert;
+    tiles over the SMs; above, 64-row tiles (a prefill computes), 128 rows from 128 pairs an expert;
     MXFP4's with 4 warps (8 spill the dequantization). gemv: moe_gemv_kernel's columns.
     Small tiles under the interpreter."""
     mxfp4 = fmt == "mxfp4"
@@ -906,14 +888,13 @@ def gemm_configs(
         return small, small
     if gemv:
         return (
-            GemmConfig(16, _gemv_block_n(num_pairs, n, num_sms), GEMV_BLOCK_K, 4),
-            GemmConfig(16, _gemv_block_n(num_pairs, hidden, num_sms), GEMV_BLOCK_K, 4),
+            GemmConfig(16, GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS),
+            GemmConfig(16, GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS),
         )
     if num_pairs <= 16 * num_experts:
         tiles = min(num_pairs, num_experts)  # tiles holding pairs, about
-        widest = 32 if mxfp4 else 64
-        gate_up = GemmConfig(16, min(widest, _decode_block_n(tiles, n, num_sms)), 128, 4, 4)
-        down = GemmConfig(16, min(widest, _decode_block_n(tiles, hidden, num_sms)), 128, 4, 4)
+        gate_up = GemmConfig(16, _decode_block_n(tiles, n, num_sms), 128, 4, 4)
+        down = GemmConfig(16, _decode_block_n(tiles, hidden, num_sms), 128, 4, 4)
     elif num_pairs >= 128 * num_experts:
         warps = 4 if mxfp4 else 8
         gate_up = GemmConfig(128, 64, 64, warps, 3)
