@@ -43,7 +43,7 @@ def cases():
     for experts, k in ((32, 4), (128, 8)):
         block_e = triton.next_power_of_2(experts)
         chunk = mk.ALIGN_CHUNK_ENTRIES // block_e
-        top = dict(TOP_K=k, K_PAD=k, SOFTMAX_ALL=False, BLOCK_T=16, BLOCK_E=block_e)
+        top = dict(TOP_K=k, K_PAD=k, SOFTMAX_ALL=False, BLOCK_T=16, BLOCK_E=block_e, PARTS=4)
         plan = dict(BLOCK_M=16, BLOCK_E=block_e, BLOCK_B=8192 // block_e)
         per_chunk = dict(CHUNK=chunk, BLOCK_E=block_e)
         yield f"topk_softmax E{experts}", mk.topk_softmax_kernel, logits, top, 4, 1

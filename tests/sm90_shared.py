@@ -21,6 +21,7 @@ def shared_bytes(dtype: str, rows: int, config: list[int], gated: bool) -> int:
     constexprs = dict(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, UPCAST=False,
         DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", PDL=False, TRIGGER=False,
+        HAS_BIAS=False,
     )  # fmt: skip
     descs = {"x_desc": (block_m, block_k), "w_desc": (block_n, block_k)}
     sig = {}

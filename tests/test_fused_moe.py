@@ -84,6 +84,32 @@ def test_topk_softmax_matches_route(experts, k, after, renormalize, scaling, dty
 
 
 @interpreted
+@pytest.mark.parametrize("parts", [1, 3])
+def test_topk_softmax_sums_partial_logits(parts):
+    """[S, T, E] partial logits (linear_parts' K-slices of the router GEMM, each rounded to
+    bf16) are summed in fp32 before the routing: route on the fp32 sum; TritonOps and the
+    core's route_experts take the parts alike. The parts' sums are distinct multiples of 1/4
+    per row (no ties)."""
+    spec = RouterSpec(32, 4, softmax_after_topk=True)
+    g = gen(parts + 90)
+    perms = torch.stack([torch.randperm(32, generator=g) for _ in range(9)])
+    total = perms * 0.25 - 4
+    split = torch.randint(-8, 9, (parts, 9, 32), generator=g) * 0.125
+    split[-1] = total - split[:-1].sum(0)  # exact in bf16: multiples of 1/8 up to 16
+    logits = split.to(torch.bfloat16)
+    want_w, want_ids = route(total, spec)
+    for weights, ids in (
+        topk_softmax(logits, spec),
+        TritonOps().route_experts(logits, spec),
+        TorchOps().route_experts(logits, spec),
+    ):
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="parts, tokens, 32"):
+        topk_softmax(logits[..., :31], spec)
+
+
+@interpreted
 def test_triton_ops_routes_deepseek_on_the_torch_reference():
     logits = torch.randn(9, 16, generator=gen(3))
     bias = torch.randn(16, generator=gen(4)) * 0.3
@@ -672,12 +698,22 @@ SHAPES = {  # (kind, hidden, intermediate, experts, top_k)
 }
 
 
-def torch_reference(torch_layer: FusedMoE, x: torch.Tensor) -> torch.Tensor:
+def torch_reference(
+    torch_layer: FusedMoE, x: torch.Tensor, triton_layer: FusedMoE | None = None
+) -> torch.Tensor:
     """The torch path's output on topk_softmax's routing, after checking that routing against
     `route` in a way that bf16 logits' ties cannot fail: the picked logits, largest first, and
-    their weights agree (on a tie either expert is a right pick, and the two may differ)."""
+    their weights agree (on a tie either expert is a right pick, and the two may differ).
+    triton_layer: route the logits that layer computes (its router GEMM may run on the TMA
+    GEMV in K-slices, whose bf16 parts round otherwise than F.linear: near-ties may pick other
+    experts), after checking them against F.linear's to bf16 rounding."""
     with torch.no_grad():
         logits = torch_layer.gate(x)
+        if triton_layer is not None:
+            parts = triton_layer.ops.linear_parts(triton_layer.gate, x)
+            summed = parts.float().sum(0)
+            assert (summed - logits.float()).abs().max() <= 2**-6 * logits.float().abs().max()
+            logits = summed
         weights, ids = TritonOps().route_experts(logits, torch_layer.router)
         want_w, want_ids = route(logits, torch_layer.router)
         assert torch.equal(logits.gather(1, ids), logits.gather(1, want_ids))
@@ -704,7 +740,7 @@ def test_gpu_layer_matches_torch_ops(shape, tokens):
     x = torch.randn(tokens, SHAPES[shape][1], device=GPU, dtype=torch.bfloat16)
     with torch.no_grad():
         got = triton_layer(x)
-    err = row_errors(got, torch_reference(torch_layer, x))
+    err = row_errors(got, torch_reference(torch_layer, x, triton_layer))
     assert err.max() < GPU_ROW_TOL, err.max()
 
 
@@ -814,7 +850,7 @@ def test_gpu_layer_in_cuda_graph(shape):
                 graph.replay()
                 torch.cuda.synchronize()
                 assert torch.equal(static_out, triton_layer(x))
-                err = row_errors(static_out, torch_reference(torch_layer, x))
+                err = row_errors(static_out, torch_reference(torch_layer, x, triton_layer))
                 assert err.max() < GPU_ROW_TOL, (tokens, err.max())
 
 

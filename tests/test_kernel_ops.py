@@ -668,6 +668,40 @@ def test_tiny_model_logits_with_tma_gemv(name: str, monkeypatch: pytest.MonkeyPa
     assert_steps_match_torch_ops(cfg, weights, ours)
 
 
+def spy_kwargs(monkeypatch: pytest.MonkeyPatch, name: str, record: Callable[..., Any]) -> list:
+    """spy_calls for a function TritonOps calls with keyword arguments too."""
+    calls: list[Any] = []
+    real = getattr(triton_ops, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(record(*args, **kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_ops, name, counted)
+    return calls
+
+
+@interpreted
+def test_tiny_gptoss_biased_o_proj_on_tma_gemv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpt-oss's o_proj has a bias: tma_linear_parts takes it (into part 0), so the layer
+    stays on the TMA GEMV instead of F.linear; logits stay the torch reference's."""
+    from inferx_models.presets import preset
+
+    cfg = {k: v for k, v in preset("tiny-gpt-oss").items() if k != "quantization_config"}
+    ops = triton_ops_with(tma_gemv=True, tma_norm=False, tma_gated=False)
+    weights = model_weights(cfg, seed=13)
+
+    def record(x, w, parts=1, cfg=None, trigger=False, bias=None):
+        return tuple(w.shape), bias is not None
+
+    calls = spy_kwargs(monkeypatch, "tma_linear_parts", record)
+    ours = run_model(cfg, ops, weights, torch.float32, CPU, TorchAttention)
+    heads, head_dim = cfg["num_attention_heads"], cfg["head_dim"]
+    o_proj = [c for c in calls if c[0] == (cfg["hidden_size"], heads * head_dim)]
+    assert len(o_proj) == 3 * cfg["num_hidden_layers"] and all(b for _, b in o_proj)
+    assert_steps_match_torch_ops(cfg, weights, ours)
+
+
 @interpreted
 @pytest.mark.parametrize("norm", ["off", "default"])
 @pytest.mark.parametrize("name", ["llama3-scaled", "qwen2-tied"])

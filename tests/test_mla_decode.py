@@ -76,6 +76,12 @@ def test_latent_decode_equals_torch_reference(
     q = torch.randn(len(contexts), heads, rank + rope, generator=torch.Generator().manual_seed(2))
     out = mla_decode(q, cache, table, ctx, 0.2, rank, num_splits, min_split_len, block_n=16)
     assert out.shape == (len(contexts), heads, rank)
+    # the latent and rope parts of q as two tensors (mla_decode_absorbed's form): the same
+    apart = mla_decode(
+        q[..., :rank].contiguous(), cache, table, ctx, 0.2, rank, num_splits, min_split_len,
+        block_n=16, q_pe=q[..., rank:].contiguous(),
+    )  # fmt: skip
+    assert torch.equal(apart, out)
     for i, r in enumerate(rows):
         probs = (q[i].double() @ r.double().t() * 0.2).softmax(-1)
         assert rel_err(out[i], probs @ r[:, :rank].double()) <= 1e-5, i
@@ -112,6 +118,8 @@ def test_shapes_it_cannot_run_are_refused():
         mla_decode(q, cache, table, ctx, 0.1, rank=48)  # 48 + 48
     with pytest.raises(ValueError, match="one KV"):
         mla_decode(q, torch.zeros(2, 4, 2, 96), table, ctx, 0.1, rank=64)
+    with pytest.raises(ValueError, match="q_pe"):
+        mla_decode(q[..., :64], cache, table, ctx, 0.1, rank=64, q_pe=q[:, :2, 64:])
 
 
 @pytest.mark.gpu

@@ -79,6 +79,25 @@ def test_more_parts_than_k_blocks_gives_zero_parts() -> None:
     assert rel_err(out.sum(0), x.double() @ w.double().T) < 2**-9
 
 
+@interpreted
+@pytest.mark.parametrize("parts", [1, 3])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float16, 2**-9), (torch.float32, 1e-5)])
+def test_bias_goes_into_part_zero(parts: int, dtype: torch.dtype, tol: float) -> None:
+    """A bias (gpt-oss's o_proj) is added to part 0 in fp32 before its rounding, the other
+    parts untouched: the parts sum to F.linear with the bias; rows past N (70 over 32-row
+    tiles) read no bias."""
+    x, w = inputs(3, 70, 200, dtype, "cpu", seed=5)
+    bias = torch.randn(70, generator=torch.Generator().manual_seed(6)).to(dtype) * 4
+    out = tma_linear_parts(x, w, parts, SMALL, bias=bias)
+    plain = tma_linear_parts(x, w, parts, SMALL)
+    assert torch.equal(out[1:], plain[1:])
+    assert not torch.equal(out[0], plain[0])
+    ref = x.double() @ w.double().T + bias.double()
+    assert rel_err(out.sum(0), ref) < parts * tol
+    with pytest.raises(ValueError, match="bias must be"):
+        tma_linear_parts(x, w, parts, SMALL, bias=bias[:69])
+
+
 def silu_and_mul_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     gate, up = (x.double() @ w.double().T).chunk(2, dim=-1)
     return F.silu(gate) * up

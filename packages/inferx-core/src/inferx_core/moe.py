@@ -289,7 +289,10 @@ class FusedMoE(torch.nn.Module):
         self.parallel = ctx.parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.ops.route_experts(self.gate(x), self.router, self.selection_bias)
+        # the router's logits as partial sums (linear_parts: a kernel package may split its
+        # K), summed by route_experts
+        logits = self.ops.linear_parts(self.gate, x)
+        weights, ids = self.ops.route_experts(logits, self.router, self.selection_bias)
         out = self.ops.moe_experts(self.experts, x, weights, ids)
         if self.shared is not None:
             out = out + self.shared(x)

@@ -38,6 +38,9 @@ def mla_decode_kernel(
     scale_log2,
     stride_qb,
     stride_qh,
+    q_pe_ptr,
+    stride_pb,
+    stride_ph,
     stride_table,
     stride_row,
     RANK: tl.constexpr,
@@ -51,7 +54,8 @@ def mla_decode_kernel(
     k_scale_ptr=None,
     KV_FP8: tl.constexpr = False,
 ):
-    """Grid (sequences, splits). Every head of sequence b against context positions [lo, hi)
+    """Grid (sequences, splits). q's latent part at q_ptr, its rope part at q_pe_ptr (two
+    tensors, or two views of one row). Every head of sequence b against context positions [lo, hi)
     of its split; writes part_o [b, head, split, RANK] (normalised, float32) and part_lse
     [b, head, split] (log2 units; _NO_MAX for an empty split). ROPE_PAD: the rope width
     widened (with zeros) to the 16 a GPU dot needs. KV_FP8: an e4m3 cache holding row /
@@ -72,7 +76,8 @@ def mla_decode_kernel(
     e_ok = e < ROPE
     q_row = q_ptr + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh
     q_lat = tl.load(q_row + r[None, :], mask=head_ok[:, None], other=0.0)
-    q_pe = tl.load(q_row + RANK + e[None, :], mask=head_ok[:, None] & e_ok[None, :], other=0.0)
+    pe_row = q_pe_ptr + b.to(tl.int64) * stride_pb + h[:, None] * stride_ph
+    q_pe = tl.load(pe_row + e[None, :], mask=head_ok[:, None] & e_ok[None, :], other=0.0)
     if UPCAST:
         q_lat = q_lat.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
@@ -160,22 +165,39 @@ def mla_decode(
     min_split_len: int = 256,
     block_n: int = 32,
     k_scale: torch.Tensor | None = None,
+    q_pe: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Absorbed MLA decode: q [B, H, rank + rope] (q_nope @ W_UK, then the rotated q_pe), one
-    query a sequence, over cache [num_blocks, block_size, 1, rank + rope] by block_table [B,
-    max_blocks] int32 and context_len [B] int32 -> the latent-space output [B, H, rank] in q's
-    dtype (W_UV still to apply). rank and rope are powers of two (512 and 64 for DeepSeek-V2).
-    num_splits: context splits per sequence (the grid's second axis), each at least
-    min_split_len tokens. An e4m3 cache holds rows / k_scale ([1] float32, read by pointer
-    so CUDA graphs replay with its value; None: 1.0)."""
-    bsz, heads, width = q.shape
+    """Absorbed MLA decode: q [B, H, rank + rope] (q_nope @ W_UK, then the rotated q_pe), or
+    q [B, H, rank] and q_pe [B, H, rope] apart (no copy into one row), one query a sequence,
+    over cache [num_blocks, block_size, 1, rank + rope] by block_table [B, max_blocks] int32
+    and context_len [B] int32 -> the latent-space output [B, H, rank] in q's dtype (W_UV still
+    to apply). rank and rope are powers of two (512 and 64 for DeepSeek-V2). num_splits:
+    context splits per sequence (the grid's second axis), each at least min_split_len tokens.
+    An e4m3 cache holds rows / k_scale ([1] float32, read by pointer so CUDA graphs replay
+    with its value; None: 1.0)."""
+    if q_pe is not None:
+        if q.shape[-1] != rank or q_pe.shape[:2] != q.shape[:2] or q_pe.dtype != q.dtype:
+            raise ValueError(
+                f"MLA decode: q [B, H, {rank}] and q_pe [B, H, rope] of one dtype, got "
+                f"{tuple(q.shape)} {q.dtype} and {tuple(q_pe.shape)} {q_pe.dtype}"
+            )
+        width = rank + q_pe.shape[-1]
+    else:
+        width = q.shape[-1]
+        q_pe = q[..., rank:]
+    bsz, heads = q.shape[:2]
     rope = width - rank
     if any(n <= 0 or n & (n - 1) for n in (rank, rope)) or cache.shape[-2:] != (1, width):
         raise ValueError(
             f"MLA decode needs a power-of-two latent ({rank}) and rope key ({rope}) in one KV "
             f"head: q {tuple(q.shape)}, cache {tuple(cache.shape)}"
         )
-    if not (q.stride(-1) == 1 and cache.stride(-1) == 1 and cache[0, 0].is_contiguous()):
+    if not (
+        q.stride(-1) == 1
+        and q_pe.stride(-1) == 1
+        and cache.stride(-1) == 1
+        and cache[0, 0].is_contiguous()
+    ):
         raise ValueError("MLA decode needs q and the cache rows contiguous in their last dim")
     block_size = cache.shape[1]
     interp = _interpreting()
@@ -198,6 +220,9 @@ def mla_decode(
         scale * math.log2(math.e),
         q.stride(0),
         q.stride(1),
+        q_pe,
+        q_pe.stride(0),
+        q_pe.stride(1),
         block_table.stride(0),
         cache.stride(1),
         RANK=rank,
@@ -245,11 +270,10 @@ def mla_decode_absorbed(
     assert mla.w_uk is not None and mla.w_uv is not None, "MLA weights not loaded"
     nope = mla.qk_nope_head_dim
     q_lat = torch.einsum("bhn,hnr->bhr", q[..., :nope], mla.w_uk.to(q.dtype))
-    q_full = torch.cat([q_lat, q[..., nope:]], dim=-1).contiguous()
     rank = mla.w_uk.shape[-1]
     o_lat = mla_decode(
-        q_full, cache, block_table, context_len, scale, rank, num_splits, min_split_len,
-        k_scale=k_scale,
+        q_lat, cache, block_table, context_len, scale, rank, num_splits, min_split_len,
+        k_scale=k_scale, q_pe=q[..., nope:],
     )  # fmt: skip
     return torch.einsum("bhr,hvr->bhv", o_lat, mla.w_uv.to(q.dtype))
 

@@ -33,6 +33,7 @@ def topk_softmax_kernel(
     weights_ptr,
     ids_ptr,
     stride_logits,
+    stride_part,
     num_tokens,
     num_experts,
     scaling,
@@ -41,8 +42,10 @@ def topk_softmax_kernel(
     SOFTMAX_ALL: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    PARTS: tl.constexpr,
 ):
-    """BLOCK_T tokens a program, all experts in one tile. Picks the TOP_K largest logits (the
+    """BLOCK_T tokens a program, all experts in one tile; the logits are the fp32 sum of PARTS
+    partial logits stride_part apart (a split-K router GEMM's). Picks the TOP_K largest logits (the
     first index among equal ones), largest first; a pick's weight is exp(logit - max) over the
     softmax's denominator: the sum over all experts (SOFTMAX_ALL: softmax, then top-k, not
     renormalized) or over the picked ones (softmax after top-k, which equals softmax, top-k and
@@ -54,6 +57,8 @@ def topk_softmax_kernel(
     ptrs = logits_ptr + rows[:, None].to(tl.int64) * stride_logits + cols[None, :]
     mask = row_ok[:, None] & (cols[None, :] < num_experts)
     x = tl.load(ptrs, mask=mask, other=-float("inf")).to(tl.float32)
+    for p in tl.static_range(1, PARTS):
+        x += tl.load(ptrs + p * stride_part, mask=mask, other=-float("inf")).to(tl.float32)
     top = tl.where(row_ok, tl.max(x, axis=1), 0.0)
     if SOFTMAX_ALL:
         denom = tl.sum(tl.exp(x - top[:, None]), axis=1)
@@ -91,25 +96,28 @@ def fusable_router(spec: RouterSpec, selection_bias: torch.Tensor | None) -> boo
 
 
 def topk_softmax(logits: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """inferx_core.moe.route for a fusable_router spec in one launch: logits [T, E] ->
-    (topk_weights [T, k] float32, topk_ids [T, k] int64), largest weight first."""
-    if logits.dim() != 2 or logits.shape[1] != spec.num_experts:
+    """inferx_core.moe.route for a fusable_router spec in one launch: logits [T, E], or [S, T,
+    E] partial logits summed in fp32 first -> (topk_weights [T, k] float32, topk_ids [T, k]
+    int64), largest weight first."""
+    parts = logits if logits.dim() == 3 else logits.unsqueeze(0)
+    if parts.dim() != 3 or parts.shape[2] != spec.num_experts:
         raise ValueError(
-            f"topk_softmax: logits must be [tokens, {spec.num_experts}], got {tuple(logits.shape)}"
+            f"topk_softmax: logits must be [tokens, {spec.num_experts}] or [parts, tokens, "
+            f"{spec.num_experts}], got {tuple(logits.shape)}"
         )
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    t, e, k = logits.shape[0], spec.num_experts, spec.top_k
+    if parts.stride(2) != 1:
+        parts = parts.contiguous()
+    s, t, e, k = parts.shape[0], parts.shape[1], spec.num_experts, spec.top_k
     weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, k, dtype=torch.int64, device=logits.device)
     if t:
         block_e = triton.next_power_of_2(e)
         block_t = max(1, min(16, 4096 // block_e))
         topk_softmax_kernel[(triton.cdiv(t, block_t),)](
-            logits, weights, ids, logits.stride(0), t, e, float(spec.scaling),
+            parts, weights, ids, parts.stride(1), parts.stride(0), t, e, float(spec.scaling),
             TOP_K=k, K_PAD=triton.next_power_of_2(k),
             SOFTMAX_ALL=not (spec.softmax_after_topk or spec.renormalize),
-            BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4,
+            BLOCK_T=block_t, BLOCK_E=block_e, PARTS=s, num_warps=4,
         )  # fmt: skip
     return weights, ids
 

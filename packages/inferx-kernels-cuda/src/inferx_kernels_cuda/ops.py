@@ -398,10 +398,15 @@ class TritonOps(KernelOps):
         return self._interpret or (x.is_cuda and _has_tma(x.device))
 
     def _tma(
-        self, x: torch.Tensor, weight: torch.Tensor, parts: int, trigger: bool = False
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        parts: int,
+        trigger: bool = False,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         cfg = self._tma_config(x, weight.shape[0], parts)
-        return tma_linear_parts(x, weight, parts, cfg, trigger)
+        return tma_linear_parts(x, weight, parts, cfg, trigger, bias)
 
     def _tma_config(
         self, x: torch.Tensor, n: int, parts: int, gated: bool = False
@@ -476,13 +481,15 @@ class TritonOps(KernelOps):
             if self._takes_reduce(linear, x):
                 return tma_reduce_linear(x, linear.dense_weight(), self.tma_parts)
             x = x.reduce().flatten(1)
-        if linear.bias is None and self._takes_tma(linear, x):
+        if self._takes_tma(linear, x):
             parts = self.tma_parts
             n, k = linear.dense_weight().shape
             if k > n and self.down_double_rows:
                 parts = filled_slices(parts, n, x.shape[0], self._sms(x), self.down_double_rows)
-            # where pdl.NORM_ROWS takes the rows, the norm after it launches early
-            return self._tma(x, linear.dense_weight(), parts, norm_early(x.device, x.shape[0]))
+            # where pdl.NORM_ROWS takes the rows, the norm after it launches early; a bias
+            # (gpt-oss's o_proj) goes into part 0
+            trigger = norm_early(x.device, x.shape[0])
+            return self._tma(x, linear.dense_weight(), parts, trigger, linear.bias)
         return linear.forward_parts(x)
 
     def _takes_reduce(self, linear: torch.nn.Module, splits: SplitAttention) -> bool:
@@ -545,8 +552,9 @@ class TritonOps(KernelOps):
     def route_experts(
         self, logits: torch.Tensor, spec: RouterSpec, selection_bias: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Softmax routings (either order) in one topk_softmax launch; group-limited, sigmoid
-        and biased ones (DeepSeek) on the torch reference."""
+        """Softmax routings (either order) in one topk_softmax launch, which also sums
+        linear_parts' partial logits (the router GEMM on the TMA GEMV in K-slices); group-limited,
+        sigmoid and biased ones (DeepSeek) on the torch reference."""
         if (logits.is_cuda or self._interpret) and fusable_router(spec, selection_bias):
             return topk_softmax(logits, spec)
         return super().route_experts(logits, spec, selection_bias)

@@ -12,9 +12,9 @@ gate_up, gate_up and SiLU-and-mul in one launch. TritonOps runs both by default 
 (linear_parts / linear_split / linear_silu_and_mul / rms_norm_linear_silu_and_mul).
 
 The output is QuantLinear.forward_parts' form, [S, M, N] partial products over S equal slices
-of K, each rounded to x's dtype (S = 1: F.linear without bias). A program owns BLOCK_N weight
-rows of one slice; x is padded to BLOCK_M >= 16 rows for the tensor cores by the descriptor's
-zero fill, so no padding is read from memory.
+of K, each rounded to x's dtype (S = 1: F.linear; a bias goes into part 0). A program owns
+BLOCK_N weight rows of one slice; x is padded to BLOCK_M >= 16 rows for the tensor cores by the
+descriptor's zero fill, so no padding is read from memory.
 """
 
 from __future__ import annotations
@@ -109,12 +109,15 @@ def tma_gemv_kernel(
     PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,
     LATE: tl.constexpr = False,
+    bias_ptr=None,
+    HAS_BIAS: tl.constexpr = False,
 ):
     """Grid (row blocks, splits): out[s, :, rows] = x[:, ks] @ W[rows, ks].T, ks = split s's
-    k_per_split columns (a multiple of BLOCK_K; the last split's run past K reads zeros).
-    GATED (one split): W holds gate rows, then up rows from up_row; out [m, n] = silu(gate) *
-    up for gate rows n, each rounded as silu_and_mul after the GEMM rounds them. PDL, TRIGGER,
-    LATE: inferx_kernels_cuda.pdl."""
+    k_per_split columns (a multiple of BLOCK_K; the last split's run past K reads zeros), with
+    HAS_BIAS bias[rows] added to split 0's in fp32 before its rounding.
+    GATED (one split, no bias): W holds gate rows, then up rows from up_row; out [m, n] =
+    silu(gate) * up for gate rows n, each rounded as silu_and_mul after the GEMM rounds them.
+    PDL, TRIGGER, LATE: inferx_kernels_cuda.pdl."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     n0 = pid_n * BLOCK_N
@@ -130,6 +133,10 @@ def tma_gemv_kernel(
     if GATED:
         dtype = out_ptr.dtype.element_ty
         acc = silu_times(_rounded(acc, dtype), _rounded(acc_up, dtype), dtype)
+    if HAS_BIAS:
+        rows = n0 + tl.arange(0, BLOCK_N)
+        b = tl.load(bias_ptr + rows, mask=rows < n, other=0.0).to(tl.float32)
+        acc += tl.where(pid_s == 0, b, 0.0)[:, None]
     _store_part(out_ptr, acc, pid_s, n0, m, n, stride_os, stride_om, BLOCK_N, BLOCK_M)
 
 
@@ -171,11 +178,13 @@ def tma_linear_parts(
     parts: int = 1,
     config: TmaGemvConfig | None = None,
     trigger: bool = False,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[parts, M, N] partial products of x [M <= MAX_ROWS, K] and weight [N, K] over equal
-    slices of K (their sum is F.linear(x, weight) up to rounding), in x's dtype. trigger: let
-    the next kernel launch early (PDL) whatever the rows."""
-    return _launch(x, weight, parts, False, config or TmaGemvConfig(), trigger)
+    slices of K (their sum is F.linear(x, weight, bias) up to rounding; the bias [N], in x's
+    dtype, goes into part 0), in x's dtype. trigger: let the next kernel launch early (PDL)
+    whatever the rows."""
+    return _launch(x, weight, parts, False, config or TmaGemvConfig(), trigger, bias)
 
 
 def tma_linear_silu_and_mul(
@@ -199,11 +208,19 @@ def _launch(
     gated: bool,
     cfg: TmaGemvConfig,
     trigger: bool = False,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     name = "tma_linear_silu_and_mul" if gated else "tma_linear_parts"
     problem = input_problem(x, weight, parts, name)
     if problem:
         raise ValueError(problem)
+    if bias is not None and (
+        bias.shape != weight.shape[:1] or bias.dtype != x.dtype or bias.stride(0) != 1
+    ):
+        raise ValueError(
+            f"{name}: bias must be [{weight.shape[0]}] contiguous in {x.dtype}, got "
+            f"{tuple(bias.shape)} {bias.dtype}"
+        )
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     block_m = max(16, triton.next_power_of_2(m))
@@ -219,7 +236,7 @@ def _launch(
         UPCAST=interpret and x.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **gemv_launch(x.device, m, trigger),
+        **gemv_launch(x.device, m, trigger), bias_ptr=bias, HAS_BIAS=bias is not None,
     )  # fmt: skip
     return out
 

@@ -877,8 +877,10 @@ class TritonAttention(TorchAttention):
     # the steps whose prompt rows are fresh prompts (takes_mixed_step): those expand the step's
     # own rows, a shape fixed by the token count; a chunk over a cached prefix runs eagerly.
 
-    # MLA decode: fewest context tokens per split, most splits per sequence.
-    mla_min_split_len = 256
+    # MLA decode: fewest context tokens per split, most splits per sequence (64: the
+    # fastest or within ~1 µs of it at 1 and 16 rows of 128-2048 tokens on an H100,
+    # docs/ARCHITECTURE.md).
+    mla_min_split_len = 64
     mla_max_splits = 16
     # MLA prefill: context rows expanded a pass where a chunk has a cached prefix (or the
     # step's tokens, if more), so expanded keys and values stay within what a step of fresh

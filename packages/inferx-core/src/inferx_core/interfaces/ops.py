@@ -150,10 +150,13 @@ class KernelOps(ABC):
     def route_experts(
         self, logits: torch.Tensor, spec: RouterSpec, selection_bias: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A MoE router's logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k]):
-        inferx_core.moe.route, which a kernel package may fuse (softmax, top-k, renormalize)."""
+        """A MoE router's logits [T, E], or [S, T, E] partial logits (linear_parts') to sum
+        first -> (topk_weights [T, k] float32, topk_ids [T, k]): inferx_core.moe.route, which
+        a kernel package may fuse (the parts' sum, softmax, top-k, renormalize)."""
         from inferx_core.moe import route
 
+        if logits.dim() == 3:
+            logits = logits[0] if logits.shape[0] == 1 else logits.float().sum(0)
         return route(logits, spec, selection_bias)
 
     def moe_experts(
