@@ -25,6 +25,8 @@ from inferx_core.sequence import SamplingParams  # noqa: E402
 NEW = 64
 TOP = 5
 NEAR_TIE = 0.5  # logits (test_tiny_gptoss_matches_transformers)
+NEAR_TIE_20B = 0.05  # logits (test_dummy_gptoss_20b_matches_transformers)
+ROUTER_TIE = 0.015  # router logits (the same)
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    ",
@@ -151,29 +153,78 @@ def test_dummy_qwen25_3b_matches_transformers(tmp_path_factory):
 
 
 def test_dummy_gptoss_20b_matches_transformers(tmp_path_factory):
-    """The dummy gpt-oss-20b (published layout, MXFP4 experts kept in MXFP4) against
-    transformers with the experts dequantized to bf16 (Mxfp4Config(dequantize=True)), 64 greedy
-    tokens of each prompt, on each backend with sinks and windows, graphs off and on.
-    transformers' model (~42 GB in bf16) runs first and is freed before ours loads."""
-    from inferx_models.presets import write_checkpoint
+    """gpt-oss-20b's shapes (hidden 2880, 64 query and 8 KV heads, 32 MXFP4 experts top-4,
+    the 201088-token vocabulary, sinks, the 128-token window) in two layers, one sliding and
+    one full, in the published layout (MXFP4 experts kept in MXFP4) against transformers with
+    the experts dequantized to bf16 (Mxfp4Config(dequantize=True)): 64 greedy tokens of each
+    prompt, on each backend with sinks and windows, graphs off and on. A divergence is judged
+    against transformers in float32 (near_tie).
 
+    Not the 24 layers: random weights make that model chaotic in bf16. Its logits are flat (std
+    0.6 over 201088 tokens, the top six within 0.16-0.35) and its router logits close (the
+    4th and 5th of 32 within 0.03 for half the tokens), so bf16's rounding flips a top-4 choice
+    in some layer for most tokens, and each flip moves that token's hidden state by 20-100 %.
+    On the CPU, in float32, ours and transformers agree to 2e-5 on all 24 layers' prefill
+    logits; in bf16 either one's first token differs from float32's on 2 or 3 of the 4
+    prompts, up to 3.0 logits below its best (transformers' bf16 first token of the first
+    prompt on an H100, 84683, ranks 32465th in the CPU's float32 row). Two layers keep every
+    kernel shape of the 24."""
+    from inferx_models.presets import preset, write_checkpoint
+
+    config = preset("gpt-oss-20b")
+    config["num_hidden_layers"] = 2
+    config["layer_types"] = config["layer_types"][:2]
     path = write_checkpoint(
-        "gpt-oss-20b",
+        config,
         tmp_path_factory.mktemp("gptoss20b"),
         tokenizer_dir=FIXTURES / "tokenizers" / "gpt-oss",
     )
     tokenizer = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
     prompts = [tokenizer.encode(p).ids for p in PROMPTS]
-    model = transformers.GptOssForCausalLM.from_pretrained(
-        path,
-        quantization_config=transformers.Mxfp4Config(dequantize=True),
-        dtype=torch.bfloat16,
-        attn_implementation="eager",
-    )
-    model = model.cuda().eval()
+
+    def hf(dtype: torch.dtype):
+        model = transformers.GptOssForCausalLM.from_pretrained(
+            path,
+            quantization_config=transformers.Mxfp4Config(dequantize=True),
+            dtype=dtype,
+            attn_implementation="eager",
+        )
+        return model.cuda().eval()
+
+    model = hf(torch.bfloat16)
     refs = [hf_greedy(model, p) for p in prompts]
     del model
-    torch.cuda.empty_cache()
+    model32 = hf(torch.float32)  # ~12 GB; exact: the checkpoint's weights are bf16
+    routers = [layer.mlp.router for layer in model32.model.layers]
+    router_inputs: list[torch.Tensor] = []
+    for router in routers:
+        router.register_forward_pre_hook(lambda _, args: router_inputs.append(args[0]))
+
+    def near_tie(prompt: list[int], ref: list[tuple[int, set[int]]]):
+        """Both tokens within NEAR_TIE_20B of float32's best (bf16 noise at a flat top: seen
+        up to 0.025 on the CPU), or the token's own top-4 routing a near-tie in float32 in
+        some layer, its 4th and 5th router logits within ROUTER_TIE: bf16 may route it
+        otherwise, and then its logits move by 0.2-0.6 (rms) and a token up to 1.7 below the
+        best comes first. On the CPU every such flip had a float32 margin under 0.011 (about
+        a quarter of the tokens have one under ROUTER_TIE)."""
+
+        def tie(step: int, a: int, b: int) -> bool:
+            ids = torch.tensor([prompt + [t for t, _ in ref[:step]]], device="cuda")
+            router_inputs.clear()
+            with torch.no_grad():
+                row = model32(ids).logits[0, -1].float()
+                margins = []
+                for router, x in zip(routers, router_inputs, strict=True):
+                    logits = torch.nn.functional.linear(
+                        x.reshape(-1, x.shape[-1])[-1].float(), router.weight, router.bias
+                    )
+                    top = logits.topk(5).values
+                    margins.append((top[3] - top[4]).item())
+            logit_tie = row.max() - row[[a, b]].min() <= NEAR_TIE_20B
+            return bool(logit_tie) or min(margins) <= ROUTER_TIE
+
+        return tie
+
     reg = plugins()
     runs = [
         (backend, graphs)
@@ -184,8 +235,10 @@ def test_dummy_gptoss_20b_matches_transformers(tmp_path_factory):
     for backend, graphs in runs:
         llm = cuda_llm({"model.path": str(path)}, backend, graphs)
         mode = "graphs" if graphs else "eager"
-        for g, ref in zip(ours_greedy(llm, prompts), refs, strict=True):
-            check_close(g, ref, f"gpt-oss-20b-dummy/{backend}/{mode}")
+        got = ours_greedy(llm, prompts)
+        for i, (g, ref) in enumerate(zip(got, refs, strict=True)):
+            tie = near_tie(prompts[i], ref)
+            check_close(g, ref, f"gpt-oss-20b-dummy/{backend}/{mode}/prompt {i}", tie)
         del llm
         torch.cuda.empty_cache()
 
