@@ -577,21 +577,23 @@ def moe_gemm_kernel(
     w_base = w_ptr + expert * stride_we
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    kr = tl.arange(0, BLOCK_K)
+    s_base = scale_ptr + expert * stride_se
+    # MXFP4 weights dequantized for bf16 / float32 activations (else fp16's)
+    W_DOWN: tl.constexpr = a_ptr.dtype.element_ty != tl.float16
     if MXFP4:
         HALF: tl.constexpr = BLOCK_K // 2
         GROUPS: tl.constexpr = BLOCK_K // 32
-        kr = tl.arange(0, BLOCK_K)
         kk = tl.arange(0, HALF)
         kg = tl.arange(0, GROUPS)
-        s_base = scale_ptr + expert * stride_se
-        W_DOWN: tl.constexpr = a_ptr.dtype.element_ty != tl.float16
-        for k0 in range(0, k_in, BLOCK_K):
-            k_ok = (k0 + kr) < k_in
-            a = tl.load(
-                a_ptr + a_rows[:, None] + (k0 + kr)[None, :],
-                mask=row_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
+    for k0 in range(0, k_in, BLOCK_K):
+        k_ok = (k0 + kr) < k_in
+        a = tl.load(
+            a_ptr + a_rows[:, None] + (k0 + kr)[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        if MXFP4:
             if W_DOWN:
                 # weight rows [BLOCK_N, BLOCK_K] in bf16, 2 ** -64 times theirs
                 gate_rows = rows_g[:, None].to(tl.int64)
@@ -637,19 +639,7 @@ def moe_gemm_kernel(
                     )  # fmt: skip
                     acc_up = _dot(a_even, even.to(a.dtype), acc_up, DOT_FP32)
                     acc_up = _dot(a_odd, odd.to(a.dtype), acc_up, DOT_FP32)
-        if W_DOWN:  # the weights were 2 ** -64 times theirs
-            acc *= _A_UP
-            acc_up *= _A_UP
-    else:
-        kr = tl.arange(0, BLOCK_K)
-        s_base = scale_ptr + expert * stride_se
-        for k0 in range(0, k_in, BLOCK_K):
-            k_ok = (k0 + kr) < k_in
-            a = tl.load(
-                a_ptr + a_rows[:, None] + (k0 + kr)[None, :],
-                mask=row_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
+        else:
             w_mask = k_ok[:, None] & col_ok[None, :]
             w = tl.load(
                 w_base + rows_g[None, :].to(tl.int64) * stride_wn + (k0 + kr)[:, None],
@@ -674,11 +664,14 @@ def moe_gemm_kernel(
                     acc_up += _dot(a, w.to(a.dtype), zero, DOT_FP32) * s[None, :]
                 else:
                     acc_up = _dot(a, w.to(a.dtype), acc_up, DOT_FP32)
-        if ROW_SCALE:
-            acc *= tl.load(s_base + rows_g * stride_sn, mask=col_ok, other=0.0)[None, :]
-            if gated:
-                s_up = tl.load(s_base + (rows_g + up_offset) * stride_sn, mask=col_ok, other=0.0)
-                acc_up *= s_up[None, :]
+    if MXFP4 and W_DOWN:  # the weights were 2 ** -64 times theirs
+        acc *= _A_UP
+        acc_up *= _A_UP
+    if ROW_SCALE:
+        acc *= tl.load(s_base + rows_g * stride_sn, mask=col_ok, other=0.0)[None, :]
+        if gated:
+            s_up = tl.load(s_base + (rows_g + up_offset) * stride_sn, mask=col_ok, other=0.0)
+            acc_up *= s_up[None, :]
     if HAS_BIAS:
         b_base = bias_ptr + expert * stride_be
         acc += tl.load(b_base + rows_g, mask=col_ok, other=0.0).to(tl.float32)[None, :]
