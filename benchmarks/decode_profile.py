@@ -1,0 +1,90 @@
+"""Where a batch-1 decode step's GPU time goes: one prompt generated greedily on the offline
+engine (dummy weights of a preset, CUDA graphs on, the table's engine settings), its kernels
+timed by torch.profiler and printed per decode step, largest first.
+
+python benchmarks/decode_profile.py --model gpt-oss-20b --tokenizer DIR [--steps 128]
+    [--prompt-len 128] [--top 28] [--set KEY=VALUE ...]
+
+DIR holds the preset's tokenizer (../shared/fixtures/tokenizers/{qwen,llama3,gpt-oss}); for
+DeepSeek-V2 pass Llama 3's, which is cut down to its vocabulary as gpu_table.py does. Kernels
+launched with programmatic dependent launch (inferx_kernels_cuda.pdl) start before the kernel
+ahead of them ends and wait inside: their times include that wait, so the rows overlap and
+their sum exceeds the step. GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from inferx_core.config import load_config
+from inferx_core.engine import LLM
+from inferx_core.sequence import SamplingParams
+
+
+def tokenizer_for(preset: str, tokenizer: str, scratch: str) -> str:
+    """The preset's tokenizer directory: `tokenizer`, or for a model type with a derived
+    tokenizer (DeepSeek-V2) the one derived from it under scratch."""
+    from inferx_models.derived_tokenizers import BY_MODEL_TYPE
+    from inferx_models.presets import preset as preset_config
+
+    config = preset_config(preset)
+    derive = BY_MODEL_TYPE.get(config["model_type"])
+    if derive is None:
+        return tokenizer
+    return str(derive.write(tokenizer, f"{scratch}/{preset}", int(config["vocab_size"])))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", required=True, help="a preset, e.g. gpt-oss-20b")
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--steps", type=int, default=128, help="decode steps profiled")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--top", type=int, default=28, help="kernels printed")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_profile.py times CUDA kernels: it needs a GPU")
+    with tempfile.TemporaryDirectory() as scratch:
+        overrides = {
+            "model.preset": args.model,
+            "model.tokenizer": tokenizer_for(args.model, args.tokenizer, scratch),
+            "model.dtype": "bfloat16",
+            "engine.attention_backend": "triton",
+            "kv_cache.memory": "0.5",
+            "scheduler.prefix_cache": "false",
+        }
+        overrides |= dict(kv.split("=", 1) for kv in args.set)
+        llm = LLM(load_config(None, overrides))
+        prompt = [[7 + i for i in range(args.prompt_len)]]
+        warm = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        llm.generate(prompt, warm)  # graphs and compiles before the profile
+        torch.cuda.synchronize()
+        params = SamplingParams(max_tokens=args.steps + 1, temperature=0, ignore_eos=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompt, params)
+            torch.cuda.synchronize()
+    rows = sorted(
+        (
+            (e.device_time_total / args.steps, e.count / args.steps, e.key)
+            for e in prof.key_averages()
+            if e.device_time_total > 0
+        ),
+        reverse=True,
+    )
+    total = sum(us for us, _, _ in rows)
+    print(
+        f"{args.model}, {torch.cuda.get_device_name()}: kernel time a decode step {total:.1f} µs "
+        f"(the prompt's prefill spread over the {args.steps} steps)"
+    )
+    print(f"{'µs a step':>10} {'calls':>6}  kernel")
+    for us, calls, key in rows[: args.top]:
+        print(f"{us:10.1f} {calls:6.1f}  {key[:100]}")
+
+
+if __name__ == "__main__":
+    main()
