@@ -586,6 +586,12 @@ def moe_gemm_kernel(
         GROUPS: tl.constexpr = BLOCK_K // 32
         kk = tl.arange(0, HALF)
         kg = tl.arange(0, GROUPS)
+        if W_DOWN:  # weight rows along K
+            gate_rows = rows_g[:, None].to(tl.int64)
+            up_rows = (rows_g + up_offset)[:, None].to(tl.int64)
+        else:  # fp16: K along the tile's rows
+            rows_gate = rows_g[None, :].to(tl.int64)
+            rows_up = (rows_g + up_offset)[None, :].to(tl.int64)
     for k0 in range(0, k_in, BLOCK_K):
         k_ok = (k0 + kr) < k_in
         a = tl.load(
@@ -596,8 +602,6 @@ def moe_gemm_kernel(
         if MXFP4:
             if W_DOWN:
                 # weight rows [BLOCK_N, BLOCK_K] in bf16, 2 ** -64 times theirs
-                gate_rows = rows_g[:, None].to(tl.int64)
-                up_rows = (rows_g + up_offset)[:, None].to(tl.int64)
                 w_mask = col_ok[:, None] & ((k0 // 2 + kk) < k_in // 2)[None, :]
                 s_mask = col_ok[:, None] & ((k0 // 32 + kg) < k_in // 32)[None, :]
                 byte_off = (k0 // 2 + kk)[None, :]
@@ -617,8 +621,6 @@ def moe_gemm_kernel(
                     acc_up = _dot(a, tl.trans(w.to(a.dtype)), acc_up, DOT_FP32)
             else:
                 # fp16: the activations' even and odd columns, to meet the low and high nibbles
-                rows_gate = rows_g[None, :].to(tl.int64)
-                rows_up = (rows_g + up_offset)[None, :].to(tl.int64)
                 a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, HALF, 2)))
                 w_mask = ((k0 // 2 + kk) < k_in // 2)[:, None] & col_ok[None, :]
                 s_mask = ((k0 // 32 + kg) < k_in // 32)[:, None] & col_ok[None, :]
