@@ -116,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
 
     transport.serve(sock, on_ready=ready)
     code = 1 if getattr(transport, "failure", None) is not None else 0
-    if os.environ.get("WORLD_SIZE", "1") != "1":  # rank 0 of a tensor-parallel torchrun
+    # Rank 0 of a tensor-parallel world (torchrun's, or one whose engine runs in this process)
+    # ends at once: see exit_if_joined.
+    parallel = config.parallel
+    if parallel.tensor > 1 or parallel.distributed_executor or os.environ.get("WORLD_SIZE"):
         from inferx_core.distributed import exit_if_joined
 
         return exit_if_joined(code)
