@@ -16,7 +16,7 @@ pytest.importorskip("triton", reason="the triton package is not installed")
 from conftest import interpreted, on_gpu  # noqa: E402
 
 from inferx_core.interfaces import model as model_interfaces  # noqa: E402
-from inferx_core.interfaces.ops import KernelOps  # noqa: E402
+from inferx_core.interfaces.ops import KernelOps, summed_parts  # noqa: E402
 from inferx_core.ops_torch import TorchOps  # noqa: E402
 from inferx_kernels_cuda.ops import TritonOps  # noqa: E402
 from inferx_models.layers import RotaryEmbedding  # noqa: E402
@@ -39,26 +39,31 @@ def inputs(
     dtype: torch.dtype,
     device: torch.device,
     seed: int,
+    parts: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """(q, kv, norm weight, positions, cos_sin) as MLAttention hands them over: q and kv split
     from one qkv_a_proj output row ([q_lora or heads * (nope + rope), rank + rope]); with q LoRA
-    q comes from q_b_proj (a contiguous output of its own). cos_sin is a rotary table scaled as
-    YaRN's attention factor scales it; positions are spread over it."""
+    q comes from q_b_proj (a contiguous output of its own). parts > 0 (no q LoRA): that many
+    K-slice partial sums of the GEMM, q [S, T, heads, nope + rope] and kv [S, T, rank + rope].
+    cos_sin is a rotary table scaled as YaRN's attention factor scales it; positions are spread
+    over it."""
     g = torch.Generator().manual_seed(seed)
     qk = nope + rope
-    fused = torch.randn(tokens, (q_lora or heads * qk) + rank + rope, generator=g) * 2
+    lead = (parts,) if parts else ()
+    fused = torch.randn(*lead, tokens, (q_lora or heads * qk) + rank + rope, generator=g) * 2
     fused = fused.to(device, dtype)
     q_cols = q_lora or heads * qk
-    kv = fused[:, q_cols:]
+    kv = fused[..., q_cols:]
     if q_lora:
+        assert not parts
         q = (torch.randn(tokens, heads * qk, generator=g) * 2).to(device, dtype)
     else:
-        q = fused[:, :q_cols]
+        q = fused[..., :q_cols]
     weight = (1 + 0.3 * torch.randn(rank, generator=g)).to(device, dtype)
     positions = torch.randint(0, MAX_POSITIONS, (tokens,), generator=g).to(device)
     params = {"rope_type": "default", "rope_theta": 10000.0}
     cos_sin = RotaryEmbedding(rope, MAX_POSITIONS, params, device).cos_sin * 1.2
-    return q.view(tokens, heads, qk), kv, weight, positions, cos_sin
+    return q.view(*lead, tokens, heads, qk), kv, weight, positions, cos_sin
 
 
 def float64_reference(
@@ -125,16 +130,18 @@ def check_against_torch(
     device: torch.device,
     seed: int,
     ops: TritonOps | None = None,
+    parts: int = 0,
 ) -> None:
     heads, nope, rope, rank = widths
-    args = inputs(tokens, heads, nope, rope, rank, q_lora, dtype, device, seed)
+    args = inputs(tokens, heads, nope, rope, rank, q_lora, dtype, device, seed, parts)
     q_ref, k_ref = run(TorchOps(), args)
     q_out, k_out = run(ops or TritonOps(), args)
     assert q_out.shape == (tokens, heads, nope + rope) and q_out.is_contiguous()
     assert k_out.shape == (tokens, 1, rank + rope) and k_out.is_contiguous()
     assert q_out.dtype == k_out.dtype == dtype
-    # The nope parts are copies.
-    assert torch.equal(q_out[..., :nope], args[0][..., :nope])
+    # The nope parts are copies (of the parts' sum, rounded once).
+    q_in = summed_parts(args[0]) if parts else args[0]
+    assert torch.equal(q_out[..., :nope], q_in[..., :nope])
     tol = ULPS[dtype]
     if dtype == torch.bfloat16 and device.type == "cpu":
         tol = INTERPRETED_BF16_ULPS
@@ -171,6 +178,32 @@ def test_kernel_matches_torch(
     widths: tuple[int, int, int, int], q_lora: int | None, tokens: int, dtype: torch.dtype
 ) -> None:
     check_against_torch(tokens, widths, q_lora, dtype, CPU, seed=tokens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_op_sums_parts_first(dtype: torch.dtype) -> None:
+    """q and kv as K-slice parts: the result of the op on their sum (float32, rounded once)."""
+    q, kv, weight, positions, cos_sin = inputs(3, 4, 16, 8, 32, None, dtype, CPU, 2, parts=3)
+    summed = (q.float().sum(0).to(dtype), kv.float().sum(0).to(dtype))
+    got = run(TorchOps(), (q, kv, weight, positions, cos_sin))
+    want = run(TorchOps(), (*summed, weight, positions, cos_sin))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    with pytest.raises(ValueError, match="parts"):  # parts of q but not of kv
+        run(TorchOps(), (q, kv[0], weight, positions, cos_sin))
+
+
+@interpreted
+# (not bf16: the interpreter rounds the parts' fp32 sum to bf16 toward zero, an ulp off the
+# reference's, which the rotation's cancellation can turn into many; the GPU test has bf16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("parts", [1, 2, 4])
+@pytest.mark.parametrize("widths", [WIDTHS[0], WIDTHS[2], WIDTHS[4]])
+def test_kernel_sums_parts(
+    widths: tuple[int, int, int, int], parts: int, dtype: torch.dtype
+) -> None:
+    """q and kv as the K-slice parts of the GEMM (linear_split's, without q LoRA): summed in
+    the kernel as the reference sums them."""
+    check_against_torch(2, widths, None, dtype, CPU, seed=parts, parts=parts)
 
 
 @interpreted
@@ -211,17 +244,24 @@ def test_mismatched_widths_are_refused(ops: KernelOps) -> None:
 
 
 class KernelOnly(TorchOps):
-    """The torch reference with mla_rope_norm's kernel: a model's layers call it on their real
+    """The torch reference with mla_rope_norm's kernel and TritonOps' linear_split (the decode
+    GEMM's K-slice parts, which the kernel sums): a model's layers call them on their real
     views of the GEMM outputs, everything else as the reference does."""
 
     def __init__(self) -> None:
         super().__init__()
         self.triton = TritonOps()
         self.calls = 0
+        self.parts: list[int] = []  # linear_split's part counts
 
     def mla_rope_norm(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
         self.calls += 1
         return self.triton.mla_rope_norm(*args)
+
+    def linear_split(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        parts, bias = self.triton.linear_split(*args)
+        self.parts.append(parts.shape[0])
+        return parts, bias
 
 
 @interpreted
@@ -245,6 +285,10 @@ def test_tiny_models_with_the_kernel_match_transformers(
     schedule = [[("a", 0, 11), ("b", 0, 21)], [("a", 11, 12), ("b", 21, 22)]]
     check_steps(runner, ref, full, schedule, RTOL)
     assert ops.calls == 2 * 3  # two steps, three layers
+    if variant == "lite":  # qkv_a_proj through linear_split: the decode step's in parts
+        assert len(ops.parts) == 2 * 3 and max(ops.parts) > 1
+    else:
+        assert not ops.parts  # q LoRA: qkv_a_proj whole
 
 
 @pytest.mark.gpu
@@ -252,10 +296,14 @@ def test_tiny_models_with_the_kernel_match_transformers(
 @pytest.mark.parametrize("tokens", [1, 2, 3, 64, 1000])
 @pytest.mark.parametrize("q_lora", [None, 1536])
 def test_gpu_kernel_matches_torch_at_v2_lite_widths(tokens: int, q_lora: int | None) -> None:
-    """bf16 on the GPU (round to nearest): within an ulp of the reference (two in the latent)."""
-    check_against_torch(
-        tokens, (16, 128, 64, 512), q_lora, torch.bfloat16, torch.device("cuda"), seed=tokens
-    )
+    """bf16 on the GPU (round to nearest): within an ulp of the reference (two in the latent);
+    without q LoRA also on 4 K-slice parts of the GEMM."""
+    cuda = torch.device("cuda")
+    check_against_torch(tokens, (16, 128, 64, 512), q_lora, torch.bfloat16, cuda, seed=tokens)
+    if q_lora is None:
+        check_against_torch(
+            tokens, (16, 128, 64, 512), None, torch.bfloat16, cuda, seed=tokens, parts=4
+        )
 
 
 @pytest.mark.gpu

@@ -249,27 +249,41 @@ def argmax_kernel(seg_max_ptr, seg_arg_ptr, out_ptr, segments, SEGMENTS_PAD: tl.
 
 
 @triton.jit
-def _rotate_pairs(src, dst, cos, sin, mask, i, DTYPE: tl.constexpr):
-    """Rotate the interleaved pairs (2i, 2i + 1) at src into dst (pointers offset by the rows
-    the caller broadcasts i against): in fp32, rounded once to DTYPE as rotate_interleaved."""
-    even = tl.load(src + 2 * i, mask=mask, other=0.0).to(tl.float32)
-    odd = tl.load(src + 2 * i + 1, mask=mask, other=0.0).to(tl.float32)
+def _load_parts(src, stride_s, mask, PARTS: tl.constexpr, DTYPE: tl.constexpr):
+    """The sum of PARTS partial values (src, src + stride_s, ...) in fp32, rounded once to DTYPE
+    (and widened back to fp32) as summed_parts rounds it; one part is loaded as it is."""
+    x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, PARTS):
+        x += tl.load(src + s * stride_s, mask=mask, other=0.0).to(tl.float32)
+    if PARTS > 1:
+        x = x.to(DTYPE).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rotate_pairs(src, dst, cos, sin, mask, i, stride_s, PARTS: tl.constexpr, DTYPE: tl.constexpr):
+    """Rotate the interleaved pairs (2i, 2i + 1) at src (the sum of PARTS parts stride_s apart)
+    into dst (pointers offset by the rows the caller broadcasts i against): in fp32, rounded
+    once to DTYPE as rotate_interleaved."""
+    even = _load_parts(src + 2 * i, stride_s, mask, PARTS, DTYPE)
+    odd = _load_parts(src + 2 * i + 1, stride_s, mask, PARTS, DTYPE)
     tl.store(dst + 2 * i, (even * cos - odd * sin).to(DTYPE), mask=mask)
     tl.store(dst + 2 * i + 1, (even * sin + odd * cos).to(DTYPE), mask=mask)
 
 
 @triton.jit
 def mla_rope_norm_kernel(
-    q_ptr, kv_ptr, weight_ptr, positions_ptr, cos_sin_ptr, q_out_ptr, k_out_ptr, stride_qt,
-    stride_qh, stride_kv, stride_cos_sin, stride_k_out, num_heads, eps, NOPE: tl.constexpr,
-    NOPE_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, RANK: tl.constexpr,
-    RANK_PAD: tl.constexpr, HEADS_BLOCK: tl.constexpr,
+    q_ptr, kv_ptr, weight_ptr, positions_ptr, cos_sin_ptr, q_out_ptr, k_out_ptr, stride_qs,
+    stride_qt, stride_qh, stride_kvs, stride_kv, stride_cos_sin, stride_k_out, num_heads, eps,
+    NOPE: tl.constexpr, NOPE_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    RANK: tl.constexpr, RANK_PAD: tl.constexpr, HEADS_BLOCK: tl.constexpr, PARTS: tl.constexpr,
 ):  # fmt: skip
     """MLA's glue after its projections (KernelOps.mla_rope_norm). Grid (tokens, 1 + head
     blocks): program 0 of a token writes its k row (the latent RMS-normed, then the rope key
     rotated), each other one HEADS_BLOCK heads of q (the nope part copied, the rope part
     rotated) into the contiguous q_out [T, heads, NOPE + 2 * HALF]. q and kv may be strided
-    views with a unit last stride. Rounds where the torch reference does."""
+    views with a unit last stride, each PARTS partial sums (stride_qs, stride_kvs apart: the
+    K-slices of the GEMM before) added up first. Rounds where the torch reference does."""
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     dtype = q_out_ptr.dtype.element_ty
@@ -285,11 +299,12 @@ def mla_rope_norm_kernel(
         w = tl.load(weight_ptr + c, mask=in_rank, other=0.0).to(tl.float32)
         kv_row = kv_ptr + t * stride_kv
         k_row = k_out_ptr + t * stride_k_out
-        latent = tl.load(kv_row + c, mask=in_rank, other=0.0).to(tl.float32)
+        latent = _load_parts(kv_row + c, stride_kvs, in_rank, PARTS, dtype)
         # Masked columns load as 0 and add nothing to the sum of squares.
         rstd = tl.rsqrt(tl.sum(latent * latent, axis=0) / RANK + eps)
         tl.store(k_row + c, (w * _rounded(latent * rstd, dtype)).to(dtype), mask=in_rank)
-        _rotate_pairs(kv_row + RANK, k_row + RANK, cos, sin, i < HALF, i, dtype)
+        _rotate_pairs(kv_row + RANK, k_row + RANK, cos, sin, i < HALF, i, stride_kvs, PARTS,
+                      dtype)  # fmt: skip
     else:
         head = (g - 1) * HEADS_BLOCK + tl.arange(0, HEADS_BLOCK)[:, None]
         src = q_ptr + t * stride_qt + head * stride_qh
@@ -297,7 +312,11 @@ def mla_rope_norm_kernel(
         if NOPE > 0:
             d = tl.arange(0, NOPE_PAD)[None, :]
             in_nope = (head < num_heads) & (d < NOPE)
-            tl.store(dst + d, tl.load(src + d, mask=in_nope), mask=in_nope)
+            if PARTS == 1:
+                tl.store(dst + d, tl.load(src + d, mask=in_nope), mask=in_nope)
+            else:
+                nope = _load_parts(src + d, stride_qs, in_nope, PARTS, dtype)
+                tl.store(dst + d, nope.to(dtype), mask=in_nope)
         in_rope = (head < num_heads) & (i[None, :] < HALF)
         _rotate_pairs(src + NOPE, dst + NOPE, cos[None, :], sin[None, :], in_rope, i[None, :],
-                      dtype)  # fmt: skip
+                      stride_qs, PARTS, dtype)  # fmt: skip

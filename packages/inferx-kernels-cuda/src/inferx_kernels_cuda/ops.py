@@ -585,31 +585,37 @@ class TritonOps(KernelOps):
         positions: torch.Tensor,
         cos_sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One mla_rope_norm_kernel launch: every head's q and the k row of all tokens; the
-        torch reference where the dtypes differ or a last dim is strided."""
+        """One mla_rope_norm_kernel launch: every head's q and the k row of all tokens (summing
+        the GEMM's K-slice parts where q and kv come as parts); the torch reference where the
+        dtypes differ or a last dim is strided."""
         nope, rank = check_mla_rope_norm(q, kv, norm_weight, cos_sin)
         if not (
             (q.is_cuda or self._interpret)
             and q.dtype == kv.dtype == norm_weight.dtype
             and cos_sin.dtype == torch.float32
-            and q.stride(2) == 1
-            and kv.stride(1) == 1
+            and q.stride(-1) == 1
+            and kv.stride(-1) == 1
         ):
             return super().mla_rope_norm(q, kv, norm_weight, eps, positions, cos_sin)
-        tokens, heads, width = q.shape
+        num_parts = q.shape[0] if q.dim() == 4 else 1
+        stride_qs = q.stride(0) if q.dim() == 4 else 0
+        stride_kvs = kv.stride(0) if kv.dim() == 3 else 0
+        tokens, heads, width = q.shape[-3:]
         half = cos_sin.shape[1] // 2
         q_out = torch.empty((tokens, heads, width), dtype=q.dtype, device=q.device)
-        k = torch.empty((tokens, 1, kv.shape[1]), dtype=kv.dtype, device=kv.device)
+        k = torch.empty((tokens, 1, kv.shape[-1]), dtype=kv.dtype, device=kv.device)
         if tokens:
             heads_block = min(triton.next_power_of_2(heads), self.mla_heads_block)
             cos_sin = cos_sin.contiguous()
             grid = (tokens, 1 + triton.cdiv(heads, heads_block))
             kernels.mla_rope_norm_kernel[grid](
                 q, kv, norm_weight.contiguous(), positions.contiguous(), cos_sin, q_out, k,
-                q.stride(0), q.stride(1), kv.stride(0), cos_sin.stride(0), k.stride(0), heads,
-                eps, NOPE=nope, NOPE_PAD=triton.next_power_of_2(max(nope, 1)), HALF=half,
+                stride_qs, q.stride(-3), q.stride(-2), stride_kvs, kv.stride(-2),
+                cos_sin.stride(0), k.stride(0), heads, eps, NOPE=nope,
+                NOPE_PAD=triton.next_power_of_2(max(nope, 1)), HALF=half,
                 HALF_PAD=triton.next_power_of_2(max(half, 1)), RANK=rank,
-                RANK_PAD=triton.next_power_of_2(rank), HEADS_BLOCK=heads_block, num_warps=4,
+                RANK_PAD=triton.next_power_of_2(rank), HEADS_BLOCK=heads_block, PARTS=num_parts,
+                num_warps=4,
             )  # fmt: skip
         return q_out, k
 

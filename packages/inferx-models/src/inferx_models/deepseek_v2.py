@@ -209,10 +209,17 @@ class MLAttention(nn.Module):
     def _attend(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> the attention output before o_proj, [T, heads * v_head_dim]."""
         t = x.shape[0]
-        q, kv = self.qkv_a_proj(x).split([self.q_out, self.rank + self.rope], dim=-1)
+        widths = [self.q_out, self.rank + self.rope]
         if self.q_a_layernorm is not None and self.q_b_proj is not None:
-            q = self.q_b_proj(self.q_a_layernorm(q))
-        q = q.view(t, self.heads, self.nope + self.rope)
+            q, kv = self.qkv_a_proj(x).split(widths, dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q)).view(t, self.heads, self.nope + self.rope)
+        else:
+            # Without q LoRA the GEMM's K-slice parts (a kernel package's decode GEMM) go to
+            # mla_rope_norm, which sums them: [S, T, ...] views of q and kv.
+            parts, bias = self.ops.linear_split(self.qkv_a_proj, x)
+            assert bias is None  # qkv_a_proj has none
+            q, kv = parts.split(widths, dim=-1)
+            q = q.view(q.shape[0], t, self.heads, self.nope + self.rope)
         # q rotated; k [T, 1, rank + rope]: the normed latent and the rotated rope key
         q, k = self.ops.mla_rope_norm(
             q,

@@ -185,16 +185,20 @@ class KernelOps(ABC):
 
         q: [T, heads, nope + rope], each head's nope part then its rope part; kv: [T, rank +
         rope], the latent then the rope key (either may be a strided view of a GEMM's output,
-        its last dim contiguous). norm_weight: [rank], the latent's RMSNorm weight (eps);
-        cos_sin: [max_positions, rope] float32, cos then sin (RotaryEmbedding's table), looked
-        up at positions [T]. Returns (q rotated, [T, heads, nope + rope] contiguous; k, [T, 1,
-        rank + rope]: rms_norm(latent) then the rotated rope key). The rotation pairs
-        dimensions (2i, 2i + 1) as DeepSeek does (rotate_interleaved: float32, rounded once to
-        the dtype); the norm is this KernelOps' rms_norm. A kernel package may run it all as
-        one launch."""
+        its last dim contiguous). Or both as S partial sums of one GEMM (linear_split's K-slice
+        parts), q [S, T, heads, nope + rope] and kv [S, T, rank + rope]: summed first, in
+        float32 and rounded once to their dtype. norm_weight: [rank], the latent's RMSNorm
+        weight (eps); cos_sin: [max_positions, rope] float32, cos then sin (RotaryEmbedding's
+        table), looked up at positions [T]. Returns (q rotated, [T, heads, nope + rope]
+        contiguous; k, [T, 1, rank + rope]: rms_norm(latent) then the rotated rope key). The
+        rotation pairs dimensions (2i, 2i + 1) as DeepSeek does (rotate_interleaved: float32,
+        rounded once to the dtype); the norm is this KernelOps' rms_norm. A kernel package may
+        run it all as one launch."""
         from inferx_core.ops_torch import rotate_interleaved
 
         nope, rank = check_mla_rope_norm(q, kv, norm_weight, cos_sin)
+        if q.dim() == 4:
+            q, kv = summed_parts(q), summed_parts(kv)
         rows = cos_sin[positions]
         q_pe = rotate_interleaved(q[..., nope:], rows)
         k_pe = rotate_interleaved(kv[:, None, rank:], rows)
@@ -232,19 +236,27 @@ def check_mla_rope_norm(
     """mla_rope_norm's input check, shared by every KernelOps; returns (nope, rank)."""
     rope, rank = cos_sin.shape[-1], norm_weight.shape[0]
     nope = q.shape[-1] - rope
+    parts = q.dim() == 4  # S partial sums of each
     if (
-        q.dim() != 3
-        or kv.dim() != 2
+        q.dim() not in (3, 4)
+        or kv.dim() != q.dim() - 1
         or norm_weight.dim() != 1
         or cos_sin.dim() != 2
         or rope % 2
         or nope < 0
-        or kv.shape != (q.shape[0], rank + rope)
+        or kv.shape != (*q.shape[: 2 if parts else 1], rank + rope)
     ):
         raise ValueError(
             f"mla_rope_norm: q {tuple(q.shape)}, kv {tuple(kv.shape)}, norm weight "
             f"{tuple(norm_weight.shape)} and cos_sin {tuple(cos_sin.shape)} do not fit q [T, "
-            "heads, nope + rope], kv [T, rank + rope], weight [rank], cos_sin [positions, rope] "
-            "with rope even"
+            "heads, nope + rope], kv [T, rank + rope] (or [S, T, ...] parts of both), weight "
+            "[rank], cos_sin [positions, rope] with rope even"
         )
     return nope, rank
+
+
+def summed_parts(parts: torch.Tensor) -> torch.Tensor:
+    """[S, ...] partial sums -> their sum in float32, rounded once to their dtype."""
+    if parts.shape[0] == 1:
+        return parts[0]
+    return parts.float().sum(0).to(parts.dtype)
