@@ -61,8 +61,16 @@ def compile_sm90(
     unaligned: Collection[str] = UNALIGNED,
 ):
     """kernel compiled for sm_90; types: each runtime argument's ("*bf16", "i32", ...); the
-    runtime arguments outside `unaligned` and not floats are specialised as multiples of 16."""
-    names = list(inspect.signature(kernel.fn).parameters)
+    runtime arguments outside `unaligned` and not floats are specialised as multiples of 16.
+    Constexpr parameters left out of `constexprs` take their defaults, as a launch does."""
+    params = inspect.signature(kernel.fn).parameters
+    defaults = {
+        n: p.default
+        for n, p in params.items()
+        if "constexpr" in str(p.annotation) and p.default is not inspect.Parameter.empty
+    }
+    constexprs = defaults | constexprs
+    names = list(params)
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     attrs = {
         (i,): [["tt.divisibility", 16]]

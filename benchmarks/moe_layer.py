@@ -153,8 +153,15 @@ def bench(shape: str, tokens: int, args, device: torch.device) -> dict:
 
 
 def candidates(decode: bool, mxfp4: bool) -> list[tuple[GemmConfig, GemmConfig]]:
-    """(gate_up, down) tiles to try: one shape for both GEMMs, or down twice as wide."""
+    """(gate_up, down) tiles to try: one shape for both GEMMs, or down twice as wide; for MXFP4
+    beyond decode sizes also swapped operands (SWAP_AB: the weight tile, 64 or 128 output
+    columns, as wgmma's register operand; 16 to 128 rows of pairs)."""
     out = []
+    if mxfp4 and not decode:
+        for bm in (16, 32, 64, 128):
+            for bn, warps in ((64, 4), (128, 4), (128, 8)):
+                c = GemmConfig(bm, bn, 64, warps, 3, swap_ab=True)
+                out.append((c, c))
     if decode:
         for bn in (16, 32, 64):
             for bk in (64, 128, 256):

@@ -74,6 +74,9 @@ def cases():
                     kernel = mk.moe_gemm_kernel
                     types = gemm_types(fmt, constexprs["PER_PAIR"])
                     yield label, kernel, types, constexprs, cfg.num_warps, cfg.num_stages
+                    if fmt == "mxfp4" and tokens == 2048 and not silu:  # swapped operands
+                        swapped = constexprs | {"SWAP_AB": True}
+                        yield f"{label} swap_ab", kernel, types, swapped, cfg.num_warps, 3
                     if tokens <= mk.GEMV_MAX_TOKENS and fmt != "fp8-block":
                         gemv = {n: constexprs[n] for n in GEMV_SHARED} | dict(
                             BLOCK_N=gemv_cfg.block_n,

@@ -28,6 +28,7 @@ from inferx_core.parallel import ParallelContext  # noqa: E402
 from inferx_core.quant_none import Unquantized  # noqa: E402
 from inferx_kernels_cuda import moe_kernels  # noqa: E402
 from inferx_kernels_cuda.moe_kernels import (  # noqa: E402
+    GemmConfig,
     fused_experts,
     group_by_expert,
     max_padded,
@@ -308,6 +309,28 @@ def test_grouped_gemm_mxfp4(name, dtype):
     """bf16 and float32 tiles hold the weights 2 ** -64 times theirs, fp16 tiles at theirs."""
     spec = SPECS[name]
     check_experts(mxfp4_experts(spec, dtype, seed=12), "mxfp4", spec, dtype, 9, 3, seed=13)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_grouped_gemm_mxfp4_swapped_operands(name, dtype):
+    """SWAP_AB (W @ A^T, transposed after the K loop) against the reference, in tiles wider
+    than tall and taller than wide; fp16 activations and other formats are refused."""
+    spec = SPECS[name]
+    experts = mxfp4_experts(spec, dtype, seed=14)
+    for tiles in ((16, 32, 32), (32, 16, 64)):
+        cfg = GemmConfig(*tiles, num_warps=4, num_stages=1, swap_ab=True)
+        check_experts(experts, "mxfp4", spec, dtype, 9, 3, seed=15, configs=(cfg, cfg))
+    cfg = GemmConfig(16, 32, 32, swap_ab=True)
+    x = torch.randn(3, spec.hidden_size, dtype=torch.float16)
+    weights, ids = random_routing(3, spec.num_experts, 2, seed=16)
+    half = mxfp4_experts(spec, torch.float16, seed=14).expert_weights()
+    with pytest.raises(ValueError, match="swapped"):
+        fused_experts(x, weights, ids, half, spec, configs=(cfg, cfg))
+    dense = dense_experts(spec, torch.float32, seed=17).expert_weights()
+    with pytest.raises(ValueError, match="swapped"):
+        fused_experts(x.float(), weights, ids, dense, spec, configs=(cfg, cfg))
 
 
 def wide_mxfp4(spec: ExpertsSpec, dtype: torch.dtype) -> tuple[Mxfp4Experts, torch.Tensor]:
@@ -657,9 +680,10 @@ SM90_MAX_SHARED_PER_PROGRAM = 232_448
 
 def test_kernels_compile_for_sm90():
     """Every kernel at the tiles gemm_configs picks for gpt-oss-20b and Qwen3-30B-A3B (decode
-    and prefill, each weight format) compiles for sm_90 within a program's shared memory, and
-    the grouped GEMMs' loads pipeline through cp.async. Compiled by Triton without a GPU, in a
-    process of its own (this one may run Triton under the interpreter)."""
+    and prefill, each weight format; gpt-oss-20b's MXFP4 prefill also with swapped operands)
+    compiles for sm_90 within a program's shared memory, and the grouped GEMMs' loads pipeline
+    through cp.async. Compiled by Triton without a GPU, in a process of its own (this one may
+    run Triton under the interpreter)."""
     import json
     import os
     import subprocess
@@ -671,10 +695,10 @@ def test_kernels_compile_for_sm90():
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     kernels = json.loads(out.stdout.splitlines()[-1])
-    assert len(kernels) == 71
+    assert len(kernels) == 73
     for label, shared, pipelined in kernels:
         assert shared <= SM90_MAX_SHARED_PER_PROGRAM, (label, shared)
-        if label.endswith(("gate_up", "down")):  # the grouped GEMMs, not the GEMV
+        if label.endswith(("gate_up", "down", "swap_ab")):  # the grouped GEMMs, not the GEMV
             assert pipelined, label
 
 
@@ -785,6 +809,27 @@ def test_gpu_grouped_gemm_formats(shape, fmt, tokens, atomic_sum):
     torch.cuda.synchronize()
     # bf16: the activation between the GEMMs and each expert's output are rounded to bf16
     assert rel(got, want) < 2e-2
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [(64, 64, 64, 4), (128, 64, 64, 4), (128, 128, 64, 8)])
+@pytest.mark.parametrize("tokens", [64, 256, 2048])
+def test_gpu_mxfp4_swapped_operands(tokens, tiles):
+    """gpt-oss-20b's MXFP4 experts through SWAP_AB tiles (compiled: the weight in registers
+    as wgmma's first operand) against the unswapped kernel's output, to bf16 rounding."""
+    kind, hidden, inter, experts, k = SHAPES["gpt-oss-20b"]
+    spec = ExpertsSpec("mlp.experts", experts, hidden, inter, "swiglu_oai", bias=True)
+    w = gpu_expert_weights("mxfp4", spec)
+    x = torch.randn(tokens, hidden, device=GPU).to(torch.bfloat16)
+    weights, ids = route(torch.randn(tokens, experts, device=GPU), RouterSpec(experts, k))
+    bm, bn, bk, warps = tiles
+    plain = GemmConfig(bm, bn, bk, warps, 3)
+    swapped = GemmConfig(bm, bn, bk, warps, 3, swap_ab=True)
+    want = fused_experts(x, weights, ids, w, spec, configs=(plain, plain))
+    got = fused_experts(x, weights, ids, w, spec, configs=(swapped, swapped))
+    torch.cuda.synchronize()
+    assert rel(got, want) < 1e-2
 
 
 @on_gpu

@@ -540,6 +540,7 @@ def moe_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BF16_BITS: tl.constexpr,
+    SWAP_AB: tl.constexpr = False,
 ):
     """One BLOCK_M tile of the grouped pairs (one expert's) times BLOCK_N output columns of that
     expert's weight [rows, K]. Row r of the tile is pair p = sorted[r]; its input row is
@@ -554,7 +555,11 @@ def moe_gemm_kernel(
     ROW_SCALE: w is FP8 (or any narrower type), widened to the activations'
     dtype in registers, and each output row scaled by scale[row] (float32) before the bias.
     K_SCALE: FP8 too, scaled per row per scale_bk columns of K (scale [rows, K / scale_bk],
-    unit stride along K; BLOCK_K divides scale_bk): each K tile's product by its scales."""
+    unit stride along K; BLOCK_K divides scale_bk): each K tile's product by its scales.
+    SWAP_AB (MXFP4 with bf16 / float32 activations): the products as W @ A^T into [BLOCK_N,
+    BLOCK_M] accumulators, transposed once after the K loop, so the weight tile dequantized
+    in registers is the MMA's first operand, which Hopper's wgmma reads from registers (the
+    second must be in shared memory: as the weight it would be stored there every K step)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(n_out, BLOCK_N)
     pid_m = pid // num_n
@@ -575,8 +580,12 @@ def moe_gemm_kernel(
     gated: tl.constexpr = ACT != 0
     rows_g = cols * GATE_STRIDE
     w_base = w_ptr + expert * stride_we
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     kr = tl.arange(0, BLOCK_K)
     s_base = scale_ptr + expert * stride_se
     # MXFP4 weights dequantized for bf16 / float32 activations (else fp16's)
@@ -611,14 +620,20 @@ def moe_gemm_kernel(
                     s_base + gate_rows * stride_sn + scale_off,
                     w_mask, s_mask, GROUPS, BLOCK_N, BLOCK_K, BF16_BITS,
                 )  # fmt: skip
-                acc = _dot(a, tl.trans(w.to(a.dtype)), acc, DOT_FP32)
+                if SWAP_AB:
+                    acc = _dot(w.to(a.dtype), tl.trans(a), acc, DOT_FP32)
+                else:
+                    acc = _dot(a, tl.trans(w.to(a.dtype)), acc, DOT_FP32)
                 if gated:
                     w = _mxfp4_rows_bf16(
                         w_base + up_rows * stride_wn + byte_off,
                         s_base + up_rows * stride_sn + scale_off,
                         w_mask, s_mask, GROUPS, BLOCK_N, BLOCK_K, BF16_BITS,
                     )  # fmt: skip
-                    acc_up = _dot(a, tl.trans(w.to(a.dtype)), acc_up, DOT_FP32)
+                    if SWAP_AB:
+                        acc_up = _dot(w.to(a.dtype), tl.trans(a), acc_up, DOT_FP32)
+                    else:
+                        acc_up = _dot(a, tl.trans(w.to(a.dtype)), acc_up, DOT_FP32)
             else:
                 # fp16: the activations' even and odd columns, to meet the low and high nibbles
                 a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, HALF, 2)))
@@ -666,6 +681,10 @@ def moe_gemm_kernel(
                     acc_up += _dot(a, w.to(a.dtype), zero, DOT_FP32) * s[None, :]
                 else:
                     acc_up = _dot(a, w.to(a.dtype), acc_up, DOT_FP32)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+        if gated:
+            acc_up = tl.trans(acc_up)
     if MXFP4 and W_DOWN:  # the weights were 2 ** -64 times theirs
         acc *= _A_UP
         acc_up *= _A_UP
@@ -843,13 +862,15 @@ def moe_sum_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.conste
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Tiles of one grouped GEMM; block_m is the grouping's."""
+    """Tiles of one grouped GEMM; block_m is the grouping's. swap_ab: moe_gemm_kernel's
+    SWAP_AB (MXFP4 weights with bf16 / float32 activations only)."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    swap_ab: bool = False
 
 
 def _interpreting() -> bool:
@@ -990,6 +1011,11 @@ def fused_experts(
         sms = 132 if _interpreting() else _num_sms(x.device)
         configs = gemm_configs(num_pairs, e, n, hidden, w.format, sms, gemv)
     gate_up_cfg, down_cfg = configs
+    if (gate_up_cfg.swap_ab or down_cfg.swap_ab) and not (mxfp4 and x.dtype != torch.float16):
+        raise ValueError(
+            f"{spec.prefix}: swapped MoE GEMM operands take MXFP4 weights and bf16 / float32 "
+            f"activations, got {w.format} weights and {x.dtype}"
+        )
     if bk:  # a K tile must lie in one scale block
         tiles_k = [math.gcd(cfg.block_k, bk) for cfg in configs]
         if min(tiles_k) < 16:
@@ -1048,7 +1074,7 @@ def fused_experts(
             float(spec.alpha), float(spec.limit), max(bk, 1), **shared,
             K_SCALE=bk > 0, PER_PAIR=per_pair, DOT_FP32=dot_fp32,
             BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BF16_BITS=not _interpreting(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     if atomic_sum:
         return y.to(x.dtype)
