@@ -1,12 +1,16 @@
 """One MLA layer's decode step (DeepSeek-V2-Lite's widths: 16 heads, nope 128, rope 64, v 128,
 latent 512, bf16) replayed from a CUDA graph, as decode graphs run it, on each backend that
-takes it: `triton` (mla_decode's kernels), `flashinfer` with FlashInfer's MLA module fa2 (the
-default) and fa3. The step is the latent write, W_UK, the attention over the paged latent
-cache and W_UV. Times are per layer (CUDA events around replays); "x layers" is that times
-the model's 27 layers, the attention's share of a decode step.
+takes it: `triton` (mla_decode's kernels, W_UK and W_UV fused into Triton kernels:
+TritonAttention.mla_fused_absorb on), `triton-unfused` (the same with it off: cuBLAS einsums
+for W_UK and W_UV), `flashinfer` with FlashInfer's MLA module fa2 (the default) and fa3. The
+step is the latent write, W_UK, the attention over the paged latent cache, W_UV and the
+reshape to [batch, heads * v] that o_proj takes (a copy where the output is a permuted view).
+Times are per layer (CUDA events around replays); "x layers" is that times the model's 27
+layers, the attention's share of a decode step; "fused" is triton's time over
+triton-unfused's (below 1: the fused form is faster), where both run.
 
 python benchmarks/mla_decode.py [--batch 1,16,64] [--context 1024,4096] [--iters 200]
-    [--backends triton,flashinfer-fa2,flashinfer-fa3] [--json out.json]
+    [--backends triton,triton-unfused,flashinfer-fa2,flashinfer-fa3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ BLOCK = 16
 
 
 def build(name: str, spec: KVLayerSpec, device: torch.device):
-    if name == "triton":
+    if name in ("triton", "triton-unfused"):
         from inferx_kernels_cuda.triton_attention import TritonAttention
 
-        return TritonAttention([spec], BLOCK, torch.bfloat16, device)
+        backend = TritonAttention([spec], BLOCK, torch.bfloat16, device)
+        backend.mla_fused_absorb = name == "triton"
+        return backend
     from inferx_kernels_cuda.flashinfer_attention import FlashInferAttention
 
     module = name.split("-", 1)[1]
@@ -57,12 +63,18 @@ def bench(name: str, batch: int, context: int, iters: int, device: torch.device)
     k = torch.randn(batch, 1, RANK + ROPE, generator=g).to(device, dtype)
     backend.init_graph_buffers(batch, per_seq)
     backend.prepare_for_capture(batch)
+
+    def step() -> torch.Tensor:
+        # as MLAttention._attend hands it to o_proj: a view of a contiguous output, a copy
+        # of a permuted one (the unfused form's)
+        return backend.forward(attn, q, k, k[..., :RANK]).reshape(batch, HEADS * V)
+
     with torch.no_grad():
-        backend.forward(attn, q, k, k[..., :RANK])  # compiles / JIT-builds outside the capture
+        step()  # compiles / JIT-builds outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            backend.forward(attn, q, k, k[..., :RANK])
+            step()
     step = make_attention_batch([1] * batch, [context] * batch, tables, BLOCK)
     backend.prepare_for_replay(step, batch)
     graph.replay()
@@ -81,7 +93,7 @@ def main() -> None:
     ap.add_argument("--batch", default="1,16,64")
     ap.add_argument("--context", default="1024,4096")
     ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--backends", default="triton,flashinfer-fa2,flashinfer-fa3")
+    ap.add_argument("--backends", default="triton,triton-unfused,flashinfer-fa2,flashinfer-fa3")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -89,7 +101,9 @@ def main() -> None:
     device = torch.device("cuda")
     names = args.backends.split(",")
     print(f"MLA decode, one layer from a CUDA graph, {torch.cuda.get_device_name()} (us)")
-    print(f"{'batch':>6}{'context':>9}" + "".join(f"{n:>16}" for n in names) + "   x layers")
+    ab = "triton" in names and "triton-unfused" in names
+    head = f"{'batch':>6}{'context':>9}" + "".join(f"{n:>16}" for n in names)
+    print(head + ("   fused" if ab else "") + "   x layers")
     rows = []
     for batch in (int(b) for b in args.batch.split(",")):
         for context in (int(c) for c in args.context.split(",")):
@@ -98,6 +112,9 @@ def main() -> None:
                 row[name] = bench(name, batch, context, args.iters, device)
             rows.append(row)
             cells = "".join(f"{row[n]:16.1f}" for n in names)
+            if ab:
+                row["fused"] = row["triton"] / row["triton-unfused"]
+                cells += f"{row['fused']:8.2f}"
             best = min(row[n] for n in names) * LAYERS / 1e3
             print(f"{batch:6d}{context:9d}{cells}   {best:.3f} ms (fastest)")
     if args.json:

@@ -10,10 +10,17 @@ that row with the cache row; values are the rows' latents; the output stays in l
 Long contexts split along the context: each split writes its normalised output and log2-sum-exp,
 and mla_reduce_kernel combines them. A sequence's split length comes from its own context
 (at least min_split_len, whole tiles), so one grid serves every context length.
+
+mla_decode_absorbed's fused form puts W_UK and W_UV in Triton too: mla_absorb_q_kernel writes
+the absorbed query (q_nope @ W_UK), and mla_reduce_uv_kernel combines the splits and applies
+W_UV in one launch, writing [B, heads, v_head_dim] contiguous (the caller's reshape to
+[B, heads * v_head_dim] is a view). Three launches a layer instead of two cuBLAS bmms, the
+decode and reduce kernels and a copy.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -130,7 +137,8 @@ def mla_reduce_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """Grid (sequences, heads): one head's splits weighted by exp2 of their lse, into out
-    [b, head, RANK] (a sequence of no context writes nothing)."""
+    [b, head, RANK] (a sequence of no context, a mixed graph's unused decode slot, writes
+    zeros)."""
     b = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -142,10 +150,139 @@ def mla_reduce_kernel(
     part = (b * num_heads + head) * SPLITS + s
     lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
     o = tl.load(part_o_ptr + part[:, None] * RANK + r[None, :], mask=s_ok[:, None], other=0.0)
-    w = tl.exp2(lse - tl.max(lse, 0))
-    res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    top = tl.where(used > 0, tl.max(lse, 0), 0.0)  # no NaN for a sequence of no splits
+    w = tl.exp2(lse - top)
+    res = tl.sum(o * w[:, None], 0) / tl.where(used > 0, tl.sum(w, 0), 1.0)
     dst = out_ptr + b.to(tl.int64) * stride_ob + head * stride_oh + r
-    tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=(r < tl.where(ctx > 0, RANK, 0)))
+    tl.store(dst, res.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def mla_absorb_q_kernel(
+    q_ptr,
+    w_ptr,
+    out_ptr,
+    batch,
+    stride_qb,
+    stride_qh,
+    stride_wh,
+    stride_wn,
+    stride_wr,
+    NOPE: tl.constexpr,
+    NOPE_PAD: tl.constexpr,
+    RANK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (heads, RANK / BLOCK_R): out[b, head, r] = q[b, head, :NOPE] @ W_UK[head][:, r]
+    for r in the program's tile and every sequence b, BLOCK_B sequences a tl.dot. q: rows of
+    [B, heads, NOPE + rope] (strides stride_qb, stride_qh; the rope part not read); W_UK
+    [heads, NOPE, RANK] by its strides (a view of kv_b_proj's weight), its [NOPE, BLOCK_R]
+    tile loaded once, before the loop over the batch, and rounded to q's dtype as
+    w_uk.to(q.dtype) is. float32 accumulation; out contiguous [B, heads, RANK] in q's dtype."""
+    head = tl.program_id(0)
+    num_heads = tl.num_programs(0)
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    n = tl.arange(0, NOPE_PAD)
+    n_ok = n < NOPE
+    dtype = out_ptr.dtype.element_ty
+    w_tile = w_ptr + head * stride_wh + n[:, None] * stride_wn + r[None, :] * stride_wr
+    w = tl.load(w_tile, mask=n_ok[:, None], other=0.0).to(dtype)
+    if UPCAST:
+        w = w.to(tl.float32)
+    i = tl.arange(0, BLOCK_B)
+    for b0 in range(0, batch, BLOCK_B):
+        b = (b0 + i).to(tl.int64)
+        b_ok = b < batch
+        rows = q_ptr + b[:, None] * stride_qb + head * stride_qh + n[None, :]
+        x = tl.load(rows, mask=b_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+        acc = tl.dot(x, w, input_precision=DOT_PRECISION)
+        dst = out_ptr + (b[:, None] * num_heads + head) * RANK + r[None, :]
+        tl.store(dst, acc.to(dtype), mask=b_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["min_split_len"])
+def mla_reduce_uv_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    context_len_ptr,
+    w_ptr,
+    out_ptr,
+    batch,
+    min_split_len,
+    stride_wh,
+    stride_wv,
+    stride_wr,
+    RANK: tl.constexpr,
+    V: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (heads, cdiv(V, BLOCK_V), groups): mla_reduce_kernel and W_UV in one launch.
+    Program (head, v tile, g) takes the blocks of BLOCK_B sequences g, g + groups, ...; for
+    each, RANK in BLOCK_R-wide slices: the splits of part_o [B, heads, SPLITS, RANK] weighted
+    by exp2(lse - max) over their sum as mla_reduce_kernel weighs them (all splits of a
+    slice in one load), that combined latent rounded to out's dtype (where the unfused form
+    stores it), then times the slice of W_UV[head] [V, RANK] (by its strides, rounded to
+    out's dtype as w_uv.to(q.dtype) is) into a float32 [BLOCK_B, BLOCK_V] accumulator: a
+    tl.dot at BLOCK_B 16, a broadcast product summed over the slice below 16 (the tensor
+    cores' smallest M is 16, and one or a few sequences a program is what batch 1 needs).
+    Writes out contiguous [B, heads, V]; a sequence of no context writes zeros.
+
+    The trade the host (_uv_tiles) picks the tiles by: every v tile reads its sequences'
+    part_o again, every sequence group its W_UV tiles again; at batch 1 narrow v tiles give
+    the programs that W_UV's bytes need, at larger batches sequence groups do."""
+    head = tl.program_id(0)
+    num_heads = tl.num_programs(0)
+    v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = v < V
+    dtype = out_ptr.dtype.element_ty
+    i = tl.arange(0, BLOCK_B)
+    s = tl.arange(0, SPLITS_PAD)
+    r = tl.arange(0, BLOCK_R)
+    w_rows = w_ptr + head * stride_wh + v[:, None] * stride_wv  # [BLOCK_V, 1]
+    for b0 in range(tl.program_id(2) * BLOCK_B, batch, tl.num_programs(2) * BLOCK_B):
+        b = (b0 + i).to(tl.int64)
+        b_ok = b < batch
+        ctx = tl.load(context_len_ptr + b, mask=b_ok, other=0)
+        used = tl.cdiv(ctx, _seq_split_len(ctx, SPLITS, min_split_len, BLOCK_N))
+        part = (b * num_heads + head) * SPLITS  # [BLOCK_B]: split 0 of (b, head)
+        s_ok = s[None, :] < used[:, None]
+        lse = tl.load(part_lse_ptr + part[:, None] + s[None, :], mask=s_ok, other=float("-inf"))
+        top = tl.where(used > 0, tl.max(lse, 1), 0.0)  # no NaN for a sequence of no splits
+        weight = tl.exp2(lse - top[:, None])  # [BLOCK_B, SPLITS_PAD], 0 past used
+        total = tl.where(used > 0, tl.sum(weight, 1), 1.0)  # (so 0 for no splits)
+        rows = (part[:, None] + s[None, :]) * RANK  # [BLOCK_B, SPLITS_PAD]
+        acc = tl.zeros([BLOCK_B, BLOCK_V], tl.float32)
+        for r0 in range(0, RANK, BLOCK_R):
+            o = tl.load(
+                part_o_ptr + rows[:, :, None] + r0 + r[None, None, :],
+                mask=s_ok[:, :, None],
+                other=0.0,
+            )
+            lat = (tl.sum(o * weight[:, :, None], 1) / total[:, None]).to(dtype)
+            w = tl.load(w_rows + (r0 + r)[None, :] * stride_wr, mask=v_ok[:, None], other=0.0)
+            w = w.to(dtype)
+            if BLOCK_B >= 16:
+                if UPCAST:
+                    lat = lat.to(tl.float32)
+                    w = w.to(tl.float32)
+                acc += tl.dot(lat, tl.trans(w), input_precision=DOT_PRECISION)
+            else:
+                prod = lat.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+                acc += tl.sum(prod, 2)
+        dst = out_ptr + (b[:, None] * num_heads + head) * V + v[None, :]
+        tl.store(dst, acc.to(dtype), mask=b_ok[:, None] & v_ok[None, :])
 
 
 def _interpreting() -> bool:
@@ -171,10 +308,47 @@ def mla_decode(
     q [B, H, rank] and q_pe [B, H, rope] apart (no copy into one row), one query a sequence,
     over cache [num_blocks, block_size, 1, rank + rope] by block_table [B, max_blocks] int32
     and context_len [B] int32 -> the latent-space output [B, H, rank] in q's dtype (W_UV still
-    to apply). rank and rope are powers of two (512 and 64 for DeepSeek-V2). num_splits:
-    context splits per sequence (the grid's second axis), each at least min_split_len tokens.
-    An e4m3 cache holds rows / k_scale ([1] float32, read by pointer so CUDA graphs replay
-    with its value; None: 1.0)."""
+    to apply; zeros for a sequence of no context). rank and rope are powers of two (512 and 64
+    for DeepSeek-V2). num_splits: context splits per sequence (the grid's second axis), each
+    at least min_split_len tokens. An e4m3 cache holds rows / k_scale ([1] float32, read by
+    pointer so CUDA graphs replay with its value; None: 1.0)."""
+    part_o, part_lse = _split_parts(
+        q, cache, block_table, context_len, scale, rank, num_splits, min_split_len, block_n,
+        k_scale, q_pe,
+    )  # fmt: skip
+    bsz, heads = q.shape[:2]
+    out = torch.empty(bsz, heads, rank, dtype=q.dtype, device=q.device)
+    mla_reduce_kernel[(bsz, heads)](
+        part_o,
+        part_lse,
+        out,
+        context_len,
+        min_split_len,
+        out.stride(0),
+        out.stride(1),
+        RANK=rank,
+        SPLITS=num_splits,
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        BLOCK_N=block_n,
+    )
+    return out
+
+
+def _split_parts(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: torch.Tensor,
+    scale: float,
+    rank: int,
+    num_splits: int,
+    min_split_len: int,
+    block_n: int,
+    k_scale: torch.Tensor | None,
+    q_pe: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """mla_decode's checks and its mla_decode_kernel launch: (part_o [B, H, num_splits, rank],
+    part_lse [B, H, num_splits]), float32, for a reduce kernel to combine."""
     if q_pe is not None:
         if q.shape[-1] != rank or q_pe.shape[:2] != q.shape[:2] or q_pe.dtype != q.dtype:
             raise ValueError(
@@ -200,8 +374,7 @@ def mla_decode(
     ):
         raise ValueError("MLA decode needs q and the cache rows contiguous in their last dim")
     block_size = cache.shape[1]
-    interp = _interpreting()
-    upcast = interp or q.dtype == torch.float32
+    upcast = _interpreting() or q.dtype == torch.float32
     part_o = torch.empty(bsz, heads, num_splits, rank, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q.device)
     block_h = max(16, triton.next_power_of_2(heads))
@@ -235,21 +408,7 @@ def mla_decode(
         DOT_PRECISION="ieee" if upcast else "tf32",
         **fp8,
     )
-    out = torch.empty(bsz, heads, rank, dtype=q.dtype, device=q.device)
-    mla_reduce_kernel[(bsz, heads)](
-        part_o,
-        part_lse,
-        out,
-        context_len,
-        min_split_len,
-        out.stride(0),
-        out.stride(1),
-        RANK=rank,
-        SPLITS=num_splits,
-        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-        BLOCK_N=block_n,
-    )
-    return out
+    return part_o, part_lse
 
 
 def mla_decode_absorbed(
@@ -262,20 +421,154 @@ def mla_decode_absorbed(
     num_splits: int = 1,
     min_split_len: int = 256,
     k_scale: torch.Tensor | None = None,
+    fused: bool = True,
 ) -> torch.Tensor:
     """A decode step of one MLA layer in the absorbed form: q [B, H, nope + rope] (rope part
-    rotated) -> [B, H, v_head_dim], as inferx_core.attention_torch.mla_absorbed computes it per
-    sequence: W_UK folded into the query, mla_decode over the latent cache (k_scale: an e4m3
-    cache's, as mla_decode takes it), W_UV after."""
+    rotated, last dim contiguous) -> [B, H, v_head_dim] in q's dtype, as
+    inferx_core.attention_torch.mla_absorbed computes it per sequence: W_UK folded into the
+    query, mla_decode's kernel over the latent cache (k_scale: an e4m3 cache's, as mla_decode
+    takes it), W_UV after. Rounded to q's dtype where the torch form rounds: the absorbed
+    query, the combined latent, the output (float32 sums between).
+
+    fused: W_UK by mla_absorb_q_kernel and the split combine with W_UV by
+    mla_reduce_uv_kernel, the output contiguous; else torch einsums around mla_decode (a
+    permuted view out). A sequence of no context gets zeros either way. The fused kernels
+    read w_uk and w_uv through their strides (views of kv_b_proj's weight), in their own
+    float dtype, each tile cast to q's: no copy a call."""
     assert mla.w_uk is not None and mla.w_uv is not None, "MLA weights not loaded"
     nope = mla.qk_nope_head_dim
-    q_lat = torch.einsum("bhn,hnr->bhr", q[..., :nope], mla.w_uk.to(q.dtype))
     rank = mla.w_uk.shape[-1]
-    o_lat = mla_decode(
+    if not fused:
+        q_lat = torch.einsum("bhn,hnr->bhr", q[..., :nope], mla.w_uk.to(q.dtype))
+        o_lat = mla_decode(
+            q_lat, cache, block_table, context_len, scale, rank, num_splits, min_split_len,
+            k_scale=k_scale, q_pe=q[..., nope:],
+        )  # fmt: skip
+        return torch.einsum("bhr,hvr->bhv", o_lat, mla.w_uv.to(q.dtype))
+    bsz, heads = q.shape[:2]
+    v_dim = mla.w_uv.shape[1]
+    if mla.w_uk.shape != (heads, nope, rank) or mla.w_uv.shape != (heads, v_dim, rank):
+        raise ValueError(
+            f"MLA decode: w_uk [{heads}, {nope}, rank] and w_uv [{heads}, v, rank] for q "
+            f"{tuple(q.shape)}; got {tuple(mla.w_uk.shape)} and {tuple(mla.w_uv.shape)}"
+        )
+    if q.stride(-1) != 1:
+        raise ValueError("MLA decode needs q contiguous in its last dim")
+    upcast = _interpreting() or q.dtype == torch.float32
+    precision = "ieee" if upcast else "tf32"
+    w_uk = mla.w_uk
+    q_lat = torch.empty(bsz, heads, rank, dtype=q.dtype, device=q.device)
+    block_r = _uk_block(heads, nope, rank)
+    mla_absorb_q_kernel[(heads, rank // block_r)](
+        q,
+        w_uk,
+        q_lat,
+        bsz,
+        q.stride(0),
+        q.stride(1),
+        *w_uk.stride(),
+        NOPE=nope,
+        NOPE_PAD=max(16, triton.next_power_of_2(nope)),
+        RANK=rank,
+        BLOCK_R=block_r,
+        BLOCK_B=16,
+        UPCAST=upcast,
+        DOT_PRECISION=precision,
+    )
+    block_n = 32  # mla_decode's tile
+    part_o, part_lse = _split_parts(
         q_lat, cache, block_table, context_len, scale, rank, num_splits, min_split_len,
-        k_scale=k_scale, q_pe=q[..., nope:],
+        block_n, k_scale, q[..., nope:],
     )  # fmt: skip
-    return torch.einsum("bhr,hvr->bhv", o_lat, mla.w_uv.to(q.dtype))
+    w_uv = mla.w_uv
+    out = torch.empty(bsz, heads, v_dim, dtype=q.dtype, device=q.device)
+    block_b, block_v, block_r, groups = _uv_tiles(
+        bsz, heads, v_dim, rank, num_splits, w_uv.element_size()
+    )
+    mla_reduce_uv_kernel[(heads, triton.cdiv(v_dim, block_v), groups)](
+        part_o,
+        part_lse,
+        context_len,
+        w_uv,
+        out,
+        bsz,
+        min_split_len,
+        *w_uv.stride(),
+        RANK=rank,
+        V=v_dim,
+        SPLITS=num_splits,
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        BLOCK_N=block_n,
+        BLOCK_B=block_b,
+        BLOCK_V=block_v,
+        BLOCK_R=block_r,
+        UPCAST=upcast,
+        DOT_PRECISION=precision,
+        num_warps=_UV_WARPS,
+    )
+    return out
+
+
+# Programs a launch of the fused absorbed form aims for (about one wave of an H100's 132 SMs:
+# the two kernels are bound by memory, not by arithmetic), the most elements of one tile a
+# program holds in registers (64 a thread at 4 warps), and mla_reduce_uv_kernel's warps (8:
+# up to three such tiles live at once, the splits', W_UV's and their product).
+_PROGRAMS = 128
+_TILE = 8192
+_UV_WARPS = 8
+# _uv_tiles' cost model: bytes a second the programs read at (an H100's L2, roughly), and
+# the time of one step of a program's serial loop (a load's latency, roughly).
+_UV_BYTES_PER_S = 5e12
+_UV_STEP_S = 5e-7
+
+
+@functools.lru_cache(maxsize=256)  # (per call, without a CUDA graph: host time)
+def _uk_block(heads: int, nope: int, rank: int) -> int:
+    """mla_absorb_q_kernel's BLOCK_R: the widest W_UK tile (NOPE rows, at most _TILE
+    elements, 16 columns or more) that still gives heads * rank / BLOCK_R >= _PROGRAMS."""
+    block_r = rank
+    nope_pad = max(16, triton.next_power_of_2(nope))
+    while block_r > 16 and (heads * (rank // block_r) < _PROGRAMS or nope_pad * block_r > _TILE):
+        block_r //= 2
+    return block_r
+
+
+@functools.lru_cache(maxsize=1024)
+def _uv_tiles(
+    batch: int, heads: int, v_dim: int, rank: int, splits: int, w_size: int
+) -> tuple[int, int, int, int]:
+    """mla_reduce_uv_kernel's (BLOCK_B, BLOCK_V, BLOCK_R, sequence groups) for a batch: the
+    pick of least estimated time, where bytes read are part_o's once per v tile plus
+    W_UV's once per sequence group (spread over the programs, up to _PROGRAMS of them), and
+    each step of a program's loop (a RANK slice of a block of sequences) costs a latency.
+    BLOCK_R: the widest slice whose tiles (the splits' [BLOCK_B, SPLITS, BLOCK_R], W_UV's
+    [BLOCK_V, BLOCK_R], the broadcast product below BLOCK_B 16) stay within _TILE, and 16 at
+    least (tl.dot's K); picks whose 16 is past _TILE only where none fits (over 512 splits)."""
+    splits_pad = max(2, triton.next_power_of_2(splits))
+    part_bytes = batch * heads * splits * rank * 4
+    w_bytes = heads * v_dim * rank * w_size
+    best: tuple[float, int, int, int, int] | None = None
+    for block_b in (16, 8, 4, 2, 1):
+        if block_b > triton.next_power_of_2(batch):
+            continue
+        for block_v in (16, 32, 64, 128):
+            if block_v > max(16, triton.next_power_of_2(v_dim)):
+                continue
+            widest = max(block_b * splits_pad, block_v, block_b * block_v if block_b < 16 else 1)
+            block_r = min(rank, 1 << max(4, (_TILE // widest).bit_length() - 1))  # >= 16
+            v_tiles = triton.cdiv(v_dim, block_v)
+            blocks = triton.cdiv(batch, block_b)
+            groups = min(blocks, triton.cdiv(_PROGRAMS, heads * v_tiles))
+            programs = heads * v_tiles * groups
+            read = part_bytes * v_tiles + w_bytes * groups
+            steps = triton.cdiv(blocks, groups) * (rank // block_r)
+            cost = read / (_UV_BYTES_PER_S * min(1.0, programs / _PROGRAMS)) + steps * _UV_STEP_S
+            if widest * block_r > _TILE:
+                cost += 1.0  # tiles past _TILE (spills) only where no pick fits
+            if best is None or cost < best[0]:
+                best = (cost, block_b, block_v, block_r, groups)
+    assert best is not None
+    return best[1:]
 
 
 @triton.jit

@@ -882,6 +882,9 @@ class TritonAttention(TorchAttention):
     # docs/ARCHITECTURE.md).
     mla_min_split_len = 64
     mla_max_splits = 16
+    # MLA decode: W_UK and W_UV in Triton kernels, the latter fused into the split combine
+    # (mla_decode_absorbed's fused form); off: cuBLAS einsums around mla_decode.
+    mla_fused_absorb = True
     # MLA prefill: context rows expanded a pass where a chunk has a cached prefix (or the
     # step's tokens, if more), so expanded keys and values stay within what a step of fresh
     # prompts uses.
@@ -1085,6 +1088,7 @@ class TritonAttention(TorchAttention):
         write_latent(rows, cache, slot_mapping, k_scale)
         decode = {"num_splits": self._mla_splits(plan.num_decode), "k_scale": k_scale}
         decode["min_split_len"] = self.mla_min_split_len
+        decode["fused"] = self.mla_fused_absorb
         if plan.all_decode:  # decode i is sequence i and query row i
             return mla_decode_absorbed(
                 q, cache, block_table, plan.context_len, mla, layer.scale, **decode
