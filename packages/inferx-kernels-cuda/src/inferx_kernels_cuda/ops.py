@@ -110,6 +110,16 @@ class TritonOps(KernelOps):
     cos/sin table (that would cost a device sync).
     """
 
+    # fuse_shared_experts (KernelOps'): models build MoE shared experts as always-on slots of
+    # the routed experts (DeepSeek-V2-Lite's 2 x 1408: two more experts of 1408), so
+    # topk_softmax appends them in its launch and the grouped gate_up and down GEMMs run them
+    # with the routed ones: no shared MLP's GEMMs and add a layer. Off: the shared MLP apart,
+    # for A/B (benchmarks/moe_layer.py's deepseek-v2-lite-shared rows, decode_profile.py
+    # --shared-experts-apart); awaiting that GPU measurement (docs/ARCHITECTURE.md's decision
+    # register). A class attribute, so that a script can switch it for the engines it builds;
+    # an instance may set its own.
+    fuse_shared_experts = True
+
     def __init__(self) -> None:
         # Each setting below is an attribute with its default, which tests and benchmarks may
         # set on an instance; the reasons are rows of docs/ARCHITECTURE.md's decision register.
@@ -169,13 +179,6 @@ class TritonOps(KernelOps):
         # instead of the sum kernel (moe_kernels.fused_experts); off: the sum kernel's fixed
         # order gives the same bits on every run, atomics do not.
         self.moe_atomic_sum = False
-        # fuse_shared_experts (KernelOps'): models build MoE shared experts as always-on slots
-        # of the routed experts (DeepSeek-V2's 2 x 1408: two more experts of 1408), so
-        # topk_softmax appends them in its launch and the grouped gate_up and down GEMMs run
-        # them with the routed ones: no shared MLP's GEMMs and add a layer. Off: the shared MLP
-        # apart (for A/B: benchmarks/moe_layer.py's deepseek-v2-lite-shared rows; awaiting
-        # their GPU measurement, docs/ARCHITECTURE.md's decision register).
-        self.fuse_shared_experts = True
         # q heads per program of mla_rope_norm_kernel (a power of two; unmeasured).
         self.mla_heads_block = 4
 
