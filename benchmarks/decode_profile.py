@@ -3,13 +3,15 @@ engine (dummy weights of a preset, CUDA graphs on, the table's engine settings),
 timed by torch.profiler and printed per decode step, largest first.
 
 python benchmarks/decode_profile.py --model gpt-oss-20b --tokenizer DIR [--steps 128]
-    [--prompt-len 128] [--top 28] [--set KEY=VALUE ...]
+    [--prompt-len 128] [--top 28] [--set KEY=VALUE ...] [--shared-experts-apart]
 
 DIR holds the preset's tokenizer (../shared/fixtures/tokenizers/{qwen,llama3,gpt-oss}); for
 DeepSeek-V2 pass Llama 3's, which is cut down to its vocabulary as gpu_table.py does. Kernels
 launched with programmatic dependent launch (inferx_kernels_cuda.pdl) start before the kernel
 ahead of them ends and wait inside: their times include that wait, so the rows overlap and
-their sum exceeds the step. GPU only.
+their sum exceeds the step. --shared-experts-apart builds MoE shared experts (DeepSeek-V2's)
+as a separate MLP instead of the triton ops' default expert slots (TritonOps.
+fuse_shared_experts), for their A/B. GPU only.
 """
 
 from __future__ import annotations
@@ -46,9 +48,18 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--top", type=int, default=28, help="kernels printed")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument(
+        "--shared-experts-apart",
+        action="store_true",
+        help="MoE shared experts as their own MLP, not slots of the routed experts",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_profile.py times CUDA kernels: it needs a GPU")
+    if args.shared_experts_apart:
+        from inferx_kernels_cuda.ops import TritonOps
+
+        TritonOps.fuse_shared_experts = False  # the engine below builds its ops in this process
     with tempfile.TemporaryDirectory() as scratch:
         overrides = {
             "model.preset": args.model,

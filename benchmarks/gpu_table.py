@@ -180,7 +180,8 @@ def tokenizer_name(preset: str) -> str:
 def decode_read_bytes(model: Any) -> tuple[int, int]:
     """(weight bytes, the bytes of them one batch-1 decode step reads): every parameter once
     (a tied head is the embedding), but a MoE layer's routed experts, parameters and buffers
-    (MXFP4 blocks are buffers), at top_k / num_experts of their size: one token's share."""
+    (MXFP4 blocks are buffers), at (top_k + shared) / (num_experts + shared) of their size:
+    one token's share (shared experts held as expert slots are read by every token)."""
     from inferx_core.moe import FusedMoE
 
     share: dict[int, float] = {}
@@ -188,7 +189,8 @@ def decode_read_bytes(model: Any) -> tuple[int, int]:
     for m in model.modules():
         if isinstance(m, FusedMoE):
             ts = [*m.experts.parameters(), *m.experts.buffers()]
-            share |= {t.data_ptr(): m.router.top_k / m.router.num_experts for t in ts}
+            r = m.router
+            share |= {t.data_ptr(): (r.top_k + r.shared) / (r.num_experts + r.shared) for t in ts}
             tensors += ts
     seen: set[int] = set()
     total = read = 0.0

@@ -1,19 +1,27 @@
-"""The MoE layer alone (router + routed experts) at decode and prefill sizes: the Triton path
-(TritonOps: topk_softmax, grouping, grouped GEMMs) replayed in a CUDA graph and eagerly, against
-the torch path (TorchOps), and against the floor of the bytes the layer must read at the GPU's
-bandwidth.
+"""The MoE layer alone (router + routed experts, and shared experts where the shape has them)
+at decode and prefill sizes: the Triton path (TritonOps: topk_softmax, grouping, grouped GEMMs)
+replayed in a CUDA graph and eagerly, against the torch path (TorchOps), and against the floor
+of the bytes the layer must read at the GPU's bandwidth.
 
 python benchmarks/moe_layer.py [--shapes gpt-oss-20b,qwen3-30b-a3b] [--tokens 1,8,64,2048]
                                [--bandwidth 3.35e12] [--layers 8] [--json out.json]
+python benchmarks/moe_layer.py --shapes deepseek-v2-lite-shared --tokens 1,8,64,256
+                                           # shared experts fused into the GEMMs or apart
 python benchmarks/moe_layer.py --sweep     # the grouped GEMMs alone over candidate tiles
-python benchmarks/moe_layer.py --profile   # each kernel's share of the Triton path (torch.profiler)
+python benchmarks/moe_layer.py --profile [--unfused]  # each kernel's share of the Triton path
 python benchmarks/moe_layer.py --smoke     # tiny shapes on the CPU, under TRITON_INTERPRET=1
 
 `--layers` distinct layers run back to back per timed step, so that the weights of one step
 outlast the L2 cache (a decode step reads every layer once, as a model does); times are per
 layer. "atomic": the Triton path with the top-k sum by atomics in the down GEMM
 (TritonOps.moe_atomic_sum), in a graph. The floor counts the router, each expert that some
-token picked (weights, scales, biases, once), the input and the output.
+token picked (weights, scales, biases, once), the shared experts, the input and the output.
+
+Shapes with shared experts ("deepseek-v2-lite-shared": V2-Lite's whole MoE layer, 2 shared
+experts of 1408) are built as the model builds them (DeepseekV2ForCausalLM.build_mlp): the
+Triton columns with TritonOps' default, the shared experts as slots of the routed experts'
+grouped GEMMs (fuse_shared_experts), and "unfused" the same with the shared MLP apart (its
+own gate_up and down GEMMs and an add), in a graph and eagerly: the A/B of that switch.
 """
 
 from __future__ import annotations
@@ -35,27 +43,45 @@ from inferx_core.parallel import ParallelContext  # noqa: E402
 from inferx_core.quant_none import Unquantized  # noqa: E402
 from inferx_kernels_cuda.moe_kernels import GemmConfig, fused_experts  # noqa: E402
 from inferx_kernels_cuda.ops import TritonOps  # noqa: E402
+from inferx_models.deepseek_v2 import DeepseekV2ForCausalLM  # noqa: E402
 from inferx_quant.mxfp4 import Mxfp4  # noqa: E402
 
-# name: (hidden, intermediate, experts, top_k, format, activation, router bias, renormalize)
+# name: (hidden, intermediate, experts, top_k, format, activation, router bias, renormalize,
+# shared experts)
 SHAPES = {
-    "gpt-oss-20b": (2880, 2880, 32, 4, "mxfp4", "swiglu_oai", True, False),
-    "gpt-oss-20b-bf16": (2880, 2880, 32, 4, "bf16", "swiglu_oai", True, False),
-    "qwen3-30b-a3b": (2048, 768, 128, 8, "bf16", "silu", False, True),
-    "deepseek-v2-lite": (2048, 1408, 64, 6, "bf16", "silu", False, False),
-    "smoke-mxfp4": (64, 64, 4, 2, "mxfp4", "swiglu_oai", True, False),
-    "smoke-bf16": (64, 32, 8, 2, "bf16", "silu", False, True),
+    "gpt-oss-20b": (2880, 2880, 32, 4, "mxfp4", "swiglu_oai", True, False, 0),
+    "gpt-oss-20b-bf16": (2880, 2880, 32, 4, "bf16", "swiglu_oai", True, False, 0),
+    "qwen3-30b-a3b": (2048, 768, 128, 8, "bf16", "silu", False, True, 0),
+    "deepseek-v2-lite": (2048, 1408, 64, 6, "bf16", "silu", False, False, 0),
+    "deepseek-v2-lite-shared": (2048, 1408, 64, 6, "bf16", "silu", False, False, 2),
+    "smoke-mxfp4": (64, 64, 4, 2, "mxfp4", "swiglu_oai", True, False, 0),
+    "smoke-bf16": (64, 32, 8, 2, "bf16", "silu", False, True, 0),
+    "smoke-shared": (64, 32, 8, 2, "bf16", "silu", False, False, 2),
 }
 
 
+def unfused_ops() -> TritonOps:
+    """TritonOps with the shared experts apart (a shared MLP after the routed experts)."""
+    ops = TritonOps()
+    ops.fuse_shared_experts = False
+    return ops
+
+
 def build(shape: str, ops, device: torch.device, dtype: torch.dtype, seed: int) -> FusedMoE:
-    hidden, inter, experts, k, fmt, act, router_bias, renorm = SHAPES[shape]
+    hidden, inter, experts, k, fmt, act, router_bias, renorm, shared = SHAPES[shape]
     gpt_oss = act == "swiglu_oai"
-    router = RouterSpec(experts, k, softmax_after_topk=gpt_oss, renormalize=renorm)
-    spec = ExpertsSpec("mlp.experts", experts, hidden, inter, act, bias=gpt_oss)
     scheme = Mxfp4() if fmt == "mxfp4" else Unquantized()
     ctx = BuildContext(dtype, device, None, scheme, ops, ParallelContext())
-    layer = FusedMoE(ctx, "mlp", hidden, router, spec, router_bias=router_bias)
+    if shared:  # a DeepSeek-V2 MoE layer: greedy softmax routing, not renormalized
+        cfg = {
+            "hidden_size": hidden, "moe_intermediate_size": inter, "n_routed_experts": experts,
+            "num_experts_per_tok": k, "n_shared_experts": shared, "first_k_dense_replace": 0,
+        }  # fmt: skip
+        layer = DeepseekV2ForCausalLM.build_mlp(cfg, 0, ctx)
+    else:
+        router = RouterSpec(experts, k, softmax_after_topk=gpt_oss, renormalize=renorm)
+        spec = ExpertsSpec("mlp.experts", experts, hidden, inter, act, bias=gpt_oss)
+        layer = FusedMoE(ctx, "mlp", hidden, router, spec, router_bias=router_bias)
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in layer.parameters():
@@ -68,20 +94,25 @@ def build(shape: str, ops, device: torch.device, dtype: torch.dtype, seed: int) 
     return layer
 
 
+def nbytes(module: torch.nn.Module | None) -> int:
+    if module is None:
+        return 0
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+
+
 def expert_bytes(layer: FusedMoE) -> int:
-    """One expert's tensors in bytes (weights, scales, biases)."""
-    e = layer.router.num_experts
-    return sum(t.numel() * t.element_size() for t in layer.experts.state_dict().values()) // e
+    """One expert's tensors in bytes (weights, scales, biases); shared slots count as experts."""
+    return nbytes(layer.experts) // layer.experts.spec.num_experts
 
 
 def floor_bytes(layer: FusedMoE, x: torch.Tensor) -> int:
-    """What one call must read and write: the router weight, each picked expert once, the
-    input and the output."""
+    """What one call must read and write: the router weight, each picked expert once (shared
+    slots included), a shared MLP apart, the input and the output."""
     with torch.no_grad():
         _, ids = layer.ops.route_experts(layer.gate(x), layer.router, layer.selection_bias)
     active = int(torch.unique(ids).numel())
-    router = sum(t.numel() * t.element_size() for t in layer.gate.state_dict().values())
-    return router + active * expert_bytes(layer) + 2 * x.numel() * x.element_size()
+    io = 2 * x.numel() * x.element_size()
+    return nbytes(layer.gate) + active * expert_bytes(layer) + nbytes(layer.shared) + io
 
 
 def time_calls(fn, device: torch.device, graph: bool, iters: int) -> float:
@@ -117,7 +148,10 @@ def bench(shape: str, tokens: int, args, device: torch.device) -> dict:
     x = torch.randn(tokens, hidden, device=device, dtype=dtype)
     atomic = TritonOps()
     atomic.moe_atomic_sum = True
-    for name, ops in (("triton", TritonOps()), ("atomic", atomic), ("torch", TorchOps())):
+    runs = [("triton", TritonOps()), ("atomic", atomic), ("torch", TorchOps())]
+    if SHAPES[shape][8]:  # shared experts: the same layer with them apart
+        runs.insert(1, ("unfused", unfused_ops()))
+    for name, ops in runs:
         layers = [build(shape, ops, device, dtype, seed) for seed in range(args.layers)]
 
         def step(layers=layers) -> None:
@@ -135,7 +169,8 @@ def bench(shape: str, tokens: int, args, device: torch.device) -> dict:
                 step()
             modes = [("eager", False)]
             if device.type == "cuda":
-                modes = {"triton": [("graph", True), *modes], "atomic": [("graph", True)]}.get(
+                graphed = [("graph", True), *modes]
+                modes = {"triton": graphed, "unfused": graphed, "atomic": [("graph", True)]}.get(
                     name, modes
                 )
             for mode, graph in modes:
@@ -192,8 +227,8 @@ def sweep(shape: str, tokens: int, args, device: torch.device) -> list[tuple[flo
             for layer in layers
         ]
     spec = layers[0].experts.spec
-    pairs = tokens * SHAPES[shape][3]
-    decode = pairs <= 16 * SHAPES[shape][2]
+    pairs = routed[0][1].numel()  # tokens x (top_k + shared slots)
+    decode = pairs <= 16 * spec.num_experts
     results = []
     runs: list[tuple[tuple | None, bool | None]] = [(None, None)]
     runs += [(cfg, False) for cfg in candidates(decode, SHAPES[shape][4] == "mxfp4")]
@@ -235,7 +270,7 @@ def profile(shape: str, tokens: int, args, device: torch.device) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    layer = build(shape, TritonOps(), device, torch.bfloat16, 0)
+    layer = build(shape, unfused_ops() if args.unfused else TritonOps(), device, torch.bfloat16, 0)
     x = torch.randn(tokens, SHAPES[shape][0], device=device, dtype=torch.bfloat16)
     with torch.no_grad():
         layer(x)
@@ -258,11 +293,15 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, 1 and 8 tokens, CPU ok")
     ap.add_argument("--sweep", action="store_true", help="time candidate tiles (GPU only)")
     ap.add_argument("--profile", action="store_true", help="kernel times (GPU only)")
+    ap.add_argument(
+        "--unfused", action="store_true", help="--profile with shared experts apart (their MLP)"
+    )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:
-        args.shapes, args.tokens, args.layers, args.iters = "smoke-mxfp4,smoke-bf16", "1,8", 2, 1
+        args.shapes, args.tokens = "smoke-mxfp4,smoke-bf16,smoke-shared", "1,8"
+        args.layers, args.iters = 2, 1
     if args.profile:
         for shape in args.shapes.split(","):
             for tokens in (int(t) for t in args.tokens.split(",")):
@@ -284,17 +323,20 @@ def main() -> None:
     rows = []
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (interpreter)"
     print(f"MoE layer, {name}, floor at {args.bandwidth / 1e12:.2f} TB/s, per layer")
-    head = f"{'shape':<18}{'tokens':>7}{'floor us':>10}{'graph us':>10}{'eager us':>10}"
-    print(head + f"{'atomic us':>10}{'torch us':>10}{'of floor':>10}")
+    print("unfused: shared experts apart (graph where there is one, else eager; - : none)")
+    head = f"{'shape':<24}{'tokens':>7}{'floor us':>10}{'graph us':>10}{'eager us':>10}"
+    print(head + f"{'unfused us':>11}{'atomic us':>10}{'torch us':>10}{'of floor':>10}")
     for shape in args.shapes.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):
             r = bench(shape, tokens, args, device)
             rows.append(r)
             graph = f"{r['triton_graph_us']:>10.1f}" if "triton_graph_us" in r else f"{'-':>10}"
             key = "atomic_graph_us" if "atomic_graph_us" in r else "atomic_eager_us"
+            unfused = r.get("unfused_graph_us", r.get("unfused_eager_us"))
+            apart = f"{unfused:>11.1f}" if unfused is not None else f"{'-':>11}"
             print(
-                f"{shape:<18}{tokens:>7}{r['floor_us']:>10.1f}{graph}{r['triton_eager_us']:>10.1f}"
-                f"{r[key]:>10.1f}{r['torch_eager_us']:>10.1f}{r['of_floor']:>10.0%}"
+                f"{shape:<24}{tokens:>7}{r['floor_us']:>10.1f}{graph}{r['triton_eager_us']:>10.1f}"
+                f"{apart}{r[key]:>10.1f}{r['torch_eager_us']:>10.1f}{r['of_floor']:>10.0%}"
             )
     if args.json:
         with open(args.json, "w") as f:

@@ -43,7 +43,8 @@ def cases():
     for experts, k in ((32, 4), (128, 8)):
         block_e = triton.next_power_of_2(experts)
         chunk = mk.ALIGN_CHUNK_ENTRIES // block_e
-        top = dict(TOP_K=k, K_PAD=k, SOFTMAX_ALL=False, BLOCK_T=16, BLOCK_E=block_e, PARTS=4)
+        top = dict(TOP_K=k, SHARED=0, K_PAD=k, SOFTMAX_ALL=False, BLOCK_T=16, BLOCK_E=block_e)
+        top["PARTS"] = 4
         plan = dict(BLOCK_M=16, BLOCK_E=block_e, BLOCK_B=8192 // block_e)
         per_chunk = dict(CHUNK=chunk, BLOCK_E=block_e)
         yield f"topk_softmax E{experts}", mk.topk_softmax_kernel, logits, top, 4, 1
@@ -51,6 +52,9 @@ def cases():
         yield f"align_count E{experts}", mk.align_count_kernel, ids, per_chunk, 4, 1
         yield f"align_plan E{experts}", mk.align_plan_kernel, ids, plan | {"BLOCK_C": chunk}, 8, 1
         yield f"align_scatter E{experts}", mk.align_scatter_kernel, ids, per_chunk, 4, 1
+    # DeepSeek-V2-Lite's routing with its 2 shared experts appended (6 + 2 a row)
+    lite = dict(TOP_K=6, SHARED=2, K_PAD=8, SOFTMAX_ALL=True, BLOCK_T=16, BLOCK_E=64, PARTS=4)
+    yield "topk_softmax E64 shared", mk.topk_softmax_kernel, logits, lite, 4, 1
     sums = {"y_ptr": "*bf16", "out_ptr": "*bf16"}
     yield "moe_sum", mk.moe_sum_kernel, sums, dict(TOP_K=8, BLOCK=1024), 4, 1
     shapes = {"gpt-oss-20b": (2880, 2880, 32, 4, False), "qwen3": (2048, 768, 128, 8, True)}

@@ -37,11 +37,16 @@ from inferx_core.engine import LLM  # noqa: E402
 from inferx_core.executor import LoadError  # noqa: E402
 from inferx_core.interfaces.attention import MLAWeights  # noqa: E402
 from inferx_core.interfaces.kv import KVLayerSpec, kv_groups  # noqa: E402
+from inferx_core.interfaces.model import BuildContext  # noqa: E402
 from inferx_core.interfaces.moe import RouterSpec  # noqa: E402
 from inferx_core.moe import route  # noqa: E402
+from inferx_core.ops_torch import TorchOps  # noqa: E402
+from inferx_core.quant_none import Unquantized  # noqa: E402
 from inferx_models.deepseek_v2 import (  # noqa: E402
     DeepseekV2ForCausalLM,
     MLAttention,
+    SharedExperts,
+    fuses_shared_experts,
     router_spec,
     softmax_scale,
     with_defaults,
@@ -265,6 +270,131 @@ def test_a_quant_methods_own_tensors_are_expected_under_fused_and_mapped_names()
     dropped = "model.layers.1.mlp.shared_experts.down_proj.weight_scale"
     with pytest.raises(ValueError, match=f"lacks 1 tensors: {dropped}"):
         model.load_weights((n, t) for n, t in (weights | scales).items() if n != dropped)
+
+
+# --- shared experts as slots of the routed experts (KernelOps.fuse_shared_experts) ------------
+
+
+class FusingOps(TorchOps):
+    """The torch reference with MoE shared experts built as expert slots, as the triton ops
+    ask for them."""
+
+    fuse_shared_experts = True
+
+
+def fused_layers(model: DeepseekV2ForCausalLM) -> list[SparseMoeBlock]:
+    """The model's MoE layers, checked to hold their 2 shared experts as expert slots."""
+    moe = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    assert moe
+    for mlp in moe:
+        assert mlp.shared is None and mlp.router.shared == 2
+        assert mlp.experts.spec.shared == 2 and mlp.experts.gate_up.shape[0] == 8 + 2
+    return moe
+
+
+def test_fused_shared_experts_equal_transformers(checkpoint, expected, monkeypatch):
+    """Shared experts as slots 8 and 9 of the routed experts (loaded from the published
+    shared_experts tensors): transformers' logits over packed and chunked steps, and its greedy
+    tokens."""
+    monkeypatch.setattr(TorchOps, "fuse_shared_experts", True)
+    path, ref = checkpoint
+    runner = Runner(path, 4)
+    fused_layers(runner.model)
+    full = {"a": PROMPTS[0], "b": PROMPTS[3][:22]}
+    check_steps(runner, ref, full, [[("a", 0, 11), ("b", 0, 21)], [("a", 11, 12)]], RTOL)
+    llm = make_llm(path)
+    fused_layers(llm.engine.executor.model)
+    assert generate(llm) == expected
+
+
+def tiny_model(cfg: dict[str, Any], ops: TorchOps) -> DeepseekV2ForCausalLM:
+    cpu = torch.device("cpu")
+    backend = TorchAttention(DeepseekV2ForCausalLM.kv_layout(cfg), 4, torch.float32, cpu)
+    return DeepseekV2ForCausalLM(cfg, BuildContext(torch.float32, cpu, backend, Unquantized(), ops))
+
+
+def random_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = DeepseekV2ForCausalLM.checkpoint_shapes(cfg)
+    return {n: torch.randn(s, generator=g) * 0.3 for n, s in shapes.items()}
+
+
+# Largest |fused - unfused| over the largest |unfused| of a layer's output, fp32: the routed and
+# shared outputs summed in another order (one sum of k + 2 experts against the routed sum plus
+# the shared MLP), rounding only.
+LAYER_RTOL = 1e-5
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "lite",  # greedy, routed_scaling_factor 1
+        "lite-scaled",  # greedy, routed_scaling_factor 2.5
+        "v2",  # group-limited, routed_scaling_factor 1.5
+    ],
+)
+def test_fused_shared_experts_layer_equals_the_unfused_one(variant: str):
+    """Each MoE layer built both ways from the same checkpoint tensors: shared experts apart
+    (SharedExperts, the torch reference) and as expert slots. On fresh random inputs the
+    outputs agree to LAYER_RTOL; a shared slot scaled by routed_scaling_factor, or a slice
+    taken from the wrong rows or columns, would miss by far more."""
+    extra = {"routed_scaling_factor": 2.5} if variant == "lite-scaled" else {}
+    cfg = hf_config(variant.removesuffix("-scaled")).to_dict() | extra
+    weights = random_weights(cfg, seed=7)
+    apart, fused = tiny_model(cfg, TorchOps()), tiny_model(cfg, FusingOps())
+    for model in (apart, fused):
+        model.load_weights(weights.items())
+    g = torch.Generator().manual_seed(8)
+    for layer_apart, layer_fused in zip(
+        [layer.mlp for layer in apart.model.layers], fused.model.layers, strict=True
+    ):
+        if not isinstance(layer_apart, SparseMoeBlock):
+            continue
+        assert isinstance(layer_apart.shared, SharedExperts)
+        assert layer_fused.mlp in fused_layers(fused)
+        assert layer_fused.mlp.router.scaling == layer_apart.router.scaling
+        x = torch.randn(29, cfg["hidden_size"], generator=g)
+        with torch.no_grad():
+            want, got = layer_apart(x), layer_fused.mlp(x)
+            shared = layer_apart.shared(x)
+        assert rel_err(got, want) <= LAYER_RTOL
+        assert (shared.abs().max() / want.abs().max()).item() > 0.1  # the shared part matters
+
+
+def test_fusion_needs_the_ops_to_ask_and_unquantized_weights():
+    cfg = with_defaults(preset("tiny-deepseek-v2-lite"))
+    cpu = torch.device("cpu")
+
+    def ctx(ops, quant=None) -> BuildContext:
+        return BuildContext(torch.float32, cpu, None, quant or Unquantized(), ops)
+
+    class Quantized(Unquantized):
+        name = "fp8"
+
+    assert fuses_shared_experts(cfg, ctx(FusingOps()))
+    assert not fuses_shared_experts(cfg, ctx(TorchOps()))
+    assert not fuses_shared_experts(cfg, ctx(FusingOps(), Quantized()))
+    assert not fuses_shared_experts(cfg | {"n_shared_experts": 0}, ctx(FusingOps()))
+    assert not fuses_shared_experts(cfg | {"n_shared_experts": None}, ctx(FusingOps()))
+    mlp = DeepseekV2ForCausalLM.build_mlp(cfg, 1, ctx(FusingOps(), Quantized()))
+    assert isinstance(mlp.shared, SharedExperts) and mlp.experts.spec.shared == 0
+
+
+def test_fused_shared_experts_missing_and_wrong_tensors_are_named():
+    """A fused layer's shared tensors are required (by the experts' slots), shapes and kinds
+    checked against the published layout."""
+    cfg = with_defaults(preset("tiny-deepseek-v2-lite"))
+    weights = random_weights(cfg, seed=9)
+    name = "model.layers.1.mlp.shared_experts.down_proj.weight"
+    with pytest.raises(ValueError, match=r"lacks shared expert 0's down_proj\.weight"):
+        tiny_model(cfg, FusingOps()).load_weights((n, t) for n, t in weights.items() if n != name)
+    wrong = weights | {name: weights[name][:, :-8]}  # [H, 2 I] short of 8 columns
+    with pytest.raises(ValueError, match=f"'{name}' has shape"):
+        tiny_model(cfg, FusingOps()).load_weights(wrong.items())
+    extra = "model.layers.1.mlp.shared_experts.down_proj.bias"
+    with pytest.raises(ValueError, match=f"unexpected checkpoint tensor '{extra}'"):
+        tiny_model(cfg, FusingOps()).load_weights([*weights.items(), (extra, torch.zeros(8))])
+    tiny_model(cfg, FusingOps()).load_weights(weights.items())
 
 
 def test_decodes_in_the_plain_form_give_the_same_tokens(checkpoint, expected, monkeypatch):

@@ -145,15 +145,30 @@ def test_triton_graph_runners_generate_like_eager(lite):
     assert ex.graphs.replays and ex.mixed.replays and ex.mixed.declined
 
 
+@interpreted
+def test_triton_kernels_with_fused_shared_experts_equal_transformers(lite):
+    """engine.kernels triton (TritonOps) builds V2-Lite's MoE layers with the shared experts as
+    slots 8 and 9 of the routed experts (fuse_shared_experts, its default): topk_softmax
+    appends them and the grouped GEMMs run them; greedy tokens are transformers'."""
+    path, model = lite
+    prompts = [PROMPTS[1], PROMPTS[2]]
+    llm = make_llm(path, **TRITON, **{"engine.kernels": "triton"})
+    moe = [layer.mlp for layer in llm.engine.executor.model.model.layers[1:]]
+    assert all(m.shared is None and m.experts.spec.shared == 2 for m in moe)
+    assert generate(llm, prompts) == reference(model, prompts)
+
+
 @pytest.mark.gpu
 def test_dummy_v2_lite_on_triton_with_graphs_matches_transformers(tmp_path):
     """test_deepseek_v2's GPU check on the triton backend with CUDA graphs: V2-Lite's shapes
     (4 layers), random weights, bf16, four prompts (one of 300 tokens), 64 tokens each: equal
     to transformers until the first divergence, there each side's token in the other's
-    top-5."""
+    top-5. The triton kernel ops run the shared experts as expert slots (their default)."""
     from test_deepseek_v2 import dummy_v2_lite_matches_transformers
 
     llm = dummy_v2_lite_matches_transformers(tmp_path, "triton", cuda_graphs=True)
     ex = llm.engine.executor
+    moe = [layer.mlp for layer in ex.model.model.layers[1:]]
+    assert all(m.shared is None and m.experts.spec.shared == 2 for m in moe)
     assert ex.graphs is not None and ex.mixed is not None
     assert ex.graphs.replays and ex.mixed.replays  # the four fresh prompts in one step

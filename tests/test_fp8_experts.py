@@ -35,6 +35,7 @@ from inferx_core.interfaces.kv import KVLayerSpec  # noqa: E402
 from inferx_core.interfaces.moe import ExpertsSpec, RouterSpec  # noqa: E402
 from inferx_core.interfaces.quant import LinearSpec, QuantConfig  # noqa: E402
 from inferx_core.moe import UnquantizedExperts, route  # noqa: E402
+from inferx_core.ops_torch import TorchOps  # noqa: E402
 from inferx_core.parallel import ParallelContext  # noqa: E402
 from inferx_core.quant_none import DenseLinear  # noqa: E402
 from inferx_quant.fp8 import FP8, Fp8, Fp8Format  # noqa: E402
@@ -414,6 +415,55 @@ def test_online_fp8_moe_agrees_with_the_unquantized_model(qwen3_moe):
     for mlp in moe_layers(llm):
         assert isinstance(mlp.experts, Fp8Experts) and type(mlp.gate) is DenseLinear
     agree_in_top5(run(llm), run(make_llm(qwen3_moe)))
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """test_deepseek_v2's tiny V2-Lite (8 routed experts, top 3, 2 shared; layers 1, 2 MoE)."""
+    from test_deepseek_v2 import hf_model as deepseek_model
+
+    path = tmp_path_factory.mktemp("deepseek-v2-lite")
+    deepseek_model("lite").save_pretrained(path)
+    return path
+
+
+def test_fp8_deepseek_keeps_its_shared_experts_apart(deepseek, tmp_path, monkeypatch):
+    """Kernel ops that ask for shared experts as expert slots (fuse_shared_experts) get them
+    only with unquantized weights: an FP8_DYNAMIC checkpoint (experts and shared MLP
+    quantized per channel, attention left alone) and online FP8 keep the shared MLP a layer
+    of its own, which loads its scales and agrees with the dequantized weights, whose model
+    (unquantized) does hold the slots."""
+    attention = {
+        n.removesuffix(".weight")
+        for n in load_file(deepseek / "model.safetensors")
+        if ".self_attn." in n
+    }
+    config = dict(MOE_DYNAMIC, ignore=[*MOE_DYNAMIC["ignore"], "re:.*self_attn.*"])
+    quant, ref = write_quantized(
+        deepseek, tmp_path / "fp8", config, quantize_channel, "weight_scale", skip=attention
+    )
+    stored = load_file(quant / "model.safetensors")
+    assert stored["model.layers.1.mlp.shared_experts.down_proj.weight"].dtype == FP8
+    assert stored["model.layers.1.mlp.shared_experts.down_proj.weight_scale"].shape == (64, 1)
+    monkeypatch.setattr(TorchOps, "fuse_shared_experts", True)
+
+    def moe(llm):
+        return [layer.mlp for layer in llm.engine.executor.model.model.layers[1:]]
+
+    llm, online, dequantized = (
+        make_llm(quant),
+        make_llm(deepseek, **{"quantization.scheme": "fp8"}),
+        make_llm(ref),
+    )
+    for mlp in moe(llm) + moe(online):
+        assert isinstance(mlp.experts, Fp8Experts) and mlp.experts.spec.shared == 0
+        assert mlp.shared is not None and mlp.router.shared == 0
+    assert type(moe(llm)[0].shared.down_proj).__name__ == "Fp8Linear"
+    for mlp in moe(dequantized):
+        assert isinstance(mlp.experts, UnquantizedExperts) and mlp.experts.spec.shared == 2
+        assert mlp.shared is None
+    agree_in_top5(run(llm), run(dequantized))
+    agree_in_top5(run(online), run(make_llm(deepseek)))
 
 
 # --- the fused kernels on the layer's ExpertWeights -----------------------------------------------

@@ -57,18 +57,26 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @interpreted
 @pytest.mark.parametrize(
-    ("experts", "k", "after", "renormalize", "scaling"),
+    ("experts", "k", "after", "renormalize", "scaling", "shared"),
     [
-        (8, 2, False, True, 1.0),  # Qwen3-MoE (norm_topk_prob)
-        (8, 3, False, False, 1.0),  # Qwen2-MoE: not renormalized
-        (32, 4, True, False, 1.0),  # gpt-oss
-        (6, 4, False, False, 2.5),  # experts not a power of two, a scaling factor
+        (8, 2, False, True, 1.0, 0),  # Qwen3-MoE (norm_topk_prob)
+        (8, 3, False, False, 1.0, 0),  # Qwen2-MoE: not renormalized
+        (32, 4, True, False, 1.0, 0),  # gpt-oss
+        (6, 4, False, False, 2.5, 0),  # experts not a power of two, a scaling factor
+        (64, 6, False, False, 1.0, 2),  # DeepSeek-V2-Lite, its 2 shared experts appended
+        (6, 3, False, False, 2.5, 1),  # shared unscaled; 3 + 1 columns, no padding
+        (8, 2, False, True, 2.5, 3),  # 2 + 3 columns padded to 8
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_topk_softmax_matches_route(experts, k, after, renormalize, scaling, dtype):
+def test_topk_softmax_matches_route(experts, k, after, renormalize, scaling, shared, dtype):
     spec = RouterSpec(
-        experts, k, softmax_after_topk=after, renormalize=renormalize, scaling=scaling
+        experts,
+        k,
+        softmax_after_topk=after,
+        renormalize=renormalize,
+        scaling=scaling,
+        shared=shared,
     )
     g = gen(experts + k)
     logits = torch.randn(37, experts, generator=g) * 2
@@ -79,9 +87,13 @@ def test_topk_softmax_matches_route(experts, k, after, renormalize, scaling, dty
     weights, ids = topk_softmax(logits, spec)
     want_w, want_ids = route(logits, spec)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    assert weights.shape == ids.shape == (37, k + shared)
     # both largest first; the logits have no ties
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-6)
+    if shared:  # the kernel's own columns: ids E.., weight exactly 1 (not scaled)
+        assert torch.equal(ids[:, k:], torch.arange(experts, experts + shared).expand(37, -1))
+        assert torch.equal(weights[:, k:], torch.ones(37, shared))
 
 
 @interpreted
@@ -111,12 +123,32 @@ def test_topk_softmax_sums_partial_logits(parts):
 
 
 @interpreted
+def test_topk_softmax_sums_partial_logits_beside_shared_experts():
+    """DeepSeek-V2-Lite's routing (64 experts, top 6, softmax over all) with 2 shared experts,
+    from 4 bf16 partial logits: route on their fp32 sum, the shared pairs after the picks."""
+    spec = RouterSpec(64, 6, shared=2)
+    g = gen(95)
+    total = torch.stack([torch.randperm(64, generator=g) for _ in range(5)]) * 0.25 - 8
+    split = torch.randint(-8, 9, (4, 5, 64), generator=g) * 0.125
+    split[-1] = total - split[:-1].sum(0)
+    want_w, want_ids = route(total, spec)
+    assert want_ids.shape == (5, 8) and torch.equal(want_ids[:, 6:], torch.tensor([[64, 65]] * 5))
+    for weights, ids in (
+        topk_softmax(split.to(torch.bfloat16), spec),
+        TritonOps().route_experts(split.to(torch.bfloat16), spec),
+    ):
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-6)
+
+
+@interpreted
 def test_triton_ops_routes_deepseek_on_the_torch_reference():
     logits = torch.randn(9, 16, generator=gen(3))
     bias = torch.randn(16, generator=gen(4)) * 0.3
     grouped = RouterSpec(16, 3, num_groups=4, topk_groups=2, scaling=2.5)
     biased = RouterSpec(16, 4, scoring="sigmoid", renormalize=True, selection_bias=True)
-    for spec, b in ((grouped, None), (biased, bias)):
+    grouped_shared = RouterSpec(16, 3, num_groups=4, topk_groups=2, scaling=2.5, shared=2)
+    for spec, b in ((grouped, None), (biased, bias), (grouped_shared, None)):
         got = TritonOps().route_experts(logits, spec, b)
         want = route(logits, spec, b)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -587,6 +619,111 @@ def test_layer_matches_torch_ops(kind):
     assert rel(got, want) < 2e-5
 
 
+def deepseek_layers(ops_list, dtype, device, hidden, inter, experts, k, shared=2, **cfg):
+    """One DeepSeek-V2 MoE layer per KernelOps of ops_list, built by the model's build_mlp
+    (shared experts as expert slots where the ops' fuse_shared_experts is on, else a
+    SharedExperts MLP) from the same random weights in `dtype` on `device`: the router, the
+    routed experts and a shared MLP of shared * inter, whose slots are slices of it."""
+    from inferx_models.deepseek_v2 import DeepseekV2ForCausalLM
+
+    config = {
+        "hidden_size": hidden, "moe_intermediate_size": inter, "n_routed_experts": experts,
+        "num_experts_per_tok": k, "n_shared_experts": shared, "first_k_dense_replace": 0,
+    } | cfg  # fmt: skip
+    g = torch.Generator(device=device).manual_seed(50)
+
+    def randn(*shape: int, fan_in: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=g, device=device) / fan_in**0.5).to(dtype)
+
+    router = randn(experts, hidden, fan_in=hidden)
+    gate_up, down = (
+        randn(experts, 2 * inter, hidden, fan_in=hidden),
+        randn(experts, hidden, inter, fan_in=inter),
+    )
+    s_gate, s_up = (
+        randn(shared * inter, hidden, fan_in=hidden),
+        randn(shared * inter, hidden, fan_in=hidden),
+    )
+    s_down = randn(hidden, shared * inter, fan_in=inter)
+    # slot i: gate and up rows, down columns [i * inter, (i + 1) * inter) of the shared MLP
+    slots = [slice(i * inter, (i + 1) * inter) for i in range(shared)]
+    gate_up_all = torch.cat([gate_up, *(torch.cat([s_gate[r], s_up[r]])[None] for r in slots)])
+    down_all = torch.cat([down, *(s_down[:, r][None] for r in slots)])
+    layers = []
+    for ops in ops_list:
+        layer = DeepseekV2ForCausalLM.build_mlp(
+            config, 0, context(ops, Unquantized(), dtype, device)
+        )
+        layer.gate.load("weight", router)
+        fused = layer.experts.spec.shared == shared
+        assert fused == ops.fuse_shared_experts and (layer.shared is None) == fused
+        layer.experts.load("gate_up.weight", gate_up_all if fused else gate_up)
+        layer.experts.load("down.weight", down_all if fused else down)
+        if not fused:
+            layer.shared.gate_up_proj.load("weight", s_gate, 0)
+            layer.shared.gate_up_proj.load("weight", s_up, 1)
+            layer.shared.down_proj.load("weight", s_down)
+        layer.experts.finish_loading()
+        layers.append(layer)
+    return layers
+
+
+@interpreted
+@pytest.mark.parametrize("tokens", [1, 13])
+@pytest.mark.parametrize(
+    "routing",
+    [
+        {"routed_scaling_factor": 2.5},  # V2-Lite's greedy routing: topk_softmax
+        {
+            "topk_method": "group_limited_greedy",
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 1.5,
+        },  # V2's group-limited routing: route() in torch
+    ],
+)
+def test_deepseek_layer_with_fused_shared_experts_matches_torch_ops(tokens, routing):
+    """A DeepSeek-V2 MoE layer with its shared experts as slots of the grouped GEMMs
+    (TritonOps) against the torch reference's layer with the shared MLP apart (TorchOps),
+    fp32: one token (a tile per pair) and 13 (grouped); TritonOps with fusion off agrees
+    too."""
+    unfused = TritonOps()
+    unfused.fuse_shared_experts = False
+    torch_layer, fused_layer, unfused_layer = deepseek_layers(
+        [TorchOps(), TritonOps(), unfused], torch.float32, CPU, 64, 32, 16, 3, **routing
+    )
+    x = torch.randn(tokens, 64, generator=gen(51))
+    with torch.no_grad():
+        want = torch_layer(x)
+        assert rel(fused_layer(x), want) < 2e-5
+        assert rel(unfused_layer(x), want) < 2e-5
+
+
+@interpreted
+@pytest.mark.parametrize("variant", ["lite", "v2"])
+def test_tiny_deepseek_logits_with_fused_shared_experts_match_torch_ops(variant, monkeypatch):
+    """The tiny DeepSeek-V2 of test_deepseek_v2 (8 routed experts, top 3, 2 shared) with
+    TritonOps, whose MoE layers run the shared experts as slots 8 and 9 of the fused kernels,
+    against TorchOps (shared MLP apart), fp32, over test_kernel_ops' three steps."""
+    from test_deepseek_v2 import hf_config
+    from test_kernel_ops import assert_steps_match_torch_ops, model_weights, run_model
+
+    import inferx_kernels_cuda.ops as ops_module
+
+    cfg = hf_config(variant).to_dict()
+    weights = model_weights(cfg, seed=4)
+    widths = []
+
+    def counted(*args, **kw):
+        widths.append(args[2].shape[1])  # topk_ids [T, k + shared]
+        return fused_experts(*args, **kw)
+
+    monkeypatch.setattr(ops_module, "fused_experts", counted)
+    ours = run_model(cfg, TritonOps(), weights, torch.float32, CPU)
+    assert widths and set(widths) == {3 + 2}
+    assert_steps_match_torch_ops(cfg, weights, ours)
+
+
 @interpreted
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
 def test_tensor_parallel_slices_sum_to_the_whole(fmt):
@@ -695,7 +832,7 @@ def test_kernels_compile_for_sm90():
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     kernels = json.loads(out.stdout.splitlines()[-1])
-    assert len(kernels) == 73
+    assert len(kernels) == 74
     for label, shared, pipelined in kernels:
         assert shared <= SM90_MAX_SHARED_PER_PROGRAM, (label, shared)
         if label.endswith(("gate_up", "down", "swap_ab")):  # the grouped GEMMs, not the GEMV
@@ -868,6 +1005,50 @@ def test_gpu_mxfp4_rank_shards_sum_to_the_whole(tokens):
     got = sum(fused_experts(x, weights, ids, w, spec).float() for w in shards)
     torch.cuda.synchronize()
     assert rel(got, want) < 2e-2
+
+
+# DeepSeek-V2-Lite's MoE layer: hidden 2048, 64 routed experts of 1408, top 6, 2 shared
+V2_LITE = (2048, 1408, 64, 6)
+
+
+@on_gpu
+@pytest.mark.gpu
+def test_gpu_v2_lite_fused_shared_experts_match_the_shared_mlp():
+    """V2-Lite's MoE layer in bf16, shared experts as slots 64 and 65 of the grouped GEMMs
+    (TritonOps' default) against the shared MLP apart (fuse_shared_experts off), both
+    eager and in a CUDA graph at 1, 8, 64 and 256 tokens: the routing is the same (the same
+    router kernels), so the outputs differ by rounding only (the fused layer sums the 8
+    experts in fp32 and rounds once; apart, the routed sum and the MLP are rounded to bf16,
+    then added). Both are checked against the unfused layer in float32 on the same bf16
+    weights too."""
+    unfused = TritonOps()
+    unfused.fuse_shared_experts = False
+    fused_layer, unfused_layer = deepseek_layers(
+        [TritonOps(), unfused], torch.bfloat16, GPU, *V2_LITE
+    )
+    (reference,) = deepseek_layers([TorchOps()], torch.float32, GPU, *V2_LITE)
+    reference.load_state_dict({k: v.float() for k, v in unfused_layer.state_dict().items()})
+    for tokens in (1, 8, 64, 256):
+        x = torch.randn(tokens, V2_LITE[0], device=GPU, dtype=torch.bfloat16)
+        with torch.no_grad():
+            want = reference(x.float())
+            got, apart = fused_layer(x), unfused_layer(x)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            static_x = x.clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(stream):
+                fused_layer(static_x)  # compiled outside the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            with torch.cuda.graph(graph):
+                static_out = fused_layer(static_x)
+            graph.replay()
+            torch.cuda.synchronize()
+        assert torch.equal(static_out, got), tokens
+        err = row_errors(got, apart).max()
+        assert err < GPU_ROW_TOL, (tokens, err)
+        fused_err, apart_err = row_errors(got, want).max(), row_errors(apart, want).max()
+        assert fused_err < GPU_ROW_TOL and apart_err < GPU_ROW_TOL, (fused_err, apart_err)
 
 
 @on_gpu

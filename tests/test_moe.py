@@ -4,11 +4,13 @@ each against plain reference code written here, and against transformers' own Mo
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from inferx_core.interfaces import BuildContext, ExpertsSpec, RouterSpec
-from inferx_core.moe import FusedMoE, UnquantizedExperts, route
+from inferx_core.moe import FusedMoE, UnquantizedExperts, append_shared, route
 from inferx_core.ops_torch import TorchOps
 from inferx_core.parallel import ParallelContext
 from inferx_core.quant_none import Unquantized
@@ -109,6 +111,41 @@ def test_route_sigmoid_bias_top2_groups_deepseek_v3():
     )
     same_routing(route(logits, spec, bias), want)
     same_routing(TorchOps().route_experts(logits, spec, bias), want)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        RouterSpec(E, K, renormalize=True),
+        RouterSpec(E, K, softmax_after_topk=True, scaling=2.5),
+        RouterSpec(16, 3, num_groups=4, topk_groups=2, scaling=2.5),  # DeepSeek-V2
+    ],
+)
+def test_route_appends_shared_experts_unscaled(spec):
+    """spec.shared fixed pairs after the top-k: weight 1.0 whatever the routed experts'
+    scaling, ids E, E + 1, ...; the picks themselves unchanged. From whole logits and from
+    linear_parts' partial logits (KernelOps' default)."""
+    logits = torch.randn(T, spec.num_experts, generator=gen(30))
+    routed_w, routed_ids = route(logits, spec)
+    fused = dataclasses.replace(spec, shared=2)
+    e, k = spec.num_experts, spec.top_k
+    parts = torch.stack([logits / 2, logits / 2])
+    for weights, ids in (route(logits, fused), TorchOps().route_experts(parts, fused)):
+        assert weights.shape == ids.shape == (T, k + 2)
+        assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+        assert torch.equal(ids[:, :k], routed_ids)
+        torch.testing.assert_close(weights[:, :k], routed_w, rtol=1e-6, atol=1e-7)
+        assert torch.equal(ids[:, k:], torch.tensor([[e, e + 1]]).expand(T, 2))
+        assert torch.equal(weights[:, k:], torch.ones(T, 2))
+    assert append_shared(routed_w, routed_ids, spec) == (routed_w, routed_ids)
+
+
+def test_shared_counts_are_checked():
+    with pytest.raises(ValueError, match="shared experts -1"):
+        RouterSpec(E, K, shared=-1)
+    with pytest.raises(ValueError, match="0 <= shared < num_experts"):
+        ExpertsSpec("mlp.experts", 2, H, INTER, shared=2)
+    assert ExpertsSpec("mlp.experts", E + 2, H, INTER, shared=2).routed == E
 
 
 def expert_tensors(seed: int, bias: bool) -> dict[str, torch.Tensor]:
@@ -277,6 +314,106 @@ def test_fused_moe_with_shared_experts():
     weights, ids = ref_route(x @ router_w.T, K, scaling=1.5)
     want = ref_experts(x, weights, ids, w, "silu") + shared(x)
     torch.testing.assert_close(moe(x), want, rtol=1e-6, atol=1e-6)
+
+
+class GatedMLP(torch.nn.Module):
+    """A shared-experts MLP of intermediate size n_shared * INTER: down(silu(gate x) * up x)."""
+
+    def __init__(self, seed: int, n_shared: int) -> None:
+        super().__init__()
+        g = gen(seed)
+        inter = n_shared * INTER
+        self.gate = torch.randn(inter, H, generator=g, dtype=torch.float64) * 0.3
+        self.up = torch.randn(inter, H, generator=g, dtype=torch.float64) * 0.3
+        self.down = torch.randn(H, inter, generator=g, dtype=torch.float64) * 0.3
+
+    def forward(self, x):
+        h = torch.nn.functional.silu(x @ self.gate.T) * (x @ self.up.T)
+        return h @ self.down.T
+
+
+def shared_layers(router: RouterSpec, seed: int, n_shared: int = 2, parallel=None):
+    """The same layer two ways: (shared experts apart as a GatedMLP, the reference; its MLP
+    as n_shared expert slots E.. of a fused layer, loaded slice by slice on `parallel`'s
+    rank)."""
+    w = expert_tensors(seed, bias=False)
+    router_w = torch.randn(E, H, generator=gen(seed + 1), dtype=torch.float64)
+    mlp = GatedMLP(seed + 2, n_shared)
+    apart = FusedMoE(
+        context(), "mlp", H, router, ExpertsSpec("mlp.experts", E, H, INTER), shared=mlp
+    )
+    spec = ExpertsSpec("mlp.experts", E + n_shared, H, INTER, shared=n_shared)
+    fused = FusedMoE(context(parallel=parallel), "mlp", H, router, spec)
+    assert fused.shared is None and fused.router.shared == n_shared
+    for layer in (apart, fused):
+        layer.gate.load("weight", router_w)
+        for e in range(E):
+            for part in ("gate", "up", "down"):
+                layer.experts.load(f"{part}.weight", w[part][e], expert=e)
+    for i in range(n_shared):
+        rows = slice(i * INTER, (i + 1) * INTER)
+        fused.experts.load("gate.weight", mlp.gate[rows], expert=E + i)
+        fused.experts.load("up.weight", mlp.up[rows], expert=E + i)
+        fused.experts.load("down.weight", mlp.down[:, rows], expert=E + i)
+    for layer in (apart, fused):
+        layer.experts.finish_loading()
+    return apart, fused
+
+
+@pytest.mark.parametrize(
+    "router",
+    [RouterSpec(E, K, scaling=2.5), RouterSpec(E, 3, num_groups=4, topk_groups=2, scaling=1.5)],
+)
+def test_shared_experts_as_expert_slots_equal_the_shared_mlp(router):
+    """Shared experts as slots of the routed experts (each a slice of the shared MLP's
+    intermediate size, routed with weight 1.0, never scaled) give the layer with the MLP
+    apart: float64, rounding only. Greedy and group-limited routing, both scaled."""
+    apart, fused = shared_layers(router, seed=40)
+    x = torch.randn(T, H, generator=gen(41), dtype=torch.float64)
+    torch.testing.assert_close(fused(x), apart(x), rtol=1e-10, atol=1e-10)
+    # against the per-token reference too: the routed part scaled, the MLP not
+    weights, ids = route(x @ apart.gate.weight.T, router)
+    want = ref_experts(x, weights, ids, expert_tensors(40, bias=False), "silu") + apart.shared(x)
+    torch.testing.assert_close(fused(x), want, rtol=1e-10, atol=1e-10)
+
+
+def test_shared_expert_slots_shard_with_the_ranks():
+    """Each rank keeps its slice of every shared slot, as of every routed expert: the ranks'
+    partial outputs (FakeGroup's all-reduce passes them through) add up to the whole layer."""
+    router = RouterSpec(E, K, renormalize=True)
+    _, whole = shared_layers(router, seed=42)
+    x = torch.randn(T, H, generator=gen(43), dtype=torch.float64)
+    ranks = [shared_layers(router, 42, parallel=FakeGroup(r, 2, group=object()))[1] for r in (0, 1)]
+    assert ranks[0].experts.gate_up.shape == (E + 2, INTER, H)  # half of 2 * INTER rows
+    total = sum(layer(x) for layer in ranks)
+    torch.testing.assert_close(total, whole(x), rtol=1e-12, atol=1e-12)
+
+
+class LegacyRouting(TorchOps):
+    """A KernelOps whose route_experts predates RouterSpec.shared: top-k columns only."""
+
+    fuse_shared_experts = True
+
+    def route_experts(self, logits, spec, selection_bias=None):
+        return super().route_experts(logits, dataclasses.replace(spec, shared=0), selection_bias)
+
+
+def test_a_routing_without_the_shared_slots_gets_them_appended():
+    router = RouterSpec(E, K, scaling=2.5)
+    apart, fused = shared_layers(router, seed=44)
+    fused.ops = LegacyRouting()
+    x = torch.randn(T, H, generator=gen(45), dtype=torch.float64)
+    torch.testing.assert_close(fused(x), apart(x), rtol=1e-10, atol=1e-10)
+
+
+def test_fused_moe_refuses_inconsistent_shared_experts():
+    spec = ExpertsSpec("mlp.experts", E + 2, H, INTER, shared=2)
+    with pytest.raises(ValueError, match="router has 1 shared experts, the experts 2"):
+        FusedMoE(context(), "mlp", H, RouterSpec(E, K, shared=1), spec)
+    with pytest.raises(ValueError, match="picks among 10 experts, the experts have 8 routed"):
+        FusedMoE(context(), "mlp", H, RouterSpec(E + 2, K), spec)
+    with pytest.raises(ValueError, match="both fused into the experts and apart"):
+        FusedMoE(context(), "mlp", H, RouterSpec(E, K), spec, shared=SharedMLP(46))
 
 
 def test_fused_moe_all_reduces_once_above_world_size_one():

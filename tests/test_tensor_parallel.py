@@ -18,6 +18,7 @@ from inferx_core.attention_torch import TorchAttention
 from inferx_core.batch import make_attention_batch
 from inferx_core.interfaces.model import BuildContext, ModelArch
 from inferx_core.interfaces.quant import LinearSpec, QuantConfig, QuantScheme
+from inferx_core.ops_torch import TorchOps
 from inferx_core.parallel import SINGLE, ParallelContext
 from inferx_core.quant_none import DenseLinear, Unquantized
 from inferx_models.deepseek_v2 import DeepseekV2ForCausalLM
@@ -82,6 +83,11 @@ CONFIGS["deepseek-v2"] = CONFIGS["deepseek-v2-lite"] | {
     "n_group": 4,
     "topk_group": 2,
 }
+# The same with 2 shared experts held as expert slots (FusingOps): each rank keeps a slice of
+# every slot, as of every routed expert.
+FUSED = {f"{name}-fused" for name in ("deepseek-v2-lite", "deepseek-v2")}
+for _name in FUSED:
+    CONFIGS[_name] = CONFIGS[_name.removesuffix("-fused")] | {"n_shared_experts": 2}
 ARCHS: dict[str, type[ModelArch]] = {
     a.__name__: a
     for a in (LlamaForCausalLM, Qwen2ForCausalLM, GptOssForCausalLM, DeepseekV2ForCausalLM)
@@ -114,12 +120,23 @@ def _weights(cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _logits(cfg: dict[str, Any], parallel: ParallelContext) -> list[torch.Tensor]:
+class FusingOps(TorchOps):
+    """The torch ops with MoE shared experts built as expert slots."""
+
+    fuse_shared_experts = True
+
+
+def _logits(
+    cfg: dict[str, Any], parallel: ParallelContext, ops: TorchOps | None = None
+) -> list[torch.Tensor]:
     """Logits of a prefill step of two prompts, then of a decode step of both."""
     arch = _arch(cfg)
     backend = TorchAttention(arch.kv_layout(cfg, parallel), BLOCK, torch.float32, CPU)
     backend.allocate(16)
-    model = arch(cfg, BuildContext(torch.float32, CPU, backend, _quant(cfg), parallel=parallel))
+    ctx = BuildContext(torch.float32, CPU, backend, _quant(cfg), ops or TorchOps(), parallel)
+    model = arch(cfg, ctx)
+    if isinstance(ops, FusingOps):
+        assert all(layer.mlp.shared is None for layer in model.model.layers[1:])
     model.load_weights(_weights(cfg).items())
     tables = [[3, 5], [7, 2]]
     # a table per KV group (gpt-oss: sliding, full), on blocks of their own
@@ -144,12 +161,17 @@ def _check(rank: int, world_size: int, names: list[str]) -> None:
     parallel = ParallelContext(rank, world_size, dist.group.WORLD)
     for name in names:
         cfg = CONFIGS[name]
-        got = _logits(cfg, parallel)
+        ops = FusingOps() if name in FUSED else None
+        got = _logits(cfg, parallel, ops)
         if rank == 0:
-            for step, (ours, ref) in enumerate(zip(got, _logits(cfg, SINGLE), strict=True)):
-                assert ours.shape == ref.shape, (name, step, ours.shape, ref.shape)
-                err = (ours - ref).abs().max().item()
-                assert err <= ATOL, f"{name} at world size {world_size}, step {step}: {err}"
+            refs = [_logits(cfg, SINGLE, ops)]
+            if ops is not None:  # and the shared MLP apart, unsharded
+                refs.append(_logits(cfg, SINGLE))
+            for ref_logits in refs:
+                for step, (ours, ref) in enumerate(zip(got, ref_logits, strict=True)):
+                    assert ours.shape == ref.shape, (name, step, ours.shape, ref.shape)
+                    err = (ours - ref).abs().max().item()
+                    assert err <= ATOL, f"{name} at world size {world_size}, step {step}: {err}"
 
 
 def _rank(rank: int, world_size: int, port: int, names: list[str]) -> None:

@@ -4,6 +4,7 @@ every faster MoE kernel is tested against; it runs on the CPU."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -18,7 +19,8 @@ from inferx_core.parallel import SINGLE, ParallelContext
 def route(
     logits: torch.Tensor, spec: RouterSpec, selection_bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
+    """Router logits [T, E] -> (topk_weights [T, k + s] float32, topk_ids [T, k + s] int64):
+    the top k picks, largest first, then the spec's s shared experts (append_shared)."""
     logits = logits.float()
     k = spec.top_k
     if spec.softmax_after_topk:
@@ -43,7 +45,21 @@ def route(
             weights = weights / weights.sum(dim=-1, keepdim=True)
     if spec.scaling != 1.0:
         weights = weights * spec.scaling
-    return weights, ids
+    return append_shared(weights, ids, spec)
+
+
+def append_shared(
+    weights: torch.Tensor, ids: torch.Tensor, spec: RouterSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed picks [T, k] with the spec's shared experts appended: weight 1.0 (they are
+    not scaled by `scaling`, which is the routed experts' alone) and ids num_experts ..
+    num_experts + shared - 1, [T, k + shared]; unchanged without shared experts."""
+    if not spec.shared:
+        return weights, ids
+    t = ids.shape[0]
+    fixed = torch.arange(spec.num_experts, spec.num_experts + spec.shared, device=ids.device)
+    ones = torch.ones(t, spec.shared, dtype=weights.dtype, device=weights.device)
+    return torch.cat([weights, ones], 1), torch.cat([ids, fixed.to(ids.dtype).expand(t, -1)], 1)
 
 
 def activate(h: torch.Tensor, spec: ExpertsSpec) -> torch.Tensor:
@@ -117,11 +133,17 @@ def check_experts_loaded(
 ) -> None:
     """A QuantExperts.finish_loading check: every expert's gate, up and down projections were
     loaded with each kind of `names` (loaded: "{part}.{kind}" -> experts; names: kind -> its
-    checkpoint name); a ValueError names the first tensor the checkpoint lacks."""
+    checkpoint name); a ValueError names the first tensor the checkpoint lacks (a shared
+    expert's by its slot: the model names the shared MLP's tensor it comes from)."""
     for e in range(spec.num_experts):
         for what, name in names.items():
             for part in _PARTS:
                 if e not in loaded.get(f"{part}.{what}", ()):
+                    if e >= spec.routed:
+                        raise ValueError(
+                            f"checkpoint lacks shared expert {e - spec.routed}'s "
+                            f"{part}_proj.{name} (slot {e} of {spec.prefix})"
+                        )
                     raise ValueError(f"checkpoint lacks {spec.prefix}.{e}.{part}_proj.{name}")
 
 
@@ -260,8 +282,14 @@ class FusedMoE(torch.nn.Module):
     choice of expert changes a token's whole output). Its selection bias (RouterSpec's, float32)
     is the parameter `selection_bias`. The experts come from ctx.quant.experts; routing from
     ctx.ops.route_experts and the experts run through ctx.ops.moe_experts, both of which a kernel
-    package may fuse. `shared` (x -> [T, H]) returns this
-    rank's partial sum like the experts do: the layer adds them and all-reduces once.
+    package may fuse.
+
+    Shared experts come one of two ways. Fused: `experts` has `shared` slots after the
+    router's num_experts (ExpertsSpec.shared); the layer's RouterSpec gets the same count, so
+    routing appends them to every token with weight 1.0 and the experts' grouped GEMMs run
+    them with the routed ones (no module, no add). Apart: `shared`, a module x -> [T, H]
+    returning this rank's partial sum like the experts do, added to their output. Either way
+    the layer all-reduces once.
     """
 
     def __init__(
@@ -275,6 +303,20 @@ class FusedMoE(torch.nn.Module):
         shared: torch.nn.Module | None = None,
     ) -> None:
         super().__init__()
+        if router.shared not in (0, experts.shared):
+            raise ValueError(
+                f"{prefix}: the router has {router.shared} shared experts, the experts "
+                f"{experts.shared}"
+            )
+        if experts.routed != router.num_experts:
+            raise ValueError(
+                f"{prefix}: the router picks among {router.num_experts} experts, the experts "
+                f"have {experts.routed} routed ones ({experts.num_experts} with "
+                f"{experts.shared} shared)"
+            )
+        if experts.shared and shared is not None:
+            raise ValueError(f"{prefix}: shared experts both fused into the experts and apart")
+        router = dataclasses.replace(router, shared=experts.shared)
         self.router = router
         gate = LinearSpec(f"{prefix}.gate", hidden, (router.num_experts,), router_bias)
         self.gate = ctx.quant.linear(gate, ctx.dtype, ctx.device, ctx.parallel)
@@ -293,6 +335,9 @@ class FusedMoE(torch.nn.Module):
         # K), summed by route_experts
         logits = self.ops.linear_parts(self.gate, x)
         weights, ids = self.ops.route_experts(logits, self.router, self.selection_bias)
+        if self.router.shared and ids.shape[-1] == self.router.top_k:
+            # a KernelOps whose route_experts predates RouterSpec.shared: appended in torch
+            weights, ids = append_shared(weights, ids, self.router)
         out = self.ops.moe_experts(self.experts, x, weights, ids)
         if self.shared is not None:
             out = out + self.shared(x)

@@ -9,6 +9,10 @@ from inferx_core.interfaces.ops import KernelOps, check_parts
 
 
 class TorchOps(KernelOps):
+    # MoE shared experts stay a separate MLP here: the unfused layer the fused one (a kernel
+    # package's, or a test's) is checked against.
+    fuse_shared_experts = False
+
     def __init__(self) -> None:
         # Every layer of a step rotates by the same positions tensor: look cos/sin up once. The
         # key holds the tensors themselves (not addresses, which the allocator reuses).

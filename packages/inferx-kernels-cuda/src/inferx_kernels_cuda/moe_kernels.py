@@ -38,6 +38,7 @@ def topk_softmax_kernel(
     num_experts,
     scaling,
     TOP_K: tl.constexpr,
+    SHARED: tl.constexpr,
     K_PAD: tl.constexpr,
     SOFTMAX_ALL: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -49,7 +50,8 @@ def topk_softmax_kernel(
     first index among equal ones), largest first; a pick's weight is exp(logit - max) over the
     softmax's denominator: the sum over all experts (SOFTMAX_ALL: softmax, then top-k, not
     renormalized) or over the picked ones (softmax after top-k, which equals softmax, top-k and
-    renormalize); then times `scaling`."""
+    renormalize); then times `scaling`. Rows of TOP_K + SHARED: after the picks, the SHARED
+    shared experts num_experts + i with weight 1.0 (unscaled)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     kcols = tl.arange(0, K_PAD)
@@ -78,8 +80,12 @@ def topk_softmax_kernel(
         picked_id = tl.where(kcols[None, :] == j, idx[:, None], picked_id)
         x = tl.where(cols[None, :] == idx[:, None], -float("inf"), x)
     picked_w = picked_w / tl.where(row_ok, denom, 1.0)[:, None] * scaling
-    out = rows[:, None].to(tl.int64) * TOP_K + kcols[None, :]
-    out_mask = row_ok[:, None] & (kcols[None, :] < TOP_K)
+    if SHARED:
+        fixed = kcols[None, :] >= TOP_K
+        picked_w = tl.where(fixed, 1.0, picked_w)
+        picked_id = tl.where(fixed, num_experts - TOP_K + kcols[None, :], picked_id)
+    out = rows[:, None].to(tl.int64) * (TOP_K + SHARED) + kcols[None, :]
+    out_mask = row_ok[:, None] & (kcols[None, :] < TOP_K + SHARED)
     tl.store(weights_ptr + out, picked_w, mask=out_mask)
     tl.store(ids_ptr + out, picked_id.to(tl.int64), mask=out_mask)
 
@@ -97,8 +103,9 @@ def fusable_router(spec: RouterSpec, selection_bias: torch.Tensor | None) -> boo
 
 def topk_softmax(logits: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """inferx_core.moe.route for a fusable_router spec in one launch: logits [T, E], or [S, T,
-    E] partial logits summed in fp32 first -> (topk_weights [T, k] float32, topk_ids [T, k]
-    int64), largest weight first."""
+    E] partial logits summed in fp32 first -> (topk_weights [T, k + s] float32, topk_ids
+    [T, k + s] int64): the picks largest weight first, then the spec's s shared experts
+    (1.0, E + i), written by the same launch."""
     parts = logits if logits.dim() == 3 else logits.unsqueeze(0)
     if parts.dim() != 3 or parts.shape[2] != spec.num_experts:
         raise ValueError(
@@ -108,14 +115,15 @@ def topk_softmax(logits: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, 
     if parts.stride(2) != 1:
         parts = parts.contiguous()
     s, t, e, k = parts.shape[0], parts.shape[1], spec.num_experts, spec.top_k
-    weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(t, k, dtype=torch.int64, device=logits.device)
+    width = k + spec.shared
+    weights = torch.empty(t, width, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, width, dtype=torch.int64, device=logits.device)
     if t:
         block_e = triton.next_power_of_2(e)
         block_t = max(1, min(16, 4096 // block_e))
         topk_softmax_kernel[(triton.cdiv(t, block_t),)](
             parts, weights, ids, parts.stride(1), parts.stride(0), t, e, float(spec.scaling),
-            TOP_K=k, K_PAD=triton.next_power_of_2(k),
+            TOP_K=k, SHARED=spec.shared, K_PAD=triton.next_power_of_2(width),
             SOFTMAX_ALL=not (spec.softmax_after_topk or spec.renormalize),
             BLOCK_T=block_t, BLOCK_E=block_e, PARTS=s, num_warps=4,
         )  # fmt: skip

@@ -110,6 +110,16 @@ class TritonOps(KernelOps):
     cos/sin table (that would cost a device sync).
     """
 
+    # fuse_shared_experts (KernelOps'): models build MoE shared experts as always-on slots of
+    # the routed experts (DeepSeek-V2-Lite's 2 x 1408: two more experts of 1408), so
+    # topk_softmax appends them in its launch and the grouped gate_up and down GEMMs run them
+    # with the routed ones: no shared MLP's GEMMs and add a layer. Off: the shared MLP apart,
+    # for A/B (benchmarks/moe_layer.py's deepseek-v2-lite-shared rows, decode_profile.py
+    # --shared-experts-apart); awaiting that GPU measurement (docs/ARCHITECTURE.md's decision
+    # register). A class attribute, so that a script can switch it for the engines it builds;
+    # an instance may set its own.
+    fuse_shared_experts = True
+
     def __init__(self) -> None:
         # Each setting below is an attribute with its default, which tests and benchmarks may
         # set on an instance; the reasons are rows of docs/ARCHITECTURE.md's decision register.
@@ -553,8 +563,9 @@ class TritonOps(KernelOps):
         self, logits: torch.Tensor, spec: RouterSpec, selection_bias: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Softmax routings (either order) in one topk_softmax launch, which also sums
-        linear_parts' partial logits (the router GEMM on the TMA GEMV in K-slices); group-limited,
-        sigmoid and biased ones (DeepSeek) on the torch reference."""
+        linear_parts' partial logits (the router GEMM on the TMA GEMV in K-slices) and writes
+        the spec's shared experts after the picks; group-limited, sigmoid and biased ones
+        (DeepSeek) on the torch reference."""
         if (logits.is_cuda or self._interpret) and fusable_router(spec, selection_bias):
             return topk_softmax(logits, spec)
         return super().route_experts(logits, spec, selection_bias)

@@ -13,7 +13,8 @@ from torch import nn
 from inferx_core.interfaces.attention import MLAWeights
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_core.interfaces.model import BuildContext
-from inferx_core.interfaces.moe import ExpertsSpec, RouterSpec
+from inferx_core.interfaces.moe import ExpertsSpec, QuantExperts, RouterSpec
+from inferx_core.moe import FusedMoE
 from inferx_core.parallel import SINGLE, ParallelContext
 from inferx_models.layers import (
     RMSNorm,
@@ -100,6 +101,26 @@ def softmax_scale(hf_config: dict[str, Any]) -> float:
         m = yarn_mscale(params["factor"], params["mscale_all_dim"])
         scale *= m * m
     return scale
+
+
+def fuses_shared_experts(hf_config: dict[str, Any], ctx: BuildContext) -> bool:
+    """Whether a MoE layer holds its shared experts as always-on slots of the routed experts
+    (ExpertsSpec.shared: experts n_routed_experts + i, i < n_shared_experts, each of
+    moe_intermediate_size) instead of a SharedExperts MLP: where the kernel ops ask for it
+    (KernelOps.fuse_shared_experts), the layer has shared experts, they use SiLU (elementwise
+    over the intermediate dimension, so the MLP of n_shared_experts * moe_intermediate_size
+    is that many experts of moe_intermediate_size, a whole multiple by DeepSeek's definition)
+    and the weights are unquantized (the "none" scheme). A quantized checkpoint keeps the
+    shared MLP apart: its scales cover the MLP's whole projections (per tensor, per row of
+    2 * I columns, 128 x 128 blocks) and its scheme may quantize the MLP otherwise than the
+    experts (a W8A8 linear layer beside weight-only FP8 experts), so splitting it into expert
+    slots would change its numerics or need each format's scale slicing."""
+    return (
+        ctx.ops.fuse_shared_experts
+        and bool(hf_config.get("n_shared_experts"))
+        and hf_config.get("hidden_act", "silu") == "silu"
+        and ctx.quant.name == "none"
+    )
 
 
 class SharedExperts(MLP):
@@ -256,12 +277,19 @@ class DeepseekV2ForCausalLM(Qwen3MoeForCausalLM):
     """DeepseekV2ForCausalLM (DeepSeek-V2, V2-Lite, their Chat and Coder-V2 versions): MLA
     attention (MLAttention; with q LoRA when q_lora_rank is set), YaRN rotary on the rope
     dimensions, dense SiLU MLPs in the first first_k_dense_replace layers and after them a
-    FusedMoE of n_routed_experts (router_spec) plus n_shared_experts shared ones.
+    FusedMoE of n_routed_experts (router_spec) plus n_shared_experts shared ones: where
+    fuses_shared_experts holds, n_shared_experts more slots of the routed experts that
+    routing gives every token, else a SharedExperts MLP beside them.
 
     Checkpoints in the published layout: per-expert "mlp.experts.{e}.gate_proj.weight" (or
     transformers 5's stacked experts; Qwen3-MoE's loader), "mlp.shared_experts.*",
-    "mlp.gate.weight". Tensor parallel as MLAttention says for attention; the dense MLPs and
-    shared experts column/row-parallel, the routed experts split along their intermediate size.
+    "mlp.gate.weight". Fused, "mlp.shared_experts.{gate,up}_proj.weight" [s * I, H] load as
+    experts n_routed_experts + i from rows [i * I, (i + 1) * I), "down_proj.weight" [H, s * I]
+    from those columns; the fusion is at load only (checkpoint_shapes and the written presets
+    keep the published layout). Tensor parallel as MLAttention says for attention; the dense
+    MLPs and an unfused shared MLP column/row-parallel, the routed experts (and shared slots)
+    split along their intermediate size: each rank a slice of every slot, summed by the
+    layer's one all-reduce.
     """
 
     qk_norm = False
@@ -290,12 +318,17 @@ class DeepseekV2ForCausalLM(Qwen3MoeForCausalLM):
         hidden, n = hf_config["hidden_size"], hf_config["n_routed_experts"]
         prefix = f"model.layers.{layer}.mlp"
         inter = hf_config["moe_intermediate_size"]
+        router = router_spec(hf_config)
+        n_shared = int(hf_config.get("n_shared_experts") or 0)
+        if fuses_shared_experts(hf_config, ctx):
+            experts = ExpertsSpec(f"{prefix}.experts", n + n_shared, hidden, inter, shared=n_shared)
+            return SparseMoeBlock(ctx, prefix, hidden, router, experts)
         experts = ExpertsSpec(f"{prefix}.experts", n, hidden, inter)
         shared = None
-        if hf_config.get("n_shared_experts"):
-            size = inter * hf_config["n_shared_experts"]
+        if n_shared:
+            size = inter * n_shared
             shared = SharedExperts(hidden, size, False, ctx, f"{prefix}.shared_experts")
-        return SparseMoeBlock(ctx, prefix, hidden, router_spec(hf_config), experts, shared=shared)
+        return SparseMoeBlock(ctx, prefix, hidden, router, experts, shared=shared)
 
     @classmethod
     def mlp_shapes(cls, hf_config: dict[str, Any], layer: int) -> list[tuple[str, int, int, bool]]:
@@ -361,6 +394,13 @@ class DeepseekV2ForCausalLM(Qwen3MoeForCausalLM):
 
     def __init__(self, hf_config: dict[str, Any], ctx: BuildContext) -> None:
         super().__init__(with_defaults(hf_config), ctx)
+        # the MoE layers whose shared experts are expert slots, by their checkpoint prefix
+        # ("model.layers.1.mlp.shared_experts.") -> the layer's experts
+        self._shared_slots: dict[str, QuantExperts] = {
+            f"{name}.shared_experts.": m.experts
+            for name, m in self.named_modules()
+            if isinstance(m, FusedMoE) and m.experts.spec.shared
+        }
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -369,5 +409,47 @@ class DeepseekV2ForCausalLM(Qwen3MoeForCausalLM):
             layer.self_attn.absorb()
 
     def _submodule(self, path: str, name: str) -> nn.Module:
-        # FusedMoE keeps the shared experts as "shared"
+        # FusedMoE keeps unfused shared experts as "shared"
         return super()._submodule(path.replace(".mlp.shared_experts", ".mlp.shared"), name)
+
+    def _expected_names(self) -> set[str]:
+        # fused shared experts: the experts check their slots (finish_loading)
+        fused = tuple(self._shared_slots)
+        return {n for n in super()._expected_names() if not n.startswith(fused)}
+
+    def _load_expert(self, name: str, tensor: torch.Tensor) -> bool:
+        prefix, sep, rest = name.partition(".shared_experts.")
+        experts = self._shared_slots.get(prefix + sep) if sep else None
+        if experts is None:
+            return super()._load_expert(name, tensor)
+        self._load_shared(experts, name, rest, tensor)
+        return True
+
+    def _load_shared(
+        self, experts: QuantExperts, name: str, rest: str, tensor: torch.Tensor
+    ) -> None:
+        """A shared MLP's projection ("gate_proj.weight" [s * I, H], "up_proj.weight",
+        "down_proj.weight" [H, s * I]) into the experts' s shared slots: slot i takes gate and
+        up rows, down columns [i * I, (i + 1) * I) (each rank keeps its share of those, as of
+        every expert)."""
+        arch = type(self).__name__
+        spec = experts.spec
+        head, _, kind = rest.partition(".")
+        part = head.removesuffix("_proj")
+        inter, hidden = spec.intermediate_size, spec.hidden_size
+        whole = spec.shared * inter
+        want = {"gate": (whole, hidden), "up": (whole, hidden), "down": (hidden, whole)}.get(part)
+        if want is None or kind != "weight":
+            raise ValueError(f"{arch}: unexpected checkpoint tensor {name!r}")
+        if tuple(tensor.shape) != want:
+            raise ValueError(
+                f"{arch}: checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"expected {want}"
+            )
+        dim = 1 if part == "down" else 0
+        try:
+            for i in range(spec.shared):
+                piece = tensor.narrow(dim, i * inter, inter)
+                experts.load(f"{part}.weight", piece, spec.routed + i)
+        except ValueError as exc:
+            raise ValueError(f"{arch}: checkpoint tensor {name!r}: {exc}") from None

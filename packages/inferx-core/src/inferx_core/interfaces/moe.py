@@ -13,7 +13,7 @@ import torch
 @dataclass(frozen=True)
 class RouterSpec:
     """Routing of one MoE layer: from router logits [T, num_experts] to top_k (weight, expert)
-    pairs per token.
+    pairs per token, then `shared` fixed pairs.
 
     scoring: "softmax" over all experts, or "sigmoid" per expert (DeepSeek-V3).
     softmax_after_topk: pick the top_k raw logits, then softmax over those k (gpt-oss, Mixtral);
@@ -25,6 +25,9 @@ class RouterSpec:
     selection_bias: a per-expert bias added to the scores for picking only, not to the weights
     (DeepSeek-V3's e_score_correction_bias; the tensor is passed to route()).
     scaling: the routed experts' output is multiplied by this (routed_scaling_factor).
+    shared: always-on experts after the routed ones (ExpertsSpec.shared): every token also
+    gets the pairs (1.0, num_experts + i) for i < shared, after its top_k picks, unscaled. The
+    logits stay [T, num_experts]; routing returns [T, top_k + shared].
     """
 
     num_experts: int
@@ -37,8 +40,11 @@ class RouterSpec:
     group_score: Literal["max", "top2"] = "max"
     selection_bias: bool = False
     scaling: float = 1.0
+    shared: int = 0
 
     def __post_init__(self) -> None:
+        if self.shared < 0:
+            raise ValueError(f"shared experts {self.shared} must be >= 0")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k {self.top_k} must be 1..num_experts ({self.num_experts})")
         if self.num_experts % self.num_groups or not 1 <= self.topk_groups <= self.num_groups:
@@ -64,6 +70,13 @@ class ExpertsSpec:
     prefix: checkpoint prefix of the experts ("model.layers.0.mlp.experts"); per-expert
     checkpoints name "{prefix}.{e}.gate_proj.weight" etc., stacked ones "{prefix}.gate_up_proj"
     with a leading expert dimension (the model maps names to load() calls).
+    shared: the last `shared` of the num_experts are shared experts that every token takes
+    with weight 1.0 (RouterSpec.shared routes them), held and run like the routed ones, so
+    one grouped GEMM per projection does both. num_experts counts them: a method allocating
+    [num_experts, ...] holds them unchanged. A shared MLP of intermediate size s * I is s such
+    experts (SiLU-and-mul is elementwise over the intermediate dimension: rows [i*I, (i+1)*I)
+    of its gate and up, the same columns of its down); the model loads them as experts
+    num_experts - shared + i.
     """
 
     prefix: str
@@ -74,6 +87,19 @@ class ExpertsSpec:
     bias: bool = False
     alpha: float = 1.702  # swiglu_oai
     limit: float = 7.0  # swiglu_oai
+    shared: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.shared < self.num_experts:
+            raise ValueError(
+                f"{self.prefix}: {self.shared} shared experts must leave routed ones among the "
+                f"{self.num_experts} experts (0 <= shared < num_experts)"
+            )
+
+    @property
+    def routed(self) -> int:
+        """The routed experts: the first num_experts - shared."""
+        return self.num_experts - self.shared
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,13 @@ class KernelOps(ABC):
     """Chosen by name ([engine] kernels); models call these through ctx.ops, never torch directly,
     so a kernel package can fuse them. "torch" (inferx_core.ops_torch) is the reference."""
 
+    # Whether models build MoE layers' shared experts as always-on slots of the routed experts
+    # (ExpertsSpec.shared: routed and shared in one pair of grouped GEMMs, route_experts
+    # appending the fixed slots) rather than a separate MLP added after. Off by default: a
+    # kernel package turns it on where its moe_experts runs the slots in the same launches
+    # (the torch reference would only loop over two more experts).
+    fuse_shared_experts: bool = False
+
     @abstractmethod
     def rms_norm(
         self,
@@ -151,8 +158,9 @@ class KernelOps(ABC):
         self, logits: torch.Tensor, spec: RouterSpec, selection_bias: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A MoE router's logits [T, E], or [S, T, E] partial logits (linear_parts') to sum
-        first -> (topk_weights [T, k] float32, topk_ids [T, k]): inferx_core.moe.route, which
-        a kernel package may fuse (the parts' sum, softmax, top-k, renormalize)."""
+        first -> (topk_weights [T, k + s] float32, topk_ids [T, k + s]): inferx_core.moe.route,
+        the top k picks then spec.shared fixed (1.0, E + i) pairs, which a kernel package may
+        fuse (the parts' sum, softmax, top-k, renormalize, the fixed pairs)."""
         from inferx_core.moe import route
 
         if logits.dim() == 3:
