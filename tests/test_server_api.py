@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
+import re
 import signal
 import subprocess
 import sys
@@ -279,6 +281,17 @@ def test_health_metrics_openapi(client: openai.OpenAI, server: Any) -> None:
     props = schema["components"]["schemas"][ref]["properties"]
     assert {"prompt", "max_tokens", "stop", "stream_options", "ignore_eos"} <= set(props)
     assert "200" in paths["/v1/completions"]["post"]["responses"]
+    # The schema's logit_bias keys are exactly the ids the server takes: below the vocabulary.
+    bias = props["logit_bias"]["oneOf"][0]["propertyNames"]["pattern"]
+    vocab = props["stop_token_ids"]["oneOf"][0]["items"]["maximum"] + 1
+    rng = random.Random()
+    for key in ["0", "00", str(vocab - 1), str(vocab), "0" + str(vocab - 1), "0" + str(vocab)] + [
+        str(rng.randrange(2 * vocab)).zfill(rng.randint(1, 10)) for _ in range(60)
+    ]:
+        body = {"prompt": "hi", "max_tokens": 1, "logit_bias": {key: 1.0}}
+        r = httpx.post(server.url + "/v1/completions", json=body)
+        assert (re.fullmatch(bias, key) is not None) == (r.status_code == 200), (key, r.text)
+        assert (r.status_code == 200) == (int(key) < vocab), key
 
 
 # -- raw HTTP: every error is OpenAI's error JSON with the right status --------------------------

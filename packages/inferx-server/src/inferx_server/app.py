@@ -126,6 +126,23 @@ def _needs(param: str, needs: str) -> Schema:
     )
 
 
+def _key_below(n: int, width: int = 10) -> str:
+    """A regex for the decimal strings of at most `width` characters whose value is below `n`
+    (leading zeros allowed, as int() reads them): logit_bias keys that name a token id."""
+    top = str(n - 1)
+    # (digits, regex) of the numbers below n without leading zeros, shortest first.
+    alts = [(1, f"[0-{min(n - 1, 9)}]")]
+    alts += [(d, f"[1-9][0-9]{{{d - 1}}}") for d in range(2, len(top))]
+    if len(top) > 1:
+        for i, c in enumerate(top):  # top's prefix, then a smaller digit, then any digits
+            low = "1" if i == 0 else "0"
+            if c > low:
+                tail = len(top) - i - 1
+                alts.append((len(top), f"{top[:i]}[{low}-{chr(ord(c) - 1)}][0-9]{{{tail}}}"))
+        alts.append((len(top), top))
+    return "^(?:" + "|".join(f"0{{0,{width - d}}}{r}" for d, r in alts) + ")$"
+
+
 def _refine_openapi(openapi: OpenAPI, vocab: int) -> None:
     """Bounds of the request schemas that the structs cannot carry, so the schema says what the
     server accepts: token ids below the vocabulary size, the exact shapes of `prompt`, logit_bias
@@ -145,7 +162,7 @@ def _refine_openapi(openapi: OpenAPI, vocab: int) -> None:
         one_of=[
             Schema(
                 type=OpenAPIType.OBJECT,
-                property_names=Schema(pattern=r"^[0-9]{1,10}$"),
+                property_names=Schema(pattern=_key_below(vocab)),
                 additional_properties=Schema(type=OpenAPIType.NUMBER, minimum=-100, maximum=100),
             ),
             Schema(type=OpenAPIType.NULL),
@@ -182,6 +199,13 @@ def _refine_openapi(openapi: OpenAPI, vocab: int) -> None:
             )
         },
     )
+    # ... and holds the reply to the calls' grammar, so it takes no JSON response_format.
+    plain = Schema(
+        any_of=[
+            Schema(type=OpenAPIType.NULL),
+            Schema(type=OpenAPIType.OBJECT, properties={"type": Schema(const="text")}),
+        ]
+    )
     schemas["ChatCompletionRequest"].all_of = [
         *(schemas["ChatCompletionRequest"].all_of or []),
         Schema(
@@ -191,6 +215,13 @@ def _refine_openapi(openapi: OpenAPI, vocab: int) -> None:
                     required=["tools"],
                     properties={"tools": Schema(type=OpenAPIType.ARRAY, min_items=1)},
                 ),
+            ]
+        ),
+        Schema(
+            any_of=[
+                Schema(schema_not=calls),
+                Schema(schema_not=Schema(required=["response_format"])),
+                Schema(properties={"response_format": plain}),
             ]
         ),
     ]
