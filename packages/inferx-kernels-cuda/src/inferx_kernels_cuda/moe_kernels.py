@@ -979,9 +979,12 @@ def gemm_configs(
     size n. Up to 16 pairs an expert on average, 16-row tiles (a decode step reads weights;
     a tile is mostly one expert's few tokens) and output columns narrow enough to spread the
     tiles over the SMs; above, 64-row tiles (a prefill computes), 128 rows from 128 pairs an expert;
-    MXFP4's with 4 warps (8 spill the dequantization). gemv: moe_gemv_kernel's columns.
-    Small tiles under the interpreter."""
+    MXFP4's with 4 warps (8 spill the dequantization); W4A16's decode tiles 64 columns of K
+    deep (128 spill the dequantization of a 64-wide tile at sm_90: tests/sm90_moe.py, registers
+    by benchmarks/kernel_sass.py's resources). gemv: moe_gemv_kernel's columns. Small tiles
+    under the interpreter."""
     mxfp4 = fmt == "mxfp4"
+    decode_k = 64 if fmt == "w4a16" else 128
     if _interpreting():
         small = GemmConfig(16, 32, 32 if mxfp4 else 16, 4, 1)
         return small, small
@@ -992,8 +995,8 @@ def gemm_configs(
         )
     if num_pairs <= 16 * num_experts:
         tiles = min(num_pairs, num_experts)  # tiles holding pairs, about
-        gate_up = GemmConfig(16, _decode_block_n(tiles, n, num_sms), 128, 4, 4)
-        down = GemmConfig(16, _decode_block_n(tiles, hidden, num_sms), 128, 4, 4)
+        gate_up = GemmConfig(16, _decode_block_n(tiles, n, num_sms), decode_k, 4, 4)
+        down = GemmConfig(16, _decode_block_n(tiles, hidden, num_sms), decode_k, 4, 4)
     elif num_pairs >= 128 * num_experts:
         warps = 4 if mxfp4 else 8
         gate_up = GemmConfig(128, 64, 64, warps, 3)
