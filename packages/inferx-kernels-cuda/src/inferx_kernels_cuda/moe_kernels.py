@@ -1,8 +1,8 @@
 """Fused MoE on the GPU without a host synchronisation: top-k routing in one kernel, the token /
 expert pairs grouped by expert on the device, and a grouped GEMM over the experts (gate_up with
 its bias and activation in the epilogue, then down with its bias and the routing weight) over
-dense (bf16 / fp16 / fp32), FP8 (per output channel) or MXFP4 weights dequantized in
-registers, then each token's top-k outputs summed in a fixed order.
+dense (bf16 / fp16 / fp32), FP8 (per output channel), MXFP4 or W4A16 (GPTQ / AWQ) weights
+dequantized in registers, then each token's top-k outputs summed in a fixed order.
 
 Every launch's grid depends only on the token count, which the host knows, so a step runs the
 same launches under CUDA-graph capture and replay. The design and its reasons are in
