@@ -47,7 +47,7 @@ ISSUE_PER_CLOCK = 128
 # runtime arguments of the MoE kernels that a launch passes as other than multiples of 16 (the
 # rest are specialised as Triton's launcher would), or floats
 UNALIGNED = {"num_tokens", "num_pairs", "num_experts", "up_offset", "alpha", "limit", "scaling"}
-UNALIGNED |= {"num_chunks", "max_blocks"}
+UNALIGNED |= {"num_chunks", "max_blocks", "group_shift"}
 W4A16_GROUP = 128
 W4A16_UNALIGNED = {"m", "group_shift"}  # m is never specialised; the shift is 7
 

@@ -20,13 +20,18 @@ from kernel_sass import compile_sm90  # noqa: E402
 from inferx_kernels_cuda import moe_kernels as mk  # noqa: E402
 
 GEMV_SHARED = ("A_ROW_DIV", "ACT", "GATE_STRIDE", "MXFP4", "ROW_SCALE", "HAS_BIAS", "WEIGHTED")
-GEMV_SHARED += ("ATOMIC_K",)
+GEMV_SHARED += ("ATOMIC_K", "W4", "HAS_ZEROS", "HAS_PERM")
+W4A16_GROUP = 128  # Qwen3-30B-A3B-GPTQ-Int4's
 
 
 def gemm_types(fmt: str, per_pair: bool) -> dict[str, str]:
-    weight = {"dense": "*bf16", "mxfp4": "*u8", "fp8": "*fp8e4nv", "fp8-block": "*fp8e4nv"}[fmt]
-    scale = {"dense": "*bf16", "mxfp4": "*u8", "fp8": "*fp32", "fp8-block": "*fp32"}[fmt]
-    types = {"a_ptr": "*bf16", "w_ptr": weight, "scale_ptr": scale, "bias_ptr": "*bf16"}
+    w4 = fmt.startswith("w4a16")
+    weight = {"dense": "*bf16", "mxfp4": "*u8", "fp8": "*fp8e4nv", "fp8-block": "*fp8e4nv"}
+    scale = {"dense": "*bf16", "mxfp4": "*u8", "fp8": "*fp32", "fp8-block": "*fp32"}
+    types = {"a_ptr": "*bf16", "bias_ptr": "*bf16"}
+    types |= {"w_ptr": "*i32", "scale_ptr": "*fp16"} if w4 else {}
+    types |= {} if w4 else {"w_ptr": weight[fmt], "scale_ptr": scale[fmt]}
+    types |= {"zero_ptr": "*u8", "perm_ptr": "*i32"}
     types |= {"topk_w_ptr": "*fp32", "out_ptr": "*bf16", "stride_we": "i64"}
     types |= {n: "*i32" for n in ("sorted_ptr", "block_expert_ptr", "num_padded_ptr")}
     if per_pair:  # all three are topk_ids then
@@ -59,11 +64,24 @@ def cases():
     yield "moe_sum", mk.moe_sum_kernel, sums, dict(TOP_K=8, BLOCK=1024), 4, 1
     shapes = {"gpt-oss-20b": (2880, 2880, 32, 4, False), "qwen3": (2048, 768, 128, 8, True)}
     for name, (hidden, inter, experts, k, silu) in shapes.items():
-        for fmt in ("dense", "mxfp4", "fp8", "fp8-block"):
+        # W4A16 (GPTQ / AWQ) at Qwen3-30B-A3B's: symmetric, and with zero points and act-order
+        w4_formats = ("w4a16", "w4a16-zeros-act-order") if silu else ()
+        for fmt in ("dense", "mxfp4", "fp8", "fp8-block", *w4_formats):
             for tokens in (1, 8, 2048):
-                configs = mk.gemm_configs(tokens * k, experts, inter, hidden, fmt, 132)
-                gemv_configs = mk.gemm_configs(tokens * k, experts, inter, hidden, fmt, 132, True)
+                layout = "w4a16" if fmt.startswith("w4a16") else fmt
+                configs = mk.gemm_configs(tokens * k, experts, inter, hidden, layout, 132)
+                gemv_configs = mk.gemm_configs(
+                    tokens * k, experts, inter, hidden, layout, 132, True
+                )
                 for gated, cfg, gemv_cfg in zip((True, False), configs, gemv_configs, strict=True):
+                    k_in = hidden if gated else inter
+                    w4 = dict(
+                        W4=fmt.startswith("w4a16"), HAS_ZEROS=fmt.endswith("act-order"),
+                        HAS_PERM=fmt.endswith("act-order"),
+                    )  # fmt: skip
+                    block_k = cfg.block_k
+                    if w4["W4"]:  # as fused_experts lowers it
+                        block_k = mk._w4_block_k(block_k, W4A16_GROUP, k_in)
                     constexprs = dict(
                         A_ROW_DIV=k if gated else 1,
                         ACT=(mk.ACT_SILU if silu else mk.ACT_SWIGLU_OAI) if gated else 0,
@@ -72,7 +90,7 @@ def cases():
                         HAS_BIAS=not silu,
                         WEIGHTED=not gated, ATOMIC_K=0, DOT_FP32=False, BLOCK_M=cfg.block_m,
                         PER_PAIR=tokens <= mk.PER_PAIR_MAX_TOKENS,
-                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BF16_BITS=True,
+                        BLOCK_N=cfg.block_n, BLOCK_K=block_k, BF16_BITS=True, **w4,
                     )  # fmt: skip
                     label = f"{name} {fmt} {tokens} {'gate_up' if gated else 'down'}"
                     kernel = mk.moe_gemm_kernel
@@ -84,7 +102,9 @@ def cases():
                     if tokens <= mk.GEMV_MAX_TOKENS and fmt != "fp8-block":
                         gemv = {n: constexprs[n] for n in GEMV_SHARED} | dict(
                             BLOCK_N=gemv_cfg.block_n,
-                            BLOCK_K=gemv_cfg.block_k,
+                            BLOCK_K=mk._w4_block_k(gemv_cfg.block_k, W4A16_GROUP, k_in)
+                            if w4["W4"]
+                            else gemv_cfg.block_k,
                             A_PAIRS=fmt == "mxfp4",  # bf16 rows, as fused_experts reads them
                         )
                         types = gemm_types(fmt, True) | {"ids_ptr": "*i64"}

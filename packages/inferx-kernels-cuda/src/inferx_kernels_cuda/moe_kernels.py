@@ -1,8 +1,8 @@
 """Fused MoE on the GPU without a host synchronisation: top-k routing in one kernel, the token /
 expert pairs grouped by expert on the device, and a grouped GEMM over the experts (gate_up with
 its bias and activation in the epilogue, then down with its bias and the routing weight) over
-dense (bf16 / fp16 / fp32), FP8 (per output channel) or MXFP4 weights dequantized in
-registers, then each token's top-k outputs summed in a fixed order.
+dense (bf16 / fp16 / fp32), FP8 (per output channel), MXFP4 or W4A16 (GPTQ / AWQ) weights
+dequantized in registers, then each token's top-k outputs summed in a fixed order.
 
 Every launch's grid depends only on the token count, which the host knows, so a step runs the
 same launches under CUDA-graph capture and replay. The design and its reasons are in
@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 
 from inferx_core.interfaces.moe import ExpertsSpec, ExpertWeights, RouterSpec
+from inferx_kernels_cuda.w4a16 import _dequantized as _w4_tile
+from inferx_kernels_cuda.w4a16 import _group_shift
 
 # --- routing -------------------------------------------------------------------------------------
 
@@ -533,6 +535,9 @@ def moe_gemm_kernel(
     alpha,
     limit,
     scale_bk,
+    zero_ptr,
+    perm_ptr,
+    group_shift,
     A_ROW_DIV: tl.constexpr,
     ACT: tl.constexpr,
     GATE_STRIDE: tl.constexpr,
@@ -549,6 +554,9 @@ def moe_gemm_kernel(
     BLOCK_K: tl.constexpr,
     BF16_BITS: tl.constexpr,
     SWAP_AB: tl.constexpr = False,
+    W4: tl.constexpr = False,
+    HAS_ZEROS: tl.constexpr = False,
+    HAS_PERM: tl.constexpr = False,
 ):
     """One BLOCK_M tile of the grouped pairs (one expert's) times BLOCK_N output columns of that
     expert's weight [rows, K]. Row r of the tile is pair p = sorted[r]; its input row is
@@ -567,7 +575,13 @@ def moe_gemm_kernel(
     SWAP_AB (MXFP4 with bf16 / float32 activations): the products as W @ A^T into [BLOCK_N,
     BLOCK_M] accumulators, transposed once after the K loop, so the weight tile dequantized
     in registers is the MMA's first operand, which Hopper's wgmma reads from registers (the
-    second must be in shared memory: as the weight it would be stored there every K step)."""
+    second must be in shared memory: as the weight it would be stored there every K step).
+    W4 ("w4a16" weights): w int32 [K / 8, rows] packed along K (stride_wn: a word row's),
+    scale [K / group, rows] (stride_sn: a group row's, equal to stride_wn), with HAS_ZEROS
+    zero_ptr's uint8 zero points of the scales' layout (else zero 8); each K tile (BLOCK_K
+    divides the group, and K) dequantized in registers as (q - zero) * scale, group
+    k0 >> group_shift. HAS_PERM: K row i of the expert's weight takes activation column
+    perm[expert, i] (perm_ptr int32 [E, k_in], act-order), gathered as the tile loads."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(n_out, BLOCK_N)
     pid_m = pid // num_n
@@ -609,10 +623,18 @@ def moe_gemm_kernel(
         else:  # fp16: K along the tile's rows
             rows_gate = rows_g[None, :].to(tl.int64)
             rows_up = (rows_g + up_offset)[None, :].to(tl.int64)
+    if W4:
+        # columns past n_out reread a real one (never stored): unmasked weight loads
+        w4_cols = (cols % n_out) * GATE_STRIDE
+        z_base = zero_ptr + expert * stride_se
+        perm_row = perm_ptr + expert * k_in
     for k0 in range(0, k_in, BLOCK_K):
         k_ok = (k0 + kr) < k_in
+        ka = k0 + kr
+        if HAS_PERM:
+            ka = tl.load(perm_row + ka)
         a = tl.load(
-            a_ptr + a_rows[:, None] + (k0 + kr)[None, :],
+            a_ptr + a_rows[:, None] + ka[None, :],
             mask=row_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
@@ -664,6 +686,18 @@ def moe_gemm_kernel(
                     )  # fmt: skip
                     acc_up = _dot(a_even, even.to(a.dtype), acc_up, DOT_FP32)
                     acc_up = _dot(a_odd, odd.to(a.dtype), acc_up, DOT_FP32)
+        elif W4:
+            w = _w4_tile(
+                w_base, s_base, z_base, k0, w4_cols, stride_wn, group_shift,
+                BLOCK_K, BLOCK_N, True, HAS_ZEROS,
+            )  # fmt: skip
+            acc = _dot(a, w.to(a.dtype), acc, DOT_FP32)
+            if gated:
+                w = _w4_tile(
+                    w_base, s_base, z_base, k0, w4_cols + up_offset, stride_wn, group_shift,
+                    BLOCK_K, BLOCK_N, True, HAS_ZEROS,
+                )  # fmt: skip
+                acc_up = _dot(a, w.to(a.dtype), acc_up, DOT_FP32)
         else:
             w_mask = k_ok[:, None] & col_ok[None, :]
             w = tl.load(
@@ -751,6 +785,9 @@ def moe_gemv_kernel(
     stride_out,
     alpha,
     limit,
+    zero_ptr,
+    perm_ptr,
+    group_shift,
     A_ROW_DIV: tl.constexpr,
     ACT: tl.constexpr,
     GATE_STRIDE: tl.constexpr,
@@ -762,6 +799,9 @@ def moe_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     A_PAIRS: tl.constexpr = False,
+    W4: tl.constexpr = False,
+    HAS_ZEROS: tl.constexpr = False,
+    HAS_PERM: tl.constexpr = False,
 ):
     """moe_gemm_kernel's product for one pair (program axis 0) and BLOCK_N output columns (axis
     1) on the CUDA cores: weight tiles [BLOCK_N, BLOCK_K] in their stored layout (K along the
@@ -770,7 +810,10 @@ def moe_gemv_kernel(
     dequantized tile to an MMA operand layout. MXFP4: codes made float32 by their bits alone,
     summed per 32-weight group and scaled once a group (_mxfp4_group_dots); A_PAIRS reads a
     bf16 row's activations two at a time as int32 (an even row stride, 4-byte aligned). Same
-    arguments and epilogue as moe_gemm_kernel; FP8 only with per-row scales."""
+    arguments and epilogue as moe_gemm_kernel; FP8 only with per-row scales. W4: moe_gemm_kernel's
+    "w4a16" tiles [BLOCK_K, BLOCK_N] (its layout: outputs the unit-stride axis), times the
+    pair's activations (gathered by perm with HAS_PERM), summed per K row and lane, the
+    partial sums transposed once after the loop."""
     pair = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
@@ -816,6 +859,30 @@ def moe_gemv_kernel(
                     s_base + rows_u[:, None] * stride_sn + group[None, :],
                     a_even[None, :, :], a_odd[None, :, :], m, sm,
                 )  # fmt: skip
+    elif W4:
+        kr = tl.arange(0, BLOCK_K)
+        w4_cols = (cols % n_out) * GATE_STRIDE  # past n_out: a real column, never stored
+        z_base = zero_ptr + expert * stride_se
+        acc_t = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+        up_t = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, k_in, BLOCK_K):  # BLOCK_K divides k_in
+            ka = k0 + kr
+            if HAS_PERM:
+                ka = tl.load(perm_ptr + expert * k_in + ka)
+            a = tl.load(a_row + ka).to(tl.float32)[:, None]
+            w = _w4_tile(
+                w_base, s_base, z_base, k0, w4_cols, stride_wn, group_shift,
+                BLOCK_K, BLOCK_N, True, HAS_ZEROS,
+            )  # fmt: skip
+            acc_t += w * a
+            if gated:
+                w = _w4_tile(
+                    w_base, s_base, z_base, k0, w4_cols + up_offset, stride_wn, group_shift,
+                    BLOCK_K, BLOCK_N, True, HAS_ZEROS,
+                )  # fmt: skip
+                up_t += w * a
+        acc2 = tl.trans(acc_t)
+        up2 = tl.trans(up_t)
     else:
         kr = tl.arange(0, BLOCK_K)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -912,9 +979,12 @@ def gemm_configs(
     size n. Up to 16 pairs an expert on average, 16-row tiles (a decode step reads weights;
     a tile is mostly one expert's few tokens) and output columns narrow enough to spread the
     tiles over the SMs; above, 64-row tiles (a prefill computes), 128 rows from 128 pairs an expert;
-    MXFP4's with 4 warps (8 spill the dequantization). gemv: moe_gemv_kernel's columns.
-    Small tiles under the interpreter."""
+    MXFP4's with 4 warps (8 spill the dequantization); W4A16's decode tiles 64 columns of K
+    deep (128 spill the dequantization of a 64-wide tile at sm_90: tests/sm90_moe.py, registers
+    by benchmarks/kernel_sass.py's resources). gemv: moe_gemv_kernel's columns. Small tiles
+    under the interpreter."""
     mxfp4 = fmt == "mxfp4"
+    decode_k = 64 if fmt == "w4a16" else 128
     if _interpreting():
         small = GemmConfig(16, 32, 32 if mxfp4 else 16, 4, 1)
         return small, small
@@ -925,8 +995,8 @@ def gemm_configs(
         )
     if num_pairs <= 16 * num_experts:
         tiles = min(num_pairs, num_experts)  # tiles holding pairs, about
-        gate_up = GemmConfig(16, _decode_block_n(tiles, n, num_sms), 128, 4, 4)
-        down = GemmConfig(16, _decode_block_n(tiles, hidden, num_sms), 128, 4, 4)
+        gate_up = GemmConfig(16, _decode_block_n(tiles, n, num_sms), decode_k, 4, 4)
+        down = GemmConfig(16, _decode_block_n(tiles, hidden, num_sms), decode_k, 4, 4)
     elif num_pairs >= 128 * num_experts:
         warps = 4 if mxfp4 else 8
         gate_up = GemmConfig(128, 64, 64, warps, 3)
@@ -946,8 +1016,11 @@ def _bf16_pairs(a: torch.Tensor) -> bool:
 
 def check_weights(w: ExpertWeights, spec: ExpertsSpec, x: torch.Tensor) -> None:
     """Refuse weights the kernels do not read, naming what is wrong."""
-    if w.format not in ("dense", "mxfp4", "fp8"):
+    if w.format not in ("dense", "mxfp4", "fp8", "w4a16"):
         raise ValueError(f"{spec.prefix}: fused MoE has no {w.format!r} weights")
+    if w.format == "w4a16":
+        _check_w4(w, spec)
+        return
     if w.format == "dense" and (w.gate_up.dtype != x.dtype or w.down.dtype != x.dtype):
         raise ValueError(
             f"{spec.prefix}: dense expert weights are {w.gate_up.dtype} / {w.down.dtype}, the "
@@ -978,6 +1051,44 @@ def check_weights(w: ExpertWeights, spec: ExpertsSpec, x: torch.Tensor) -> None:
             raise ValueError(f"{spec.prefix}: {name} weights need a unit stride along K")
 
 
+def _check_w4(w: ExpertWeights, spec: ExpertsSpec) -> None:
+    """The "w4a16" layout (ExpertWeights), named where a tensor departs from it."""
+    e, h = w.gate_up.shape[0], w.down.shape[-1]
+    n = w.gate_up.shape[-1] // 2
+    if w.group_size not in (-1, 32, 64, 128) or n % 16 or h % 16:
+        raise ValueError(
+            f"{spec.prefix}: w4a16 experts need group_size 32, 64, 128 or -1 and H ({h}) and n "
+            f"({n}) multiples of 16, got group_size {w.group_size}"
+        )
+    for name, k, rows in (("gate_up", h, 2 * n), ("down", n, h)):
+        g = k if w.group_size == -1 else w.group_size
+        want = {
+            name: ((e, k // 8, rows), (torch.int32,)),
+            f"{name}_scales": ((e, k // g, rows), (torch.float16, torch.bfloat16, torch.float32)),
+            f"{name}_zeros": ((e, k // g, rows), (torch.uint8,)),
+            f"{name}_perm": ((e, k), (torch.int32,)),
+        }
+        for field, (shape, dtypes) in want.items():
+            t = getattr(w, field)
+            if t is None and field.endswith(("_zeros", "_perm")):
+                continue
+            if t is None or tuple(t.shape) != shape or t.dtype not in dtypes:
+                got = None if t is None else (t.dtype, tuple(t.shape))
+                raise ValueError(
+                    f"{spec.prefix}: w4a16 {field} must be {dtypes[0]} {shape}, got {got}"
+                )
+            if not t.is_contiguous():
+                raise ValueError(f"{spec.prefix}: w4a16 {field} must be contiguous")
+
+
+def _w4_block_k(block_k: int, group: int, k: int) -> int:
+    """block_k lowered to a power of two dividing the group and K (a tile in one group)."""
+    common = math.gcd(group, k)
+    while block_k > 16 and common % block_k:
+        block_k //= 2
+    return block_k
+
+
 def fused_experts(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -994,14 +1105,15 @@ def fused_experts(
     passes for many pairs), with no host synchronisation. atomic_sum: down adds each pair's
     output into a float32 [T, H] (zeroed first, cast after) with atomics instead of writing
     [T * k, H] for the sum kernel: fewer bytes, in an order that varies from run to run.
-    gemv: the pairs through moe_gemv_kernel (None: up to GEMV_MAX_TOKENS MXFP4 tokens; never
-    for K-blocked fp8 scales); configs then give its output columns a program, K columns a
-    step (0: GEMV_BLOCK_K) and warps."""
+    gemv: the pairs through moe_gemv_kernel (None: up to GEMV_MAX_TOKENS MXFP4 or W4A16
+    tokens; never for K-blocked fp8 scales); configs then give its output columns a program,
+    K columns a step (0: GEMV_BLOCK_K) and warps. W4A16: K tiles lowered to divide the group."""
     check_weights(w, spec, x)
     t, hidden = x.shape
     k = topk_ids.shape[1]
     e = w.gate_up.shape[0]
-    n = w.gate_up.shape[1] // 2  # this rank's intermediate size
+    w4 = w.format == "w4a16"
+    n = w.gate_up.shape[2 if w4 else 1] // 2  # this rank's intermediate size
     if x.stride(1) != 1:
         x = x.contiguous()
     topk_weights = topk_weights.contiguous()
@@ -1012,7 +1124,7 @@ def fused_experts(
     mxfp4 = w.format == "mxfp4"
     bk = w.scale_block_k if w.format == "fp8" else 0
     if gemv is None:
-        gemv = t <= GEMV_MAX_TOKENS and w.format == "mxfp4"
+        gemv = t <= GEMV_MAX_TOKENS and w.format in ("mxfp4", "w4a16")
     elif gemv and bk:
         raise ValueError(f"{spec.prefix}: the MoE GEMV takes no K-blocked fp8 scales")
     if configs is None:
@@ -1047,12 +1159,26 @@ def fused_experts(
         y = torch.zeros(t, hidden, dtype=torch.float32, device=x.device)
     else:
         y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    for cfg, weights, scales, bias, a, dest, n_out, k_in, gated in (
-        (gate_up_cfg, w.gate_up, w.gate_up_scales, w.gate_up_bias, x, inter, n, hidden, True),
-        (down_cfg, w.down, w.down_scales, w.down_bias, inter, y, hidden, n, False),
-    ):
+    for cfg, weights, scales, bias, a, dest, n_out, k_in, gated, zeros, perm in (
+        (
+            gate_up_cfg, w.gate_up, w.gate_up_scales, w.gate_up_bias, x, inter, n, hidden, True,
+            w.gate_up_zeros, w.gate_up_perm,
+        ),
+        (
+            down_cfg, w.down, w.down_scales, w.down_bias, inter, y, hidden, n, False,
+            w.down_zeros, w.down_perm,
+        ),
+    ):  # fmt: skip
         scale_t = scales if scales is not None else weights
         bias_t = bias if bias is not None else weights
+        # W4A16: zero points, act-order perm and the K row -> group shift
+        group = k_in if w.group_size == -1 else w.group_size
+        w4_args = (
+            zeros if zeros is not None else weights,
+            perm if perm is not None else weights,
+            _group_shift(group, k_in) if w4 else 0,
+        )
+        w4_flags = dict(W4=w4, HAS_ZEROS=zeros is not None, HAS_PERM=perm is not None)
         up_offset = (n if silu else 1) if gated else 0
         strides = (
             a.stride(0), weights.stride(0), weights.stride(1),
@@ -1068,21 +1194,26 @@ def fused_experts(
             BLOCK_N=cfg.block_n,
         )  # fmt: skip
         if gemv:
+            block_k = (cfg.block_k or GEMV_BLOCK_K) if not _interpreting() else 64
+            if w4:
+                block_k = _w4_block_k(block_k, group, k_in)
             moe_gemv_kernel[(num_pairs, triton.cdiv(n_out, cfg.block_n))](
                 a, weights, scale_t, bias_t, topk_weights, sorted_ids, dest, n_out, k_in,
-                up_offset, *strides, float(spec.alpha), float(spec.limit), **shared,
-                BLOCK_K=(cfg.block_k or GEMV_BLOCK_K) if not _interpreting() else 64,
-                A_PAIRS=mxfp4 and _bf16_pairs(a), num_warps=cfg.num_warps,
+                up_offset, *strides, float(spec.alpha), float(spec.limit), *w4_args, **shared,
+                BLOCK_K=block_k, A_PAIRS=mxfp4 and _bf16_pairs(a), **w4_flags,
+                num_warps=cfg.num_warps,
             )  # fmt: skip
             continue
         grid = (tiles * triton.cdiv(n_out, cfg.block_n),)
+        block_k = _w4_block_k(cfg.block_k, group, k_in) if w4 else cfg.block_k
         moe_gemm_kernel[grid](
             a, weights, scale_t, bias_t, topk_weights, dest, sorted_ids, block_expert,
             num_padded, num_pairs, n_out, k_in, up_offset, *strides,
-            float(spec.alpha), float(spec.limit), max(bk, 1), **shared,
+            float(spec.alpha), float(spec.limit), max(bk, 1), *w4_args, **shared,
             K_SCALE=bk > 0, PER_PAIR=per_pair, DOT_FP32=dot_fp32,
-            BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BF16_BITS=not _interpreting(),
-            SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_M=cfg.block_m, BLOCK_K=block_k, BF16_BITS=not _interpreting(),
+            SWAP_AB=cfg.swap_ab, **w4_flags,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     if atomic_sum:
         return y.to(x.dtype)

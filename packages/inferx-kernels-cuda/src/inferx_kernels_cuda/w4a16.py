@@ -156,8 +156,11 @@ def _dequantized(
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PACKED: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
 ):
-    """Rows [k0, k0 + BLOCK_K) of the weight, columns `cols`, as fp32 (q - zero) * scale."""
+    """Rows [k0, k0 + BLOCK_K) of the weight, columns `cols`, as fp32 (q - zero) * scale; n is
+    the row stride of the words and of the scales and zeros. HAS_ZEROS False: zero 8
+    (symmetric; z_ptr unread). Also moe_kernels' "w4a16" experts' tiles."""
     if PACKED:
         words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         packed = tl.load(qw_ptr + words[:, None] * n + cols[None, :])  # [BLOCK_K / 8, BLOCK_N]
@@ -170,7 +173,10 @@ def _dequantized(
         q = (packed >> ((rows % 8) * 4)[:, None]) & 0xF
     group = k0 >> group_shift
     scale = tl.load(s_ptr + group * n + cols).to(tl.float32)
-    zero = tl.load(z_ptr + group * n + cols).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + group * n + cols).to(tl.float32)
+    else:
+        zero = tl.full([BLOCK_N], 8.0, tl.float32)
     # q - zero without an int-to-float conversion per weight: 0x4B000000 are the bits of 2^23,
     # and q (4 bits) or-ed into its mantissa makes the float 2^23 + q, so the mask and the or
     # (one LOP3) and a float subtraction of the column's 2^23 + zero give q - zero exactly.
@@ -335,7 +341,7 @@ def w4a16_kernel(
                 offs_k = tl.load(perm_ptr + offs_k)
             x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
             w = _dequantized(
-                qw_ptr, s_ptr, z_ptr, k0, cols, n, group_shift, BLOCK_K, BLOCK_N, PACKED
+                qw_ptr, s_ptr, z_ptr, k0, cols, n, group_shift, BLOCK_K, BLOCK_N, PACKED, True
             )
             if UPCAST:
                 acc += tl.dot(x.to(tl.float32), w, input_precision=DOT_PRECISION)

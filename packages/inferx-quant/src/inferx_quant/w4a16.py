@@ -34,7 +34,9 @@ from typing import Any, Literal
 
 import torch
 
+from inferx_core.interfaces.moe import ExpertsSpec, QuantExperts
 from inferx_core.interfaces.quant import LinearSpec, QuantConfig, QuantLinear, QuantScheme
+from inferx_core.moe import UnquantizedExperts
 from inferx_core.parallel import SINGLE, ParallelContext
 from inferx_core.quant_none import DenseLinear, part_shard
 
@@ -47,29 +49,49 @@ Method = Literal["gptq", "awq"]
 
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [R / 8, C] packed along rows, nibble j of word [i, c] row 8i + j -> uint8 [R, C]."""
+    """int32 [..., R / 8, C] packed along rows, nibble j of word [i, c] row 8i + j -> uint8
+    [..., R, C] (leading dimensions, e.g. experts, kept)."""
     shifts = torch.arange(0, 32, BITS, device=packed.device, dtype=torch.int32)
-    values = (packed.unsqueeze(1) >> shifts[None, :, None]) & 0xF  # [R / 8, 8, C]
-    return values.to(torch.uint8).reshape(-1, packed.shape[1])
+    values = (packed.unsqueeze(-2) >> shifts[:, None]) & 0xF  # [..., R / 8, 8, C]
+    return values.to(torch.uint8).reshape(*packed.shape[:-2], -1, packed.shape[-1])
 
 
 def unpack_cols(packed: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """int32 [R, C / 8] packed along columns -> uint8 [R, C]: nibble i of word [r, c] is column
-    8c + order[i] (8c + i without an order)."""
+    """int32 [..., R, C / 8] packed along columns -> uint8 [..., R, C]: nibble i of word [r, c]
+    is column 8c + order[i] (8c + i without an order)."""
     shifts = torch.arange(0, 32, BITS, device=packed.device, dtype=torch.int32)
-    values = ((packed.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)  # [R, C / 8, 8 nibbles]
+    values = ((packed.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)  # [..., R, C / 8, 8]
     if order is not None:
         inverse = [order.index(j) for j in range(PACK)]  # the nibble holding column 8c + j
         values = values[..., inverse]
-    return values.reshape(packed.shape[0], -1)
+    return values.reshape(*packed.shape[:-1], -1)
 
 
 def pack_rows(values: torch.Tensor) -> torch.Tensor:
-    """uint8 [R, C] of 4-bit values -> int32 [R / 8, C] packed along rows (unpack_rows' inverse)."""
-    r, c = values.shape
+    """uint8 [..., R, C] of 4-bit values -> int32 [..., R / 8, C] packed along rows
+    (unpack_rows' inverse)."""
+    *lead, r, c = values.shape
     shifts = torch.arange(0, 32, BITS, device=values.device, dtype=torch.int64)
-    words = (values.to(torch.int64).reshape(r // PACK, PACK, c) << shifts[None, :, None]).sum(1)
-    return _as_int32(words)
+    v = values.to(torch.int64).reshape(*lead, r // PACK, PACK, c)
+    return _as_int32((v << shifts[:, None]).sum(-2))
+
+
+def dequantize(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group: int,
+    perm: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The loaded layout (module docstring) -> the weight [N, K] in float32, (q - zero) *
+    scale, exact (a 4-bit difference times a 16-bit scale fits float32's mantissa), rows back
+    in input order. zeros None: symmetric, zero 8."""
+    q = unpack_rows(qweight).float()  # [K, N] in group order
+    zero = 8.0 if zeros is None else zeros.float().repeat_interleave(group, 0)
+    w = (q - zero) * scales.float().repeat_interleave(group, 0)
+    if perm is not None:
+        w = torch.empty_like(w).index_copy_(0, perm.long(), w)
+    return w.t()
 
 
 def pack_cols(values: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -308,15 +330,8 @@ class W4A16Linear(QuantLinear):
         return perm
 
     def dequantized_weight(self) -> torch.Tensor:
-        """The weight in float32, [out, in]: (q - zero) * scale, exact (a 4-bit difference
-        times a 16-bit scale fits float32's mantissa), rows back in input order."""
-        q = unpack_rows(self.qweight).float()  # [K, N] in group order
-        zero = self.zeros.float().repeat_interleave(self.group, 0)
-        scale = self.scales.float().repeat_interleave(self.group, 0)
-        w = (q - zero) * scale
-        if self.perm is not None:
-            w = torch.empty_like(w).index_copy_(0, self.perm.long(), w)
-        return w.t()
+        """The weight in float32, [out, in] (dequantize: exact, rows in input order)."""
+        return dequantize(self.qweight, self.scales, self.zeros, self.group, self.perm)
 
     def dense_weight(self) -> torch.Tensor | None:
         return None
@@ -476,14 +491,50 @@ class _W4A16(QuantScheme):
         device: torch.device,
         parallel: ParallelContext = SINGLE,
     ) -> QuantLinear:
-        if _skipped(spec, self.skips):
+        if _skipped(spec, self.skips) or spec.prefix.rpartition(".")[2] == "gate":
+            # ".gate" is a MoE router ("mlp.gate", Mixtral's "block_sparse_moe.gate"; a dense
+            # MLP's is "gate_proj"): GPTQ and AWQ tools leave routers unquantized
             return DenseLinear(spec, dtype, device, parallel)
+        self._check_kernels(device, "W4A16 kernel")
+        return W4A16Linear(spec, dtype, device, parallel, self.fmt)
+
+    def _check_kernels(self, device: torch.device, what: str) -> None:
         if torch.device(device).type == "cuda" and _cuda_kernels() is None:
             raise ValueError(
-                f"quantization scheme {self.name!r} on a GPU runs inferx-kernels-cuda's W4A16 "
-                "kernel (Triton), which does not import here: pip install inferx-kernels-cuda"
+                f"quantization scheme {self.name!r} on a GPU runs inferx-kernels-cuda's {what} "
+                "(Triton), which does not import here: pip install inferx-kernels-cuda"
             )
-        return W4A16Linear(spec, dtype, device, parallel, self.fmt)
+
+    def experts(
+        self,
+        spec: ExpertsSpec,
+        dtype: torch.dtype,
+        device: torch.device,
+        parallel: ParallelContext = SINGLE,
+    ) -> QuantExperts:
+        """W4A16Experts (inferx_quant.w4a16_experts) where the checkpoint quantizes the
+        experts; UnquantizedExperts where it leaves all of them alone (by the names of each
+        expert's projections, "{prefix}.{e}.gate_proj", as the layers' rules read them). Some
+        quantized and some not is refused: one method holds one layout a layer."""
+        from inferx_quant.w4a16_experts import W4A16Experts
+
+        names = [
+            f"{spec.prefix}.{e}.{p}_proj"
+            for e in range(spec.routed)
+            for p in ("gate", "up", "down")
+        ]
+        hits = [self.skips(n) for n in names]
+        if all(hits):
+            return UnquantizedExperts(spec, dtype, device, parallel)
+        if any(hits):
+            left = names[hits.index(True)]
+            kept = names[hits.index(False)]
+            raise ValueError(
+                f"{spec.prefix}: the checkpoint leaves {left} unquantized but not {kept}; "
+                f"{self.name} experts hold one layout a layer"
+            )
+        self._check_kernels(device, "fused MoE kernels")
+        return W4A16Experts(spec, dtype, device, parallel, self.fmt)
 
 
 class Gptq(_W4A16):

@@ -117,11 +117,24 @@ class ExpertWeights:
     their dtype); with scale_block_k = bk > 0 the scales are per row per bk columns of K,
     gate_up_scales [E, 2n, ceil(H / bk)] and down_scales [E, H, ceil(n / bk)] (a checkpoint's
     block scales repeated over their rows), unit stride along K.
-    gate_up's rows are in the activation's layout (ExpertsSpec.activation); biases [E, 2n] /
-    [E, H] in the activations' dtype, None where there are none (the down bias on rank 0 only).
+    format "w4a16": 4-bit integers in groups along K (GPTQ / AWQ), packed as the W4A16 linear
+    layer keeps them (inferx_quant.w4a16): gate_up int32 [E, H / 8, 2n] and down int32
+    [E, n / 8, H], eight values of one output a word along K (nibble j of word [i, c] is input
+    row 8i + j of output c: GPTQ's packing), so an expert's outputs are the unit-stride axis;
+    scales gate_up_scales [E, H / g, 2n] and down_scales [E, n / g, H] float16 as checkpoints
+    store them; zero points gate_up_zeros / down_zeros uint8 of the scales' shapes (the zero
+    itself), None where the checkpoint is symmetric (zero 8); weight = (q - zero) * scale.
+    group_size g: 32, 64 or 128, or -1 for one group over each projection's whole K (then H for
+    gate_up, n for down). Act-order (GPTQ desc_act) checkpoints have their rows sorted into
+    group order at load, per expert, with gate_up_perm int32 [E, H] and down_perm [E, n]: row
+    i of expert e's weight multiplies activation column perm[e, i]; None otherwise. Every
+    tensor contiguous; n a multiple of g (a rank's share never cuts a group).
+    gate_up's rows (its columns, for "w4a16") are in the activation's layout
+    (ExpertsSpec.activation); biases [E, 2n] / [E, H] in the activations' dtype, None where
+    there are none (the down bias on rank 0 only).
     """
 
-    format: Literal["dense", "mxfp4", "fp8"]
+    format: Literal["dense", "mxfp4", "fp8", "w4a16"]
     gate_up: torch.Tensor
     down: torch.Tensor
     gate_up_scales: torch.Tensor | None = None
@@ -129,6 +142,11 @@ class ExpertWeights:
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
     scale_block_k: int = 0
+    gate_up_zeros: torch.Tensor | None = None
+    down_zeros: torch.Tensor | None = None
+    gate_up_perm: torch.Tensor | None = None
+    down_perm: torch.Tensor | None = None
+    group_size: int = 0
 
 
 class QuantExperts(torch.nn.Module, ABC):
