@@ -232,12 +232,18 @@ def sweep(shape: str, tokens: int, args, device: torch.device) -> list[tuple[flo
     results = []
     runs: list[tuple[tuple | None, bool | None]] = [(None, None)]
     runs += [(cfg, False) for cfg in candidates(decode, SHAPES[shape][4] == "mxfp4")]
-    if decode:  # moe_gemv_kernel: output columns, K columns a step, warps
+    if decode:  # moe_gemv_kernel: output columns, K columns a step, warps (, down's K runs)
         runs += [
             ((GemmConfig(16, bn, bk, warps),) * 2, True)
             for bn in (8, 16, 32, 64)
             for bk in (256, 512, 1024)
             for warps in (4, 8)
+        ]
+        runs += [
+            ((GemmConfig(16, bn, 256, warps), GemmConfig(16, bn, 256, warps, split_k=s)), True)
+            for bn in (8, 16, 32)
+            for warps in (4, 8)
+            for s in (2, 3, 4)
         ]
     for cfg, gemv in runs:
 
@@ -251,6 +257,7 @@ def sweep(shape: str, tokens: int, args, device: torch.device) -> list[tuple[flo
             cfg
             if not gemv
             else f"gemv {cfg[0].block_n} x {cfg[0].block_k}, {cfg[0].num_warps} warps"
+            + (f", down K in {cfg[1].split_k}" if cfg[1].split_k > 1 else "")
         )
         try:
             with torch.no_grad():

@@ -62,6 +62,8 @@ def cases():
     yield "topk_softmax E64 shared", mk.topk_softmax_kernel, logits, lite, 4, 1
     sums = {"y_ptr": "*bf16", "out_ptr": "*bf16"}
     yield "moe_sum", mk.moe_sum_kernel, sums, dict(TOP_K=8, BLOCK=1024), 4, 1
+    splits = sums | {"y_ptr": "*fp32"}
+    yield "moe_sum splits", mk.moe_sum_kernel, splits, dict(TOP_K=4, BLOCK=1024, SPLITS=3), 4, 1
     shapes = {"gpt-oss-20b": (2880, 2880, 32, 4, False), "qwen3": (2048, 768, 128, 8, True)}
     for name, (hidden, inter, experts, k, silu) in shapes.items():
         # W4A16 (GPTQ / AWQ) at Qwen3-30B-A3B's: symmetric, and with zero points and act-order
@@ -110,6 +112,10 @@ def cases():
                         types = gemm_types(fmt, True) | {"ids_ptr": "*i64"}
                         warps = gemv_cfg.num_warps
                         yield f"{label} gemv", mk.moe_gemv_kernel, types, gemv, warps, 1
+                        if fmt == "mxfp4" and not gated:  # down's K in runs (split_k)
+                            split = gemv | {"SPLIT_K": 3}
+                            f32 = types | {"out_ptr": "*fp32"}
+                            yield f"{label} gemv split", mk.moe_gemv_kernel, f32, split, warps, 1
 
 
 if __name__ == "__main__":

@@ -480,6 +480,50 @@ def test_gemv_matches_the_reference(name, fmt, atomic_sum, monkeypatch):
     assert len(calls) == by_default + 4
 
 
+@interpreted
+@pytest.mark.parametrize(("split", "atomic_sum"), [(2, False), (3, False), (2, True)])
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4", "fp8"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_gemv_split_k_down_matches_the_reference(name, fmt, split, atomic_sum, monkeypatch):
+    """The down GEMV's K in `split` runs of whole tiles (GemmConfig.split_k: partial sums in
+    float32 summed by moe_sum_kernel, or atomics): the float64 reference on the exact weights,
+    one run's bias only, the runs' launch axis; gpt-oss's K of 96 splits over two 64-column
+    tiles under the interpreter, a third run (and qwen3's second) has no tile and adds 0.
+    Splitting gate_up, or the grouped GEMM's down, is refused."""
+    spec = SPECS[name]
+    dtype = torch.float16
+    if fmt == "fp8":
+        experts = Fp8Experts(spec, dtype, seed=50)
+    else:
+        experts = (dense_experts if fmt == "dense" else mxfp4_experts)(spec, dtype, 50)
+    grids = []
+    real = moe_kernels.moe_gemv_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(moe_kernels, "moe_gemv_kernel", Counted())
+    cfgs = (GemmConfig(16, 32, 64), GemmConfig(16, 32, 64, split_k=split))
+    kw = dict(atomic_sum=atomic_sum, gemv=True, configs=cfgs)
+    check_experts(experts, fmt, spec, dtype, 1, 2, seed=51, **kw)
+    check_experts(experts, fmt, spec, dtype, 3, 2, seed=52, **kw)
+    assert [g[2] for g in grids] == [1, split] * 2
+    if not atomic_sum:  # a fixed order of sums: the same bits every run
+        x = torch.randn(2, spec.hidden_size, generator=gen(53)).to(dtype)
+        weights, ids = random_routing(2, spec.num_experts, 2, 54)
+        w = experts.expert_weights()
+        first = fused_experts(x, weights, ids, w, spec, **kw)
+        assert torch.equal(first, fused_experts(x, weights, ids, w, spec, **kw))
+    x = torch.randn(1, spec.hidden_size, generator=gen(55)).to(dtype)
+    weights, ids = random_routing(1, spec.num_experts, 2, 56)
+    w = experts.expert_weights()
+    for gemv, bad in ((True, (cfgs[1], cfgs[1])), (False, cfgs)):
+        with pytest.raises(ValueError, match="only the down projection's GEMV splits K"):
+            fused_experts(x, weights, ids, w, spec, gemv=gemv, configs=bad)
+
+
 def test_mxfp4_bf16_bits_in_torch():
     """The grouped GEMM's GPU dequantization (_mxfp4_rows_bf16 with BF16_BITS, PTX the
     interpreter cannot run) done in torch with the kernel's constants: a byte times 4097,
@@ -832,7 +876,7 @@ def test_kernels_compile_for_sm90():
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     kernels = json.loads(out.stdout.splitlines()[-1])
-    assert len(kernels) == 90
+    assert len(kernels) == 93
     for label, shared, pipelined in kernels:
         assert shared <= SM90_MAX_SHARED_PER_PROGRAM, (label, shared)
         if label.endswith(("gate_up", "down", "swap_ab")):  # the grouped GEMMs, not the GEMV
@@ -967,6 +1011,29 @@ def test_gpu_mxfp4_swapped_operands(tokens, tiles):
     got = fused_experts(x, weights, ids, w, spec, configs=(swapped, swapped))
     torch.cuda.synchronize()
     assert rel(got, want) < 1e-2
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [2, 3, 4])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_gpu_mxfp4_gemv_split_down(tokens, split):
+    """gpt-oss-20b's MXFP4 experts through the GEMV with down's K in runs (compiled; partial
+    sums in float32 summed in a fixed order) against the unsplit GEMV, to bf16 rounding, and
+    bit for bit on a second call."""
+    kind, hidden, inter, experts, k = SHAPES["gpt-oss-20b"]
+    spec = ExpertsSpec("mlp.experts", experts, hidden, inter, "swiglu_oai", bias=True)
+    w = gpu_expert_weights("mxfp4", spec)
+    x = torch.randn(tokens, hidden, device=GPU).to(torch.bfloat16)
+    weights, ids = route(torch.randn(tokens, experts, device=GPU), RouterSpec(experts, k))
+    plain = moe_kernels.GemmConfig(16, 16, 256, 8)
+    split_cfg = moe_kernels.GemmConfig(16, 16, 256, 8, split_k=split)
+    want = fused_experts(x, weights, ids, w, spec, gemv=True, configs=(plain, plain))
+    got = fused_experts(x, weights, ids, w, spec, gemv=True, configs=(plain, split_cfg))
+    again = fused_experts(x, weights, ids, w, spec, gemv=True, configs=(plain, split_cfg))
+    torch.cuda.synchronize()
+    assert rel(got, want) < 1e-2
+    assert torch.equal(got, again)
 
 
 @on_gpu

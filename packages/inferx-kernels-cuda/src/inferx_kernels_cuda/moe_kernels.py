@@ -317,6 +317,9 @@ GEMV_MAX_TOKENS = 4
 GEMV_BLOCK_N = 16
 GEMV_BLOCK_K = 256
 GEMV_WARPS = 8
+# Runs of K the down projection's GEMV splits into (GemmConfig.split_k; more programs, more
+# loads in flight); 1 until benchmarks/moe_layer.py --sweep times the split at decode sizes.
+GEMV_DOWN_SPLIT_K = 1
 # Chunks of pairs up to which one program groups them all (a few decode tokens); above, three
 # launches, whose passes over the chunks run in parallel.
 ALIGN_ONE_MAX_CHUNKS = 2
@@ -802,6 +805,7 @@ def moe_gemv_kernel(
     W4: tl.constexpr = False,
     HAS_ZEROS: tl.constexpr = False,
     HAS_PERM: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1,
 ):
     """moe_gemm_kernel's product for one pair (program axis 0) and BLOCK_N output columns (axis
     1) on the CUDA cores: weight tiles [BLOCK_N, BLOCK_K] in their stored layout (K along the
@@ -813,10 +817,21 @@ def moe_gemv_kernel(
     arguments and epilogue as moe_gemm_kernel; FP8 only with per-row scales. W4: moe_gemm_kernel's
     "w4a16" tiles [BLOCK_K, BLOCK_N] (its layout: outputs the unit-stride axis), times the
     pair's activations (gathered by perm with HAS_PERM), summed per K row and lane, the
-    partial sums transposed once after the loop."""
+    partial sums transposed once after the loop. SPLIT_K (no activation): program axis 2 takes
+    one of SPLIT_K runs of whole K tiles and writes its weighted partial sum (the bias in run
+    0's) to out[run, pair] (out [SPLIT_K, pairs, n_out] for moe_sum_kernel's SPLITS), or adds
+    it with ATOMIC_K: more programs, so more loads in flight, for a projection of few pairs."""
     pair = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
+    if SPLIT_K == 1:
+        k_lo = 0
+        k_hi = k_in
+    else:
+        run = tl.program_id(2)
+        k_run = tl.cdiv(tl.cdiv(k_in, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_lo = run * k_run
+        k_hi = tl.minimum(k_in, k_lo + k_run)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     a_row = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_a
     gated: tl.constexpr = ACT != 0
@@ -835,7 +850,7 @@ def moe_gemv_kernel(
         rows_u3 = rows_u[:, None, None]
         col_ok3 = col_ok[:, None, None]
         a_pairs = a_row.to(tl.pointer_type(tl.int32))
-        for k0 in range(0, k_in, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             group = k0 // 32 + kg
             byte = group[:, None] * 16 + kb[None, :]
             k_ok = byte < k_in // 2
@@ -865,7 +880,7 @@ def moe_gemv_kernel(
         z_base = zero_ptr + expert * stride_se
         acc_t = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
         up_t = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, k_in, BLOCK_K):  # BLOCK_K divides k_in
+        for k0 in range(k_lo, k_hi, BLOCK_K):  # BLOCK_K divides k_in
             ka = k0 + kr
             if HAS_PERM:
                 ka = tl.load(perm_ptr + expert * k_in + ka)
@@ -887,7 +902,7 @@ def moe_gemv_kernel(
         kr = tl.arange(0, BLOCK_K)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         up2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, k_in, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             k_ok = (k0 + kr) < k_in
             a = tl.load(a_row + k0 + kr, mask=k_ok, other=0.0).to(tl.float32)
             m = col_ok[:, None] & k_ok[None, :]
@@ -908,7 +923,8 @@ def moe_gemv_kernel(
             acc_up *= tl.load(s_base + rows_u * stride_sn, mask=col_ok, other=0.0)
     if HAS_BIAS:
         b_base = bias_ptr + expert * stride_be
-        acc += tl.load(b_base + rows_g, mask=col_ok, other=0.0).to(tl.float32)
+        b_ok = col_ok if SPLIT_K == 1 else cols + run * n_out < n_out  # run 0's alone
+        acc += tl.load(b_base + rows_g, mask=b_ok, other=0.0).to(tl.float32)
         if gated:
             acc_up += tl.load(b_base + rows_u, mask=col_ok, other=0.0).to(tl.float32)
     acc = _activation(acc, acc_up, alpha, limit, ACT)
@@ -918,27 +934,36 @@ def moe_gemv_kernel(
         out_ptrs = out_ptr + (pair // ATOMIC_K).to(tl.int64) * stride_out + cols
         tl.atomic_add(out_ptrs, acc, mask=col_ok, sem="relaxed")
     else:
-        out_ptrs = out_ptr + pair.to(tl.int64) * stride_out + cols
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+        row = pair.to(tl.int64)
+        if SPLIT_K > 1:
+            row += run.to(tl.int64) * tl.num_programs(0)
+        tl.store(out_ptr + row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
-def moe_sum_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = sum over j of y[t * TOP_K + j], in float32 in the order j = 0, 1, ..., rounded
-    once to out's dtype (y and out contiguous rows of `hidden`)."""
+def moe_sum_kernel(
+    y_ptr, out_ptr, hidden, split_stride, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+    SPLITS: tl.constexpr = 1,
+):  # fmt: skip
+    """out[t] = sum over s, j of y[s * split_stride + t * TOP_K + j] (rows), in float32 in the
+    order s = 0, 1, ..., then j, rounded once to out's dtype (y and out contiguous rows of
+    `hidden`; SPLITS > 1: moe_gemv_kernel's SPLIT_K runs, split_stride rows apart)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < hidden
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        acc += tl.load(y_ptr + (t * TOP_K + j) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+    for s in tl.static_range(SPLITS):
+        for j in tl.static_range(TOP_K):
+            row = s * split_stride + t * TOP_K + j
+            acc += tl.load(y_ptr + row * hidden + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @dataclass(frozen=True)
 class GemmConfig:
     """Tiles of one grouped GEMM; block_m is the grouping's. swap_ab: moe_gemm_kernel's
-    SWAP_AB (MXFP4 weights with bf16 / float32 activations only)."""
+    SWAP_AB (MXFP4 weights with bf16 / float32 activations only). split_k: moe_gemv_kernel's
+    SPLIT_K for the down projection (the GEMV's only; gate_up's activation needs whole sums)."""
 
     block_m: int
     block_n: int
@@ -946,6 +971,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = False
+    split_k: int = 1
 
 
 def _interpreting() -> bool:
@@ -991,7 +1017,7 @@ def gemm_configs(
     if gemv:
         return (
             GemmConfig(16, GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS),
-            GemmConfig(16, GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS),
+            GemmConfig(16, GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS, split_k=GEMV_DOWN_SPLIT_K),
         )
     if num_pairs <= 16 * num_experts:
         tiles = min(num_pairs, num_experts)  # tiles holding pairs, about
@@ -1144,6 +1170,12 @@ def fused_experts(
         down_cfg = dataclasses.replace(down_cfg, block_k=tiles_k[1])
     if gate_up_cfg.block_m != down_cfg.block_m:
         raise ValueError("fused_experts: gate_up and down tiles must share block_m")
+    split = down_cfg.split_k
+    if gate_up_cfg.split_k != 1 or split < 1 or (split > 1 and not gemv):
+        raise ValueError(
+            f"fused_experts: split_k {gate_up_cfg.split_k} / {split} (gate_up / down): only "
+            "the down projection's GEMV splits K"
+        )
     per_pair = gemv or t <= PER_PAIR_MAX_TOKENS
     if per_pair:
         ids = topk_ids.reshape(-1).contiguous()
@@ -1157,6 +1189,8 @@ def fused_experts(
     inter = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
     if atomic_sum:
         y = torch.zeros(t, hidden, dtype=torch.float32, device=x.device)
+    elif split > 1:  # the runs' partial sums in float32, summed by moe_sum_kernel
+        y = torch.empty(split, num_pairs, hidden, dtype=torch.float32, device=x.device)
     else:
         y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     for cfg, weights, scales, bias, a, dest, n_out, k_in, gated, zeros, perm in (
@@ -1182,7 +1216,7 @@ def fused_experts(
         up_offset = (n if silu else 1) if gated else 0
         strides = (
             a.stride(0), weights.stride(0), weights.stride(1),
-            scale_t.stride(0), scale_t.stride(1), bias_t.stride(0), dest.stride(0),
+            scale_t.stride(0), scale_t.stride(1), bias_t.stride(0), dest.stride(-2),
         )  # fmt: skip
         # the constexprs both kernels take (the GEMV runs no K-blocked scales: ROW_SCALE holds)
         shared = dict(
@@ -1197,11 +1231,12 @@ def fused_experts(
             block_k = (cfg.block_k or GEMV_BLOCK_K) if not _interpreting() else 64
             if w4:
                 block_k = _w4_block_k(block_k, group, k_in)
-            moe_gemv_kernel[(num_pairs, triton.cdiv(n_out, cfg.block_n))](
+            runs = 1 if gated else split
+            moe_gemv_kernel[(num_pairs, triton.cdiv(n_out, cfg.block_n), runs)](
                 a, weights, scale_t, bias_t, topk_weights, sorted_ids, dest, n_out, k_in,
                 up_offset, *strides, float(spec.alpha), float(spec.limit), *w4_args, **shared,
                 BLOCK_K=block_k, A_PAIRS=mxfp4 and _bf16_pairs(a), **w4_flags,
-                num_warps=cfg.num_warps,
+                SPLIT_K=runs, num_warps=cfg.num_warps,
             )  # fmt: skip
             continue
         grid = (tiles * triton.cdiv(n_out, cfg.block_n),)
@@ -1219,6 +1254,6 @@ def fused_experts(
         return y.to(x.dtype)
     block = min(1024, triton.next_power_of_2(hidden))
     moe_sum_kernel[(t, triton.cdiv(hidden, block))](
-        y, out, hidden, TOP_K=k, BLOCK=block, num_warps=4
+        y, out, hidden, num_pairs, TOP_K=k, BLOCK=block, SPLITS=split, num_warps=4
     )
     return out
