@@ -731,7 +731,7 @@ class TritonAttention(TorchAttention):
                 torch.zeros(max_seqs + 1, max_blocks_per_seq, dtype=torch.int32, device=device)
                 for _ in more
             ],
-            mla=self._mla_mixed_buffers(max_tokens, max_seqs, max_blocks_per_seq),
+            mla=self._mla_mixed_buffers(max_tokens, max_seqs),
         )
 
     def _mixed_tile_count(self, num_tokens: int, max_seqs: int, group: int) -> int:
@@ -965,9 +965,7 @@ class TritonAttention(TorchAttention):
             return min(m.mla.prefix_rows, self.mla_prefix_rows)
         return self.mla_prefix_rows
 
-    def _mla_mixed_buffers(
-        self, max_tokens: int, max_seqs: int, max_blocks: int
-    ) -> _MLAMixed | None:
+    def _mla_mixed_buffers(self, max_tokens: int, max_seqs: int) -> _MLAMixed | None:
         if not self._mla:
             return None
         device = self.device
