@@ -166,8 +166,8 @@ def mla_backends(
 
 
 # Steps of (query lengths, contexts) over one mixed buffer of 48 tokens and 6 sequences: fresh
-# prompts and decodes, chunks over a cached prefix (prefixes of 33, 5, 16 and 32 tokens:
-# inside a block and on block boundaries of 4 and 16; chunks of 2 to 28 rows) beside them,
+# prompts and decodes, chunks over a cached prefix (prefixes of 5 to 40 tokens, inside a
+# block and on boundaries of 4- and 16-token blocks; chunks of 2 to 28 rows) beside them,
 # exactly 48 tokens (the unused absorbed rows write the output's spare row), a smaller step
 # (tiles and rows that held real sequences turn into padding), one-row chunks over a prefix
 # (decodes), decodes alone.
