@@ -120,12 +120,50 @@ def test_triton_prefix_cache_hit_equals_transformers(lite, prefill_plans):
 
 
 @interpreted
-def test_triton_graph_runners_generate_like_eager(lite):
+def test_triton_prefix_hit_replays_the_mixed_runner(lite, monkeypatch):
+    """A prefix hit through the mixed runner's static buffers (on the CPU: no graph, the same
+    padded pass): the second prompt shares 40 tokens (ten 4-token blocks) with the first, so
+    its step is a 3-token chunk over a 40-token cached prefix, its rows plain and its prefix
+    absorbed, merged by log-sum-exp; it replays (not declined), and both prompts give
+    transformers' first greedy tokens (decodes through the decode runner)."""
+    from inferx_core.sequence import SamplingParams
+    from inferx_kernels_cuda.cuda_graphs import DecodeGraphRunner, MixedGraphRunner
+
+    path, model = lite
+    first = list(range(3, 43)) + [50, 51, 52]
+    second = list(range(3, 43)) + [90, 91, 92]
+    llm = make_llm(path, **TRITON, **{"kv_cache.block_size": 4})
+    ex = llm.engine.executor
+    attention = ex.attention
+    attention.mla_prefix_rows = 4  # (the interpreter runs every absorbed row's programs)
+    ex.graphs = DecodeGraphRunner(ex.model, attention, ex.device, 1, ex.max_model_len, 4)
+    ex.mixed = MixedGraphRunner(ex.model, attention, ex.device, 8, 2, ex.max_model_len, 4)
+    replayed: list[tuple[list[int], list[int]]] = []
+    replay = attention.prepare_mixed_replay
+
+    def recorded(batch, num_tokens: int) -> None:
+        replayed.append((list(batch.query_lens), list(batch.context_lens)))
+        replay(batch, num_tokens)
+
+    monkeypatch.setattr(attention, "prepare_mixed_replay", recorded)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for prompt in (first, second):
+        got = [c.token_ids for c in llm.generate([prompt], greedy)]
+        assert got == [t[:6] for t in reference(model, [prompt])]
+    assert llm.engine.scheduler.stats().prefix_hits > 0
+    assert replayed == [([3], [43])] and not ex.mixed.declined, (replayed, ex.mixed.declined)
+
+
+@interpreted
+def test_triton_graph_runners_generate_like_eager(lite, monkeypatch):
     """The decode and mixed graph runners' static buffers on the CPU without graphs (block
     tables and context lengths of the padded batch, slot -1 on padding rows; the mixed steps'
     prompt tiles over the step's own rows): the eager steps' tokens and logits. 5-token chunks:
-    a prompt's first chunk (a fresh prompt) beside decodes replays the mixed runner, its later
-    chunks (over a cached prefix) run eagerly."""
+    a prompt's first chunk (a fresh prompt) and its later chunks (over a cached prefix: its own
+    rows plain, the prefix absorbed) beside decodes replay the mixed runner; none is declined.
+    (Prefix cache off: the eager run's blocks would turn the second run's prompts into hits,
+    other steps than the eager run's; test_triton_prefix_hit_replays_the_mixed_runner has
+    those.)"""
     from test_cuda_graphs import generates_like_eager
 
     from inferx_kernels_cuda.cuda_graphs import DecodeGraphRunner, MixedGraphRunner
@@ -136,13 +174,23 @@ def test_triton_graph_runners_generate_like_eager(lite):
     ex = llm.engine.executor
     assert attention.supports_mixed_graphs and ex.graphs is None and ex.mixed is None
     bs = ex.block_size
+    replayed: list[tuple[list[int], list[int]]] = []
+    replay = attention.prepare_mixed_replay
+
+    def recorded(batch, num_tokens: int) -> None:
+        replayed.append((list(batch.query_lens), list(batch.context_lens)))
+        replay(batch, num_tokens)
+
+    monkeypatch.setattr(attention, "prepare_mixed_replay", recorded)
 
     def install() -> None:
         ex.graphs = DecodeGraphRunner(ex.model, attention, ex.device, 4, ex.max_model_len, bs)
         ex.mixed = MixedGraphRunner(ex.model, attention, ex.device, 16, 4, ex.max_model_len, bs)
 
     generates_like_eager(llm, install)
-    assert ex.graphs.replays and ex.mixed.replays and ex.mixed.declined
+    assert ex.graphs.replays and ex.mixed.replays and not ex.mixed.declined
+    over_prefix = [s for s in replayed if any(1 < q < c for q, c in zip(*s, strict=True))]
+    assert len(over_prefix) >= 3, replayed
 
 
 @interpreted

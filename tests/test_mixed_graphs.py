@@ -166,12 +166,19 @@ def mla_backends(
 
 
 # Steps of (query lengths, contexts) over one mixed buffer of 48 tokens and 6 sequences: fresh
-# prompts and decodes, exactly 48 tokens (the unused decode slots write the output's spare
-# row), a smaller step (tiles and slots that held real sequences turn into padding), decodes.
+# prompts and decodes, chunks over a cached prefix (prefixes of 5 to 40 tokens, inside a
+# block and on boundaries of 4- and 16-token blocks; chunks of 2 to 28 rows) beside them,
+# exactly 48 tokens (the unused absorbed rows write the output's spare row), a smaller step
+# (tiles and rows that held real sequences turn into padding), one-row chunks over a prefix
+# (decodes), decodes alone.
 MLA_STEPS = (
     ([9, 1, 20, 1, 3], [9, 17, 20, 40, 3]),
+    ([7, 1, 12, 1, 2], [40, 9, 17, 33, 2]),
     ([30, 1, 1, 16], [30, 33, 7, 16]),
+    ([5, 1, 19, 6], [21, 30, 35, 6]),
+    ([20, 28], [60, 45]),
     ([1, 13], [40, 13]),
+    ([1, 2, 1], [17, 34, 2]),
     ([1, 1, 1], [5, 9, 30]),
 )
 
@@ -187,8 +194,10 @@ def mla_static_steps(
 ) -> None:
     """MLA_STEPS through a backend's mixed-graph path, padded to 48 tokens (NaN queries and
     cache rows on the padding tokens, slot -1), against the eager step and TorchAttention
-    (prompt rows plain, decodes absorbed) and, for the prompt rows, the float64 plain form
-    (mla_plain): within tol of the largest element. graph: captured once as a CUDA graph and
+    (prompt rows plain over their whole context, decodes absorbed) and, for the prompt rows,
+    the float64 plain form (mla_plain): within tol of the largest element. In the graph a
+    chunk over a cached prefix attends its own rows plain and its prefix absorbed, merged by
+    log-sum-exp. graph: captured once as a CUDA graph and
     replayed for every step. fp8: over an e4m3 cache (k_scale 0.5), the same bytes in every
     backend's (test_mla_fp8 holds the eager path to the float64 forms on the dequantized rows).
     Padding writes no cache slot: the caches end equal."""
@@ -281,20 +290,52 @@ def test_static_mla_mixed_path_matches_eager(
 
 
 @interpreted
-def test_mla_steps_with_a_cached_prefix_are_declined() -> None:
-    """Mixed graphs of MLA layers take fresh prompts and decodes only: a chunk over a cached
-    prefix (a continuation or a prefix hit) is declined (the runner then runs it eagerly) and
-    a replay of one is refused by name; one-token chunks over a prefix are decodes."""
+def test_mla_chunks_over_a_cached_prefix_are_bounded() -> None:
+    """Mixed graphs of MLA layers take chunks over a cached prefix (prefix hits,
+    continuations) while their rows, in all, are at most mla_prefix_rows (128 by default),
+    whatever the prefix (both forms' costs grow with it); fresh prompts and decodes (one-token
+    chunks over a prefix) do not count. Past the bound the step is declined (the runner runs
+    it eagerly) and a replay of it is refused by name; mla_prefix_rows 0 or the unfused
+    absorbed form take none. The buffers hold the bound set when they were made."""
     static, _, _ = mla_backends(SMALL, torch.float32, 40, 4, CPU)
+    assert static.mla_prefix_rows == 128
+    assert static.takes_mixed_step([128, 1], [10_000, 9])
+    assert static.takes_mixed_step([100, 28, 1], [5000, 40, 9])
+    assert not static.takes_mixed_step([129, 1], [200, 9])
+    assert not static.takes_mixed_step([100, 29], [5000, 40])
+    assert static.takes_mixed_step([500, 1, 1], [500, 9, 4000])  # fresh and decodes
+    static.mla_prefix_rows = 8
     static.init_mixed_graph_buffers(32, 4, 16)
     assert static.supports_mixed_graphs
     assert static.takes_mixed_step([5, 1, 1], [5, 30, 2])
-    assert not static.takes_mixed_step([7, 1], [40, 9])
-    batch = make_attention_batch([7, 1], [40, 9], scattered_tables([40, 9], 4, 40), 4)
-    with pytest.raises(ValueError, match="fresh prompts"):
+    assert static.takes_mixed_step([7, 1, 20], [40, 9, 20])
+    assert static.takes_mixed_step([4, 4, 1], [39, 8, 3])
+    assert not static.takes_mixed_step([9, 1], [40, 9])
+    assert not static.takes_mixed_step([5, 4], [20, 30])
+    static.mla_prefix_rows = 128  # the buffers hold 8
+    assert not static.takes_mixed_step([9, 1], [40, 9])
+    batch = make_attention_batch([9, 1], [40, 9], scattered_tables([40, 9], 4, 40), 4)
+    with pytest.raises(ValueError, match="mla_prefix_rows"):
         static.prepare_mixed_replay(batch, 32)
+    # a full graph: 3 decodes and 8 chunk rows fill its min(32, 4 + 8) absorbed rows
+    batch = make_attention_batch(
+        [1, 8, 1, 1], [5, 20, 9, 3], scattered_tables([5, 20, 9, 3], 4, 40), 4
+    )
+    static.prepare_mixed_replay(batch, 32)
+    mm = static._mixed.mla
+    assert mm.context_len.tolist() == [5, 9, 3] + [12] * 8 + [0]
+    assert mm.merge_row.tolist() == [-1] * 3 + list(range(1, 9)) + [-1]
+    assert mm.row_seq.tolist() == [0, 2, 3] + [1] * 8 + [4]
+    static.mla_prefix_rows = 0
+    assert not static.takes_mixed_step([7, 1], [40, 9])
+    assert static.takes_mixed_step([7, 1], [7, 9])
+    unfused, _, _ = mla_backends(SMALL, torch.float32, 40, 4, CPU)
+    unfused.mla_fused_absorb = False
+    assert not unfused.takes_mixed_step([7, 1], [40, 9])
+    unfused.init_mixed_graph_buffers(32, 4, 16)
+    assert unfused._mixed.mla.prefix_rows == 0 and unfused._mixed.mla.row_seq.shape == (4,)
     plain = triton_attention([KVLayerSpec(2, 1, 16)], 4, torch.float32, CPU)
-    assert plain.takes_mixed_step([7, 1], [40, 9])
+    assert plain.takes_mixed_step([700, 1], [4000, 9])
 
 
 def test_first_tokens() -> None:
@@ -417,12 +458,12 @@ def test_gpu_mla_mixed_graph_replays_like_eager(widths: tuple, dtype: torch.dtyp
 
 @on_gpu
 @pytest.mark.gpu
-def test_gpu_mla_mixed_graphs_generate_like_eager(tmp_path_factory) -> None:
+def test_gpu_mla_mixed_graphs_generate_like_eager(tmp_path_factory, monkeypatch) -> None:
     """A tiny DeepSeek-V2-Lite (test_deepseek_v2's, MLA over a 32 + 8 latent) on the triton
-    backend, fp32, with graphs on and off: prompts of random lengths (two pairs sharing a
-    40-token prefix, for prefix hits) in chunks of up to 100 tokens beside decodes. The same
-    tokens; steps of fresh prompts replayed mixed graphs, chunks over a cached prefix ran
-    eagerly (declined)."""
+    backend, fp32, with graphs on and off: prompts of random lengths (four sharing a 40-token
+    prefix, for prefix hits) in chunks of up to 100 tokens beside decodes. The same tokens;
+    steps of fresh prompts and steps with chunks over a cached prefix (prefix hits and later
+    chunks, up to mla_prefix_rows rows) replayed mixed graphs."""
     from test_deepseek_v2 import hf_model
     from test_models import saved
 
@@ -440,8 +481,18 @@ def test_gpu_mla_mixed_graphs_generate_like_eager(tmp_path_factory) -> None:
         llm = graphs_llm(path, graphs, prefix_cache=True)
         ex = llm.engine.executor
         assert (ex.mixed is not None) == graphs
+        replayed: list[tuple[list[int], list[int]]] = []
+        replay = ex.attention.prepare_mixed_replay
+
+        def recorded(batch, num_tokens: int, replay=replay, replayed=replayed) -> None:
+            replayed.append((list(batch.query_lens), list(batch.context_lens)))
+            replay(batch, num_tokens)
+
+        monkeypatch.setattr(ex.attention, "prepare_mixed_replay", recorded)
         outs[graphs] = [c.token_ids for c in llm.generate(prompts, params)]
         if graphs:
             assert ex.mixed is not None and set(ex.mixed.graphs) == set(token_ladder(300))
-            assert ex.mixed.replays and ex.mixed.declined, (ex.mixed.replays, ex.mixed.declined)
+            assert ex.mixed.replays, ex.mixed.replays
+            over_prefix = [s for s in replayed if any(1 < q < c for q, c in zip(*s, strict=True))]
+            assert over_prefix, (replayed, ex.mixed.declined)
     assert outs[True] == outs[False]

@@ -332,13 +332,23 @@ def test_shapes_it_cannot_run_are_refused():
     mla = weights(2, 32, 32, 64, torch.float32, seed=0)  # two heads' weights for four heads
     with pytest.raises(ValueError, match="w_uk"):
         mla_decode_absorbed(q, cache, table, ctx, mla, 0.1)
+    with pytest.raises(ValueError, match="row_seq"):
+        mla_decode(q, cache, table, ctx, 0.1, rank=64, row_seq=torch.zeros(1, dtype=torch.int64))
+    mla = weights(4, 64, 32, 64, torch.float32, seed=0)
+    pieces = torch.zeros(3, 4, 32), torch.zeros(3, 4), torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="fused form"):
+        mla_decode_absorbed(q, cache, table, ctx, mla, 0.1, fused=False, merge=pieces)
+    bad = pieces[0].half(), *pieces[1:]
+    with pytest.raises(ValueError, match="merge takes"):
+        mla_decode_absorbed(q, cache, table, ctx, mla, 0.1, merge=bad)
 
 
 def test_fused_kernels_compile_for_sm90_without_spills():
     """mla_decode_absorbed's fused kernels at V2-Lite's widths in bf16, with the tiles it picks
     at batch 1, 16, 64 and 512 (16, 16, 5 and 1 splits, TritonAttention's on an H100), compile
-    for sm_90 with no register spills. Compiled by Triton without a GPU, in a process of its
-    own (this one may run Triton under the interpreter)."""
+    for sm_90 with no register spills, the W_UV kernel's MERGE variant (a mixed graph's chunk
+    rows over a cached prefix) too, and mla_decode_kernel plain and ROW_SEQ. Compiled by Triton
+    without a GPU, in a process of its own (this one may run Triton under the interpreter)."""
     import json
     import os
     import subprocess
@@ -352,11 +362,12 @@ def test_fused_kernels_compile_for_sm90_without_spills():
         [sys.executable, str(script), json.dumps(cases)], env=env, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout.splitlines()[-1])
+    got, decode = json.loads(out.stdout.splitlines()[-1])
     assert got[0][0][0] == 1  # batch 1: one sequence a block, no tl.dot
-    assert {tiles[0] for tiles, _, _ in got[1:]} & {16}  # and tl.dot's path at some batch
-    for case, (tiles, absorb_q, reduce_uv) in zip(cases, got, strict=True):
-        assert absorb_q[1] == 0 and reduce_uv[1] == 0, (case, tiles, absorb_q, reduce_uv)
+    assert {tiles[0] for tiles, *_ in got[1:]} & {16}  # and tl.dot's path at some batch
+    for case, (tiles, *kernels) in zip(cases, got, strict=True):
+        assert len(kernels) == 3 and all(k[1] == 0 for k in kernels), (case, tiles, kernels)
+    assert len(decode) == 2 and all(k[1] == 0 for k in decode), decode
 
 
 @pytest.mark.gpu

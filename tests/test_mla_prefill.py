@@ -14,13 +14,20 @@ import pytest
 import torch
 from conftest import interpreted, on_gpu
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from inferx_core.attention_torch import TorchAttention, mla_plain  # noqa: E402
 from inferx_core.batch import make_attention_batch  # noqa: E402
 from inferx_core.interfaces.attention import AttentionLayer, MLAWeights  # noqa: E402
 from inferx_core.interfaces.kv import KVLayerSpec  # noqa: E402
-from inferx_kernels_cuda.mla_prefill import mla_prefill, plan_prefill  # noqa: E402
+from inferx_kernels_cuda.mla_decode import mla_decode_absorbed  # noqa: E402
+from inferx_kernels_cuda.mla_prefill import (  # noqa: E402
+    PrefillPass,
+    PrefillPlan,
+    mla_prefill,
+    plan_prefill,
+    query_tiles,
+)
 from inferx_kernels_cuda.triton_attention import MLA_PREFILL_CONFIG, TritonAttention  # noqa: E402
 
 # (heads, nope, rope, v, rank): widths that are not powers of two (the tiny test models'), and
@@ -149,6 +156,81 @@ def test_contexts_in_pieces_equal_plain_form(max_rows: int, widths, tma: bool):
     case.check(run(case, max_rows, tma=tma), TOL[torch.float32])
 
 
+def absorbed_prefix_step(widths, dtype, splits: int, tma: bool, device: str = "cpu",
+                         block_m: int = 16, block_n: int = 16, launch: dict | None = None,
+                         block_size: int = 4) -> None:  # fmt: skip
+    """A mixed graph's form of chunks over a cached prefix, the kernels called directly: the
+    chunk's own rows in the plain form (one pass over the step's rows, key_lo the prefix, row0
+    query_start - prefix; plan.chunks keeps their pieces), the prefix in the absorbed form
+    (mla_decode_absorbed over the chunk rows as extra rows beside a decode, each reading its
+    sequence's block-table row through row_seq, its prefix as context, in `splits` splits of
+    16 tokens or more), merged per row and head by log-sum-exp in the W_UV kernel. Every row
+    against the float64 plain form over [prefix + chunk] (the decode over its whole context)
+    within TOL[dtype]; a fresh prompt beside them is written whole by the prefill. Prefixes of
+    33, 16 (a block boundary), 5 and 5, chunks of 7, 19, 12 and 2 rows; an unused row (no
+    context, no piece) gives zeros."""
+    heads, nope, _, v, rank = widths
+    query_lens, contexts = [7, 1, 19, 12, 2, 6], [40, 9, 35, 17, 7, 6]
+    case = Case(query_lens, contexts, widths, dtype, block_size, seed=4, device=device)
+    n, tokens = len(query_lens), sum(query_lens)
+    starts = [sum(query_lens[:i]) for i in range(n + 1)]
+    prefix = [c - q if q > 1 else 0 for q, c in zip(query_lens, contexts, strict=True)]
+    more = [i for i, q in enumerate(query_lens) if q > 1]
+    tile_seq, tile_start = query_tiles(query_lens, more, block_m)
+
+    def ints(xs: list[int]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.int32, device=device)
+
+    row0 = [starts[i] - prefix[i] for i in range(n)]
+    own = PrefillPass(None, tokens, ints(prefix), ints(contexts), ints(row0), ints(tile_seq),
+                      ints(tile_start), len(tile_seq))  # fmt: skip
+    plan = PrefillPlan([own], block_m, chunks=True)
+    mla = case.mla()
+    w = case.w.view(heads, nope + v, rank)
+    mla.w_uk, mla.w_uv = w[:, :nope], w[:, nope:]
+    out = torch.full((tokens, heads, v), float("nan"), dtype=dtype, device=device)
+    pieces = mla_prefill(case.q, case.rows, case.cache, mla, case.scale, plan,
+                         case.batch.query_start, case.batch.context_len, out, block_n, launch,
+                         tma)  # fmt: skip
+    assert pieces[0].shape == (tokens, heads, max(16, triton.next_power_of_2(v)))
+    # absorbed rows (query row, sequence, context, merge row): the decode, the chunk rows
+    # over a prefix, an unused row
+    rows = [(starts[1], 1, contexts[1], -1)]
+    for i in more:
+        if prefix[i]:
+            rows += [(starts[i] + j, i, prefix[i], starts[i] + j) for j in range(query_lens[i])]
+    rows.append((0, n - 1, 0, -1))
+    q_rows = torch.tensor([r[0] for r in rows], device=device)
+    o = mla_decode_absorbed(
+        case.q[q_rows], case.cache, case.batch.block_table, ints([r[2] for r in rows]), mla,
+        case.scale, num_splits=splits, min_split_len=16, row_seq=ints([r[1] for r in rows]),
+        merge=(*pieces, ints([r[3] for r in rows])),
+    )  # fmt: skip
+    assert torch.equal(o[-1], torch.zeros_like(o[-1]))
+    assert out[q_rows[:-1]].isnan().all()  # neither a decode's nor a chunk row's is written
+    out[q_rows[:-1]] = o[:-1]
+    case.check(out, TOL[dtype])
+    decode = mla_plain(case.q[starts[1] : starts[2]].double().cpu(), case.contexts[1].double(),
+                       case.mla(torch.float64), case.scale, None)  # fmt: skip
+    assert rel_err(out[starts[1] : starts[2]].cpu(), decode) <= TOL[dtype]
+
+
+@interpreted
+@pytest.mark.parametrize(
+    ("widths", "dtype", "splits", "tma"),
+    [
+        (SMALL, torch.float32, 1, False),
+        (SMALL, torch.float32, 3, False),
+        (SMALL, torch.float16, 2, False),
+        (QUARTER, torch.float32, 2, True),
+    ],
+)
+def test_chunks_merged_with_an_absorbed_prefix_equal_plain_form(widths, dtype, splits, tma):
+    """absorbed_prefix_step under the interpreter: fp32 within 1e-5, fp16 within 3e-3, pointer
+    and TMA loads, 1 to 3 splits."""
+    absorbed_prefix_step(widths, dtype, splits, tma)
+
+
 @interpreted
 def test_bf16_upcasts_under_the_interpreter():
     case = Case([21, 6], [30, 6], QUARTER, torch.bfloat16, seed=3)
@@ -244,6 +326,20 @@ def test_compiled_backend_step_equals_torch_backend(widths, context_rows: int):
     case = Case([300, 1, 100, 1], [300, 500, 700, 40], widths, torch.float32, block_size=16,
                 seed=7, device="cuda")  # fmt: skip
     backend_step(case, "cuda", context_rows, 1e-4)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize(("tma", "splits"), [(False, 1), (True, 4)])
+def test_compiled_chunks_merged_with_an_absorbed_prefix(tma: bool, splits: int):
+    """absorbed_prefix_step compiled on the GPU at V2-Lite's widths in bf16 (16-token blocks,
+    the backend's prefill tiles), within 2e-2 of the float64 plain form."""
+    spec = KVLayerSpec(16, 1, 576, kind="mla", v_head_dim=512, rope_dim=64)
+    backend = TritonAttention([spec], 16, torch.bfloat16, torch.device("cuda"))
+    c = backend.mla_prefill_config
+    launch = {"num_warps": c.num_warps, "num_stages": c.num_stages}
+    absorbed_prefix_step((16, 128, 64, 128, 512), torch.bfloat16, splits, tma, "cuda",
+                         c.block_m, c.block_n, launch, block_size=16)  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -60,6 +60,8 @@ def mla_decode_kernel(
     DOT_PRECISION: tl.constexpr,
     k_scale_ptr=None,
     KV_FP8: tl.constexpr = False,
+    row_seq_ptr=None,
+    ROW_SEQ: tl.constexpr = False,
 ):
     """Grid (sequences, splits). q's latent part at q_ptr, its rope part at q_pe_ptr (two
     tensors, or two views of one row). Every head of sequence b against context positions [lo, hi)
@@ -67,7 +69,10 @@ def mla_decode_kernel(
     [b, head, split] (log2 units; _NO_MAX for an empty split). ROPE_PAD: the rope width
     widened (with zeros) to the 16 a GPU dot needs. KV_FP8: an e4m3 cache holding row /
     *k_scale_ptr; each tile is cast to q's dtype (exact), the scale folded into the softmax
-    scale and (the latent being the value too) into the output."""
+    scale and (the latent being the value too) into the output. ROW_SEQ: query row b reads
+    block-table row row_seq[b] (rows of one sequence share its table: a mixed graph's chunk
+    rows over their cached prefix) and an empty split stores nothing (the reduce reads only
+    the splits a row's context uses)."""
     b = tl.program_id(0)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -91,13 +96,16 @@ def mla_decode_kernel(
     if KV_FP8:
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
 
+    table = block_table_ptr + b * stride_table
+    if ROW_SEQ:
+        table = block_table_ptr + tl.load(row_seq_ptr + b) * stride_table
     m = tl.full([BLOCK_H], _NO_MAX, tl.float32)
     row_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, RANK], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < hi
-        block = tl.load(block_table_ptr + b * stride_table + pos // BLOCK_SIZE, mask=valid, other=0)
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0)
         row = (block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * stride_row
         latent = tl.load(cache_ptr + row[:, None] + r[None, :], mask=valid[:, None], other=0.0)
         k_pe = tl.load(
@@ -118,6 +126,8 @@ def mla_decode_kernel(
         out = out * tl.load(k_scale_ptr)
     lse = tl.where(row_sum > 0, m + tl.log2(tl.maximum(row_sum, 1e-30)), _NO_MAX)
     part = (b * num_heads + h) * num_splits + split  # [BLOCK_H]
+    if ROW_SEQ:  # (a scalar condition as a bound: scalar & tensor trips the interpreter)
+        head_ok = h < tl.where(lo < hi, num_heads, 0)
     tl.store(part_lse_ptr + part, lse, mask=head_ok)
     tl.store(part_o_ptr + part[:, None] * RANK + r[None, :], out, mask=head_ok[:, None])
 
@@ -227,6 +237,11 @@ def mla_reduce_uv_kernel(
     BLOCK_R: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    piece_o_ptr=None,
+    piece_lse_ptr=None,
+    merge_row_ptr=None,
+    stride_piece=0,
+    MERGE: tl.constexpr = False,
 ):
     """Grid (heads, cdiv(V, BLOCK_V), groups): mla_reduce_kernel and W_UV in one launch.
     Program (head, v tile, g) takes the blocks of BLOCK_B sequences g, g + groups, ...; for
@@ -241,7 +256,14 @@ def mla_reduce_uv_kernel(
 
     The trade the host (_uv_tiles) picks the tiles by: every v tile reads its sequences'
     part_o again, every sequence group its W_UV tiles again; at batch 1 narrow v tiles give
-    the programs that W_UV's bytes need, at larger batches sequence groups do."""
+    the programs that W_UV's bytes need, at larger batches sequence groups do.
+
+    MERGE: row b's attention has a second part, attended elsewhere over other keys: the
+    normalised output and log2-sum-exp at row merge_row[b] (-1: none) of piece_o [rows, heads,
+    stride_piece] and piece_lse [rows, heads] (float32; mla_prefill's pieces: a chunk's own
+    rows in the plain form, while this kernel's splits hold its cached prefix). Both parts are
+    weighted by exp2 of their log2-sum-exp (the absorbed part's after W_UV, which is linear)
+    in float32 before the one rounding to out's dtype."""
     head = tl.program_id(0)
     num_heads = tl.num_programs(0)
     v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -281,6 +303,23 @@ def mla_reduce_uv_kernel(
             else:
                 prod = lat.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
                 acc += tl.sum(prod, 2)
+        if MERGE:
+            src = tl.load(merge_row_ptr + b, mask=b_ok, other=-1)
+            has = src >= 0
+            piece = src.to(tl.int64) * num_heads + head  # [BLOCK_B]
+            lse_p = tl.load(piece_lse_ptr + piece, mask=has, other=float("-inf"))
+            lse_a = tl.where(used > 0, top + tl.log2(total), float("-inf"))
+            both = tl.maximum(lse_a, lse_p)
+            both = tl.where(both > float("-inf"), both, 0.0)  # neither part: no NaN
+            w_a = tl.exp2(lse_a - both)
+            w_p = tl.exp2(lse_p - both)
+            o_p = tl.load(
+                piece_o_ptr + piece[:, None] * stride_piece + v[None, :],
+                mask=has[:, None] & v_ok[None, :],
+                other=0.0,
+            )
+            acc = acc * w_a[:, None] + o_p * w_p[:, None]
+            acc = acc / tl.maximum(w_a + w_p, 1e-30)[:, None]
         dst = out_ptr + (b[:, None] * num_heads + head) * V + v[None, :]
         tl.store(dst, acc.to(dtype), mask=b_ok[:, None] & v_ok[None, :])
 
@@ -303,6 +342,7 @@ def mla_decode(
     block_n: int = 32,
     k_scale: torch.Tensor | None = None,
     q_pe: torch.Tensor | None = None,
+    row_seq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode: q [B, H, rank + rope] (q_nope @ W_UK, then the rotated q_pe), or
     q [B, H, rank] and q_pe [B, H, rope] apart (no copy into one row), one query a sequence,
@@ -311,10 +351,11 @@ def mla_decode(
     to apply; zeros for a sequence of no context). rank and rope are powers of two (512 and 64
     for DeepSeek-V2). num_splits: context splits per sequence (the grid's second axis), each
     at least min_split_len tokens. An e4m3 cache holds rows / k_scale ([1] float32, read by
-    pointer so CUDA graphs replay with its value; None: 1.0)."""
+    pointer so CUDA graphs replay with its value; None: 1.0). row_seq [B] int32: row b's
+    block-table row (None: row b), so rows of one sequence share its table."""
     part_o, part_lse = _split_parts(
         q, cache, block_table, context_len, scale, rank, num_splits, min_split_len, block_n,
-        k_scale, q_pe,
+        k_scale, q_pe, row_seq,
     )  # fmt: skip
     bsz, heads = q.shape[:2]
     out = torch.empty(bsz, heads, rank, dtype=q.dtype, device=q.device)
@@ -346,6 +387,7 @@ def _split_parts(
     block_n: int,
     k_scale: torch.Tensor | None,
     q_pe: torch.Tensor | None,
+    row_seq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """mla_decode's checks and its mla_decode_kernel launch: (part_o [B, H, num_splits, rank],
     part_lse [B, H, num_splits]), float32, for a reduce kernel to combine."""
@@ -381,6 +423,11 @@ def _split_parts(
     fp8 = {}
     if cache.dtype == torch.float8_e4m3fn:
         fp8 = {"k_scale_ptr": _scale(k_scale, q.device), "KV_FP8": True}
+    if row_seq is not None:
+        if row_seq.shape != (bsz,) or row_seq.dtype != torch.int32:
+            got = f"{tuple(row_seq.shape)} {row_seq.dtype}"
+            raise ValueError(f"MLA decode: row_seq must be [{bsz}] int32; got {got}")
+        fp8.update(row_seq_ptr=row_seq, ROW_SEQ=True)
     mla_decode_kernel[(bsz, num_splits)](
         q,
         cache,
@@ -422,6 +469,8 @@ def mla_decode_absorbed(
     min_split_len: int = 256,
     k_scale: torch.Tensor | None = None,
     fused: bool = True,
+    row_seq: torch.Tensor | None = None,
+    merge: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """A decode step of one MLA layer in the absorbed form: q [B, H, nope + rope] (rope part
     rotated, last dim contiguous) -> [B, H, v_head_dim] in q's dtype, as
@@ -434,15 +483,23 @@ def mla_decode_absorbed(
     mla_reduce_uv_kernel, the output contiguous; else torch einsums around mla_decode (a
     permuted view out). A sequence of no context gets zeros either way. The fused kernels
     read w_uk and w_uv through their strides (views of kv_b_proj's weight), in their own
-    float dtype, each tile cast to q's: no copy a call."""
+    float dtype, each tile cast to q's: no copy a call.
+
+    row_seq [B] int32: row b's block-table row, as mla_decode takes it. merge (fused only):
+    (piece_o [T, H, >= v_head_dim], piece_lse [T, H], merge_row [B] int32), row b's other part
+    of its attention (mla_prefill's pieces, a chunk's own rows in the plain form, the context
+    here being its cached prefix), merged into its output by log-sum-exp where merge_row[b] >= 0
+    (mla_reduce_uv_kernel's MERGE)."""
     assert mla.w_uk is not None and mla.w_uv is not None, "MLA weights not loaded"
     nope = mla.qk_nope_head_dim
     rank = mla.w_uk.shape[-1]
     if not fused:
+        if merge is not None:
+            raise ValueError("MLA decode: merging a plain part takes the fused form")
         q_lat = torch.einsum("bhn,hnr->bhr", q[..., :nope], mla.w_uk.to(q.dtype))
         o_lat = mla_decode(
             q_lat, cache, block_table, context_len, scale, rank, num_splits, min_split_len,
-            k_scale=k_scale, q_pe=q[..., nope:],
+            k_scale=k_scale, q_pe=q[..., nope:], row_seq=row_seq,
         )  # fmt: skip
         return torch.einsum("bhr,hvr->bhv", o_lat, mla.w_uv.to(q.dtype))
     bsz, heads = q.shape[:2]
@@ -454,6 +511,33 @@ def mla_decode_absorbed(
         )
     if q.stride(-1) != 1:
         raise ValueError("MLA decode needs q contiguous in its last dim")
+    pieces: dict[str, object] = {}
+    if merge is not None:
+        piece_o, piece_lse, merge_row = merge
+        if (
+            piece_o.dtype != torch.float32
+            or piece_lse.dtype != torch.float32
+            or piece_o.shape[:2] != (piece_lse.shape[0], heads)
+            or piece_lse.shape[1] != heads
+            or piece_o.shape[2] < v_dim
+            or not piece_o.is_contiguous()
+            or not piece_lse.is_contiguous()
+            or merge_row.shape != (bsz,)
+            or merge_row.dtype != torch.int32
+        ):
+            raise ValueError(
+                f"MLA decode: merge takes piece_o [T, {heads}, >= {v_dim}] and piece_lse "
+                f"[T, {heads}] float32 contiguous, merge_row [{bsz}] int32; got "
+                f"{tuple(piece_o.shape)} {piece_o.dtype}, {tuple(piece_lse.shape)} "
+                f"{piece_lse.dtype}, {tuple(merge_row.shape)} {merge_row.dtype}"
+            )
+        pieces = {
+            "piece_o_ptr": piece_o,
+            "piece_lse_ptr": piece_lse,
+            "merge_row_ptr": merge_row,
+            "stride_piece": piece_o.shape[2],
+            "MERGE": True,
+        }
     upcast = _interpreting() or q.dtype == torch.float32
     precision = "ieee" if upcast else "tf32"
     w_uk = mla.w_uk
@@ -478,7 +562,7 @@ def mla_decode_absorbed(
     block_n = 32  # mla_decode's tile
     part_o, part_lse = _split_parts(
         q_lat, cache, block_table, context_len, scale, rank, num_splits, min_split_len,
-        block_n, k_scale, q[..., nope:],
+        block_n, k_scale, q[..., nope:], row_seq,
     )  # fmt: skip
     w_uv = mla.w_uv
     out = torch.empty(bsz, heads, v_dim, dtype=q.dtype, device=q.device)
@@ -505,6 +589,7 @@ def mla_decode_absorbed(
         UPCAST=upcast,
         DOT_PRECISION=precision,
         num_warps=_UV_WARPS,
+        **pieces,
     )
     return out
 

@@ -218,6 +218,9 @@ class PrefillPlan:
     passes: list[PrefillPass]
     block_m: int
     split_rows: torch.Tensor | None = None
+    # a mixed graph's plan: its chunks over a cached prefix attend only their own rows here
+    # (key_lo the prefix), and their pieces are kept for the caller to merge with the prefix's
+    chunks: bool = False
 
     @property
     def pieces(self) -> bool:
@@ -352,7 +355,7 @@ def mla_prefill(
     launch: dict[str, Any] | None = None,
     tma: bool = False,
     k_scale: torch.Tensor | None = None,
-) -> None:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The plan's prompt rows of out [T, H, v_head_dim] from q [T, H, nope + rope] (rope part
     rotated): rows [T, rank + rope] are the step's cache rows (already written to cache
     [num_blocks, block_size, 1, rank + rope]); query_start [num_seqs + 1] and context_len
@@ -360,7 +363,11 @@ def mla_prefill(
     Hopper GPU, power-of-two widths: can_tma). An e4m3 cache holds rows / k_scale ([1]
     float32; None: 1.0): attention then reads the latents it holds, dequantized to q's dtype
     as TorchAttention does, the step's own rows too (quantized as the cache write does), so a
-    prompt sees what later decodes will."""
+    prompt sees what later decodes will.
+
+    Returns the pieces (part_o [T, H, V_PAD], part_lse [T, H], float32): sized T only where
+    the plan has several passes or keeps chunks' pieces (plan.chunks: rows whose context this
+    pass does not hold whole write them instead of out, for the caller to merge)."""
     tokens, heads, qk = q.shape
     nope, v_dim = mla.qk_nope_head_dim, mla.v_head_dim
     rope = qk - nope
@@ -387,7 +394,7 @@ def mla_prefill(
         "V_PAD": max(16, triton.next_power_of_2(v_dim)),
     }
     v_pad = pads["V_PAD"]
-    part = (tokens, heads) if plan.pieces else (1, 1)  # 1: never written
+    part = (tokens, heads) if plan.pieces or plan.chunks else (1, 1)  # 1: never written
     part_o = torch.empty(*part, v_pad, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(part, dtype=torch.float32, device=q.device)
     run = None
@@ -463,6 +470,7 @@ def mla_prefill(
             merge_pieces(run, part_o, part_lse, p.merge_rows, p.merge_at)
     if run is not None and plan.split_rows is not None:
         out.index_copy_(0, plan.split_rows, run[0][..., :v_dim].to(out.dtype))
+    return part_o, part_lse
 
 
 def merge_pieces(

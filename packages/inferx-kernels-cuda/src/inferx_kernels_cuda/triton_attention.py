@@ -155,31 +155,42 @@ class _MixedBuffers:
 
 @dataclass
 class _MLADecodes:
-    """The decode rows of a step with prompt rows, for its MLA layers, gathered once a step:
-    each one's query row, the row its output goes to, its block table (one a KV group) and
-    context. A mixed graph's unused decode slots read query row 0, have no context and write
-    the output's spare row past the step's."""
+    """The rows of a step with prompt rows that attend in the absorbed form, for its MLA
+    layers, gathered once a step: each one's query row, the row its output goes to, its block
+    table (one a KV group) and context. Eagerly these are the decodes. A mixed graph's rows
+    also hold its chunks' rows over their cached prefix (context: the prefix), which read their
+    sequence's block-table row (row_seq) and merge with the chunk's own rows' plain part
+    (merge_row: the row's piece, -1 for a decode); its unused rows read query row 0, have no
+    context and write the output's spare row past the step's."""
 
-    q_rows: torch.Tensor  # [decodes] int64
-    out_rows: torch.Tensor  # [decodes] int64
-    tables: list[torch.Tensor]  # [decodes, blocks] int32
-    context_len: torch.Tensor  # [decodes] int32
+    q_rows: torch.Tensor  # [rows] int64
+    out_rows: torch.Tensor  # [rows] int64
+    tables: list[torch.Tensor]  # [rows, blocks] int32; with row_seq: [seqs, blocks]
+    context_len: torch.Tensor  # [rows] int32
+    row_seq: torch.Tensor | None = None  # [rows] int32: the row's block-table row
+    merge_row: torch.Tensor | None = None  # [rows] int32
 
 
 @dataclass
 class _MLAMixed:
-    """Static metadata of mixed graphs for MLA layers, whose prompt rows must be fresh prompts
-    (takes_mixed_step): mla_prefill_kernel's tiles over the step's own rows (tiles past the
-    step's on the empty sequence row), and the decode slots' rows, tables and contexts."""
+    """Static metadata of mixed graphs for MLA layers. mla_prefill_kernel's tiles over the
+    step's own rows (tiles past the step's on the empty sequence row): a fresh prompt attends
+    positions [0, context), a chunk over a cached prefix only its own, [prefix, context)
+    (key_lo), its position p at row row0 + p. The absorbed rows: a graph of t tokens has
+    min(t, slots + prefix_rows) of them (slots = min(t, max_seqs)), enough for every decode
+    and for up to prefix_rows chunk rows over a cached prefix (takes_mixed_step)."""
 
     tile_seq: torch.Tensor  # [cdiv(max_tokens, BLOCK_M) + min(max_tokens, max_seqs)] int32
     tile_start: torch.Tensor
-    key_lo: torch.Tensor  # [max_seqs + 1] int32 zeros: a fresh prompt attends from position 0
-    # [2 * max_seqs] int64: a graph of s decode slots reads their query rows from [:s], their
-    # output rows from [s : 2s] (one contiguous copy a replay)
+    key_lo: torch.Tensor  # [max_seqs + 1] int32: a chunk's cached prefix (0: fresh)
+    row0: torch.Tensor  # [max_seqs + 1] int32: query_start - key_lo
+    # [2 * max_rows] int64: a graph of r absorbed rows reads their query rows from [:r], their
+    # output rows from [r : 2r] (one contiguous copy a replay)
     rows: torch.Tensor
-    block_table: torch.Tensor  # [max_seqs, max_blocks] int32, the decode slots'
-    context_len: torch.Tensor  # [max_seqs] int32, the decode slots' (0: unused)
+    row_seq: torch.Tensor  # [max_rows] int32, each absorbed row's sequence
+    context_len: torch.Tensor  # [max_rows] int32, each absorbed row's context (0: unused)
+    merge_row: torch.Tensor  # [max_rows] int32, a chunk row's own row (-1: a decode, unused)
+    prefix_rows: int  # chunk rows over a cached prefix the buffers hold (mla_prefix_rows)
 
 
 def write_kv(
@@ -720,7 +731,7 @@ class TritonAttention(TorchAttention):
                 torch.zeros(max_seqs + 1, max_blocks_per_seq, dtype=torch.int32, device=device)
                 for _ in more
             ],
-            mla=self._mla_mixed_buffers(max_tokens, max_seqs, max_blocks_per_seq),
+            mla=self._mla_mixed_buffers(max_tokens, max_seqs),
         )
 
     def _mixed_tile_count(self, num_tokens: int, max_seqs: int, group: int) -> int:
@@ -783,8 +794,11 @@ class TritonAttention(TorchAttention):
             t.zero_()  # every tile on row 0, which has no queries and no context
         self._plan = self._mixed_plan(m, num_tokens)
         if m.mla is not None:
-            for t in (m.mla.tile_seq, m.mla.tile_start, m.mla.rows, m.mla.context_len):
+            mm = m.mla
+            for t in (mm.tile_seq, mm.tile_start, mm.key_lo, mm.row0, mm.rows, mm.row_seq):
                 t.zero_()
+            mm.context_len.zero_()
+            mm.merge_row.fill_(-1)
             self._mla_mixed_plan(m, num_tokens)
 
     def prepare_mixed_replay(self, batch: AttentionBatch, num_tokens: int) -> None:
@@ -811,7 +825,7 @@ class TritonAttention(TorchAttention):
         ]
         dests = [m.query_start[: n + 2], m.context_len[: n + 1], m.decode_seqs[:slots]]
         if m.mla is not None:
-            self._mla_replay(m.mla, batch, num_tokens, slots, query_start, parts, dests)
+            self._mla_replay(m.mla, batch, num_tokens, query_start, parts, dests)
         for group in self._plain_groups:
             count = self._mixed_tile_count(num_tokens, m.max_seqs, group)
             seqs, starts = self._tiles_of(batch.query_lens, more, self._tile_shape(group)[1])
@@ -873,9 +887,11 @@ class TritonAttention(TorchAttention):
     # (decodes) attend in the absorbed form through mla_decode's kernels, over the plan's block
     # tables and context lengths (a decode graph's static ones); rows of longer chunks attend in
     # the plain form through mla_prefill (their contexts expanded through kv_b_proj, in passes
-    # of at most mla_context_rows gathered rows), planned per eager step. Mixed-step graphs take
-    # the steps whose prompt rows are fresh prompts (takes_mixed_step): those expand the step's
-    # own rows, a shape fixed by the token count; a chunk over a cached prefix runs eagerly.
+    # of at most mla_context_rows gathered rows), planned per eager step. Mixed-step graphs
+    # expand only the step's own rows, a shape fixed by the token count: a fresh prompt attends
+    # them alone, a chunk over a cached prefix its own rows there (plain) and its prefix as
+    # extra absorbed rows beside the decodes, the two parts merged by log-sum-exp in the W_UV
+    # kernel; steps with more such rows than mla_prefix_rows run eagerly (takes_mixed_step).
 
     # MLA decode: fewest context tokens per split, most splits per sequence (64: the
     # fastest or within ~1 µs of it at 1 and 16 rows of 128-2048 tokens on an H100,
@@ -889,6 +905,16 @@ class TritonAttention(TorchAttention):
     # step's tokens, if more), so expanded keys and values stay within what a step of fresh
     # prompts uses.
     mla_context_rows = 8192
+    # Mixed graphs: the most rows of chunks over a cached prefix (prefix hits, continued
+    # chunks) a step may hold in all to replay one (0: none; such steps run eagerly). In a
+    # graph their prefix attends in the absorbed form, rows x prefix x (2 rank + rope)
+    # multiply-adds a head, against the eager plain form's prefix x rank x (nope + v) for the
+    # expansion plus rows x prefix x (nope + rope + v): both grow with the prefix, and the
+    # absorbed form costs less while rows < rank (nope + v) / (2 rank - nope - v), 170 at V2's
+    # widths (512, 128, 64, 128) whatever the prefix. 128 stays under that (the absorbed
+    # kernel re-reads the prefix a row, 16 head rows a tile, where the expansion is one GEMM)
+    # and bounds the graphs' absorbed rows. FLOPs only: not yet timed on a GPU.
+    mla_prefix_rows = 128
 
     def _mla_init(self) -> None:
         self._mla = any(s.kind == "mla" for s in self.layers)
@@ -919,27 +945,50 @@ class TritonAttention(TorchAttention):
             )
 
     def takes_mixed_step(self, query_lens: list[int], context_lens: list[int]) -> bool:
-        """AttentionBackend.takes_mixed_step: with MLA layers, steps whose prompt rows (chunks
-        of several queries) are fresh prompts, no cached prefix; any step otherwise."""
+        """AttentionBackend.takes_mixed_step: with MLA layers, steps whose chunks over a cached
+        prefix (more than one query, context longer) have at most mla_prefix_rows rows in all
+        (the mixed buffers' when they exist), fresh prompts and decodes beside them; any step
+        otherwise."""
         if not self._mla:
             return True
-        return all(q == c for q, c in zip(query_lens, context_lens, strict=True) if q > 1)
+        rows = sum(q for q, c in zip(query_lens, context_lens, strict=True) if 1 < q < c)
+        return rows <= self._mla_prefix_rows()
 
-    def _mla_mixed_buffers(
-        self, max_tokens: int, max_seqs: int, max_blocks: int
-    ) -> _MLAMixed | None:
+    def _mla_prefix_rows(self) -> int:
+        """Chunk rows over a cached prefix a mixed graph takes: mla_prefix_rows (as the mixed
+        buffers were sized, once they are), none without the fused absorbed form (whose W_UV
+        kernel merges the two parts)."""
+        if not self.mla_fused_absorb:
+            return 0
+        m = self._mixed
+        if m is not None and m.mla is not None:
+            return min(m.mla.prefix_rows, self.mla_prefix_rows)
+        return self.mla_prefix_rows
+
+    def _mla_mixed_buffers(self, max_tokens: int, max_seqs: int) -> _MLAMixed | None:
         if not self._mla:
             return None
         device = self.device
         tiles = self._mla_tile_count(max_tokens, max_seqs)
+        prefix_rows = self.mla_prefix_rows if self.mla_fused_absorb else 0
+        rows = self._mla_rows(max_tokens, max_seqs, prefix_rows)
         return _MLAMixed(
             tile_seq=torch.zeros(tiles, dtype=torch.int32, device=device),
             tile_start=torch.zeros(tiles, dtype=torch.int32, device=device),
             key_lo=torch.zeros(max_seqs + 1, dtype=torch.int32, device=device),
-            rows=torch.zeros(2 * max_seqs, dtype=torch.int64, device=device),
-            block_table=torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device),
-            context_len=torch.zeros(max_seqs, dtype=torch.int32, device=device),
+            row0=torch.zeros(max_seqs + 1, dtype=torch.int32, device=device),
+            rows=torch.zeros(2 * rows, dtype=torch.int64, device=device),
+            row_seq=torch.zeros(rows, dtype=torch.int32, device=device),
+            context_len=torch.zeros(rows, dtype=torch.int32, device=device),
+            merge_row=torch.full((rows,), -1, dtype=torch.int32, device=device),
+            prefix_rows=prefix_rows,
         )
+
+    @staticmethod
+    def _mla_rows(num_tokens: int, max_seqs: int, prefix_rows: int) -> int:
+        """Absorbed rows of a mixed graph of num_tokens: a decode slot a sequence it can hold
+        and prefix_rows chunk rows, never more than its tokens (every such row is a token)."""
+        return min(num_tokens, min(num_tokens, max_seqs) + prefix_rows)
 
     def _mla_tile_count(self, num_tokens: int, max_seqs: int) -> int:
         """mla_prefill_kernel's tiles a head in a mixed graph of num_tokens: the most that
@@ -948,29 +997,33 @@ class TritonAttention(TorchAttention):
         return _cdiv(num_tokens, block_m) + min(num_tokens, max_seqs)
 
     def _mla_mixed_plan(self, m: _MixedBuffers, num_tokens: int) -> None:
-        """The MLA prefill plan and decode rows of a mixed graph of num_tokens, over the static
-        buffers: one pass over the step's own rows (fresh prompts: position p of sequence i is
-        row query_start[i] + p)."""
+        """The MLA prefill plan and absorbed rows of a mixed graph of num_tokens, over the
+        static buffers: one pass over the step's own rows (position p of sequence i at row
+        row0[i] + p, from key_lo[i]), chunks' pieces kept for the absorbed rows to merge."""
         mm = m.mla
         assert mm is not None and self._plan is not None
         count = self._mla_tile_count(num_tokens, m.max_seqs)
-        slots = min(num_tokens, m.max_seqs)
+        rows = self._mla_rows(num_tokens, m.max_seqs, mm.prefix_rows)
         own_rows = PrefillPass(
             slots=None,
             num_rows=num_tokens,
             key_lo=mm.key_lo,
             key_hi=m.context_len,
-            row0=m.query_start,
+            row0=mm.row0,
             tile_seq=mm.tile_seq[:count],
             tile_start=mm.tile_start[:count],
             tiles=count,
         )
-        self._mla_prefill = PrefillPlan([own_rows], self.mla_prefill_config.block_m)
+        self._mla_prefill = PrefillPlan(
+            [own_rows], self.mla_prefill_config.block_m, chunks=mm.prefix_rows > 0
+        )
         self._mla_decodes = _MLADecodes(
-            q_rows=mm.rows[:slots],
-            out_rows=mm.rows[slots : 2 * slots],
-            tables=[mm.block_table[:slots]],
-            context_len=mm.context_len[:slots],
+            q_rows=mm.rows[:rows],
+            out_rows=mm.rows[rows : 2 * rows],
+            tables=[m.block_table],
+            context_len=mm.context_len[:rows],
+            row_seq=mm.row_seq[:rows],
+            merge_row=mm.merge_row[:rows] if mm.prefix_rows else None,
         )
         self._mla_plan = self._plan
 
@@ -979,40 +1032,62 @@ class TritonAttention(TorchAttention):
         mm: _MLAMixed,
         batch: AttentionBatch,
         num_tokens: int,
-        slots: int,
         query_start: list[int],
         parts: list[list[int]],
         dests: list[torch.Tensor],
     ) -> None:
-        """prepare_mixed_replay's MLA part: the prompt tiles and decode contexts join its
-        packed copy (parts, dests); the decode slots' rows and tables are copied here."""
-        if not self.takes_mixed_step(batch.query_lens, batch.context_lens):
+        """prepare_mixed_replay's MLA part: the prompt tiles, each sequence's key_lo and row0,
+        and the absorbed rows' sequences, contexts and merge rows join its packed copy (parts,
+        dests); their query and output rows are copied here. Absorbed rows: the decodes, then
+        the rows of chunks over a cached prefix (context: the prefix; merged with their own
+        rows' plain part), then unused ones."""
+        query_lens, context_lens = batch.query_lens, batch.context_lens
+        if not self.takes_mixed_step(query_lens, context_lens):
             raise ValueError(
-                f"{self.name}: a mixed graph of MLA layers takes fresh prompts (no cached "
-                f"prefix) beside decodes; got chunks of {batch.query_lens} tokens with "
-                f"contexts {batch.context_lens}"
+                f"{self.name}: a mixed graph of MLA layers takes chunks over a cached prefix of "
+                f"at most {self._mla_prefix_rows()} rows in all (mla_prefix_rows) beside fresh "
+                f"prompts and decodes; got chunks of {query_lens} tokens with contexts "
+                f"{context_lens}"
             )
-        n = len(batch.query_lens)
-        one_query = [i for i, q in enumerate(batch.query_lens) if q == 1]
-        more = [i for i, q in enumerate(batch.query_lens) if q != 1]
-        count = self._mla_tile_count(num_tokens, mm.context_len.shape[0])
-        seqs, starts = query_tiles(batch.query_lens, more, self.mla_prefill_config.block_m)
+        n = len(query_lens)
+        one_query = [i for i, q in enumerate(query_lens) if q == 1]
+        more = [i for i, q in enumerate(query_lens) if q != 1]
+        prefix = [c - q if q > 1 else 0 for q, c in zip(query_lens, context_lens, strict=True)]
+        max_seqs = mm.key_lo.shape[0] - 1
+        count = self._mla_tile_count(num_tokens, max_seqs)
+        seqs, starts = query_tiles(query_lens, more, self.mla_prefill_config.block_m)
         pad = count - len(seqs)
-        unused = slots - len(one_query)
+        # absorbed rows: (query row, sequence, context, merge row)
+        absorbed = [(query_start[i], i, context_lens[i], -1) for i in one_query]
+        for i in more:
+            if prefix[i]:
+                at = query_start[i]
+                absorbed += [(at + j, i, prefix[i], at + j) for j in range(query_lens[i])]
+        rows = self._mla_rows(num_tokens, max_seqs, mm.prefix_rows)
+        unused = rows - len(absorbed)
+        assert unused >= 0, (rows, len(absorbed))
+        q_rows = [a[0] for a in absorbed]
+        row_seq, ctx, merge = ([a[k] for a in absorbed] for k in (1, 2, 3))
         parts += [
             seqs + [n] * pad,
             starts + [0] * pad,
-            [batch.context_lens[i] for i in one_query] + [0] * unused,
+            prefix + [0],
+            [query_start[i] - prefix[i] for i in range(n)] + [query_start[n]],
+            row_seq + [n] * unused,
+            ctx + [0] * unused,
+            merge + [-1] * unused,
         ]
-        dests += [mm.tile_seq[:count], mm.tile_start[:count], mm.context_len[:slots]]
-        at = [query_start[i] for i in one_query]
-        rows = torch.tensor(at + [0] * unused + at + [num_tokens] * unused, dtype=torch.int64)
-        mm.rows[: 2 * slots].copy_(_pinned(rows), non_blocking=True)
-        if one_query:
-            table = batch.block_table[one_query]
-            mm.block_table[: len(one_query), : table.shape[1]].copy_(
-                _pinned(table), non_blocking=True
-            )
+        dests += [
+            mm.tile_seq[:count],
+            mm.tile_start[:count],
+            mm.key_lo[: n + 1],
+            mm.row0[: n + 1],
+            mm.row_seq[:rows],
+            mm.context_len[:rows],
+            mm.merge_row[:rows],
+        ]
+        both = q_rows + [0] * unused + q_rows + [num_tokens] * unused
+        mm.rows[: 2 * rows].copy_(_pinned(torch.tensor(both, dtype=torch.int64)), non_blocking=True)
 
     def _mla_begin_step(self, batch: AttentionBatch) -> None:
         """A step with prompt rows: their MLA prefill's passes and tiles, and the decode
@@ -1086,7 +1161,8 @@ class TritonAttention(TorchAttention):
         if cache.dtype == torch.float8_e4m3fn:
             k_scale = self._one if layer.k_scale is None else layer.k_scale
         write_latent(rows, cache, slot_mapping, k_scale)
-        decode = {"num_splits": self._mla_splits(plan.num_decode), "k_scale": k_scale}
+        decode: dict[str, Any] = {"num_splits": self._mla_splits(plan.num_decode)}
+        decode["k_scale"] = k_scale
         decode["min_split_len"] = self.mla_min_split_len
         decode["fused"] = self.mla_fused_absorb
         if plan.all_decode:  # decode i is sequence i and query row i
@@ -1099,14 +1175,8 @@ class TritonAttention(TorchAttention):
         spare = q.new_empty(num_tokens + 1, q.shape[1], mla.v_head_dim)
         out = spare[:num_tokens]
         dec = self._mla_decodes
-        if dec is not None:
-            q_dec = q.index_select(0, dec.q_rows)
-            table = dec.tables[layer.group]
-            o = mla_decode_absorbed(
-                q_dec, cache, table, dec.context_len, mla, layer.scale, **decode
-            )
-            spare.index_copy_(0, dec.out_rows, o)
         prefill = self._mla_prefill
+        pieces = None
         if prefill is not None:
             if layer.group and any(p.slots is not None for p in prefill.passes):
                 raise NotImplementedError(
@@ -1116,7 +1186,7 @@ class TritonAttention(TorchAttention):
             rope = layer.spec.rope_dim or 0
             tma = self.mla_prefill_tma and can_tma(mla.qk_nope_head_dim, rope, mla.v_head_dim)
             config = self.mla_prefill_config
-            mla_prefill(
+            pieces = mla_prefill(
                 q,
                 rows,
                 cache,
@@ -1131,6 +1201,19 @@ class TritonAttention(TorchAttention):
                 tma,
                 k_scale,
             )
+        # after the prefill: a mixed graph's chunk rows merge its pieces with their prefix
+        if dec is not None:
+            q_dec = q.index_select(0, dec.q_rows)
+            table = dec.tables[layer.group]
+            if dec.row_seq is not None:
+                decode["row_seq"] = dec.row_seq
+            if dec.merge_row is not None and self.mla_fused_absorb:  # (else no chunk rows)
+                assert pieces is not None and prefill is not None and prefill.chunks
+                decode["merge"] = (*pieces, dec.merge_row)
+            o = mla_decode_absorbed(
+                q_dec, cache, table, dec.context_len, mla, layer.scale, **decode
+            )
+            spare.index_copy_(0, dec.out_rows, o)
         return out
 
     def forward(
