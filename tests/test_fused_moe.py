@@ -444,6 +444,27 @@ def test_one_token_skips_the_grouping(fmt, monkeypatch):
     assert per_pair.abs().max() > 0
 
 
+def experts_of(fmt: str, spec: ExpertsSpec, dtype: torch.dtype, seed: int):
+    """Random experts of a format: "dense", "mxfp4" or "fp8" (per output row)."""
+    if fmt == "fp8":
+        return Fp8Experts(spec, dtype, seed=seed)
+    return (dense_experts if fmt == "dense" else mxfp4_experts)(spec, dtype, seed)
+
+
+def gemv_grids(monkeypatch) -> list:
+    """The grids moe_gemv_kernel launches with from now on, in order (it still runs)."""
+    grids = []
+    real = moe_kernels.moe_gemv_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(moe_kernels, "moe_gemv_kernel", Counted())
+    return grids
+
+
 @interpreted
 @pytest.mark.parametrize("atomic_sum", [False, True])
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4", "fp8"])
@@ -454,24 +475,13 @@ def test_gemv_matches_the_reference(name, fmt, atomic_sum, monkeypatch):
     never runs."""
     spec = SPECS[name]
     dtype = torch.float16
-    if fmt == "fp8":
-        experts = Fp8Experts(spec, dtype, seed=40)
-    else:
-        experts = (dense_experts if fmt == "dense" else mxfp4_experts)(spec, dtype, 40)
+    experts = experts_of(fmt, spec, dtype, 40)
 
     def grouped(*args, **kw):
         raise AssertionError("grouped")
 
     monkeypatch.setattr(moe_kernels, "group_by_expert", grouped)
-    calls = []
-    real = moe_kernels.moe_gemv_kernel
-
-    class Counted:
-        def __getitem__(self, grid):
-            calls.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(moe_kernels, "moe_gemv_kernel", Counted())
+    calls = gemv_grids(monkeypatch)
     check_experts(experts, fmt, spec, dtype, 1, 2, seed=41, atomic_sum=atomic_sum)
     by_default = 2 if fmt == "mxfp4" else 0  # gate_up and down for one MXFP4 token
     assert len(calls) == by_default
@@ -492,19 +502,8 @@ def test_gemv_split_k_down_matches_the_reference(name, fmt, split, atomic_sum, m
     Splitting gate_up, or the grouped GEMM's down, is refused."""
     spec = SPECS[name]
     dtype = torch.float16
-    if fmt == "fp8":
-        experts = Fp8Experts(spec, dtype, seed=50)
-    else:
-        experts = (dense_experts if fmt == "dense" else mxfp4_experts)(spec, dtype, 50)
-    grids = []
-    real = moe_kernels.moe_gemv_kernel
-
-    class Counted:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(moe_kernels, "moe_gemv_kernel", Counted())
+    experts = experts_of(fmt, spec, dtype, 50)
+    grids = gemv_grids(monkeypatch)
     cfgs = (GemmConfig(16, 32, 64), GemmConfig(16, 32, 64, split_k=split))
     kw = dict(atomic_sum=atomic_sum, gemv=True, configs=cfgs)
     check_experts(experts, fmt, spec, dtype, 1, 2, seed=51, **kw)
