@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 
 from conftest import interpreted, on_gpu  # noqa: E402
+from experts_reference import gen, moe_layers, reference, rel, routing, shapes  # noqa: E402
 from test_fp8 import (  # noqa: E402
     FP8_DYNAMIC,
     agree_in_top5,
@@ -50,15 +51,6 @@ BLOCK = Fp8Format("block", "group", (32, 32), inverse_name=True)
 PARTS = ("gate", "up", "down")
 # llm-compressor's FP8_DYNAMIC for a MoE model: the routers left alone, as its recipes do
 MOE_DYNAMIC = dict(json.loads(json.dumps(FP8_DYNAMIC)), ignore=["lm_head", "re:.*mlp.gate$"])
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def shapes(spec: ExpertsSpec) -> dict[str, tuple[int, int]]:
-    h, n = spec.hidden_size, spec.intermediate_size
-    return {"gate": (n, h), "up": (n, h), "down": (h, n)}
 
 
 def quantize_block32(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,39 +117,6 @@ def fuse(spec: ExpertsSpec, pieces: list[torch.Tensor]) -> torch.Tensor:
     if spec.activation == "silu":
         return torch.cat(pieces)
     return torch.stack(pieces, 1).flatten(0, 1)  # interleaved rows
-
-
-def reference(x, topk_weights, topk_ids, spec, weights, biases) -> torch.Tensor:
-    """Pair by pair in float64 on the exact dequantized weights."""
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(topk_ids.shape[1]):
-            e = int(topk_ids[t, j])
-            h = {}
-            for p in ("gate", "up"):
-                h[p] = weights[e, p][2] @ x[t].double()
-                if biases:
-                    h[p] = h[p] + biases[e, p].double()
-            if spec.activation == "silu":
-                a = torch.nn.functional.silu(h["gate"]) * h["up"]
-            else:
-                gate = h["gate"].clamp(max=spec.limit)
-                up = h["up"].clamp(-spec.limit, spec.limit)
-                a = gate * torch.sigmoid(spec.alpha * gate) * (up + 1)
-            y = weights[e, "down"][2] @ a
-            if biases:
-                y = y + biases[e, "down"].double()
-            out[t] += topk_weights[t, j].double() * y
-    return out
-
-
-def routing(tokens: int, spec: ExpertsSpec, k: int, seed: int):
-    logits = torch.randn(tokens, spec.num_experts, generator=gen(seed))
-    return route(logits, RouterSpec(spec.num_experts, k, renormalize=True))
-
-
-def rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 
 # --- the layer ------------------------------------------------------------------------------------
@@ -354,11 +313,6 @@ def test_auto_attention_on_cuda_takes_torch_for_the_tiny_qwen3_moe(qwen3_moe) ->
     pow2 = [KVLayerSpec(s.num_q_heads, s.num_kv_heads, 32) for s in layers]
     assert pick_attention_backend("auto", cuda, reg, pow2) == "triton"
     assert pick_attention_backend("auto", CPU, reg, layers) == "torch"
-
-
-def moe_layers(llm):
-    layers = llm.engine.executor.model.model.layers
-    return layers[0].mlp, layers[2].mlp
 
 
 def test_fp8_dynamic_moe_checkpoint_agrees_with_its_dequantized_weights(qwen3_moe, tmp_path):

@@ -14,13 +14,14 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 
 from conftest import on_gpu  # noqa: E402
+from experts_reference import gen, moe_layers, reference, rel, routing, shapes  # noqa: E402
 from test_fp8 import agree_in_top5, fake_rank, make_llm, run  # noqa: E402
 from test_qwen3 import hf_config, spread_weights  # noqa: E402
 from test_w4a16 import AWQ, GPTQ, awq_tensors, gptq_tensors, quantize, write_w4  # noqa: E402
 
-from inferx_core.interfaces.moe import ExpertsSpec, RouterSpec  # noqa: E402
+from inferx_core.interfaces.moe import ExpertsSpec  # noqa: E402
 from inferx_core.interfaces.quant import LinearSpec, QuantConfig  # noqa: E402
-from inferx_core.moe import UnquantizedExperts, route  # noqa: E402
+from inferx_core.moe import UnquantizedExperts  # noqa: E402
 from inferx_core.parallel import ParallelContext  # noqa: E402
 from inferx_core.quant_none import DenseLinear  # noqa: E402
 from inferx_quant.w4a16 import Awq, Gptq, W4A16Linear, W4Format  # noqa: E402
@@ -38,15 +39,6 @@ FORMATS = {
     "gptq-per-channel": W4Format("gptq", -1, True, 1),
     "awq-g32": W4Format("awq", 32, False),
 }
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def shapes(spec: ExpertsSpec) -> dict[str, tuple[int, int]]:
-    h, n = spec.hidden_size, spec.intermediate_size
-    return {"gate": (n, h), "up": (n, h), "down": (h, n)}
 
 
 def random_experts(spec: ExpertsSpec, fmt: W4Format, seed: int):
@@ -100,39 +92,6 @@ def loaded(spec, fmt, weights, biases, parallel=None, stacked=False) -> W4A16Exp
         experts.load(f"{part}.bias", b, e)
     experts.finish_loading()
     return experts
-
-
-def reference(x, topk_weights, topk_ids, spec, weights, biases) -> torch.Tensor:
-    """Pair by pair in float64 on the exact dequantized weights."""
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(topk_ids.shape[1]):
-            e = int(topk_ids[t, j])
-            h = {}
-            for p in ("gate", "up"):
-                h[p] = weights[e, p][1].double() @ x[t].double()
-                if biases:
-                    h[p] = h[p] + biases[e, p].double()
-            if spec.activation == "silu":
-                a = torch.nn.functional.silu(h["gate"]) * h["up"]
-            else:
-                gate = h["gate"].clamp(max=spec.limit)
-                up = h["up"].clamp(-spec.limit, spec.limit)
-                a = gate * torch.sigmoid(spec.alpha * gate) * (up + 1)
-            y = weights[e, "down"][1].double() @ a
-            if biases:
-                y = y + biases[e, "down"].double()
-            out[t] += topk_weights[t, j].double() * y
-    return out
-
-
-def routing(tokens: int, spec: ExpertsSpec, k: int, seed: int):
-    logits = torch.randn(tokens, spec.num_experts, generator=gen(seed))
-    return route(logits, RouterSpec(spec.num_experts, k, renormalize=True))
-
-
-def rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 
 # --- the layer ------------------------------------------------------------------------------------
@@ -276,11 +235,6 @@ def qwen3_moe(tmp_path_factory):
     torch.manual_seed(0)
     spread_weights(transformers.Qwen3MoeForCausalLM(cfg).eval()).save_pretrained(path)
     return path
-
-
-def moe_layers(llm):
-    layers = llm.engine.executor.model.model.layers
-    return layers[0].mlp, layers[2].mlp
 
 
 CHECKPOINTS = {
