@@ -13,7 +13,10 @@ under --tokenizers (default .carry/tok/tokenizers): `qwen/` for Qwen, `llama3/` 
 `gpt-oss/` for gpt-oss. DeepSeek-V2's is not at hand: `deepseek-v2/` if there, else derived at
 the start of the run from `llama3/` into a temporary directory (inferx_models.derived_tokenizers:
 Llama 3's BPE cut to DeepSeek's 102,400 ids, its BOS / EOS at 100,000 / 100,001 and its chat
-template). Before the device call pack them as docs/CONTRIBUTING.md says (.carry/tokxz;
+template). `--set model.path=DIR` runs a checkpoint of the preset's shapes from disk instead
+(the preset names its tokenizer and peers): W4A16, which a preset's random weights cannot be,
+written by `inferx checkpoint --preset P DIR` then benchmarks/w4a16_checkpoint.py. Before the
+device call pack them as docs/CONTRIBUTING.md says (.carry/tokxz;
 scripts/gpu_run.sh table unpacks them and runs this script).
 
 Figures (--only picks some): decode (batch 1, 128 in / 256 out, median of 3 after a whole warm-up
@@ -483,6 +486,8 @@ def overrides_for(run: Run, preset: str, server: bool, fallback: bool) -> dict[s
         "scheduler.prefix_cache": "true" if server else "false",
     }
     o |= dict(kv.split("=", 1) for kv in a.set)
+    if o.get("model.path"):  # a checkpoint of the preset's shapes on disk (e.g. W4A16's)
+        del o["model.preset"]
     if fallback:
         del o["kv_cache.memory"]
         o["kv_cache.num_blocks"] = str(fallback_blocks(preset))

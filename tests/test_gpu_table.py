@@ -289,3 +289,21 @@ def test_gpu_clocks_samples_beside_a_block_and_survives_no_nvidia_smi(
     with missing:
         pass
     assert "not found" in missing.summary["unavailable"] and not (tmp_path / "m.csv").exists()
+
+
+def test_a_w4a16_checkpoint_of_the_preset_runs_from_disk(tmp_path: Path) -> None:
+    """--set model.path: the table runs a checkpoint on disk (here tiny-qwen2 rounded to GPTQ,
+    group 32, by benchmarks/w4a16_checkpoint.py) in place of the preset's random weights."""
+    dense, gptq = tmp_path / "dense", tmp_path / "gptq"
+    cli = [sys.executable, "-m", "inferx_core.cli", "checkpoint", "--preset", "tiny-qwen2"]
+    subprocess.run([*cli, "--tokenizer", str(TOKENIZERS / "qwen"), str(dense)], check=True)
+    writer = SCRIPT.parent / "w4a16_checkpoint.py"
+    args = [str(dense), str(gptq), "--method", "gptq", "--group", "32"]
+    subprocess.run([sys.executable, str(writer), *args], check=True)
+    assert json.loads((gptq / "config.json").read_text())["quantization_config"]["bits"] == 4
+    doc, _ = run_table(tmp_path, "--only", "decode", "--set", f"model.path={gptq}")
+    res = doc["models"]["tiny-qwen2"]
+    assert not errors(res), errors(res)
+    assert res["decode"]["ms_per_token"] > 0
+    overrides = res["startup"]["offline"]["overrides"]
+    assert overrides["model.path"] == str(gptq) and "model.preset" not in overrides
