@@ -406,3 +406,43 @@ def test_fp8_linear_layer_parts_on_the_gpu(name, m) -> None:
     assert bias is None and torch.equal(split, parts)
     assert rel_err(y.cpu(), ref) < 2**-6
     assert rel_err(parts.double().sum(0).cpu(), ref) < 2**-6
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("gated", [False, True])
+def test_gpu_norm_linear_weight_only_fp8_3b_shapes(m, gated) -> None:
+    """The norm inside Qwen2.5-3B's gate_up (gated) and QKV (4 K-slices) with per-channel e4m3
+    weights, bf16, TritonOps' tiles (norm_config), against the unfused norm and the float64
+    product with the dequantized weight: the bf16 path's tolerance."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the TMA kernels run on Hopper or newer")
+    n, k = (22016, 2048) if gated else (2560, 2048)
+    parts = 1 if gated else 4
+    x, res, nw, _ = norm_inputs(4, m, k, 1, torch.bfloat16, "cuda", seed=m + n)
+    w, ws = (t.cuda() for t in weights(n, k, seed=m, per_tensor=False))
+    cfg = norm_config(m, parts, gated)
+    out, summed = tma_norm_linear(x, res, nw, 1e-6, w, parts, gated, cfg, w_scale=ws)
+    ref, ref_summed = norm_then_product(x, res, nw, dequantized(w, ws), gated)
+    torch.testing.assert_close(summed, ref_summed, rtol=2**-8, atol=0)
+    got = out if gated else out.float().sum(0)
+    assert rel_err(got.cpu(), ref.cpu()) < (parts + 3) * 2**-8
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_gpu_reduce_linear_weight_only_fp8_3b_shapes(m) -> None:
+    """The split combine inside Qwen2.5-3B's o_proj (16 heads of 128, 4 K-slices, a head a K
+    step) with per-channel e4m3 weights, 64 splits, bf16 out, against the float64 combine
+    (rounded to bf16) and product with the dequantized weight."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the TMA kernels run on Hopper or newer")
+    sp = decode_splits(m, 16, 128, 64, True, "cuda", seed=m)
+    w, ws = (t.cuda() for t in weights(2048, 2048, seed=m + 1, per_tensor=False))
+    out = tma_reduce_linear(sp, w, 4, w_scale=ws, out_dtype=torch.bfloat16)
+    assert out.shape == (4, m, 2048) and out.dtype == torch.bfloat16
+    x = combined(sp).to(torch.bfloat16).double()
+    ref = x @ dequantized(w, ws).cpu().T
+    assert rel_err(out.float().sum(0).cpu(), ref) < 6 * 2**-8
