@@ -543,7 +543,7 @@ class TritonOps(KernelOps):
         cfg = norm_config(x.shape[1], self.tma_parts, gated=False)
         w, scale = fused
         out, residual = tma_norm_linear(
-            x, residual, weight, eps, w, self.tma_parts, False, cfg, w_scale=scale
+            x, residual, weight, eps, w, self.tma_parts, False, cfg, scale
         )
         return out, linear.bias, residual
 
@@ -564,7 +564,7 @@ class TritonOps(KernelOps):
         check_parts(x, residual)
         cfg = norm_config(x.shape[1], 1, gated=True)
         w, scale = fused
-        return tma_norm_linear(x, residual, weight, eps, w, 1, True, cfg, w_scale=scale)
+        return tma_norm_linear(x, residual, weight, eps, w, 1, True, cfg, scale)
 
     def linear_parts(
         self, linear: torch.nn.Module, x: torch.Tensor | SplitAttention
