@@ -148,7 +148,8 @@ def moe_gemv_cases(args: argparse.Namespace) -> Iterator[Case]:
     types = {"a_ptr": "*bf16", "w_ptr": "*u8", "scale_ptr": "*u8", "bias_ptr": "*bf16"}
     types |= {"topk_w_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*bf16", "stride_we": "i64"}
     types |= {"alpha": "fp32", "limit": "fp32"}
-    warps, block_k = 4, mk.GEMV_BLOCK_K
+    warps = args.warps or mk.GEMV_WARPS
+    block_k = args.block_k or getattr(mk, "GEMV_MXFP4_BLOCK_K", mk.GEMV_BLOCK_K)
     for gated in (True, False):
         for block_n in _ints(args.block_n):
             constexprs = dict(
@@ -156,8 +157,12 @@ def moe_gemv_cases(args: argparse.Namespace) -> Iterator[Case]:
                 GATE_STRIDE=2 if gated else 1, MXFP4=True, ROW_SCALE=False, HAS_BIAS=True,
                 WEIGHTED=not gated, ATOMIC_K=0, BLOCK_N=block_n, BLOCK_K=block_k, A_PAIRS=True,
             )  # fmt: skip
+            if "ROWS" in inspect.signature(mk.moe_gemv_kernel.fn).parameters:
+                constexprs["ROWS"] = mk.gemv_rows(block_n, block_k, warps)
             per_thread = block_n * block_k / 2 * (2 if gated else 1) / (32 * warps)
-            label = f"moe_gemv gpt-oss {'gate_up' if gated else 'down'} N{block_n} K{block_k}"
+            label = (
+                f"moe_gemv gpt-oss {'gate_up' if gated else 'down'} N{block_n} K{block_k}/{warps}"
+            )
             yield Case(label, mk.moe_gemv_kernel, types, constexprs, warps, per_thread)
 
 
@@ -230,6 +235,8 @@ def _args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", default=",".join(KERNELS), help=", ".join(KERNELS))
     parser.add_argument("--block-n", default="8,16,32", help="moe_gemv's columns a program")
+    parser.add_argument("--block-k", type=int, help="moe_gemv's K columns a step (GEMV_BLOCK_K)")
+    parser.add_argument("--warps", type=int, help="moe_gemv's warps (GEMV_WARPS)")
     parser.add_argument("--model", choices=MODELS, default="qwen2.5-3b", help="w4a16's shapes")
     parser.add_argument("--rows", type=int, default=1, help="w4a16's rows of x")
     parser.add_argument("--act-order", action="store_true", help="w4a16 with the K permutation")
