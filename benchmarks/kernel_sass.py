@@ -8,6 +8,7 @@ sm_90 with the installed Triton (its ptxas; nvdisasm, which Triton's wheel ships
 longest loop in the SASS and prints its length, the instructions a weight byte and the opcode mix.
 
 python benchmarks/kernel_sass.py [--kernels moe_gemv,moe_gemm,w4a16] [--block-n 8,16,32]
+    [--warps 8] [--block-k 1024]
     [--model qwen2.5-3b] [--rows 1] [--act-order] [--shapes qkv,o,gate_up,down] [--json OUT]
 
 Per kernel and config: registers a thread and stack bytes (spills) from cuobjdump, the loop's
@@ -15,7 +16,8 @@ SASS instructions (one warp's pass), those over the weight bytes a thread takes 
 commonest opcodes.
 
 moe_gemv: moe_gemv_kernel at gpt-oss-20b's one-token shapes (MXFP4, gate_up gated with the
-clamped SwiGLU, down weighted), at the block_n given and the kernel's BLOCK_K. moe_gemm:
+clamped SwiGLU, down weighted), at the block_n given and the launch's warps and K columns a
+step (GEMV_WARPS, GEMV_MXFP4_BLOCK_K; --warps, --block-k). moe_gemm:
 moe_gemm_kernel's MXFP4 tiles at 8, 256 and 2048 tokens (gemm_configs'), whose weight tile is
 dequantized once per M tile: its bytes a clock then also feed the tensor cores. w4a16:
 w4a16_kernel at a dense model's decode shapes (benchmarks/gemm_shapes.py; --model, --shapes),
