@@ -8,6 +8,7 @@ sm_90 with the installed Triton (its ptxas; nvdisasm, which Triton's wheel ships
 longest loop in the SASS and prints its length, the instructions a weight byte and the opcode mix.
 
 python benchmarks/kernel_sass.py [--kernels moe_gemv,moe_gemm,w4a16] [--block-n 8,16,32]
+    [--warps 8] [--block-k 1024]
     [--model qwen2.5-3b] [--rows 1] [--act-order] [--shapes qkv,o,gate_up,down] [--json OUT]
 
 Per kernel and config: registers a thread and stack bytes (spills) from cuobjdump, the loop's
@@ -15,7 +16,8 @@ SASS instructions (one warp's pass), those over the weight bytes a thread takes 
 commonest opcodes.
 
 moe_gemv: moe_gemv_kernel at gpt-oss-20b's one-token shapes (MXFP4, gate_up gated with the
-clamped SwiGLU, down weighted), at the block_n given and the kernel's BLOCK_K. moe_gemm:
+clamped SwiGLU, down weighted), at the block_n given and the launch's warps and K columns a
+step (GEMV_WARPS, GEMV_MXFP4_BLOCK_K; --warps, --block-k). moe_gemm:
 moe_gemm_kernel's MXFP4 tiles at 8, 256 and 2048 tokens (gemm_configs'), whose weight tile is
 dequantized once per M tile: its bytes a clock then also feed the tensor cores. w4a16:
 w4a16_kernel at a dense model's decode shapes (benchmarks/gemm_shapes.py; --model, --shapes),
@@ -148,7 +150,8 @@ def moe_gemv_cases(args: argparse.Namespace) -> Iterator[Case]:
     types = {"a_ptr": "*bf16", "w_ptr": "*u8", "scale_ptr": "*u8", "bias_ptr": "*bf16"}
     types |= {"topk_w_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*bf16", "stride_we": "i64"}
     types |= {"alpha": "fp32", "limit": "fp32"}
-    warps, block_k = 4, mk.GEMV_BLOCK_K
+    warps = args.warps or mk.GEMV_WARPS
+    block_k = args.block_k or getattr(mk, "GEMV_MXFP4_BLOCK_K", mk.GEMV_BLOCK_K)
     for gated in (True, False):
         for block_n in _ints(args.block_n):
             constexprs = dict(
@@ -156,8 +159,12 @@ def moe_gemv_cases(args: argparse.Namespace) -> Iterator[Case]:
                 GATE_STRIDE=2 if gated else 1, MXFP4=True, ROW_SCALE=False, HAS_BIAS=True,
                 WEIGHTED=not gated, ATOMIC_K=0, BLOCK_N=block_n, BLOCK_K=block_k, A_PAIRS=True,
             )  # fmt: skip
+            if "ROWS" in inspect.signature(mk.moe_gemv_kernel.fn).parameters:
+                constexprs["ROWS"] = mk.gemv_rows(block_n, block_k, warps)
             per_thread = block_n * block_k / 2 * (2 if gated else 1) / (32 * warps)
-            label = f"moe_gemv gpt-oss {'gate_up' if gated else 'down'} N{block_n} K{block_k}"
+            label = (
+                f"moe_gemv gpt-oss {'gate_up' if gated else 'down'} N{block_n} K{block_k}/{warps}"
+            )
             yield Case(label, mk.moe_gemv_kernel, types, constexprs, warps, per_thread)
 
 
@@ -230,6 +237,8 @@ def _args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", default=",".join(KERNELS), help=", ".join(KERNELS))
     parser.add_argument("--block-n", default="8,16,32", help="moe_gemv's columns a program")
+    parser.add_argument("--block-k", type=int, help="moe_gemv's K columns a step (GEMV_BLOCK_K)")
+    parser.add_argument("--warps", type=int, help="moe_gemv's warps (GEMV_WARPS)")
     parser.add_argument("--model", choices=MODELS, default="qwen2.5-3b", help="w4a16's shapes")
     parser.add_argument("--rows", type=int, default=1, help="w4a16's rows of x")
     parser.add_argument("--act-order", action="store_true", help="w4a16 with the K permutation")

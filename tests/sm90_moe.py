@@ -109,6 +109,10 @@ def cases():
                             else gemv_cfg.block_k,
                             A_PAIRS=fmt == "mxfp4",  # bf16 rows, as fused_experts reads them
                         )
+                        if fmt == "mxfp4":  # a thread's columns, as fused_experts passes them
+                            gemv["ROWS"] = mk.gemv_rows(
+                                gemv_cfg.block_n, gemv_cfg.block_k, gemv_cfg.num_warps
+                            )
                         types = gemm_types(fmt, True) | {"ids_ptr": "*i64"}
                         warps = gemv_cfg.num_warps
                         yield f"{label} gemv", mk.moe_gemv_kernel, types, gemv, warps, 1

@@ -523,6 +523,54 @@ def test_gemv_split_k_down_matches_the_reference(name, fmt, split, atomic_sum, m
             fused_experts(x, weights, ids, w, spec, gemv=gemv, configs=bad)
 
 
+def test_mxfp4_word_bits_in_torch():
+    """moe_gemv_kernel's MXFP4 words (_mxfp4_word_dot) done in torch with the kernel's
+    constants: every code at each of a word's 8 places, among random neighbours, becomes the
+    float32 2 ** -126 times its value (the code 0.5 a subnormal), bit for bit."""
+    g = gen(62)
+    codes = torch.arange(16, dtype=torch.int64).repeat_interleave(64)
+    words = torch.randint(-(2**31), 2**31, (codes.numel(),), generator=g, dtype=torch.int64)
+    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
+    want = torch.where(codes >= 8, -e2m1[codes % 8], e2m1[codes % 8]) * 2.0**-126
+    m = -2118123520  # 0x81C00000
+    for j in range(8):
+        w = (words & ~(15 << (4 * j))) | (codes << (4 * j))
+        w = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+        u = w << 6
+        d = u ^ ((u ^ w) & 0x00770077)
+        e = u ^ ((u ^ w) & 0x00007700)
+        src = (d << 22, d << 18, e << 14, e << 10, d << 6, d << 2, (w << 4) >> 6, w >> 6)[j]
+        got = (src & m).view(torch.float32).double()
+        assert torch.equal(got, want), j
+
+
+@interpreted
+@pytest.mark.parametrize(("block_n", "warps", "rows"), [(32, 1, 2), (64, 1, 4)])
+def test_gemv_mxfp4_columns_per_thread(block_n, warps, rows, monkeypatch):
+    """moe_gemv_kernel's MXFP4 tiles with ROWS columns a thread (gemv_rows: more columns of
+    groups than threads) against the float64 reference, bf16 pairs and float16 rows, the
+    columns past n_out masked (gpt-oss's 96 in tiles of 64)."""
+    spec = SPECS["gpt-oss"]
+    assert moe_kernels.gemv_rows(block_n, 64, warps) == rows
+    seen = []
+    real = moe_kernels.moe_gemv_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw["ROWS"])
+                return real[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(moe_kernels, "moe_gemv_kernel", Recorded())
+    cfg = GemmConfig(16, block_n, 64, warps)
+    for dtype, seed in ((torch.bfloat16, 63), (torch.float16, 65)):
+        experts = mxfp4_experts(spec, dtype, seed)
+        check_experts(experts, "mxfp4", spec, dtype, 2, 2, seed + 1, gemv=True, configs=(cfg, cfg))
+    assert seen == [rows] * 4
+
+
 def test_mxfp4_bf16_bits_in_torch():
     """The grouped GEMM's GPU dequantization (_mxfp4_rows_bf16 with BF16_BITS, PTX the
     interpreter cannot run) done in torch with the kernel's constants: a byte times 4097,

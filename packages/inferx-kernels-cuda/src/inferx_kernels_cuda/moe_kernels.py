@@ -317,6 +317,9 @@ GEMV_MAX_TOKENS = 4
 GEMV_BLOCK_N = 16
 GEMV_BLOCK_K = 256
 GEMV_WARPS = 8
+# MXFP4's K columns a step: a thread takes whole 32-weight groups, so GEMV_BLOCK_N columns of
+# GEMV_MXFP4_BLOCK_K / 32 groups must cover the GEMV_WARPS warps' threads (gemv_rows)
+GEMV_MXFP4_BLOCK_K = 1024
 # Runs of K the down projection's GEMV splits into (GemmConfig.split_k; more programs, more
 # loads in flight); 1 until benchmarks/moe_layer.py --sweep times the split at decode sizes.
 GEMV_DOWN_SPLIT_K = 1
@@ -756,15 +759,50 @@ def moe_gemm_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+# e2m1 codes in float32's sign (bit 31) and exponent and mantissa (bits 24..22) bits: 2 ** -126
+# times their values, the code 0.5 a subnormal
+_E2M1_BITS: tl.constexpr = tl.constexpr(-2118123520)  # 0x81C00000
+
+
 @triton.jit
-def _mxfp4_group_dots(blocks_ptrs, scale_ptrs, a_even, a_odd, mask, scale_mask):
-    """[rows, groups] dot products of MXFP4 weight groups with activations: the bytes at
-    blocks_ptrs [rows, groups, 16] (low nibble even) against a_even, a_odd [1, groups, 16]
-    (float32, times _A_UP), summed per group, then times the group's scale 2 ** (e8m0 - 127)
-    at scale_ptrs [rows, groups] and 2 ** _SCALE_UP: a multiply a group, not a weight."""
-    even, odd = _e2m1_raw(tl.load(blocks_ptrs, mask=mask, other=0))
+def _mxfp4_word_dot(w, a0, a1, a2, a3, a4, a5, a6, a7):
+    """Sums over int32 words w of 8 e2m1 codes each (code j at bits 4j..4j+3) of code j times
+    aj, the codes 2 ** -126 times their values. A code's sign is 3 bits above its lowest
+    magnitude bit and must go 9 above (bits 31 and 22..24): d and e hold codes 0, 1, 4, 5
+    and 2, 3 that way (magnitudes from w, signs from w << 6), and a shift and a mask a code
+    place it; codes 7 and 6 come from an arithmetic shift of w and w << 4."""
+    u = w << 6
+    d = u ^ ((u ^ w) & 0x00770077)  # w's bits where the mask has ones, else u's: one LOP3
+    e = u ^ ((u ^ w) & 0x00007700)
+    s = ((d << 22) & _E2M1_BITS).to(tl.float32, bitcast=True) * a0
+    s += ((d << 18) & _E2M1_BITS).to(tl.float32, bitcast=True) * a1
+    s += ((e << 14) & _E2M1_BITS).to(tl.float32, bitcast=True) * a2
+    s += ((e << 10) & _E2M1_BITS).to(tl.float32, bitcast=True) * a3
+    s += ((d << 6) & _E2M1_BITS).to(tl.float32, bitcast=True) * a4
+    s += ((d << 2) & _E2M1_BITS).to(tl.float32, bitcast=True) * a5
+    s += (((w << 4) >> 6) & _E2M1_BITS).to(tl.float32, bitcast=True) * a6
+    s += ((w >> 6) & _E2M1_BITS).to(tl.float32, bitcast=True) * a7
+    return s
+
+
+@triton.jit
+def _quarters(x, GROUPS: tl.constexpr):
+    """x [GROUPS, 16] as 4 tensors [1, GROUPS, 1, 4]: x[:, 4 * i + q] at [0, :, 0, i], q = 0..3."""
+    lo, hi = tl.split(tl.reshape(x, (GROUPS, 4, 2, 2)))
+    q0, q2 = tl.split(lo)
+    q1, q3 = tl.split(hi)
+    return q0[None, :, None, :], q1[None, :, None, :], q2[None, :, None, :], q3[None, :, None, :]
+
+
+@triton.jit
+def _mxfp4_group_dots(words_ptrs, scale_ptrs, a0, a1, a2, a3, a4, a5, a6, a7, mask, scale_mask):
+    """[sub, groups, rows] dot products of MXFP4 weight groups with activations: the int32
+    words at words_ptrs [sub, groups, rows, 4] (a group's 16 bytes) against aj [1, groups, 1,
+    4] (float32, times _A_UP: code j of each word's), summed per group, then times the
+    group's scale 2 ** (e8m0 - 127) at scale_ptrs [sub, groups, rows] and 2 ** _SCALE_UP."""
+    w = tl.load(words_ptrs, mask=mask, other=0)
     scale = _e8m0_up(tl.load(scale_ptrs, mask=scale_mask, other=0))
-    return tl.sum(even * a_even + odd * a_odd, axis=2) * scale
+    return tl.sum(_mxfp4_word_dot(w, a0, a1, a2, a3, a4, a5, a6, a7), axis=3) * scale
 
 
 @triton.jit
@@ -806,15 +844,18 @@ def moe_gemv_kernel(
     HAS_ZEROS: tl.constexpr = False,
     HAS_PERM: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1,
+    ROWS: tl.constexpr = 1,
 ):
     """moe_gemm_kernel's product for one pair (program axis 0) and BLOCK_N output columns (axis
     1) on the CUDA cores: weight tiles [BLOCK_N, BLOCK_K] in their stored layout (K along the
     fast axis), times the pair's input row, partial sums kept per column and lane and reduced
     once at the end. No tl.dot, so no 16-row padding of one row and no conversion of the
-    dequantized tile to an MMA operand layout. MXFP4: codes made float32 by their bits alone,
-    summed per 32-weight group and scaled once a group (_mxfp4_group_dots); A_PAIRS reads a
-    bf16 row's activations two at a time as int32 (an even row stride, 4-byte aligned). Same
-    arguments and epilogue as moe_gemm_kernel; FP8 only with per-row scales. W4: moe_gemm_kernel's
+    dequantized tile to an MMA operand layout. MXFP4: rows read as int32 words of 8 codes, a
+    thread's 16-byte groups of ROWS columns (gemv_rows) sharing its activations, codes made
+    float32 by their bits alone (_mxfp4_word_dot), summed per 32-weight group and scaled
+    once a group (_mxfp4_group_dots); A_PAIRS reads a bf16 row's activations two at a time
+    as int32 (an even row stride, 4-byte aligned). Same arguments and epilogue as
+    moe_gemm_kernel; FP8 only with per-row scales. W4: moe_gemm_kernel's
     "w4a16" tiles [BLOCK_K, BLOCK_N] (its layout: outputs the unit-stride axis), times the
     pair's activations (gathered by perm with HAS_PERM), summed per K row and lane, the
     partial sums transposed once after the loop. SPLIT_K (no activation): program axis 2 takes
@@ -840,40 +881,52 @@ def moe_gemv_kernel(
     w_base = w_ptr + expert * stride_we
     s_base = scale_ptr + expert * stride_se
     if MXFP4:
-        # [BLOCK_N, GROUPS, 16] tiles: a 16-byte group and its one scale share axes 0 and 1
+        # [SUB, GROUPS, ROWS, 4] tiles of int32 words, column sub * ROWS + r at [sub, :, r]: a
+        # group's 16 bytes and its one scale share axes 0 to 2, and a thread's ROWS columns
+        # (the layout's last axis) share its activations
         GROUPS: tl.constexpr = BLOCK_K // 32
-        kg = tl.arange(0, GROUPS)
-        kb = tl.arange(0, 16)
-        acc2 = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
-        up2 = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
-        rows_g3 = rows_g[:, None, None]
-        rows_u3 = rows_u[:, None, None]
-        col_ok3 = col_ok[:, None, None]
+        SUB: tl.constexpr = BLOCK_N // ROWS
+        kg = tl.arange(0, GROUPS)[None, :, None]
+        kw = tl.arange(0, 4)
+        kq = tl.arange(0, 16)
+        cols3 = tl.reshape(cols, (SUB, ROWS))[:, None, :]
+        ok3 = cols3 < n_out
+        rows_g3 = (cols3 * GATE_STRIDE).to(tl.int64)
+        rows_u3 = rows_g3 + up_offset
+        acc3 = tl.zeros([SUB, GROUPS, ROWS], dtype=tl.float32)
+        up3 = tl.zeros([SUB, GROUPS, ROWS], dtype=tl.float32)
+        words_g = (w_base + rows_g3 * stride_wn).to(tl.pointer_type(tl.int32))[:, :, :, None]
+        words_u = (w_base + rows_u3 * stride_wn).to(tl.pointer_type(tl.int32))[:, :, :, None]
+        scales_g = s_base + rows_g3 * stride_sn
+        scales_u = s_base + rows_u3 * stride_sn
         a_pairs = a_row.to(tl.pointer_type(tl.int32))
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            group = k0 // 32 + kg
-            byte = group[:, None] * 16 + kb[None, :]
-            k_ok = byte < k_in // 2
-            if A_PAIRS:  # a byte's two bf16 activations as one int32, their bits made float32's
-                both = tl.load(a_pairs + byte, mask=k_ok, other=0)
-                a_even = ((both << 16) + _A_UP_BITS).to(tl.float32, bitcast=True)
-                a_odd = ((both + _A_UP_BITS) & -65536).to(tl.float32, bitcast=True)
+            group = k0 // 32 + kg  # [1, GROUPS, 1]
+            g_ok = group < k_in // 32
+            word = (group * 4)[:, :, :, None] + kw[None, None, None, :]
+            m = (ok3 & g_ok)[:, :, :, None]
+            sm = ok3 & g_ok
+            g1 = k0 // 32 + tl.arange(0, GROUPS)
+            g1_ok = (g1 < k_in // 32)[:, None]
+            if A_PAIRS:  # a group's 32 bf16 activations as 16 int32, their bits made float32's
+                p = tl.load(a_pairs + g1[:, None] * 16 + kq[None, :], mask=g1_ok, other=0)
+                ev = ((p << 16) + _A_UP_BITS).to(tl.float32, bitcast=True)
+                od = ((p + _A_UP_BITS) & -65536).to(tl.float32, bitcast=True)
             else:
-                a_even = tl.load(a_row + 2 * byte, mask=k_ok, other=0.0).to(tl.float32) * _A_UP
-                a_odd = tl.load(a_row + 2 * byte + 1, mask=k_ok, other=0.0).to(tl.float32) * _A_UP
-            m = col_ok3 & k_ok[None, :, :]
-            sm = col_ok[:, None] & (group < k_in // 32)[None, :]
-            acc2 += _mxfp4_group_dots(
-                w_base + rows_g3 * stride_wn + byte[None, :, :],
-                s_base + rows_g[:, None] * stride_sn + group[None, :],
-                a_even[None, :, :], a_odd[None, :, :], m, sm,
-            )  # fmt: skip
+                a_k = a_row + g1[:, None] * 32 + 2 * kq[None, :]
+                ev = tl.load(a_k, mask=g1_ok, other=0.0).to(tl.float32) * _A_UP
+                od = tl.load(a_k + 1, mask=g1_ok, other=0.0).to(tl.float32) * _A_UP
+            a0, a2, a4, a6 = _quarters(ev, GROUPS)
+            a1, a3, a5, a7 = _quarters(od, GROUPS)
+            acc3 += _mxfp4_group_dots(
+                words_g + word, scales_g + group, a0, a1, a2, a3, a4, a5, a6, a7, m, sm
+            )
             if gated:
-                up2 += _mxfp4_group_dots(
-                    w_base + rows_u3 * stride_wn + byte[None, :, :],
-                    s_base + rows_u[:, None] * stride_sn + group[None, :],
-                    a_even[None, :, :], a_odd[None, :, :], m, sm,
-                )  # fmt: skip
+                up3 += _mxfp4_group_dots(
+                    words_u + word, scales_u + group, a0, a1, a2, a3, a4, a5, a6, a7, m, sm
+                )
+        acc2 = tl.reshape(tl.sum(acc3, axis=1), (BLOCK_N, 1))
+        up2 = tl.reshape(tl.sum(up3, axis=1), (BLOCK_N, 1))
     elif W4:
         kr = tl.arange(0, BLOCK_K)
         w4_cols = (cols % n_out) * GATE_STRIDE  # past n_out: a real column, never stored
@@ -992,6 +1045,12 @@ def _decode_block_n(tiles: int, n_out: int, num_sms: int) -> int:
     return 16
 
 
+def gemv_rows(block_n: int, block_k: int, warps: int) -> int:
+    """moe_gemv_kernel's ROWS for MXFP4: the columns a thread takes a step (sharing its
+    activations), when BLOCK_N columns of 32-weight groups outnumber the threads."""
+    return max(1, min(block_n, block_n * (block_k // 32) // (32 * warps)))
+
+
 def gemm_configs(
     num_pairs: int,
     num_experts: int,
@@ -1015,9 +1074,10 @@ def gemm_configs(
         small = GemmConfig(16, 32, 32 if mxfp4 else 16, 4, 1)
         return small, small
     if gemv:
+        block_k = GEMV_MXFP4_BLOCK_K if mxfp4 else GEMV_BLOCK_K
         return (
-            GemmConfig(16, GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS),
-            GemmConfig(16, GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS, split_k=GEMV_DOWN_SPLIT_K),
+            GemmConfig(16, GEMV_BLOCK_N, block_k, GEMV_WARPS),
+            GemmConfig(16, GEMV_BLOCK_N, block_k, GEMV_WARPS, split_k=GEMV_DOWN_SPLIT_K),
         )
     if num_pairs <= 16 * num_experts:
         tiles = min(num_pairs, num_experts)  # tiles holding pairs, about
@@ -1038,6 +1098,11 @@ def gemm_configs(
 def _bf16_pairs(a: torch.Tensor) -> bool:
     """Whether moe_gemv_kernel may read a's rows as int32 pairs of bf16."""
     return a.dtype == torch.bfloat16 and a.stride(0) % 2 == 0 and a.data_ptr() % 4 == 0
+
+
+def _words_aligned(w: ExpertWeights) -> bool:
+    """Whether moe_gemv_kernel may read MXFP4 blocks as int32 words (4-byte aligned rows)."""
+    return all(t.data_ptr() % 4 == 0 and t.stride(1) % 4 == 0 for t in (w.gate_up, w.down))
 
 
 def check_weights(w: ExpertWeights, spec: ExpertsSpec, x: torch.Tensor) -> None:
@@ -1151,8 +1216,11 @@ def fused_experts(
     bk = w.scale_block_k if w.format == "fp8" else 0
     if gemv is None:
         gemv = t <= GEMV_MAX_TOKENS and w.format in ("mxfp4", "w4a16")
+        gemv = gemv and not (mxfp4 and not _words_aligned(w))
     elif gemv and bk:
         raise ValueError(f"{spec.prefix}: the MoE GEMV takes no K-blocked fp8 scales")
+    elif gemv and mxfp4 and not _words_aligned(w):
+        raise ValueError(f"{spec.prefix}: the MoE GEMV reads MXFP4 rows as 4-byte words")
     if configs is None:
         sms = 132 if _interpreting() else _num_sms(x.device)
         configs = gemm_configs(num_pairs, e, n, hidden, w.format, sms, gemv)
@@ -1236,7 +1304,8 @@ def fused_experts(
                 a, weights, scale_t, bias_t, topk_weights, sorted_ids, dest, n_out, k_in,
                 up_offset, *strides, float(spec.alpha), float(spec.limit), *w4_args, **shared,
                 BLOCK_K=block_k, A_PAIRS=mxfp4 and _bf16_pairs(a), **w4_flags,
-                SPLIT_K=runs, num_warps=cfg.num_warps,
+                SPLIT_K=runs, ROWS=gemv_rows(cfg.block_n, block_k, cfg.num_warps) if mxfp4 else 1,
+                num_warps=cfg.num_warps,
             )  # fmt: skip
             continue
         grid = (tiles * triton.cdiv(n_out, cfg.block_n),)
