@@ -4,7 +4,6 @@ timed by torch.profiler and printed per decode step, largest first.
 
 python benchmarks/decode_profile.py --model gpt-oss-20b --tokenizer DIR [--steps 128]
     [--prompt-len 128] [--top 28] [--set KEY=VALUE ...] [--shared-experts-apart]
-    [--ops ATTR=0|1 ...]
 
 DIR holds the preset's tokenizer (../shared/fixtures/tokenizers/{qwen,llama3,gpt-oss}); for
 DeepSeek-V2 pass Llama 3's, which is cut down to its vocabulary as gpu_table.py does. Kernels
@@ -12,8 +11,7 @@ launched with programmatic dependent launch (inferx_kernels_cuda.pdl) start befo
 ahead of them ends and wait inside: their times include that wait, so the rows overlap and
 their sum exceeds the step. --shared-experts-apart builds MoE shared experts (DeepSeek-V2's)
 as a separate MLP instead of the triton ops' default expert slots (TritonOps.
-fuse_shared_experts), for their A/B. --ops sets a TritonOps switch of the engine's ops, e.g.
-fp8_weight_only_decode=0 (an FP8 model's decode W8A8, for its A/B). GPU only.
+fuse_shared_experts), for their A/B. GPU only.
 """
 
 from __future__ import annotations
@@ -42,23 +40,6 @@ def tokenizer_for(preset: str, tokenizer: str, scratch: str) -> str:
     return str(derive.write(tokenizer, f"{scratch}/{preset}", int(config["vocab_size"])))
 
 
-def set_ops(switches: dict[str, str]) -> None:
-    """TritonOps built from now on (the engine below, in this process) with these boolean
-    attributes set."""
-    from inferx_kernels_cuda.ops import TritonOps
-
-    init = TritonOps.__init__
-
-    def patched(self: TritonOps) -> None:
-        init(self)
-        for name, value in switches.items():
-            if not hasattr(self, name):
-                raise SystemExit(f"--ops: TritonOps has no {name!r}")
-            setattr(self, name, value not in ("0", "false", "False"))
-
-    TritonOps.__init__ = patched  # type: ignore[method-assign]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", required=True, help="a preset, e.g. gpt-oss-20b")
@@ -72,7 +53,6 @@ def main() -> None:
         action="store_true",
         help="MoE shared experts as their own MLP, not slots of the routed experts",
     )
-    ap.add_argument("--ops", action="append", default=[], metavar="ATTR=0|1")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_profile.py times CUDA kernels: it needs a GPU")
@@ -80,8 +60,6 @@ def main() -> None:
         from inferx_kernels_cuda.ops import TritonOps
 
         TritonOps.fuse_shared_experts = False  # the engine below builds its ops in this process
-    if args.ops:
-        set_ops(dict(kv.split("=", 1) for kv in args.ops))
     with tempfile.TemporaryDirectory() as scratch:
         overrides = {
             "model.preset": args.model,

@@ -22,15 +22,12 @@ leaves them).
 
 --model-ab builds the configured model twice, fusion on then off, and runs inferx-bench
 latency's measurements on each (bench_offline.run_latency: batch-1 decode ms/token, TTFT at
---ttft-lens): the end-to-end effect, CUDA graphs and all. --ab-attr names the TritonOps switch
-it turns (fuse_act_quant by default; fp8_weight_only_decode: weight-only FP8 at decode rows).
+--ttft-lens): the end-to-end effect, CUDA graphs and all.
 
     python benchmarks/fp8_gemm.py             # on a GPU
     python benchmarks/fp8_gemm.py --act       # fused vs unfused activation quantization
     python benchmarks/fp8_gemm.py --model-ab --config examples/qwen2.5-3b-dummy-gpu.toml \
         --quantization-scheme fp8 --kv-cache-memory 0.4   # an FP8 model, fused vs unfused
-    python benchmarks/fp8_gemm.py --model-ab --ab-attr fp8_weight_only_decode --config \
-        examples/qwen2.5-3b-dummy-gpu.toml --quantization-scheme fp8 --kv-cache-memory 0.4
     TRITON_INTERPRET=1 python benchmarks/fp8_gemm.py --smoke [--act]   # tiny, on the CPU
 """
 
@@ -123,8 +120,7 @@ def act_table(smoke: bool) -> None:
 
 
 def model_ab(args: argparse.Namespace) -> None:
-    """--model-ab: the configured model's batch-1 decode and TTFT, TritonOps.<ab_attr> on and
-    off."""
+    """--model-ab: the configured model's batch-1 decode and TTFT, fusion on and off."""
     import gc
 
     from inferx_core import bench_offline
@@ -139,8 +135,7 @@ def model_ab(args: argparse.Namespace) -> None:
 
             def set_fusion(self: TritonOps, on: bool = fused) -> None:
                 init(self)
-                assert hasattr(self, args.ab_attr), args.ab_attr
-                setattr(self, args.ab_attr, on)
+                self.fuse_act_quant = on
 
             TritonOps.__init__ = set_fusion  # type: ignore[method-assign]
             llm = LLM(config_from_args(args))
@@ -152,7 +147,7 @@ def model_ab(args: argparse.Namespace) -> None:
     finally:
         TritonOps.__init__ = init  # type: ignore[method-assign]
     print(f"device: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
-    print(f"| figure | {args.ab_attr} on | off |")
+    print("| figure | fused | unfused |")
     print("|---|---|---|")
     for key, value in results["fused"].items():
         print(f"| {key} | {value:.3f} | {results['unfused'][key]:.3f} |")
@@ -164,7 +159,6 @@ def main() -> None:
     ap.add_argument("--tbps", type=float, default=3.35, help="memory bandwidth for the floor")
     ap.add_argument("--act", action="store_true", help="fused vs unfused activation quantization")
     ap.add_argument("--model-ab", action="store_true", help="a model's latency, fused vs unfused")
-    ap.add_argument("--ab-attr", default="fuse_act_quant", help="the switch --model-ab turns")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--ttft-lens", type=int, nargs="*", default=[2048])

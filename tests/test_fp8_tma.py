@@ -2,9 +2,7 @@
 exact dequantized operands in float64: e4m3 activations quantized as the reference quantizes
 them (per token, per tensor, static) or half-precision x (weight-only), per-channel and
 per-tensor weight scales, bias, K-slice parts, the gated SiLU form; what TMA cannot read is
-refused and auto falls back. The fused decode kernels' weight-only FP8 variants too (w_scale:
-the norm inside QKV / gate_up, tma_norm_linear; the attention's split combine inside o_proj,
-tma_reduce_linear). On the CPU under the interpreter (tensor descriptors run there,
+refused and auto falls back. On the CPU under the interpreter (tensor descriptors run there,
 zero fill past the edges included); on a GPU at the 3B shapes in bf16; compiled for sm_90."""
 
 from __future__ import annotations
@@ -22,23 +20,16 @@ import torch.nn.functional as F
 pytest.importorskip("triton", reason="the triton package is not installed")
 
 from conftest import interpreted, on_gpu  # noqa: E402
-from test_tma_gemv import decode_splits, norm_inputs, norm_then_product  # noqa: E402
-from test_tma_gemv import reduced_reference as combined  # noqa: E402
 
 from inferx_core.quant_utils import quantize_fp8  # noqa: E402
 from inferx_kernels_cuda import fp8_gemm as kern  # noqa: E402
 from inferx_kernels_cuda.tma_gemv import (  # noqa: E402
     FP8,
     TmaGemvConfig,
-    TmaNormConfig,
     fp8_input_problem,
     fp8_parts,
-    norm_config,
     plain_config,
-    reduce_config,
     tma_fp8_linear_parts,
-    tma_norm_linear,
-    tma_reduce_linear,
 )
 from inferx_quant.fp8 import Fp8Format, quantize_activations, quantize_weight_rows  # noqa: E402
 
@@ -210,82 +201,6 @@ def test_parts_split_the_narrow_3b_projections_in_four() -> None:
     assert fp8_parts(256, 256, 1, 132) == 1
 
 
-# --- weight-only FP8 inside the fused decode kernels (w_scale) ---------------------------------
-
-
-def dequantized(w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
-    """The exact weight an e4m3 tensor and its row scales stand for, in float64."""
-    return w.double() * ws.double()[:, None]
-
-
-@interpreted
-@pytest.mark.parametrize(
-    ("s_in", "m", "k", "n", "parts", "gated"),
-    [(4, 1, 128, 96, 4, False), (3, 5, 112, 70, 2, False), (1, 3, 96, 80, 1, True),
-     (4, 17, 144, 64, 1, True)],
-)  # fmt: skip
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float16, 2**-11), (torch.float32, 2e-6)])
-@pytest.mark.parametrize("per_tensor", [False, True])
-def test_norm_linear_weight_only_fp8(s_in, m, k, n, parts, gated, dtype, tol, per_tensor) -> None:
-    """The norm inside the GEMM with an e4m3 weight cast in registers and its row scales on the
-    products (gate and up rows each their own, before SiLU-and-mul): against the unfused norm
-    (TorchOps) and the float64 product with the exact dequantized weight. Ragged K and N
-    against 32 x 32 tiles (e4m3 rows 16-byte aligned), rows past 16, K-slice parts; the new
-    residual to the bit. fp16: the bf16 path's tolerance ((parts + 3) fp16 ulps); fp32
-    against float64."""
-    x, res, nw, _ = norm_inputs(s_in, m, k, 1, dtype, "cpu", seed=k + m)
-    w, ws = weights(2 * n if gated else n, k, seed=n + m, per_tensor=per_tensor)
-    cfg = TmaNormConfig(32, 32, 4, 2, select_own=gated)
-    out, summed = tma_norm_linear(x, res, nw, 1e-6, w, parts, gated, cfg, w_scale=ws)
-    ref, ref_summed = norm_then_product(x, res, nw, dequantized(w, ws), gated)
-    assert torch.equal(summed, ref_summed)
-    assert out.shape == ((m, n) if gated else (parts, m, n)) and out.dtype == dtype
-    assert rel_err(out if gated else out.sum(0), ref) < (parts + 3) * tol
-    # the scales matter: the same e4m3 values with every row scale doubled double the output
-    twice, _ = tma_norm_linear(x, res, nw, 1e-6, w, parts, gated, cfg, w_scale=2 * ws)
-    if not gated:
-        assert rel_err(twice.sum(0), 2 * ref) < (parts + 3) * tol
-
-
-@interpreted
-@pytest.mark.parametrize("m", [1, 3, 8])
-@pytest.mark.parametrize("seq_split", [True, False])
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float16, 2**-8), (torch.float32, 1e-5)])
-@pytest.mark.parametrize("block_k", [32, 64])
-def test_reduce_linear_weight_only_fp8(m, seq_split, dtype, tol, block_k) -> None:
-    """The split combine inside o_proj with an e4m3 weight: a K step a head (block_k 32) or
-    the whole slice's tile before the wait (64), the combined rows rounded to out_dtype and
-    each output row times its scale, against the float64 combine (rounded alike) and product
-    with the exact dequantized weight; tolerances of the bf16 path's test."""
-    sp = decode_splits(m, 4, 32, 8, seq_split, "cpu", seed=m + 10 * seq_split)
-    w, ws = weights(40, 128, seed=m + block_k, per_tensor=False)
-    cfg = TmaGemvConfig(32, block_k, 4, 2)
-    out = tma_reduce_linear(sp, w, 2, cfg, split_chunk=2, w_scale=ws, out_dtype=dtype)
-    assert out.shape == (2, m, 40) and out.dtype == dtype
-    x = combined(sp).to(dtype)
-    assert rel_err(out.sum(0), x.double() @ dequantized(w, ws).T) < tol
-
-
-def test_fused_kernels_refuse_what_weight_only_fp8_cannot_take() -> None:
-    x, res, nw, _ = norm_inputs(2, 2, 64, 1, torch.float16, "cpu", seed=1)
-    w, ws = weights(40, 64, seed=2, per_tensor=False)
-    with pytest.raises(ValueError, match="must share float16"):
-        tma_norm_linear(x, res, nw, 1e-6, w)  # e4m3 without its scales
-    with pytest.raises(ValueError, match="scale per row"):
-        tma_norm_linear(x, res, nw, 1e-6, w, w_scale=torch.ones(1, 1))  # block scales
-    with pytest.raises(ValueError, match="must share a dtype"):
-        tma_norm_linear(x, res, nw.float(), 1e-6, w, w_scale=ws)
-    sp = decode_splits(2, 4, 16, 8, True, "cpu", seed=1)
-    with pytest.raises(ValueError, match="needs out_dtype"):
-        tma_reduce_linear(sp, w, 2, w_scale=ws)
-    with pytest.raises(ValueError, match="scale per row"):
-        tma_reduce_linear(sp, w, 2, w_scale=ws[:20], out_dtype=torch.float16)
-    # an e4m3 weight takes a head a K step (its whole slice cast in registers spills)
-    w3 = torch.empty(2048, 2048, dtype=FP8)
-    sp3 = decode_splits(1, 16, 128, 4, True, "cpu", 0)
-    assert reduce_config(sp3, w3, 4) == TmaGemvConfig(64, 128, 4, 3)
-
-
 # Shared memory a program may use on sm_90 (227 KB).
 SM90_MAX_SHARED_PER_PROGRAM = 232_448
 
@@ -319,40 +234,6 @@ def test_default_tiles_compile_for_sm90_without_spills() -> None:
         assert spilled == 0, (case, regs, spilled)
         assert wgmma == (["e4m3.e4m3"] if case[0] == "fp8e4nv" else ["bf16.bf16"]), case
         assert bulk, case
-
-
-def test_fused_weight_only_variants_compile_for_sm90_without_spills() -> None:
-    """The W_SCALED variants TritonOps runs at Qwen2.5-3B's decode shapes (hidden 2048,
-    intermediate 11008, 16 heads of 128 over 2 KV heads): the norm inside gate_up (gated, 1-8
-    rows) and inside QKV (4 K-slices, as tma_norm_qkv would), each after 4 parts of the GEMM
-    before, at norm_config's tiles; the split combine inside o_proj (4 slices of 4 heads, a
-    head a K step) at 1-8 rows with tma_reduce_linear's chunk. bf16 x bf16 wgmma on the cast
-    e4m3 tiles, TMA bulk copies, no spills, within an SM's shared memory."""
-    from inferx_kernels_cuda.tma_gemv import REDUCE_TILE
-
-    cases: list = []
-    for rows in (1, 4, 8):
-        for gated, parts in ((True, 1), (False, 4)):
-            cfg = norm_config(rows, parts, gated)
-            tiles = [cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.select_own]
-            cases.append(["norm", rows, tiles, gated, parts, 4])
-    o_proj = torch.empty(2048, 2048, dtype=FP8)
-    for rows in (1, 2, 4, 8):
-        cfg = reduce_config(decode_splits(rows, 16, 128, 4, True, "cpu", 0), o_proj, 4)
-        chunk = REDUCE_TILE // (rows * 4 * 128)
-        tiles = [cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages]
-        cases.append(["reduce", rows, tiles, 16, 128, 4, chunk])
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    script = Path(__file__).parent / "sm90_fp8_tma.py"
-    out = subprocess.run(
-        [sys.executable, str(script), json.dumps(cases)], env=env, capture_output=True, text=True
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout.splitlines()[-1])
-    for case, (shared, regs, spilled, wgmma, bulk) in zip(cases, got, strict=True):
-        assert 0 < shared <= SM90_MAX_SHARED_PER_PROGRAM, (case, shared)
-        assert spilled == 0, (case, regs, spilled)
-        assert wgmma == ["bf16.bf16"] and bulk, case
 
 
 @pytest.mark.gpu
@@ -406,43 +287,3 @@ def test_fp8_linear_layer_parts_on_the_gpu(name, m) -> None:
     assert bias is None and torch.equal(split, parts)
     assert rel_err(y.cpu(), ref) < 2**-6
     assert rel_err(parts.double().sum(0).cpu(), ref) < 2**-6
-
-
-@pytest.mark.gpu
-@on_gpu
-@pytest.mark.parametrize("m", [1, 3, 8])
-@pytest.mark.parametrize("gated", [False, True])
-def test_gpu_norm_linear_weight_only_fp8_3b_shapes(m, gated) -> None:
-    """The norm inside Qwen2.5-3B's gate_up (gated) and QKV (4 K-slices) with per-channel e4m3
-    weights, bf16, TritonOps' tiles (norm_config), against the unfused norm and the float64
-    product with the dequantized weight: the bf16 path's tolerance."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the TMA kernels run on Hopper or newer")
-    n, k = (22016, 2048) if gated else (2560, 2048)
-    parts = 1 if gated else 4
-    x, res, nw, _ = norm_inputs(4, m, k, 1, torch.bfloat16, "cuda", seed=m + n)
-    w, ws = (t.cuda() for t in weights(n, k, seed=m, per_tensor=False))
-    cfg = norm_config(m, parts, gated)
-    out, summed = tma_norm_linear(x, res, nw, 1e-6, w, parts, gated, cfg, w_scale=ws)
-    ref, ref_summed = norm_then_product(x, res, nw, dequantized(w, ws), gated)
-    torch.testing.assert_close(summed, ref_summed, rtol=2**-8, atol=0)
-    got = out if gated else out.float().sum(0)
-    assert rel_err(got.cpu(), ref.cpu()) < (parts + 3) * 2**-8
-
-
-@pytest.mark.gpu
-@on_gpu
-@pytest.mark.parametrize("m", [1, 4, 8])
-def test_gpu_reduce_linear_weight_only_fp8_3b_shapes(m) -> None:
-    """The split combine inside Qwen2.5-3B's o_proj (16 heads of 128, 4 K-slices, a head a K
-    step) with per-channel e4m3 weights, 64 splits, bf16 out, against the float64 combine
-    (rounded to bf16) and product with the dequantized weight."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the TMA kernels run on Hopper or newer")
-    sp = decode_splits(m, 16, 128, 64, True, "cuda", seed=m)
-    w, ws = (t.cuda() for t in weights(2048, 2048, seed=m + 1, per_tensor=False))
-    out = tma_reduce_linear(sp, w, 4, w_scale=ws, out_dtype=torch.bfloat16)
-    assert out.shape == (4, m, 2048) and out.dtype == torch.bfloat16
-    x = combined(sp).to(torch.bfloat16).double()
-    ref = x @ dequantized(w, ws).cpu().T
-    assert rel_err(out.float().sum(0).cpu(), ref) < 6 * 2**-8

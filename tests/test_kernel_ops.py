@@ -313,17 +313,16 @@ def run_model(
     attention: Callable[..., AttentionBackend] = TorchAttention,
     steps: list[tuple[list[int], list[int], list[int]]] | None = None,
     tables: list[list[int]] | None = None,
-    quant: Any = None,
 ) -> list[torch.Tensor]:
     """Logits of three steps: a packed prefill of three prompts, a step mixing a decode of
     each with a new prompt (positions out of order across sequences), then a decode of all
     four. `attention` builds the backend from (layer specs, block size, dtype, device).
     `steps` ((query lens, context lens, sequences) each) and their block `tables` (4 tokens a
-    block, ids below 32) replace those; `quant`: the scheme (unquantized by default)."""
+    block, ids below 32) replace those."""
     arch = plugins().get("model_arch", cfg["architectures"][0])
     backend = attention(arch.kv_layout(cfg), 4, dtype, device)
     backend.allocate(32)
-    model = arch(cfg, BuildContext(dtype, device, backend, quant or Unquantized(), ops))
+    model = arch(cfg, BuildContext(dtype, device, backend, Unquantized(), ops))
     model.load_weights((n, t.to(device, dtype)) for n, t in weights.items())
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(3, cfg["vocab_size"], (128,), generator=g).tolist()
@@ -492,120 +491,6 @@ def test_tiny_model_logits_with_the_split_combine_in_o_proj(
     assert_steps_match_torch_ops(cfg, weights, ours, **LONG_STEPS)
 
 
-def fp8_scheme(activations: str) -> Any:
-    """Online FP8 (per-channel e4m3 weights, quantized at load) with these activations: "token"
-    (the online default, W8A8) or "none" (weight-only, as a W8A16 checkpoint)."""
-    from inferx_core.interfaces.quant import QuantConfig
-    from inferx_quant.fp8 import Fp8, Fp8Format, _Group
-
-    scheme = Fp8(QuantConfig())
-    scheme.groups = [_Group((), True, Fp8Format("channel", activations))]
-    return scheme
-
-
-def splitting_backend(*args: Any) -> TritonAttention:
-    """The triton backend taking QKV parts and keeping its context splits at 1-8 rows (the
-    decode steps of LONG_STEPS: two splits of 16 tokens at least)."""
-    backend = TritonAttention(*args, min_split_len=16, target_programs=1024)
-    backend.qkv_parts = True
-    backend.keep_split_rows = ((1, 8),)
-    return backend
-
-
-def kernel_launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The name of every Triton kernel the interpreter runs from now on, in order."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    names: list[str] = []
-    real = InterpretedFunction.__getitem__
-
-    def launch(self: Any, grid: Any) -> Any:  # kernel[grid](...): whatever its `run` is now
-        names.append(self.fn.__name__)
-        return real(self, grid)
-
-    monkeypatch.setattr(InterpretedFunction, "__getitem__", launch)
-    return names
-
-
-# A decode layer's kernels with weight-only FP8: the input norm, QKV (K-slice parts), the decode
-# attention (context splits kept), o_proj combining them, the norm inside gate_up with
-# SiLU-and-mul, down_proj (parts): the bf16 path's kernels, no quantization between them.
-FP8_DECODE_LAYER = [
-    "rms_norm_kernel", "tma_fp8_gemv_kernel", "decode_kernel", "tma_reduce_gemv_kernel",
-    "tma_norm_gemv_kernel", "tma_fp8_gemv_kernel",
-]  # fmt: skip
-
-
-def decode_step_layers(names: list[str], layers: int) -> list[list[str]]:
-    """A decode step's launches (from its embedding on) cut into its layers: the first norm
-    before each layer's QKV."""
-    step = names[names.index("embedding_kernel") + 1 :]
-    per = len(FP8_DECODE_LAYER)
-    return [step[i * per : (i + 1) * per] for i in range(layers)]
-
-
-@interpreted
-def test_tiny_fp8_decode_layers_run_weight_only_in_the_fused_kernels(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Qwen2 (4 query heads over 2 KV heads, q/k/v biases) with FP8 weights (per channel,
-    weight-only layout) on TritonOps and the triton backend, fp16: each layer of both 3-row
-    decode steps runs FP8_DECODE_LAYER (the norm inside gate_up at up to 4 rows), and every
-    step's logits equal the reference path's (TorchOps in fp32 on the same e4m3 weights times
-    their scales, no activation quantization) within 1e-2 of the largest (fp16's roundings
-    through 3 layers; 4e-3 seen). The 90-row prefill is past the TMA rows: the layers' own
-    forward."""
-    cfg = CONFIGS["qwen2-tied"] | {"num_attention_heads": 4, "num_key_value_heads": 2}
-    weights = model_weights(cfg, seed=19)
-    layers = cfg["num_hidden_layers"]
-    names = kernel_launches(monkeypatch)
-    ops = triton_ops_with(tma_norm_max_rows=4)
-    assert ops.fp8_weight_only_decode
-    ours = run_model(
-        cfg, ops, weights, torch.float16, CPU, splitting_backend, quant=fp8_scheme("none"),
-        **LONG_STEPS,
-    )  # fmt: skip
-    last = names[len(names) - names[::-1].index("embedding_kernel") - 1 :]
-    assert decode_step_layers(last, layers) == [FP8_DECODE_LAYER] * layers
-    assert (
-        names.count("tma_reduce_gemv_kernel") == names.count("tma_norm_gemv_kernel") == 2 * layers
-    )
-    # the reference quantizes the weights as the fp16 model loads them (rounded to fp16 first)
-    rounded = {name: t.half().float() for name, t in weights.items()}
-    ref = run_model(cfg, TorchOps(), rounded, torch.float32, CPU, quant=fp8_scheme("none"),
-                    **LONG_STEPS)  # fmt: skip
-    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
-        assert rel_err(a, b) < 1e-2, step
-
-
-@interpreted
-@pytest.mark.parametrize("weight_only", [True, False])
-def test_w8a8_fp8_decode_steps_leave_the_activations_unquantized(
-    weight_only: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """FP8 W8A8 layers (per-token activations: the online default) at decode rows: with
-    fp8_weight_only_decode the norms and SiLU-and-mul quantize nothing (input_quant_for) and
-    each layer runs FP8_DECODE_LAYER; off, the decode step quantizes the activations (the
-    fused norm and SiLU-and-mul quantization kernels) and takes none of the fused GEMMs."""
-    cfg = CONFIGS["qwen2-tied"] | {"num_attention_heads": 4, "num_key_value_heads": 2}
-    weights = model_weights(cfg, seed=23)
-    layers = cfg["num_hidden_layers"]
-    names = kernel_launches(monkeypatch)
-    ops = triton_ops_with(tma_norm_max_rows=4, fp8_weight_only_decode=weight_only)
-    run_model(
-        cfg, ops, weights, torch.float16, CPU, splitting_backend, quant=fp8_scheme("token"),
-        **LONG_STEPS,
-    )  # fmt: skip
-    last = names[len(names) - names[::-1].index("embedding_kernel") - 1 :]
-    quantizing = {"rms_norm_quant_kernel", "silu_and_mul_quant_kernel", "quant_rows_kernel"}
-    if weight_only:
-        assert decode_step_layers(last, layers) == [FP8_DECODE_LAYER] * layers
-        assert not quantizing & set(last)
-    else:
-        assert {"rms_norm_quant_kernel", "silu_and_mul_quant_kernel"} <= set(last)
-        assert not {"tma_norm_gemv_kernel", "tma_reduce_gemv_kernel"} & set(last)
-
-
 def count_skinny_linear(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     """The shapes of x that TritonOps hands skinny_linear from now on, one entry a call."""
     calls: list[tuple[int, ...]] = []
@@ -662,7 +547,7 @@ def test_triton_ops_defaults() -> None:
     assert ops.tma_gemv_max_rows == 64 and ops.tma_norm_max_rows is None
     assert ops.tma_parts == quant_none.SPLIT_PARTS
     assert ops.qkv_half_rows == ((2, 64),) and ops.down_double_rows == ((4, 16),)
-    assert ops.embed_triton and ops.fp8_weight_only_decode
+    assert ops.embed_triton
 
 
 @interpreted

@@ -13,12 +13,7 @@ import triton
 from inferx_core.interfaces.attention import SplitAttention
 from inferx_core.interfaces.moe import QuantExperts, RouterSpec
 from inferx_core.interfaces.ops import KernelOps, check_mla_rope_norm, check_parts
-from inferx_core.interfaces.quant import (
-    ActivationQuant,
-    QuantizedActivation,
-    QuantLinear,
-    RowScaledWeight,
-)
+from inferx_core.interfaces.quant import ActivationQuant, QuantizedActivation, QuantLinear
 from inferx_core.quant_none import SPLIT_PARTS
 from inferx_kernels_cuda import fp8_act
 from inferx_kernels_cuda import fused_kernels as kernels
@@ -33,12 +28,10 @@ from inferx_kernels_cuda.pdl import (
 )
 from inferx_kernels_cuda.tma_gemv import (
     TmaGemvConfig,
-    fp8_input_problem,
     norm_config,
     plain_config,
     reduce_config,
     reduce_input_problem,
-    tma_fp8_linear_parts,
     tma_linear_parts,
     tma_linear_silu_and_mul,
     tma_norm_linear,
@@ -182,14 +175,6 @@ class TritonOps(KernelOps):
         # the layer's own quantization kernel: one launch and one round trip of the
         # activations fewer. Off: the two launches (for A/B).
         self.fuse_act_quant = True
-        # fp8_weight_only_decode: an FP8 layer with a scale per weight row (QuantLinear.
-        # row_scaled_weight: per channel or per tensor) runs weight-only at the TMA GEMMs' rows
-        # (to tma_gemv_max_rows, on Hopper): the norm or SiLU-and-mul before it leaves its rows
-        # unquantized (input_quant_for) and the bf16 path's TMA kernels take the e4m3 weight,
-        # cast in registers (the norm inside gate_up, the split combine inside o_proj, the
-        # K-slice GEMVs): the same weight bytes, no quantization launches. Past those rows the
-        # layer's W8A8 path. Off: W8A8 at every size (A/B; docs/ARCHITECTURE.md, to time).
-        self.fp8_weight_only_decode = True
         # moe_atomic_sum: the MoE layer's top-k sum by float32 atomics inside the down GEMM
         # instead of the sum kernel (moe_kernels.fused_experts); off: the sum kernel's fixed
         # order gives the same bits on every run, atomics do not.
@@ -389,13 +374,9 @@ class TritonOps(KernelOps):
     ) -> torch.Tensor | QuantizedActivation:
         if quant is not None:
             return self.silu_and_mul_quant(linear(x), quant)
-        tma = self._tma_weight(linear, x) if self.tma_gated and linear.bias is None else None
-        if tma is not None:
-            weight, scale = tma
-            cfg = self._tma_config(x, weight.shape[0] // 2, 1, gated=True)
-            if scale is not None:
-                return tma_fp8_linear_parts(x, None, weight, scale, None, 1, cfg, gated=True)
-            return tma_linear_silu_and_mul(x, weight, cfg)
+        if self.tma_gated and linear.bias is None and self._takes_tma(linear, x):
+            cfg = self._tma_config(x, linear.dense_weight().shape[0] // 2, 1, gated=True)
+            return tma_linear_silu_and_mul(x, linear.dense_weight(), cfg)
         if (
             _dense(linear)
             and x.dim() == 2
@@ -426,55 +407,6 @@ class TritonOps(KernelOps):
     def _tma_device(self, x: torch.Tensor) -> bool:
         return self._interpret or (x.is_cuda and _has_tma(x.device))
 
-    def _row_scaled(
-        self,
-        linear: torch.nn.Module,
-        rows: int,
-        like: torch.Tensor,
-        dtype: torch.dtype | None = None,
-    ) -> RowScaledWeight | None:
-        """linear's e4m3 weight and row scales where it runs weight-only on `rows` rows
-        (fp8_weight_only_decode): the TMA GEMMs on, 1 to tma_gemv_max_rows rows on a TMA
-        device (`like`'s), activations in half precision (the layer's, and `dtype` where
-        given), weight rows of 16-byte multiples."""
-        if not (
-            self.fp8_weight_only_decode
-            and self.tma_gemv
-            and isinstance(linear, QuantLinear)
-            and 1 <= rows <= self.tma_gemv_max_rows
-            and self._tma_device(like)
-        ):
-            return None
-        scaled = linear.row_scaled_weight()
-        if (
-            scaled is None
-            or scaled.dtype not in (torch.float16, torch.bfloat16)
-            or scaled.dtype != (dtype or scaled.dtype)
-            or scaled.weight.shape[1] % 16
-        ):
-            return None
-        return scaled
-
-    def input_quant_for(self, linear: torch.nn.Module, x: torch.Tensor) -> ActivationQuant | None:
-        """None (plain rows) where the layer runs weight-only on x's rows (_row_scaled)."""
-        if x.dim() >= 2 and self._row_scaled(linear, x.shape[-2], x, x.dtype) is not None:
-            return None
-        return super().input_quant_for(linear, x)
-
-    def _tma_weight(
-        self, linear: torch.nn.Module, x: torch.Tensor | QuantizedActivation
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(weight, row scales) where the TMA GEMMs run this layer on x: an unquantized layer
-        (_takes_tma; scales None), or weight-only FP8 (_row_scaled) on rows TMA can read."""
-        if not isinstance(x, torch.Tensor):
-            return None
-        if self._takes_tma(linear, x):
-            return linear.dense_weight(), None
-        scaled = self._row_scaled(linear, x.shape[0], x, x.dtype) if x.dim() == 2 else None
-        if scaled is None or fp8_input_problem(x, None, scaled.weight, scaled.scale):
-            return None
-        return scaled.weight, scaled.scale
-
     def _tma(
         self,
         x: torch.Tensor,
@@ -482,12 +414,8 @@ class TritonOps(KernelOps):
         parts: int,
         trigger: bool = False,
         bias: torch.Tensor | None = None,
-        scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tma_linear_parts, or with the weight's row scales weight-only FP8."""
         cfg = self._tma_config(x, weight.shape[0], parts)
-        if scale is not None:
-            return tma_fp8_linear_parts(x, None, weight, scale, bias, parts, cfg, trigger=trigger)
         return tma_linear_parts(x, weight, parts, cfg, trigger, bias)
 
     def _tma_config(
@@ -506,27 +434,18 @@ class TritonOps(KernelOps):
             return self.tma_norm_max_rows
         return fused_norm_max_rows(k)
 
-    def _norm_weight(
-        self, linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(weight, row scales) where tma_norm_linear can run this norm and GEMM: x [S, rows <=
-        norm_max_rows(K), K] parts on a Hopper or newer GPU (or under the interpreter), an
-        unquantized layer (scales None) or weight-only FP8 (_row_scaled)."""
-        if not (
-            self._tma_device(x) and x.dim() == 3 and x.shape[1] <= self.norm_max_rows(x.shape[-1])
-        ):
-            return None
-        if _dense(linear):
-            weight = linear.dense_weight()
-            if x.dtype == weight.dtype and tma_input_problem(residual, weight) is None:
-                return weight, None
-            return None
-        scaled = self._row_scaled(linear, x.shape[1], x, x.dtype)
-        if scaled is None or tma_input_problem(
-            residual, scaled.weight, 1, "tma_norm_linear", scaled.scale
-        ):
-            return None
-        return scaled.weight, scaled.scale
+    def _fuses_norm(self, linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether tma_norm_linear can run this norm and GEMM: an unquantized layer, x
+        [S, rows <= norm_max_rows(K), K] parts on a Hopper or newer GPU (or under the
+        interpreter)."""
+        return (
+            _dense(linear)
+            and self._tma_device(x)
+            and x.dim() == 3
+            and x.shape[1] <= self.norm_max_rows(x.shape[-1])
+            and x.dtype == linear.dense_weight().dtype
+            and tma_input_problem(residual, linear.dense_weight()) is None
+        )
 
     def rms_norm_linear_split(
         self,
@@ -536,14 +455,12 @@ class TritonOps(KernelOps):
         residual: torch.Tensor,
         linear: torch.nn.Module,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        fused = self._norm_weight(linear, x, residual) if self.tma_norm_qkv else None
-        if fused is None:
+        if not (self.tma_norm_qkv and self._fuses_norm(linear, x, residual)):
             return super().rms_norm_linear_split(x, weight, eps, residual, linear)
         check_parts(x, residual)
         cfg = norm_config(x.shape[1], self.tma_parts, gated=False)
-        w, scale = fused
         out, residual = tma_norm_linear(
-            x, residual, weight, eps, w, self.tma_parts, False, cfg, scale
+            x, residual, weight, eps, linear.dense_weight(), self.tma_parts, False, cfg
         )
         return out, linear.bias, residual
 
@@ -556,15 +473,16 @@ class TritonOps(KernelOps):
         linear: torch.nn.Module,
         quant: ActivationQuant | None = None,
     ) -> tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
-        fused = None
-        if quant is None and self.tma_norm and linear.bias is None:
-            fused = self._norm_weight(linear, x, residual)
-        if fused is None:
+        if not (
+            quant is None
+            and self.tma_norm
+            and linear.bias is None
+            and self._fuses_norm(linear, x, residual)
+        ):
             return super().rms_norm_linear_silu_and_mul(x, weight, eps, residual, linear, quant)
         check_parts(x, residual)
         cfg = norm_config(x.shape[1], 1, gated=True)
-        w, scale = fused
-        return tma_norm_linear(x, residual, weight, eps, w, 1, True, cfg, scale)
+        return tma_norm_linear(x, residual, weight, eps, linear.dense_weight(), 1, True, cfg)
 
     def linear_parts(
         self, linear: torch.nn.Module, x: torch.Tensor | SplitAttention
@@ -572,23 +490,16 @@ class TritonOps(KernelOps):
         if isinstance(x, SplitAttention):
             if self._takes_reduce(linear, x):
                 return tma_reduce_linear(x, linear.dense_weight(), self.tma_parts)
-            scaled = self._reduce_fp8(linear, x)
-            if scaled is not None:
-                return tma_reduce_linear(
-                    x, scaled.weight, self.tma_parts, w_scale=scaled.scale, out_dtype=scaled.dtype
-                )
             x = x.reduce().flatten(1)
-        tma = self._tma_weight(linear, x)
-        if tma is not None:
-            weight, scale = tma
+        if self._takes_tma(linear, x):
             parts = self.tma_parts
-            n, k = weight.shape
+            n, k = linear.dense_weight().shape
             if k > n and self.down_double_rows:
                 parts = filled_slices(parts, n, x.shape[0], self._sms(x), self.down_double_rows)
             # where pdl.NORM_ROWS takes the rows, the norm after it launches early; a bias
             # (gpt-oss's o_proj) goes into part 0
             trigger = norm_early(x.device, x.shape[0])
-            return self._tma(x, weight, parts, trigger, linear.bias, scale)
+            return self._tma(x, linear.dense_weight(), parts, trigger, linear.bias)
         return linear.forward_parts(x)
 
     def _takes_reduce(self, linear: torch.nn.Module, splits: SplitAttention) -> bool:
@@ -608,34 +519,17 @@ class TritonOps(KernelOps):
             == splits.heads // self.tma_parts * splits.head_dim
         )
 
-    def _reduce_fp8(
-        self, linear: torch.nn.Module, splits: SplitAttention
-    ) -> RowScaledWeight | None:
-        """The row-scaled FP8 weight where tma_reduce_linear combines these splits inside this
-        layer's GEMM weight-only (_row_scaled; no bias): a head a K step (reduce_config), one
-        launch fewer than the combine and the GEMV apart."""
-        if linear.bias is not None:
-            return None
-        scaled = self._row_scaled(linear, splits.rows, splits.part_o)
-        if scaled is None or reduce_input_problem(
-            splits, scaled.weight, self.tma_parts, scaled.scale, scaled.dtype
-        ):
-            return None
-        return scaled
-
     def linear_split(
         self, linear: torch.nn.Module, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        tma = self._tma_weight(linear, x)
-        if tma is not None:
+        if self._takes_tma(linear, x):
             # The QKV GEMM of a decode-only step: where pdl.ATTENTION_ROWS takes the rows it
             # lets the decode kernel launch early (inferx_kernels_cuda.pdl).
             trigger = attention_early(x.device, x.shape[0])
             parts = self.tma_parts
             if in_ranges(x.shape[0], self.qkv_half_rows):
                 parts = max(1, parts // 2)
-            weight, scale = tma
-            return self._tma(x, weight, parts, trigger, None, scale), linear.bias
+            return self._tma(x, linear.dense_weight(), parts, trigger), linear.bias
         return linear.forward_split(x)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:

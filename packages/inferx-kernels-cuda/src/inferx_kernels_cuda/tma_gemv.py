@@ -41,7 +41,6 @@ SM_SHARED_BYTES = 228 * 1024
 # so that two programs and a decode program share an SM.
 WHOLE_BYTES = 64 * 1024
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-FP8 = torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -142,15 +141,10 @@ def tma_gemv_kernel(
 
 
 def input_problem(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    parts: int = 1,
-    name: str = "tma_linear_parts",
-    w_scale: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, parts: int = 1, name: str = "tma_linear_parts"
 ) -> str | None:
     """Why `name` (tma_linear_parts, or tma_norm_linear of x's rows) cannot take these inputs,
-    or None when it can. With w_scale (the norm and reduce kernels' weight-only FP8): weight
-    e4m3 with a float32 scale per row, x any of the three dtypes."""
+    or None when it can."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         return (
             f"{name}: x [M, K] and weight [N, K] must agree on K, got "
@@ -158,27 +152,12 @@ def input_problem(
         )
     if not 1 <= x.shape[0] <= MAX_ROWS or parts < 1:
         return f"{name}: takes 1 to {MAX_ROWS} rows and parts >= 1, got {x.shape[0]}, {parts}"
-    if w_scale is not None:
-        problem = _row_scale_problem(weight, w_scale, name)
-        if problem or x.dtype not in _DTYPES:
-            return problem or f"{name}: x must be float16, bfloat16 or float32, got {x.dtype}"
-    elif x.dtype not in _DTYPES or weight.dtype != x.dtype:
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
         return (
             f"{name}: x and weight must share float16, bfloat16 or float32, got "
             f"{x.dtype} and {weight.dtype}"
         )
     return _alignment_problem(x, weight, name)
-
-
-def _row_scale_problem(weight: torch.Tensor, w_scale: torch.Tensor, name: str) -> str | None:
-    if weight.dtype != FP8 or w_scale.dtype != torch.float32 or w_scale.shape != weight.shape[:1]:
-        return (
-            f"{name}: weight must be float8_e4m3fn with a float32 scale per row [N], got "
-            f"{weight.dtype} and {w_scale.dtype} {tuple(w_scale.shape)}"
-        )
-    if w_scale.stride(0) != 1:
-        return f"{name}: the weight scales must be contiguous"
-    return None
 
 
 def _alignment_problem(x: torch.Tensor, weight: torch.Tensor, name: str) -> str | None:
@@ -269,8 +248,9 @@ def _launch(
 # one for the tensor), so the dot runs e4m3 x e4m3 on the tensor cores, or half precision
 # (weight-only), the weight tile cast to it in registers. The accumulator is fp32 and takes both
 # scales once after the K loop; the bias goes into part 0. Block-scaled weights (a scale per
-# 128 x 128 block) stay on fp8_gemm's pointer kernel. The fused kernels below (the norm in
-# front, the split combine in front) take such weights weight-only too (W_SCALED, w_scale=).
+# 128 x 128 block) stay on fp8_gemm's pointer kernel.
+
+FP8 = torch.float8_e4m3fn
 
 
 @triton.jit(do_not_specialize=["m"])
@@ -356,9 +336,11 @@ def fp8_input_problem(
         )
     if not 1 <= x.shape[0] <= MAX_ROWS or parts < 1:
         return f"{name}: takes 1 to {MAX_ROWS} rows and parts >= 1, got {x.shape[0]}, {parts}"
-    problem = _row_scale_problem(weight, w_scale, name)
-    if problem:
-        return problem
+    if weight.dtype != FP8 or w_scale.dtype != torch.float32 or w_scale.shape != weight.shape[:1]:
+        return (
+            f"{name}: weight must be float8_e4m3fn with a float32 scale per row [N], got "
+            f"{weight.dtype} and {w_scale.dtype} {tuple(w_scale.shape)}"
+        )
     if x_scale is None and x.dtype not in (torch.float16, torch.bfloat16):
         return f"{name}: x without a scale (weight-only) must be float16 or bfloat16, got {x.dtype}"
     if x_scale is not None and (
@@ -549,16 +531,12 @@ def tma_norm_gemv_kernel(
     PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,
     LATE: tl.constexpr = False,
-    w_scale_ptr=None,
-    W_SCALED: tl.constexpr = False,
 ):
     """Grid (row blocks, S_OUT splits). h = sum of the S_IN parts [S_IN, m, k] (rounded once)
     + residual [m, k] (rounded), as rms_norm_kernel; x = h * norm weight; out[s, :, rows] =
     (x[:, ks] @ W[rows, ks].T) / rms(h) for split s's columns ks. GATED (S_OUT 1): W holds gate
     rows then up rows from up_row, out [m, n] = silu(gate) * up for gate rows n. Rows are
     loaded ROWS (>= m, a power of two) at a time, repeated to BLOCK_M (>= 16) for the dot.
-    W_SCALED: W e4m3 (cast to x's dtype in registers), each product times w_scale[row] (gate
-    and up rows their own) before the rounding and SiLU-and-mul.
     PDL, TRIGGER, LATE: inferx_kernels_cuda.pdl."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -595,16 +573,10 @@ def tma_norm_gemv_kernel(
     inv_rms = tl.rsqrt(sumsq / k + eps)[:, None]
     inv_rms = tl.reshape(_repeat_rows(inv_rms, ROWS, BLOCK_M, 1), (BLOCK_M,))
     y = acc * inv_rms[None, :]
-    if W_SCALED:
-        w_rows = n0 + tl.arange(0, BLOCK_N)
-        y *= tl.load(w_scale_ptr + w_rows, mask=w_rows < n, other=0.0)[:, None]
     if GATED:
         gate = _rounded(y, dtype)
-        up = acc_up * inv_rms[None, :]
-        if W_SCALED:
-            up_scale = tl.load(w_scale_ptr + up_row + w_rows, mask=w_rows < n, other=0.0)
-            up *= up_scale[:, None]
-        y = silu_times(gate, _rounded(up, dtype), dtype)
+        up = _rounded(acc_up * inv_rms[None, :], dtype)
+        y = silu_times(gate, up, dtype)
     _store_part(out_ptr, y, pid_s, n0, m, n, stride_os, stride_om, BLOCK_N, BLOCK_M)
 
 
@@ -653,27 +625,24 @@ def tma_norm_linear(
     parts: int = 1,
     gated: bool = False,
     config: TmaNormConfig | None = None,
-    w_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rms_norm(x, norm_weight, eps, residual, parts=True) then the GEMM with weight [N, K], in
     one launch: (out, new residual). x: [S_in, M, K] partial results summed into the residual
     [M, K]. out: [parts, M, N] K-slice parts (tma_linear_parts' form), or with `gated` (weight
-    [2I, K], gate rows then up rows; parts 1) silu(gate) * up as [M, I]. w_scale (float32
-    [N]): weight-only FP8, weight e4m3 and each output row's product times its scale."""
+    [2I, K], gate rows then up rows; parts 1) silu(gate) * up as [M, I]."""
     cfg = config or TmaNormConfig()
     if x.dim() != 3 or residual.shape != x.shape[1:] or norm_weight.shape != x.shape[2:]:
         raise ValueError(
             f"tma_norm_linear: x [S, M, K] needs residual [M, K] and norm weight [K], got "
             f"{tuple(x.shape)}, {tuple(residual.shape)} and {tuple(norm_weight.shape)}"
         )
-    problem = input_problem(residual, weight, parts, "tma_norm_linear", w_scale)
+    problem = input_problem(residual, weight, parts, "tma_norm_linear")
     if problem:
         raise ValueError(problem)
-    act_dtype = x.dtype if w_scale is not None else weight.dtype
-    if x.dtype != act_dtype or norm_weight.dtype != act_dtype or residual.dtype != act_dtype:
+    if x.dtype != weight.dtype or norm_weight.dtype != weight.dtype:
         raise ValueError(
-            f"tma_norm_linear: x, residual, norm weight and (unscaled) weight must share a "
-            f"dtype, got {x.dtype}, {residual.dtype}, {norm_weight.dtype} and {weight.dtype}"
+            f"tma_norm_linear: x, norm weight and weight must share a dtype, got {x.dtype}, "
+            f"{norm_weight.dtype} and {weight.dtype}"
         )
     if gated and (parts != 1 or weight.shape[0] % 2):
         raise ValueError(
@@ -699,15 +668,9 @@ def tma_norm_linear(
         UPCAST=interpret and x.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **gemv_launch(x.device, m), **_scaled(w_scale),
+        **gemv_launch(x.device, m),
     )  # fmt: skip
     return out, new_residual
-
-
-def _scaled(w_scale: torch.Tensor | None) -> dict:
-    """The W_SCALED launch arguments: none at all for an unscaled weight (its compile is the
-    one from before the FP8 variant)."""
-    return {} if w_scale is None else {"w_scale_ptr": w_scale, "W_SCALED": True}
 
 
 # --- The decode attention's split reduce, in o_proj -----------------------------------------
@@ -757,16 +720,13 @@ def tma_reduce_gemv_kernel(
     PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,
     LATE: tl.constexpr = False,
-    w_scale_ptr=None,
-    W_SCALED: tl.constexpr = False,
 ):
     """Grid (row blocks, K-slices of SLICE_HEADS heads): out[s, :, rows] = x[:, ks] @ W[rows,
     ks].T with x the combined attention output (decode_reduce_kernel's: the splits weighted by
     exp2 of their lse, rounded to out's dtype). WHOLE: the slice's weight is one [BLOCK_N,
     SLICE_HEADS * HEAD_DIM] tile, loaded before the PDL wait, and one product; otherwise a K
     step is one head, TMA-pipelined after the combine. The combine takes SPLIT_CHUNK splits at
-    a time up to the most any of the m rows uses (a loop left unpipelined). W_SCALED: W e4m3
-    (cast to out's dtype in registers), the products times w_scale[rows]. PDL, TRIGGER,
+    a time up to the most any of the m rows uses (a loop left unpipelined). PDL, TRIGGER,
     LATE: inferx_kernels_cuda.pdl."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -811,8 +771,6 @@ def tma_reduce_gemv_kernel(
         if UPCAST:  # the interpreter's bf16 dot would round the products to bf16
             w = w.to(tl.float32)
             x = x.to(tl.float32)
-        elif W_SCALED:
-            w = w.to(dtype)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
     else:
         for jj in range(0, SLICE_HEADS):
@@ -821,19 +779,10 @@ def tma_reduce_gemv_kernel(
             acc, _ = _products(w_desc, x, acc, acc, n0, (h0 + jj) * HEAD_DIM, 0, False, UPCAST,
                                DOT_PRECISION)  # fmt: skip
     pdl_late(LATE)
-    if W_SCALED:
-        w_rows = n0 + tl.arange(0, BLOCK_N)
-        acc *= tl.load(w_scale_ptr + w_rows, mask=w_rows < n, other=0.0)[:, None]
     _store_part(out_ptr, acc, pid_s, n0, m, n, stride_os, stride_om, BLOCK_N, BLOCK_M)
 
 
-def reduce_input_problem(
-    splits: SplitAttention,
-    weight: torch.Tensor,
-    parts: int,
-    w_scale: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> str | None:
+def reduce_input_problem(splits: SplitAttention, weight: torch.Tensor, parts: int) -> str | None:
     """Why tma_reduce_linear cannot take these inputs, or None when it can."""
     m, heads, dim = splits.rows, splits.heads, splits.head_dim
     if weight.dim() != 2 or weight.shape[1] != heads * dim:
@@ -859,21 +808,14 @@ def reduce_input_problem(
         return f"tma_reduce_linear: part_o / part_lse hold fewer than {want} splits"
     if splits.part_o.dtype != torch.float32 or splits.part_lse.dtype != torch.float32:
         return "tma_reduce_linear: part_o and part_lse must be float32"
-    if w_scale is None:
-        return input_problem(weight[:1], weight, 1, "tma_reduce_linear")  # the weight's layout
-    if out_dtype not in _DTYPES:
-        return f"tma_reduce_linear: an e4m3 weight needs out_dtype (x's), got {out_dtype}"
-    problem = _row_scale_problem(weight, w_scale, "tma_reduce_linear")
-    return problem or _alignment_problem(weight, weight, "tma_reduce_linear")
+    return input_problem(weight[:1], weight, 1, "tma_reduce_linear")  # the weight's layout
 
 
 def reduce_config(splits: SplitAttention, weight: torch.Tensor, parts: int) -> TmaGemvConfig:
     """64 weight rows a program; block_k = the slice's width when the slice's weight fits in
-    WHOLE_BYTES (`whole`: one tile, loaded before the wait), else one head (pipelined 3 deep).
-    An e4m3 weight always takes a head a step: cast to 16 bits in registers, a whole slice's
-    tile (3B's 64 x 512) spilled in the sm_90 compile at 4 warps and took every register at 8."""
+    WHOLE_BYTES (`whole`: one tile, loaded before the wait), else one head (pipelined 3 deep)."""
     width = splits.heads // parts * splits.head_dim
-    if weight.dtype != FP8 and 64 * width * weight.element_size() <= WHOLE_BYTES:
+    if 64 * width * weight.element_size() <= WHOLE_BYTES:
         return TmaGemvConfig(64, width, 4, 1)
     return TmaGemvConfig(64, splits.head_dim, 4, 3)
 
@@ -884,22 +826,16 @@ def tma_reduce_linear(
     parts: int = 1,
     config: TmaGemvConfig | None = None,
     split_chunk: int | None = None,
-    w_scale: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """[parts, rows, N] K-slice parts of splits' combined output @ weight.T, weight [N, heads *
     head_dim], in weight's dtype: decode_reduce_kernel then tma_linear_parts, in one launch.
     Rows 1..MAX_REDUCE_ROWS; each K-slice a power-of-two count of whole heads. config's block_k
     is the slice's width (the whole slice's weight in one tile, loaded before the PDL wait) or
     one head (a K step a head); by default reduce_config. split_chunk (a power of two): splits
-    combined at a time, by default as many as keep the chunk within REDUCE_TILE values.
-    w_scale (float32 [N]) with out_dtype: weight-only FP8, weight e4m3, the combined output
-    rounded to out_dtype and each output row's product times its scale."""
-    problem = reduce_input_problem(splits, weight, parts, w_scale, out_dtype)
+    combined at a time, by default as many as keep the chunk within REDUCE_TILE values."""
+    problem = reduce_input_problem(splits, weight, parts)
     if problem:
         raise ValueError(problem)
-    dtype = weight.dtype if w_scale is None else out_dtype
-    assert dtype is not None
     cfg = config or reduce_config(splits, weight, parts)
     m, heads, dim = splits.rows, splits.heads, splits.head_dim
     slice_heads = heads // parts
@@ -912,7 +848,7 @@ def tma_reduce_linear(
     # [rows, slice heads, chunk, head_dim] fp32 values a chunk: at most REDUCE_TILE
     chunk = split_chunk or max(1, REDUCE_TILE // (rows * slice_heads * dim))
     chunk = min(chunk, triton.next_power_of_2(splits.splits))
-    out = torch.empty((parts, m, weight.shape[0]), dtype=dtype, device=weight.device)
+    out = torch.empty((parts, m, weight.shape[0]), dtype=weight.dtype, device=weight.device)
     w_desc = TensorDescriptor.from_tensor(weight, block_shape=[cfg.block_n, cfg.block_k])
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     n = weight.shape[0]
@@ -922,9 +858,9 @@ def tma_reduce_linear(
         ROWS=rows, BLOCK_M=max(16, rows), BLOCK_N=cfg.block_n, HEAD_DIM=dim,
         SLICE_HEADS=slice_heads, SPLIT_CHUNK=chunk, SEQ_SPLIT=splits.seq_split, TILE=splits.tile,
         WHOLE=cfg.block_k == slice_heads * dim,
-        UPCAST=interpret and dtype == torch.bfloat16,
-        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        UPCAST=interpret and weight.dtype == torch.bfloat16,
+        DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **gemv_launch(weight.device, m), **_scaled(w_scale),
+        **gemv_launch(weight.device, m),
     )  # fmt: skip
     return out

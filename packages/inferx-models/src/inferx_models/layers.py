@@ -354,20 +354,12 @@ class Attention(nn.Module):
         # norm needs the whole q and k, so it takes the summed product.
         return self.q_norm is None and self.backend.fuses_rotary and self.backend.takes_qkv_parts()
 
-    def input_quant_for(self, x: torch.Tensor) -> ActivationQuant | None:
-        """The format forward() takes the normed rows of x in: where the QKV GEMM runs through
-        the ops (QKV parts), what they hand it (ops.input_quant_for: plain rows where they run
-        it weight-only), else its own input_quant."""
-        if self._takes_parts():
-            return self.ops.input_quant_for(self.qkv_proj, x)
-        return self.input_quant
-
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor | QuantizedActivation, parts: bool = False
     ) -> torch.Tensor:
         """The layer's output, or with `parts` its partial results (QuantLinear.forward_parts)
         for a norm that adds them up. x: the normed hidden rows, quantized where the QKV GEMM
-        takes them so (input_quant_for)."""
+        takes them so (input_quant)."""
         if self._takes_parts():
             qkv, bias = self.ops.linear_split(self.qkv_proj, x)  # [S, T, q + 2 kv], bias apart
             return self._attend(positions, qkv, bias, parts)

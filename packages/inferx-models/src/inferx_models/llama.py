@@ -10,7 +10,7 @@ from torch import nn
 
 from inferx_core.interfaces.kv import KVLayerSpec
 from inferx_core.interfaces.model import BuildContext, ModelArch
-from inferx_core.interfaces.quant import QuantLinear
+from inferx_core.interfaces.quant import QuantLinear, input_quant
 from inferx_core.parallel import SINGLE, ParallelContext
 from inferx_models.layers import (
     Attention,
@@ -60,6 +60,8 @@ class MLP(nn.Module):
             ("gate_proj", "up_proj"),
         )
         self.down_proj = linear(ctx, f"{prefix}.down_proj", intermediate, [hidden], bias, "row")
+        # what down_proj takes pre-quantized from SiLU-and-mul (FP8 W8A8), or None
+        self.act_quant = input_quant(self.down_proj)
         self.ops = ctx.ops
         self.tp = ctx.parallel if ctx.parallel.world_size > 1 else None
 
@@ -69,12 +71,10 @@ class MLP(nn.Module):
         """The MLP of norm(x, residual, parts=True) as down_proj's partial results
         (QuantLinear.forward_parts) for the next norm, and that norm's new residual; the norm,
         gate_up and SiLU-and-mul are one ops call (ops.rms_norm_linear_silu_and_mul), whose
-        norm and activation come quantized where gate_up and down_proj take them so (FP8 W8A8;
-        the ops say at which rows: ops.input_quant_for). x is the partial results of the
-        attention before."""
-        act_quant = self.ops.input_quant_for(self.down_proj, residual)
+        norm and activation come quantized where gate_up and down_proj take them so. x is the
+        partial results of the attention before."""
         h, residual = self.ops.rms_norm_linear_silu_and_mul(
-            x, norm.weight, norm.eps, residual, self.gate_up_proj, act_quant
+            x, norm.weight, norm.eps, residual, self.gate_up_proj, self.act_quant
         )
         out = self.ops.linear_parts(self.down_proj, h)
         if self.tp is not None:  # down_proj is row-parallel: each rank holds a partial sum
@@ -111,8 +111,7 @@ class DecoderLayer(nn.Module):
         """-> (this layer's MLP output as parts, the residual stream before it was added)."""
         if residual is None:
             residual = h
-            quant_for = getattr(self.self_attn, "input_quant_for", None)
-            quant = quant_for(h) if quant_for is not None else None
+            quant = getattr(self.self_attn, "input_quant", None)
             h = self.self_attn(positions, self.input_layernorm(h, quant=quant), parts=True)
         else:
             h, residual = self.self_attn.forward_normed(

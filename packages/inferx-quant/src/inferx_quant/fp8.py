@@ -38,7 +38,6 @@ from inferx_core.interfaces.quant import (
     QuantizedActivation,
     QuantLinear,
     QuantScheme,
-    RowScaledWeight,
 )
 from inferx_core.moe import UnquantizedExperts
 from inferx_core.parallel import SINGLE, ParallelContext
@@ -138,7 +137,6 @@ class Fp8Linear(QuantLinear):
         super().__init__()
         self.spec = spec
         self.parallel = parallel
-        self.dtype = dtype  # the activations'
         self.fmt = fmt or Fp8Format()
         self.online = online
         if online and self.fmt.weights != "channel":
@@ -317,13 +315,6 @@ class Fp8Linear(QuantLinear):
             scale = scale.repeat_interleave(bn, dim=0)[: w.shape[0]]
             return w * _expand_cols(scale, bk, w.shape[1])
         return w * scale[:, None]
-
-    def row_scaled_weight(self) -> RowScaledWeight | None:
-        """The e4m3 weight and its scale per row (per-channel and per-tensor layouts; None for
-        block scales), for kernels that run this layer weight-only (QuantLinear's contract)."""
-        if self.fmt.weights == "block":
-            return None
-        return RowScaledWeight(self.weight.data, self.weight_scale.data, self.dtype)
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         """On a GPU, inferx-kernels-cuda's FP8 GEMMs (fp8_gemm.fp8_linear). Elsewhere the

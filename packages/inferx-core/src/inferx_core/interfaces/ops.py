@@ -65,15 +65,6 @@ class KernelOps(ABC):
         rms_norm_quant."""
         return quant.quantize(self.silu_and_mul(x))
 
-    def input_quant_for(self, linear: torch.nn.Module, x: torch.Tensor) -> ActivationQuant | None:
-        """The format in which a norm or activation kernel hands `linear` its input where these
-        ops then run the layer (linear_parts, linear_split, the rms_norm_linear_* ops): the
-        layer's input_quant, or None for plain rows. x: those activations, or the partial
-        results summed into them (its dtype, device and rows, x.shape[-2], decide). A kernel
-        package that runs the layer on plain rows there (weight-only FP8 at decode rows,
-        QuantLinear.row_scaled_weight) answers None; plain rows are always valid input."""
-        return input_quant(linear)
-
     def norm_for(
         self,
         linear: torch.nn.Module,
@@ -84,8 +75,8 @@ class KernelOps(ABC):
         parts: bool = False,
     ) -> tuple[torch.Tensor | QuantizedActivation, torch.Tensor | None]:
         """(the normed rows as `linear` takes them, the new residual or None): rms_norm_quant
-        where these ops hand the layer pre-quantized input (input_quant_for), else rms_norm."""
-        quant = self.input_quant_for(linear, x)
+        where the layer takes pre-quantized input (QuantLinear.input_quant), else rms_norm."""
+        quant = input_quant(linear)
         if quant is not None:
             out = self.rms_norm_quant(x, weight, eps, quant, residual, parts)
         else:
@@ -148,7 +139,7 @@ class KernelOps(ABC):
         """rms_norm(x, weight, eps, residual, parts=True), then linear_silu_and_mul of the normed
         rows: (activation, the new residual); fusable as rms_norm_linear_split. The norm's
         output comes quantized where gate_up takes it so (norm_for), the activation where
-        `quant` (input_quant_for down_proj) is given."""
+        `quant` (down_proj's input_quant) is given."""
         h, new_residual = self.norm_for(linear, x, weight, eps, residual, parts=True)
         assert new_residual is not None
         return self.linear_silu_and_mul(linear, h, quant), new_residual

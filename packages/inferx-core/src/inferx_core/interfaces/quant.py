@@ -122,18 +122,6 @@ def input_quant(*linears: object) -> ActivationQuant | None:
     return first
 
 
-@dataclass(frozen=True)
-class RowScaledWeight:
-    """A linear layer's weight as e4m3 values with one scale per output row (QuantLinear.
-    row_scaled_weight): `weight` float8_e4m3fn [out, in] and `scale` float32 [out] (this rank's
-    shard; W = weight * scale[:, None] exactly), `dtype` the activations' dtype the layer
-    computes in (its output's). The layer's `bias` is added after, as with dense_weight."""
-
-    weight: torch.Tensor
-    scale: torch.Tensor
-    dtype: torch.dtype
-
-
 class QuantLinear(torch.nn.Module, ABC):
     """A linear layer's method bound to its tensors: y = x @ W.T (+ b), W stored however the
     scheme likes, on this rank's shard.
@@ -169,18 +157,6 @@ class QuantLinear(torch.nn.Module, ABC):
         that fuse the GEMM with the ops around it (norms, activations); None where the method
         stores it otherwise: kernel packages then call forward / forward_parts / forward_split,
         which the method may fuse itself."""
-        return None
-
-    def row_scaled_weight(self) -> RowScaledWeight | None:
-        """The weight as e4m3 with a float32 scale per output row (FP8 per channel, or per
-        tensor repeated over each fused part's rows), for kernel packages that fuse the GEMM
-        with the ops around it as they do dense_weight's, running it weight-only: x in the
-        activations' dtype, each e4m3 tile upcast in registers, the row scale on the fp32
-        accumulator, then the bias. That is this layer's product without its activation
-        quantization (input_quant): a kernel package may take it where reading the weight is
-        the whole cost (decode rows), and keep the layer's own forward elsewhere. None where
-        the weight is not stored so (unquantized layers: dense_weight; block scales; other
-        schemes)."""
         return None
 
     def forward_parts(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
