@@ -17,7 +17,7 @@ commonest opcodes.
 
 moe_gemv: moe_gemv_kernel at gpt-oss-20b's one-token shapes (MXFP4, gate_up gated with the
 clamped SwiGLU, down weighted), at the block_n given and the launch's warps and K columns a
-step (GEMV_WARPS, GEMV_MXFP4_BLOCK_K; --warps, --block-k). moe_gemm:
+step (GEMV_MXFP4_WARPS, GEMV_MXFP4_BLOCK_K; --warps, --block-k). moe_gemm:
 moe_gemm_kernel's MXFP4 tiles at 8, 256 and 2048 tokens (gemm_configs'), whose weight tile is
 dequantized once per M tile: its bytes a clock then also feed the tensor cores. w4a16:
 w4a16_kernel at a dense model's decode shapes (benchmarks/gemm_shapes.py; --model, --shapes),
@@ -150,8 +150,8 @@ def moe_gemv_cases(args: argparse.Namespace) -> Iterator[Case]:
     types = {"a_ptr": "*bf16", "w_ptr": "*u8", "scale_ptr": "*u8", "bias_ptr": "*bf16"}
     types |= {"topk_w_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*bf16", "stride_we": "i64"}
     types |= {"alpha": "fp32", "limit": "fp32"}
-    warps = args.warps or mk.GEMV_WARPS
-    block_k = args.block_k or getattr(mk, "GEMV_MXFP4_BLOCK_K", mk.GEMV_BLOCK_K)
+    warps = args.warps or mk.GEMV_MXFP4_WARPS
+    block_k = args.block_k or mk.GEMV_MXFP4_BLOCK_K
     for gated in (True, False):
         for block_n in _ints(args.block_n):
             constexprs = dict(
@@ -238,7 +238,7 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--kernels", default=",".join(KERNELS), help=", ".join(KERNELS))
     parser.add_argument("--block-n", default="8,16,32", help="moe_gemv's columns a program")
     parser.add_argument("--block-k", type=int, help="moe_gemv's K columns a step (GEMV_BLOCK_K)")
-    parser.add_argument("--warps", type=int, help="moe_gemv's warps (GEMV_WARPS)")
+    parser.add_argument("--warps", type=int, help="moe_gemv's warps (GEMV_MXFP4_WARPS)")
     parser.add_argument("--model", choices=MODELS, default="qwen2.5-3b", help="w4a16's shapes")
     parser.add_argument("--rows", type=int, default=1, help="w4a16's rows of x")
     parser.add_argument("--act-order", action="store_true", help="w4a16 with the K permutation")

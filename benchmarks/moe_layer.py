@@ -240,10 +240,11 @@ def sweep(shape: str, tokens: int, args, device: torch.device) -> list[tuple[flo
             for warps in (4, 8)
         ]
         runs += [
-            ((GemmConfig(16, bn, 256, warps), GemmConfig(16, bn, 256, warps, split_k=s)), True)
-            for bn in (8, 16, 32)
+            ((GemmConfig(16, bn, bk, warps), GemmConfig(16, bn, bk, warps, split_k=s)), True)
+            for bn in (8, 16)
+            for bk in (256, 1024)
             for warps in (4, 8)
-            for s in (2, 3, 4)
+            for s in (2, 3)
         ]
     for cfg, gemv in runs:
 

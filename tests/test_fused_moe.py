@@ -1125,6 +1125,19 @@ def test_gpu_mxfp4_rank_shards_sum_to_the_whole(tokens):
 V2_LITE = (2048, 1408, 64, 6)
 
 
+def routed_alike(layer: FusedMoE, reference: FusedMoE, x: torch.Tensor) -> torch.Tensor:
+    """The rows for which `layer` (its router GEMM as its ops run it, in x's dtype) and the
+    float32 `reference` pick the same routed experts: bf16 logits' near-ties may pick another
+    expert, and such a row then differs by a whole expert's share, not by rounding."""
+    with torch.no_grad():
+        logits = layer.ops.linear_parts(layer.gate, x).float().sum(0)
+        want = reference.gate(x.float()).float()
+    k = layer.router.top_k
+    ids = route(logits, layer.router)[1][:, :k].sort(1).values
+    want_ids = route(want, reference.router)[1][:, :k].sort(1).values
+    return (ids == want_ids).all(1)
+
+
 @on_gpu
 @pytest.mark.gpu
 def test_gpu_v2_lite_fused_shared_experts_match_the_shared_mlp():
@@ -1134,7 +1147,8 @@ def test_gpu_v2_lite_fused_shared_experts_match_the_shared_mlp():
     router kernels), so the outputs differ by rounding only (the fused layer sums the 8
     experts in fp32 and rounds once; apart, the routed sum and the MLP are rounded to bf16,
     then added). Both are checked against the unfused layer in float32 on the same bf16
-    weights too."""
+    weights too, on the rows whose routed experts it picks alike (routed_alike; at least 90%
+    of them)."""
     unfused = TritonOps()
     unfused.fuse_shared_experts = False
     fused_layer, unfused_layer = deepseek_layers(
@@ -1161,8 +1175,12 @@ def test_gpu_v2_lite_fused_shared_experts_match_the_shared_mlp():
         assert torch.equal(static_out, got), tokens
         err = row_errors(got, apart).max()
         assert err < GPU_ROW_TOL, (tokens, err)
-        fused_err, apart_err = row_errors(got, want).max(), row_errors(apart, want).max()
-        assert fused_err < GPU_ROW_TOL and apart_err < GPU_ROW_TOL, (fused_err, apart_err)
+        alike = routed_alike(fused_layer, reference, x)
+        assert int(alike.sum()) >= tokens - max(1, tokens // 10), (tokens, int(alike.sum()))
+        if alike.any():
+            fused_err = row_errors(got, want)[alike].max()
+            apart_err = row_errors(apart, want)[alike].max()
+            assert fused_err < GPU_ROW_TOL and apart_err < GPU_ROW_TOL, (fused_err, apart_err)
 
 
 @on_gpu

@@ -317,11 +317,13 @@ GEMV_MAX_TOKENS = 4
 GEMV_BLOCK_N = 16
 GEMV_BLOCK_K = 256
 GEMV_WARPS = 8
-# MXFP4's K columns a step: a thread takes whole 32-weight groups, so GEMV_BLOCK_N columns of
-# GEMV_MXFP4_BLOCK_K / 32 groups must cover the GEMV_WARPS warps' threads (gemv_rows)
+# MXFP4's GEMV: a thread takes whole 32-weight groups of gemv_rows columns, so its columns,
+# K columns a step and warps are its own (measured: docs/ARCHITECTURE.md, MoE decisions).
+GEMV_MXFP4_BLOCK_N = 8
 GEMV_MXFP4_BLOCK_K = 1024
+GEMV_MXFP4_WARPS = 4
 # Runs of K the down projection's GEMV splits into (GemmConfig.split_k; more programs, more
-# loads in flight); 1 until benchmarks/moe_layer.py --sweep times the split at decode sizes.
+# loads in flight): 1, the split measured slower in gpt-oss-20b's decode.
 GEMV_DOWN_SPLIT_K = 1
 # Chunks of pairs up to which one program groups them all (a few decode tokens); above, three
 # launches, whose passes over the chunks run in parallel.
@@ -1074,10 +1076,13 @@ def gemm_configs(
         small = GemmConfig(16, 32, 32 if mxfp4 else 16, 4, 1)
         return small, small
     if gemv:
-        block_k = GEMV_MXFP4_BLOCK_K if mxfp4 else GEMV_BLOCK_K
+        if mxfp4:
+            cols, block_k, warps = GEMV_MXFP4_BLOCK_N, GEMV_MXFP4_BLOCK_K, GEMV_MXFP4_WARPS
+        else:
+            cols, block_k, warps = GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS
         return (
-            GemmConfig(16, GEMV_BLOCK_N, block_k, GEMV_WARPS),
-            GemmConfig(16, GEMV_BLOCK_N, block_k, GEMV_WARPS, split_k=GEMV_DOWN_SPLIT_K),
+            GemmConfig(16, cols, block_k, warps),
+            GemmConfig(16, cols, block_k, warps, split_k=GEMV_DOWN_SPLIT_K),
         )
     if num_pairs <= 16 * num_experts:
         tiles = min(num_pairs, num_experts)  # tiles holding pairs, about
