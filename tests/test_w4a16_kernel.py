@@ -130,6 +130,21 @@ def test_picked_configs_run() -> None:
         fma_config(5, 64, 1024)
 
 
+@interpreted
+def test_default_config_takes_the_fma_path_up_to_fma_rows(monkeypatch) -> None:
+    """A call without a config: pick_config's tl.dot path while FMA_ROWS is 0, the CUDA-core
+    path up to FMA_ROWS rows once set, and both give the exact weights' product."""
+    from inferx_kernels_cuda import w4a16
+
+    assert all(w4a16.default_config(m, 64, 1024).use_dot for m in (1, 4, 20))
+    monkeypatch.setattr(w4a16, "FMA_ROWS", 2)
+    assert [w4a16.default_config(m, 64, 1024).use_dot for m in (1, 2, 3)] == [False, False, True]
+    layer, exact, _ = loaded(W4Format("gptq", 32, True, 1), LinearSpec("a.b", 1024, (64,)), seed=3)
+    for rows in (1, 3):
+        x = torch.randn(rows, 1024)
+        _close(w4a16_linear(x, *_args(layer)), x.double() @ exact.double().t(), 1e-5)
+
+
 def test_fma_loop_within_the_h100_issue_budget(tmp_path) -> None:
     """The CUDA-core path's loop at one row, compiled for sm_90 without a GPU and counted by
     `benchmarks/kernel_sass.py --kernels w4a16` (in a process of its own: this one may run the

@@ -52,6 +52,9 @@ from inferx_kernels_cuda.gemv import split_k_reduce_kernel
 
 GEMV_ROWS = 16  # up to this many rows: the split-K GEMV regime
 MAX_FMA_ROWS = 4
+# Rows up to which a call without a config takes the CUDA-core path (fma_config); 0, the tl.dot
+# path everywhere, until benchmarks/w4a16_gemm.py --fma and a model's decode time it.
+FMA_ROWS = 0
 _REDUCE_BLOCK = 256
 _H100_SMS = 132
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -477,6 +480,13 @@ def _gathered(
     return x.index_select(1, perm), None
 
 
+def default_config(m: int, n: int, k: int, num_sms: int = _H100_SMS) -> W4Config:
+    """fma_config up to FMA_ROWS rows, else pick_config."""
+    if 1 <= m <= min(FMA_ROWS, MAX_FMA_ROWS):
+        return fma_config(m, n, k, num_sms)
+    return pick_config(m, n, k, num_sms)
+
+
 def w4a16_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -496,7 +506,7 @@ def w4a16_linear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = config or pick_config(m, n, k, _num_sms(x.device))
+    cfg = config or default_config(m, n, k, _num_sms(x.device))
     x, perm = _gathered(x, perm)
     if cfg.split_k == 1:
         _launch(x, qweight, scales, zeros, group_size, perm, bias, out.unsqueeze(0), cfg)
@@ -533,7 +543,7 @@ def w4a16_linear_parts(
     _check(x, qweight, scales, zeros, group_size, perm, bias)
     m, k = x.shape
     n = qweight.shape[1]
-    cfg = config or pick_config(m, n, k, _num_sms(x.device))
+    cfg = config or default_config(m, n, k, _num_sms(x.device))
     x, perm = _gathered(x, perm)
     out = torch.empty((cfg.split_k, m, n), dtype=x.dtype, device=x.device)
     if m:
