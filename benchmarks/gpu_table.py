@@ -7,6 +7,8 @@ docs/BENCHMARKS.md).
     python3 benchmarks/gpu_table.py --models qwen2.5-3b-instruct --only decode,serve
     python3 benchmarks/gpu_table.py --quick --models tiny-qwen2 --tokenizers DIR  # CPU plumbing
     python3 benchmarks/gpu_table.py --quick --models tiny-deepseek-v2-lite-vocab --tokenizers DIR
+    python3 benchmarks/gpu_table.py --models gpt-oss-20b --only decode \
+        --patch inferx_kernels_cuda.moe_kernels.GEMV_DOWN_SPLIT_K=2     # A/B of a kernel default
 
 Models are presets (random bf16 weights, exact shapes) with their real tokenizers, looked up
 under --tokenizers (default .carry/tok/tokenizers): `qwen/` for Qwen, `llama3/` for Llama,
@@ -300,6 +302,47 @@ def write_json(path: Path, doc: Any) -> None:
     os.replace(tmp, path)
 
 
+def apply_patches(patches: list[str]) -> dict[str, str]:
+    """--patch NAME=VALUE, each in this process: MODULE.NAME (a module global),
+    MODULE.CLASS.NAME (a class attribute) or MODULE.CLASS().NAME (set on every instance after
+    its __init__, for attributes __init__ sets), VALUE a Python literal. Returns each name's
+    value as read back (repr)."""
+    import ast
+    import importlib
+
+    def owner_of(path: str) -> Any:
+        try:
+            return importlib.import_module(path)
+        except ImportError:
+            module, _, name = path.rpartition(".")
+            return getattr(importlib.import_module(module), name)
+
+    applied = {}
+    for item in patches:
+        name, value = item.split("=", 1)
+        owner, _, attr = name.rpartition(".")
+        val = ast.literal_eval(value)
+        if owner.endswith("()"):
+            cls = owner_of(owner[:-2])
+            if not hasattr(cls(), attr):
+                raise AttributeError(f"--patch {name}: {owner[:-2]} instances have no {attr!r}")
+            init = cls.__init__
+
+            def patched(self: Any, *a: Any, _init=init, _attr=attr, _val=val, **k: Any) -> None:
+                _init(self, *a, **k)
+                setattr(self, _attr, _val)
+
+            cls.__init__ = patched
+            applied[name] = repr(getattr(cls(), attr))
+        else:
+            target = owner_of(owner)
+            if not hasattr(target, attr):
+                raise AttributeError(f"--patch {name}: {owner} has no {attr!r}")
+            setattr(target, attr, val)
+            applied[name] = repr(getattr(owner_of(owner), attr))
+    return applied
+
+
 def offline_child(spec_path: str) -> int:
     """`_offline SPEC.json`: build one engine, write its start-up, then each figure, to the
     spec's `out` as each is done. The spec: overrides, figures, sizes, out, spawned_at."""
@@ -316,6 +359,7 @@ def offline_child(spec_path: str) -> int:
         from inferx_core.config import load_config
         from inferx_core.engine import LLM
 
+        patched = apply_patches(spec.get("patches", []))
         imported = time.time()
         cached = triton_kernels()
         t0 = time.perf_counter()
@@ -349,6 +393,8 @@ def offline_child(spec_path: str) -> int:
         "dtype": str(ex.dtype).removeprefix("torch."),
         "torch": torch.__version__,
     }
+    if patched:
+        result["startup"]["patched"] = patched
     write_json(out, result)
     print(f"ready in {result['startup']['spawn_to_ready_s']:.1f} s", flush=True)
     figures = {"decode": fig_decode, "ttft": fig_ttft, "throughput": fig_throughput}
@@ -509,6 +555,7 @@ def run_offline(
         "overrides": overrides,
         "figures": figures,
         "sizes": asdict(run.sizes),
+        "patches": list(run.args.patch),
         "out": str(out),
         "spawned_at": time.time(),
     }
@@ -738,8 +785,8 @@ def run_model(run: Run, preset: str, models_left: int) -> None:
     deadline = start + share
     res: dict[str, Any] = run.doc["models"].setdefault(preset, {})
     res["budget_s"] = share
-    if run.args.set:
-        res["set"] = list(run.args.set)
+    if run.args.set or run.args.patch:
+        res["set"] = list(run.args.set) + list(run.args.patch)
     if share < 20:
         for name in run.only:
             res[name] = {"error": "skipped: the time budget was spent"}
@@ -961,13 +1008,24 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="a config override for every engine, e.g. quantization.scheme=fp8 (repeatable)",
     )
+    ap.add_argument(
+        "--patch",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set a module or class attribute in the offline engine's process, for A/B of a "
+        "kernel default: MODULE.NAME, MODULE.CLASS.NAME or MODULE.CLASS().NAME (per instance), "
+        "e.g. inferx_kernels_cuda.moe_kernels.GEMV_DOWN_SPLIT_K=2 (repeatable; not with serve)",
+    )
     args = ap.parse_args(argv)
-    bad = [kv for kv in args.set if "=" not in kv]
+    bad = [kv for kv in args.set + args.patch if "=" not in kv]
     if bad:
-        ap.error(f"--set takes KEY=VALUE, got {', '.join(bad)}")
+        ap.error(f"--set and --patch take KEY=VALUE, got {', '.join(bad)}")
     unknown = [f for f in args.only if f not in FIGURES]
     if unknown:
         ap.error(f"--only: unknown figure(s) {', '.join(unknown)}; known: {', '.join(FIGURES)}")
+    if args.patch and {"serve", "startup"} & set(args.only):
+        ap.error("--patch applies to the offline engine only: leave serve and startup out (--only)")
     q = args.quick
     args.models = args.models or (["tiny-qwen2"] if q else list(MODELS))
     args.dtype = args.dtype or ("auto" if q else "bfloat16")

@@ -307,3 +307,24 @@ def test_a_w4a16_checkpoint_of_the_preset_runs_from_disk(tmp_path: Path) -> None
     assert res["decode"]["ms_per_token"] > 0
     overrides = res["startup"]["offline"]["overrides"]
     assert overrides["model.path"] == str(gptq) and "model.preset" not in overrides
+
+
+def test_patch_sets_attributes_in_the_offline_engine(tmp_path: Path) -> None:
+    """--patch: a module global and a per-instance attribute set in the offline child before
+    its engine starts, read back there; refused where a server would run without it."""
+    patches = [
+        "inferx_kernels_cuda.moe_kernels.GEMV_DOWN_SPLIT_K=3",
+        "inferx_kernels_cuda.ops.TritonOps().tma_gemv_max_rows=24",
+    ]
+    extra = [a for p in patches for a in ("--patch", p)]
+    doc, stdout = run_table(tmp_path, "--only", "decode", *extra)
+    res = doc["models"]["tiny-qwen2"]
+    assert not errors(res), errors(res)
+    assert res["startup"]["offline"]["patched"] == {
+        "inferx_kernels_cuda.moe_kernels.GEMV_DOWN_SPLIT_K": "3",
+        "inferx_kernels_cuda.ops.TritonOps().tma_gemv_max_rows": "24",
+    }
+    assert "GEMV_DOWN_SPLIT_K=3" in stdout  # the table's heading names them
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--patch", patches[0]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--patch applies to the offline engine only" in proc.stderr
