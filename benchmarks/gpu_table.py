@@ -9,6 +9,8 @@ docs/BENCHMARKS.md).
     python3 benchmarks/gpu_table.py --quick --models tiny-deepseek-v2-lite-vocab --tokenizers DIR
     python3 benchmarks/gpu_table.py --models gpt-oss-20b --only decode \
         --patch inferx_kernels_cuda.moe_kernels.GEMV_DOWN_SPLIT_K=2     # A/B of a kernel default
+    python3 benchmarks/gpu_table.py --models qwen2.5-3b-instruct --only serve --concurrency 64 \
+        --serve-endpoint chat [--response-format '{"type": "json_object"}']  # structured output
 
 Models are presets (random bf16 weights, exact shapes) with their real tokenizers, looked up
 under --tokenizers (default .carry/tok/tokenizers): `qwen/` for Qwen, `llama3/` for Llama,
@@ -622,15 +624,19 @@ def load(
     concurrency: int,
     s: Sizes,
     timeout: float,
+    endpoint: str = "completions",
+    response_format: str | None = None,
 ) -> dict[str, Any]:
-    """One `inferx-bench serve` run (its client and summary) over our exact prompts."""
+    """One `inferx-bench serve` run (its client and summary) over our exact prompts; chat: each
+    prompt as a user message (its template's tokens added), with response_format if given."""
     from inferx_server import bench
 
     ns = argparse.Namespace(
         base_url=url,
         model=model,
         api_key=None,
-        endpoint="completions",
+        endpoint=endpoint,
+        response_format=response_format,
         output_len=s.serve_out,
         concurrency=concurrency,
         request_rate=0.0,
@@ -740,7 +746,10 @@ def run_serve(
                         kernels = triton_kernels()
                         clocks = GpuClocks(run.logs / f"clocks-{preset}-c{c}-{i + 1}.csv")
                         with clocks:
-                            r = load(url, model, prompts[c][i], c, s, min(SERVE_RUN_CAP_S, left))
+                            r = load(
+                                url, model, prompts[c][i], c, s, min(SERVE_RUN_CAP_S, left),
+                                run.args.serve_endpoint, run.args.response_format,
+                            )  # fmt: skip
                         r["gpu_clocks"] = clocks.summary
                         # Kernels compiled mid-run: start-up's warm-up should have done them all.
                         r["triton_compiled"] = sorted(triton_kernels() - kernels)
@@ -787,6 +796,11 @@ def run_model(run: Run, preset: str, models_left: int) -> None:
     res["budget_s"] = share
     if run.args.set or run.args.patch:
         res["set"] = list(run.args.set) + list(run.args.patch)
+    if run.args.serve_endpoint != "completions" or run.args.response_format:
+        res["serve_requests"] = {
+            "endpoint": run.args.serve_endpoint,
+            "response_format": run.args.response_format,
+        }
     if share < 20:
         for name in run.only:
             res[name] = {"error": "skipped: the time budget was spent"}
@@ -945,6 +959,8 @@ def table(preset: str, res: dict[str, Any], s: Sizes) -> str:
         head += f" ({off['device']}, {off['dtype']}, {off['attention_backend']}, {mode})"
     if res.get("set"):
         head += f" [{', '.join(res['set'])}]"
+    if req := res.get("serve_requests"):
+        head += f" [serve: {req['endpoint']}, response_format {req['response_format']}]"
     rows = [head, "", "| figure | InferX | vLLM 0.26.0 | goal |", "|---|---:|---:|---|"]
 
     def row(label: str, key: str, value: str) -> None:
@@ -1009,6 +1025,18 @@ def main(argv: list[str] | None = None) -> int:
         help="a config override for every engine, e.g. quantization.scheme=fp8 (repeatable)",
     )
     ap.add_argument(
+        "--serve-endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="serve's requests: completions (the table's) or chat (the prompt as a user message)",
+    )
+    ap.add_argument(
+        "--response-format",
+        metavar="JSON",
+        help="serve: every request's response_format (needs --serve-endpoint chat), e.g. "
+        '\'{"type": "json_object"}\': structured output\'s cost against plain chat',
+    )
+    ap.add_argument(
         "--patch",
         action="append",
         default=[],
@@ -1024,6 +1052,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [f for f in args.only if f not in FIGURES]
     if unknown:
         ap.error(f"--only: unknown figure(s) {', '.join(unknown)}; known: {', '.join(FIGURES)}")
+    if args.response_format is not None:
+        if args.serve_endpoint != "chat":
+            ap.error("--response-format needs --serve-endpoint chat")
+        try:
+            json.loads(args.response_format)
+        except ValueError as exc:
+            ap.error(f"--response-format is not JSON: {exc}")
     if args.patch and {"serve", "startup"} & set(args.only):
         ap.error("--patch applies to the offline engine only: leave serve and startup out (--only)")
     q = args.quick

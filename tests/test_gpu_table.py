@@ -328,3 +328,26 @@ def test_patch_sets_attributes_in_the_offline_engine(tmp_path: Path) -> None:
     cmd = [sys.executable, str(SCRIPT), "--quick", "--patch", patches[0]]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--patch applies to the offline engine only" in proc.stderr
+
+
+def test_serve_chat_with_a_response_format_reaches_the_server(tmp_path: Path) -> None:
+    """--serve-endpoint chat --response-format: every serve request carries it (an invalid
+    schema comes back as the server's 400 naming it, for every request); refused without
+    chat or with a format that is not JSON."""
+    bad = '{"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}'
+    doc, stdout = run_table(
+        tmp_path, "--only", "serve", "--serve-endpoint", "chat", "--response-format", bad
+    )
+    res = doc["models"]["tiny-qwen2"]
+    assert res["serve_requests"] == {"endpoint": "chat", "response_format": bad}
+    for run in res["serve"].values():
+        assert run["completed"] == 0 and run["failed"] == run["num_prompts"] > 0
+        assert "invalid_schema" in run["errors"][0]
+    assert "serve: chat, response_format" in stdout
+    for extra in (
+        ["--response-format", "{}"],
+        ["--serve-endpoint", "chat", "--response-format", "{"],
+    ):
+        cmd = [sys.executable, str(SCRIPT), "--quick", "--only", "serve", *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "--response-format" in proc.stderr, proc.stderr
