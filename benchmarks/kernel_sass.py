@@ -23,7 +23,8 @@ moe_gemm_kernel's MXFP4 tiles at 8, 256 and 2048 tokens (gemm_configs'), whose w
 dequantized once per M tile: its bytes a clock then also feed the tensor cores. w4a16:
 w4a16_kernel at a dense model's decode shapes (benchmarks/gemm_shapes.py; --model, --shapes),
 --rows rows of bf16 x, group 128, at the configs w4a16.pick_config (tl.dot) and, up to 4 rows,
-w4a16.fma_config (CUDA cores) give; --act-order with the K permutation.
+w4a16.fma_config (CUDA cores) give, the latter also with its register prefetch
+(W4Config.prefetch) the other way; --act-order with the K permutation.
 """
 
 from __future__ import annotations
