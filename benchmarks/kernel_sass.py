@@ -10,10 +10,11 @@ longest loop in the SASS and prints its length, the instructions a weight byte a
 python benchmarks/kernel_sass.py [--kernels moe_gemv,moe_gemm,w4a16] [--block-n 8,16,32]
     [--warps 8] [--block-k 1024]
     [--model qwen2.5-3b] [--rows 1] [--act-order] [--shapes qkv,o,gate_up,down] [--json OUT]
+    [--dump DIR]
 
 Per kernel and config: registers a thread and stack bytes (spills) from cuobjdump, the loop's
 SASS instructions (one warp's pass), those over the weight bytes a thread takes a pass, and the
-commonest opcodes.
+commonest opcodes; --dump writes each loop's SASS to a file.
 
 moe_gemv: moe_gemv_kernel at gpt-oss-20b's one-token shapes (MXFP4, gate_up gated with the
 clamped SwiGLU, down weighted), at the block_n given and the launch's warps and K columns a
@@ -22,7 +23,8 @@ moe_gemm_kernel's MXFP4 tiles at 8, 256 and 2048 tokens (gemm_configs'), whose w
 dequantized once per M tile: its bytes a clock then also feed the tensor cores. w4a16:
 w4a16_kernel at a dense model's decode shapes (benchmarks/gemm_shapes.py; --model, --shapes),
 --rows rows of bf16 x, group 128, at the configs w4a16.pick_config (tl.dot) and, up to 4 rows,
-w4a16.fma_config (CUDA cores) give; --act-order with the K permutation.
+w4a16.fma_config (CUDA cores) give, the latter also with its register prefetch
+(W4Config.prefetch) the other way; --act-order with the K permutation.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import re
 import subprocess
 import tempfile
 from collections.abc import Collection, Iterator
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import triton
@@ -106,6 +109,15 @@ def resources(compiled: Any) -> tuple[int, int]:
 
 def loop_mix(compiled: Any) -> tuple[int, collections.Counter]:
     """(length, opcode counts) of the longest loop (a backward branch) in the SASS."""
+    body = loop_sass(compiled)
+    ops = collections.Counter(
+        re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0] for ins in body
+    )
+    return len(body), ops
+
+
+def loop_sass(compiled: Any) -> list[str]:
+    """The instructions of the longest loop (a backward branch) in the SASS, in order."""
     instrs, labels, label = [], {}, None
     for line in _tool("nvdisasm", compiled.asm["cubin"], "-c").splitlines():
         if m := re.match(r"\s*\.L_x_(\d+):", line):
@@ -121,13 +133,9 @@ def loop_mix(compiled: Any) -> tuple[int, collections.Counter]:
         if (m := re.search(r"BRA.*\.L_x_(\d+)", ins)) and labels.get(m.group(1), addr) < addr
     ]
     if not loops:
-        return 0, collections.Counter()
+        return []
     start, end = max(loops, key=lambda span: span[1] - span[0])
-    body = [ins for addr, ins in instrs if start <= addr <= end]
-    ops = collections.Counter(
-        re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0] for ins in body
-    )
-    return len(body), ops
+    return [ins for addr, ins in instrs if start <= addr <= end]
 
 
 class Case(NamedTuple):
@@ -208,13 +216,16 @@ def w4a16_cases(args: argparse.Namespace) -> Iterator[Case]:
         k, n = shapes[shape]
         configs = [w4a16.pick_config(args.rows, n, k)]
         if args.rows <= w4a16.MAX_FMA_ROWS:
-            configs.append(w4a16.fma_config(args.rows, n, k))
+            fma = w4a16.fma_config(args.rows, n, k)
+            # both ways of the register prefetch, fma_config's first
+            configs += [fma, replace(fma, prefetch=not fma.prefetch)]
         for cfg in configs:
             block_k = w4a16._block_k(cfg, W4A16_GROUP, k)
             constexprs = dict(
                 HAS_PERM=args.act_order, HAS_BIAS=False, BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n, BLOCK_K=block_k, PACKED=cfg.packed_loads,
                 USE_DOT=cfg.use_dot, UPCAST=False, DOT_PRECISION="tf32",
+                PREFETCH=cfg.prefetch and not cfg.use_dot,
             )  # fmt: skip
             types = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8"}
             types |= {"perm_ptr": "*i32", "bias_ptr": "*bf16"}
@@ -244,6 +255,7 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--act-order", action="store_true", help="w4a16 with the K permutation")
     parser.add_argument("--shapes", help="w4a16's, comma-separated (default: all)")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--dump", help="also write each loop's SASS to a file in this folder")
     args = parser.parse_args()
     if unknown := [k for k in args.kernels.split(",") if k not in KERNELS]:
         parser.error(f"unknown kernels {unknown}; known: {', '.join(KERNELS)}")
@@ -274,6 +286,11 @@ def main() -> None:
             )
             regs, stack = resources(compiled)
             length, ops = loop_mix(compiled)
+            if args.dump:
+                os.makedirs(args.dump, exist_ok=True)
+                path = os.path.join(args.dump, re.sub(r"\W+", "_", case.label) + ".sass")
+                with open(path, "w") as f:
+                    f.write("\n".join(loop_sass(compiled)) + "\n")
             per_byte = length / case.per_thread
             top = " ".join(f"{op} {n}" for op, n in ops.most_common(8))
             print(

@@ -5,6 +5,8 @@ small sizes; the model's shapes in bf16 on a GPU."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -33,11 +35,23 @@ CONFIGS = {
     "gemv-split3-dup-loads": W4Config(block_m=16, split_k=3, packed_loads=False, **SMALL),
     "gemm": W4Config(block_m=32, split_k=1, **SMALL),
     "fma-split3": W4Config(block_m=2, split_k=3, use_dot=False, **SMALL),
+    "fma-split3-prefetch": W4Config(block_m=2, split_k=3, use_dot=False, prefetch=True, **SMALL),
 }
 # the CUDA-core path's other row counts a program (1 and 4; 2 above)
 FMA_ROWS = {
     "fma-m1": W4Config(block_m=1, split_k=1, use_dot=False, **SMALL),
     "fma-m4-split3": W4Config(block_m=4, split_k=3, use_dot=False, **SMALL),
+    "fma-m1-prefetch": W4Config(block_m=1, split_k=1, use_dot=False, prefetch=True, **SMALL),
+    "fma-m4-split3-prefetch": W4Config(block_m=4, split_k=3, use_dot=False, prefetch=True, **SMALL),
+}
+# register prefetch (W4Config.prefetch) against the same configs without it: 8 steps of 32 rows
+# at K 256, so a step's words or group read a step off change the sums; split 16 leaves 8
+# splits past K (no steps, no loads), split 3 one step, three, and two a split
+PREFETCH = {
+    "m1": W4Config(block_m=1, split_k=1, use_dot=False, prefetch=True, **SMALL),
+    "m2-split3": W4Config(block_m=2, split_k=3, use_dot=False, prefetch=True, **SMALL),
+    "m4-split16": W4Config(block_m=4, split_k=16, use_dot=False, prefetch=True, **SMALL),
+    "m4-split5": W4Config(block_m=4, split_k=5, use_dot=False, prefetch=True, **SMALL),
 }
 
 
@@ -107,6 +121,33 @@ def test_fma_path_over_the_range_of_x(name: str, config: str) -> None:
 
 
 @interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("config", PREFETCH)
+@pytest.mark.parametrize("name", ["gptq-sym-g64", "gptq-act-order-g64", "awq-g64"])
+def test_fma_prefetch_is_the_same_sums(name: str, config: str, dtype: torch.dtype) -> None:
+    """The CUDA-core path with the next step's loads in flight (prefetch=True) gives the
+    bits it gives without, at 1-4 rows (ragged N, K splits, act-order): the same products in
+    the same order. Against float64 of the exact weights: 1e-5 of the output's scale in fp32,
+    two ulps of it in fp16 / bf16 (the weights are not rounded on this path)."""
+    layer, exact, bias = _layer(name)
+    cfg = PREFETCH[config]
+    for rows in range(1, 5):
+        x = torch.randn(rows, SPEC.in_features, generator=torch.Generator().manual_seed(rows))
+        x = x.to(dtype)
+        want = x.double() @ exact.double().t() + bias.to(dtype).double()
+        b = layer.bias.to(dtype)
+        got = w4a16_linear(x, *_args(layer), bias=b, config=cfg)
+        base = w4a16_linear(x, *_args(layer), bias=b, config=replace(cfg, prefetch=False))
+        assert torch.equal(got, base), (rows, (got.double() - base.double()).abs().max())
+        rel = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
+        _close(got, want, rel)
+        parts = w4a16_linear_parts(x, *_args(layer), bias=b, config=cfg)
+        assert parts.shape == (cfg.split_k, rows, 96)
+        if dtype == torch.float32:
+            _close(parts.sum(0), want, 1e-5)
+
+
+@interpreted
 def test_picked_configs_run() -> None:
     """The default configs (block_k lowered to the group): a GEMV with a K split, a GEMM."""
     fmt = W4Format("gptq", 32, True, 1)
@@ -163,11 +204,14 @@ def test_fma_loop_within_the_h100_issue_budget(tmp_path) -> None:
     out = subprocess.run([*cmd, "--json", str(out_json)], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out_json.read_text())["rows"]
-    assert len(rows) == 2, out.stdout  # pick_config's tl.dot config and fma_config's
-    fma = [row for row in rows if row["kernel"].endswith(" fma")]
-    assert len(fma) == 1 and fma[0]["kernel"].startswith("w4a16 o m1 "), out.stdout
-    assert fma[0]["stack"] == 0, out.stdout  # no spills
-    assert 0 < fma[0]["per_byte"] <= 8.8, out.stdout
+    # pick_config's tl.dot config, fma_config's (register prefetch on), and it without
+    assert len(rows) == 3, out.stdout
+    fma = [row for row in rows if " fma" in row["kernel"]]
+    assert [row["kernel"].endswith(" fma pf") for row in fma] == [True, False], out.stdout
+    for row in fma:
+        assert row["kernel"].startswith("w4a16 o m1 "), out.stdout
+        assert row["stack"] == 0, out.stdout  # no spills
+        assert 0 < row["per_byte"] <= 8.8, out.stdout
 
 
 def test_bad_inputs_are_refused() -> None:

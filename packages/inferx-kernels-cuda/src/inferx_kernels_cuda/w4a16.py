@@ -55,6 +55,8 @@ MAX_FMA_ROWS = 4
 # Rows up to which a call without a config takes the CUDA-core path (fma_config); 0, the tl.dot
 # path everywhere, until benchmarks/w4a16_gemm.py --fma and a model's decode time it.
 FMA_ROWS = 0
+# fma_config's W4Config.prefetch (a module constant so a model run can A/B it with --patch)
+FMA_PREFETCH = True
 _REDUCE_BLOCK = 256
 _H100_SMS = 132
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -69,7 +71,9 @@ class W4Config:
     CUDA cores in fp32 instead of tl.dot (`_fma_rows`: no padding of x to 16 rows, no
     conversion of the weight tile to tl.dot's operand layout), block_m rows a program (1, 2
     or 4), for the benchmark to weigh against the dot path at a few rows; packed_loads and
-    num_stages do not apply to it."""
+    num_stages do not apply to it. prefetch (use_dot=False only): a register prefetch, the
+    next K step's words, scales and zeros loaded before the current step's arithmetic (Triton
+    pipelines only loads that feed tl.dot); the same sums in the same order."""
 
     block_m: int = 16
     block_n: int = 64
@@ -79,12 +83,15 @@ class W4Config:
     num_stages: int = 3
     packed_loads: bool = True
     use_dot: bool = True
+    prefetch: bool = False
 
     def __str__(self) -> str:
         loads = "packed" if self.packed_loads else "dup"
         return (
             f"m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k} "
-            f"w{self.num_warps} st{self.num_stages} {loads}" + ("" if self.use_dot else " fma")
+            f"w{self.num_warps} st{self.num_stages} {loads}"
+            + ("" if self.use_dot else " fma")
+            + (" pf" if self.prefetch and not self.use_dot else "")
         )
 
 
@@ -129,13 +136,14 @@ def pick_config(m: int, n: int, k: int, num_sms: int = _H100_SMS) -> W4Config:
 def fma_config(m: int, n: int, k: int, num_sms: int = _H100_SMS) -> W4Config:
     """The CUDA-core path's config for 1-4 rows, which benchmarks/w4a16_gemm.py --fma times
     beside pick_config's (not picked at run time until it has been timed): 64 columns, a
-    128-row step (one group), four warps (~40 registers a thread at one row). Its loads are
-    not software-pipelined, so memory parallelism comes from resident programs: K is split for
-    eight programs an SM, down to two steps a split (a guess for the sweep to tune)."""
+    128-row step (one group), four warps. The next step's words, scales and zeros are loaded
+    during the current step's arithmetic (prefetch, FMA_PREFETCH); beyond that, memory
+    parallelism comes from resident programs: K is split for eight programs an SM, down to two
+    steps a split (a guess for the sweep to tune)."""
     if not 1 <= m <= MAX_FMA_ROWS:
         raise ValueError(f"w4a16: the CUDA-core path takes 1-{MAX_FMA_ROWS} rows, not {m}")
     cfg = W4Config(block_m=1 << (m - 1).bit_length(), block_n=64, block_k=128, num_stages=1)
-    cfg = replace(cfg, use_dot=False)
+    cfg = replace(cfg, use_dot=False, prefetch=FMA_PREFETCH)
     split = split_for(triton.cdiv(n, cfg.block_n), k, cfg.block_k, m, num_sms, 8, 2)
     return replace(cfg, split_k=split)
 
@@ -207,6 +215,75 @@ def _group_sum(acc, part, xs, scale, neg_zs):
 
 
 @triton.jit
+def _fma_step_loads(
+    qw_ptr, s_ptr, z_ptr, k0, k_end, kw, cols, n, group_shift, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, SPLIT_ADDRESS: tl.constexpr,
+):  # fmt: skip
+    """Step k0's words [KW, BLOCK_N] and its group's scales and zeros [BLOCK_N], as loaded
+    (_fma_rows); MASKED: none when k0 >= k_end (undefined values, never used). SPLIT_ADDRESS:
+    the words' addresses as a scalar base plus loop-invariant offsets (fewer instructions in
+    the prefetch loop, more registers in the plain one, whose SASS stays as it was)."""
+    if SPLIT_ADDRESS:  # a scalar base (uniform registers) plus loop-invariant offsets
+        words = (qw_ptr + (k0 // 8) * n) + (kw[:, None] * n + cols[None, :])
+    else:
+        words = qw_ptr + (k0 // 8 + kw)[:, None] * n + cols[None, :]
+    group = k0 >> group_shift
+    if MASKED:
+        ok = tl.full([BLOCK_N], k0, tl.int32) < k_end
+        packed = tl.load(words, mask=tl.broadcast_to(ok[None, :], words.shape))
+        return (
+            packed,
+            tl.load(s_ptr + group * n + cols, mask=ok),
+            tl.load(z_ptr + group * n + cols, mask=ok),
+        )
+    return tl.load(words), tl.load(s_ptr + group * n + cols), tl.load(z_ptr + group * n + cols)
+
+
+@triton.jit
+def _fma_step(
+    acc0, acc1, acc2, acc3, packed, s_raw, z_raw, x_rows, perm_ptr, m, row0, k0, kw, stride_xm,
+    HAS_PERM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.constexpr,
+):  # fmt: skip
+    """One BLOCK_K step of _fma_rows at row k0 on its loaded words, scales and zeros: the
+    accumulators of the block's rows plus the step's products."""
+    high = packed >> 12
+    x_step = x_rows + k0 + kw * 8
+    scale = s_raw.to(tl.float32)
+    zs = z_raw.to(tl.float32) * scale
+    zs = tl.broadcast_to(-zs[None, :], (KW, BLOCK_N))
+    scale = scale * 3.8685626227668134e25  # 2^85: the sums' unit back to 1
+    scale = tl.broadcast_to(scale[None, :], (KW, BLOCK_N))
+    part0 = tl.zeros([KW, BLOCK_N], tl.float32)
+    part1 = tl.zeros([KW, BLOCK_N], tl.float32)
+    part2 = tl.zeros([KW, BLOCK_N], tl.float32)
+    part3 = tl.zeros([KW, BLOCK_N], tl.float32)
+    xs0 = tl.zeros([KW], tl.float32)
+    xs1 = tl.zeros([KW], tl.float32)
+    xs2 = tl.zeros([KW], tl.float32)
+    xs3 = tl.zeros([KW], tl.float32)
+    for j in tl.static_range(8):
+        pos = 4 * j - 12 * (j >= 5)
+        d = ((packed if j < 5 else high) & (15 << pos)).to(tl.float32, bitcast=True)
+        x0 = x_step + j
+        if HAS_PERM:
+            x0 = x_rows + tl.load(perm_ptr + k0 + kw * 8 + j)
+        xsc = 18446744073709551616.0 / (1 << pos)  # 2^(64 - p)
+        part0, xs0 = _fma_row(part0, xs0, x0, row0, m, d, xsc, False)
+        if BLOCK_M > 1:
+            part1, xs1 = _fma_row(part1, xs1, x0 + stride_xm, row0 + 1, m, d, xsc, True)
+        if BLOCK_M > 2:
+            part2, xs2 = _fma_row(part2, xs2, x0 + 2 * stride_xm, row0 + 2, m, d, xsc, True)
+            part3, xs3 = _fma_row(part3, xs3, x0 + 3 * stride_xm, row0 + 3, m, d, xsc, True)
+    acc0 = _group_sum(acc0, part0, xs0, scale, zs)
+    if BLOCK_M > 1:
+        acc1 = _group_sum(acc1, part1, xs1, scale, zs)
+    if BLOCK_M > 2:
+        acc2 = _group_sum(acc2, part2, xs2, scale, zs)
+        acc3 = _group_sum(acc3, part3, xs3, scale, zs)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _fma_rows(
     x_rows,
     qw_ptr,
@@ -225,6 +302,7 @@ def _fma_rows(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """x[row0 + (0..BLOCK_M), k_start:k_end] @ W[.., cols] on the CUDA cores: [BLOCK_M,
     BLOCK_N] fp32, BLOCK_M 1, 2 or 4. The words stay the [BLOCK_K / 8, BLOCK_N] tile they were
@@ -242,43 +320,38 @@ def _fma_rows(
     acc1 = tl.zeros([KW, BLOCK_N], tl.float32)
     acc2 = tl.zeros([KW, BLOCK_N], tl.float32)
     acc3 = tl.zeros([KW, BLOCK_N], tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        packed = tl.load(qw_ptr + (k0 // 8 + kw)[:, None] * n + cols[None, :])
-        high = packed >> 12
-        x_step = x_rows + k0 + kw * 8
-        group = k0 >> group_shift
-        scale = tl.load(s_ptr + group * n + cols).to(tl.float32)
-        zs = tl.load(z_ptr + group * n + cols).to(tl.float32) * scale
-        zs = tl.broadcast_to(-zs[None, :], (KW, BLOCK_N))
-        scale = scale * 3.8685626227668134e25  # 2^85: the sums' unit back to 1
-        scale = tl.broadcast_to(scale[None, :], (KW, BLOCK_N))
-        part0 = tl.zeros([KW, BLOCK_N], tl.float32)
-        part1 = tl.zeros([KW, BLOCK_N], tl.float32)
-        part2 = tl.zeros([KW, BLOCK_N], tl.float32)
-        part3 = tl.zeros([KW, BLOCK_N], tl.float32)
-        xs0 = tl.zeros([KW], tl.float32)
-        xs1 = tl.zeros([KW], tl.float32)
-        xs2 = tl.zeros([KW], tl.float32)
-        xs3 = tl.zeros([KW], tl.float32)
-        for j in tl.static_range(8):
-            pos = 4 * j - 12 * (j >= 5)
-            d = ((packed if j < 5 else high) & (15 << pos)).to(tl.float32, bitcast=True)
-            x0 = x_step + j
-            if HAS_PERM:
-                x0 = x_rows + tl.load(perm_ptr + k0 + kw * 8 + j)
-            xsc = 18446744073709551616.0 / (1 << pos)  # 2^(64 - p)
-            part0, xs0 = _fma_row(part0, xs0, x0, row0, m, d, xsc, False)
-            if BLOCK_M > 1:
-                part1, xs1 = _fma_row(part1, xs1, x0 + stride_xm, row0 + 1, m, d, xsc, True)
-            if BLOCK_M > 2:
-                part2, xs2 = _fma_row(part2, xs2, x0 + 2 * stride_xm, row0 + 2, m, d, xsc, True)
-                part3, xs3 = _fma_row(part3, xs3, x0 + 3 * stride_xm, row0 + 3, m, d, xsc, True)
-        acc0 = _group_sum(acc0, part0, xs0, scale, zs)
-        if BLOCK_M > 1:
-            acc1 = _group_sum(acc1, part1, xs1, scale, zs)
-        if BLOCK_M > 2:
-            acc2 = _group_sum(acc2, part2, xs2, scale, zs)
-            acc3 = _group_sum(acc3, part3, xs3, scale, zs)
+    if PREFETCH:
+        # Step i + 1's words, scales and zeros are loaded before step i's arithmetic, so they
+        # are in flight while it runs. The first step's loads come before the loop (none for a
+        # split past K, k_start >= k_end), and the last step runs after it: the loop's loads
+        # stay unmasked (a masked load's registers are zeroed first: instructions a step).
+        packed, s_raw, z_raw = _fma_step_loads(
+            qw_ptr, s_ptr, z_ptr, k_start, k_end, kw, cols, n, group_shift, BLOCK_N, True, True
+        )
+        for k0 in range(k_start, k_end - BLOCK_K, BLOCK_K):
+            words_next, s_next, z_next = _fma_step_loads(
+                qw_ptr, s_ptr, z_ptr, k0 + BLOCK_K, k_end, kw, cols, n, group_shift, BLOCK_N,
+                False, True,
+            )  # fmt: skip
+            acc0, acc1, acc2, acc3 = _fma_step(
+                acc0, acc1, acc2, acc3, packed, s_raw, z_raw, x_rows, perm_ptr, m, row0, k0,
+                kw, stride_xm, HAS_PERM, BLOCK_M, BLOCK_N, KW,
+            )  # fmt: skip
+            packed, s_raw, z_raw = words_next, s_next, z_next
+        if k_start < k_end:
+            acc0, acc1, acc2, acc3 = _fma_step(
+                acc0, acc1, acc2, acc3, packed, s_raw, z_raw, x_rows, perm_ptr, m, row0,
+                k_end - BLOCK_K, kw, stride_xm, HAS_PERM, BLOCK_M, BLOCK_N, KW,
+            )  # fmt: skip
+    else:
+        for k0 in range(k_start, k_end, BLOCK_K):
+            packed, s_raw, z_raw = _fma_step_loads(
+                qw_ptr, s_ptr, z_ptr, k0, k_end, kw, cols, n, group_shift, BLOCK_N, False, False
+            )
+            acc0, acc1, acc2, acc3 = _fma_step(
+                acc0, acc1, acc2, acc3, packed, s_raw, z_raw, x_rows, perm_ptr, m, row0, k0,
+                kw, stride_xm, HAS_PERM, BLOCK_M, BLOCK_N, KW,
+            )  # fmt: skip
     rows = tl.arange(0, BLOCK_M)[:, None]
     out = tl.where(rows == 0, tl.sum(acc0, axis=0)[None, :], 0.0)
     if BLOCK_M > 1:
@@ -315,6 +388,7 @@ def w4a16_kernel(
     USE_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     """Grid (column blocks, row blocks, splits): out[split] = x[rows, ks] @ W[ks, cols] (+ bias
     in split 0), ks = this split's [k_start, k_start + k_per_split) clipped to k; k_per_split
@@ -334,7 +408,7 @@ def w4a16_kernel(
         acc = _fma_rows(
             x_ptr + pid_m.to(tl.int64) * BLOCK_M * stride_xm, qw_ptr, s_ptr, z_ptr, perm_ptr, m,
             pid_m * BLOCK_M, cols, n, stride_xm, k_start, k_end, group_shift,
-            HAS_PERM, BLOCK_M, BLOCK_N, BLOCK_K,
+            HAS_PERM, BLOCK_M, BLOCK_N, BLOCK_K, PREFETCH,
         )  # fmt: skip
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -464,6 +538,7 @@ def _launch(
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         UPCAST=x.dtype == torch.float32 or (interpret and x.dtype == torch.bfloat16),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PREFETCH=cfg.prefetch and not cfg.use_dot,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
