@@ -950,6 +950,12 @@ SHAPES = {  # (kind, hidden, intermediate, experts, top_k)
 }
 
 
+def ops_router_logits(layer: FusedMoE, x: torch.Tensor) -> torch.Tensor:
+    """The router's logits [T, E] in float32 as the layer's ops compute them (linear_parts:
+    K-slice parts on the TMA GEMV, each rounded to x's dtype, summed here)."""
+    return layer.ops.linear_parts(layer.gate, x).float().sum(0)
+
+
 def torch_reference(
     torch_layer: FusedMoE, x: torch.Tensor, triton_layer: FusedMoE | None = None
 ) -> torch.Tensor:
@@ -962,8 +968,7 @@ def torch_reference(
     with torch.no_grad():
         logits = torch_layer.gate(x)
         if triton_layer is not None:
-            parts = triton_layer.ops.linear_parts(triton_layer.gate, x)
-            summed = parts.float().sum(0)
+            summed = ops_router_logits(triton_layer, x)
             assert (summed - logits.float()).abs().max() <= 2**-6 * logits.float().abs().max()
             logits = summed
         weights, ids = TritonOps().route_experts(logits, torch_layer.router)
@@ -1130,7 +1135,7 @@ def routed_alike(layer: FusedMoE, reference: FusedMoE, x: torch.Tensor) -> torch
     float32 `reference` pick the same routed experts: bf16 logits' near-ties may pick another
     expert, and such a row then differs by a whole expert's share, not by rounding."""
     with torch.no_grad():
-        logits = layer.ops.linear_parts(layer.gate, x).float().sum(0)
+        logits = ops_router_logits(layer, x)
         want = reference.gate(x.float()).float()
     k = layer.router.top_k
     ids = route(logits, layer.router)[1][:, :k].sort(1).values
