@@ -309,10 +309,11 @@ class Grouping:
 # have distinct experts, so a tile per pair reads each expert once, as the grouped tiles would,
 # without the grouping's launch. (Two tokens' pairs may share experts, read twice then.)
 PER_PAIR_MAX_TOKENS = 1
-# Tokens up to which MXFP4 pairs run moe_gemv_kernel (CUDA cores, no tile padding) instead of
-# moe_gemm_kernel's tiles (faster for bf16 weights): GEMV_BLOCK_N output columns a program of
-# GEMV_WARPS warps, GEMV_BLOCK_K columns a step (bytes: half that for MXFP4); measured choices
-# (docs/ARCHITECTURE.md, MoE decisions).
+# Tokens up to which MXFP4 and W4A16 pairs run moe_gemv_kernel (CUDA cores, no tile padding)
+# instead of moe_gemm_kernel's tiles (faster for bf16 weights). W4A16's launch: GEMV_BLOCK_N
+# output columns a program of GEMV_WARPS warps, GEMV_BLOCK_K columns a step (by analogy with
+# MXFP4's byte layout, which measured best so); MXFP4's below (docs/ARCHITECTURE.md, MoE
+# decisions).
 GEMV_MAX_TOKENS = 4
 GEMV_BLOCK_N = 16
 GEMV_BLOCK_K = 256
