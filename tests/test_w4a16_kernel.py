@@ -173,10 +173,14 @@ def test_picked_configs_run() -> None:
 
 @interpreted
 def test_default_config_takes_the_fma_path_up_to_fma_rows(monkeypatch) -> None:
-    """A call without a config: pick_config's tl.dot path while FMA_ROWS is 0, the CUDA-core
-    path up to FMA_ROWS rows once set, and both give the exact weights' product."""
+    """A call without a config: the CUDA-core path up to FMA_ROWS rows (4 by default),
+    pick_config's tl.dot path above or everywhere at 0, and both give the exact weights' product."""
     from inferx_kernels_cuda import w4a16
 
+    assert [w4a16.default_config(m, 64, 1024).use_dot for m in (1, 4, 5, 20)] == [
+        False, False, True, True,
+    ]  # fmt: skip
+    monkeypatch.setattr(w4a16, "FMA_ROWS", 0)
     assert all(w4a16.default_config(m, 64, 1024).use_dot for m in (1, 4, 20))
     monkeypatch.setattr(w4a16, "FMA_ROWS", 2)
     assert [w4a16.default_config(m, 64, 1024).use_dot for m in (1, 2, 3)] == [False, False, True]

@@ -1062,6 +1062,7 @@ def gemm_configs(
     fmt: str,
     num_sms: int,
     gemv: bool = False,
+    swap_ab: bool = False,
 ) -> tuple[GemmConfig, GemmConfig]:
     """(gate_up's, down's) tiles for a step of num_pairs pairs over experts of intermediate
     size n. Up to 16 pairs an expert on average, 16-row tiles (a decode step reads weights;
@@ -1070,7 +1071,9 @@ def gemm_configs(
     MXFP4's with 4 warps (8 spill the dequantization); W4A16's decode tiles 64 columns of K
     deep (128 spill the dequantization of a 64-wide tile at sm_90: tests/sm90_moe.py, registers
     by benchmarks/kernel_sass.py's resources). gemv: moe_gemv_kernel's columns. Small tiles
-    under the interpreter."""
+    under the interpreter. swap_ab: whether the prefill tiles may swap operands (MXFP4 weights,
+    bf16 / float32 activations), which MXFP4's take: W @ A^T reads each weight tile once a
+    tile of tokens, faster at 256 and 2048 tokens (docs/BENCHMARKS.md)."""
     mxfp4 = fmt == "mxfp4"
     decode_k = 64 if fmt == "w4a16" else 128
     if _interpreting():
@@ -1089,6 +1092,9 @@ def gemm_configs(
         tiles = min(num_pairs, num_experts)  # tiles holding pairs, about
         gate_up = GemmConfig(16, _decode_block_n(tiles, n, num_sms), decode_k, 4, 4)
         down = GemmConfig(16, _decode_block_n(tiles, hidden, num_sms), decode_k, 4, 4)
+    elif mxfp4 and swap_ab:
+        block_m = 128 if num_pairs >= 128 * num_experts else 64
+        gate_up = down = GemmConfig(block_m, 64, 64, 4, 3, swap_ab=True)
     elif num_pairs >= 128 * num_experts:
         warps = 4 if mxfp4 else 8
         gate_up = GemmConfig(128, 64, 64, warps, 3)
@@ -1229,7 +1235,8 @@ def fused_experts(
         raise ValueError(f"{spec.prefix}: the MoE GEMV reads MXFP4 rows as 4-byte words")
     if configs is None:
         sms = 132 if _interpreting() else _num_sms(x.device)
-        configs = gemm_configs(num_pairs, e, n, hidden, w.format, sms, gemv)
+        swap = mxfp4 and x.dtype != torch.float16
+        configs = gemm_configs(num_pairs, e, n, hidden, w.format, sms, gemv, swap)
     gate_up_cfg, down_cfg = configs
     if (gate_up_cfg.swap_ab or down_cfg.swap_ab) and not (mxfp4 and x.dtype != torch.float16):
         raise ValueError(

@@ -52,11 +52,9 @@ from inferx_kernels_cuda.gemv import split_k_reduce_kernel
 
 GEMV_ROWS = 16  # up to this many rows: the split-K GEMV regime
 MAX_FMA_ROWS = 4
-# Rows up to which a call without a config takes the CUDA-core path (fma_config); 0, the tl.dot
-# path everywhere, until benchmarks/w4a16_gemm.py --fma and a model's decode time it.
-FMA_ROWS = 0
-# fma_config's W4Config.prefetch (a module constant so a model run can A/B it with --patch)
-FMA_PREFETCH = True
+# Rows up to which a call without a config takes the CUDA-core path (fma_config), which decodes
+# faster than tl.dot's (docs/BENCHMARKS.md); 0 sends every call to the tl.dot path.
+FMA_ROWS = MAX_FMA_ROWS
 _REDUCE_BLOCK = 256
 _H100_SMS = 132
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -137,13 +135,13 @@ def fma_config(m: int, n: int, k: int, num_sms: int = _H100_SMS) -> W4Config:
     """The CUDA-core path's config for 1-4 rows, which benchmarks/w4a16_gemm.py --fma times
     beside pick_config's (not picked at run time until it has been timed): 64 columns, a
     128-row step (one group), four warps. The next step's words, scales and zeros are loaded
-    during the current step's arithmetic (prefetch, FMA_PREFETCH); beyond that, memory
+    during the current step's arithmetic (prefetch); beyond that, memory
     parallelism comes from resident programs: K is split for eight programs an SM, down to two
     steps a split (a guess for the sweep to tune)."""
     if not 1 <= m <= MAX_FMA_ROWS:
         raise ValueError(f"w4a16: the CUDA-core path takes 1-{MAX_FMA_ROWS} rows, not {m}")
     cfg = W4Config(block_m=1 << (m - 1).bit_length(), block_n=64, block_k=128, num_stages=1)
-    cfg = replace(cfg, use_dot=False, prefetch=FMA_PREFETCH)
+    cfg = replace(cfg, use_dot=False, prefetch=True)
     split = split_for(triton.cdiv(n, cfg.block_n), k, cfg.block_k, m, num_sms, 8, 2)
     return replace(cfg, split_k=split)
 
