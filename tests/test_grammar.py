@@ -236,6 +236,44 @@ def test_no_backend_installed_says_what_to_install() -> None:
         grammars.matcher('{"type":"object"}')
 
 
+def test_preload_builds_the_backend_on_a_thread_before_the_first_request() -> None:
+    """A server preloads: the backend is built on another thread, once, and the first
+    structured request uses that one."""
+    import threading
+
+    built: list[str] = []
+
+    class SlowBackend(SetBackend):
+        def __init__(self, tokenizer: object = None, vocab_size: int = 0) -> None:
+            super().__init__(tokenizer, vocab_size)
+            built.append(threading.current_thread().name)
+
+    class Plugin:
+        @hookimpl
+        def inferx_grammar_backends(self, register: object) -> None:
+            register("slow", SlowBackend)  # type: ignore[operator]
+
+    reg = Plugins(load_entry_points=False)
+    reg.register(Plugin(), package="test")
+    grammars = Grammars(EngineSection(), reg, tokenizer=object(), vocab_size=64)
+    grammars.preload()
+    grammars.preload()  # a second call starts nothing
+    assert grammars.matcher('{"allowed":[3]}').allowed == {3}
+    assert built == ["inferx-grammar-load"]
+    assert isinstance(grammars.backend, SlowBackend) and len(built) == 1
+
+
+def test_a_failed_preload_is_the_first_structured_requests_error() -> None:
+    grammars = Grammars(EngineSection(), Plugins(load_entry_points=False), object(), 64)
+    grammars.preload()
+    for _ in range(2):  # raised to the first request, and built (and refused) again after
+        with pytest.raises(ValueError, match="pip install inferx-server"):
+            grammars.matcher('{"type":"object"}')
+    no_tokenizer = Grammars(EngineSection(), Plugins(load_entry_points=False), None, 64)
+    no_tokenizer.preload()  # nothing to build without a tokenizer
+    assert no_tokenizer._loader is None
+
+
 def test_sampling_params_json_schema() -> None:
     schema = {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}}
     p = SamplingParams(json_schema=schema)

@@ -2,11 +2,14 @@
 an LRU cache, gives each structured sequence its matcher (a GrammarState), and advances the
 matchers and fills their token masks (a GrammarWorker), on a thread of their own by default so
 that this work overlaps the engine's. The backend (a plugin) is built on the first structured
-request, so start-up pays nothing for it."""
+request, so an offline engine's start-up pays nothing for it; a server preloads it on a thread
+once its engine is up (Grammars.preload), since building it reads the whole vocabulary (about a
+second for a 150k vocabulary) and every structured request arriving meanwhile waits for it."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -273,6 +276,8 @@ class Grammars:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._backend: GrammarBackend | None = None
+        self._loader: threading.Thread | None = None
+        self._load_error: BaseException | None = None
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self.worker = GrammarWorker(threaded=config.grammar_worker)
         name = config.grammar_backend
@@ -280,17 +285,42 @@ class Grammars:
             known = ", ".join(["auto", *reg.names("grammar_backend")])
             raise ValueError(f"engine.grammar_backend: unknown backend {name!r}; known: {known}")
 
+    def preload(self) -> None:
+        """Build the backend now, on a thread of its own; the first structured request waits
+        for it (and gets its error, if building it failed). Nothing without a tokenizer."""
+        if self.tokenizer is None or self._backend is not None or self._loader is not None:
+            return
+        self._loader = threading.Thread(target=self._preload, name="inferx-grammar-load")
+        self._loader.daemon = True
+        self._loader.start()
+
+    def _preload(self) -> None:
+        try:
+            self._backend = self._build()
+        except BaseException as exc:  # noqa: BLE001 - raised to the first structured request
+            self._load_error = exc
+
     @property
     def backend(self) -> GrammarBackend:
+        if self._loader is not None:
+            self._loader.join()
+            self._loader = None
+            if self._load_error is not None:
+                exc, self._load_error = self._load_error, None
+                raise exc
         if self._backend is None:
-            if self.tokenizer is None:
-                raise ValueError("structured output needs the model's tokenizer; it has none")
-            name = self._pick()
-            cls = self.reg.get("grammar_backend", name)
-            vocab = self.vocab_size or self.tokenizer.vocab_size
-            self._backend = cls(self.tokenizer, vocab)  # type: ignore[operator]
-            log.info("structured output: grammar backend %s", name)
+            self._backend = self._build()
         return self._backend
+
+    def _build(self) -> GrammarBackend:
+        if self.tokenizer is None:
+            raise ValueError("structured output needs the model's tokenizer; it has none")
+        name = self._pick()
+        cls = self.reg.get("grammar_backend", name)
+        vocab = self.vocab_size or self.tokenizer.vocab_size
+        backend = cls(self.tokenizer, vocab)  # type: ignore[operator]
+        log.info("structured output: grammar backend %s", name)
+        return backend
 
     def _pick(self) -> str:
         name = self.config.grammar_backend

@@ -15,7 +15,12 @@ from functools import partial
 
 from inferx_core.cli import UsageError, _Parser, add_config_flags, config_from_args
 from inferx_core.config import Config, ConfigError
-from inferx_server.engine_process import EngineProcess, build_engine, show_startup_progress
+from inferx_server.engine_process import (
+    EngineProcess,
+    build_engine,
+    preload_grammars,
+    show_startup_progress,
+)
 from inferx_server.listen import bind
 
 
@@ -87,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         transport_cls = reg.get("transport", config.server.transport)
         if engine is None:
             engine = Engine(config, reg=reg)
+            preload_grammars(engine)
         else:
             engine.wait_ready()
         transport = transport_cls(engine, config)  # type: ignore[operator]

@@ -56,6 +56,14 @@ def build_engine(config: Any) -> Any:
     return Engine(config)
 
 
+def preload_grammars(engine: Any) -> None:
+    """A serving engine builds its grammar backend at once, on a thread (Grammars.preload):
+    structured requests need not wait for it. Engines without grammars (stubs) have nothing."""
+    preload = getattr(getattr(engine, "grammars", None), "preload", None)
+    if preload is not None:
+        preload()
+
+
 def checkpoint_source(engine: Any) -> str:
     """Where an Engine's weights came from ("" when its executor does not say): the served
     model's name is made from it. An EngineProcess carries its child's as `source`."""
@@ -95,6 +103,7 @@ def _child(pipe: Connection, factory: Callable[[], Any]) -> None:
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
         conn.send(("dead", exc))
         return
+    preload_grammars(engine)
     executor = getattr(engine, "executor", None)
     if hasattr(executor, "on_fatal"):  # a tensor-parallel rank 0: its watchdog's last word
         executor.on_fatal = lambda exc: conn.send(("dead", exc))
