@@ -5,6 +5,8 @@ timed by torch.profiler and printed per decode step, largest first.
 python benchmarks/decode_profile.py --model gpt-oss-20b --tokenizer DIR [--steps 128]
     [--prompt-len 128] [--top 28] [--set KEY=VALUE ...] [--shared-experts-apart]
 
+--set model.path=DIR profiles a checkpoint of the preset's shapes from disk (as gpu_table.py).
+
 DIR holds the preset's tokenizer (../shared/fixtures/tokenizers/{qwen,llama3,gpt-oss}); for
 DeepSeek-V2 pass Llama 3's, which is cut down to its vocabulary as gpu_table.py does. Kernels
 launched with programmatic dependent launch (inferx_kernels_cuda.pdl) start before the kernel
@@ -70,6 +72,8 @@ def main() -> None:
             "scheduler.prefix_cache": "false",
         }
         overrides |= dict(kv.split("=", 1) for kv in args.set)
+        if overrides.get("model.path"):  # a checkpoint of the preset's shapes on disk (W4A16's)
+            del overrides["model.preset"]
         llm = LLM(load_config(None, overrides))
         prompt = [[7 + i for i in range(args.prompt_len)]]
         warm = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
