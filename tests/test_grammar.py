@@ -186,14 +186,21 @@ def test_sampler_draws_only_allowed_tokens(params: SamplingParams) -> None:
             torch.testing.assert_close(top.sampled, want, atol=1e-5, rtol=0)
 
 
-def _grammars(size: int = 2, backend: str = "auto") -> tuple[Grammars, SetBackend]:
+def _registry(name: str, cls: type[GrammarBackend]) -> Plugins:
+    """Plugins holding one grammar backend, `cls` as `name`."""
+
     class Plugin:
         @hookimpl
         def inferx_grammar_backends(self, register: object) -> None:
-            register("sets", SetBackend)  # type: ignore[operator]
+            register(name, cls)  # type: ignore[operator]
 
     reg = Plugins(load_entry_points=False)
     reg.register(Plugin(), package="test")
+    return reg
+
+
+def _grammars(size: int = 2, backend: str = "auto") -> tuple[Grammars, SetBackend]:
+    reg = _registry("sets", SetBackend)
     config = EngineSection(grammar_backend=backend, grammar_cache_size=size)
     grammars = Grammars(config, reg, tokenizer=object(), vocab_size=64)
     return grammars, grammars.backend  # type: ignore[return-value]
@@ -248,14 +255,7 @@ def test_preload_builds_the_backend_on_a_thread_before_the_first_request() -> No
             super().__init__(tokenizer, vocab_size)
             built.append(threading.current_thread().name)
 
-    class Plugin:
-        @hookimpl
-        def inferx_grammar_backends(self, register: object) -> None:
-            register("slow", SlowBackend)  # type: ignore[operator]
-
-    reg = Plugins(load_entry_points=False)
-    reg.register(Plugin(), package="test")
-    grammars = Grammars(EngineSection(), reg, tokenizer=object(), vocab_size=64)
+    grammars = Grammars(EngineSection(), _registry("slow", SlowBackend), object(), 64)
     grammars.preload()
     grammars.preload()  # a second call starts nothing
     assert grammars.matcher('{"allowed":[3]}').allowed == {3}
