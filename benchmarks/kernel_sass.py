@@ -9,8 +9,8 @@ longest loop in the SASS and prints its length, the instructions a weight byte a
 
 python benchmarks/kernel_sass.py [--kernels moe_gemv,moe_gemm,w4a16] [--block-n 8,16,32]
     [--warps 8] [--block-k 1024]
-    [--model qwen2.5-3b] [--rows 1] [--act-order] [--shapes qkv,o,gate_up,down] [--json OUT]
-    [--dump DIR]
+    [--model qwen2.5-3b] [--rows 1] [--act-order] [--pdl] [--shapes qkv,o,gate_up,down]
+    [--json OUT] [--dump DIR]
 
 Per kernel and config: registers a thread and stack bytes (spills) from cuobjdump, the loop's
 SASS instructions (one warp's pass), those over the weight bytes a thread takes a pass, and the
@@ -24,13 +24,22 @@ dequantized once per M tile: its bytes a clock then also feed the tensor cores. 
 w4a16_kernel at a dense model's decode shapes (benchmarks/gemm_shapes.py; --model, --shapes),
 --rows rows of bf16 x, group 128, at the configs w4a16.pick_config (tl.dot) and, up to 4 rows,
 w4a16.fma_config (CUDA cores) give, the latter also with its register prefetch
-(W4Config.prefetch) the other way; --act-order with the K permutation.
+(W4Config.prefetch) the other way; --act-order with the K permutation; --pdl also
+fma_config's as w4a16.PDL launches it (pdl: the trigger at its start, as QKV, o_proj and down
+get it; pdl late: after its K loop).
+
+A kernel compiled with a grid-dependency wait (PDL; `griddepcontrol.wait` in the PTX, ACQBULK
+in the SASS) also gets the loads issued before it: in the PTX by the function of the kernel's
+source each comes from, and the SASS's LDG count before ACQBULK (the `pre-wait` column, and
+`pre_wait` in the JSON): what the kernel reads before the kernel ahead has finished.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
+import functools
 import inspect
 import json
 import os
@@ -138,6 +147,56 @@ def loop_sass(compiled: Any) -> list[str]:
     return [ins for addr, ins in instrs if start <= addr <= end]
 
 
+def pre_wait_loads(compiled: Any) -> dict[str, Any] | None:
+    """The global loads issued before the kernel's grid-dependency wait, None without one:
+    {"ptx": {function: loads} by the kernel source's function each comes from (the innermost
+    of its line info), "sass": LDGs before the first ACQBULK, "sass_128": those 128 bits
+    wide}. A load ptxas moved across the wait shows as the two counts differing."""
+    ptx = compiled.asm["ptx"]
+    if "griddepcontrol.wait" not in ptx:
+        return None
+    files = dict(re.findall(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx, re.M))
+    by_function: collections.Counter = collections.Counter()
+    where = None
+    for line in ptx.splitlines():
+        if m := re.match(r"\s*\.loc\s+(\d+)\s+(\d+)", line):
+            where = (files.get(m.group(1), ""), int(m.group(2)))
+        elif "griddepcontrol.wait" in line:
+            break
+        elif re.search(r"\bld\.global", line):
+            by_function[_function_at(*where) if where else "?"] += 1
+    sass = []
+    for line in _tool("nvdisasm", compiled.asm["cubin"], "-c").splitlines():
+        if m := re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
+            if re.search(r"\bACQBULK\b", m.group(1)):
+                break
+            if re.search(r"\bLDG\b", m.group(1)):
+                sass.append(m.group(1))
+    wide = sum(".128" in ins for ins in sass)
+    return {"ptx": dict(by_function), "sass": len(sass), "sass_128": wide}
+
+
+@functools.cache
+def _functions(path: str) -> list[tuple[int, int, str]]:
+    """(first line, last line, name) of each function in a Python file."""
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+    except OSError:
+        return []
+    return [
+        (node.lineno, node.end_lineno or node.lineno, node.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef)
+    ]
+
+
+def _function_at(path: str, line: int) -> str:
+    """The innermost function of a Python file holding that line ("?" if none)."""
+    spans = [(lo, hi, name) for lo, hi, name in _functions(path) if lo <= line <= hi]
+    return max(spans)[2] if spans else "?"
+
+
 class Case(NamedTuple):
     """One compile: per_thread is the weight bytes a thread takes a loop iteration."""
 
@@ -215,25 +274,31 @@ def w4a16_cases(args: argparse.Namespace) -> Iterator[Case]:
     for shape in args.shapes.split(",") if args.shapes else shapes:
         k, n = shapes[shape]
         configs = [w4a16.pick_config(args.rows, n, k)]
+        configs = [(cfg, "", {}) for cfg in configs]
         if args.rows <= w4a16.MAX_FMA_ROWS:
             fma = w4a16.fma_config(args.rows, n, k)
             # both ways of the register prefetch, fma_config's first
-            configs += [fma, replace(fma, prefetch=not fma.prefetch)]
-        for cfg in configs:
+            configs += [(fma, "", {}), (replace(fma, prefetch=not fma.prefetch), "", {})]
+            if args.pdl:  # the PDL launches of w4a16.pdl_launch
+                configs += [
+                    (fma, " pdl", {"PDL": True, "TRIGGER": True}),
+                    (fma, " pdl late", {"PDL": True, "LATE": True}),
+                ]
+        for cfg, suffix, pdl in configs:
             block_k = w4a16._block_k(cfg, W4A16_GROUP, k)
             constexprs = dict(
                 HAS_PERM=args.act_order, HAS_BIAS=False, BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n, BLOCK_K=block_k, PACKED=cfg.packed_loads,
                 USE_DOT=cfg.use_dot, UPCAST=False, DOT_PRECISION="tf32",
-                PREFETCH=cfg.prefetch and not cfg.use_dot,
+                PREFETCH=cfg.prefetch and not cfg.use_dot, **pdl,
             )  # fmt: skip
             types = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8"}
             types |= {"perm_ptr": "*i32", "bias_ptr": "*bf16"}
             types["out_ptr"] = "*fp32" if cfg.split_k > 1 else "*bf16"
             per_thread = block_k * cfg.block_n / 2 / (32 * cfg.num_warps)
             yield Case(
-                f"w4a16 {shape} {cfg}", w4a16.w4a16_kernel, types, constexprs, cfg.num_warps,
-                per_thread, cfg.num_stages, W4A16_UNALIGNED,
+                f"w4a16 {shape} {cfg}{suffix}", w4a16.w4a16_kernel, types, constexprs,
+                cfg.num_warps, per_thread, cfg.num_stages, W4A16_UNALIGNED,
             )  # fmt: skip
 
 
@@ -253,6 +318,7 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--model", choices=MODELS, default="qwen2.5-3b", help="w4a16's shapes")
     parser.add_argument("--rows", type=int, default=1, help="w4a16's rows of x")
     parser.add_argument("--act-order", action="store_true", help="w4a16 with the K permutation")
+    parser.add_argument("--pdl", action="store_true", help="w4a16: also fma_config's with PDL")
     parser.add_argument("--shapes", help="w4a16's, comma-separated (default: all)")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--dump", help="also write each loop's SASS to a file in this folder")
@@ -277,7 +343,10 @@ def main() -> None:
             f"w4a16: {args.model}, {args.rows} row(s), group {W4A16_GROUP}, "
             f"act-order {args.act_order}"
         )
-    print(f"{'kernel':52s} {'regs':>4s} {'stack':>5s} {'loop':>5s} {'/byte':>6s}  top opcodes")
+    print(
+        f"{'kernel':60s} {'regs':>4s} {'stack':>5s} {'loop':>5s} {'/byte':>6s} {'pre-wait':>8s}"
+        "  top opcodes"
+    )
     rows = []
     for name in kernels:
         for case in KERNELS[name](args):
@@ -293,13 +362,18 @@ def main() -> None:
                     f.write("\n".join(loop_sass(compiled)) + "\n")
             per_byte = length / case.per_thread
             top = " ".join(f"{op} {n}" for op, n in ops.most_common(8))
+            pre_wait = pre_wait_loads(compiled)
+            loads = "-" if pre_wait is None else str(pre_wait["sass"])
             print(
-                f"{case.label:52s} {regs:4d} {stack:5d} {length:5d} {per_byte:6.1f}  {top}",
+                f"{case.label:60s} {regs:4d} {stack:5d} {length:5d} {per_byte:6.1f} "
+                f"{loads:>8s}  {top}",
                 flush=True,
             )
+            if pre_wait is not None:
+                print(f"{'':60s} before the wait: {pre_wait}", flush=True)
             rows.append(
                 {"kernel": case.label, "regs": regs, "stack": stack, "loop": length}
-                | {"per_byte": per_byte}
+                | {"per_byte": per_byte, "pre_wait": pre_wait}
             )
     if args.json:
         with open(args.json, "w") as f:

@@ -218,6 +218,133 @@ def test_fma_loop_within_the_h100_issue_budget(tmp_path) -> None:
         assert 0 < row["per_byte"] <= 8.8, out.stdout
 
 
+def _kernel_sass(tmp_path, *flags: str) -> tuple[list[dict], str]:
+    """benchmarks/kernel_sass.py's JSON rows and its table for these flags, run in a process
+    of its own outside the interpreter (with the Triton on its path)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).parents[1] / "benchmarks" / "kernel_sass.py"
+    out_json = tmp_path / "sass.json"
+    cmd = [sys.executable, str(script), *flags, "--json", str(out_json)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out_json.read_text())["rows"], out.stdout
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_pdl_variant_loads_its_first_weights_before_the_wait(tmp_path, rows: int) -> None:
+    """w4a16.PDL's launches of the CUDA-core path (`kernel_sass.py --pdl`: the trigger at
+    the start, or after the K loop), compiled for sm_90: the loads before the grid-dependency
+    wait (griddepcontrol.wait, ACQBULK in the SASS) are the first step's words (two or more
+    128-bit loads), scales and zeros (_fma_step_loads), none of x, and ptxas moved none across
+    it (as many LDGs before ACQBULK as PTX loads); the loop is the plain prefetch loop's
+    (as long, no more registers as allocated, no spills). The kernels without PDL have no
+    wait."""
+    flags = ["--kernels", "w4a16", "--shapes", "o", "--pdl", "--rows", str(rows)]
+    table, stdout = _kernel_sass(tmp_path, *flags)
+    plain = [row for row in table if row["kernel"].endswith(" fma pf")]
+    pdl = [row for row in table if " pf pdl" in row["kernel"]]
+    assert len(plain) == 1 and len(pdl) == 2, stdout
+    assert all(row["pre_wait"] is None for row in table if "pdl" not in row["kernel"]), stdout
+    for row in pdl:
+        loads = row["pre_wait"]
+        assert list(loads["ptx"]) == ["_fma_step_loads"], stdout
+        assert loads["ptx"]["_fma_step_loads"] >= 3, stdout  # words, scales, zeros
+        assert loads["sass"] == loads["ptx"]["_fma_step_loads"], stdout
+        assert loads["sass_128"] >= 2, stdout
+        # registers are allocated 8 a thread at a time: no fewer programs fit an SM
+        assert row["stack"] == 0 and -(-row["regs"] // 8) <= -(-plain[0]["regs"] // 8), stdout
+        assert row["loop"] == plain[0]["loop"], stdout
+
+
+class LaunchRecorder:
+    """Stands in for a Triton kernel: records each launch's PDL arguments, then runs it."""
+
+    KEYS = ("PDL", "TRIGGER", "LATE", "launch_pdl")
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.launches: list[dict] = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append({k: v for k, v in kwargs.items() if k in self.KEYS})
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.fixture
+def pdl_on(monkeypatch):
+    """w4a16.PDL set and PDL on for every device (the interpreter runs gdc_* as no-ops);
+    yields the recorder of w4a16_kernel's launches."""
+    from inferx_kernels_cuda import pdl, w4a16
+
+    monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
+    recorder = LaunchRecorder(w4a16.w4a16_kernel)
+    monkeypatch.setattr(w4a16, "w4a16_kernel", recorder)
+    monkeypatch.setattr(w4a16, "PDL", True)
+    return recorder
+
+
+# the CUDA-core path with and without its prefetch (whose first step's loads precede the wait),
+# splits past K among them, and the tl.dot path's GEMV and GEMM
+PDL_CONFIGS = {
+    "fma-m1-prefetch": FMA_ROWS["fma-m1-prefetch"],
+    "fma-m4-split16-prefetch": PREFETCH["m4-split16"],
+    "fma-m2-split5-prefetch": replace(PREFETCH["m4-split5"], block_m=2),
+    "fma-m1": FMA_ROWS["fma-m1"],
+    "gemv-split3": CONFIGS["gemv-split3"],
+    "gemm": CONFIGS["gemm"],
+}
+
+
+@interpreted
+@pytest.mark.parametrize("config", PDL_CONFIGS)
+@pytest.mark.parametrize("name", ["gptq-act-order-g64", "awq-g64"])
+def test_pdl_variant_gives_the_same_bits(pdl_on, monkeypatch, name: str, config: str) -> None:
+    """w4a16.PDL on: the kernel launches with PDL, triggering the next kernel at its start or
+    after its K loop as pdl.gemv_launch says for the rows and the caller's trigger (the
+    interpreter's grid dependency control is a no-op), and gives the bits it gives with the
+    switch off, the kernel then launched as before (no PDL arguments): the same loads, only
+    placed around the wait. w4a16_linear with a K split: PDL without a trigger (the reduce
+    after it launches as before); none after act-order's gather."""
+    from inferx_kernels_cuda import w4a16
+
+    layer, exact, bias = _layer(name)
+    cfg = PDL_CONFIGS[config]
+    b = layer.bias.to(torch.bfloat16)
+    for rows in (1, 3) if cfg.block_m < 16 else (2, 20):
+        x = torch.randn(rows, SPEC.in_features, generator=torch.Generator().manual_seed(rows))
+        x = x.to(torch.bfloat16)
+        monkeypatch.setattr(w4a16, "PDL", False)
+        del pdl_on.launches[:]
+        base_parts = w4a16_linear_parts(x, *_args(layer), bias=b, config=cfg)
+        base = w4a16_linear(x, *_args(layer), bias=b, config=cfg)
+        assert all(launch == {} for launch in pdl_on.launches), pdl_on.launches
+        monkeypatch.setattr(w4a16, "PDL", True)
+        for trigger in (False, True):
+            del pdl_on.launches[:]
+            got = w4a16_linear_parts(x, *_args(layer), bias=b, config=cfg, trigger=trigger)
+            assert torch.equal(got, base_parts), (rows, trigger)
+            (launch,) = pdl_on.launches
+            want = {"PDL": True, "launch_pdl": True, "TRIGGER": trigger or rows in range(2, 17)}
+            want |= {} if want["TRIGGER"] else {"LATE": True}
+            # past 16 rows an act-order x is gathered by a torch kernel first: no PDL
+            gathered = layer.perm is not None and rows > 16
+            assert launch == ({} if gathered else want), launch
+        del pdl_on.launches[:]
+        assert torch.equal(w4a16_linear(x, *_args(layer), bias=b, config=cfg), base)
+        if cfg.split_k > 1 and not gathered:
+            assert pdl_on.launches == [{"PDL": True, "launch_pdl": True}]
+        _close(got.float().sum(0), x.double() @ exact.double().t() + b.double(), 2.0**-6)
+
+
 def test_bad_inputs_are_refused() -> None:
     layer, _, _ = _layer("awq-g64")
     with pytest.raises(ValueError, match="x must be"):

@@ -104,8 +104,11 @@ def silu_and_mul_kernel(
     stride_out,
     n_cols,
     BLOCK: tl.constexpr,
+    TRIGGER: tl.constexpr = False,
 ):
-    """Grid (rows, column blocks): row r of x holds gate then up, n_cols each."""
+    """Grid (rows, column blocks): row r of x holds gate then up, n_cols each. TRIGGER
+    (inferx_kernels_cuda.pdl): the GEMV after it (down_proj's W4A16 GEMV) may launch now."""
+    pdl_start(False, TRIGGER)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols

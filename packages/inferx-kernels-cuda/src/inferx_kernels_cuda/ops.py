@@ -52,6 +52,17 @@ def _dense(linear: torch.nn.Module) -> bool:
     return isinstance(linear, QuantLinear) and linear.dense_weight() is not None
 
 
+def _takes_trigger(linear: torch.nn.Module, x: object) -> bool:
+    """Whether the layer's forward_parts / forward_split take `trigger` (QuantLinear.
+    takes_trigger) for x: rows of plain activations."""
+    return (
+        isinstance(linear, QuantLinear)
+        and linear.takes_trigger
+        and isinstance(x, torch.Tensor)
+        and x.dim() == 2
+    )
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, last dim] with a unit stride along the last dim (a view when possible)."""
     if x.stride(-1) != 1:
@@ -351,9 +362,12 @@ class TritonOps(KernelOps):
             block = min(_SILU_BLOCK, triton.next_power_of_2(half))
             # Rows on grid axis 0: it allows 2**31 - 1 programs, axis 1 only 65535.
             grid = (rows, triton.cdiv(half, block))
+            # TRIGGER where the decode GEMVs launch with PDL: down_proj's when it is not fused
+            # with gate_up (W4A16's) may then launch early.
             kernels.silu_and_mul_kernel[grid](
-                x2, out2, x2.stride(0), out2.stride(0), half, BLOCK=block, num_warps=4
-            )
+                x2, out2, x2.stride(0), out2.stride(0), half, BLOCK=block,
+                TRIGGER=between_launch(x.device, rows, half)["TRIGGER"], num_warps=4,
+            )  # fmt: skip
         return out
 
     def silu_and_mul_quant(self, x: torch.Tensor, quant: ActivationQuant) -> QuantizedActivation:
@@ -500,6 +514,8 @@ class TritonOps(KernelOps):
             # (gpt-oss's o_proj) goes into part 0
             trigger = norm_early(x.device, x.shape[0])
             return self._tma(x, linear.dense_weight(), parts, trigger, linear.bias)
+        if _takes_trigger(linear, x):  # the same rule for a method's own GEMV (W4A16's)
+            return linear.forward_parts(x, trigger=norm_early(x.device, x.shape[0]))
         return linear.forward_parts(x)
 
     def _takes_reduce(self, linear: torch.nn.Module, splits: SplitAttention) -> bool:
@@ -530,6 +546,8 @@ class TritonOps(KernelOps):
             if in_ranges(x.shape[0], self.qkv_half_rows):
                 parts = max(1, parts // 2)
             return self._tma(x, linear.dense_weight(), parts, trigger), linear.bias
+        if _takes_trigger(linear, x):  # the same rule for a method's own GEMV (W4A16's)
+            return linear.forward_split(x, trigger=attention_early(x.device, x.shape[0]))
         return linear.forward_split(x)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:

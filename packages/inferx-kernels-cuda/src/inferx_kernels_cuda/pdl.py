@@ -6,8 +6,11 @@ tma_norm_gemv_kernel) launched with PDL becomes resident as soon as the kernel a
 lets it (every program of that kernel has called `gdc_launch_dependents`, or exited), and
 waits in `gdc_wait` until that kernel has finished and its writes are visible. The kernels
 ahead of the GEMVs call `gdc_launch_dependents` at their start (their TRIGGER constexpr):
-rms_norm_kernel, decode_kernel and decode_reduce_kernel. The trigger does nothing
-when the next kernel was launched without PDL. Every other kernel launches as before.
+rms_norm_kernel, decode_kernel, decode_reduce_kernel, and silu_and_mul_kernel (ahead of a
+down_proj not fused with gate_up). The trigger does nothing when the next kernel was launched
+without PDL. Every other kernel launches as before. W4A16's GEMV (w4a16.w4a16_kernel) takes
+the same rules behind its own switch, w4a16.PDL (off until timed), through
+QuantLinear.takes_trigger for the call sites' triggers below.
 
 Faster steps at every batch of 1-64 (the graph's launch gaps shrink). By the step's rows (a
 decode step's batch; row ranges as tuples of (lo, hi), module attributes below that tests and
@@ -38,17 +41,25 @@ import torch
 import triton
 import triton.language as tl
 
+
+@triton.jit
+def _no_wait() -> None:
+    pass
+
+
+@triton.jit
+def _no_trigger() -> None:
+    pass
+
+
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # a Triton without grid dependency control: never traced (PDL is off)
-
-    @triton.jit
-    def gdc_wait() -> None:
-        pass
-
-    @triton.jit
-    def gdc_launch_dependents() -> None:
-        pass
+    gdc_wait, gdc_launch_dependents = _no_wait, _no_trigger
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    # The interpreter has no grid dependency control either. PDL never launches there, but
+    # tests run a kernel's PDL variant (its loads placed around the wait) against the plain one.
+    gdc_wait, gdc_launch_dependents = _no_wait, _no_trigger
 
 
 __all__ = [
@@ -168,8 +179,9 @@ def between_launch(
     device: torch.device, rows: int, width: int, norm: bool = False
 ) -> dict[str, Any]:
     """The PDL arguments of a kernel between the GEMVs (rms_norm_kernel, decode_kernel,
-    decode_reduce_kernel) for a step of `rows` rows of a layer `width` wide (the norm's
-    columns, the attention's heads x head dim): TRIGGER (the GEMV after it may launch early),
+    decode_reduce_kernel; silu_and_mul_kernel takes TRIGGER alone) for a step of `rows` rows
+    of a layer `width` wide (the norm's columns, the attention's heads x head dim, the
+    activation's columns): TRIGGER (the GEMV after it may launch early),
     and PDL (it launches early itself and waits) with Triton's launch_pdl where ALL_ROWS
     takes the rows and width <= ALL_MAX_WIDTH, or for the norm (`norm`) where NORM_ROWS takes
     them."""

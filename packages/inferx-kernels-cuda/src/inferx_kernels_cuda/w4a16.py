@@ -35,6 +35,12 @@ zero point and scale once a group), where the dot path spends about ten (unpack,
 scale, round, and the trip through shared memory into the MMA layout). Exact weights; x's
 magnitude below 2^64. `benchmarks/kernel_sass.py --kernels w4a16` counts both loops'
 instructions.
+
+PDL (the module switch, off until timed): up to PDL_MAX_ROWS rows the kernel launches with
+programmatic dependent launch by the bf16 decode GEMVs' rules (pdl_launch; the kernel ahead,
+a norm or the attention, lets it launch early), so its launch and the first step's weight
+loads overlap the kernel ahead: the CUDA-core path's prefetch issues them before its wait
+(`gdc_wait`), every load of x comes after it; the tl.dot path waits first.
 """
 
 from __future__ import annotations
@@ -43,18 +49,27 @@ import functools
 import math
 import os
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from inferx_kernels_cuda.gemv import split_k_reduce_kernel
+from inferx_kernels_cuda.pdl import gemv_launch, pdl_late, pdl_start
 
 GEMV_ROWS = 16  # up to this many rows: the split-K GEMV regime
 MAX_FMA_ROWS = 4
 # Rows up to which a call without a config takes the CUDA-core path (fma_config), which decodes
 # faster than tl.dot's (docs/BENCHMARKS.md); 0 sends every call to the tl.dot path.
 FMA_ROWS = MAX_FMA_ROWS
+# Programmatic dependent launch (inferx_kernels_cuda.pdl) of the GEMV at up to PDL_MAX_ROWS
+# rows (the TMA GEMVs' limit, TritonOps.tma_gemv_max_rows), by the rules of the bf16 decode
+# GEMVs (pdl_launch): an A/B switch read at each launch, off until timed on a GPU
+# (`benchmarks/gpu_table.py --patch inferx_kernels_cuda.w4a16.PDL=True`). Off, the kernel
+# compiles as it does without the switch.
+PDL = False
+PDL_MAX_ROWS = 64
 _REDUCE_BLOCK = 256
 _H100_SMS = 132
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -301,6 +316,8 @@ def _fma_rows(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
     """x[row0 + (0..BLOCK_M), k_start:k_end] @ W[.., cols] on the CUDA cores: [BLOCK_M,
     BLOCK_N] fp32, BLOCK_M 1, 2 or 4. The words stay the [BLOCK_K / 8, BLOCK_N] tile they were
@@ -311,7 +328,9 @@ def _fma_rows(
     below the exponent); one FFMA multiplies that by x * 2^(64 - p) into a sum in units of
     2^-85, exact products as the plain q * x would be. Zero points and scales apply once a
     group (BLOCK_K divides it): s * (sum x q - z * sum x). Range: |x| < 2^64 (x * 2^64 must
-    not overflow); a product under 2^-126 (|x q| < 2^-41) is a denormal and loses bits."""
+    not overflow); a product under 2^-126 (|x q| < 2^-41) is a denormal and loses bits.
+    PDL, TRIGGER (inferx_kernels_cuda.pdl): the wait comes after the first step's loads with
+    PREFETCH (the weight is no kernel's output), else first."""
     KW: tl.constexpr = BLOCK_K // 8
     kw = tl.arange(0, KW)
     acc0 = tl.zeros([KW, BLOCK_N], tl.float32)
@@ -326,6 +345,9 @@ def _fma_rows(
         packed, s_raw, z_raw = _fma_step_loads(
             qw_ptr, s_ptr, z_ptr, k_start, k_end, kw, cols, n, group_shift, BLOCK_N, True, True
         )
+        # Launched early (PDL), the program waits here for the kernel ahead, which writes x:
+        # the first step's weight loads are in flight across the wait, x's all come after it.
+        pdl_start(PDL, TRIGGER)
         for k0 in range(k_start, k_end - BLOCK_K, BLOCK_K):
             words_next, s_next, z_next = _fma_step_loads(
                 qw_ptr, s_ptr, z_ptr, k0 + BLOCK_K, k_end, kw, cols, n, group_shift, BLOCK_N,
@@ -342,6 +364,7 @@ def _fma_rows(
                 k_end - BLOCK_K, kw, stride_xm, HAS_PERM, BLOCK_M, BLOCK_N, KW,
             )  # fmt: skip
     else:
+        pdl_start(PDL, TRIGGER)
         for k0 in range(k_start, k_end, BLOCK_K):
             packed, s_raw, z_raw = _fma_step_loads(
                 qw_ptr, s_ptr, z_ptr, k0, k_end, kw, cols, n, group_shift, BLOCK_N, False, False
@@ -387,11 +410,15 @@ def w4a16_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PREFETCH: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+    TRIGGER: tl.constexpr = False,
+    LATE: tl.constexpr = False,
 ):
     """Grid (column blocks, row blocks, splits): out[split] = x[rows, ks] @ W[ks, cols] (+ bias
     in split 0), ks = this split's [k_start, k_start + k_per_split) clipped to k; k_per_split
     and k are multiples of BLOCK_K. Columns past n reread a real column (never stored), so the
-    weight loads stay unmasked."""
+    weight loads stay unmasked. PDL, TRIGGER, LATE: inferx_kernels_cuda.pdl (pdl_launch); the
+    CUDA-core path's prefetch issues its first step's weight loads before the wait."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -406,9 +433,10 @@ def w4a16_kernel(
         acc = _fma_rows(
             x_ptr + pid_m.to(tl.int64) * BLOCK_M * stride_xm, qw_ptr, s_ptr, z_ptr, perm_ptr, m,
             pid_m * BLOCK_M, cols, n, stride_xm, k_start, k_end, group_shift,
-            HAS_PERM, BLOCK_M, BLOCK_N, BLOCK_K, PREFETCH,
+            HAS_PERM, BLOCK_M, BLOCK_N, BLOCK_K, PREFETCH, PDL, TRIGGER,
         )  # fmt: skip
     else:
+        pdl_start(PDL, TRIGGER)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -422,6 +450,7 @@ def w4a16_kernel(
                 acc += tl.dot(x.to(tl.float32), w, input_precision=DOT_PRECISION)
             else:
                 acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
+    pdl_late(LATE)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols).to(tl.float32)
         acc += bias[None, :] * (pid_k == 0).to(tl.float32)
@@ -489,6 +518,16 @@ def _check(
         )
 
 
+def pdl_launch(device: torch.device, rows: int, trigger: bool = False) -> dict[str, Any]:
+    """w4a16_kernel's PDL arguments for `rows` rows of x: none (the kernel as without PDL)
+    unless PDL is set and rows <= PDL_MAX_ROWS; then pdl.gemv_launch's, as the bf16 decode
+    GEMVs get them (PDL where the device has it; TRIGGER where the rows or the caller's
+    `trigger` say the kernel after it launches early; LATE else, at LATE_ROWS)."""
+    if not PDL or rows > PDL_MAX_ROWS:
+        return {}
+    return gemv_launch(device, rows, trigger)
+
+
 def _launch(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -499,8 +538,9 @@ def _launch(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     cfg: W4Config,
+    pdl: dict[str, Any],
 ) -> None:
-    """One kernel launch into out [split_k, M, N] (any float dtype)."""
+    """One kernel launch into out [split_k, M, N] (any float dtype); pdl: pdl_launch's."""
     m, k = x.shape
     n = qweight.shape[1]
     if not cfg.use_dot and (cfg.block_m > MAX_FMA_ROWS or cfg.block_m & (cfg.block_m - 1)):
@@ -539,6 +579,7 @@ def _launch(
         PREFETCH=cfg.prefetch and not cfg.use_dot,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl,
     )
 
 
@@ -551,6 +592,14 @@ def _gathered(
     if perm is None or x.shape[0] <= GEMV_ROWS:
         return x, perm
     return x.index_select(1, perm), None
+
+
+def _pdl_after_gather(x: torch.Tensor, perm: torch.Tensor | None, trigger: bool) -> dict[str, Any]:
+    """pdl_launch's arguments for x, none where _gathered permutes it first: the kernel ahead
+    is then that gather, which lets no kernel launch early."""
+    if perm is not None and x.shape[0] > GEMV_ROWS:
+        return {}
+    return pdl_launch(x.device, x.shape[0], trigger)
 
 
 def default_config(m: int, n: int, k: int, num_sms: int = _H100_SMS) -> W4Config:
@@ -580,12 +629,15 @@ def w4a16_linear(
     if m == 0:
         return out
     cfg = config or default_config(m, n, k, _num_sms(x.device))
+    pdl = _pdl_after_gather(x, perm, False)
     x, perm = _gathered(x, perm)
     if cfg.split_k == 1:
-        _launch(x, qweight, scales, zeros, group_size, perm, bias, out.unsqueeze(0), cfg)
+        _launch(x, qweight, scales, zeros, group_size, perm, bias, out.unsqueeze(0), cfg, pdl)
         return out
+    # the reduce comes next, launched without PDL: nothing for the GEMV to trigger
+    pdl = {key: value for key, value in pdl.items() if key in ("PDL", "launch_pdl")}
     partial = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
-    _launch(x, qweight, scales, zeros, group_size, perm, None, partial, cfg)
+    _launch(x, qweight, scales, zeros, group_size, perm, None, partial, cfg, pdl)
     split_k_reduce_kernel[(m, triton.cdiv(n, _REDUCE_BLOCK))](
         partial,
         bias if bias is not None else partial,
@@ -610,15 +662,18 @@ def w4a16_linear_parts(
     perm: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     config: W4Config | None = None,
+    trigger: bool = False,
 ) -> torch.Tensor:
     """The K split's partial results [S, M, N] in x's dtype, the bias in the first, for callers
-    that sum them anyway (QuantLinear.forward_parts): one launch."""
+    that sum them anyway (QuantLinear.forward_parts): one launch. trigger: the kernel after it
+    launches early (PDL, pdl_launch)."""
     _check(x, qweight, scales, zeros, group_size, perm, bias)
     m, k = x.shape
     n = qweight.shape[1]
     cfg = config or default_config(m, n, k, _num_sms(x.device))
-    x, perm = _gathered(x, perm)
     out = torch.empty((cfg.split_k, m, n), dtype=x.dtype, device=x.device)
     if m:
-        _launch(x, qweight, scales, zeros, group_size, perm, bias, out, cfg)
+        pdl = _pdl_after_gather(x, perm, trigger)
+        x, perm = _gathered(x, perm)
+        _launch(x, qweight, scales, zeros, group_size, perm, bias, out, cfg, pdl)
     return out

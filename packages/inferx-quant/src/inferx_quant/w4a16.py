@@ -135,6 +135,7 @@ class W4A16Linear(QuantLinear):
     dequantized exactly to float32, one float32 GEMM, cast to x's dtype, then the bias."""
 
     use_kernel = True  # A/B switch: False keeps the reference path on a GPU too
+    takes_trigger = True  # forward_parts / forward_split: the kernel's PDL trigger
 
     def __init__(
         self,
@@ -351,19 +352,22 @@ class W4A16Linear(QuantLinear):
                 y = y + self.bias
         return y.reshape(*lead, y.shape[-1])
 
-    def forward_parts(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_parts(self, x: torch.Tensor, trigger: bool = False) -> torch.Tensor:
         """On a GPU the kernel's split-K partial results as they are (bias in the first): the
-        caller's sum replaces the kernel's own reduce."""
+        caller's sum replaces the kernel's own reduce. trigger: the kernel after it launches
+        early (QuantLinear.takes_trigger; the kernel's PDL switch decides)."""
         kernels = self._kernels(x)
         if kernels is None or x.dim() != 2:
             return super().forward_parts(x)
-        return kernels.w4a16_linear_parts(x, *self._kernel_args(), bias=self.bias)
+        return kernels.w4a16_linear_parts(x, *self._kernel_args(), bias=self.bias, trigger=trigger)
 
-    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_split(
+        self, x: torch.Tensor, trigger: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         kernels = self._kernels(x)
         if kernels is None or x.dim() != 2:
             return super().forward_split(x)
-        return kernels.w4a16_linear_parts(x, *self._kernel_args()), self.bias
+        return kernels.w4a16_linear_parts(x, *self._kernel_args(), trigger=trigger), self.bias
 
     def _kernel_args(self) -> tuple[Any, ...]:
         return self.qweight, self.scales, self.zeros, self.group, self.perm

@@ -141,6 +141,11 @@ class QuantLinear(torch.nn.Module, ABC):
     # forward then also accepts a QuantizedActivation of this spec, which a fused norm or
     # activation kernel before it produced. None: plain activations only.
     input_quant: ActivationQuant | None = None
+    # Whether forward_parts and forward_split take a keyword `trigger` (bool): True where the
+    # kernel after the GEMM launches early (programmatic dependent launch), so the method's
+    # GEMV may let it start before the GEMV ends. A kernel package passes it only to methods
+    # that set this; others are called as before.
+    takes_trigger: bool = False
 
     @abstractmethod
     def load(self, kind: str, tensor: torch.Tensor, part: int = 0) -> None:
