@@ -698,13 +698,13 @@ def moe_gemm_kernel(
         elif W4:
             w = _w4_tile(
                 w_base, s_base, z_base, k0, w4_cols, stride_wn, group_shift,
-                BLOCK_K, BLOCK_N, True, HAS_ZEROS,
+                BLOCK_K, BLOCK_N, True, HAS_ZEROS, w_base, False,
             )  # fmt: skip
             acc = _dot(a, w.to(a.dtype), acc, DOT_FP32)
             if gated:
                 w = _w4_tile(
                     w_base, s_base, z_base, k0, w4_cols + up_offset, stride_wn, group_shift,
-                    BLOCK_K, BLOCK_N, True, HAS_ZEROS,
+                    BLOCK_K, BLOCK_N, True, HAS_ZEROS, w_base, False,
                 )  # fmt: skip
                 acc_up = _dot(a, w.to(a.dtype), acc_up, DOT_FP32)
         else:
@@ -943,13 +943,13 @@ def moe_gemv_kernel(
             a = tl.load(a_row + ka).to(tl.float32)[:, None]
             w = _w4_tile(
                 w_base, s_base, z_base, k0, w4_cols, stride_wn, group_shift,
-                BLOCK_K, BLOCK_N, True, HAS_ZEROS,
+                BLOCK_K, BLOCK_N, True, HAS_ZEROS, w_base, False,
             )  # fmt: skip
             acc_t += w * a
             if gated:
                 w = _w4_tile(
                     w_base, s_base, z_base, k0, w4_cols + up_offset, stride_wn, group_shift,
-                    BLOCK_K, BLOCK_N, True, HAS_ZEROS,
+                    BLOCK_K, BLOCK_N, True, HAS_ZEROS, w_base, False,
                 )  # fmt: skip
                 up_t += w * a
         acc2 = tl.trans(acc_t)
