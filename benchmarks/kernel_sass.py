@@ -9,7 +9,8 @@ longest loop in the SASS and prints its length, the instructions a weight byte a
 
 python benchmarks/kernel_sass.py [--kernels moe_gemv,moe_gemm,w4a16] [--block-n 8,16,32]
     [--warps 8] [--block-k 1024]
-    [--model qwen2.5-3b] [--rows 1] [--act-order] [--pdl] [--shapes qkv,o,gate_up,down]
+    [--model qwen2.5-3b] [--rows 1] [--act-order] [--row-group] [--pdl]
+    [--shapes qkv,o,gate_up,down]
     [--json OUT] [--dump DIR]
 
 Per kernel and config: registers a thread and stack bytes (spills) from cuobjdump, the loop's
@@ -24,9 +25,10 @@ dequantized once per M tile: its bytes a clock then also feed the tensor cores. 
 w4a16_kernel at a dense model's decode shapes (benchmarks/gemm_shapes.py; --model, --shapes),
 --rows rows of bf16 x, group 128, at the configs w4a16.pick_config (tl.dot) and, up to 4 rows,
 w4a16.fma_config (CUDA cores) give, the latter also with its register prefetch
-(W4Config.prefetch) the other way; --act-order with the K permutation; --pdl also
-fma_config's as w4a16.PDL launches it (pdl: the trigger at its start, as QKV, o_proj and down
-get it; pdl late: after its K loop).
+(W4Config.prefetch) the other way; --act-order with the K permutation; --row-group with it
+and a group read per row (ROW_GROUP: act-order split along K over tensor-parallel ranks);
+--pdl also fma_config's as w4a16.PDL launches it (pdl: the trigger at its start, as QKV,
+o_proj and down get it; pdl late: after its K loop).
 
 A kernel compiled with a grid-dependency wait (PDL; `griddepcontrol.wait` in the PTX, ACQBULK
 in the SASS) also gets the loads issued before it: in the PTX by the function of the kernel's
@@ -285,15 +287,17 @@ def w4a16_cases(args: argparse.Namespace) -> Iterator[Case]:
                     (fma, " pdl late", {"PDL": True, "LATE": True}),
                 ]
         for cfg, suffix, pdl in configs:
-            block_k = w4a16._block_k(cfg, W4A16_GROUP, k)
+            block_k = w4a16._block_k(cfg, k if args.row_group else W4A16_GROUP, k)
             constexprs = dict(
-                HAS_PERM=args.act_order, HAS_BIAS=False, BLOCK_M=cfg.block_m,
+                HAS_PERM=args.act_order or args.row_group, HAS_BIAS=False, BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n, BLOCK_K=block_k, PACKED=cfg.packed_loads,
                 USE_DOT=cfg.use_dot, UPCAST=False, DOT_PRECISION="tf32",
                 PREFETCH=cfg.prefetch and not cfg.use_dot, **pdl,
             )  # fmt: skip
+            if args.row_group:  # left at its default otherwise, as a launch without one does
+                constexprs["ROW_GROUP"] = True
             types = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8"}
-            types |= {"perm_ptr": "*i32", "bias_ptr": "*bf16"}
+            types |= {"perm_ptr": "*i32", "bias_ptr": "*bf16", "rg_ptr": "*i32"}
             types["out_ptr"] = "*fp32" if cfg.split_k > 1 else "*bf16"
             per_thread = block_k * cfg.block_n / 2 / (32 * cfg.num_warps)
             yield Case(
@@ -318,6 +322,9 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--model", choices=MODELS, default="qwen2.5-3b", help="w4a16's shapes")
     parser.add_argument("--rows", type=int, default=1, help="w4a16's rows of x")
     parser.add_argument("--act-order", action="store_true", help="w4a16 with the K permutation")
+    parser.add_argument(
+        "--row-group", action="store_true", help="w4a16 with the permutation and a group a row"
+    )
     parser.add_argument("--pdl", action="store_true", help="w4a16: also fma_config's with PDL")
     parser.add_argument("--shapes", help="w4a16's, comma-separated (default: all)")
     parser.add_argument("--json", help="also write the rows to this file")
@@ -341,7 +348,7 @@ def main() -> None:
     if "w4a16" in kernels:
         print(
             f"w4a16: {args.model}, {args.rows} row(s), group {W4A16_GROUP}, "
-            f"act-order {args.act_order}"
+            f"act-order {args.act_order}, row groups {args.row_group}"
         )
     print(
         f"{'kernel':60s} {'regs':>4s} {'stack':>5s} {'loop':>5s} {'/byte':>6s} {'pre-wait':>8s}"

@@ -20,7 +20,7 @@ from kernel_sass import compile_sm90  # noqa: E402
 from inferx_kernels_cuda import moe_kernels as mk  # noqa: E402
 
 GEMV_SHARED = ("A_ROW_DIV", "ACT", "GATE_STRIDE", "MXFP4", "ROW_SCALE", "HAS_BIAS", "WEIGHTED")
-GEMV_SHARED += ("ATOMIC_K", "W4", "HAS_ZEROS", "HAS_PERM")
+GEMV_SHARED += ("ATOMIC_K", "W4", "HAS_ZEROS", "HAS_PERM", "ROW_GROUP")
 W4A16_GROUP = 128  # Qwen3-30B-A3B-GPTQ-Int4's
 
 
@@ -31,7 +31,7 @@ def gemm_types(fmt: str, per_pair: bool) -> dict[str, str]:
     types = {"a_ptr": "*bf16", "bias_ptr": "*bf16"}
     types |= {"w_ptr": "*i32", "scale_ptr": "*fp16"} if w4 else {}
     types |= {} if w4 else {"w_ptr": weight[fmt], "scale_ptr": scale[fmt]}
-    types |= {"zero_ptr": "*u8", "perm_ptr": "*i32"}
+    types |= {"zero_ptr": "*u8", "perm_ptr": "*i32", "rg_ptr": "*i32"}
     types |= {"topk_w_ptr": "*fp32", "out_ptr": "*bf16", "stride_we": "i64"}
     types |= {n: "*i32" for n in ("sorted_ptr", "block_expert_ptr", "num_padded_ptr")}
     if per_pair:  # all three are topk_ids then
@@ -66,8 +66,9 @@ def cases():
     yield "moe_sum splits", mk.moe_sum_kernel, splits, dict(TOP_K=4, BLOCK=1024, SPLITS=3), 4, 1
     shapes = {"gpt-oss-20b": (2880, 2880, 32, 4, False), "qwen3": (2048, 768, 128, 8, True)}
     for name, (hidden, inter, experts, k, silu) in shapes.items():
-        # W4A16 (GPTQ / AWQ) at Qwen3-30B-A3B's: symmetric, and with zero points and act-order
-        w4_formats = ("w4a16", "w4a16-zeros-act-order") if silu else ()
+        # W4A16 (GPTQ / AWQ) at Qwen3-30B-A3B's: symmetric, and with zero points and act-order;
+        # act-order over ranks ("-tp": down's scales by row, ROW_GROUP)
+        w4_formats = ("w4a16", "w4a16-zeros-act-order", "w4a16-act-order-tp") if silu else ()
         for fmt in ("dense", "mxfp4", "fp8", "fp8-block", *w4_formats):
             for tokens in (1, 8, 2048):
                 layout = "w4a16" if fmt.startswith("w4a16") else fmt
@@ -77,13 +78,15 @@ def cases():
                 )
                 for gated, cfg, gemv_cfg in zip((True, False), configs, gemv_configs, strict=True):
                     k_in = hidden if gated else inter
+                    row_group = fmt.endswith("-tp") and not gated
                     w4 = dict(
-                        W4=fmt.startswith("w4a16"), HAS_ZEROS=fmt.endswith("act-order"),
-                        HAS_PERM=fmt.endswith("act-order"),
+                        W4=fmt.startswith("w4a16"), HAS_ZEROS=fmt.endswith("zeros-act-order"),
+                        HAS_PERM="act-order" in fmt, ROW_GROUP=row_group,
                     )  # fmt: skip
+                    group = k_in if row_group else W4A16_GROUP
                     block_k = cfg.block_k
                     if w4["W4"]:  # as fused_experts lowers it
-                        block_k = mk._w4_block_k(block_k, W4A16_GROUP, k_in)
+                        block_k = mk._w4_block_k(block_k, group, k_in)
                     constexprs = dict(
                         A_ROW_DIV=k if gated else 1,
                         ACT=(mk.ACT_SILU if silu else mk.ACT_SWIGLU_OAI) if gated else 0,
@@ -104,7 +107,7 @@ def cases():
                     if tokens <= mk.GEMV_MAX_TOKENS and fmt != "fp8-block":
                         gemv = {n: constexprs[n] for n in GEMV_SHARED} | dict(
                             BLOCK_N=gemv_cfg.block_n,
-                            BLOCK_K=mk._w4_block_k(gemv_cfg.block_k, W4A16_GROUP, k_in)
+                            BLOCK_K=mk._w4_block_k(gemv_cfg.block_k, group, k_in)
                             if w4["W4"]
                             else gemv_cfg.block_k,
                             A_PAIRS=fmt == "mxfp4",  # bf16 rows, as fused_experts reads them

@@ -228,12 +228,16 @@ def fake_rank(rank: int) -> ParallelContext:
     return ParallelContext(rank, 2, group=object())  # sharding only: no collective runs
 
 
-@pytest.mark.parametrize("name", ["gptq-sym-g64", "gptq-sym-perchannel", "awq-g64"])
+@pytest.mark.parametrize(
+    "name",
+    ["gptq-sym-g64", "gptq-sym-perchannel", "awq-g64", "gptq-act-order-g64", "gptq-asym-act-order"],
+)
 @pytest.mark.parametrize("style", ["column", "row"])
 def test_tensor_parallel_shards_hold_the_whole(name: str, style: str) -> None:
     """Two ranks' shards, put back together, are the whole layer: column-parallel each part's
-    halves of its rows, row-parallel the halves of its inputs (in whole groups); their
-    forward passes give the whole layer's output (row-parallel: summed, bias once)."""
+    halves of its rows, row-parallel the halves of its inputs (in whole groups; act-order's
+    with their row groups); their forward passes give the whole layer's output (row-parallel:
+    summed, bias once)."""
     fmt, kw = CASES[name]
     spec = LinearSpec(
         "model.layers.0.mlp.gate_up_proj", 256, (128, 64), True, style, ("gate_proj", "up_proj")
@@ -257,15 +261,92 @@ def test_tensor_parallel_shards_hold_the_whole(name: str, style: str) -> None:
     torch.testing.assert_close(y, whole(x), rtol=1e-5, atol=1e-5)
 
 
-def test_act_order_split_along_its_inputs_is_refused() -> None:
-    spec = LinearSpec("model.layers.0.mlp.down_proj", 256, (64,), parallel="row")
-    with pytest.raises(NotImplementedError, match="act-order .* split along their inputs"):
-        W4A16Linear(spec, torch.float32, CPU, fake_rank(0), fmt=CASES["gptq-act-order-g64"][0])
-    spec = LinearSpec("model.layers.0.mlp.down_proj", 192, (64,), parallel="row")
-    with pytest.raises(ValueError, match="splits .* inputs at 96, not on a group of 64"):
-        W4A16Linear(spec, torch.float32, CPU, fake_rank(1), fmt=CASES["gptq-sym-g64"][0])
-    # act-order column-parallel layers keep every input and so their order
+def fake_ranks(n: int) -> list[ParallelContext]:
+    return [ParallelContext(r, n, group=object()) for r in range(n)]
+
+
+def split_along_k(fmt: W4Format, k: int, ranks: int, seed: int = 3, **kw):
+    """A row-parallel down_proj of k inputs and 96 outputs (bias), whole and as `ranks` fake
+    ranks' shards -> (whole layer, exact weight, the ranks' layers)."""
+    spec = LinearSpec("model.layers.0.mlp.down_proj", k, (96,), True, "row")
+    whole, exact, _ = loaded(fmt, spec, seed=seed, **kw)
+    shards = [loaded(fmt, spec, seed=seed, parallel=p, **kw)[0] for p in fake_ranks(ranks)]
+    return whole, exact, shards
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("name", ["gptq-act-order-g64", "gptq-asym-act-order"])
+def test_act_order_split_along_its_inputs(name: str, ranks: int) -> None:
+    """A row-parallel act-order layer over 2 and 4 ranks: each keeps its input rows sorted by
+    group with their row_group and the scales of the groups they touch; their weights side by
+    side are the whole layer's bit for bit, and their outputs summed (an all-reduce) the whole
+    layer's within 1e-5."""
+    fmt, kw = CASES[name]
+    whole, exact, shards = split_along_k(fmt, 256, ranks, **kw)
+    k = 256 // ranks
+    for r in shards:
+        assert r.k == k and r.perm is not None and r.row_group is not None
+        assert r.row_group.dtype == torch.int32 and r.row_group.shape == (k,)
+        assert bool((r.row_group[1:] >= r.row_group[:-1]).all())  # sorted: runs of a group
+        assert r.scales.shape == r.zeros.shape == (int(r.row_group.max()) + 1, 96)
+    torch.testing.assert_close(
+        torch.cat([r.dequantized_weight() for r in shards], 1), exact, rtol=0, atol=0
+    )
+    x = torch.randn(5, 256)
+    y = sum(r(x[:, i * k : (i + 1) * k]) for i, r in enumerate(shards))
+    want = whole(x)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_act_order_splits_may_cut_groups_but_not_kernel_steps() -> None:
+    """Act-order split along K: a slice may start inside a group (384 inputs in groups of 128
+    over 4 ranks, 96 each), which a plain layer refuses; a slice that is not a multiple of 16
+    rows (4-bit words of 8, kernel steps of 16) is refused naming the layer and
+    parallel.tensor. A desc_act checkpoint
+    whose g_idx is plain k // g keeps the one-rank layout: no order, its own groups' scales."""
     fmt, kw = CASES["gptq-act-order-g64"]
+    act_order = W4Format("gptq", 128, True, 1, desc_act=True)
+    whole, exact, shards = split_along_k(act_order, 384, 4, **kw)
+    assert [r.row_group is not None for r in shards] == [True] * 4
+    torch.testing.assert_close(
+        torch.cat([r.dequantized_weight() for r in shards], 1), exact, rtol=0, atol=0
+    )
+    spec = LinearSpec("model.layers.0.mlp.down_proj", 384, (64,), parallel="row")
+    plain = W4Format("gptq", 128, True, 1)
+    with pytest.raises(ValueError, match="splits .* inputs at 96, not on a group of 128"):
+        W4A16Linear(spec, torch.float32, CPU, fake_ranks(4)[1], fmt=plain)
+    spec = LinearSpec("model.layers.0.mlp.down_proj", 96, (64,), parallel="row")
+    g32 = W4Format("gptq", 32, True, 1, desc_act=True)
+    message = r"parallel.tensor = 4 splits model\.layers\.0\.mlp\.down_proj's inputs at 24, "
+    with pytest.raises(ValueError, match=message + "not on a multiple of 16 rows"):
+        W4A16Linear(spec, torch.float32, CPU, fake_ranks(4)[1], fmt=g32)
+    # desc_act with g_idx = k // g (no act-order in fact): the plain layout on each rank
+    whole, exact, shards = split_along_k(fmt, 256, 2)  # act_order off: g_idx = k // g
+    for r in shards:
+        assert r.perm is None and r.row_group is None and r.scales.shape == (2, 96)
+    torch.testing.assert_close(
+        torch.cat([r.dequantized_weight() for r in shards], 1), exact, rtol=0, atol=0
+    )
+
+
+def test_act_order_slices_check_their_g_idx() -> None:
+    """A rank sees only its slice of g_idx: a group past G, or more than g rows of one group in
+    the slice, is refused naming the tensor."""
+    fmt, kw = CASES["gptq-act-order-g64"]
+    spec = LinearSpec("model.layers.0.mlp.down_proj", 256, (96,), True, "row")
+    gen = torch.Generator().manual_seed(0)
+    t = quantize(torch.randn(96, 256, generator=gen), 64, True, gen, act_order=True, zero_min=1)
+    for bad in (4, 0):  # group 4 of 4 groups; 128 rows of group 0 on rank 0
+        layer = W4A16Linear(spec, torch.float32, CPU, fake_rank(0), fmt=fmt)
+        for kind, tensor in gptq_tensors(t).items():
+            if kind == "g_idx":
+                tensor = tensor.clone()
+                tensor[:128] = bad
+            layer.load(kind, tensor)
+        layer.load("bias", torch.zeros(96))
+        with pytest.raises(ValueError, match=r"down_proj\.g_idx does not give each of the 4"):
+            layer.finish_loading()
+    # act-order column-parallel layers keep every input and so their order
     spec = LinearSpec("model.layers.0.mlp.gate_up_proj", 256, (64, 64), False, "column", ("a", "b"))
     whole = loaded(fmt, spec, seed=1, **kw)[1]
     ranks = [loaded(fmt, spec, seed=1, parallel=fake_rank(r), **kw)[0] for r in (0, 1)]
@@ -703,3 +784,25 @@ def test_two_ranks_give_the_greedy_tokens_of_one(llama, tmp_path, cfg: dict) -> 
 
     quant, _ = write_w4(llama, tmp_path / "quantized", cfg)
     assert generate(quant, 2) == generate(quant, 1)
+
+
+@pytest.mark.parametrize("tensor", [2, 4])
+def test_act_order_over_ranks_gives_the_greedy_tokens_of_one(llama, tmp_path, tensor) -> None:
+    """A GPTQ act-order checkpoint (group 32) at parallel.tensor = 2 and 4 (gloo ranks on the
+    CPU): o_proj and down_proj split along their inputs, each rank's rows sorted by group with
+    their row_group (rank 0's layers checked here); the same greedy tokens as one rank."""
+    from test_distributed import GREEDY, PROMPTS, generate
+    from test_distributed import make_llm as make_ranks
+    from test_fp8 import layers_of
+
+    quant, _ = write_w4(llama, tmp_path / "quantized", dict(GPTQ, group_size=32, desc_act=True))
+    one = generate(quant, 1)
+    llm = make_ranks(quant, tensor)
+    try:
+        layers = layers_of(llm)
+        for name in ("model.layers.0.self_attn.o_proj", "model.layers.1.mlp.down_proj"):
+            assert layers[name].row_group is not None and layers[name].perm is not None
+        assert layers["model.layers.0.mlp.gate_up_proj"].row_group is None  # whole K
+        assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY)] == one
+    finally:
+        llm.engine.executor.close()

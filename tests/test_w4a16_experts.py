@@ -161,13 +161,64 @@ def test_tensor_parallel_shards_hold_the_whole(fmt: W4Format) -> None:
     torch.testing.assert_close(summed, whole(x, topk_weights, topk_ids), rtol=1e-5, atol=1e-5)
 
 
-def test_tensor_parallel_sizes_that_cut_a_group_or_an_act_order_are_refused() -> None:
-    """64 intermediate columns over 2 ranks cut a group of 64 (rank 1 would start at 32), and
-    act-order's groups are not contiguous in a rank's share of down's rows."""
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("name", ["gptq-act-order-g32", "gptq-asym-act-order-g32"])
+def test_act_order_experts_split_over_ranks(name: str, ranks: int) -> None:
+    """Act-order experts over 2 and 4 ranks: gate and up keep their whole K (and its order),
+    down's rows are split along K, each expert's sorted by group with down_row_group and the
+    scales of the groups they touch; put together the ranks' weights are the whole layer's bit
+    for bit, and their outputs summed its output within 1e-5."""
+    fmt = FORMATS[name]
+    weights, biases = random_experts(SPEC, fmt, seed=12)
+    whole = loaded(SPEC, fmt, weights, biases)
+    shards = [
+        loaded(SPEC, fmt, weights, biases, ParallelContext(r, ranks, group=object()))
+        for r in range(ranks)
+    ]
+    n = SPEC.intermediate_size // ranks
+    for r in shards:
+        w = r.expert_weights()
+        assert w.down_row_group is not None and w.down_row_group.shape == (4, n)
+        assert w.down_perm is not None and w.gate_up_perm is not None
+        assert w.down_scales.shape == (4, int(w.down_row_group.max()) + 1, 64)
+        assert bool((w.down_row_group[:, 1:] >= w.down_row_group[:, :-1]).all())
+    for e in range(SPEC.num_experts):
+        down = torch.cat([r.weight("down", e) for r in shards], 1)
+        torch.testing.assert_close(down, whole.weight("down", e), rtol=0, atol=0)
+        gate = torch.cat([r.weight("gate_up", e)[:n] for r in shards])
+        torch.testing.assert_close(gate, whole.weight("gate_up", e)[:64], rtol=0, atol=0)
+    x = torch.randn(5, 64, generator=gen(13))
+    topk_weights, topk_ids = routing(5, SPEC, 2, seed=14)
+    summed = sum(r(x, topk_weights, topk_ids) for r in shards)
+    assert rel(summed, whole(x, topk_weights, topk_ids).double()) < 1e-5
+
+
+def test_tensor_parallel_sizes_that_cut_a_group_or_a_kernel_tile_are_refused() -> None:
+    """64 intermediate columns over 2 ranks cut a group of 64 (rank 1 would start at 32);
+    act-order may cut groups but not the kernels' K tiles of 16 rows (8 a rank over 8 ranks).
+    A desc_act checkpoint whose down g_idx is plain k // g keeps the one-rank layout."""
     with pytest.raises(ValueError, match=r"parallel.tensor = 2 splits .*experts's intermediate"):
         W4A16Experts(SPEC, torch.float32, CPU, fake_rank(1), W4Format("gptq", 64, True, 1))
-    with pytest.raises(NotImplementedError, match=r"act-order \(desc_act\).*parallel.tensor = 2"):
-        W4A16Experts(SPEC, torch.float32, CPU, fake_rank(0), FORMATS["gptq-act-order-g32"])
+    eight = ParallelContext(1, 8, group=object())
+    with pytest.raises(ValueError, match=r"size 64 at 8, not on a multiple of 16 rows"):
+        W4A16Experts(SPEC, torch.float32, CPU, eight, FORMATS["gptq-act-order-g32"])
+    plain_fmt = FORMATS["gptq-sym-g32"]
+    weights, biases = random_experts(SPEC, plain_fmt, seed=15)  # g_idx = k // g
+    fmt = FORMATS["gptq-act-order-g32"]
+    whole = loaded(SPEC, fmt, weights, biases)
+    shards = [loaded(SPEC, fmt, weights, biases, fake_rank(r)) for r in (0, 1)]
+    for r in shards:
+        w = r.expert_weights()
+        assert w.down_row_group is None and w.down_perm is None and w.down_scales.shape[1] == 1
+    down = torch.cat([r.weight("down", 2) for r in shards], 1)
+    torch.testing.assert_close(down, whole.weight("down", 2), rtol=0, atol=0)
+    # a rank sees its rows of g_idx alone: a group past the last (2 groups of 32) is refused
+    weights, biases = random_experts(SPEC, fmt, seed=16)
+    tensors = dict(weights[3, "down"][0])
+    tensors["g_idx"] = torch.full((64,), 2, dtype=torch.int32)
+    weights[3, "down"] = (tensors, weights[3, "down"][1])
+    with pytest.raises(ValueError, match=r"experts\.3\.down_proj\.g_idx does not give each"):
+        loaded(SPEC, fmt, weights, biases, fake_rank(0))
 
 
 def test_missing_and_wrong_tensors_are_named() -> None:
@@ -287,3 +338,22 @@ def test_gpu_moe_checkpoint_agrees_with_its_dequantized_weights(qwen3_moe, tmp_p
     for mlp in moe_layers(llm):
         assert isinstance(mlp.experts, W4A16Experts) and mlp.experts.gate_up.is_cuda
     agree_in_top5(run(llm), run(make_llm(ref, **gpu)))
+
+
+def test_act_order_moe_over_two_ranks_gives_the_greedy_tokens_of_one(qwen3_moe, tmp_path):
+    """A GPTQ act-order Qwen3-MoE checkpoint (group 32) at parallel.tensor = 2 (gloo ranks on
+    the CPU): each expert's down split along K with row groups (rank 0's checked here), as
+    o_proj's; the same greedy tokens as one rank."""
+    from test_distributed import GREEDY, PROMPTS, generate
+    from test_distributed import make_llm as make_ranks
+
+    cfg = dict(GPTQ, group_size=32, desc_act=True)
+    quant, _ = write_w4(qwen3_moe, tmp_path / "act-order", cfg)
+    one = generate(quant, 1)
+    llm = make_ranks(quant, 2)
+    try:
+        for mlp in moe_layers(llm):
+            assert mlp.experts.down_row_group is not None
+        assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY)] == one
+    finally:
+        llm.engine.executor.close()

@@ -23,7 +23,12 @@ from inferx_kernels_cuda.w4a16 import (  # noqa: E402
     w4a16_linear,
     w4a16_linear_parts,
 )
-from inferx_quant.w4a16 import W4A16Linear, W4Format  # noqa: E402
+from inferx_quant.w4a16 import (  # noqa: E402
+    W4A16Linear,
+    W4Format,
+    pack_rows,
+    unpack_rows,
+)
 
 # 256 inputs, 96 outputs: two 64-column blocks, the second ragged.
 SPEC = LinearSpec("model.layers.0.mlp.down_proj", 256, (96,), bias=True)
@@ -345,6 +350,22 @@ def test_pdl_variant_gives_the_same_bits(pdl_on, monkeypatch, name: str, config:
         _close(got.float().sum(0), x.double() @ exact.double().t() + b.double(), 2.0**-6)
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_row_group_variant_compiles_for_sm90_without_spills(tmp_path, rows: int) -> None:
+    """ROW_GROUP (an act-order K slice) compiled for sm_90 without a GPU by
+    `benchmarks/kernel_sass.py --row-group` (a process of its own, as above): the tl.dot
+    config and the CUDA-core one with and without prefetch, none spilling. Its loop is
+    longer than the plain one's (a scale and zero gathered and converted per weight: 22 a
+    byte at one row, triton 3.6), which is the price of a row's own group."""
+    flags = ("--kernels", "w4a16", "--shapes", "o", "--row-group", "--rows", str(rows))
+    found, stdout = _kernel_sass(tmp_path, *flags)
+    assert "row groups True" in stdout, stdout
+    assert len(found) == 3, stdout
+    for row in found:
+        assert row["stack"] == 0 and 0 < row["regs"] <= 255, stdout
+        assert row["loop"] > 0, stdout
+
+
 def test_bad_inputs_are_refused() -> None:
     layer, _, _ = _layer("awq-g64")
     with pytest.raises(ValueError, match="x must be"):
@@ -383,6 +404,41 @@ def test_the_layer_reaches_the_kernel_on_cuda(monkeypatch) -> None:
 LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
 
+@interpreted
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_split_act_order_layer_reaches_the_row_group_kernel(monkeypatch, ranks: int) -> None:
+    """A row-parallel act-order layer over 2 and 4 ranks on "CUDA" (the interpreter, is_cuda
+    faked): each rank's forward, forward_parts and forward_split run the kernel with its
+    row_group, and the ranks' results summed are the whole layer's within 1e-5, at 3 rows
+    (the CUDA-core path) and 20 (tl.dot, x permuted first)."""
+    from test_w4a16 import split_along_k
+
+    from inferx_kernels_cuda import w4a16
+
+    fmt, kw = CASES["gptq-asym-act-order"]
+    whole, exact, shards = split_along_k(fmt, 256, ranks, seed=4, **kw)
+    calls = []
+
+    def kernels(x):
+        calls.append(x.shape)
+        return w4a16
+
+    for r in shards:
+        assert r.row_group is not None
+        monkeypatch.setattr(r, "_kernels", kernels)
+    k = 256 // ranks
+    for rows in (3, 20):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+        want = x.double() @ exact.double().t() + whole.bias.double()
+        xs = [x[:, i * k : (i + 1) * k] for i in range(ranks)]
+        _close(sum(r(xi) for r, xi in zip(shards, xs, strict=True)), want, 1e-5)
+        parts = [r.forward_parts(xi).sum(0) for r, xi in zip(shards, xs, strict=True)]
+        _close(sum(parts), want, 1e-5)
+        split = [r.forward_split(xi) for r, xi in zip(shards, xs, strict=True)]
+        _close(sum(p.sum(0) + (b if b is not None else 0) for p, b in split), want, 1e-5)
+    assert len(calls) == 2 * 3 * ranks
+
+
 def random_weights(n: int, k: int, group: int, act_order: bool, device: torch.device):
     """Random kernel operands of an [N, K] layer (random words, scales about 2^-7, zeros in
     0..15, a random perm for act-order) -> (args for w4a16_linear, the exact fp32 [N, K])."""
@@ -410,6 +466,103 @@ def test_random_weights_are_the_layers_own() -> None:
     args, exact = random_weights(24, 128, 32, True, torch.device("cpu"))
     x = torch.randn(3, 128)
     _close(w4a16_linear(x, *args, config=CONFIGS["gemv"]), x.double() @ exact.double().t(), 1e-5)
+
+
+def k_slice(n: int, k_whole: int, group: int, ranks: int, rank: int, device, seed: int = 0):
+    """One rank's share of an act-order layer split along K (a row-parallel layer over `ranks`
+    ranks), written here from the definitions: random nibbles, zeros and scales of either sign,
+    a random act-order g_idx (each group `group` rows in a random order); the rank's rows
+    [k0, k0 + k) sorted by group, row_group their groups counted from the first they touch.
+    -> (args for w4a16_linear, row_group, the exact float32 [N, k] of the slice)."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = k_whole // group
+    q = torch.randint(0, 16, (k_whole, n), generator=gen)
+    sign = torch.randint(0, 2, (groups, n), generator=gen) * 2 - 1
+    scales = ((torch.rand(groups, n, generator=gen) * 7 + 1) / 512 * sign).half()
+    zeros = torch.randint(0, 16, (groups, n), generator=gen)
+    g_idx = torch.empty(k_whole, dtype=torch.int64)
+    g_idx[torch.randperm(k_whole, generator=gen)] = torch.arange(k_whole) // group
+    exact = (q - zeros[g_idx]).float() * scales.float()[g_idx]  # [K, N], input order
+    k = k_whole // ranks
+    rows = slice(rank * k, rank * k + k)
+    perm = torch.argsort(g_idx[rows], stable=True)
+    row_group = g_idx[rows][perm]
+    lo, hi = int(row_group[0]), int(row_group[-1])
+    args = (
+        pack_rows(q[rows][perm].to(torch.uint8)).to(device),
+        scales[lo : hi + 1].contiguous().to(device),
+        zeros[lo : hi + 1].to(torch.uint8).contiguous().to(device),
+        group,
+        perm.to(torch.int32).to(device),
+    )
+    return args, (row_group - lo).to(torch.int32).to(device), exact[rows].t().to(device)
+
+
+# (N, K whole, group, ranks, rank): slices in whole groups and across them (384 / 4 = 96 rows
+# of groups of 128), ragged N, per-group rows from 2 to 64
+K_SLICES = [(96, 256, 64, 2, 1), (64, 384, 128, 4, 2), (24, 512, 32, 4, 3), (72, 256, 32, 8, 5)]
+ROW_GROUP_CONFIGS = {
+    "fma-m1": W4Config(block_m=1, split_k=1, use_dot=False, **SMALL),
+    "fma-m2-split3-prefetch": W4Config(block_m=2, split_k=3, use_dot=False, prefetch=True, **SMALL),
+    "fma-m4-split2": W4Config(block_m=4, split_k=2, use_dot=False, **SMALL),
+    "fma-m4-prefetch": W4Config(block_m=4, split_k=1, use_dot=False, prefetch=True, **SMALL),
+    "gemv-split3": CONFIGS["gemv-split3"],
+    "gemv-dup-loads": CONFIGS["gemv-split3-dup-loads"],
+    "gemm": CONFIGS["gemm"],
+    "default": None,
+}
+
+
+@interpreted
+@pytest.mark.parametrize("config", ROW_GROUP_CONFIGS)
+@pytest.mark.parametrize("shape", K_SLICES, ids=lambda s: "n{}-k{}-g{}-tp{}-r{}".format(*s))
+def test_row_groups_match_the_exact_slice(shape: tuple[int, ...], config: str) -> None:
+    """ROW_GROUP (row_group given): an act-order K slice, whose kernel rows take their scales
+    and zeros from row_group, against float64 x @ W_exact.T of the slice, 1-20 rows, on the
+    CUDA-core path (with and without prefetch, K splits) and the tl.dot path (split-K GEMV,
+    the tiled GEMM, which permutes x first past 16 rows): within 1e-5 of the output's scale in
+    fp32; the partials summed too."""
+    args, row_group, exact = k_slice(*shape, torch.device("cpu"), seed=sum(shape))
+    cfg = ROW_GROUP_CONFIGS[config]
+    k = exact.shape[1]
+    for rows in (1, 2, 3, 4, 7, 16, 20):
+        if cfg is not None and not cfg.use_dot and rows > 4 and rows != 7:
+            continue  # the CUDA-core path's rows: 1-4, and 7 in blocks of block_m
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        want = x.double() @ exact.double().t()
+        got = w4a16_linear(x, *args, config=cfg, row_group=row_group)
+        _close(got, want, 1e-5)
+        parts = w4a16_linear_parts(x, *args, config=cfg, row_group=row_group)
+        _close(parts.sum(0), want, 1e-5)
+
+
+@interpreted
+def test_row_groups_are_the_kernel_contract() -> None:
+    """row_group is read as given: rows in any order and groups in any order (the layer sorts
+    them only for the cache), with or without perm; a wrong row_group gives another result."""
+    args, row_group, exact = k_slice(48, 256, 32, 2, 0, torch.device("cpu"), seed=3)
+    qweight, scales, zeros, group, perm = args
+    x = torch.randn(3, 128)
+    shuffle = torch.randperm(128, generator=torch.Generator().manual_seed(1))
+    # the kernel rows shuffled, their perm and row_group alike: the same product
+    q = unpack_rows(qweight)[shuffle]
+    shuffled = (pack_rows(q), scales, zeros, group, perm[shuffle].contiguous())
+    cfg = ROW_GROUP_CONFIGS["fma-m4-split2"]
+    for config in (cfg, CONFIGS["gemv-split3"]):
+        got = w4a16_linear(x, *shuffled, config=config, row_group=row_group[shuffle].contiguous())
+        _close(got, x.double() @ exact.double().t(), 1e-5)
+    # in input order (no perm): x's columns as they are
+    order = torch.argsort(perm.long())
+    plain = (pack_rows(unpack_rows(qweight)[order]), scales, zeros, group, None)
+    got = w4a16_linear(x, *plain, config=cfg, row_group=row_group[order].contiguous())
+    _close(got, x.double() @ exact.double().t(), 1e-5)
+    # each row in the next group over (mod G): not the slice's product
+    wrong = ((row_group + 1) % scales.shape[0]).to(torch.int32)
+    got = w4a16_linear(x, *args, config=cfg, row_group=wrong)
+    err = (got.double() - x.double() @ exact.double().t()).abs().max()
+    assert err > 1e-3 * got.abs().max()
+    with pytest.raises(ValueError, match=r"row_group must be int32 \[128\]"):
+        w4a16_linear(x, *args, row_group=row_group[:64])
 
 
 # (N, K) of Llama-3.1-8B's decode GEMMs: fused QKV, o_proj, fused gate_up, down_proj.
@@ -453,3 +606,22 @@ def test_model_shapes_on_the_gpu(shape: tuple[int, int], rows: int, act_order: b
     want = x.double() @ exact.bfloat16().double().t()
     _close(w4a16_linear(x, *args), want, 2.0**-7)
     _close(w4a16_linear_parts(x, *args).float().sum(0), want, 2.0**-6)
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4, 16, 64])
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("shape", [(2048, 2048), (2048, 11008)], ids=["o", "down"])
+def test_row_groups_on_the_gpu(shape: tuple[int, int], ranks: int, rows: int) -> None:
+    """The last rank's act-order K slice of Qwen2.5-3B's o_proj and down_proj (group 128;
+    down's 11008 / 4 cuts groups), bf16 x, the default config: within 2^-7 of the output's
+    scale of float64 over the exact weights (the CUDA-core path, up to FMA_ROWS rows) or over
+    them rounded to bf16 (tl.dot's operand)."""
+    from inferx_kernels_cuda.w4a16 import FMA_ROWS
+
+    n, k_whole = shape
+    args, row_group, exact = k_slice(n, k_whole, 128, ranks, ranks - 1, torch.device("cuda"))
+    x = torch.randn(rows, k_whole // ranks, device="cuda").bfloat16()
+    weights = exact if rows <= FMA_ROWS else exact.bfloat16()
+    _close(w4a16_linear(x, *args, row_group=row_group), x.double() @ weights.double().t(), 2.0**-7)

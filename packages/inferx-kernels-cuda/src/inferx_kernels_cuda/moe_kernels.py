@@ -547,6 +547,7 @@ def moe_gemm_kernel(
     zero_ptr,
     perm_ptr,
     group_shift,
+    rg_ptr,
     A_ROW_DIV: tl.constexpr,
     ACT: tl.constexpr,
     GATE_STRIDE: tl.constexpr,
@@ -566,6 +567,7 @@ def moe_gemm_kernel(
     W4: tl.constexpr = False,
     HAS_ZEROS: tl.constexpr = False,
     HAS_PERM: tl.constexpr = False,
+    ROW_GROUP: tl.constexpr = False,
 ):
     """One BLOCK_M tile of the grouped pairs (one expert's) times BLOCK_N output columns of that
     expert's weight [rows, K]. Row r of the tile is pair p = sorted[r]; its input row is
@@ -590,7 +592,9 @@ def moe_gemm_kernel(
     zero_ptr's uint8 zero points of the scales' layout (else zero 8); each K tile (BLOCK_K
     divides the group, and K) dequantized in registers as (q - zero) * scale, group
     k0 >> group_shift. HAS_PERM: K row i of the expert's weight takes activation column
-    perm[expert, i] (perm_ptr int32 [E, k_in], act-order), gathered as the tile loads."""
+    perm[expert, i] (perm_ptr int32 [E, k_in], act-order), gathered as the tile loads.
+    ROW_GROUP: K row i's scales and zeros are row rg[expert, i] of the expert's (rg_ptr int32
+    [E, k_in]: act-order split along K over ranks), so a tile may cross groups."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(n_out, BLOCK_N)
     pid_m = pid // num_n
@@ -637,6 +641,7 @@ def moe_gemm_kernel(
         w4_cols = (cols % n_out) * GATE_STRIDE
         z_base = zero_ptr + expert * stride_se
         perm_row = perm_ptr + expert * k_in
+        rg_row = rg_ptr + expert * k_in
     for k0 in range(0, k_in, BLOCK_K):
         k_ok = (k0 + kr) < k_in
         ka = k0 + kr
@@ -698,13 +703,13 @@ def moe_gemm_kernel(
         elif W4:
             w = _w4_tile(
                 w_base, s_base, z_base, k0, w4_cols, stride_wn, group_shift,
-                BLOCK_K, BLOCK_N, True, HAS_ZEROS,
+                BLOCK_K, BLOCK_N, True, HAS_ZEROS, rg_row, ROW_GROUP,
             )  # fmt: skip
             acc = _dot(a, w.to(a.dtype), acc, DOT_FP32)
             if gated:
                 w = _w4_tile(
                     w_base, s_base, z_base, k0, w4_cols + up_offset, stride_wn, group_shift,
-                    BLOCK_K, BLOCK_N, True, HAS_ZEROS,
+                    BLOCK_K, BLOCK_N, True, HAS_ZEROS, rg_row, ROW_GROUP,
                 )  # fmt: skip
                 acc_up = _dot(a, w.to(a.dtype), acc_up, DOT_FP32)
         else:
@@ -832,6 +837,7 @@ def moe_gemv_kernel(
     zero_ptr,
     perm_ptr,
     group_shift,
+    rg_ptr,
     A_ROW_DIV: tl.constexpr,
     ACT: tl.constexpr,
     GATE_STRIDE: tl.constexpr,
@@ -848,6 +854,7 @@ def moe_gemv_kernel(
     HAS_PERM: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1,
     ROWS: tl.constexpr = 1,
+    ROW_GROUP: tl.constexpr = False,
 ):
     """moe_gemm_kernel's product for one pair (program axis 0) and BLOCK_N output columns (axis
     1) on the CUDA cores: weight tiles [BLOCK_N, BLOCK_K] in their stored layout (K along the
@@ -860,11 +867,12 @@ def moe_gemv_kernel(
     as int32 (an even row stride, 4-byte aligned). Same arguments and epilogue as
     moe_gemm_kernel; FP8 only with per-row scales. W4: moe_gemm_kernel's
     "w4a16" tiles [BLOCK_K, BLOCK_N] (its layout: outputs the unit-stride axis), times the
-    pair's activations (gathered by perm with HAS_PERM), summed per K row and lane, the
-    partial sums transposed once after the loop. SPLIT_K (no activation): program axis 2 takes
-    one of SPLIT_K runs of whole K tiles and writes its weighted partial sum (the bias in run
-    0's) to out[run, pair] (out [SPLIT_K, pairs, n_out] for moe_sum_kernel's SPLITS), or adds
-    it with ATOMIC_K: more programs, so more loads in flight, for a projection of few pairs."""
+    pair's activations (gathered by perm with HAS_PERM; scales by row with ROW_GROUP), summed
+    per K row and lane, the partial sums transposed once after the loop. SPLIT_K (no
+    activation): program axis 2 takes one of SPLIT_K runs of whole K tiles and writes its
+    weighted partial sum (the bias in run 0's) to out[run, pair] (out [SPLIT_K, pairs, n_out]
+    for moe_sum_kernel's SPLITS), or adds it with ATOMIC_K: more programs, so more loads in
+    flight, for a projection of few pairs."""
     pair = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
@@ -934,6 +942,7 @@ def moe_gemv_kernel(
         kr = tl.arange(0, BLOCK_K)
         w4_cols = (cols % n_out) * GATE_STRIDE  # past n_out: a real column, never stored
         z_base = zero_ptr + expert * stride_se
+        rg_row = rg_ptr + expert * k_in
         acc_t = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
         up_t = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):  # BLOCK_K divides k_in
@@ -943,13 +952,13 @@ def moe_gemv_kernel(
             a = tl.load(a_row + ka).to(tl.float32)[:, None]
             w = _w4_tile(
                 w_base, s_base, z_base, k0, w4_cols, stride_wn, group_shift,
-                BLOCK_K, BLOCK_N, True, HAS_ZEROS,
+                BLOCK_K, BLOCK_N, True, HAS_ZEROS, rg_row, ROW_GROUP,
             )  # fmt: skip
             acc_t += w * a
             if gated:
                 w = _w4_tile(
                     w_base, s_base, z_base, k0, w4_cols + up_offset, stride_wn, group_shift,
-                    BLOCK_K, BLOCK_N, True, HAS_ZEROS,
+                    BLOCK_K, BLOCK_N, True, HAS_ZEROS, rg_row, ROW_GROUP,
                 )  # fmt: skip
                 up_t += w * a
         acc2 = tl.trans(acc_t)
@@ -1165,15 +1174,21 @@ def _check_w4(w: ExpertWeights, spec: ExpertsSpec) -> None:
         )
     for name, k, rows in (("gate_up", h, 2 * n), ("down", n, h)):
         g = k if w.group_size == -1 else w.group_size
+        groups = k // g
+        if name == "down" and w.down_row_group is not None:  # the groups its rows touch
+            groups = w.down_scales.shape[1] if w.down_scales is not None else 0
         want = {
             name: ((e, k // 8, rows), (torch.int32,)),
-            f"{name}_scales": ((e, k // g, rows), (torch.float16, torch.bfloat16, torch.float32)),
-            f"{name}_zeros": ((e, k // g, rows), (torch.uint8,)),
+            f"{name}_scales": ((e, groups, rows), (torch.float16, torch.bfloat16, torch.float32)),
+            f"{name}_zeros": ((e, groups, rows), (torch.uint8,)),
             f"{name}_perm": ((e, k), (torch.int32,)),
+            f"{name}_row_group": ((e, k), (torch.int32,)),
         }
         for field, (shape, dtypes) in want.items():
+            if field == "gate_up_row_group":  # gate_up keeps its whole K on every rank
+                continue
             t = getattr(w, field)
-            if t is None and field.endswith(("_zeros", "_perm")):
+            if t is None and field.endswith(("_zeros", "_perm", "_row_group")):
                 continue
             if t is None or tuple(t.shape) != shape or t.dtype not in dtypes:
                 got = None if t is None else (t.dtype, tuple(t.shape))
@@ -1274,26 +1289,30 @@ def fused_experts(
         y = torch.empty(split, num_pairs, hidden, dtype=torch.float32, device=x.device)
     else:
         y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    for cfg, weights, scales, bias, a, dest, n_out, k_in, gated, zeros, perm in (
+    for cfg, weights, scales, bias, a, dest, n_out, k_in, gated, zeros, perm, row_group in (
         (
             gate_up_cfg, w.gate_up, w.gate_up_scales, w.gate_up_bias, x, inter, n, hidden, True,
-            w.gate_up_zeros, w.gate_up_perm,
+            w.gate_up_zeros, w.gate_up_perm, None,
         ),
         (
             down_cfg, w.down, w.down_scales, w.down_bias, inter, y, hidden, n, False,
-            w.down_zeros, w.down_perm,
+            w.down_zeros, w.down_perm, w.down_row_group,
         ),
     ):  # fmt: skip
         scale_t = scales if scales is not None else weights
         bias_t = bias if bias is not None else weights
-        # W4A16: zero points, act-order perm and the K row -> group shift
-        group = k_in if w.group_size == -1 else w.group_size
+        # W4A16: zero points, act-order perm, the K row -> group shift, or each row's group
+        # (a K tile may then cross groups: it need only divide K)
+        group = k_in if w.group_size == -1 or row_group is not None else w.group_size
         w4_args = (
             zeros if zeros is not None else weights,
             perm if perm is not None else weights,
             _group_shift(group, k_in) if w4 else 0,
+            row_group if row_group is not None else weights,
         )
         w4_flags = dict(W4=w4, HAS_ZEROS=zeros is not None, HAS_PERM=perm is not None)
+        if row_group is not None:  # left at its default otherwise: the kernels compile as before
+            w4_flags["ROW_GROUP"] = True
         up_offset = (n if silu else 1) if gated else 0
         strides = (
             a.stride(0), weights.stride(0), weights.stride(1),

@@ -17,6 +17,16 @@ scale and zero by g_idx, would load [BLOCK_K, BLOCK_N] scales a step instead of 
 BLOCK_N, on the operand that is the whole memory traffic; the permutation also keeps act-order
 and plain checkpoints on one kernel.
 
+Act-order split along K (a row-parallel layer's rank, inferx_quant.w4a16): the rank's rows,
+sorted by group, hold runs of unequal length, so the group of a kernel row is read from
+`row_group` int32 [K] (ROW_GROUP, off by default: the paths above compile as without it). Each
+weight then takes its own row's scale and zero, gathered from the few scale rows a step spans
+(cache hits): on the tl.dot path a [BLOCK_K, BLOCK_N] tile of them, on the CUDA-core path
+(`_fma_step_rows`) the weight dequantized exactly, (q - zero) * scale, before its FFMA; a K step
+may cross groups, so BLOCK_K need only divide K. The CUDA-core loop then spends about 2.5 times
+the plain one's instructions a weight byte (`benchmarks/kernel_sass.py --row-group`): the price
+of a row's own group.
+
 Two regimes, one kernel:
 - 1-16 rows (decode): split-K GEMV. x padded to 16 rows for tl.dot (free for a memory-bound
   kernel); N alone rarely fills the GPU (a 4096-wide o_proj is 64 programs of 64 columns), so
@@ -181,10 +191,14 @@ def _dequantized(
     BLOCK_N: tl.constexpr,
     PACKED: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
+    rg_ptr,
+    ROW_GROUP: tl.constexpr,
 ):
     """Rows [k0, k0 + BLOCK_K) of the weight, columns `cols`, as fp32 (q - zero) * scale; n is
     the row stride of the words and of the scales and zeros. HAS_ZEROS False: zero 8
-    (symmetric; z_ptr unread). Also moe_kernels' "w4a16" experts' tiles."""
+    (symmetric; z_ptr unread). ROW_GROUP: each row's scale and zero from the row of them that
+    rg_ptr names (int32, one a row), else the step's one row, group k0 >> group_shift. Also
+    moe_kernels' "w4a16" experts' tiles."""
     if PACKED:
         words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         packed = tl.load(qw_ptr + words[:, None] * n + cols[None, :])  # [BLOCK_K / 8, BLOCK_N]
@@ -195,17 +209,30 @@ def _dequantized(
         rows = k0 + tl.arange(0, BLOCK_K)
         packed = tl.load(qw_ptr + (rows // 8)[:, None] * n + cols[None, :])
         q = (packed >> ((rows % 8) * 4)[:, None]) & 0xF
-    group = k0 >> group_shift
-    scale = tl.load(s_ptr + group * n + cols).to(tl.float32)
-    if HAS_ZEROS:
-        zero = tl.load(z_ptr + group * n + cols).to(tl.float32)
-    else:
-        zero = tl.full([BLOCK_N], 8.0, tl.float32)
     # q - zero without an int-to-float conversion per weight: 0x4B000000 are the bits of 2^23,
     # and q (4 bits) or-ed into its mantissa makes the float 2^23 + q, so the mask and the or
     # (one LOP3) and a float subtraction of the column's 2^23 + zero give q - zero exactly.
-    diff = (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + zero)[None, :]
-    return diff * scale[None, :]
+    if ROW_GROUP:
+        # [BLOCK_K, BLOCK_N] scales and zeros: the rows are sorted by group, so a step's span
+        # few groups and these loads hit the same few rows, in cache. 2^23 + zero is made by
+        # its bits too, as 2^23 + q is: no conversion of either.
+        at = tl.load(rg_ptr + k0 + tl.arange(0, BLOCK_K))[:, None] * n + cols[None, :]
+        scales = tl.load(s_ptr + at).to(tl.float32)
+        if HAS_ZEROS:
+            zeros = tl.load(z_ptr + at).to(tl.int32) | 0x4B000000
+        else:
+            zeros = tl.full([BLOCK_K, BLOCK_N], 0x4B000008, tl.int32)
+        diff = (q | 0x4B000000).to(tl.float32, bitcast=True) - zeros.to(tl.float32, bitcast=True)
+        return diff * scales
+    else:
+        group = k0 >> group_shift
+        scale = tl.load(s_ptr + group * n + cols).to(tl.float32)
+        if HAS_ZEROS:
+            zero = tl.load(z_ptr + group * n + cols).to(tl.float32)
+        else:
+            zero = tl.full([BLOCK_N], 8.0, tl.float32)
+        diff = (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + zero)[None, :]
+        return diff * scale[None, :]
 
 
 @triton.jit
@@ -230,35 +257,100 @@ def _group_sum(acc, part, xs, scale, neg_zs):
 @triton.jit
 def _fma_step_loads(
     qw_ptr, s_ptr, z_ptr, k0, k_end, kw, cols, n, group_shift, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, SPLIT_ADDRESS: tl.constexpr,
+    MASKED: tl.constexpr, SPLIT_ADDRESS: tl.constexpr, ROW_GROUP: tl.constexpr,
 ):  # fmt: skip
     """Step k0's words [KW, BLOCK_N] and its group's scales and zeros [BLOCK_N], as loaded
     (_fma_rows); MASKED: none when k0 >= k_end (undefined values, never used). SPLIT_ADDRESS:
     the words' addresses as a scalar base plus loop-invariant offsets (fewer instructions in
-    the prefetch loop, more registers in the plain one, whose SASS stays as it was)."""
+    the prefetch loop, more registers in the plain one, whose SASS stays as it was).
+    ROW_GROUP: the words alone, three times (_fma_step_rows loads scales and zeros per row)."""
     if SPLIT_ADDRESS:  # a scalar base (uniform registers) plus loop-invariant offsets
         words = (qw_ptr + (k0 // 8) * n) + (kw[:, None] * n + cols[None, :])
     else:
         words = qw_ptr + (k0 // 8 + kw)[:, None] * n + cols[None, :]
     group = k0 >> group_shift
-    if MASKED:
+    if ROW_GROUP:
         ok = tl.full([BLOCK_N], k0, tl.int32) < k_end
-        packed = tl.load(words, mask=tl.broadcast_to(ok[None, :], words.shape))
+        if MASKED:
+            packed = tl.load(words, mask=tl.broadcast_to(ok[None, :], words.shape))
+        else:
+            packed = tl.load(words)
+        return packed, packed, packed
+    else:
+        if MASKED:
+            ok = tl.full([BLOCK_N], k0, tl.int32) < k_end
+            packed = tl.load(words, mask=tl.broadcast_to(ok[None, :], words.shape))
+            return (
+                packed,
+                tl.load(s_ptr + group * n + cols, mask=ok),
+                tl.load(z_ptr + group * n + cols, mask=ok),
+            )
         return (
-            packed,
-            tl.load(s_ptr + group * n + cols, mask=ok),
-            tl.load(z_ptr + group * n + cols, mask=ok),
+            tl.load(words),
+            tl.load(s_ptr + group * n + cols),
+            tl.load(z_ptr + group * n + cols),
         )
-    return tl.load(words), tl.load(s_ptr + group * n + cols), tl.load(z_ptr + group * n + cols)
 
 
 @triton.jit
 def _fma_step(
     acc0, acc1, acc2, acc3, packed, s_raw, z_raw, x_rows, perm_ptr, m, row0, k0, kw, stride_xm,
+    s_ptr, z_ptr, rg_ptr, cols, n, HAS_PERM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, KW: tl.constexpr, ROW_GROUP: tl.constexpr,
+):  # fmt: skip
+    """One BLOCK_K step of _fma_rows at row k0 on its loaded words (and, but for ROW_GROUP,
+    its group's scales and zeros): the accumulators of the block's rows plus the step's
+    products."""
+    if ROW_GROUP:
+        acc0, acc1, acc2, acc3 = _fma_step_rows(
+            acc0, acc1, acc2, acc3, packed, x_rows, perm_ptr, m, row0, k0, kw, stride_xm,
+            s_ptr, z_ptr, rg_ptr, cols, n, HAS_PERM, BLOCK_M, KW,
+        )  # fmt: skip
+    else:
+        acc0, acc1, acc2, acc3 = _fma_step_groups(
+            acc0, acc1, acc2, acc3, packed, s_raw, z_raw, x_rows, perm_ptr, m, row0, k0, kw,
+            stride_xm, HAS_PERM, BLOCK_M, BLOCK_N, KW,
+        )  # fmt: skip
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _fma_step_rows(
+    acc0, acc1, acc2, acc3, packed, x_rows, perm_ptr, m, row0, k0, kw, stride_xm, s_ptr, z_ptr,
+    rg_ptr, cols, n, HAS_PERM: tl.constexpr, BLOCK_M: tl.constexpr, KW: tl.constexpr,
+):  # fmt: skip
+    """_fma_step where a word's eight rows may lie in different groups (row_group): each
+    weight dequantized exactly, (q - zero) * scale with its row's scale and zero (gathered by
+    rg_ptr, from cache: sorted rows share them in runs), then one FFMA a row of x."""
+    zero_sum = tl.zeros([KW], tl.float32)  # _fma_row's sum of x, unused here
+    for j in tl.static_range(8):
+        rows = k0 + kw * 8 + j  # kernel row 8w + j of each word w
+        at = tl.load(rg_ptr + rows)[:, None] * n + cols[None, :]
+        scale = tl.load(s_ptr + at).to(tl.float32)
+        # 2^23 + q and 2^23 + zero as floats by their bits (see _dequantized): their
+        # difference is q - zero exactly, without converting either
+        q = ((packed >> (4 * j)) & 0xF) | 0x4B000000
+        zero = tl.load(z_ptr + at).to(tl.int32) | 0x4B000000
+        w = (q.to(tl.float32, bitcast=True) - zero.to(tl.float32, bitcast=True)) * scale
+        x0 = x_rows + rows
+        if HAS_PERM:
+            x0 = x_rows + tl.load(perm_ptr + rows)
+        acc0, _ = _fma_row(acc0, zero_sum, x0, row0, m, w, 1.0, False)
+        if BLOCK_M > 1:
+            acc1, _ = _fma_row(acc1, zero_sum, x0 + stride_xm, row0 + 1, m, w, 1.0, True)
+        if BLOCK_M > 2:
+            acc2, _ = _fma_row(acc2, zero_sum, x0 + 2 * stride_xm, row0 + 2, m, w, 1.0, True)
+            acc3, _ = _fma_row(acc3, zero_sum, x0 + 3 * stride_xm, row0 + 3, m, w, 1.0, True)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _fma_step_groups(
+    acc0, acc1, acc2, acc3, packed, s_raw, z_raw, x_rows, perm_ptr, m, row0, k0, kw, stride_xm,
     HAS_PERM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.constexpr,
 ):  # fmt: skip
-    """One BLOCK_K step of _fma_rows at row k0 on its loaded words, scales and zeros: the
-    accumulators of the block's rows plus the step's products."""
+    """_fma_step where the step lies in one group: its products on the CUDA cores, scaled and
+    shifted by the group's zero once a step (_fma_rows)."""
     high = packed >> 12
     x_step = x_rows + k0 + kw * 8
     scale = s_raw.to(tl.float32)
@@ -311,6 +403,7 @@ def _fma_rows(
     k_start,
     k_end,
     group_shift,
+    rg_ptr,
     HAS_PERM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -318,6 +411,7 @@ def _fma_rows(
     PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
     TRIGGER: tl.constexpr,
+    ROW_GROUP: tl.constexpr,
 ):
     """x[row0 + (0..BLOCK_M), k_start:k_end] @ W[.., cols] on the CUDA cores: [BLOCK_M,
     BLOCK_N] fp32, BLOCK_M 1, 2 or 4. The words stay the [BLOCK_K / 8, BLOCK_N] tile they were
@@ -343,35 +437,40 @@ def _fma_rows(
         # split past K, k_start >= k_end), and the last step runs after it: the loop's loads
         # stay unmasked (a masked load's registers are zeroed first: instructions a step).
         packed, s_raw, z_raw = _fma_step_loads(
-            qw_ptr, s_ptr, z_ptr, k_start, k_end, kw, cols, n, group_shift, BLOCK_N, True, True
-        )
+            qw_ptr, s_ptr, z_ptr, k_start, k_end, kw, cols, n, group_shift, BLOCK_N, True, True,
+            ROW_GROUP,
+        )  # fmt: skip
         # Launched early (PDL), the program waits here for the kernel ahead, which writes x:
         # the first step's weight loads are in flight across the wait, x's all come after it.
         pdl_start(PDL, TRIGGER)
         for k0 in range(k_start, k_end - BLOCK_K, BLOCK_K):
             words_next, s_next, z_next = _fma_step_loads(
                 qw_ptr, s_ptr, z_ptr, k0 + BLOCK_K, k_end, kw, cols, n, group_shift, BLOCK_N,
-                False, True,
+                False, True, ROW_GROUP,
             )  # fmt: skip
             acc0, acc1, acc2, acc3 = _fma_step(
                 acc0, acc1, acc2, acc3, packed, s_raw, z_raw, x_rows, perm_ptr, m, row0, k0,
-                kw, stride_xm, HAS_PERM, BLOCK_M, BLOCK_N, KW,
+                kw, stride_xm, s_ptr, z_ptr, rg_ptr, cols, n, HAS_PERM, BLOCK_M, BLOCK_N, KW,
+                ROW_GROUP,
             )  # fmt: skip
             packed, s_raw, z_raw = words_next, s_next, z_next
         if k_start < k_end:
             acc0, acc1, acc2, acc3 = _fma_step(
                 acc0, acc1, acc2, acc3, packed, s_raw, z_raw, x_rows, perm_ptr, m, row0,
-                k_end - BLOCK_K, kw, stride_xm, HAS_PERM, BLOCK_M, BLOCK_N, KW,
+                k_end - BLOCK_K, kw, stride_xm, s_ptr, z_ptr, rg_ptr, cols, n, HAS_PERM,
+                BLOCK_M, BLOCK_N, KW, ROW_GROUP,
             )  # fmt: skip
     else:
         pdl_start(PDL, TRIGGER)
         for k0 in range(k_start, k_end, BLOCK_K):
             packed, s_raw, z_raw = _fma_step_loads(
-                qw_ptr, s_ptr, z_ptr, k0, k_end, kw, cols, n, group_shift, BLOCK_N, False, False
-            )
+                qw_ptr, s_ptr, z_ptr, k0, k_end, kw, cols, n, group_shift, BLOCK_N, False, False,
+                ROW_GROUP,
+            )  # fmt: skip
             acc0, acc1, acc2, acc3 = _fma_step(
                 acc0, acc1, acc2, acc3, packed, s_raw, z_raw, x_rows, perm_ptr, m, row0, k0,
-                kw, stride_xm, HAS_PERM, BLOCK_M, BLOCK_N, KW,
+                kw, stride_xm, s_ptr, z_ptr, rg_ptr, cols, n, HAS_PERM, BLOCK_M, BLOCK_N, KW,
+                ROW_GROUP,
             )  # fmt: skip
     rows = tl.arange(0, BLOCK_M)[:, None]
     out = tl.where(rows == 0, tl.sum(acc0, axis=0)[None, :], 0.0)
@@ -400,6 +499,7 @@ def w4a16_kernel(
     stride_om,
     k_per_split,
     group_shift,
+    rg_ptr,
     HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -413,12 +513,15 @@ def w4a16_kernel(
     PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,
     LATE: tl.constexpr = False,
+    ROW_GROUP: tl.constexpr = False,
 ):
     """Grid (column blocks, row blocks, splits): out[split] = x[rows, ks] @ W[ks, cols] (+ bias
     in split 0), ks = this split's [k_start, k_start + k_per_split) clipped to k; k_per_split
     and k are multiples of BLOCK_K. Columns past n reread a real column (never stored), so the
     weight loads stay unmasked. PDL, TRIGGER, LATE: inferx_kernels_cuda.pdl (pdl_launch); the
-    CUDA-core path's prefetch issues its first step's weight loads before the wait."""
+    CUDA-core path's prefetch issues its first step's weight loads before the wait. ROW_GROUP:
+    kernel row i's scales and zeros are row rg_ptr[i] of theirs (int32 [K]), not
+    i >> group_shift."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -432,8 +535,8 @@ def w4a16_kernel(
     if not USE_DOT:
         acc = _fma_rows(
             x_ptr + pid_m.to(tl.int64) * BLOCK_M * stride_xm, qw_ptr, s_ptr, z_ptr, perm_ptr, m,
-            pid_m * BLOCK_M, cols, n, stride_xm, k_start, k_end, group_shift,
-            HAS_PERM, BLOCK_M, BLOCK_N, BLOCK_K, PREFETCH, PDL, TRIGGER,
+            pid_m * BLOCK_M, cols, n, stride_xm, k_start, k_end, group_shift, rg_ptr,
+            HAS_PERM, BLOCK_M, BLOCK_N, BLOCK_K, PREFETCH, PDL, TRIGGER, ROW_GROUP,
         )  # fmt: skip
     else:
         pdl_start(PDL, TRIGGER)
@@ -444,8 +547,9 @@ def w4a16_kernel(
                 offs_k = tl.load(perm_ptr + offs_k)
             x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
             w = _dequantized(
-                qw_ptr, s_ptr, z_ptr, k0, cols, n, group_shift, BLOCK_K, BLOCK_N, PACKED, True
-            )
+                qw_ptr, s_ptr, z_ptr, k0, cols, n, group_shift, BLOCK_K, BLOCK_N, PACKED, True,
+                rg_ptr, ROW_GROUP,
+            )  # fmt: skip
             if UPCAST:
                 acc += tl.dot(x.to(tl.float32), w, input_precision=DOT_PRECISION)
             else:
@@ -487,6 +591,7 @@ def _check(
     group_size: int,
     perm: torch.Tensor | None,
     bias: torch.Tensor | None,
+    row_group: torch.Tensor | None,
 ) -> None:
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in _DTYPES:
         raise ValueError(
@@ -494,7 +599,7 @@ def _check(
             f"{tuple(x.shape)} {x.dtype} strides {x.stride()}"
         )
     k, n = x.shape[1], qweight.shape[1]
-    groups = k // group_size
+    groups = k // group_size if row_group is None else scales.shape[0]
     if qweight.dtype != torch.int32 or tuple(qweight.shape) != (k // 8, n):
         raise ValueError(
             f"w4a16: qweight must be int32 [{k // 8}, N], got {qweight.dtype} "
@@ -505,13 +610,16 @@ def _check(
             f"w4a16: scales and zeros must be [{groups}, {n}], got {tuple(scales.shape)} and "
             f"{tuple(zeros.shape)}"
         )
-    if perm is not None and (perm.dtype != torch.int32 or tuple(perm.shape) != (k,)):
-        raise ValueError(f"w4a16: perm must be int32 [{k}], got {perm.dtype} {tuple(perm.shape)}")
+    for name, t in (("perm", perm), ("row_group", row_group)):
+        if t is not None and (t.dtype != torch.int32 or tuple(t.shape) != (k,)):
+            raise ValueError(f"w4a16: {name} must be int32 [{k}], got {t.dtype} {tuple(t.shape)}")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"w4a16: bias must be [{n}], got {tuple(bias.shape)}")
-    for t in (qweight, scales, zeros, perm, bias):
+    for t in (qweight, scales, zeros, perm, bias, row_group):
         if t is not None and not t.is_contiguous():
-            raise ValueError("w4a16: qweight, scales, zeros, perm and bias must be contiguous")
+            raise ValueError(
+                "w4a16: qweight, scales, zeros, perm, bias and row_group must be contiguous"
+            )
     if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"w4a16: runs on CUDA tensors (or under TRITON_INTERPRET=1), not {x.device}"
@@ -539,17 +647,21 @@ def _launch(
     out: torch.Tensor,
     cfg: W4Config,
     pdl: dict[str, Any],
+    row_group: torch.Tensor | None = None,
 ) -> None:
     """One kernel launch into out [split_k, M, N] (any float dtype); pdl: pdl_launch's."""
     m, k = x.shape
     n = qweight.shape[1]
     if not cfg.use_dot and (cfg.block_m > MAX_FMA_ROWS or cfg.block_m & (cfg.block_m - 1)):
         raise ValueError(f"w4a16: the FMA path takes block_m 1, 2 or 4, not {cfg.block_m}")
+    if row_group is not None:  # a K step may cross groups: any block_k dividing K
+        group_size = k
     block_k = _block_k(cfg, group_size, k)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), cfg.split_k)
-    # Absent perm and bias: a dummy pointer HAS_PERM / HAS_BIAS = False compiles away.
+    # Absent perm, bias, row_group: a dummy pointer HAS_PERM / HAS_BIAS / ROW_GROUP = False
+    # compiles away.
     w4a16_kernel[grid](
         x,
         qweight,
@@ -566,6 +678,7 @@ def _launch(
         out.stride(1),
         k_per_split,
         _group_shift(group_size, k),
+        row_group if row_group is not None else qweight,
         HAS_PERM=perm is not None,
         HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m,
@@ -577,6 +690,7 @@ def _launch(
         UPCAST=x.dtype == torch.float32 or (interpret and x.dtype == torch.bfloat16),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PREFETCH=cfg.prefetch and not cfg.use_dot,
+        ROW_GROUP=row_group is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl,
@@ -618,11 +732,14 @@ def w4a16_linear(
     perm: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     config: W4Config | None = None,
+    row_group: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] times the 4-bit weight (module docstring) (+ bias): [M, N] in x's dtype. One
     launch, or two with a K split (the second sums the splits, adds the bias and casts); no
-    host sync, so it can be captured in a CUDA graph."""
-    _check(x, qweight, scales, zeros, group_size, perm, bias)
+    host sync, so it can be captured in a CUDA graph. row_group: int32 [K], the row of scales
+    and zeros of each kernel row (module docstring: a K slice of act-order); group_size is
+    then unused."""
+    _check(x, qweight, scales, zeros, group_size, perm, bias, row_group)
     m, k = x.shape
     n = qweight.shape[1]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -631,13 +748,14 @@ def w4a16_linear(
     cfg = config or default_config(m, n, k, _num_sms(x.device))
     pdl = _pdl_after_gather(x, perm, False)
     x, perm = _gathered(x, perm)
+    args = (x, qweight, scales, zeros, group_size, perm)
     if cfg.split_k == 1:
-        _launch(x, qweight, scales, zeros, group_size, perm, bias, out.unsqueeze(0), cfg, pdl)
+        _launch(*args, bias, out.unsqueeze(0), cfg, pdl, row_group)
         return out
     # the reduce comes next, launched without PDL: nothing for the GEMV to trigger
     pdl = {key: value for key, value in pdl.items() if key in ("PDL", "launch_pdl")}
     partial = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
-    _launch(x, qweight, scales, zeros, group_size, perm, None, partial, cfg, pdl)
+    _launch(*args, None, partial, cfg, pdl, row_group)
     split_k_reduce_kernel[(m, triton.cdiv(n, _REDUCE_BLOCK))](
         partial,
         bias if bias is not None else partial,
@@ -663,11 +781,12 @@ def w4a16_linear_parts(
     bias: torch.Tensor | None = None,
     config: W4Config | None = None,
     trigger: bool = False,
+    row_group: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The K split's partial results [S, M, N] in x's dtype, the bias in the first, for callers
     that sum them anyway (QuantLinear.forward_parts): one launch. trigger: the kernel after it
     launches early (PDL, pdl_launch)."""
-    _check(x, qweight, scales, zeros, group_size, perm, bias)
+    _check(x, qweight, scales, zeros, group_size, perm, bias, row_group)
     m, k = x.shape
     n = qweight.shape[1]
     cfg = config or default_config(m, n, k, _num_sms(x.device))
@@ -675,5 +794,5 @@ def w4a16_linear_parts(
     if m:
         pdl = _pdl_after_gather(x, perm, trigger)
         x, perm = _gathered(x, perm)
-        _launch(x, qweight, scales, zeros, group_size, perm, bias, out, cfg, pdl)
+        _launch(x, qweight, scales, zeros, group_size, perm, bias, out, cfg, pdl, row_group)
     return out

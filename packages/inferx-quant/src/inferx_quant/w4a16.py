@@ -21,6 +21,14 @@ int32 [K / 8, N] packed along K (GPTQ's), its rows in the order groups are conti
 `scales` [G, N] as stored, `zeros` uint8 [G, N] (the zero points themselves) and, for
 act-order, `perm` int32 [K]: kernel row i is input row perm[i] (the activations' columns are
 gathered by it, so the weights stream in group order).
+
+Act-order split along K (a row-parallel layer over several ranks): a rank's contiguous slice
+of input rows holds a scattered subset of each group's rows, so its groups are not runs of g
+rows. The rank keeps the scales and zeros of every group its rows touch (in practice all G,
+on every rank: with groups of 128, 5% of the whole layer's bytes each), sorts its rows by
+group (`perm` over its K), and gives the kernel `row_group` int32 [K]: the scales' and zeros'
+row of each kernel row (sorted, so runs of one value). A single rank, or a slice whose g_idx
+is plain k // g in whole groups, keeps the layout above.
 """
 
 from __future__ import annotations
@@ -82,13 +90,19 @@ def dequantize(
     zeros: torch.Tensor | None,
     group: int,
     perm: torch.Tensor | None = None,
+    row_group: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The loaded layout (module docstring) -> the weight [N, K] in float32, (q - zero) *
     scale, exact (a 4-bit difference times a 16-bit scale fits float32's mantissa), rows back
-    in input order. zeros None: symmetric, zero 8."""
+    in input order. zeros None: symmetric, zero 8. row_group: each row's group (the scales'
+    and zeros' row), instead of runs of `group` rows."""
     q = unpack_rows(qweight).float()  # [K, N] in group order
-    zero = 8.0 if zeros is None else zeros.float().repeat_interleave(group, 0)
-    w = (q - zero) * scales.float().repeat_interleave(group, 0)
+    if row_group is None:
+        rows = torch.arange(q.shape[0], device=q.device) // group
+    else:
+        rows = row_group.long()
+    zero = 8.0 if zeros is None else zeros.float()[rows]
+    w = (q - zero) * scales.float()[rows]
     if perm is not None:
         w = torch.empty_like(w).index_copy_(0, perm.long(), w)
     return w.t()
@@ -127,8 +141,9 @@ class W4A16Linear(QuantLinear):
     one at a time and are put side by side along N at finish_loading; act-order parts must
     share one g_idx (they do: they share their input, so GPTQ orders their rows alike).
     Tensor parallel: column-parallel keeps each part's rows (whole packed words), row-parallel
-    its inputs in whole groups (act-order split along K is refused: its groups are not
-    contiguous in a slice of rows).
+    its inputs, in whole groups; act-order row-parallel ones their inputs anywhere on a
+    16-row boundary, with every group's scales they touch and a `row_group` (module
+    docstring).
 
     forward: on a CUDA tensor the Triton kernel of inferx_kernels_cuda.w4a16 (imported on first
     use, so this module never imports CUDA-only code); elsewhere the reference: the weight
@@ -163,18 +178,24 @@ class W4A16Linear(QuantLinear):
             self.shards = [
                 part_shard(n, spec, i, parallel) for i, n in enumerate(spec.output_sizes)
             ]
-        elif spec.parallel == "row" and parallel.world_size > 1:
-            if self.fmt.desc_act:
-                raise NotImplementedError(
-                    f"{spec.prefix}: act-order (desc_act) {self.fmt.method} layers split along "
-                    f"their inputs are not supported (parallel.tensor = {parallel.world_size})"
-                )
+        # act-order split along K: g_idx decides the layout at finish_loading, so every
+        # group's scales and zeros are kept until then
+        self.k_split_act_order = (
+            spec.parallel == "row"
+            and parallel.world_size > 1
+            and self.fmt.desc_act
+            and self.fmt.group_size != -1
+        )
+        if spec.parallel == "row" and parallel.world_size > 1:
             self.in_start, self.k = parallel.shard(whole_k, f"{spec.prefix}'s input columns")
             step = self.whole_group if self.fmt.group_size != -1 else PACK
+            unit = f"a group of {step}"
+            if self.k_split_act_order:  # any rows, in whole 4-bit words and kernel K steps
+                step, unit = 16, "a multiple of 16 rows"
             if self.in_start % step or self.k % step:
                 raise ValueError(
                     f"parallel.tensor = {parallel.world_size} splits {spec.prefix}'s inputs "
-                    f"at {self.in_start}, not on a group of {step}"
+                    f"at {self.in_start}, not on {unit}"
                 )
         if self.k % 16:
             raise ValueError(f"{spec.prefix}: {self.k} input columns here, not a multiple of 16")
@@ -184,10 +205,13 @@ class W4A16Linear(QuantLinear):
                     f"{self._name(part)}: this rank's output rows {start}..{start + n} do not "
                     "start and end on a multiple of 8 (4-bit values packed 8 to a word)"
                 )
-        # Groups on this rank: per channel one group over its inputs; else whole groups.
+        # Groups on this rank: per channel one group over its inputs; else whole groups (all of
+        # them while an act-order split waits for its g_idx).
         self.group = self.k if self.fmt.group_size == -1 else self.whole_group
         self.groups = self.k // self.group
         self.group_start = self.in_start // self.whole_group
+        if self.k_split_act_order:
+            self.groups, self.group_start = whole_k // self.whole_group, 0
         self.output_sizes = [n for _, n in self.shards]
         self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
         out = sum(self.output_sizes)
@@ -209,6 +233,7 @@ class W4A16Linear(QuantLinear):
         self.scales: torch.Tensor
         self.zeros: torch.Tensor
         self.perm: torch.Tensor | None = None
+        self.row_group: torch.Tensor | None = None
 
     def _name(self, part: int) -> str:
         """The checkpoint name of fused part `part` (the layer's own for an unfused one)."""
@@ -296,19 +321,24 @@ class W4A16Linear(QuantLinear):
                 f"{self.spec.prefix}: the checkpoint is symmetric (sym) but its qzeros are not "
                 f"the zero point 8 (stored as {stored} in this checkpoint_format)"
             )
+        scales = torch.cat([got["scales", p] for p in parts], dim=1)
+        g_idx = self._g_idx()
+        if self.k_split_act_order:
+            perm, groups = self._split_act_order(g_idx)
+            zero, scales = zero[groups], scales[groups]
+        else:
+            perm = self._act_order_perm(g_idx)
         self.zeros = _param(zero.to(torch.uint8))
-        self.scales = _param(torch.cat([got["scales", p] for p in parts], dim=1))
-        perm = self._act_order_perm()
+        self.scales = _param(scales)
         if perm is not None:
             qweight = pack_rows(unpack_rows(qweight)[perm])
             self.perm = _param(perm.to(torch.int32))
         self.qweight = _param(qweight)
         self._parts.clear()
 
-    def _act_order_perm(self) -> torch.Tensor | None:
-        """The row order that makes each group's rows contiguous, from g_idx; None where g_idx
-        is absent or already k // group_size."""
-        k = self.k
+    def _g_idx(self) -> torch.Tensor | None:
+        """This rank's g_idx (int64, its input rows), the one its fused parts share; None
+        where the checkpoint has none."""
         idx = [self._parts.get(("g_idx", p)) for p in range(len(self.output_sizes))]
         if idx[0] is None:
             return None
@@ -319,7 +349,14 @@ class W4A16Linear(QuantLinear):
                     f"{self._name(part)}.g_idx differs from {self._name(0)}.g_idx: the parts "
                     f"of {self.spec.prefix} must share one act-order (g_idx)"
                 )
-        trivial = torch.arange(k, device=g_idx.device) // self.group
+        return g_idx
+
+    def _act_order_perm(self, g_idx: torch.Tensor | None) -> torch.Tensor | None:
+        """The row order that makes each group's rows contiguous, from g_idx; None where g_idx
+        is absent or already k // group_size."""
+        if g_idx is None:
+            return None
+        trivial = torch.arange(self.k, device=g_idx.device) // self.group
         if torch.equal(g_idx, trivial):
             return None
         perm = torch.argsort(g_idx, stable=True)
@@ -330,9 +367,36 @@ class W4A16Linear(QuantLinear):
             )
         return perm
 
+    def _split_act_order(self, g_idx: torch.Tensor | None) -> tuple[torch.Tensor | None, slice]:
+        """An act-order layer's slice of K (module docstring) -> (the row order, the groups of
+        scales and zeros to keep). Where the slice's g_idx is plain k // g in whole groups,
+        the layout of one rank: no order, no row_group, this slice's groups. Else rows sorted
+        by group, `row_group` set, and the groups from the first to the last the rows touch."""
+        g, k0, k = self.whole_group, self.in_start, self.k
+        plain = torch.arange(k0, k0 + k) // g
+        g_idx = plain if g_idx is None else g_idx  # (finish_loading has checked it is there)
+        if k0 % g == 0 and k % g == 0 and torch.equal(g_idx, plain.to(g_idx.device)):
+            self.group_start, self.groups = k0 // g, k // g
+            return None, slice(k0 // g, (k0 + k) // g)
+        counts = torch.bincount(g_idx.clamp(min=0), minlength=self.groups)
+        if int(g_idx.min()) < 0 or len(counts) > self.groups or int(counts.max()) > g:
+            raise ValueError(
+                f"{self._name(0)}.g_idx does not give each of the {self.groups} groups {g} "
+                f"rows (rows {k0}..{k0 + k} of it)"
+            )
+        perm = torch.argsort(g_idx, stable=True)
+        row_group = g_idx[perm]
+        lo, hi = int(row_group[0]), int(row_group[-1])
+        self.group_start, self.groups = lo, hi - lo + 1
+        self.row_group = _param((row_group - lo).to(torch.int32))
+        in_order = torch.equal(perm, torch.arange(k, device=perm.device))
+        return None if in_order else perm, slice(lo, hi + 1)
+
     def dequantized_weight(self) -> torch.Tensor:
         """The weight in float32, [out, in] (dequantize: exact, rows in input order)."""
-        return dequantize(self.qweight, self.scales, self.zeros, self.group, self.perm)
+        return dequantize(
+            self.qweight, self.scales, self.zeros, self.group, self.perm, self.row_group
+        )
 
     def dense_weight(self) -> torch.Tensor | None:
         return None
@@ -345,7 +409,9 @@ class W4A16Linear(QuantLinear):
         x2 = x.reshape(-1, k)
         kernels = self._kernels(x2)
         if kernels is not None:
-            y = kernels.w4a16_linear(x2, *self._kernel_args(), bias=self.bias)
+            y = kernels.w4a16_linear(
+                x2, *self._kernel_args(), bias=self.bias, row_group=self.row_group
+            )
         else:
             y = (x2.float() @ self.dequantized_weight().t()).to(x.dtype)
             if self.bias is not None:
@@ -359,7 +425,9 @@ class W4A16Linear(QuantLinear):
         kernels = self._kernels(x)
         if kernels is None or x.dim() != 2:
             return super().forward_parts(x)
-        return kernels.w4a16_linear_parts(x, *self._kernel_args(), bias=self.bias, trigger=trigger)
+        return kernels.w4a16_linear_parts(
+            x, *self._kernel_args(), bias=self.bias, trigger=trigger, row_group=self.row_group
+        )
 
     def forward_split(
         self, x: torch.Tensor, trigger: bool = False
@@ -367,7 +435,10 @@ class W4A16Linear(QuantLinear):
         kernels = self._kernels(x)
         if kernels is None or x.dim() != 2:
             return super().forward_split(x)
-        return kernels.w4a16_linear_parts(x, *self._kernel_args(), trigger=trigger), self.bias
+        parts = kernels.w4a16_linear_parts(
+            x, *self._kernel_args(), trigger=trigger, row_group=self.row_group
+        )
+        return parts, self.bias
 
     def _kernel_args(self) -> tuple[Any, ...]:
         return self.qweight, self.scales, self.zeros, self.group, self.perm

@@ -39,8 +39,11 @@ class W4A16Experts(QuantExperts):
 
     n is this rank's share of the intermediate size I: each rank keeps the same columns of
     every expert's gate and up and rows of its down, in whole groups (a group's scale cannot be
-    split); a tensor parallel size that cuts a group is refused, and so is act-order with more
-    than one rank (its groups are not contiguous in a slice of down's rows).
+    split); a tensor parallel size that cuts a group is refused. Act-order over several ranks:
+    a rank's rows of down hold a scattered part of each group, so as the linear layer does
+    (inferx_quant.w4a16) it keeps down's scales and zeros of every group its rows touch, sorts
+    each expert's rows by group and gives the kernels down_row_group [E, n], each row's
+    group; its share then need only be a multiple of 16 rows.
 
     load() kinds: "gate", "up", "down" or "gate_up" (columns in the activation's layout)
     followed by ".qweight", ".qzeros", ".scales", ".g_idx" (GPTQ) or ".bias"; per expert
@@ -66,12 +69,9 @@ class W4A16Experts(QuantExperts):
         self.parallel = parallel
         e, h, inter = spec.num_experts, spec.hidden_size, spec.intermediate_size
         g = self.fmt.group_size
-        if self.fmt.desc_act and parallel.world_size > 1:
-            raise NotImplementedError(
-                f"{spec.prefix}: act-order (desc_act) {self.fmt.method} experts split over "
-                f"parallel.tensor = {parallel.world_size} ranks are not supported (down's "
-                "groups are not contiguous in a rank's share of its rows)"
-            )
+        # act-order down split along K: its g_idx decides the layout at finish_loading, so
+        # every group's scales and zeros are kept until then
+        self.k_split_act_order = self.fmt.desc_act and parallel.world_size > 1 and g != -1
         for k, what in ((h, "hidden size"), (inter, "intermediate size")):
             if g != -1 and k % g or k % 16:
                 raise ValueError(
@@ -80,15 +80,20 @@ class W4A16Experts(QuantExperts):
                 )
         self.start, n = parallel.shard(inter, f"{spec.prefix}'s intermediate size")
         step = max(g, 16)  # whole groups, whole words, and a K tile of 16 for the kernels
+        unit = f"a group of {step} (group_size {g})"
+        if self.k_split_act_order:  # any rows, in whole 4-bit words and kernel K tiles
+            step, unit = 16, "a multiple of 16 rows"
         if self.start % step or n % step:
             raise ValueError(
                 f"parallel.tensor = {parallel.world_size} splits {spec.prefix}'s intermediate "
-                f"size {inter} at {self.start}, not on a group of {step} (group_size {g})"
+                f"size {inter} at {self.start}, not on {unit}"
             )
         self.n = n
         # the K columns a scale covers: gate_up's K is H, down's this rank's n
         self.group = {"gate_up": h if g == -1 else g, "down": n if g == -1 else g}
         gu, gd = h // self.group["gate_up"], n // self.group["down"]
+        if self.k_split_act_order:
+            gd = inter // g
 
         def param(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
             t = torch.zeros(*shape, dtype=dtype, device=device)
@@ -107,6 +112,7 @@ class W4A16Experts(QuantExperts):
         self.down_bias = param(e, h, dtype=dtype) if spec.bias and parallel.rank == 0 else None
         self.gate_up_perm: torch.nn.Parameter | None = None
         self.down_perm: torch.nn.Parameter | None = None
+        self.down_row_group: torch.nn.Parameter | None = None
         # g_idx as loaded (input order), per part, until finish_loading turns it into perms
         self._g_idx: dict[str, torch.Tensor] = {}
         self._loaded: dict[str, set[int]] = {}
@@ -204,9 +210,10 @@ class W4A16Experts(QuantExperts):
                 self.down_bias.data[index].copy_(t)
             return
         if what == "g_idx":
-            if part == "down":  # this rank's rows, their groups counted from its first
-                first = 0 if self.fmt.group_size == -1 else s // self.group["down"]
-                t = t[:, s : s + n] - first
+            if part == "down":  # this rank's rows, their groups counted from its first (from
+                # 0 for an act-order split, whose first group is known at finish_loading)
+                split = self.fmt.group_size == -1 or self.k_split_act_order
+                t = t[:, s : s + n] - (0 if split else s // self.group["down"])
             whole = self.spec.num_experts, t.shape[1]
             staged = self._g_idx.setdefault(
                 part, torch.zeros(whole, dtype=torch.int64, device=t.device)
@@ -216,8 +223,8 @@ class W4A16Experts(QuantExperts):
         if part == "down":
             g = self.group["down"]
             rows = slice(s, s + n) if what == "qweight" else slice(s // g, (s + n) // g)
-            if what != "qweight" and self.fmt.group_size == -1:
-                rows = slice(None)  # one group over all of K on every rank
+            if what != "qweight" and (self.fmt.group_size == -1 or self.k_split_act_order):
+                rows = slice(None)  # one group over all of K on every rank; or all, for now
             t = t[:, rows]
         else:
             t = t[..., s : s + n]
@@ -254,7 +261,9 @@ class W4A16Experts(QuantExperts):
                     "an expert's gate and up share their input, so must share one act-order"
                 )
             self.gate_up_perm = self._sorted("gate_up", gate)
-        if "down" in self._g_idx:
+        if self.k_split_act_order:
+            self.down_perm = self._split_sorted(self._g_idx["down"])
+        elif "down" in self._g_idx:
             self.down_perm = self._sorted("down", self._g_idx["down"])
         self._g_idx.clear()
 
@@ -266,11 +275,6 @@ class W4A16Experts(QuantExperts):
         trivial = torch.arange(k, device=g_idx.device) // group
         if torch.equal(g_idx, trivial.expand(e, k)):
             return None
-        if self.parallel.world_size > 1:
-            raise NotImplementedError(
-                f"{self.spec.prefix}: act-order g_idx (desc_act) with parallel.tensor = "
-                f"{self.parallel.world_size} is not supported"
-            )
         perm = torch.argsort(g_idx, dim=1, stable=True)
         bad = (g_idx.gather(1, perm) != trivial).any(1)
         if bool(bad.any()):
@@ -279,10 +283,54 @@ class W4A16Experts(QuantExperts):
                 f"{self.spec.prefix}.{int(bad.nonzero()[0])}.{part}_proj.g_idx does not give "
                 f"each of its {k // group} groups {group} rows"
             )
+        return self._permuted(name, perm, (g_idx != trivial).any(1))
+
+    def _permuted(self, name: str, perm: torch.Tensor, moved: torch.Tensor) -> torch.nn.Parameter:
+        """The experts `moved` (bool [E]) of weight `name` rewritten in place in the row order
+        `perm` [E, K] -> perm as an int32 parameter."""
         weight = getattr(self, name).data
-        for i in (g_idx != trivial).any(1).nonzero().flatten().tolist():
+        for i in moved.nonzero().flatten().tolist():
             weight[i] = pack_rows(unpack_rows(weight[i])[perm[i]])
         return torch.nn.Parameter(perm.to(torch.int32).contiguous(), requires_grad=False)
+
+    def _split_sorted(self, g_idx: torch.Tensor) -> torch.nn.Parameter | None:
+        """Act-order down over several ranks, g_idx [E, n] this rank's rows' groups (counted
+        from 0 over all of I): where every expert's is plain k // g in whole groups, the
+        one-rank layout (those groups' scales kept, no perm). Else each expert's rows sorted by
+        group, down_row_group [E, n] their groups counted from the first any expert's rows
+        touch, and the scales and zeros of the groups from there to the last -> the perms."""
+        e, n = g_idx.shape
+        g, s = self.group["down"], self.start
+        whole = self.spec.intermediate_size // g
+        plain = (torch.arange(s, s + n, device=g_idx.device) // g).expand(e, n)
+        if s % g == 0 and n % g == 0 and torch.equal(g_idx, plain):
+            self._keep_down_groups(s // g, (s + n) // g)
+            return None
+        counts = torch.zeros(e, whole + 1, dtype=torch.int64, device=g_idx.device)
+        counts.scatter_add_(1, g_idx.clamp(0, whole), torch.ones_like(g_idx))
+        bad = (g_idx < 0).any(1) | (g_idx >= whole).any(1) | (counts[:, :whole] > g).any(1)
+        if bool(bad.any()):
+            raise ValueError(
+                f"{self.spec.prefix}.{int(bad.nonzero()[0])}.down_proj.g_idx does not give "
+                f"each of its {whole} groups {g} rows (rows {s}..{s + n} of it)"
+            )
+        perm = torch.argsort(g_idx, dim=1, stable=True)
+        row_group = g_idx.gather(1, perm)
+        lo, hi = int(row_group[:, 0].min()), int(row_group[:, -1].max())
+        self._keep_down_groups(lo, hi + 1)
+        self.down_row_group = torch.nn.Parameter(
+            (row_group - lo).to(torch.int32).contiguous(), requires_grad=False
+        )
+        moved = (perm != torch.arange(n, device=perm.device)).any(1)
+        return self._permuted("down", perm, moved) if bool(moved.any()) else None
+
+    def _keep_down_groups(self, first: int, end: int) -> None:
+        """down's scales and zeros (all I / g groups, as loaded) cut to groups [first, end)."""
+        for name in ("down_scales", "down_zeros"):
+            t = getattr(self, name)
+            if t is not None:
+                kept = t.data[:, first:end].contiguous()
+                setattr(self, name, torch.nn.Parameter(kept, requires_grad=False))
 
     # --- running --------------------------------------------------------------------------------
 
@@ -300,17 +348,20 @@ class W4A16Experts(QuantExperts):
             gate_up_perm=self.gate_up_perm,
             down_perm=self.down_perm,
             group_size=self.fmt.group_size,
+            down_row_group=self.down_row_group,
         )
 
     def weight(self, name: str, e: int) -> torch.Tensor:
         """Expert e's "gate_up" or "down" weight, [out, in] float32, exactly dequantized."""
         zeros, perm = getattr(self, f"{name}_zeros"), getattr(self, f"{name}_perm")
+        row_group = self.down_row_group if name == "down" else None
         return dequantize(
             getattr(self, name)[e],
             getattr(self, f"{name}_scales")[e],
             None if zeros is None else zeros[e],
             self.group[name],
             None if perm is None else perm[e],
+            None if row_group is None else row_group[e],
         )
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:

@@ -128,7 +128,11 @@ class ExpertWeights:
     gate_up, n for down). Act-order (GPTQ desc_act) checkpoints have their rows sorted into
     group order at load, per expert, with gate_up_perm int32 [E, H] and down_perm [E, n]: row
     i of expert e's weight multiplies activation column perm[e, i]; None otherwise. Every
-    tensor contiguous; n a multiple of g (a rank's share never cuts a group).
+    tensor contiguous; n a multiple of g (a rank's share never cuts a group), except where
+    down_row_group int32 [E, n] is given (act-order split over tensor-parallel ranks: a rank's
+    rows of down hold a scattered part of each group): then down_scales / down_zeros are
+    [E, G', H], the groups the rank's rows touch, row i of expert e's down takes scale and zero
+    row down_row_group[e, i], and n need only be a multiple of 16.
     gate_up's rows (its columns, for "w4a16") are in the activation's layout
     (ExpertsSpec.activation); biases [E, 2n] / [E, H] in the activations' dtype, None where
     there are none (the down bias on rank 0 only).
@@ -147,6 +151,7 @@ class ExpertWeights:
     gate_up_perm: torch.Tensor | None = None
     down_perm: torch.Tensor | None = None
     group_size: int = 0
+    down_row_group: torch.Tensor | None = None
 
 
 class QuantExperts(torch.nn.Module, ABC):
