@@ -38,20 +38,25 @@ def _word(nibbles: list[int]) -> int:
     return word - (1 << 32) if word >= 1 << 31 else word
 
 
+def _words(nibbles: torch.Tensor) -> torch.Tensor:
+    """_word over the last dimension (8) of a tensor, in one pass: int32 [...]."""
+    shifts = 4 * torch.arange(8, dtype=torch.int64)
+    word = (nibbles.to(torch.int64) << shifts).sum(-1)
+    return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
+
+
 def gptq_qweight(q: torch.Tensor) -> torch.Tensor:
     """q [K, N] -> int32 [K / 8, N]: word [i, n] holds rows 8i..8i+7 of column n, row 8i + j
     in nibble j."""
     k, n = q.shape
-    out = [[_word(q[8 * i : 8 * i + 8, c].tolist()) for c in range(n)] for i in range(k // 8)]
-    return torch.tensor(out, dtype=torch.int32)
+    return _words(q.reshape(k // 8, 8, n).transpose(1, 2))
 
 
 def pack_columns(v: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
     """v [R, N] -> int32 [R, N / 8]: nibble i of word [r, c] holds column 8c + order[i] (GPTQ's
     qzeros: in order; AWQ's qweight and qzeros: AWQ's [0, 2, 4, 6, 1, 3, 5, 7])."""
     r, n = v.shape
-    rows = [[_word([v[i, 8 * c + o] for o in order]) for c in range(n // 8)] for i in range(r)]
-    return torch.tensor(rows, dtype=torch.int32)
+    return _words(v.reshape(r, n // 8, 8)[..., list(order)])
 
 
 def quantize(
@@ -123,6 +128,8 @@ def test_the_layouts_bit_positions() -> None:
     high = torch.tensor([[_word([15, 8, 0, 9, 1, 15, 7, 12])]], dtype=torch.int32)
     assert high.item() < 0
     assert unpack_cols(high).flatten().tolist() == [15, 8, 0, 9, 1, 15, 7, 12]
+    nibbles = torch.randint(0, 16, (32, 8))
+    assert _words(nibbles).tolist() == [_word(row) for row in nibbles.tolist()]
     values = torch.randint(0, 16, (64, 24), dtype=torch.uint8)
     assert torch.equal(unpack_rows(pack_rows(values)), values)
     assert torch.equal(pack_rows(values), gptq_qweight(values.long()))
