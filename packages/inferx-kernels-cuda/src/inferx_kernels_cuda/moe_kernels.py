@@ -1182,11 +1182,10 @@ def _check_w4(w: ExpertWeights, spec: ExpertsSpec) -> None:
             f"{name}_scales": ((e, groups, rows), (torch.float16, torch.bfloat16, torch.float32)),
             f"{name}_zeros": ((e, groups, rows), (torch.uint8,)),
             f"{name}_perm": ((e, k), (torch.int32,)),
-            f"{name}_row_group": ((e, k), (torch.int32,)),
         }
+        if name == "down":  # gate_up keeps its whole K on every rank: no row groups
+            want["down_row_group"] = ((e, k), (torch.int32,))
         for field, (shape, dtypes) in want.items():
-            if field == "gate_up_row_group":  # gate_up keeps its whole K on every rank
-                continue
             t = getattr(w, field)
             if t is None and field.endswith(("_zeros", "_perm", "_row_group")):
                 continue
@@ -1248,12 +1247,12 @@ def fused_experts(
         raise ValueError(f"{spec.prefix}: the MoE GEMV takes no K-blocked fp8 scales")
     elif gemv and mxfp4 and not _words_aligned(w):
         raise ValueError(f"{spec.prefix}: the MoE GEMV reads MXFP4 rows as 4-byte words")
+    swappable = mxfp4 and x.dtype != torch.float16  # what SWAP_AB takes
     if configs is None:
         sms = 132 if _interpreting() else _num_sms(x.device)
-        swap = mxfp4 and x.dtype != torch.float16
-        configs = gemm_configs(num_pairs, e, n, hidden, w.format, sms, gemv, swap)
+        configs = gemm_configs(num_pairs, e, n, hidden, w.format, sms, gemv, swappable)
     gate_up_cfg, down_cfg = configs
-    if (gate_up_cfg.swap_ab or down_cfg.swap_ab) and not (mxfp4 and x.dtype != torch.float16):
+    if (gate_up_cfg.swap_ab or down_cfg.swap_ab) and not swappable:
         raise ValueError(
             f"{spec.prefix}: swapped MoE GEMM operands take MXFP4 weights and bf16 / float32 "
             f"activations, got {w.format} weights and {x.dtype}"

@@ -108,6 +108,19 @@ def dequantize(
     return w.t()
 
 
+def sort_by_group(
+    g_idx: torch.Tensor, group: int, groups: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An act-order K slice's rows, g_idx [E, k] (each row's group of the whole layer's
+    `groups`), sorted into group order -> (perm [E, k], the rows' groups in that order [E, k],
+    bad [E]: a group index outside [0, groups), or a group given more than `group` rows)."""
+    counts = torch.zeros(g_idx.shape[0], groups + 1, dtype=torch.int64, device=g_idx.device)
+    counts.scatter_add_(1, g_idx.clamp(0, groups), torch.ones_like(g_idx))
+    bad = (g_idx < 0).any(1) | (g_idx >= groups).any(1) | (counts[:, :groups] > group).any(1)
+    perm = torch.argsort(g_idx, dim=1, stable=True)
+    return perm, g_idx.gather(1, perm), bad
+
+
 def pack_cols(values: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
     """uint8 [R, C] of 4-bit values -> int32 [R, C / 8] packed along columns, nibble i of word
     [r, c] column 8c + order[i] (unpack_cols' inverse)."""
@@ -378,14 +391,13 @@ class W4A16Linear(QuantLinear):
         if k0 % g == 0 and k % g == 0 and torch.equal(g_idx, plain.to(g_idx.device)):
             self.group_start, self.groups = k0 // g, k // g
             return None, slice(k0 // g, (k0 + k) // g)
-        counts = torch.bincount(g_idx.clamp(min=0), minlength=self.groups)
-        if int(g_idx.min()) < 0 or len(counts) > self.groups or int(counts.max()) > g:
+        perm, row_group, bad = sort_by_group(g_idx[None], g, self.groups)
+        if bool(bad[0]):
             raise ValueError(
                 f"{self._name(0)}.g_idx does not give each of the {self.groups} groups {g} "
                 f"rows (rows {k0}..{k0 + k} of it)"
             )
-        perm = torch.argsort(g_idx, stable=True)
-        row_group = g_idx[perm]
+        perm, row_group = perm[0], row_group[0]
         lo, hi = int(row_group[0]), int(row_group[-1])
         self.group_start, self.groups = lo, hi - lo + 1
         self.row_group = _param((row_group - lo).to(torch.int32))

@@ -21,6 +21,7 @@ from inferx_quant.w4a16 import (
     W4Format,
     dequantize,
     pack_rows,
+    sort_by_group,
     unpack_cols,
     unpack_rows,
 )
@@ -306,16 +307,12 @@ class W4A16Experts(QuantExperts):
         if s % g == 0 and n % g == 0 and torch.equal(g_idx, plain):
             self._keep_down_groups(s // g, (s + n) // g)
             return None
-        counts = torch.zeros(e, whole + 1, dtype=torch.int64, device=g_idx.device)
-        counts.scatter_add_(1, g_idx.clamp(0, whole), torch.ones_like(g_idx))
-        bad = (g_idx < 0).any(1) | (g_idx >= whole).any(1) | (counts[:, :whole] > g).any(1)
+        perm, row_group, bad = sort_by_group(g_idx, g, whole)
         if bool(bad.any()):
             raise ValueError(
                 f"{self.spec.prefix}.{int(bad.nonzero()[0])}.down_proj.g_idx does not give "
                 f"each of its {whole} groups {g} rows (rows {s}..{s + n} of it)"
             )
-        perm = torch.argsort(g_idx, dim=1, stable=True)
-        row_group = g_idx.gather(1, perm)
         lo, hi = int(row_group[:, 0].min()), int(row_group[:, -1].max())
         self._keep_down_groups(lo, hi + 1)
         self.down_row_group = torch.nn.Parameter(
