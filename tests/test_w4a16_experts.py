@@ -150,15 +150,23 @@ def test_tensor_parallel_shards_hold_the_whole(fmt: W4Format) -> None:
     half = SPEC.intermediate_size // 2
     assert ranks[1].gate_up.shape == (4, 64 // 8, 2 * half)
     assert ranks[1].down.shape == (4, half // 8, 64)
-    for e in range(SPEC.num_experts):
-        down = torch.cat([r.weight("down", e) for r in ranks], 1)
-        torch.testing.assert_close(down, whole.weight("down", e), rtol=0, atol=0)
-        gate = torch.cat([r.weight("gate_up", e)[:half] for r in ranks])
-        torch.testing.assert_close(gate, whole.weight("gate_up", e)[:64], rtol=0, atol=0)
+    assert_shards_make_the_whole(ranks, whole)
     x = torch.randn(5, 64, generator=gen(8))
     topk_weights, topk_ids = routing(5, SPEC, 2, seed=9)
     summed = sum(r(x, topk_weights, topk_ids) for r in ranks)
     torch.testing.assert_close(summed, whole(x, topk_weights, topk_ids), rtol=1e-5, atol=1e-5)
+
+
+def assert_shards_make_the_whole(shards: list, whole) -> None:
+    """Each expert's down (split along its K) and gate (along its outputs) put together from
+    the ranks' shards are the whole layer's weights bit for bit."""
+    n = SPEC.intermediate_size // len(shards)
+    for e in range(SPEC.num_experts):
+        down = torch.cat([r.weight("down", e) for r in shards], 1)
+        torch.testing.assert_close(down, whole.weight("down", e), rtol=0, atol=0)
+        gate = torch.cat([r.weight("gate_up", e)[:n] for r in shards])
+        gate_whole = whole.weight("gate_up", e)[: SPEC.intermediate_size]
+        torch.testing.assert_close(gate, gate_whole, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -182,11 +190,7 @@ def test_act_order_experts_split_over_ranks(name: str, ranks: int) -> None:
         assert w.down_perm is not None and w.gate_up_perm is not None
         assert w.down_scales.shape == (4, int(w.down_row_group.max()) + 1, 64)
         assert bool((w.down_row_group[:, 1:] >= w.down_row_group[:, :-1]).all())
-    for e in range(SPEC.num_experts):
-        down = torch.cat([r.weight("down", e) for r in shards], 1)
-        torch.testing.assert_close(down, whole.weight("down", e), rtol=0, atol=0)
-        gate = torch.cat([r.weight("gate_up", e)[:n] for r in shards])
-        torch.testing.assert_close(gate, whole.weight("gate_up", e)[:64], rtol=0, atol=0)
+    assert_shards_make_the_whole(shards, whole)
     x = torch.randn(5, 64, generator=gen(13))
     topk_weights, topk_ids = routing(5, SPEC, 2, seed=14)
     summed = sum(r(x, topk_weights, topk_ids) for r in shards)
