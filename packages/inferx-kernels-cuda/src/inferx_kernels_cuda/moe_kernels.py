@@ -897,7 +897,6 @@ def moe_gemv_kernel(
         # (the layout's last axis) share its activations
         GROUPS: tl.constexpr = BLOCK_K // 32
         SUB: tl.constexpr = BLOCK_N // ROWS
-        kg = tl.arange(0, GROUPS)[None, :, None]
         kw = tl.arange(0, 4)
         kq = tl.arange(0, 16)
         cols3 = tl.reshape(cols, (SUB, ROWS))[:, None, :]
@@ -912,13 +911,13 @@ def moe_gemv_kernel(
         scales_u = s_base + rows_u3 * stride_sn
         a_pairs = a_row.to(tl.pointer_type(tl.int32))
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            group = k0 // 32 + kg  # [1, GROUPS, 1]
+            g1 = k0 // 32 + tl.arange(0, GROUPS)
+            g1_ok = (g1 < k_in // 32)[:, None]
+            group = g1[None, :, None]  # [1, GROUPS, 1]
             g_ok = group < k_in // 32
             word = (group * 4)[:, :, :, None] + kw[None, None, None, :]
             m = (ok3 & g_ok)[:, :, :, None]
             sm = ok3 & g_ok
-            g1 = k0 // 32 + tl.arange(0, GROUPS)
-            g1_ok = (g1 < k_in // 32)[:, None]
             if A_PAIRS:  # a group's 32 bf16 activations as 16 int32, their bits made float32's
                 p = tl.load(a_pairs + g1[:, None] * 16 + kq[None, :], mask=g1_ok, other=0)
                 ev = ((p << 16) + _A_UP_BITS).to(tl.float32, bitcast=True)
