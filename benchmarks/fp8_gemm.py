@@ -20,12 +20,17 @@ fp8_act.SILU_ONE_TILE_MAX take); and the bf16 op alone (what an unquantized mode
 µs a call, timed as above (graph_timing.time_calls; the inputs stay in L2, as the GEMM before
 leaves them).
 
+--sweep times the FP8 TMA decode GEMM (W8A8, one row by default: --rows) over its tile configs
+and K-slice counts at each shape, the default (plain_config, fp8_parts) marked, beside the bf16
+TMA GEMM at its own default and the floor: which tiles a decode shape should take.
+
 --model-ab builds the configured model twice, fusion on then off, and runs inferx-bench
 latency's measurements on each (bench_offline.run_latency: batch-1 decode ms/token, TTFT at
 --ttft-lens): the end-to-end effect, CUDA graphs and all.
 
     python benchmarks/fp8_gemm.py             # on a GPU
     python benchmarks/fp8_gemm.py --act       # fused vs unfused activation quantization
+    python benchmarks/fp8_gemm.py --sweep [--rows 1] [--shapes "3B qkv,3B down"]
     python benchmarks/fp8_gemm.py --model-ab --config examples/qwen2.5-3b-dummy-gpu.toml \
         --quantization-scheme fp8 --kv-cache-memory 0.4   # an FP8 model, fused vs unfused
     TRITON_INTERPRET=1 python benchmarks/fp8_gemm.py --smoke [--act]   # tiny, on the CPU
@@ -153,12 +158,86 @@ def model_ab(args: argparse.Namespace) -> None:
         print(f"| {key} | {value:.3f} | {results['unfused'][key]:.3f} |")
 
 
+def sweep(args: argparse.Namespace) -> None:
+    """--sweep: the FP8 TMA decode GEMM's configs and K-slices per shape (module docstring)."""
+    from inferx_kernels_cuda import tma_gemv
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float16
+    smoke = args.smoke or dev != "cuda"
+    names = [s.strip() for s in args.shapes.split(",")] if args.shapes else list(SHAPES)
+    shapes = {"tiny": (128, 256)} if smoke else {name: SHAPES[name] for name in names}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if dev == "cuda" else 132
+    grid = [
+        tma_gemv.TmaGemvConfig(bn, bk, warps, stages)
+        for bn in (32, 64, 128)
+        for bk in (128, 256)
+        for warps in (4,)
+        for stages in (3, 4, 6)
+    ]
+    print(f"device: {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}, rows {args.rows}")
+    print("| shape | parts | config | fp8 TMA µs | floor | %floor | default |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (n, k) in shapes.items():
+        layers = []
+        for _ in range(copies_for(n * k, not smoke)):
+            w = torch.randn(n, k, device=dev, dtype=dtype) * 0.02
+            ws = (w.float().abs().amax(1) / kern.FP8_MAX).clamp(min=1e-12)
+            layers.append((w, (w.float() / ws[:, None]).to(kern.FP8), ws))
+        x = torch.randn(args.rows, k, device=dev, dtype=dtype)
+        xq, xs = kern.quantize_rows(x)
+        floor = n * k / (args.tbps * 1e12) * 1e6
+        base = tma_gemv.fp8_parts(n, k, args.rows, sms)
+        default = (base, tma_gemv.plain_config(n, base, sms, args.rows, elem_bytes=1))
+        dense = layers[: copies_for(n * k * 2, not smoke)]
+        cfg16 = tma_gemv.plain_config(n, base, sms, args.rows)
+        bf16 = [partial(tma_gemv.tma_linear_parts, x, w, base, cfg16) for w, _, _ in dense]
+        us = float("nan") if smoke else time_calls(bf16, True)
+        print(f"| {name} | {base} | bf16 TMA default | {us:.1f} | {2 * floor:.1f} | "
+              f"{200 * floor / us:.0f}% | |")  # fmt: skip
+        rows = []
+        for parts in sorted({max(1, base // 2), base, min(16, base * 2)}):
+            if k < parts * 128:
+                continue
+            for cfg in grid[:2] if smoke else grid:
+                fns = [
+                    partial(
+                        tma_gemv.tma_fp8_linear_parts, xq, xs, w8, ws, None, parts, cfg, dtype
+                    )  # fmt: skip
+                    for _, w8, ws in layers
+                ]
+                try:
+                    if smoke:
+                        fns[0]()
+                        t = float("nan")
+                    else:
+                        t = time_calls(fns, True)
+                except Exception as exc:  # a config past the SM's shared memory: skipped
+                    print(f"<!-- {name} parts {parts} {cfg}: {type(exc).__name__} -->")
+                    continue
+                rows.append((t, parts, cfg))
+        rows.sort(key=lambda r: (r[0] != r[0], r[0]))
+        for t, parts, cfg in rows[: args.top]:
+            mark = "default" if (parts, cfg) == default else ""
+            print(f"| {name} | {parts} | {cfg} | {t:.1f} | {floor:.1f} | {100 * floor / t:.0f}% | "
+                  f"{mark} |")  # fmt: skip
+        hit = [r for r in rows if (r[1], r[2]) == default]
+        if hit and hit[0] not in rows[: args.top]:
+            t = hit[0][0]
+            print(f"| {name} | {base} | {default[1]} | {t:.1f} | {floor:.1f} | "
+                  f"{100 * floor / t:.0f}% | default |")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, any device, no timing")
     ap.add_argument("--tbps", type=float, default=3.35, help="memory bandwidth for the floor")
     ap.add_argument("--act", action="store_true", help="fused vs unfused activation quantization")
     ap.add_argument("--model-ab", action="store_true", help="a model's latency, fused vs unfused")
+    ap.add_argument("--sweep", action="store_true", help="the FP8 TMA decode GEMM's configs")
+    ap.add_argument("--rows", type=int, default=1, help="--sweep: rows of x")
+    ap.add_argument("--shapes", default="", help="--sweep: comma-separated SHAPES names")
+    ap.add_argument("--top", type=int, default=6, help="--sweep: fastest configs a shape")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--ttft-lens", type=int, nargs="*", default=[2048])
@@ -170,6 +249,9 @@ def main() -> None:
         return
     if args.model_ab:
         model_ab(args)
+        return
+    if args.sweep:
+        sweep(args)
         return
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = {"tiny": (128, 256)} if args.smoke else SHAPES
