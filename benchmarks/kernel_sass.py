@@ -24,8 +24,7 @@ moe_gemm_kernel's MXFP4 tiles at 8, 256 and 2048 tokens (gemm_configs'), whose w
 dequantized once per M tile: its bytes a clock then also feed the tensor cores. w4a16:
 w4a16_kernel at a dense model's decode shapes (benchmarks/gemm_shapes.py; --model, --shapes),
 --rows rows of bf16 x, group 128, at the configs w4a16.pick_config (tl.dot) and, up to 4 rows,
-w4a16.fma_config (CUDA cores) give, the latter also with its register prefetch
-(W4Config.prefetch) the other way; --act-order with the K permutation; --row-group with it
+w4a16.fma_config (CUDA cores) give; --act-order with the K permutation; --row-group with it
 and a group read per row (ROW_GROUP: act-order split along K over tensor-parallel ranks);
 --pdl also fma_config's as w4a16.PDL launches it (pdl: the trigger at its start, as QKV,
 o_proj and down get it; pdl late: after its K loop).
@@ -49,7 +48,6 @@ import re
 import subprocess
 import tempfile
 from collections.abc import Collection, Iterator
-from dataclasses import replace
 from typing import Any, NamedTuple
 
 import triton
@@ -279,8 +277,7 @@ def w4a16_cases(args: argparse.Namespace) -> Iterator[Case]:
         configs = [(cfg, "", {}) for cfg in configs]
         if args.rows <= w4a16.MAX_FMA_ROWS:
             fma = w4a16.fma_config(args.rows, n, k)
-            # both ways of the register prefetch, fma_config's first
-            configs += [(fma, "", {}), (replace(fma, prefetch=not fma.prefetch), "", {})]
+            configs.append((fma, "", {}))
             if args.pdl:  # the PDL launches of w4a16.pdl_launch
                 configs += [
                     (fma, " pdl", {"PDL": True, "TRIGGER": True}),
@@ -291,8 +288,7 @@ def w4a16_cases(args: argparse.Namespace) -> Iterator[Case]:
             constexprs = dict(
                 HAS_PERM=args.act_order or args.row_group, HAS_BIAS=False, BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n, BLOCK_K=block_k, PACKED=cfg.packed_loads,
-                USE_DOT=cfg.use_dot, UPCAST=False, DOT_PRECISION="tf32",
-                PREFETCH=cfg.prefetch and not cfg.use_dot, **pdl,
+                USE_DOT=cfg.use_dot, UPCAST=False, DOT_PRECISION="tf32", **pdl,
             )  # fmt: skip
             if args.row_group:  # left at its default otherwise, as a launch without one does
                 constexprs["ROW_GROUP"] = True

@@ -9,10 +9,9 @@ down_proj 14336 -> 4096; `--model qwen2.5-3b`: 2048 -> 2560, 2048 -> 2048, 2048 
     python benchmarks/w4a16_gemm.py --sweep         # also the best of a few configs a shape
     python benchmarks/w4a16_gemm.py --smoke         # CPU: tiny shapes under the interpreter
 
-`--fma` times the CUDA-core path (W4Config.use_dot=False at w4a16.fma_config, then the same
-with its register prefetch the other way) in the same process, beside the picked config,
-checked the same way (`python benchmarks/kernel_sass.py --kernels w4a16` counts the loops'
-instructions).
+`--fma` times the CUDA-core path (W4Config.use_dot=False at w4a16.fma_config) in the same
+process, beside the picked config, checked the same way (`python benchmarks/kernel_sass.py
+--kernels w4a16` counts the loops' instructions).
 
 Each figure is one call's time in µs, from a CUDA graph of `--calls` calls replayed `--reps`
 times (the decode step runs in CUDA graphs, so launch gaps are not counted), the calls cycling
@@ -158,7 +157,7 @@ def main() -> None:
     head = f"{'shape':<8} {'K->N':>12} {'M':>4} {'w4a16 µs':>9} {'floor':>7} {'%floor':>6} "
     head += f"{'bf16 µs':>8} {'floor':>7} {'speedup':>7}  config"
     if ARGS.fma:
-        head += f"  | {'fma µs':>7} {'%floor':>6}  config" * 2
+        head += f"  | {'fma µs':>7} {'%floor':>6}  config"
     if ARGS.sweep:
         head += "  | best swept config (µs)"
     print(head)
@@ -189,14 +188,12 @@ def main() -> None:
             )
             if ARGS.fma and m <= MAX_FMA_ROWS:
                 fma = fma_config(m, n, k, sms)
-                # fma_config's, then the same with the register prefetch the other way
-                for fc in (fma, replace(fma, prefetch=not fma.prefetch)):
-                    check(shape, m, x, args0, want, fc)
-                    fma_us = time_calls(
-                        [lambda a=a, x=x, c=fc: w4a16_linear(x, *a, config=c) for a, _ in layers],
-                        cuda,
-                    )
-                    line += f"  | {fma_us:>7.2f} {100 * w4_floor / fma_us:>5.0f}%  {fc}"
+                check(shape, m, x, args0, want, fma)
+                fma_us = time_calls(
+                    [lambda a=a, x=x, c=fma: w4a16_linear(x, *a, config=c) for a, _ in layers],
+                    cuda,
+                )
+                line += f"  | {fma_us:>7.2f} {100 * w4_floor / fma_us:>5.0f}%  {fma}"
             if ARGS.sweep and cuda:
                 best = None
                 for c in sweep_configs(m):

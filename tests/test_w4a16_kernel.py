@@ -40,23 +40,21 @@ CONFIGS = {
     "gemv-split3-dup-loads": W4Config(block_m=16, split_k=3, packed_loads=False, **SMALL),
     "gemm": W4Config(block_m=32, split_k=1, **SMALL),
     "fma-split3": W4Config(block_m=2, split_k=3, use_dot=False, **SMALL),
-    "fma-split3-prefetch": W4Config(block_m=2, split_k=3, use_dot=False, prefetch=True, **SMALL),
 }
 # the CUDA-core path's other row counts a program (1 and 4; 2 above)
 FMA_ROWS = {
     "fma-m1": W4Config(block_m=1, split_k=1, use_dot=False, **SMALL),
     "fma-m4-split3": W4Config(block_m=4, split_k=3, use_dot=False, **SMALL),
-    "fma-m1-prefetch": W4Config(block_m=1, split_k=1, use_dot=False, prefetch=True, **SMALL),
-    "fma-m4-split3-prefetch": W4Config(block_m=4, split_k=3, use_dot=False, prefetch=True, **SMALL),
 }
-# register prefetch (W4Config.prefetch) against the same configs without it: 8 steps of 32 rows
-# at K 256, so a step's words or group read a step off change the sums; split 16 leaves 8
-# splits past K (no steps, no loads), split 3 one step, three, and two a split
-PREFETCH = {
-    "m1": W4Config(block_m=1, split_k=1, use_dot=False, prefetch=True, **SMALL),
-    "m2-split3": W4Config(block_m=2, split_k=3, use_dot=False, prefetch=True, **SMALL),
-    "m4-split16": W4Config(block_m=4, split_k=16, use_dot=False, prefetch=True, **SMALL),
-    "m4-split5": W4Config(block_m=4, split_k=5, use_dot=False, prefetch=True, **SMALL),
+# the CUDA-core path's register prefetch (the next step's words, scales and zeros loaded
+# before this step's arithmetic) over K splits: 8 steps of 32 rows at K 256, so a step's words
+# or group read a step off change the sums; split 16 leaves 8 splits past K (no steps, no
+# loads), split 3 one step, three, and two a split
+FMA_SPLITS = {
+    "m1": W4Config(block_m=1, split_k=1, use_dot=False, **SMALL),
+    "m2-split3": W4Config(block_m=2, split_k=3, use_dot=False, **SMALL),
+    "m4-split16": W4Config(block_m=4, split_k=16, use_dot=False, **SMALL),
+    "m4-split5": W4Config(block_m=4, split_k=5, use_dot=False, **SMALL),
 }
 
 
@@ -127,23 +125,21 @@ def test_fma_path_over_the_range_of_x(name: str, config: str) -> None:
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("config", PREFETCH)
+@pytest.mark.parametrize("config", FMA_SPLITS)
 @pytest.mark.parametrize("name", ["gptq-sym-g64", "gptq-act-order-g64", "awq-g64"])
-def test_fma_prefetch_is_the_same_sums(name: str, config: str, dtype: torch.dtype) -> None:
-    """The CUDA-core path with the next step's loads in flight (prefetch=True) gives the
-    bits it gives without, at 1-4 rows (ragged N, K splits, act-order): the same products in
-    the same order. Against float64 of the exact weights: 1e-5 of the output's scale in fp32,
-    two ulps of it in fp16 / bf16 (the weights are not rounded on this path)."""
+def test_fma_path_over_k_splits(name: str, config: str, dtype: torch.dtype) -> None:
+    """The CUDA-core path, the next step's loads in flight during each step, at 1-4 rows
+    (ragged N, K splits, splits past K, act-order) against float64 of the exact weights: 1e-5
+    of the output's scale in fp32, two ulps of it in fp16 / bf16 (the weights are not rounded
+    on this path); the partials summed too in fp32."""
     layer, exact, bias = _layer(name)
-    cfg = PREFETCH[config]
+    cfg = FMA_SPLITS[config]
     for rows in range(1, 5):
         x = torch.randn(rows, SPEC.in_features, generator=torch.Generator().manual_seed(rows))
         x = x.to(dtype)
         want = x.double() @ exact.double().t() + bias.to(dtype).double()
         b = layer.bias.to(dtype)
         got = w4a16_linear(x, *_args(layer), bias=b, config=cfg)
-        base = w4a16_linear(x, *_args(layer), bias=b, config=replace(cfg, prefetch=False))
-        assert torch.equal(got, base), (rows, (got.double() - base.double()).abs().max())
         rel = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
         _close(got, want, rel)
         parts = w4a16_linear_parts(x, *_args(layer), bias=b, config=cfg)
@@ -213,10 +209,10 @@ def test_fma_loop_within_the_h100_issue_budget(tmp_path) -> None:
     out = subprocess.run([*cmd, "--json", str(out_json)], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out_json.read_text())["rows"]
-    # pick_config's tl.dot config, fma_config's (register prefetch on), and it without
-    assert len(rows) == 3, out.stdout
+    # pick_config's tl.dot config and fma_config's
+    assert len(rows) == 2, out.stdout
     fma = [row for row in rows if " fma" in row["kernel"]]
-    assert [row["kernel"].endswith(" fma pf") for row in fma] == [True, False], out.stdout
+    assert [row["kernel"].endswith(" fma") for row in fma] == [True], out.stdout
     for row in fma:
         assert row["kernel"].startswith("w4a16 o m1 "), out.stdout
         assert row["stack"] == 0, out.stdout  # no spills
@@ -247,13 +243,13 @@ def test_pdl_variant_loads_its_first_weights_before_the_wait(tmp_path, rows: int
     the start, or after the K loop), compiled for sm_90: the loads before the grid-dependency
     wait (griddepcontrol.wait, ACQBULK in the SASS) are the first step's words (two or more
     128-bit loads), scales and zeros (_fma_step_loads), none of x, and ptxas moved none across
-    it (as many LDGs before ACQBULK as PTX loads); the loop is the plain prefetch loop's
-    (as long, no more registers as allocated, no spills). The kernels without PDL have no
+    it (as many LDGs before ACQBULK as PTX loads); the loop is the one without PDL's (as
+    long, no more registers as allocated, no spills). The kernels without PDL have no
     wait."""
     flags = ["--kernels", "w4a16", "--shapes", "o", "--pdl", "--rows", str(rows)]
     table, stdout = _kernel_sass(tmp_path, *flags)
-    plain = [row for row in table if row["kernel"].endswith(" fma pf")]
-    pdl = [row for row in table if " pf pdl" in row["kernel"]]
+    plain = [row for row in table if row["kernel"].endswith(" fma")]
+    pdl = [row for row in table if " fma pdl" in row["kernel"]]
     assert len(plain) == 1 and len(pdl) == 2, stdout
     assert all(row["pre_wait"] is None for row in table if "pdl" not in row["kernel"]), stdout
     for row in pdl:
@@ -297,13 +293,12 @@ def pdl_on(monkeypatch):
     return recorder
 
 
-# the CUDA-core path with and without its prefetch (whose first step's loads precede the wait),
-# splits past K among them, and the tl.dot path's GEMV and GEMM
+# the CUDA-core path (whose first step's loads precede the wait), splits past K among them,
+# and the tl.dot path's GEMV and GEMM
 PDL_CONFIGS = {
-    "fma-m1-prefetch": FMA_ROWS["fma-m1-prefetch"],
-    "fma-m4-split16-prefetch": PREFETCH["m4-split16"],
-    "fma-m2-split5-prefetch": replace(PREFETCH["m4-split5"], block_m=2),
     "fma-m1": FMA_ROWS["fma-m1"],
+    "fma-m4-split16": FMA_SPLITS["m4-split16"],
+    "fma-m2-split5": replace(FMA_SPLITS["m4-split5"], block_m=2),
     "gemv-split3": CONFIGS["gemv-split3"],
     "gemm": CONFIGS["gemm"],
 }
@@ -354,13 +349,13 @@ def test_pdl_variant_gives_the_same_bits(pdl_on, monkeypatch, name: str, config:
 def test_row_group_variant_compiles_for_sm90_without_spills(tmp_path, rows: int) -> None:
     """ROW_GROUP (an act-order K slice) compiled for sm_90 without a GPU by
     `benchmarks/kernel_sass.py --row-group` (a process of its own, as above): the tl.dot
-    config and the CUDA-core one with and without prefetch, none spilling. Its loop is
+    config and the CUDA-core one, neither spilling. Its loop is
     longer than the plain one's (a scale and zero gathered and converted per weight: 22 a
     byte at one row, triton 3.6), which is the price of a row's own group."""
     flags = ("--kernels", "w4a16", "--shapes", "o", "--row-group", "--rows", str(rows))
     found, stdout = _kernel_sass(tmp_path, *flags)
     assert "row groups True" in stdout, stdout
-    assert len(found) == 3, stdout
+    assert len(found) == 2, stdout
     for row in found:
         assert row["stack"] == 0 and 0 < row["regs"] <= 255, stdout
         assert row["loop"] > 0, stdout
@@ -503,9 +498,9 @@ def k_slice(n: int, k_whole: int, group: int, ranks: int, rank: int, device, see
 K_SLICES = [(96, 256, 64, 2, 1), (64, 384, 128, 4, 2), (24, 512, 32, 4, 3), (72, 256, 32, 8, 5)]
 ROW_GROUP_CONFIGS = {
     "fma-m1": W4Config(block_m=1, split_k=1, use_dot=False, **SMALL),
-    "fma-m2-split3-prefetch": W4Config(block_m=2, split_k=3, use_dot=False, prefetch=True, **SMALL),
+    "fma-m2-split3": W4Config(block_m=2, split_k=3, use_dot=False, **SMALL),
     "fma-m4-split2": W4Config(block_m=4, split_k=2, use_dot=False, **SMALL),
-    "fma-m4-prefetch": W4Config(block_m=4, split_k=1, use_dot=False, prefetch=True, **SMALL),
+    "fma-m4": W4Config(block_m=4, split_k=1, use_dot=False, **SMALL),
     "gemv-split3": CONFIGS["gemv-split3"],
     "gemv-dup-loads": CONFIGS["gemv-split3-dup-loads"],
     "gemm": CONFIGS["gemm"],
@@ -519,7 +514,7 @@ ROW_GROUP_CONFIGS = {
 def test_row_groups_match_the_exact_slice(shape: tuple[int, ...], config: str) -> None:
     """ROW_GROUP (row_group given): an act-order K slice, whose kernel rows take their scales
     and zeros from row_group, against float64 x @ W_exact.T of the slice, 1-20 rows, on the
-    CUDA-core path (with and without prefetch, K splits) and the tl.dot path (split-K GEMV,
+    CUDA-core path (K splits) and the tl.dot path (split-K GEMV,
     the tiled GEMM, which permutes x first past 16 rows): within 1e-5 of the output's scale in
     fp32; the partials summed too."""
     args, row_group, exact = k_slice(*shape, torch.device("cpu"), seed=sum(shape))

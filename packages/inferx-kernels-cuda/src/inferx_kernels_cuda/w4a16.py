@@ -94,9 +94,7 @@ class W4Config:
     CUDA cores in fp32 instead of tl.dot (`_fma_rows`: no padding of x to 16 rows, no
     conversion of the weight tile to tl.dot's operand layout), block_m rows a program (1, 2
     or 4), for the benchmark to weigh against the dot path at a few rows; packed_loads and
-    num_stages do not apply to it. prefetch (use_dot=False only): a register prefetch, the
-    next K step's words, scales and zeros loaded before the current step's arithmetic (Triton
-    pipelines only loads that feed tl.dot); the same sums in the same order."""
+    num_stages do not apply to it."""
 
     block_m: int = 16
     block_n: int = 64
@@ -106,15 +104,12 @@ class W4Config:
     num_stages: int = 3
     packed_loads: bool = True
     use_dot: bool = True
-    prefetch: bool = False
 
     def __str__(self) -> str:
         loads = "packed" if self.packed_loads else "dup"
         return (
             f"m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k} "
-            f"w{self.num_warps} st{self.num_stages} {loads}"
-            + ("" if self.use_dot else " fma")
-            + (" pf" if self.prefetch and not self.use_dot else "")
+            f"w{self.num_warps} st{self.num_stages} {loads}" + ("" if self.use_dot else " fma")
         )
 
 
@@ -160,13 +155,14 @@ def fma_config(m: int, n: int, k: int, num_sms: int = _H100_SMS) -> W4Config:
     """The CUDA-core path's config for 1-4 rows, which benchmarks/w4a16_gemm.py --fma times
     beside pick_config's (not picked at run time until it has been timed): 64 columns, a
     128-row step (one group), four warps. The next step's words, scales and zeros are loaded
-    during the current step's arithmetic (prefetch); beyond that, memory
+    during the current step's arithmetic (_fma_rows' prefetch); beyond that, memory
     parallelism comes from resident programs: K is split for eight programs an SM, down to two
     steps a split (a guess for the sweep to tune)."""
     if not 1 <= m <= MAX_FMA_ROWS:
         raise ValueError(f"w4a16: the CUDA-core path takes 1-{MAX_FMA_ROWS} rows, not {m}")
-    cfg = W4Config(block_m=1 << (m - 1).bit_length(), block_n=64, block_k=128, num_stages=1)
-    cfg = replace(cfg, use_dot=False, prefetch=True)
+    cfg = W4Config(
+        block_m=1 << (m - 1).bit_length(), block_n=64, block_k=128, num_stages=1, use_dot=False
+    )
     split = split_for(triton.cdiv(n, cfg.block_n), k, cfg.block_k, m, num_sms, 8, 2)
     return replace(cfg, split_k=split)
 
@@ -257,17 +253,14 @@ def _group_sum(acc, part, xs, scale, neg_zs):
 @triton.jit
 def _fma_step_loads(
     qw_ptr, s_ptr, z_ptr, k0, k_end, kw, cols, n, group_shift, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, SPLIT_ADDRESS: tl.constexpr, ROW_GROUP: tl.constexpr,
+    MASKED: tl.constexpr, ROW_GROUP: tl.constexpr,
 ):  # fmt: skip
     """Step k0's words [KW, BLOCK_N] and its group's scales and zeros [BLOCK_N], as loaded
-    (_fma_rows); MASKED: none when k0 >= k_end (undefined values, never used). SPLIT_ADDRESS:
-    the words' addresses as a scalar base plus loop-invariant offsets (fewer instructions in
-    the prefetch loop, more registers in the plain one, whose SASS stays as it was).
+    (_fma_rows); MASKED: none when k0 >= k_end (undefined values, never used). The words'
+    addresses are a scalar base plus loop-invariant offsets (fewer instructions in the loop).
     ROW_GROUP: the words alone, three times (_fma_step_rows loads scales and zeros per row)."""
-    if SPLIT_ADDRESS:  # a scalar base (uniform registers) plus loop-invariant offsets
-        words = (qw_ptr + (k0 // 8) * n) + (kw[:, None] * n + cols[None, :])
-    else:
-        words = qw_ptr + (k0 // 8 + kw)[:, None] * n + cols[None, :]
+    # a scalar base (uniform registers) plus loop-invariant offsets
+    words = (qw_ptr + (k0 // 8) * n) + (kw[:, None] * n + cols[None, :])
     group = k0 >> group_shift
     if ROW_GROUP:
         ok = tl.full([BLOCK_N], k0, tl.int32) < k_end
@@ -408,7 +401,6 @@ def _fma_rows(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
     TRIGGER: tl.constexpr,
     ROW_GROUP: tl.constexpr,
@@ -423,55 +415,41 @@ def _fma_rows(
     2^-85, exact products as the plain q * x would be. Zero points and scales apply once a
     group (BLOCK_K divides it): s * (sum x q - z * sum x). Range: |x| < 2^64 (x * 2^64 must
     not overflow); a product under 2^-126 (|x q| < 2^-41) is a denormal and loses bits.
-    PDL, TRIGGER (inferx_kernels_cuda.pdl): the wait comes after the first step's loads with
-    PREFETCH (the weight is no kernel's output), else first."""
+    PDL, TRIGGER (inferx_kernels_cuda.pdl): the wait comes after the first step's loads (the
+    weight is no kernel's output)."""
     KW: tl.constexpr = BLOCK_K // 8
     kw = tl.arange(0, KW)
     acc0 = tl.zeros([KW, BLOCK_N], tl.float32)
     acc1 = tl.zeros([KW, BLOCK_N], tl.float32)
     acc2 = tl.zeros([KW, BLOCK_N], tl.float32)
     acc3 = tl.zeros([KW, BLOCK_N], tl.float32)
-    if PREFETCH:
-        # Step i + 1's words, scales and zeros are loaded before step i's arithmetic, so they
-        # are in flight while it runs. The first step's loads come before the loop (none for a
-        # split past K, k_start >= k_end), and the last step runs after it: the loop's loads
-        # stay unmasked (a masked load's registers are zeroed first: instructions a step).
-        packed, s_raw, z_raw = _fma_step_loads(
-            qw_ptr, s_ptr, z_ptr, k_start, k_end, kw, cols, n, group_shift, BLOCK_N, True, True,
+    # Step i + 1's words, scales and zeros are loaded before step i's arithmetic, so they
+    # are in flight while it runs. The first step's loads come before the loop (none for a
+    # split past K, k_start >= k_end), and the last step runs after it: the loop's loads
+    # stay unmasked (a masked load's registers are zeroed first: instructions a step).
+    packed, s_raw, z_raw = _fma_step_loads(
+        qw_ptr, s_ptr, z_ptr, k_start, k_end, kw, cols, n, group_shift, BLOCK_N, True, ROW_GROUP,
+    )  # fmt: skip
+    # Launched early (PDL), the program waits here for the kernel ahead, which writes x:
+    # the first step's weight loads are in flight across the wait, x's all come after it.
+    pdl_start(PDL, TRIGGER)
+    for k0 in range(k_start, k_end - BLOCK_K, BLOCK_K):
+        words_next, s_next, z_next = _fma_step_loads(
+            qw_ptr, s_ptr, z_ptr, k0 + BLOCK_K, k_end, kw, cols, n, group_shift, BLOCK_N,
+            False, ROW_GROUP,
+        )  # fmt: skip
+        acc0, acc1, acc2, acc3 = _fma_step(
+            acc0, acc1, acc2, acc3, packed, s_raw, z_raw, x_rows, perm_ptr, m, row0, k0,
+            kw, stride_xm, s_ptr, z_ptr, rg_ptr, cols, n, HAS_PERM, BLOCK_M, BLOCK_N, KW,
             ROW_GROUP,
         )  # fmt: skip
-        # Launched early (PDL), the program waits here for the kernel ahead, which writes x:
-        # the first step's weight loads are in flight across the wait, x's all come after it.
-        pdl_start(PDL, TRIGGER)
-        for k0 in range(k_start, k_end - BLOCK_K, BLOCK_K):
-            words_next, s_next, z_next = _fma_step_loads(
-                qw_ptr, s_ptr, z_ptr, k0 + BLOCK_K, k_end, kw, cols, n, group_shift, BLOCK_N,
-                False, True, ROW_GROUP,
-            )  # fmt: skip
-            acc0, acc1, acc2, acc3 = _fma_step(
-                acc0, acc1, acc2, acc3, packed, s_raw, z_raw, x_rows, perm_ptr, m, row0, k0,
-                kw, stride_xm, s_ptr, z_ptr, rg_ptr, cols, n, HAS_PERM, BLOCK_M, BLOCK_N, KW,
-                ROW_GROUP,
-            )  # fmt: skip
-            packed, s_raw, z_raw = words_next, s_next, z_next
-        if k_start < k_end:
-            acc0, acc1, acc2, acc3 = _fma_step(
-                acc0, acc1, acc2, acc3, packed, s_raw, z_raw, x_rows, perm_ptr, m, row0,
-                k_end - BLOCK_K, kw, stride_xm, s_ptr, z_ptr, rg_ptr, cols, n, HAS_PERM,
-                BLOCK_M, BLOCK_N, KW, ROW_GROUP,
-            )  # fmt: skip
-    else:
-        pdl_start(PDL, TRIGGER)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            packed, s_raw, z_raw = _fma_step_loads(
-                qw_ptr, s_ptr, z_ptr, k0, k_end, kw, cols, n, group_shift, BLOCK_N, False, False,
-                ROW_GROUP,
-            )  # fmt: skip
-            acc0, acc1, acc2, acc3 = _fma_step(
-                acc0, acc1, acc2, acc3, packed, s_raw, z_raw, x_rows, perm_ptr, m, row0, k0,
-                kw, stride_xm, s_ptr, z_ptr, rg_ptr, cols, n, HAS_PERM, BLOCK_M, BLOCK_N, KW,
-                ROW_GROUP,
-            )  # fmt: skip
+        packed, s_raw, z_raw = words_next, s_next, z_next
+    if k_start < k_end:
+        acc0, acc1, acc2, acc3 = _fma_step(
+            acc0, acc1, acc2, acc3, packed, s_raw, z_raw, x_rows, perm_ptr, m, row0,
+            k_end - BLOCK_K, kw, stride_xm, s_ptr, z_ptr, rg_ptr, cols, n, HAS_PERM,
+            BLOCK_M, BLOCK_N, KW, ROW_GROUP,
+        )  # fmt: skip
     rows = tl.arange(0, BLOCK_M)[:, None]
     out = tl.where(rows == 0, tl.sum(acc0, axis=0)[None, :], 0.0)
     if BLOCK_M > 1:
@@ -509,7 +487,6 @@ def w4a16_kernel(
     USE_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
     PDL: tl.constexpr = False,
     TRIGGER: tl.constexpr = False,
     LATE: tl.constexpr = False,
@@ -536,7 +513,7 @@ def w4a16_kernel(
         acc = _fma_rows(
             x_ptr + pid_m.to(tl.int64) * BLOCK_M * stride_xm, qw_ptr, s_ptr, z_ptr, perm_ptr, m,
             pid_m * BLOCK_M, cols, n, stride_xm, k_start, k_end, group_shift, rg_ptr,
-            HAS_PERM, BLOCK_M, BLOCK_N, BLOCK_K, PREFETCH, PDL, TRIGGER, ROW_GROUP,
+            HAS_PERM, BLOCK_M, BLOCK_N, BLOCK_K, PDL, TRIGGER, ROW_GROUP,
         )  # fmt: skip
     else:
         pdl_start(PDL, TRIGGER)
@@ -689,7 +666,6 @@ def _launch(
         # bf16 tl.dot is wrong under the interpreter only; there operands go to fp32 first.
         UPCAST=x.dtype == torch.float32 or (interpret and x.dtype == torch.bfloat16),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        PREFETCH=cfg.prefetch and not cfg.use_dot,
         ROW_GROUP=row_group is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
