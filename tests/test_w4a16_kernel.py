@@ -148,6 +148,77 @@ def test_fma_path_over_k_splits(name: str, config: str, dtype: torch.dtype) -> N
             _close(parts.sum(0), want, 1e-5)
 
 
+# a gate_up layer: 256 inputs, gate and up of 48 outputs each (ragged 64-column blocks)
+GATED_SPEC = LinearSpec("model.layers.0.mlp.gate_up_proj", 256, (48, 48), bias=True)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("config", ["gemv", "gemv-split3", "fma-split3", "fma-m1"])
+@pytest.mark.parametrize("name", ["gptq-sym-g64", "gptq-act-order-g64"])
+def test_gated_is_silu_and_mul_of_the_plain_call(name: str, config: str, dtype) -> None:
+    """gated=True (the reduce makes silu(gate) * up, launched even without a K split) against
+    silu_and_mul of the plain call's output, rows 1-3, with a bias: in fp32 within 1e-6 of the
+    output's scale of float64 silu(gate) * up of the plain output; in fp16 within 2^-10 of the
+    output's scale of silu(gate) rounded to fp16 times up (gate and up rounded first by both),
+    the result's rounding. (fp16, not bf16: the interpreter casts to bf16 toward zero.)"""
+    fmt, kw = CASES[name]
+    layer, _, _ = loaded(fmt, GATED_SPEC, seed=9, **kw)
+    cfg = (CONFIGS | FMA_ROWS)[config]
+    b = layer.bias.to(dtype)
+    for rows in (1, 2, 3):
+        if not cfg.use_dot and rows > cfg.block_m:
+            continue
+        gen = torch.Generator().manual_seed(rows)
+        x = torch.randn(rows, GATED_SPEC.in_features, generator=gen).to(dtype)
+        plain = w4a16_linear(x, *_args(layer), bias=b, config=cfg)
+        got = w4a16_linear(x, *_args(layer), bias=b, config=cfg, gated=True)
+        assert got.shape == (rows, 48) and got.dtype == dtype
+        gate, up = plain.double().chunk(2, dim=-1)
+        if dtype == torch.float32:
+            _close(got, torch.nn.functional.silu(gate) * up, 1e-6)
+        else:
+            silu = torch.nn.functional.silu(gate).to(dtype).double()
+            _close(got, silu * up, 2.0**-10)
+    qweight, *rest = _args(layer)
+    with pytest.raises(ValueError, match="gate and up halves"):
+        w4a16_linear(x, qweight[:, :-1], *rest, gated=True)
+
+
+@interpreted
+def test_the_layer_fuses_gate_up_and_silu_through_the_ops(monkeypatch) -> None:
+    """W4A16Linear.forward_silu_and_mul runs the gated kernel where its kernels run (here the
+    interpreter stands in for the GPU) and TritonOps.linear_silu_and_mul takes it; on the CPU
+    reference path it declines (None) and the ops run forward, then silu_and_mul: the same
+    values within fp32 rounding."""
+    from inferx_kernels_cuda import w4a16 as kernels
+    from inferx_kernels_cuda.ops import TritonOps
+
+    fmt, kw = CASES["gptq-sym-g64"]
+    layer, _, _ = loaded(fmt, GATED_SPEC, seed=4, **kw)
+    x = torch.randn(2, GATED_SPEC.in_features)
+    assert layer.forward_silu_and_mul(x) is None  # the reference path: not fused
+    ops = TritonOps()
+    unfused = ops.linear_silu_and_mul(layer, x)
+    calls = []
+
+    def gated_kernel(*args, **kwargs):
+        calls.append(kwargs.get("gated"))
+        return kernels.w4a16_linear(*args, **kwargs)
+
+    monkeypatch.setattr(type(layer), "_kernels", lambda self, x: _Kernels(gated_kernel))
+    fused = ops.linear_silu_and_mul(layer, x)
+    assert calls == [True]
+    _close(fused, unfused.double(), 1e-5)
+
+
+class _Kernels:
+    """inferx_kernels_cuda.w4a16 as W4A16Linear._kernels hands it out, w4a16_linear wrapped."""
+
+    def __init__(self, linear) -> None:  # noqa: ANN001
+        self.w4a16_linear = linear
+
+
 @interpreted
 def test_picked_configs_run() -> None:
     """The default configs (block_k lowered to the group): a GEMV with a K split, a GEMM."""

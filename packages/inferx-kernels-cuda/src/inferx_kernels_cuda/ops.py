@@ -388,6 +388,9 @@ class TritonOps(KernelOps):
     ) -> torch.Tensor | QuantizedActivation:
         if quant is not None:
             return self.silu_and_mul_quant(linear(x), quant)
+        fused = linear.forward_silu_and_mul(x) if isinstance(linear, QuantLinear) else None
+        if fused is not None:
+            return fused
         if self.tma_gated and linear.bias is None and self._takes_tma(linear, x):
             cfg = self._tma_config(x, linear.dense_weight().shape[0] // 2, 1, gated=True)
             return tma_linear_silu_and_mul(x, linear.dense_weight(), cfg)

@@ -709,30 +709,37 @@ def w4a16_linear(
     bias: torch.Tensor | None = None,
     config: W4Config | None = None,
     row_group: torch.Tensor | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """x [M, K] times the 4-bit weight (module docstring) (+ bias): [M, N] in x's dtype. One
     launch, or two with a K split (the second sums the splits, adds the bias and casts); no
     host sync, so it can be captured in a CUDA graph. row_group: int32 [K], the row of scales
     and zeros of each kernel row (module docstring: a K slice of act-order); group_size is
-    then unused."""
+    then unused. gated (N even, gate columns then up columns): silu(gate) * up as [M, N / 2],
+    made by the reduce (always launched then) from the gate and up sums each rounded to x's
+    dtype first, as silu_and_mul after the plain call computes it."""
+    if gated and qweight.shape[-1] % 2:
+        raise ValueError(
+            f"w4a16_linear: gated needs gate and up halves, got {qweight.shape[-1]} columns"
+        )
     _check(x, qweight, scales, zeros, group_size, perm, bias, row_group)
     m, k = x.shape
     n = qweight.shape[1]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n // 2 if gated else n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     cfg = config or default_config(m, n, k, _num_sms(x.device))
     pdl = _pdl_after_gather(x, perm, False)
     x, perm = _gathered(x, perm)
     args = (x, qweight, scales, zeros, group_size, perm)
-    if cfg.split_k == 1:
+    if cfg.split_k == 1 and not gated:
         _launch(*args, bias, out.unsqueeze(0), cfg, pdl, row_group)
         return out
     # the reduce comes next, launched without PDL: nothing for the GEMV to trigger
     pdl = {key: value for key, value in pdl.items() if key in ("PDL", "launch_pdl")}
     partial = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
     _launch(*args, None, partial, cfg, pdl, row_group)
-    split_k_reduce_kernel[(m, triton.cdiv(n, _REDUCE_BLOCK))](
+    split_k_reduce_kernel[(m, triton.cdiv(out.shape[1], _REDUCE_BLOCK))](
         partial,
         bias if bias is not None else partial,
         out,
@@ -742,7 +749,7 @@ def w4a16_linear(
         out.stride(0),
         HAS_BIAS=bias is not None,
         BLOCK=_REDUCE_BLOCK,
-        GATED=False,
+        GATED=gated,
     )
     return out
 

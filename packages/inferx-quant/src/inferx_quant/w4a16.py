@@ -452,6 +452,16 @@ class W4A16Linear(QuantLinear):
         )
         return parts, self.bias
 
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """On a GPU the kernel's K-split sum with silu(gate) * up in the same launch (gate_up's
+        reduce and SiLU-and-mul in one); elsewhere None (forward, then silu_and_mul)."""
+        kernels = self._kernels(x)
+        if kernels is None or x.dim() != 2:
+            return None
+        return kernels.w4a16_linear(
+            x, *self._kernel_args(), bias=self.bias, row_group=self.row_group, gated=True
+        )
+
     def _kernel_args(self) -> tuple[Any, ...]:
         return self.qweight, self.scales, self.zeros, self.group, self.perm
 

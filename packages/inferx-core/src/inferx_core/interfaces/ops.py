@@ -8,7 +8,12 @@ import torch
 
 from inferx_core.interfaces.attention import SplitAttention
 from inferx_core.interfaces.moe import QuantExperts, RouterSpec
-from inferx_core.interfaces.quant import ActivationQuant, QuantizedActivation, input_quant
+from inferx_core.interfaces.quant import (
+    ActivationQuant,
+    QuantizedActivation,
+    QuantLinear,
+    input_quant,
+)
 
 
 class KernelOps(ABC):
@@ -88,10 +93,13 @@ class KernelOps(ABC):
     ) -> torch.Tensor | QuantizedActivation:
         """silu_and_mul(linear(x)) for a fused gate_up layer; a kernel package may run the two
         as one (the activation in the GEMM's epilogue) where it knows the layer's weights.
-        With `quant` (the next layer's input_quant) the activation comes quantized to it."""
+        With `quant` (the next layer's input_quant) the activation comes quantized to it;
+        without, a method that fuses the two itself (QuantLinear.forward_silu_and_mul) runs
+        them."""
         if quant is not None:
             return self.silu_and_mul_quant(linear(x), quant)
-        return self.silu_and_mul(linear(x))
+        fused = linear.forward_silu_and_mul(x) if isinstance(linear, QuantLinear) else None
+        return fused if fused is not None else self.silu_and_mul(linear(x))
 
     def linear_parts(
         self, linear: torch.nn.Module, x: torch.Tensor | QuantizedActivation | SplitAttention

@@ -177,6 +177,13 @@ class QuantLinear(torch.nn.Module, ABC):
         add (None when there is none to add). The default is (y itself as one part, None)."""
         return self(x).unsqueeze(0), None
 
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a gated layer (outputs: gate rows, then as many up rows), silu(gate) * up where
+        the method fuses it into its GEMM, rounded as KernelOps.silu_and_mul on forward's
+        output would be; None (the default) where it does not: the caller runs forward and
+        then silu_and_mul."""
+        return None
+
 
 @dataclass
 class QuantConfig:
