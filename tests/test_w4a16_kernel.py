@@ -659,6 +659,23 @@ def test_fma_path_on_the_gpu(shape: tuple[int, int], rows: int, act_order: bool)
 
 @on_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_gated_on_the_gpu(rows: int) -> None:
+    """Qwen2.5-3B's gate_up (2 x 11008 outputs, K 2048), bf16, the default config: gated=True
+    bit for bit TritonOps.silu_and_mul of the plain call's output (the same sums, rounded to
+    bf16, then the same SiLU arithmetic)."""
+    from inferx_kernels_cuda.ops import TritonOps
+
+    args, _ = random_weights(2 * 11008, 2048, 128, False, torch.device("cuda"))
+    x = torch.randn(rows, 2048, device="cuda").bfloat16()
+    want = TritonOps().silu_and_mul(w4a16_linear(x, *args))
+    got = w4a16_linear(x, *args, gated=True)
+    assert got.shape == (rows, 11008)
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max().item()
+
+
+@on_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 4, 16, 64, 256])
 @pytest.mark.parametrize("shape", LLAMA_8B)
 @pytest.mark.parametrize("act_order", [False, True])
