@@ -115,10 +115,10 @@ class EngineSection(Section):
         default=128, ge=0, description="compiled JSON schemas kept for reuse"
     )
     # Advance the matchers and fill the token masks on a thread of their own while the engine
-    # applies the previous step and schedules the next (false: in the sampler, on the engine's
-    # thread, as the step is submitted). docs/ARCHITECTURE.md, "Structured output".
+    # applies the previous step and schedules the next (false, the default: the same tasks on
+    # the engine's thread; faster at 64 clients, docs/ARCHITECTURE.md "Structured output").
     grammar_worker: bool = Field(
-        default=True, description="fill structured output's token masks on a thread of their own"
+        default=False, description="fill structured output's token masks on a thread of their own"
     )
 
     @field_validator("device")
