@@ -190,14 +190,14 @@ def test_pick_gemm_takes_tma_at_decode_rows_where_it_can_read() -> None:
     assert kern.pick_gemm(32, 2048, 2048) == "cublas"
 
 
-def test_parts_split_the_narrow_3b_projections_in_four() -> None:
-    """QKV, o_proj and down_proj in 4 K-slices, gate_up whole (enough row blocks), at 1 and 64
-    rows on 132 SMs; a K too short for two tiles a slice stays whole."""
+def test_parts_split_the_narrow_3b_projections_in_eight() -> None:
+    """QKV, o_proj and down_proj in 8 K-slices, gate_up whole (two row blocks an SM already),
+    at 1 and 64 rows on 132 SMs; a K too short for a 256-column tile a slice stays whole."""
     shapes = {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (22016, 2048)}
     shapes["down"] = (2048, 11008)
     for rows in (1, 64):
         got = {name: fp8_parts(n, k, rows, 132) for name, (n, k) in shapes.items()}
-        assert got == {"qkv": 4, "o": 4, "gate_up": 1, "down": 4}, (rows, got)
+        assert got == {"qkv": 8, "o": 8, "gate_up": 1, "down": 8}, (rows, got)
     assert fp8_parts(256, 256, 1, 132) == 1
 
 

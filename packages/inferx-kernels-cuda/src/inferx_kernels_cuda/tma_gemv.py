@@ -412,15 +412,15 @@ def tma_fp8_linear_parts(
     return out
 
 
-def fp8_parts(n: int, k: int, rows: int, num_sms: int, block_k: int = 128) -> int:
+def fp8_parts(n: int, k: int, rows: int, num_sms: int, block_k: int = 256) -> int:
     """K-slices of an FP8 decode GEMM of n weight rows: doubled from 1 (up to 8) while the
-    programs (plain_config's row blocks x slices) fill fewer than 3/4 of the SMs and each
-    slice keeps at least two K tiles: a 3B gate_up whole, its QKV, o_proj and down_proj in 4,
-    as the bf16 path splits them."""
+    programs (plain_config's row blocks x slices) are fewer than two an SM and each slice
+    keeps a K tile: a 3B gate_up whole, its QKV, o_proj and down_proj in 8 (`fp8_gemm.py
+    --sweep`, docs/BENCHMARKS.md)."""
     parts = 1
-    while parts < 8 and k >= 4 * parts * block_k:
-        programs = triton.cdiv(n, plain_config(n, parts, num_sms, rows).block_n) * parts
-        if 4 * programs >= 3 * num_sms:
+    while parts < 8 and k >= 2 * parts * block_k:
+        programs = triton.cdiv(n, plain_config(n, parts, num_sms, rows, elem_bytes=1).block_n)
+        if programs * parts >= 2 * num_sms:
             break
         parts *= 2
     return parts
@@ -603,13 +603,15 @@ def plain_config(
     the deepest pipeline (up to 4 stages, 128 K columns a tile, else 64) that keeps every
     program resident at once, each SM's shared memory split between the programs it must hold.
     64-row weight tiles, 128 for a whole gate_up at up to 16 rows of x. From bench_tma_gemv.py
-    (docs/BENCHMARKS.md): a second wave of programs costs more than a shallower pipeline."""
+    (docs/BENCHMARKS.md): a second wave of programs costs more than a shallower pipeline.
+    One-byte elements (e4m3 x and weight): 64-row tiles of 256 K columns first, a bf16 tile's
+    bytes (`fp8_gemm.py --sweep`)."""
     block_m = max(16, triton.next_power_of_2(rows))
-    block_n = 128 if parts == 1 and block_m == 16 and not gated else 64
+    block_n = 128 if parts == 1 and block_m == 16 and not gated and elem_bytes > 1 else 64
     tile_rows = (2 if gated else 1) * block_n + block_m  # weight and x rows a stage holds
     programs_per_sm = triton.cdiv(triton.cdiv(n, block_n) * parts, num_sms)
     budget = SM_SHARED_BYTES // programs_per_sm - 1024  # the driver keeps 1 KB a program
-    for block_k in (128, 64):
+    for block_k in (256, 128, 64) if elem_bytes == 1 else (128, 64):
         stages = min(4, budget // (tile_rows * block_k * elem_bytes))
         if stages >= 3:
             return TmaGemvConfig(block_n, block_k, 4, stages)
