@@ -155,6 +155,12 @@ class PlanEncoder:
             key = id(c.seq)
             tables = c.seq.block_tables
             old = sent.get(key, self._sent.get(key))
+            if old is not None and old == tables:  # most decode steps: nothing new to send
+                full, part = False, [[] for _ in tables]
+                sent[key] = old
+                ids = c.seq.token_ids[c.start : c.start + c.num_tokens]
+                plan.append((key, c.start, c.num_tokens, c.sample, ids, full, part))
+                continue
             if (
                 old is not None
                 and len(old) == len(tables)
