@@ -26,8 +26,8 @@ w4a16_kernel at a dense model's decode shapes (benchmarks/gemm_shapes.py; --mode
 --rows rows of bf16 x, group 128, at the configs w4a16.pick_config (tl.dot) and, up to 4 rows,
 w4a16.fma_config (CUDA cores) give; --act-order with the K permutation; --row-group with it
 and a group read per row (ROW_GROUP: act-order split along K over tensor-parallel ranks);
---pdl also fma_config's as w4a16.PDL launches it (pdl: the trigger at its start, as QKV,
-o_proj and down get it; pdl late: after its K loop).
+--pdl also fma_config's as w4a16.pdl_launch launches it on Hopper (pdl: the trigger at its
+start, as QKV, o_proj and down get it; pdl late: after its K loop).
 
 A kernel compiled with a grid-dependency wait (PDL; `griddepcontrol.wait` in the PTX, ACQBULK
 in the SASS) also gets the loads issued before it: in the PTX by the function of the kernel's

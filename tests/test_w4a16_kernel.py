@@ -310,7 +310,7 @@ def _kernel_sass(tmp_path, *flags: str) -> tuple[list[dict], str]:
 
 @pytest.mark.parametrize("rows", [1, 4])
 def test_pdl_variant_loads_its_first_weights_before_the_wait(tmp_path, rows: int) -> None:
-    """w4a16.PDL's launches of the CUDA-core path (`kernel_sass.py --pdl`: the trigger at
+    """w4a16.pdl_launch's launches of the CUDA-core path (`kernel_sass.py --pdl`: the trigger at
     the start, or after the K loop), compiled for sm_90: the loads before the grid-dependency
     wait (griddepcontrol.wait, ACQBULK in the SASS) are the first step's words (two or more
     128-bit loads), scales and zeros (_fma_step_loads), none of x, and ptxas moved none across
@@ -353,14 +353,13 @@ class LaunchRecorder:
 
 @pytest.fixture
 def pdl_on(monkeypatch):
-    """w4a16.PDL set and PDL on for every device (the interpreter runs gdc_* as no-ops);
-    yields the recorder of w4a16_kernel's launches."""
+    """PDL on for every device, as on Hopper (the interpreter runs gdc_* as no-ops); yields
+    the recorder of w4a16_kernel's launches."""
     from inferx_kernels_cuda import pdl, w4a16
 
     monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
     recorder = LaunchRecorder(w4a16.w4a16_kernel)
     monkeypatch.setattr(w4a16, "w4a16_kernel", recorder)
-    monkeypatch.setattr(w4a16, "PDL", True)
     return recorder
 
 
@@ -379,13 +378,14 @@ PDL_CONFIGS = {
 @pytest.mark.parametrize("config", PDL_CONFIGS)
 @pytest.mark.parametrize("name", ["gptq-act-order-g64", "awq-g64"])
 def test_pdl_variant_gives_the_same_bits(pdl_on, monkeypatch, name: str, config: str) -> None:
-    """w4a16.PDL on: the kernel launches with PDL, triggering the next kernel at its start or
-    after its K loop as pdl.gemv_launch says for the rows and the caller's trigger (the
-    interpreter's grid dependency control is a no-op), and gives the bits it gives with the
-    switch off, the kernel then launched as before (no PDL arguments): the same loads, only
-    placed around the wait. w4a16_linear with a K split: PDL without a trigger (the reduce
-    after it launches as before); none after act-order's gather."""
-    from inferx_kernels_cuda import w4a16
+    """On a device with PDL the kernel launches with PDL, triggering the next kernel at its
+    start or after its K loop as pdl.gemv_launch says for the rows and the caller's trigger
+    (the interpreter's grid dependency control is a no-op), and gives the bits it gives on a
+    device without PDL, where it launches with PDL and TRIGGER off (compiled as without
+    them): the same loads, only placed around the wait; both within bf16 rounding of the
+    exact product. w4a16_linear with a K split: PDL without a trigger (the reduce after it
+    launches as before); none after act-order's gather."""
+    from inferx_kernels_cuda import pdl
 
     layer, exact, bias = _layer(name)
     cfg = PDL_CONFIGS[config]
@@ -393,12 +393,16 @@ def test_pdl_variant_gives_the_same_bits(pdl_on, monkeypatch, name: str, config:
     for rows in (1, 3) if cfg.block_m < 16 else (2, 20):
         x = torch.randn(rows, SPEC.in_features, generator=torch.Generator().manual_seed(rows))
         x = x.to(torch.bfloat16)
-        monkeypatch.setattr(w4a16, "PDL", False)
+        # past 16 rows an act-order x is gathered by a torch kernel first: no PDL arguments
+        gathered = layer.perm is not None and rows > 16
+        monkeypatch.setattr(pdl, "pdl_enabled", lambda device: False)  # a device without PDL
         del pdl_on.launches[:]
         base_parts = w4a16_linear_parts(x, *_args(layer), bias=b, config=cfg)
         base = w4a16_linear(x, *_args(layer), bias=b, config=cfg)
-        assert all(launch == {} for launch in pdl_on.launches), pdl_on.launches
-        monkeypatch.setattr(w4a16, "PDL", True)
+        off = {} if gathered else {"PDL": False, "TRIGGER": False}
+        off_linear = {k: v for k, v in off.items() if k == "PDL"} if cfg.split_k > 1 else off
+        assert pdl_on.launches == [off, off_linear], pdl_on.launches
+        monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
         for trigger in (False, True):
             del pdl_on.launches[:]
             got = w4a16_linear_parts(x, *_args(layer), bias=b, config=cfg, trigger=trigger)
@@ -406,14 +410,15 @@ def test_pdl_variant_gives_the_same_bits(pdl_on, monkeypatch, name: str, config:
             (launch,) = pdl_on.launches
             want = {"PDL": True, "launch_pdl": True, "TRIGGER": trigger or rows in range(2, 17)}
             want |= {} if want["TRIGGER"] else {"LATE": True}
-            # past 16 rows an act-order x is gathered by a torch kernel first: no PDL
-            gathered = layer.perm is not None and rows > 16
             assert launch == ({} if gathered else want), launch
         del pdl_on.launches[:]
-        assert torch.equal(w4a16_linear(x, *_args(layer), bias=b, config=cfg), base)
+        linear = w4a16_linear(x, *_args(layer), bias=b, config=cfg)
+        assert torch.equal(linear, base)
         if cfg.split_k > 1 and not gathered:
             assert pdl_on.launches == [{"PDL": True, "launch_pdl": True}]
-        _close(got.float().sum(0), x.double() @ exact.double().t() + b.double(), 2.0**-6)
+        ref = x.double() @ exact.double().t() + b.double()
+        _close(got.float().sum(0), ref, 2.0**-6)
+        _close(linear, ref, 2.0**-6)
 
 
 @pytest.mark.parametrize("rows", [1, 4])

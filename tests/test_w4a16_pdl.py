@@ -1,4 +1,4 @@
-"""W4A16's decode GEMV under programmatic dependent launch (w4a16.PDL, inferx_kernels_cuda.pdl):
+"""W4A16's decode GEMV under programmatic dependent launch (w4a16.pdl_launch, pdl.gemv_launch):
 which launches get PDL at which rows, which trigger the kernel after them, and that the kernel
 ahead of each one triggers: the rules of the bf16 decode GEMVs. PDL never runs on the CPU, so
 the device check is faked; the interpreter runs grid dependency control as no-ops."""
@@ -33,17 +33,20 @@ def pdl_device(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
 
 
-def test_pdl_launch_is_off_by_default_and_takes_the_bf16_gemvs_rules(
-    pdl_device, monkeypatch: pytest.MonkeyPatch
+def test_pdl_launch_takes_the_bf16_gemvs_rules_up_to_pdl_max_rows(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """w4a16.pdl_launch: nothing (the kernel launched and compiled as without the switch)
-    while w4a16.PDL is off, whatever the device; on, pdl.gemv_launch's arguments up to
-    PDL_MAX_ROWS rows (the TMA GEMVs' limit): at 1 row a trigger after the K loop (LATE) or,
-    asked, at the start; ALL_ROWS (2-16) and CHAIN_ROWS (33-64) at the start; 17-32 late."""
-    assert w4a16.PDL is False
-    assert TritonOps().tma_gemv_max_rows == w4a16.PDL_MAX_ROWS
-    assert all(w4a16.pdl_launch(CPU, m, t) == {} for m in (1, 8, 64) for t in (False, True))
-    monkeypatch.setattr(w4a16, "PDL", True)
+    """w4a16.pdl_launch: on a device without PDL (the CPU, by pdl's own check) PDL and
+    TRIGGER off at every row count up to PDL_MAX_ROWS (the TMA GEMVs' limit), so the kernel
+    compiles as without them; on a device with PDL pdl.gemv_launch's arguments there: at 1 row
+    a trigger after the K loop (LATE) or, asked, at the start; ALL_ROWS (2-16) and CHAIN_ROWS
+    (33-64) at the start; 17-32 late. Past PDL_MAX_ROWS nothing, whatever the device."""
+    assert TritonOps().tma_gemv_max_rows == w4a16.PDL_MAX_ROWS == 64
+    assert not pdl.pdl_enabled(CPU)
+    off = {"PDL": False, "TRIGGER": False}
+    assert all(w4a16.pdl_launch(CPU, m, t) == off for m in (1, 8, 64) for t in (False, True))
+    assert w4a16.pdl_launch(CPU, 65) == w4a16.pdl_launch(CPU, 65, trigger=True) == {}
+    monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)  # as on Hopper
     start = {"PDL": True, "TRIGGER": True, "launch_pdl": True}
     late = {"PDL": True, "TRIGGER": False, "launch_pdl": True, "LATE": True}
     assert w4a16.pdl_launch(CPU, 1) == late
@@ -52,8 +55,6 @@ def test_pdl_launch_is_off_by_default_and_takes_the_bf16_gemvs_rules(
         start, start, late, late, start, start,
     ]  # fmt: skip
     assert w4a16.pdl_launch(CPU, 65) == w4a16.pdl_launch(CPU, 65, trigger=True) == {}
-    monkeypatch.setattr(pdl, "pdl_enabled", lambda device: False)  # no PDL on this device
-    assert w4a16.pdl_launch(CPU, 1, trigger=True) == {"PDL": False, "TRIGGER": False}
 
 
 def test_the_kernels_ahead_of_the_attention_gemvs_trigger(pdl_device) -> None:
@@ -112,8 +113,8 @@ def _decode_layer(ops: TritonOps, layers: dict, rows: int) -> None:
     """A decode layer's calls as the models make them, from the last layer's down_proj parts
     to this one's: the input norm and QKV, the attention (here a norm standing in for its last
     kernel, which triggers: test_the_kernels_ahead_of_the_attention_gemvs_trigger), o_proj,
-    the post-attention norm and gate_up with its SiLU, down_proj, and the next layer's norm
-    and QKV."""
+    the post-attention norm and gate_up with its SiLU (for W4A16 made by gate_up's reduce),
+    down_proj, and the next layer's norm and QKV."""
     g = torch.Generator().manual_seed(rows)
     down = torch.randn(2, rows, HIDDEN, generator=g)
     residual = torch.randn(rows, HIDDEN, generator=g)
@@ -131,60 +132,75 @@ def _decode_layer(ops: TritonOps, layers: dict, rows: int) -> None:
 def test_a_decode_layers_w4a16_gemvs_launch_as_the_bf16_ones(
     pdl_device, launches, monkeypatch: pytest.MonkeyPatch, rows: int
 ) -> None:
-    """Through TritonOps, as the models call it: with w4a16.PDL on, each W4A16 GEMV of up to
-    64 rows launches with PDL behind a kernel that triggers for it (the norms, SiLU-and-mul
-    ahead of down_proj, the attention's kernels); QKV triggers where pdl.ATTENTION_ROWS takes
-    the rows (the decode kernel then launches early), o_proj and down_proj where NORM_ROWS
-    does (the norm after them then launches early), every GEMV at ALL_ROWS and CHAIN_ROWS;
-    the others trigger after their K loop. Every kernel launched with PDL follows one that
-    triggers. With the switch off no W4A16 launch takes a PDL argument (as before)."""
+    """Through TritonOps, as the models call it: on a device with PDL each W4A16 GEMV of up to
+    64 rows launches with PDL; QKV triggers where pdl.ATTENTION_ROWS takes the rows (the
+    decode kernel then launches early), o_proj and down_proj where NORM_ROWS does (the norm
+    after them then launches early), every GEMV but gate_up at ALL_ROWS and CHAIN_ROWS, the
+    others after their K loop; gate_up triggers nothing: its K split is summed, and
+    silu(gate) * up made, by split_k_reduce_kernel, launched without PDL (no
+    silu_and_mul_kernel). Every kernel launched with PDL follows one that triggers (the
+    norms, the attention's kernels), but down_proj, behind that reduce, which triggers
+    nothing. On a device without PDL no kernel launches with PDL: the W4A16 GEMVs get PDL
+    and TRIGGER off (nothing past 64 rows)."""
     monkeypatch.setattr(pdl, "ATTENTION_ROWS", ((1, 1),))  # apart, to tell the rules apart
     monkeypatch.setattr(pdl, "NORM_ROWS", ((20, 20),))
     layers, ops = _w4_layers("awq-g64"), TritonOps()
-    monkeypatch.setattr(w4a16, "PDL", True)
     _decode_layer(ops, layers, rows)
     gemvs = [args for name, args in launches if name == "w4a16_kernel"]
-    assert len(gemvs) == 5  # QKV, o_proj, gate_up (one K split: no reduce), down_proj, QKV
+    assert len(gemvs) == 5  # QKV, o_proj, gate_up (then its reduce), down_proj, QKV
     if rows > 64:
         assert gemvs == [{}] * 5
     else:
         start = {"PDL": True, "TRIGGER": True, "launch_pdl": True}
         late = {"PDL": True, "TRIGGER": False, "launch_pdl": True, "LATE": True}
+        gate_up = {"PDL": True, "launch_pdl": True}
         want = {  # QKV, o_proj, gate_up, down_proj, QKV
-            1: [start, late, late, late, start],
-            3: [start] * 5,
-            20: [late, start, late, start, late],
-            40: [start] * 5,
+            1: [start, late, gate_up, late, start],
+            3: [start, start, gate_up, start, start],
+            20: [late, start, gate_up, start, late],
+            40: [start, start, gate_up, start, start],
         }[rows]
         assert gemvs == want
-    for (_, ahead), (name, args) in zip(launches, launches[1:], strict=False):
-        if args.get("PDL"):
-            assert ahead.get("TRIGGER") or ahead.get("LATE"), (name, launches)
-    assert [name for name, _ in launches].count("silu_and_mul_kernel") == 1
+    untriggered = [
+        ahead_name
+        for (ahead_name, ahead), (_, args) in zip(launches, launches[1:], strict=False)
+        if args.get("PDL") and not (ahead.get("TRIGGER") or ahead.get("LATE"))
+    ]
+    assert untriggered == ([] if rows > 64 else ["split_k_reduce_kernel"]), launches
+    names = [name for name, _ in launches]
+    assert names.count("split_k_reduce_kernel") == 1 and "silu_and_mul_kernel" not in names
 
     launches.clear()
-    monkeypatch.setattr(w4a16, "PDL", False)
+    monkeypatch.setattr(pdl, "pdl_enabled", lambda device: False)
     _decode_layer(ops, layers, rows)
-    assert [args for name, args in launches if name == "w4a16_kernel"] == [{}] * 5
+    off = {} if rows > 64 else {"PDL": False, "TRIGGER": False}
+    gate_up_off = {} if rows > 64 else {"PDL": False}  # the reduce after it: no TRIGGER
+    want_off = [off, off, gate_up_off, off, off]
+    assert [args for name, args in launches if name == "w4a16_kernel"] == want_off
+    assert not any(args.get("PDL") or args.get("LATE") for _, args in launches), launches
 
 
 @interpreted
-def test_gate_up_split_along_k_triggers_nothing(pdl_device, launches, monkeypatch) -> None:
-    """gate_up through the layer's own forward with a K split: its GEMV launches with PDL (the
-    norm ahead triggers) but triggers nothing, since the split reduce after it launches
-    without PDL; SiLU-and-mul after that triggers for down_proj."""
-    monkeypatch.setattr(w4a16, "PDL", True)
+def test_gate_up_split_along_k_triggers_nothing(pdl_device, launches) -> None:
+    """gate_up and its SiLU through TritonOps with a K split: the layer's GEMV launches with
+    PDL (the norm ahead triggers) but triggers nothing, since the split reduce after it, which
+    makes silu(gate) * up (no silu_and_mul_kernel), launches without PDL; the result is
+    silu(gate) * up of the exact product."""
     fmt, kw = CASES["gptq-sym-g64"]
     spec = LinearSpec("model.layers.0.mlp.gate_up_proj", 1024, (64, 64), part_names=("g", "u"))
     layer = loaded(fmt, spec, seed=1, **kw)[0]
     assert w4a16.default_config(1, 128, 1024).split_k > 1
     ops = TritonOps()
-    ops.linear_silu_and_mul(layer, torch.randn(1, 1024))
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(1))
+    got = ops.linear_silu_and_mul(layer, x)
     assert launches == [
         ("w4a16_kernel", {"PDL": True, "launch_pdl": True}),
         ("split_k_reduce_kernel", {}),
-        ("silu_and_mul_kernel", {"TRIGGER": True}),
     ]
+    gate, up = (x.double() @ layer.dequantized_weight().double().t()).chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    err = (got.double() - want).abs().max().item()
+    assert err <= 2.0**-16 * want.abs().max().item(), (err, want.abs().max().item())
 
 
 def test_only_methods_that_take_it_get_a_trigger() -> None:
@@ -198,9 +214,9 @@ def test_only_methods_that_take_it_get_a_trigger() -> None:
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("rows", [1, 4, 8])
 def test_w4a16_gemvs_read_what_the_kernels_ahead_wrote_inside_a_graph(
-    monkeypatch: pytest.MonkeyPatch, rows: int, act_order: bool
+    rows: int, act_order: bool
 ) -> None:
-    """w4a16.PDL on, in a CUDA graph replayed on fresh inputs, at Qwen2.5-3B's widths: a slow
+    """On Hopper (PDL on), in a CUDA graph replayed on fresh inputs, at Qwen2.5-3B's widths: a slow
     cuBLAS GEMM writes y; add + RMSNorm (TRIGGER) reads it; a square GEMV (PDL, its first
     weight loads before its wait, triggering at NORM_ROWS) the norm's output; add + RMSNorm
     of its parts (PDL at NORM_ROWS); gate_up (PDL, a K split and its reduce); SiLU-and-mul
@@ -214,7 +230,6 @@ def test_w4a16_gemvs_read_what_the_kernels_ahead_wrote_inside_a_graph(
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("PDL needs Hopper")
-    monkeypatch.setattr(w4a16, "PDL", True)
     dev, bf16, eps = torch.device("cuda"), torch.bfloat16, 1e-6
     hidden, inter = 2048, 11008
     assert pdl.pdl_enabled(dev) and w4a16.pdl_launch(dev, rows)["PDL"]

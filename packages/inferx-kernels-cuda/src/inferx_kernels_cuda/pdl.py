@@ -9,7 +9,7 @@ ahead of the GEMVs call `gdc_launch_dependents` at their start (their TRIGGER co
 rms_norm_kernel, decode_kernel, decode_reduce_kernel, and silu_and_mul_kernel (ahead of a
 down_proj not fused with gate_up). The trigger does nothing when the next kernel was launched
 without PDL. Every other kernel launches as before. W4A16's GEMV (w4a16.w4a16_kernel) takes
-the same rules behind its own switch, w4a16.PDL (off until timed), through
+the same rules up to w4a16.PDL_MAX_ROWS rows (w4a16.pdl_launch), through
 QuantLinear.takes_trigger for the call sites' triggers below.
 
 Faster steps at every batch of 1-64 (the graph's launch gaps shrink). By the step's rows (a

@@ -46,11 +46,12 @@ scale, round, and the trip through shared memory into the MMA layout). Exact wei
 magnitude below 2^64. `benchmarks/kernel_sass.py --kernels w4a16` counts both loops'
 instructions.
 
-PDL (the module switch, off until timed): up to PDL_MAX_ROWS rows the kernel launches with
-programmatic dependent launch by the bf16 decode GEMVs' rules (pdl_launch; the kernel ahead,
-a norm or the attention, lets it launch early), so its launch and the first step's weight
-loads overlap the kernel ahead: the CUDA-core path's prefetch issues them before its wait
-(`gdc_wait`), every load of x comes after it; the tl.dot path waits first.
+PDL: up to PDL_MAX_ROWS rows the kernel launches with programmatic dependent launch by the
+bf16 decode GEMVs' rules (pdl_launch: where the device has PDL; the kernel ahead, a norm or
+the attention, lets it launch early), so its launch and the first step's weight loads overlap
+the kernel ahead: the CUDA-core path's prefetch issues them before its wait (`gdc_wait`),
+every load of x comes after it; the tl.dot path waits first. Faster decode on an H100
+(docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -75,10 +76,7 @@ MAX_FMA_ROWS = 4
 FMA_ROWS = MAX_FMA_ROWS
 # Programmatic dependent launch (inferx_kernels_cuda.pdl) of the GEMV at up to PDL_MAX_ROWS
 # rows (the TMA GEMVs' limit, TritonOps.tma_gemv_max_rows), by the rules of the bf16 decode
-# GEMVs (pdl_launch): an A/B switch read at each launch, off until timed on a GPU
-# (`benchmarks/gpu_table.py --patch inferx_kernels_cuda.w4a16.PDL=True`). Off, the kernel
-# compiles as it does without the switch.
-PDL = False
+# GEMVs (pdl_launch); above it, or on a device without PDL, the kernel compiles as without it.
 PDL_MAX_ROWS = 64
 _REDUCE_BLOCK = 256
 _H100_SMS = 132
@@ -605,10 +603,10 @@ def _check(
 
 def pdl_launch(device: torch.device, rows: int, trigger: bool = False) -> dict[str, Any]:
     """w4a16_kernel's PDL arguments for `rows` rows of x: none (the kernel as without PDL)
-    unless PDL is set and rows <= PDL_MAX_ROWS; then pdl.gemv_launch's, as the bf16 decode
-    GEMVs get them (PDL where the device has it; TRIGGER where the rows or the caller's
-    `trigger` say the kernel after it launches early; LATE else, at LATE_ROWS)."""
-    if not PDL or rows > PDL_MAX_ROWS:
+    past PDL_MAX_ROWS rows; else pdl.gemv_launch's, as the bf16 decode GEMVs get them (PDL
+    where the device has it; TRIGGER where the rows or the caller's `trigger` say the kernel
+    after it launches early; LATE else, at LATE_ROWS)."""
+    if rows > PDL_MAX_ROWS:
         return {}
     return gemv_launch(device, rows, trigger)
 

@@ -433,7 +433,7 @@ class W4A16Linear(QuantLinear):
     def forward_parts(self, x: torch.Tensor, trigger: bool = False) -> torch.Tensor:
         """On a GPU the kernel's split-K partial results as they are (bias in the first): the
         caller's sum replaces the kernel's own reduce. trigger: the kernel after it launches
-        early (QuantLinear.takes_trigger; the kernel's PDL switch decides)."""
+        early (QuantLinear.takes_trigger; w4a16.pdl_launch decides)."""
         kernels = self._kernels(x)
         if kernels is None or x.dim() != 2:
             return super().forward_parts(x)
