@@ -290,9 +290,11 @@ def test_fma_loop_within_the_h100_issue_budget(tmp_path) -> None:
         assert 0 < row["per_byte"] <= 8.8, out.stdout
 
 
-def _kernel_sass(tmp_path, *flags: str) -> tuple[list[dict], str]:
+def _kernel_sass(tmp_path, *flags: str, own_cache: bool = False) -> tuple[list[dict], str]:
     """benchmarks/kernel_sass.py's JSON rows and its table for these flags, run in a process
-    of its own outside the interpreter (with the Triton on its path)."""
+    of its own outside the interpreter (with the Triton on its path). own_cache: compiled
+    afresh in a Triton cache of its own, so the PTX's line info names this checkout's files
+    (a cached kernel keeps the paths of the tree that first compiled the same source)."""
     import json
     import os
     import subprocess
@@ -300,6 +302,8 @@ def _kernel_sass(tmp_path, *flags: str) -> tuple[list[dict], str]:
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if own_cache:
+        env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     script = Path(__file__).parents[1] / "benchmarks" / "kernel_sass.py"
     out_json = tmp_path / "sass.json"
     cmd = [sys.executable, str(script), *flags, "--json", str(out_json)]
@@ -318,7 +322,7 @@ def test_pdl_variant_loads_its_first_weights_before_the_wait(tmp_path, rows: int
     long, no more registers as allocated, no spills). The kernels without PDL have no
     wait."""
     flags = ["--kernels", "w4a16", "--shapes", "o", "--pdl", "--rows", str(rows)]
-    table, stdout = _kernel_sass(tmp_path, *flags)
+    table, stdout = _kernel_sass(tmp_path, *flags, own_cache=True)
     plain = [row for row in table if row["kernel"].endswith(" fma")]
     pdl = [row for row in table if " fma pdl" in row["kernel"]]
     assert len(plain) == 1 and len(pdl) == 2, stdout
