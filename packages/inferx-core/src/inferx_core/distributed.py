@@ -155,13 +155,10 @@ class PlanEncoder:
             key = id(c.seq)
             tables = c.seq.block_tables
             old = sent.get(key, self._sent.get(key))
-            if old is not None and old == tables:  # most decode steps: nothing new to send
+            unchanged = old is not None and old == tables  # most decode steps
+            if unchanged:
                 full, part = False, [[] for _ in tables]
-                sent[key] = old
-                ids = c.seq.token_ids[c.start : c.start + c.num_tokens]
-                plan.append((key, c.start, c.num_tokens, c.sample, ids, full, part))
-                continue
-            if (
+            elif (
                 old is not None
                 and len(old) == len(tables)
                 and all(t[: len(o)] == o for o, t in zip(old, tables, strict=True))
@@ -169,7 +166,7 @@ class PlanEncoder:
                 full, part = False, [t[len(o) :] for o, t in zip(old, tables, strict=True)]
             else:
                 full, part = True, tables
-            sent[key] = [list(t) for t in tables]
+            sent[key] = old if unchanged else [list(t) for t in tables]  # type: ignore[assignment]
             ids = c.seq.token_ids[c.start : c.start + c.num_tokens]
             plan.append((key, c.start, c.num_tokens, c.sample, ids, full, part))
         self._sent = sent
