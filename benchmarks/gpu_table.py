@@ -326,16 +326,21 @@ def apply_patches(patches: list[str]) -> dict[str, str]:
         val = ast.literal_eval(value)
         if owner.endswith("()"):
             cls = owner_of(owner[:-2])
-            if not hasattr(cls(), attr):
-                raise AttributeError(f"--patch {name}: {owner[:-2]} instances have no {attr!r}")
             init = cls.__init__
 
-            def patched(self: Any, *a: Any, _init=init, _attr=attr, _val=val, **k: Any) -> None:
+            def patched(
+                self: Any, *a: Any, _init=init, _attr=attr, _val=val, _name=name, **k: Any
+            ) -> None:
                 _init(self, *a, **k)
+                if not hasattr(self, _attr):  # a typo must not pass as a measured variant
+                    raise AttributeError(f"--patch {_name}: the instance has no {_attr!r}")
                 setattr(self, _attr, _val)
 
             cls.__init__ = patched
-            applied[name] = repr(getattr(cls(), attr))
+            try:  # read back where the class builds without arguments; else at its first build
+                applied[name] = repr(getattr(cls(), attr))
+            except TypeError:
+                applied[name] = repr(val)
         else:
             target = owner_of(owner)
             if not hasattr(target, attr):

@@ -351,3 +351,23 @@ def test_serve_chat_with_a_response_format_reaches_the_server(tmp_path: Path) ->
         cmd = [sys.executable, str(SCRIPT), "--quick", "--only", "serve", *extra]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and "--response-format" in proc.stderr, proc.stderr
+
+
+class _NeedsArgs:
+    def __init__(self, size: int) -> None:
+        self.rows = ((1, size),)
+
+
+def test_instance_patch_of_a_class_that_takes_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--patch MODULE.CLASS().NAME where the class cannot be built without arguments (the
+    attention backends): set after every __init__, and a name the instance lacks is refused
+    at its first build."""
+    mod = table_module(monkeypatch)
+    monkeypatch.setattr(_NeedsArgs, "__init__", _NeedsArgs.__init__)  # restored after the test
+    here = __name__
+    applied = mod.apply_patches([f"{here}._NeedsArgs().rows=()"])
+    assert applied == {f"{here}._NeedsArgs().rows": "()"}
+    assert _NeedsArgs(4).rows == ()
+    mod.apply_patches([f"{here}._NeedsArgs().rowz=1"])
+    with pytest.raises(AttributeError, match="rowz"):
+        _NeedsArgs(4)
