@@ -7,7 +7,8 @@ than ~8.8 instructions a weight byte cannot reach the bandwidth. This compiles t
 sm_90 with the installed Triton (its ptxas; nvdisasm, which Triton's wheel ships), finds the
 longest loop in the SASS and prints its length, the instructions a weight byte and the opcode mix.
 
-python benchmarks/kernel_sass.py [--kernels moe_gemv,moe_gemm,w4a16] [--block-n 8,16,32]
+python benchmarks/kernel_sass.py [--kernels moe_gemv,moe_gemm,w4a16,split_k_reduce]
+    [--block-n 8,16,32]
     [--warps 8] [--block-k 1024]
     [--model qwen2.5-3b] [--rows 1] [--act-order] [--row-group] [--pdl]
     [--shapes qkv,o,gate_up,down]
@@ -27,7 +28,10 @@ w4a16_kernel at a dense model's decode shapes (benchmarks/gemm_shapes.py; --mode
 w4a16.fma_config (CUDA cores) give; --act-order with the K permutation; --row-group with it
 and a group read per row (ROW_GROUP: act-order split along K over tensor-parallel ranks);
 --pdl also fma_config's as w4a16.pdl_launch launches it on Hopper (pdl: the trigger at its
-start, as QKV, o_proj and down get it; pdl late: after its K loop).
+start, as QKV, o_proj and down get it; pdl late: after its K loop). split_k_reduce:
+gemv.split_k_reduce_kernel as w4a16.w4a16_linear launches it (fp32 partials into bf16, plain
+and gated; per thread the partial bytes a split in place of weight bytes); --pdl also with
+PDL and TRIGGER, as it launches behind a W4A16 GEMV with PDL.
 
 A kernel compiled with a grid-dependency wait (PDL; `griddepcontrol.wait` in the PTX, ACQBULK
 in the SASS) also gets the loads issued before it: in the PTX by the function of the kernel's
@@ -302,7 +306,31 @@ def w4a16_cases(args: argparse.Namespace) -> Iterator[Case]:
             )  # fmt: skip
 
 
-KERNELS = {"moe_gemv": moe_gemv_cases, "moe_gemm": moe_gemm_cases, "w4a16": w4a16_cases}
+def split_k_reduce_cases(args: argparse.Namespace) -> Iterator[Case]:
+    """split_k_reduce_kernel as w4a16.w4a16_linear launches it after a split GEMV (4 warps,
+    no bias): plain and gated, and with --pdl also as it launches with PDL (PDL, TRIGGER)."""
+    from inferx_kernels_cuda import w4a16
+    from inferx_kernels_cuda.gemv import split_k_reduce_kernel
+
+    types = {"partial_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16"}
+    variants = [("", {})] + ([(" pdl", {"PDL": True, "TRIGGER": True})] if args.pdl else [])
+    for gated in (False, True):
+        for suffix, pdl in variants:
+            constexprs = dict(HAS_BIAS=False, BLOCK=w4a16._REDUCE_BLOCK, GATED=gated, **pdl)
+            per_thread = w4a16._REDUCE_BLOCK * 4 / (32 * 4)  # a loop: one half's partials
+            label = f"split_k_reduce {'gated' if gated else 'plain'}{suffix}"
+            yield Case(
+                label, split_k_reduce_kernel, types, constexprs, 4, per_thread, 1,
+                {"m", "split_k"},
+            )  # fmt: skip
+
+
+KERNELS = {
+    "moe_gemv": moe_gemv_cases,
+    "moe_gemm": moe_gemm_cases,
+    "w4a16": w4a16_cases,
+    "split_k_reduce": split_k_reduce_cases,
+}
 
 
 def _ints(text: str) -> list[int]:
@@ -321,7 +349,9 @@ def _args() -> argparse.Namespace:
     parser.add_argument(
         "--row-group", action="store_true", help="w4a16 with the permutation and a group a row"
     )
-    parser.add_argument("--pdl", action="store_true", help="w4a16: also fma_config's with PDL")
+    parser.add_argument(
+        "--pdl", action="store_true", help="w4a16, split_k_reduce: also their PDL launches"
+    )
     parser.add_argument("--shapes", help="w4a16's, comma-separated (default: all)")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--dump", help="also write each loop's SASS to a file in this folder")

@@ -338,6 +338,24 @@ def test_pdl_variant_loads_its_first_weights_before_the_wait(tmp_path, rows: int
         assert row["loop"] == plain[0]["loop"], stdout
 
 
+def test_split_reduce_waits_before_it_reads_the_partials(tmp_path) -> None:
+    """split_k_reduce_kernel as w4a16_linear launches it with PDL (`kernel_sass.py --kernels
+    split_k_reduce --pdl`), plain and gated, compiled for sm_90: its grid-dependency wait
+    (griddepcontrol.wait, ACQBULK in the SASS) comes before every load (none in the PTX, no
+    LDG in the SASS before it: the partials are the GEMV's, written by the kernel ahead); its
+    loop is the one without PDL's, which has no wait."""
+    flags = ["--kernels", "split_k_reduce", "--pdl"]
+    table, stdout = _kernel_sass(tmp_path, *flags, own_cache=True)
+    plain = {row["kernel"]: row for row in table if not row["kernel"].endswith(" pdl")}
+    with_pdl = [row for row in table if row["kernel"].endswith(" pdl")]
+    assert len(plain) == len(with_pdl) == 2, stdout
+    for row in with_pdl:
+        base = plain[row["kernel"].removesuffix(" pdl")]
+        assert base["pre_wait"] is None, stdout
+        assert row["pre_wait"] == {"ptx": {}, "sass": 0, "sass_128": 0}, stdout
+        assert row["loop"] == base["loop"] > 0 and row["stack"] == 0, stdout
+
+
 class LaunchRecorder:
     """Stands in for a Triton kernel: records each launch's PDL arguments, then runs it."""
 
@@ -387,10 +405,13 @@ def test_pdl_variant_gives_the_same_bits(pdl_on, monkeypatch, name: str, config:
     (the interpreter's grid dependency control is a no-op), and gives the bits it gives on a
     device without PDL, where it launches with PDL and TRIGGER off (compiled as without
     them): the same loads, only placed around the wait; both within bf16 rounding of the
-    exact product. w4a16_linear with a K split: PDL without a trigger (the reduce after it
-    launches as before); none after act-order's gather."""
-    from inferx_kernels_cuda import pdl
+    exact product. w4a16_linear with a K split: the GEMV triggers at its start and the split
+    reduce after it launches with PDL and triggers at its start (w4a16.REDUCE_PDL), giving the
+    bits it gives without them; none after act-order's gather."""
+    from inferx_kernels_cuda import pdl, w4a16
 
+    reduces = LaunchRecorder(w4a16.split_k_reduce_kernel)
+    monkeypatch.setattr(w4a16, "split_k_reduce_kernel", reduces)
     layer, exact, bias = _layer(name)
     cfg = PDL_CONFIGS[config]
     b = layer.bias.to(torch.bfloat16)
@@ -400,12 +421,13 @@ def test_pdl_variant_gives_the_same_bits(pdl_on, monkeypatch, name: str, config:
         # past 16 rows an act-order x is gathered by a torch kernel first: no PDL arguments
         gathered = layer.perm is not None and rows > 16
         monkeypatch.setattr(pdl, "pdl_enabled", lambda device: False)  # a device without PDL
-        del pdl_on.launches[:]
+        del pdl_on.launches[:], reduces.launches[:]
         base_parts = w4a16_linear_parts(x, *_args(layer), bias=b, config=cfg)
         base = w4a16_linear(x, *_args(layer), bias=b, config=cfg)
         off = {} if gathered else {"PDL": False, "TRIGGER": False}
         off_linear = {k: v for k, v in off.items() if k == "PDL"} if cfg.split_k > 1 else off
         assert pdl_on.launches == [off, off_linear], pdl_on.launches
+        assert reduces.launches == ([{}] if cfg.split_k > 1 else []), reduces.launches
         monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
         for trigger in (False, True):
             del pdl_on.launches[:]
@@ -415,11 +437,12 @@ def test_pdl_variant_gives_the_same_bits(pdl_on, monkeypatch, name: str, config:
             want = {"PDL": True, "launch_pdl": True, "TRIGGER": trigger or rows in range(2, 17)}
             want |= {} if want["TRIGGER"] else {"LATE": True}
             assert launch == ({} if gathered else want), launch
-        del pdl_on.launches[:]
+        del pdl_on.launches[:], reduces.launches[:]
         linear = w4a16_linear(x, *_args(layer), bias=b, config=cfg)
         assert torch.equal(linear, base)
-        if cfg.split_k > 1 and not gathered:
-            assert pdl_on.launches == [{"PDL": True, "launch_pdl": True}]
+        if cfg.split_k > 1:
+            chained = {} if gathered else {"PDL": True, "TRIGGER": True, "launch_pdl": True}
+            assert pdl_on.launches == reduces.launches == [chained], reduces.launches
         ref = x.double() @ exact.double().t() + b.double()
         _close(got.float().sum(0), ref, 2.0**-6)
         _close(linear, ref, 2.0**-6)

@@ -135,12 +135,12 @@ def test_a_decode_layers_w4a16_gemvs_launch_as_the_bf16_ones(
     """Through TritonOps, as the models call it: on a device with PDL each W4A16 GEMV of up to
     64 rows launches with PDL; QKV triggers where pdl.ATTENTION_ROWS takes the rows (the
     decode kernel then launches early), o_proj and down_proj where NORM_ROWS does (the norm
-    after them then launches early), every GEMV but gate_up at ALL_ROWS and CHAIN_ROWS, the
-    others after their K loop; gate_up triggers nothing: its K split is summed, and
-    silu(gate) * up made, by split_k_reduce_kernel, launched without PDL (no
-    silu_and_mul_kernel). Every kernel launched with PDL follows one that triggers (the
-    norms, the attention's kernels), but down_proj, behind that reduce, which triggers
-    nothing. On a device without PDL no kernel launches with PDL: the W4A16 GEMVs get PDL
+    after them then launches early), every GEMV at ALL_ROWS and CHAIN_ROWS, the others
+    after their K loop, but gate_up, which triggers at its start: its K split is summed, and
+    silu(gate) * up made, by split_k_reduce_kernel (no silu_and_mul_kernel), which launches
+    with PDL and triggers at its start (w4a16.REDUCE_PDL). Every kernel launched with PDL
+    follows one that triggers (the norms, the attention's kernels, the reduce ahead of
+    down_proj). On a device without PDL no kernel launches with PDL: the W4A16 GEMVs get PDL
     and TRIGGER off (nothing past 64 rows)."""
     monkeypatch.setattr(pdl, "ATTENTION_ROWS", ((1, 1),))  # apart, to tell the rules apart
     monkeypatch.setattr(pdl, "NORM_ROWS", ((20, 20),))
@@ -153,12 +153,11 @@ def test_a_decode_layers_w4a16_gemvs_launch_as_the_bf16_ones(
     else:
         start = {"PDL": True, "TRIGGER": True, "launch_pdl": True}
         late = {"PDL": True, "TRIGGER": False, "launch_pdl": True, "LATE": True}
-        gate_up = {"PDL": True, "launch_pdl": True}
         want = {  # QKV, o_proj, gate_up, down_proj, QKV
-            1: [start, late, gate_up, late, start],
-            3: [start, start, gate_up, start, start],
-            20: [late, start, gate_up, start, late],
-            40: [start, start, gate_up, start, start],
+            1: [start, late, start, late, start],
+            3: [start, start, start, start, start],
+            20: [late, start, start, start, late],
+            40: [start, start, start, start, start],
         }[rows]
         assert gemvs == want
     untriggered = [
@@ -166,9 +165,11 @@ def test_a_decode_layers_w4a16_gemvs_launch_as_the_bf16_ones(
         for (ahead_name, ahead), (_, args) in zip(launches, launches[1:], strict=False)
         if args.get("PDL") and not (ahead.get("TRIGGER") or ahead.get("LATE"))
     ]
-    assert untriggered == ([] if rows > 64 else ["split_k_reduce_kernel"]), launches
+    assert untriggered == [], launches
     names = [name for name, _ in launches]
     assert names.count("split_k_reduce_kernel") == 1 and "silu_and_mul_kernel" not in names
+    reduce = launches[names.index("split_k_reduce_kernel")][1]
+    assert reduce == ({} if rows > 64 else {"PDL": True, "TRIGGER": True, "launch_pdl": True})
 
     launches.clear()
     monkeypatch.setattr(pdl, "pdl_enabled", lambda device: False)
@@ -181,11 +182,58 @@ def test_a_decode_layers_w4a16_gemvs_launch_as_the_bf16_ones(
 
 
 @interpreted
-def test_gate_up_split_along_k_triggers_nothing(pdl_device, launches) -> None:
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_split_reduce_joins_the_pdl_chain(
+    pdl_device, launches, monkeypatch: pytest.MonkeyPatch, gated: bool
+) -> None:
+    """w4a16_linear with a K split at one row (gated: gate_up, silu(gate) * up made by the
+    reduce; else a plain projection), with a bias. With PDL on and w4a16.REDUCE_PDL the GEMV
+    triggers at its start (not after its K loop, as it would at one row otherwise) and
+    split_k_reduce_kernel launches with PDL and triggers at its start, so the kernel after it
+    may launch early; with REDUCE_PDL off the GEMV launches with PDL and triggers nothing and
+    the reduce launches plainly, as before; on a device without PDL neither has PDL. The same
+    bits every way (the interpreter's grid dependency control is a no-op): the exact
+    product's, or silu(gate) * up of it."""
+    fmt, kw = CASES["gptq-sym-g64"]
+    spec = LinearSpec(
+        "model.layers.0.mlp.gate_up_proj", 1024, (64, 64), bias=True, part_names=("g", "u")
+    )
+    layer = loaded(fmt, spec, seed=1, **kw)[0]
+    assert w4a16.default_config(1, 128, 1024).split_k > 1
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(1))
+    chained = {"PDL": True, "TRIGGER": True, "launch_pdl": True}
+    want = {  # (PDL on the device, REDUCE_PDL): the GEMV's arguments, the reduce's
+        (True, True): (chained, chained),
+        (True, False): ({"PDL": True, "launch_pdl": True}, {}),
+        (False, True): ({"PDL": False}, {}),
+        (False, False): ({"PDL": False}, {}),
+    }
+    results = []
+    for (device_pdl, reduce_pdl), (gemv_args, reduce_args) in want.items():
+        monkeypatch.setattr(pdl, "pdl_enabled", lambda device, on=device_pdl: on)
+        monkeypatch.setattr(w4a16, "REDUCE_PDL", reduce_pdl)
+        launches.clear()
+        y = w4a16.w4a16_linear(x, *layer._kernel_args(), bias=layer.bias, gated=gated)
+        results.append(y)
+        assert launches == [
+            ("w4a16_kernel", gemv_args),
+            ("split_k_reduce_kernel", reduce_args),
+        ], (device_pdl, reduce_pdl)
+    assert all(torch.equal(got, results[0]) for got in results[1:])
+    want_y = x.double() @ layer.dequantized_weight().double().t() + layer.bias.double()
+    if gated:
+        gate, up = want_y.chunk(2, dim=-1)
+        want_y = torch.nn.functional.silu(gate) * up
+    err = (results[0].double() - want_y).abs().max().item()
+    assert err <= 2.0**-16 * want_y.abs().max().item(), (err, want_y.abs().max().item())
+
+
+@interpreted
+def test_gate_up_split_along_k_chains_its_reduce(pdl_device, launches) -> None:
     """gate_up and its SiLU through TritonOps with a K split: the layer's GEMV launches with
-    PDL (the norm ahead triggers) but triggers nothing, since the split reduce after it, which
-    makes silu(gate) * up (no silu_and_mul_kernel), launches without PDL; the result is
-    silu(gate) * up of the exact product."""
+    PDL (the norm ahead triggers) and triggers at its start; the split reduce after it, which
+    makes silu(gate) * up (no silu_and_mul_kernel), launches with PDL and triggers too; the
+    result is silu(gate) * up of the exact product."""
     fmt, kw = CASES["gptq-sym-g64"]
     spec = LinearSpec("model.layers.0.mlp.gate_up_proj", 1024, (64, 64), part_names=("g", "u"))
     layer = loaded(fmt, spec, seed=1, **kw)[0]
@@ -193,10 +241,8 @@ def test_gate_up_split_along_k_triggers_nothing(pdl_device, launches) -> None:
     ops = TritonOps()
     x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(1))
     got = ops.linear_silu_and_mul(layer, x)
-    assert launches == [
-        ("w4a16_kernel", {"PDL": True, "launch_pdl": True}),
-        ("split_k_reduce_kernel", {}),
-    ]
+    chained = {"PDL": True, "TRIGGER": True, "launch_pdl": True}
+    assert launches == [("w4a16_kernel", chained), ("split_k_reduce_kernel", chained)]
     gate, up = (x.double() @ layer.dequantized_weight().double().t()).chunk(2, dim=-1)
     want = torch.nn.functional.silu(gate) * up
     err = (got.double() - want).abs().max().item()
@@ -219,10 +265,11 @@ def test_w4a16_gemvs_read_what_the_kernels_ahead_wrote_inside_a_graph(
     """On Hopper (PDL on), in a CUDA graph replayed on fresh inputs, at Qwen2.5-3B's widths: a slow
     cuBLAS GEMM writes y; add + RMSNorm (TRIGGER) reads it; a square GEMV (PDL, its first
     weight loads before its wait, triggering at NORM_ROWS) the norm's output; add + RMSNorm
-    of its parts (PDL at NORM_ROWS); gate_up (PDL, a K split and its reduce); SiLU-and-mul
-    (TRIGGER); down (PDL, triggering at NORM_ROWS); a last add + RMSNorm of its parts. A GEMV
-    that read x before the kernel ahead had written it would read the last replay's values,
-    off by O(1)."""
+    of its parts (PDL at NORM_ROWS); gate_up (PDL, a K split and its reduce, with PDL);
+    SiLU-and-mul (TRIGGER); down (PDL, triggering at NORM_ROWS); a last add + RMSNorm of its
+    parts; then gate_up gated (silu(gate) * up made by its reduce, which launches with PDL and
+    triggers) and down behind that reduce (PDL). A kernel that read its input before the
+    kernel ahead had written it would read the last replay's values, off by O(1)."""
     from test_w4a16_kernel import random_weights
 
     from inferx_core.ops_torch import TorchOps
@@ -253,7 +300,9 @@ def test_w4a16_gemvs_read_what_the_kernels_ahead_wrote_inside_a_graph(
         act = ops.silu_and_mul(gate_up)
         down = w4a16_linear_parts(act, *down_args, trigger=early)
         final, _ = ops.rms_norm(down, norm_w, eps, summed2, parts=True)
-        return y, normed, summed, o, h, summed2, gate_up, act, down, final
+        gated = w4a16_linear(h, *gate_up_args, gated=True)
+        down_gated = w4a16_linear_parts(gated, *down_args, trigger=early)
+        return y, normed, summed, o, h, summed2, gate_up, act, down, final, gated, down_gated
 
     a.normal_(generator=g)
     residual.normal_(generator=g)
@@ -272,7 +321,7 @@ def test_w4a16_gemvs_read_what_the_kernels_ahead_wrote_inside_a_graph(
         residual.normal_(generator=g)
         graph.replay()
         torch.cuda.synchronize()
-        y, normed, summed, o, h, summed2, gate_up, act, down, final = outs
+        y, normed, summed, o, h, summed2, gate_up, act, down, final, gated, down_gated = outs
         torch.testing.assert_close(y, a @ b, rtol=0, atol=0)
         torch.testing.assert_close(summed, ref.rms_norm(y, norm_w, eps, residual)[1])
         close(o.double().sum(0), normed.double() @ o_w.double().t())
@@ -284,3 +333,5 @@ def test_w4a16_gemvs_read_what_the_kernels_ahead_wrote_inside_a_graph(
         close(down.double().sum(0), act.double() @ down_w.double().t())
         want_final = ref.rms_norm(down, norm_w, eps, summed2, parts=True)[0]
         torch.testing.assert_close(final, want_final, rtol=1.6e-2, atol=1e-2)
+        torch.testing.assert_close(gated, act, rtol=1.6e-2, atol=1e-2)
+        close(down_gated.double().sum(0), gated.double() @ down_w.double().t())

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from inferx_kernels_cuda.fused_kernels import _rounded, silu_times
+from inferx_kernels_cuda.pdl import pdl_start
 
 MAX_ROWS = 64
 MAX_FMA_ROWS = 16
@@ -274,10 +275,14 @@ def split_k_reduce_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
     GATED: tl.constexpr,
+    PDL: tl.constexpr = False,
+    TRIGGER: tl.constexpr = False,
 ):
     """Grid (rows, column blocks): out[row] = sum over splits of partial[split, row] (+ bias),
     summed in fp32 in split order, rounded once to out's dtype. partial is [split_k, m, n].
-    GATED: out's n / 2 columns are silu(gate) * up of the sums' two halves."""
+    GATED: out's n / 2 columns are silu(gate) * up of the sums' two halves. PDL, TRIGGER:
+    pdl.pdl_start at the start, before any load (w4a16.w4a16_linear's reduce)."""
+    pdl_start(PDL, TRIGGER)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     dtype = out_ptr.dtype.element_ty

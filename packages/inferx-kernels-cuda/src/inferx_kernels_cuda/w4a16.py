@@ -51,7 +51,10 @@ bf16 decode GEMVs' rules (pdl_launch: where the device has PDL; the kernel ahead
 the attention, lets it launch early), so its launch and the first step's weight loads overlap
 the kernel ahead: the CUDA-core path's prefetch issues them before its wait (`gdc_wait`),
 every load of x comes after it; the tl.dot path waits first. Faster decode on an H100
-(docs/BENCHMARKS.md).
+(docs/BENCHMARKS.md). Where w4a16_linear's split reduce follows (a K split, or gated), the
+GEMV triggers at its start and the reduce launches with PDL too, waiting at its start and
+then triggering, so the kernel after it (down_proj's GEMV) launches early and prefetches as
+well (REDUCE_PDL; its gain to be timed).
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ FMA_ROWS = MAX_FMA_ROWS
 # rows (the TMA GEMVs' limit, TritonOps.tma_gemv_max_rows), by the rules of the bf16 decode
 # GEMVs (pdl_launch); above it, or on a device without PDL, the kernel compiles as without it.
 PDL_MAX_ROWS = 64
+# PDL on: w4a16_linear's GEMV triggers, its split reduce launches with PDL and triggers too.
+REDUCE_PDL = True
 _REDUCE_BLOCK = 256
 _H100_SMS = 132
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -727,14 +732,23 @@ def w4a16_linear(
     if m == 0:
         return out
     cfg = config or default_config(m, n, k, _num_sms(x.device))
-    pdl = _pdl_after_gather(x, perm, False)
+    reduced = cfg.split_k > 1 or gated
+    # Before a reduce the GEMV triggers at its start (the reduce loads nothing before its wait,
+    # and its programs arrive only once all of the GEMV's have started).
+    pdl = _pdl_after_gather(x, perm, reduced and REDUCE_PDL)
     x, perm = _gathered(x, perm)
     args = (x, qweight, scales, zeros, group_size, perm)
-    if cfg.split_k == 1 and not gated:
+    if not reduced:
         _launch(*args, bias, out.unsqueeze(0), cfg, pdl, row_group)
         return out
-    # the reduce comes next, launched without PDL: nothing for the GEMV to trigger
-    pdl = {key: value for key, value in pdl.items() if key in ("PDL", "launch_pdl")}
+    if REDUCE_PDL and pdl.get("PDL"):
+        # the reduce waits at its start for the GEMV (which waited for the kernel ahead) and
+        # lets the next kernel launch: that one reads out only after its own wait
+        reduce_pdl = {"PDL": True, "TRIGGER": True, "launch_pdl": True}
+    else:
+        # the reduce launches without PDL: nothing for the GEMV to trigger
+        pdl = {key: value for key, value in pdl.items() if key in ("PDL", "launch_pdl")}
+        reduce_pdl = {}
     partial = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
     _launch(*args, None, partial, cfg, pdl, row_group)
     split_k_reduce_kernel[(m, triton.cdiv(out.shape[1], _REDUCE_BLOCK))](
@@ -748,6 +762,7 @@ def w4a16_linear(
         HAS_BIAS=bias is not None,
         BLOCK=_REDUCE_BLOCK,
         GATED=gated,
+        **reduce_pdl,
     )
     return out
 
