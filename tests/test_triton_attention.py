@@ -230,6 +230,13 @@ def test_preload_rows_and_when_they_apply() -> None:
     assert backend._decode_launch_pdl(plan, spec, True).get("PRELOAD")
     backend.preload_rows = ()
     assert "PRELOAD" not in backend._decode_launch_pdl(SimpleNamespace(num_decode=1), spec, True)
+    # over an e4m3 cache: preload_fp8_rows, none by default
+    one = SimpleNamespace(num_decode=1)
+    backend.preload_rows = ((1, 1),)
+    assert backend.preload_fp8_rows == ()
+    assert "PRELOAD" not in backend._decode_launch_pdl(one, spec, True, fp8=True)
+    backend.preload_fp8_rows = ((1, 1),)
+    assert backend._decode_launch_pdl(one, spec, True, fp8=True).get("PRELOAD")
 
 
 def test_reduce_heads_fit_the_layer_and_the_tile() -> None:
@@ -590,13 +597,13 @@ def check_decode_rotary(
     if early:
         pdl = {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"PDL": False}
         backend._decode_pdl = lambda plan, spec: pdl | {"TRIGGER": pdl["PDL"], "EARLY": early}
-    backend.preload_rows = ((1, 1 << 30),) if preload else ()
+    backend.preload_rows = backend.preload_fp8_rows = ((1, 1 << 30),) if preload else ()
     backend.keep_split_rows = ((1, 1 << 30),) if keep else ()
     launches = []
     choose = backend._decode_launch_pdl
 
-    def recorded(plan, spec, rotary):  # noqa: ANN001, ANN202 - the method's own signature
-        args = choose(plan, spec, rotary)
+    def recorded(plan, spec, rotary, fp8=False):  # noqa: ANN001, ANN202 - the method's own
+        args = choose(plan, spec, rotary, fp8)
         launches.append(args.get("PRELOAD", False))
         return args
 

@@ -138,7 +138,7 @@ def test_a_decode_layers_w4a16_gemvs_launch_as_the_bf16_ones(
     after them then launches early), every GEMV at ALL_ROWS and CHAIN_ROWS, the others
     after their K loop, but gate_up, which triggers at its start: its K split is summed, and
     silu(gate) * up made, by split_k_reduce_kernel (no silu_and_mul_kernel), which launches
-    with PDL and triggers at its start (w4a16.REDUCE_PDL). Every kernel launched with PDL
+    with PDL and triggers at its start. Every kernel launched with PDL
     follows one that triggers (the norms, the attention's kernels, the reduce ahead of
     down_proj). On a device without PDL no kernel launches with PDL: the W4A16 GEMVs get PDL
     and TRIGGER off (nothing past 64 rows)."""
@@ -175,8 +175,7 @@ def test_a_decode_layers_w4a16_gemvs_launch_as_the_bf16_ones(
     monkeypatch.setattr(pdl, "pdl_enabled", lambda device: False)
     _decode_layer(ops, layers, rows)
     off = {} if rows > 64 else {"PDL": False, "TRIGGER": False}
-    gate_up_off = {} if rows > 64 else {"PDL": False}  # the reduce after it: no TRIGGER
-    want_off = [off, off, gate_up_off, off, off]
+    want_off = [off] * 5
     assert [args for name, args in launches if name == "w4a16_kernel"] == want_off
     assert not any(args.get("PDL") or args.get("LATE") for _, args in launches), launches
 
@@ -187,11 +186,10 @@ def test_a_split_reduce_joins_the_pdl_chain(
     pdl_device, launches, monkeypatch: pytest.MonkeyPatch, gated: bool
 ) -> None:
     """w4a16_linear with a K split at one row (gated: gate_up, silu(gate) * up made by the
-    reduce; else a plain projection), with a bias. With PDL on and w4a16.REDUCE_PDL the GEMV
+    reduce; else a plain projection), with a bias. With PDL on the GEMV
     triggers at its start (not after its K loop, as it would at one row otherwise) and
     split_k_reduce_kernel launches with PDL and triggers at its start, so the kernel after it
-    may launch early; with REDUCE_PDL off the GEMV launches with PDL and triggers nothing and
-    the reduce launches plainly, as before; on a device without PDL neither has PDL. The same
+    may launch early; on a device without PDL neither has PDL. The same
     bits every way (the interpreter's grid dependency control is a no-op): the exact
     product's, or silu(gate) * up of it."""
     fmt, kw = CASES["gptq-sym-g64"]
@@ -202,23 +200,20 @@ def test_a_split_reduce_joins_the_pdl_chain(
     assert w4a16.default_config(1, 128, 1024).split_k > 1
     x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(1))
     chained = {"PDL": True, "TRIGGER": True, "launch_pdl": True}
-    want = {  # (PDL on the device, REDUCE_PDL): the GEMV's arguments, the reduce's
-        (True, True): (chained, chained),
-        (True, False): ({"PDL": True, "launch_pdl": True}, {}),
-        (False, True): ({"PDL": False}, {}),
-        (False, False): ({"PDL": False}, {}),
+    want = {  # PDL on the device: the GEMV's arguments, the reduce's
+        True: (chained, chained),
+        False: ({"PDL": False, "TRIGGER": False}, {}),
     }
     results = []
-    for (device_pdl, reduce_pdl), (gemv_args, reduce_args) in want.items():
+    for device_pdl, (gemv_args, reduce_args) in want.items():
         monkeypatch.setattr(pdl, "pdl_enabled", lambda device, on=device_pdl: on)
-        monkeypatch.setattr(w4a16, "REDUCE_PDL", reduce_pdl)
         launches.clear()
         y = w4a16.w4a16_linear(x, *layer._kernel_args(), bias=layer.bias, gated=gated)
         results.append(y)
         assert launches == [
             ("w4a16_kernel", gemv_args),
             ("split_k_reduce_kernel", reduce_args),
-        ], (device_pdl, reduce_pdl)
+        ], device_pdl
     assert all(torch.equal(got, results[0]) for got in results[1:])
     want_y = x.double() @ layer.dequantized_weight().double().t() + layer.bias.double()
     if gated:

@@ -11,7 +11,7 @@ down_proj not fused with gate_up). The trigger does nothing when the next kernel
 without PDL. Every other kernel launches as before. W4A16's GEMV (w4a16.w4a16_kernel) takes
 the same rules up to w4a16.PDL_MAX_ROWS rows (w4a16.pdl_launch), through
 QuantLinear.takes_trigger for the call sites' triggers below; the split reduce after it
-(gemv.split_k_reduce_kernel) launches with PDL and triggers at its start (w4a16.REDUCE_PDL).
+(gemv.split_k_reduce_kernel) launches with PDL and triggers at its start.
 
 Faster steps at every batch of 1-64 (the graph's launch gaps shrink). By the step's rows (a
 decode step's batch; row ranges as tuples of (lo, hi), module attributes below that tests and

@@ -370,6 +370,9 @@ class TritonAttention(TorchAttention):
         # only while one program an SM is enough: faster at 1 row, level at 2-4, slower from 8.
         # Row ranges.
         self.preload_rows: tuple[tuple[int, int], ...] = ((1, 1),)
+        # ... and over an e4m3 cache: none. Its preloaded tile is converted after the wait, and
+        # the step was slower with it (docs/ARCHITECTURE.md, FP8 KV cache).
+        self.preload_fp8_rows: tuple[tuple[int, int], ...] = ()
         # dense_prefill: in eager steps, fresh prompts (no cached prefix) attend through
         # dense_prefill_kernel, over the step's own q, k (rotated in place) and v read by TMA,
         # instead of prefill_kernel over the paged cache; chunks over a cached prefix stay on
@@ -1321,12 +1324,16 @@ class TritonAttention(TorchAttention):
             return {"PDL": True, "TRIGGER": True, "launch_pdl": True, "EARLY": True}
         return self._pdl(plan, spec)
 
-    def _decode_launch_pdl(self, plan: _Plan, spec: KVLayerSpec, rotary: bool) -> dict[str, Any]:
-        """_decode_pdl's arguments, with PRELOAD at preload_rows where the kernel launches
-        early (EARLY) and rotates and writes the new token itself (`rotary`: only then can it
-        take that token's row of a tile loaded before its wait)."""
+    def _decode_launch_pdl(
+        self, plan: _Plan, spec: KVLayerSpec, rotary: bool, fp8: bool = False
+    ) -> dict[str, Any]:
+        """_decode_pdl's arguments, with PRELOAD at preload_rows (preload_fp8_rows over an
+        e4m3 cache: `fp8`) where the kernel launches early (EARLY) and rotates and writes the
+        new token itself (`rotary`: only then can it take that token's row of a tile loaded
+        before its wait)."""
         args = self._decode_pdl(plan, spec)
-        if args.get("EARLY") and rotary and in_ranges(plan.num_decode, self.preload_rows):
+        rows = self.preload_fp8_rows if fp8 else self.preload_rows
+        if args.get("EARLY") and rotary and in_ranges(plan.num_decode, rows):
             args = args | {"PRELOAD": True}
         return args
 
@@ -1559,7 +1566,7 @@ class TritonAttention(TorchAttention):
                 **(new_tokens if in_decode else self._no_new_tokens(plan)),
                 **(parts or {}),
                 **self.decode_launch,
-                **self._decode_launch_pdl(plan, spec, in_decode),
+                **self._decode_launch_pdl(plan, spec, in_decode, bool(fp8)),
                 **features,
             )
             # The sinks join the splits' combine, which o_proj's own combine does not know.

@@ -54,7 +54,7 @@ every load of x comes after it; the tl.dot path waits first. Faster decode on an
 (docs/BENCHMARKS.md). Where w4a16_linear's split reduce follows (a K split, or gated), the
 GEMV triggers at its start and the reduce launches with PDL too, waiting at its start and
 then triggering, so the kernel after it (down_proj's GEMV) launches early and prefetches as
-well (REDUCE_PDL; its gain to be timed).
+well (Qwen2.5-3B GPTQ decode 1.717 ms against 1.791 without: docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -81,8 +81,6 @@ FMA_ROWS = MAX_FMA_ROWS
 # rows (the TMA GEMVs' limit, TritonOps.tma_gemv_max_rows), by the rules of the bf16 decode
 # GEMVs (pdl_launch); above it, or on a device without PDL, the kernel compiles as without it.
 PDL_MAX_ROWS = 64
-# PDL on: w4a16_linear's GEMV triggers, its split reduce launches with PDL and triggers too.
-REDUCE_PDL = True
 _REDUCE_BLOCK = 256
 _H100_SMS = 132
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -735,20 +733,15 @@ def w4a16_linear(
     reduced = cfg.split_k > 1 or gated
     # Before a reduce the GEMV triggers at its start (the reduce loads nothing before its wait,
     # and its programs arrive only once all of the GEMV's have started).
-    pdl = _pdl_after_gather(x, perm, reduced and REDUCE_PDL)
+    pdl = _pdl_after_gather(x, perm, reduced)
     x, perm = _gathered(x, perm)
     args = (x, qweight, scales, zeros, group_size, perm)
     if not reduced:
         _launch(*args, bias, out.unsqueeze(0), cfg, pdl, row_group)
         return out
-    if REDUCE_PDL and pdl.get("PDL"):
-        # the reduce waits at its start for the GEMV (which waited for the kernel ahead) and
-        # lets the next kernel launch: that one reads out only after its own wait
-        reduce_pdl = {"PDL": True, "TRIGGER": True, "launch_pdl": True}
-    else:
-        # the reduce launches without PDL: nothing for the GEMV to trigger
-        pdl = {key: value for key, value in pdl.items() if key in ("PDL", "launch_pdl")}
-        reduce_pdl = {}
+    # With PDL the reduce waits at its start for the GEMV (which waited for the kernel ahead)
+    # and lets the next kernel launch: that one reads out only after its own wait.
+    reduce_pdl = {"PDL": True, "TRIGGER": True, "launch_pdl": True} if pdl.get("PDL") else {}
     partial = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
     _launch(*args, None, partial, cfg, pdl, row_group)
     split_k_reduce_kernel[(m, triton.cdiv(out.shape[1], _REDUCE_BLOCK))](
