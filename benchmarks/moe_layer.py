@@ -14,8 +14,11 @@ python benchmarks/moe_layer.py --smoke     # tiny shapes on the CPU, under TRITO
 `--layers` distinct layers run back to back per timed step, so that the weights of one step
 outlast the L2 cache (a decode step reads every layer once, as a model does); times are per
 layer. "atomic": the Triton path with the top-k sum by atomics in the down GEMM
-(TritonOps.moe_atomic_sum), in a graph. The floor counts the router, each expert that some
-token picked (weights, scales, biases, once), the shared experts, the input and the output.
+(TritonOps.moe_atomic_sum), in a graph. "no-tma": where the Triton path runs bf16 experts on
+moe_tma_gemv_kernel (up to moe_kernels.TMA_GEMV_MAX_TOKENS tokens), the same in a graph with it
+off (TMA_GEMV_MAX_TOKENS 0: moe_gemm_kernel's tiles), the A/B of that switch. The floor counts
+the router, each expert that some token picked (weights, scales, biases, once), the shared
+experts, the input and the output. --sweep also times the TMA kernel's tiles at decode sizes.
 
 Shapes with shared experts ("deepseek-v2-lite-shared": V2-Lite's whole MoE layer, 2 shared
 experts of 1408) are built as the model builds them (DeepseekV2ForCausalLM.build_mlp): the
@@ -27,9 +30,11 @@ own gate_up and down GEMMs and an add), in a graph and eagerly: the A/B of that 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -41,6 +46,7 @@ from inferx_core.moe import FusedMoE  # noqa: E402
 from inferx_core.ops_torch import TorchOps  # noqa: E402
 from inferx_core.parallel import ParallelContext  # noqa: E402
 from inferx_core.quant_none import Unquantized  # noqa: E402
+from inferx_kernels_cuda import moe_kernels  # noqa: E402
 from inferx_kernels_cuda.moe_kernels import GemmConfig, fused_experts  # noqa: E402
 from inferx_kernels_cuda.ops import TritonOps  # noqa: E402
 from inferx_models.deepseek_v2 import DeepseekV2ForCausalLM  # noqa: E402
@@ -92,6 +98,19 @@ def build(shape: str, ops, device: torch.device, dtype: torch.dtype, seed: int) 
             elif name.endswith("scales"):
                 b.random_(118, 123)
     return layer
+
+
+@contextlib.contextmanager
+def tma_max_tokens(limit: int | None) -> Iterator[None]:
+    """moe_kernels.TMA_GEMV_MAX_TOKENS set to `limit` inside the block (None: left as it is);
+    fused_experts reads it at each call, so a graph captured inside keeps that choice."""
+    saved = moe_kernels.TMA_GEMV_MAX_TOKENS
+    if limit is not None:
+        moe_kernels.TMA_GEMV_MAX_TOKENS = limit
+    try:
+        yield
+    finally:
+        moe_kernels.TMA_GEMV_MAX_TOKENS = saved
 
 
 def nbytes(module: torch.nn.Module | None) -> int:
@@ -151,40 +170,58 @@ def bench(shape: str, tokens: int, args, device: torch.device) -> dict:
     runs = [("triton", TritonOps()), ("atomic", atomic), ("torch", TorchOps())]
     if SHAPES[shape][8]:  # shared experts: the same layer with them apart
         runs.insert(1, ("unfused", unfused_ops()))
+    if SHAPES[shape][4] == "bf16" and tokens <= moe_kernels.TMA_GEMV_MAX_TOKENS:
+        runs.insert(1, ("no_tma", TritonOps()))  # run with TMA_GEMV_MAX_TOKENS 0
     for name, ops in runs:
-        layers = [build(shape, ops, device, dtype, seed) for seed in range(args.layers)]
-
-        def step(layers=layers) -> None:
-            for layer in layers:
-                layer(x)
-
-        with torch.no_grad():
-            if device.type == "cuda":
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    step()  # compile and warm up off the capture
-                torch.cuda.current_stream().wait_stream(s)
-            else:
-                step()
-            modes = [("eager", False)]
-            if device.type == "cuda":
-                graphed = [("graph", True), *modes]
-                modes = {"triton": graphed, "unfused": graphed, "atomic": [("graph", True)]}.get(
-                    name, modes
-                )
-            for mode, graph in modes:
-                sec = time_calls(step, device, graph, args.iters) / args.layers
-                row[f"{name}_{mode}_us"] = sec * 1e6
-        if name == "triton":
-            row["floor_bytes"] = sum(floor_bytes(layer, x) for layer in layers) / args.layers
-        del layers
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        with tma_max_tokens(0 if name == "no_tma" else None):
+            time_run(name, ops, shape, x, row, args, device, dtype)
     row["floor_us"] = row["floor_bytes"] / args.bandwidth * 1e6
     best = row.get("triton_graph_us", row["triton_eager_us"])
     row["of_floor"] = row["floor_us"] / best
     return row
+
+
+def time_run(
+    name: str,
+    ops,
+    shape: str,
+    x: torch.Tensor,
+    row: dict,
+    args,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> None:
+    """One run of bench(): `args.layers` layers under `ops`, timed in the run's modes into row
+    (`{name}_{mode}_us`)."""
+    layers = [build(shape, ops, device, dtype, seed) for seed in range(args.layers)]
+
+    def step(layers=layers) -> None:
+        for layer in layers:
+            layer(x)
+
+    with torch.no_grad():
+        if device.type == "cuda":
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                step()  # compile and warm up off the capture
+            torch.cuda.current_stream().wait_stream(s)
+        else:
+            step()
+        modes = [("eager", False)]
+        if device.type == "cuda":
+            graphed = [("graph", True), *modes]
+            modes = {"triton": graphed, "unfused": graphed}.get(name, modes)
+            if name in ("atomic", "no_tma"):
+                modes = [("graph", True)]
+        for mode, graph in modes:
+            sec = time_calls(step, device, graph, args.iters) / args.layers
+            row[f"{name}_{mode}_us"] = sec * 1e6
+    if name == "triton":
+        row["floor_bytes"] = sum(floor_bytes(layer, x) for layer in layers) / args.layers
+    del layers
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def candidates(decode: bool, mxfp4: bool) -> list[tuple[GemmConfig, GemmConfig]]:
@@ -217,7 +254,8 @@ def candidates(decode: bool, mxfp4: bool) -> list[tuple[GemmConfig, GemmConfig]]
 
 def sweep(shape: str, tokens: int, args, device: torch.device) -> list[tuple[float, object]]:
     """The experts alone (routing fixed), per layer, under each candidate (None: fused_experts'
-    defaults; at decode sizes also moe_gemv_kernel at a few widths): fastest first."""
+    defaults; at decode sizes also moe_gemv_kernel at a few widths, and for bf16 experts
+    moe_tma_gemv_kernel's tiles): fastest first."""
     dtype = torch.bfloat16
     layers = [build(shape, TritonOps(), device, dtype, seed) for seed in range(args.layers)]
     x = torch.randn(tokens, SHAPES[shape][0], device=device, dtype=dtype)
@@ -230,36 +268,45 @@ def sweep(shape: str, tokens: int, args, device: torch.device) -> list[tuple[flo
     pairs = routed[0][1].numel()  # tokens x (top_k + shared slots)
     decode = pairs <= 16 * spec.num_experts
     results = []
-    runs: list[tuple[tuple | None, bool | None]] = [(None, None)]
-    runs += [(cfg, False) for cfg in candidates(decode, SHAPES[shape][4] == "mxfp4")]
+    # (configs, gemv, tma) of each run
+    runs: list[tuple[tuple | None, bool | None, bool | None]] = [(None, None, None)]
+    runs += [(cfg, False, False) for cfg in candidates(decode, SHAPES[shape][4] == "mxfp4")]
     if decode:  # moe_gemv_kernel: output columns, K columns a step, warps (, down's K runs)
         runs += [
-            ((GemmConfig(16, bn, bk, warps),) * 2, True)
+            ((GemmConfig(16, bn, bk, warps),) * 2, True, False)
             for bn in (8, 16, 32, 64)
             for bk in (256, 512, 1024)
             for warps in (4, 8)
         ]
         runs += [
-            ((GemmConfig(16, bn, bk, warps), GemmConfig(16, bn, bk, warps, split_k=s)), True)
+            ((GemmConfig(16, bn, bk, warps), GemmConfig(16, bn, bk, warps, split_k=s)), True, False)
             for bn in (8, 16)
             for bk in (256, 1024)
             for warps in (4, 8)
             for s in (2, 3)
         ]
-    for cfg, gemv in runs:
+    if decode and SHAPES[shape][4] == "bf16":  # moe_tma_gemv_kernel (down also split)
+        runs += [
+            ((GemmConfig(16, bn, bk, 4, st), GemmConfig(16, bn, bk, 4, st, split_k=s)), False, True)
+            for bn in (16, 32, 64, 128)
+            for bk in (64, 128)
+            for st in (2, 3, 4)
+            for s in (1, 2)
+        ]
+    for cfg, gemv, tma in runs:
 
-        def step(cfg=cfg, gemv=gemv) -> None:
+        def step(cfg=cfg, gemv=gemv, tma=tma) -> None:
             for layer, (w, ids) in zip(layers, routed, strict=True):
-                fused_experts(
-                    x, w, ids, layer.experts.expert_weights(), spec, configs=cfg, gemv=gemv
-                )
+                w_all = layer.experts.expert_weights()
+                fused_experts(x, w, ids, w_all, spec, configs=cfg, gemv=gemv, tma=tma)
 
-        label = (
-            cfg
-            if not gemv
-            else f"gemv {cfg[0].block_n} x {cfg[0].block_k}, {cfg[0].num_warps} warps"
-            + (f", down K in {cfg[1].split_k}" if cfg[1].split_k > 1 else "")
-        )
+        if tma:
+            label = f"tma gate_up {cfg[0]}  down {cfg[1]}"
+        elif gemv:
+            label = f"gemv {cfg[0].block_n} x {cfg[0].block_k}, {cfg[0].num_warps} warps"
+            label += f", down K in {cfg[1].split_k}" if cfg[1].split_k > 1 else ""
+        else:
+            label = cfg
         try:
             with torch.no_grad():
                 step()
@@ -332,8 +379,12 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (interpreter)"
     print(f"MoE layer, {name}, floor at {args.bandwidth / 1e12:.2f} TB/s, per layer")
     print("unfused: shared experts apart (graph where there is one, else eager; - : none)")
+    print("no-tma: bf16 experts on moe_gemm_kernel, not the TMA kernel (graph; - : none)")
     head = f"{'shape':<24}{'tokens':>7}{'floor us':>10}{'graph us':>10}{'eager us':>10}"
-    print(head + f"{'unfused us':>11}{'atomic us':>10}{'torch us':>10}{'of floor':>10}")
+    print(
+        head + f"{'no-tma us':>10}{'unfused us':>11}{'atomic us':>10}{'torch us':>10}"
+        f"{'of floor':>10}"
+    )
     for shape in args.shapes.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):
             r = bench(shape, tokens, args, device)
@@ -342,9 +393,11 @@ def main() -> None:
             key = "atomic_graph_us" if "atomic_graph_us" in r else "atomic_eager_us"
             unfused = r.get("unfused_graph_us", r.get("unfused_eager_us"))
             apart = f"{unfused:>11.1f}" if unfused is not None else f"{'-':>11}"
+            no_tma = r.get("no_tma_graph_us", r.get("no_tma_eager_us"))
+            gemm = f"{no_tma:>10.1f}" if no_tma is not None else f"{'-':>10}"
             print(
                 f"{shape:<24}{tokens:>7}{r['floor_us']:>10.1f}{graph}{r['triton_eager_us']:>10.1f}"
-                f"{apart}{r[key]:>10.1f}{r['torch_eager_us']:>10.1f}{r['of_floor']:>10.0%}"
+                f"{gemm}{apart}{r[key]:>10.1f}{r['torch_eager_us']:>10.1f}{r['of_floor']:>10.0%}"
             )
     if args.json:
         with open(args.json, "w") as f:

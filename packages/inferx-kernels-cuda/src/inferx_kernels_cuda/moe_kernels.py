@@ -2,7 +2,8 @@
 expert pairs grouped by expert on the device, and a grouped GEMM over the experts (gate_up with
 its bias and activation in the epilogue, then down with its bias and the routing weight) over
 dense (bf16 / fp16 / fp32), FP8 (per output channel), MXFP4 or W4A16 (GPTQ / AWQ) weights
-dequantized in registers, then each token's top-k outputs summed in a fixed order.
+dequantized in registers (dense fp16 / bf16 ones at decode sizes read through TMA descriptors
+on Hopper: moe_tma_gemv_kernel), then each token's top-k outputs summed in a fixed order.
 
 Every launch's grid depends only on the token count, which the host knows, so a step runs the
 same launches under CUDA-graph capture and replay. The design and its reasons are in
@@ -20,8 +21,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from inferx_core.interfaces.moe import ExpertsSpec, ExpertWeights, RouterSpec
+from inferx_kernels_cuda.tma_gemv import has_tma, resident_config
 from inferx_kernels_cuda.w4a16 import _dequantized as _w4_tile
 from inferx_kernels_cuda.w4a16 import _group_shift
 
@@ -326,6 +329,14 @@ GEMV_MXFP4_WARPS = 4
 # Runs of K the down projection's GEMV splits into (GemmConfig.split_k; more programs, more
 # loads in flight): 1, the split measured slower in gpt-oss-20b's decode.
 GEMV_DOWN_SPLIT_K = 1
+# Tokens up to which dense fp16 / bf16 experts run moe_tma_gemv_kernel (weight tiles by TMA
+# bulk copies) instead of moe_gemm_kernel's pointer loads, on a GPU with TMA (sm_90+) or under
+# the interpreter; 0: never (A/B: gpu_table.py --patch
+# inferx_kernels_cuda.moe_kernels.TMA_GEMV_MAX_TOKENS=0). Its tiles are moe_gemm_kernel's
+# 16 rows of pairs, so 2-4 tokens are grouped by expert (each expert read once) as there.
+TMA_GEMV_MAX_TOKENS = 4
+# Runs of K that moe_tma_gemv_kernel's down projection splits into (GemmConfig.split_k).
+TMA_DOWN_SPLIT_K = 1
 # Chunks of pairs up to which one program groups them all (a few decode tokens); above, three
 # launches, whose passes over the chunks run in parallel.
 ALIGN_ONE_MAX_CHUNKS = 2
@@ -1004,6 +1015,119 @@ def moe_gemv_kernel(
         tl.store(out_ptr + row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+@triton.jit(do_not_specialize=["num_pairs"])
+def moe_tma_gemv_kernel(
+    a_ptr,
+    w_desc,
+    bias_ptr,
+    topk_w_ptr,
+    out_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_pairs,
+    n_out,
+    k_in,
+    expert_rows,
+    up_offset,
+    stride_a,
+    stride_be,
+    stride_out,
+    alpha,
+    limit,
+    A_ROW_DIV: tl.constexpr,
+    ACT: tl.constexpr,
+    GATE_STRIDE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    ATOMIC_K: tl.constexpr,
+    PER_PAIR: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr = 1,
+):
+    """moe_gemm_kernel's tiles and epilogue for dense weights read through a TMA descriptor:
+    w_desc covers the experts' weights flattened to [E * expert_rows, K] (expert e's row r
+    at e * expert_rows + r), so a tile is one bulk copy at the tile's expert, zero-filled
+    past K (rows past an expert's are read, never stored). The products run swapped, W @
+    A^T into [rows, BLOCK_M] accumulators: the weight tile is the MMA's tall operand (wgmma's
+    64 rows at 64 columns), the BLOCK_M activation rows of the tile's pairs, gathered by
+    pointer loads, its narrow one. Gated: gate rows j and up rows j + up_offset as two
+    tiles (GATE_STRIDE 1, "silu"), or interleaved rows 2j, 2j + 1 as one tile of 2 * BLOCK_N
+    rows split after the loop (GATE_STRIDE 2, "swiglu_oai"; up_offset 1). PER_PAIR,
+    grouping, A_ROW_DIV, ACT, HAS_BIAS, WEIGHTED, ATOMIC_K as moe_gemm_kernel's; SPLIT_K (no
+    activation) as moe_gemv_kernel's: program axis 1 takes one of SPLIT_K runs of whole K
+    tiles."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(n_out, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    if PER_PAIR:
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int32)
+        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int32)
+        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if SPLIT_K == 1:
+        k_lo = 0
+        k_hi = k_in
+    else:
+        run = tl.program_id(1)
+        k_run = tl.cdiv(tl.cdiv(k_in, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_lo = run * k_run
+        k_hi = tl.minimum(k_in, k_lo + k_run)
+    row_ok = pair < num_pairs
+    a_rows = (pair // A_ROW_DIV).to(tl.int64) * stride_a
+    n0 = pid_n * BLOCK_N
+    row0 = expert * expert_rows + n0 * GATE_STRIDE
+    gated: tl.constexpr = ACT != 0
+    pairs_in_tile: tl.constexpr = gated and GATE_STRIDE == 2  # gate and up rows interleaved
+    W_ROWS: tl.constexpr = 2 * BLOCK_N if pairs_in_tile else BLOCK_N
+    acc = tl.zeros([W_ROWS, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    kr = tl.arange(0, BLOCK_K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ka = k0 + kr
+        a = tl.load(
+            a_ptr + a_rows[:, None] + ka[None, :],
+            mask=row_ok[:, None] & (ka < k_in)[None, :],
+            other=0.0,
+        )
+        a_t = tl.trans(a)
+        acc = _dot(w_desc.load([row0, k0]), a_t, acc, DOT_FP32)
+        if gated and not pairs_in_tile:
+            acc_up = _dot(w_desc.load([row0 + up_offset, k0]), a_t, acc_up, DOT_FP32)
+    if pairs_in_tile:  # rows 2j (gate) and 2j + 1 (up) apart
+        acc, acc_up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_N, 2, BLOCK_M)), (0, 2, 1)))
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    rows_g = cols * GATE_STRIDE
+    if HAS_BIAS:
+        b_base = bias_ptr + expert.to(tl.int64) * stride_be
+        b_ok = col_ok if SPLIT_K == 1 else cols + run * n_out < n_out  # run 0's alone
+        acc += tl.load(b_base + rows_g, mask=b_ok, other=0.0).to(tl.float32)[:, None]
+        if gated:
+            b_up = tl.load(b_base + rows_g + up_offset, mask=col_ok, other=0.0)
+            acc_up += b_up.to(tl.float32)[:, None]
+    acc = _activation(acc, acc_up, alpha, limit, ACT)
+    if WEIGHTED:
+        acc *= tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)[None, :]
+    out_mask = col_ok[:, None] & row_ok[None, :]
+    if ATOMIC_K:
+        out_ptrs = out_ptr + (pair // ATOMIC_K)[None, :].to(tl.int64) * stride_out + cols[:, None]
+        tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
+    else:
+        row = pair.to(tl.int64)
+        if SPLIT_K > 1:
+            row += run.to(tl.int64) * num_pairs
+        out_ptrs = out_ptr + row[None, :] * stride_out + cols[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
 @triton.jit
 def moe_sum_kernel(
     y_ptr, out_ptr, hidden, split_stride, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
@@ -1125,6 +1249,69 @@ def _words_aligned(w: ExpertWeights) -> bool:
     return all(t.data_ptr() % 4 == 0 and t.stride(1) % 4 == 0 for t in (w.gate_up, w.down))
 
 
+def tma_configs(
+    num_pairs: int,
+    num_experts: int,
+    n: int,
+    hidden: int,
+    num_sms: int,
+    elem_bytes: int = 2,
+) -> tuple[GemmConfig, GemmConfig]:
+    """moe_tma_gemv_kernel's (gate_up, down) tiles for num_pairs pairs over experts of
+    intermediate size n: 16 rows of pairs; output columns the widest of 64, 32, 16 that still
+    gives every SM a program (a GPU that streams weights wants every SM's loads, and a
+    wider tile halves the programs an SM must hold); K columns and stages by
+    tma_gemv.resident_config, which keeps every program resident (a second wave costs more than
+    a shallower pipeline, as for the dense TMA GEMV). At DeepSeek-V2-Lite's one token (8
+    pairs, 2 x 1408 gate_up rows, 2048 down rows): gate_up 64 columns, 176 programs of 64 gate
+    and 64 up rows, 3 stages of 128 K columns; down 64 rows, 256 programs, 4 stages. At
+    Qwen3-30B-A3B's (8 pairs of 768): gate_up 32 columns (64 would leave 36 SMs idle). Down's K
+    in TMA_DOWN_SPLIT_K runs. Small tiles under the interpreter."""
+    split = TMA_DOWN_SPLIT_K
+    if _interpreting():
+        small = GemmConfig(16, 16, 32, 4, 1)
+        return small, dataclasses.replace(small, split_k=split)
+    tiles = min(num_pairs, num_experts)  # tiles holding pairs, at most
+    configs = []
+    for n_out, gated, runs in ((n, True, 1), (hidden, False, split)):
+        for block_n in (64, 32, 16):
+            programs = tiles * triton.cdiv(n_out, block_n) * runs
+            if programs >= num_sms:
+                break
+        tile_rows = (2 if gated else 1) * block_n + 16  # weight rows and pairs a stage holds
+        cfg = resident_config(block_n, tile_rows, programs, num_sms, elem_bytes)
+        configs.append(GemmConfig(16, block_n, cfg.block_k, 4, cfg.num_stages, split_k=runs))
+    return configs[0], configs[1]
+
+
+def tma_problem(w: ExpertWeights, x: torch.Tensor) -> str | None:
+    """Why moe_tma_gemv_kernel cannot read these experts, or None when it can: dense weights
+    in x's dtype, float16 or bfloat16 (float32 too under the interpreter, for exact tests:
+    compiled, its ieee products run on the CUDA cores and spill at sm_90), whose experts
+    flatten to [E * rows, K] rows TMA can address (unit stride along K, 16-byte aligned base
+    and rows)."""
+    dtypes = (torch.float16, torch.bfloat16) + ((torch.float32,) if _interpreting() else ())
+    if w.format != "dense" or x.dtype not in dtypes:
+        return f"the TMA MoE GEMV takes dense fp16 / bf16 experts, got {w.format} {x.dtype}"
+    for name, t in (("gate_up", w.gate_up), ("down", w.down)):
+        if (
+            t.stride(2) != 1
+            or t.stride(0) != t.shape[1] * t.stride(1)
+            or (t.stride(1) * t.element_size()) % 16
+            or t.data_ptr() % 16
+        ):
+            return (
+                f"the TMA MoE GEMV reads {name} as [E * rows, K]: it needs a unit K stride, "
+                f"experts one after another and 16-byte aligned rows (strides {t.stride()}, "
+                f"{t.element_size()}-byte elements, address {t.data_ptr()})"
+            )
+    return None
+
+
+def _tma_device(x: torch.Tensor) -> bool:
+    return _interpreting() or (x.is_cuda and has_tma(x.device))
+
+
 def check_weights(w: ExpertWeights, spec: ExpertsSpec, x: torch.Tensor) -> None:
     """Refuse weights the kernels do not read, naming what is wrong."""
     if w.format not in ("dense", "mxfp4", "fp8", "w4a16"):
@@ -1214,6 +1401,7 @@ def fused_experts(
     configs: tuple[GemmConfig, GemmConfig] | None = None,
     atomic_sum: bool = False,
     gemv: bool | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """QuantExperts.forward on the device: x [T, H], topk_weights [T, k] float32, topk_ids
     [T, k] -> sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), [T, H] in x's dtype.
@@ -1223,7 +1411,11 @@ def fused_experts(
     [T * k, H] for the sum kernel: fewer bytes, in an order that varies from run to run.
     gemv: the pairs through moe_gemv_kernel (None: up to GEMV_MAX_TOKENS MXFP4 or W4A16
     tokens; never for K-blocked fp8 scales); configs then give its output columns a program,
-    K columns a step (0: GEMV_BLOCK_K) and warps. W4A16: K tiles lowered to divide the group."""
+    K columns a step (0: GEMV_BLOCK_K) and warps. W4A16: K tiles lowered to divide the group.
+    tma: the GEMMs through moe_tma_gemv_kernel (dense weights read by TMA; None: up to
+    TMA_GEMV_MAX_TOKENS fp16 / bf16 tokens on a GPU with TMA or under the interpreter, where
+    neither gemv nor configs is given and tma_problem finds nothing); configs then give its
+    tiles (tma_configs' by default)."""
     check_weights(w, spec, x)
     t, hidden = x.shape
     k = topk_ids.shape[1]
@@ -1239,6 +1431,20 @@ def fused_experts(
     num_pairs = t * k
     mxfp4 = w.format == "mxfp4"
     bk = w.scale_block_k if w.format == "fp8" else 0
+    if tma is None:
+        tma = (
+            gemv is None
+            and configs is None
+            and t <= TMA_GEMV_MAX_TOKENS
+            and x.dtype != torch.float32  # float32: tests' own choice (tma_problem)
+            and _tma_device(x)
+            and tma_problem(w, x) is None
+        )
+    elif tma:
+        problem = "gemv and tma are two kernels: ask for one" if gemv else tma_problem(w, x)
+        if problem:
+            raise ValueError(f"{spec.prefix}: {problem}")
+        gemv = False
     if gemv is None:
         gemv = t <= GEMV_MAX_TOKENS and w.format in ("mxfp4", "w4a16")
         gemv = gemv and not (mxfp4 and not _words_aligned(w))
@@ -1249,7 +1455,10 @@ def fused_experts(
     swappable = mxfp4 and x.dtype != torch.float16  # what SWAP_AB takes
     if configs is None:
         sms = 132 if _interpreting() else _num_sms(x.device)
-        configs = gemm_configs(num_pairs, e, n, hidden, w.format, sms, gemv, swappable)
+        if tma:
+            configs = tma_configs(num_pairs, e, n, hidden, sms, x.element_size())
+        else:
+            configs = gemm_configs(num_pairs, e, n, hidden, w.format, sms, gemv, swappable)
     gate_up_cfg, down_cfg = configs
     if (gate_up_cfg.swap_ab or down_cfg.swap_ab) and not swappable:
         raise ValueError(
@@ -1265,10 +1474,10 @@ def fused_experts(
     if gate_up_cfg.block_m != down_cfg.block_m:
         raise ValueError("fused_experts: gate_up and down tiles must share block_m")
     split = down_cfg.split_k
-    if gate_up_cfg.split_k != 1 or split < 1 or (split > 1 and not gemv):
+    if gate_up_cfg.split_k != 1 or split < 1 or (split > 1 and not (gemv or tma)):
         raise ValueError(
             f"fused_experts: split_k {gate_up_cfg.split_k} / {split} (gate_up / down): only "
-            "the down projection's GEMV splits K"
+            "the down projection's GEMV splits K (moe_gemv_kernel's or moe_tma_gemv_kernel's)"
         )
     per_pair = gemv or t <= PER_PAIR_MAX_TOKENS
     if per_pair:
@@ -1316,15 +1525,32 @@ def fused_experts(
             a.stride(0), weights.stride(0), weights.stride(1),
             scale_t.stride(0), scale_t.stride(1), bias_t.stride(0), dest.stride(-2),
         )  # fmt: skip
-        # the constexprs both kernels take (the GEMV runs no K-blocked scales: ROW_SCALE holds)
-        shared = dict(
+        # the constexprs all three kernels take, then those of the two pointer kernels (the
+        # GEMV runs no K-blocked scales: ROW_SCALE holds)
+        epilogue = dict(
             A_ROW_DIV=k if gated else 1,
             ACT=(ACT_SILU if silu else ACT_SWIGLU_OAI) if gated else ACT_NONE,
             GATE_STRIDE=1 if silu or not gated else 2,
-            MXFP4=mxfp4, ROW_SCALE=w.format == "fp8" and not bk, HAS_BIAS=bias is not None,
-            WEIGHTED=not gated, ATOMIC_K=k if atomic_sum and not gated else 0,
-            BLOCK_N=cfg.block_n,
+            HAS_BIAS=bias is not None, WEIGHTED=not gated,
+            ATOMIC_K=k if atomic_sum and not gated else 0, BLOCK_N=cfg.block_n,
         )  # fmt: skip
+        shared = dict(epilogue, MXFP4=mxfp4, ROW_SCALE=w.format == "fp8" and not bk)
+        if tma:  # the experts' weights as [E * rows, K]: a tile of one expert is one copy
+            rows, runs = weights.shape[1], 1 if gated else split
+            tile_rows = 2 * cfg.block_n if gated and not silu else cfg.block_n
+            w_desc = TensorDescriptor(
+                weights, [weights.shape[0] * rows, k_in], [weights.stride(1), 1],
+                [tile_rows, cfg.block_k],
+            )  # fmt: skip
+            moe_tma_gemv_kernel[(tiles * triton.cdiv(n_out, cfg.block_n), runs)](
+                a, w_desc, bias_t, topk_weights, dest, sorted_ids, block_expert, num_padded,
+                num_pairs, n_out, k_in, rows, up_offset, a.stride(0), bias_t.stride(0),
+                dest.stride(-2), float(spec.alpha), float(spec.limit), **epilogue,
+                PER_PAIR=per_pair, DOT_FP32=dot_fp32, BLOCK_M=cfg.block_m,
+                BLOCK_K=cfg.block_k, SPLIT_K=runs,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+            continue
         if gemv:
             block_k = (cfg.block_k or GEMV_BLOCK_K) if not _interpreting() else 64
             if w4:

@@ -37,6 +37,7 @@ from inferx_kernels_cuda.tma_gemv import (
     tma_norm_linear,
     tma_reduce_linear,
 )
+from inferx_kernels_cuda.tma_gemv import has_tma as _has_tma
 from inferx_kernels_cuda.tma_gemv import input_problem as tma_input_problem
 
 # Elements of x1 (and of x2) one rotary loop iteration holds: enough for all query heads of
@@ -80,13 +81,6 @@ def _norm_warps(block: int) -> int:
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.cache
-def _has_tma(device: torch.device) -> bool:
-    """Hopper or newer: the TMA kernels' tensor descriptors and wgmma were written and measured
-    for sm_90 (older GPUs keep the cuBLAS paths)."""
-    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def fused_norm_max_rows(k: int) -> int:

@@ -19,6 +19,7 @@ descriptor's zero fill, so no padding is read from memory.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -41,6 +42,13 @@ SM_SHARED_BYTES = 228 * 1024
 # so that two programs and a decode program share an SM.
 WHOLE_BYTES = 64 * 1024
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@functools.cache
+def has_tma(device: torch.device) -> bool:
+    """Hopper or newer: the TMA kernels' tensor descriptors and wgmma were written and measured
+    for sm_90 (older GPUs keep the cuBLAS paths)."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @dataclass(frozen=True)
@@ -609,7 +617,18 @@ def plain_config(
     block_m = max(16, triton.next_power_of_2(rows))
     block_n = 128 if parts == 1 and block_m == 16 and not gated and elem_bytes > 1 else 64
     tile_rows = (2 if gated else 1) * block_n + block_m  # weight and x rows a stage holds
-    programs_per_sm = triton.cdiv(triton.cdiv(n, block_n) * parts, num_sms)
+    programs = triton.cdiv(n, block_n) * parts
+    return resident_config(block_n, tile_rows, programs, num_sms, elem_bytes)
+
+
+def resident_config(
+    block_n: int, tile_rows: int, programs: int, num_sms: int, elem_bytes: int = 2
+) -> TmaGemvConfig:
+    """BLOCK_N-row tiles in the deepest pipeline (up to 4 stages of tile_rows rows, 128 K
+    columns a tile, else 64; one-byte elements 256 first) that keeps all `programs` resident
+    at once, each SM's shared memory split between the programs it must hold; 2 stages of 64
+    if even 3 of 64 do not fit."""
+    programs_per_sm = triton.cdiv(programs, num_sms)
     budget = SM_SHARED_BYTES // programs_per_sm - 1024  # the driver keeps 1 KB a program
     for block_k in (256, 128, 64) if elem_bytes == 1 else (128, 64):
         stages = min(4, budget // (tile_rows * block_k * elem_bytes))
