@@ -333,8 +333,9 @@ GEMV_DOWN_SPLIT_K = 1
 # bulk copies) instead of moe_gemm_kernel's pointer loads, on a GPU with TMA (sm_90+) or under
 # the interpreter; 0: never (A/B: gpu_table.py --patch
 # inferx_kernels_cuda.moe_kernels.TMA_GEMV_MAX_TOKENS=0). Its tiles are moe_gemm_kernel's
-# 16 rows of pairs, so 2-4 tokens are grouped by expert (each expert read once) as there.
-TMA_GEMV_MAX_TOKENS = 4
+# 16 rows of pairs, so 2 tokens are grouped by expert (each expert read once) as there. 2:
+# faster at 1-2 tokens, slower at 4 on V2-Lite's layer (docs/ARCHITECTURE.md, MoE decisions).
+TMA_GEMV_MAX_TOKENS = 2
 # Runs of K that moe_tma_gemv_kernel's down projection splits into (GemmConfig.split_k).
 TMA_DOWN_SPLIT_K = 1
 # Chunks of pairs up to which one program groups them all (a few decode tokens); above, three
