@@ -7,9 +7,9 @@ than ~8.8 instructions a weight byte cannot reach the bandwidth. This compiles t
 sm_90 with the installed Triton (its ptxas; nvdisasm, which Triton's wheel ships), finds the
 longest loop in the SASS and prints its length, the instructions a weight byte and the opcode mix.
 
-python benchmarks/kernel_sass.py [--kernels moe_gemv,moe_gemm,w4a16,split_k_reduce]
+python benchmarks/kernel_sass.py [--kernels moe_gemv,moe_gemv_tma,moe_gemm,w4a16,split_k_reduce]
     [--block-n 8,16,32]
-    [--warps 8] [--block-k 1024]
+    [--warps 8] [--block-k 1024] [--stages 3]
     [--model qwen2.5-3b] [--rows 1] [--act-order] [--row-group] [--pdl]
     [--shapes qkv,o,gate_up,down]
     [--json OUT] [--dump DIR]
@@ -20,7 +20,10 @@ commonest opcodes; --dump writes each loop's SASS to a file.
 
 moe_gemv: moe_gemv_kernel at gpt-oss-20b's one-token shapes (MXFP4, gate_up gated with the
 clamped SwiGLU, down weighted), at the block_n given and the launch's warps and K columns a
-step (GEMV_MXFP4_WARPS, GEMV_MXFP4_BLOCK_K; --warps, --block-k). moe_gemm:
+step (GEMV_MXFP4_WARPS, GEMV_MXFP4_BLOCK_K; --warps, --block-k). moe_gemv_tma: the same
+GEMV with its weight words by TMA bulk copies (moe_gemv_tma_kernel), at its defaults
+(GEMV_MXFP4_TMA_GATE_UP / _DOWN) and the --block-n given (--block-k, --stages); the loop's
+UTMALDG count is the `tma` column (a copy a tile a step, issued by one thread). moe_gemm:
 moe_gemm_kernel's MXFP4 tiles at 8, 256 and 2048 tokens (gemm_configs'), whose weight tile is
 dequantized once per M tile: its bytes a clock then also feed the tensor cores. w4a16:
 w4a16_kernel at a dense model's decode shapes (benchmarks/gemm_shapes.py; --model, --shapes),
@@ -93,7 +96,9 @@ def compile_sm90(
     attrs = {
         (i,): [["tt.divisibility", 16]]
         for i, n in enumerate(names)
-        if n not in constexprs and n not in unaligned and not sig[n].startswith("fp")
+        if n not in constexprs
+        and n not in unaligned
+        and not sig[n].startswith(("fp", "tensordesc"))
     }
     src = ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": warps, "num_stages": stages}
@@ -130,7 +135,9 @@ def loop_mix(compiled: Any) -> tuple[int, collections.Counter]:
 
 
 def loop_sass(compiled: Any) -> list[str]:
-    """The instructions of the longest loop (a backward branch) in the SASS, in order."""
+    """The instructions of the longest loop (a backward branch) in the SASS, in order. A span
+    holding an EXIT is not a loop: a pipelined TMA loop's barrier wait retries out of line,
+    after the kernel's end, and branches back into the loop from there."""
     instrs, labels, label = [], {}, None
     for line in _tool("nvdisasm", compiled.asm["cubin"], "-c").splitlines():
         if m := re.match(r"\s*\.L_x_(\d+):", line):
@@ -145,6 +152,8 @@ def loop_sass(compiled: Any) -> list[str]:
         for addr, ins in instrs
         if (m := re.search(r"BRA.*\.L_x_(\d+)", ins)) and labels.get(m.group(1), addr) < addr
     ]
+    exits = [addr for addr, ins in instrs if re.search(r"\bEXIT\b", ins)]
+    loops = [(lo, hi) for lo, hi in loops if not any(lo <= addr <= hi for addr in exits)]
     if not loops:
         return []
     start, end = max(loops, key=lambda span: span[1] - span[0])
@@ -239,6 +248,37 @@ def moe_gemv_cases(args: argparse.Namespace) -> Iterator[Case]:
             yield Case(label, mk.moe_gemv_kernel, types, constexprs, warps, per_thread)
 
 
+def moe_gemv_tma_cases(args: argparse.Namespace) -> Iterator[Case]:
+    """moe_gemv_tma_kernel (MXFP4's GEMV, weight words by TMA) at gpt-oss-20b's one-token
+    shapes: at its defaults (GEMV_MXFP4_TMA_GATE_UP / _DOWN) and at each of --block-n, with
+    --block-k and --stages where given."""
+    from inferx_kernels_cuda import moe_kernels as mk
+
+    types = {"a_ptr": "*bf16", "scale_ptr": "*u8", "bias_ptr": "*bf16", "topk_w_ptr": "*fp32"}
+    types |= {"ids_ptr": "*i64", "out_ptr": "*bf16", "alpha": "fp32", "limit": "fp32"}
+    for gated, default in ((True, mk.GEMV_MXFP4_TMA_GATE_UP), (False, mk.GEMV_MXFP4_TMA_DOWN)):
+        widths = [default[0]] + [n for n in _ints(args.block_n) if n != default[0]]
+        for block_n in widths:
+            block_k = args.block_k or default[1]
+            warps = args.warps or default[2]
+            stages = args.stages or default[3]
+            rows = 2 * block_n if gated else block_n  # gate and up rows interleaved
+            constexprs = dict(
+                A_ROW_DIV=4 if gated else 1, ACT=mk.ACT_SWIGLU_OAI if gated else mk.ACT_NONE,
+                GATE_STRIDE=2 if gated else 1, HAS_BIAS=True, WEIGHTED=not gated, ATOMIC_K=0,
+                BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, A_PAIRS=True,
+            )  # fmt: skip
+            desc = {"w_desc": f"tensordesc<i32[1, {rows}, {block_k // 8}]>"}
+            per_thread = rows * block_k / 2 / (32 * warps)
+            label = (
+                f"moe_gemv_tma gpt-oss {'gate_up' if gated else 'down'} N{block_n} "
+                f"K{block_k}/{warps} st{stages}"
+            )
+            yield Case(
+                label, mk.moe_gemv_tma_kernel, types | desc, constexprs, warps, per_thread, stages
+            )
+
+
 def moe_gemm_cases(args: argparse.Namespace) -> Iterator[Case]:
     """moe_gemm_kernel's MXFP4 tiles at gpt-oss-20b's shapes as gemm_configs picks them for 8,
     256 and 2048 tokens: a weight tile is dequantized once per M tile."""
@@ -327,6 +367,7 @@ def split_k_reduce_cases(args: argparse.Namespace) -> Iterator[Case]:
 
 KERNELS = {
     "moe_gemv": moe_gemv_cases,
+    "moe_gemv_tma": moe_gemv_tma_cases,
     "moe_gemm": moe_gemm_cases,
     "w4a16": w4a16_cases,
     "split_k_reduce": split_k_reduce_cases,
@@ -343,6 +384,7 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--block-n", default="8,16,32", help="moe_gemv's columns a program")
     parser.add_argument("--block-k", type=int, help="moe_gemv's K columns a step (GEMV_BLOCK_K)")
     parser.add_argument("--warps", type=int, help="moe_gemv's warps (GEMV_MXFP4_WARPS)")
+    parser.add_argument("--stages", type=int, help="moe_gemv_tma's pipeline stages")
     parser.add_argument("--model", choices=MODELS, default="qwen2.5-3b", help="w4a16's shapes")
     parser.add_argument("--rows", type=int, default=1, help="w4a16's rows of x")
     parser.add_argument("--act-order", action="store_true", help="w4a16 with the K permutation")
@@ -378,7 +420,7 @@ def main() -> None:
         )
     print(
         f"{'kernel':60s} {'regs':>4s} {'stack':>5s} {'loop':>5s} {'/byte':>6s} {'pre-wait':>8s}"
-        "  top opcodes"
+        f" {'tma':>3s}  top opcodes"
     )
     rows = []
     for name in kernels:
@@ -388,6 +430,7 @@ def main() -> None:
             )
             regs, stack = resources(compiled)
             length, ops = loop_mix(compiled)
+            tma = sum(n for op, n in ops.items() if op == "UTMALDG")
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
                 path = os.path.join(args.dump, re.sub(r"\W+", "_", case.label) + ".sass")
@@ -399,14 +442,14 @@ def main() -> None:
             loads = "-" if pre_wait is None else str(pre_wait["sass"])
             print(
                 f"{case.label:60s} {regs:4d} {stack:5d} {length:5d} {per_byte:6.1f} "
-                f"{loads:>8s}  {top}",
+                f"{loads:>8s} {tma:3d}  {top}",
                 flush=True,
             )
             if pre_wait is not None:
                 print(f"{'':60s} before the wait: {pre_wait}", flush=True)
             rows.append(
                 {"kernel": case.label, "regs": regs, "stack": stack, "loop": length}
-                | {"per_byte": per_byte, "pre_wait": pre_wait}
+                | {"per_byte": per_byte, "pre_wait": pre_wait, "tma": tma}
             )
     if args.json:
         with open(args.json, "w") as f:

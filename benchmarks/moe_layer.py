@@ -16,9 +16,13 @@ outlast the L2 cache (a decode step reads every layer once, as a model does); ti
 layer. "atomic": the Triton path with the top-k sum by atomics in the down GEMM
 (TritonOps.moe_atomic_sum), in a graph. "no-tma": where the Triton path runs bf16 experts on
 moe_tma_gemv_kernel (up to moe_kernels.TMA_GEMV_MAX_TOKENS tokens), the same in a graph with it
-off (TMA_GEMV_MAX_TOKENS 0: moe_gemm_kernel's tiles), the A/B of that switch. The floor counts
-the router, each expert that some token picked (weights, scales, biases, once), the shared
-experts, the input and the output. --sweep also times the TMA kernel's tiles at decode sizes.
+off (TMA_GEMV_MAX_TOKENS 0: moe_gemm_kernel's tiles), the A/B of that switch. "mx-tma": where
+MXFP4 experts run the GEMV (up to moe_kernels.GEMV_MAX_TOKENS tokens), the same in a graph with
+moe_kernels.GEMV_MXFP4_TMA on (moe_gemv_tma_kernel: the weight words by TMA), the A/B of that
+switch against the graph column while it is off. The floor counts the router, each expert
+that some token picked (weights, scales, biases, once), the shared experts, the input and the
+output. --sweep also times the TMA kernels' tiles at decode sizes (bf16 experts'
+moe_tma_gemv_kernel, MXFP4's moe_gemv_tma_kernel: columns, K columns a step, stages).
 
 Shapes with shared experts ("deepseek-v2-lite-shared": V2-Lite's whole MoE layer, 2 shared
 experts of 1408) are built as the model builds them (DeepseekV2ForCausalLM.build_mlp): the
@@ -101,16 +105,16 @@ def build(shape: str, ops, device: torch.device, dtype: torch.dtype, seed: int) 
 
 
 @contextlib.contextmanager
-def tma_max_tokens(limit: int | None) -> Iterator[None]:
-    """moe_kernels.TMA_GEMV_MAX_TOKENS set to `limit` inside the block (None: left as it is);
-    fused_experts reads it at each call, so a graph captured inside keeps that choice."""
-    saved = moe_kernels.TMA_GEMV_MAX_TOKENS
-    if limit is not None:
-        moe_kernels.TMA_GEMV_MAX_TOKENS = limit
+def patched(name: str, value) -> Iterator[None]:  # noqa: ANN001
+    """moe_kernels.<name> set to `value` inside the block (None: left as it is); fused_experts
+    reads it at each call, so a graph captured inside keeps that choice."""
+    saved = getattr(moe_kernels, name)
+    if value is not None:
+        setattr(moe_kernels, name, value)
     try:
         yield
     finally:
-        moe_kernels.TMA_GEMV_MAX_TOKENS = saved
+        setattr(moe_kernels, name, saved)
 
 
 def nbytes(module: torch.nn.Module | None) -> int:
@@ -172,8 +176,11 @@ def bench(shape: str, tokens: int, args, device: torch.device) -> dict:
         runs.insert(1, ("unfused", unfused_ops()))
     if SHAPES[shape][4] == "bf16" and tokens <= moe_kernels.TMA_GEMV_MAX_TOKENS:
         runs.insert(1, ("no_tma", TritonOps()))  # run with TMA_GEMV_MAX_TOKENS 0
+    if SHAPES[shape][4] == "mxfp4" and tokens <= moe_kernels.GEMV_MAX_TOKENS:
+        runs.insert(1, ("mx_tma", TritonOps()))  # run with GEMV_MXFP4_TMA on
+    switches = {"no_tma": ("TMA_GEMV_MAX_TOKENS", 0), "mx_tma": ("GEMV_MXFP4_TMA", True)}
     for name, ops in runs:
-        with tma_max_tokens(0 if name == "no_tma" else None):
+        with patched(*switches.get(name, ("TMA_GEMV_MAX_TOKENS", None))):
             time_run(name, ops, shape, x, row, args, device, dtype)
     row["floor_us"] = row["floor_bytes"] / args.bandwidth * 1e6
     best = row.get("triton_graph_us", row["triton_eager_us"])
@@ -212,7 +219,7 @@ def time_run(
         if device.type == "cuda":
             graphed = [("graph", True), *modes]
             modes = {"triton": graphed, "unfused": graphed}.get(name, modes)
-            if name in ("atomic", "no_tma"):
+            if name in ("atomic", "no_tma", "mx_tma"):
                 modes = [("graph", True)]
         for mode, graph in modes:
             sec = time_calls(step, device, graph, args.iters) / args.layers
@@ -268,40 +275,63 @@ def sweep(shape: str, tokens: int, args, device: torch.device) -> list[tuple[flo
     pairs = routed[0][1].numel()  # tokens x (top_k + shared slots)
     decode = pairs <= 16 * spec.num_experts
     results = []
-    # (configs, gemv, tma) of each run
-    runs: list[tuple[tuple | None, bool | None, bool | None]] = [(None, None, None)]
-    runs += [(cfg, False, False) for cfg in candidates(decode, SHAPES[shape][4] == "mxfp4")]
+    mxfp4 = SHAPES[shape][4] == "mxfp4"
+    # (configs, gemv, tma, gemv_tma) of each run
+    Run = tuple[tuple | None, bool | None, bool | None, bool | None]
+
+    def run(gate_up: GemmConfig, down: GemmConfig, kernel: str) -> Run:
+        """moe_gemv_kernel ("gemv"), moe_tma_gemv_kernel ("tma"), moe_gemv_tma_kernel."""
+        return (gate_up, down), kernel != "tma", kernel == "tma", kernel == "gemv_tma"
+
+    runs: list[Run] = [(None, None, None, None)]
+    runs += [(cfg, False, False, False) for cfg in candidates(decode, mxfp4)]
     if decode:  # moe_gemv_kernel: output columns, K columns a step, warps (, down's K runs)
         runs += [
-            ((GemmConfig(16, bn, bk, warps),) * 2, True, False)
+            run(GemmConfig(16, bn, bk, warps), GemmConfig(16, bn, bk, warps, split_k=s), "gemv")
             for bn in (8, 16, 32, 64)
             for bk in (256, 512, 1024)
             for warps in (4, 8)
+            for s in ((1, 2, 3) if bn <= 16 and bk != 512 else (1,))
         ]
+    if decode and mxfp4:  # moe_gemv_tma_kernel: (gate_up, down) columns and warps, K, stages
+        widths = ((8, 4, 16, 4), (8, 4, 8, 2), (8, 2, 16, 2), (8, 4, 8, 4), (16, 4, 32, 4))
         runs += [
-            ((GemmConfig(16, bn, bk, warps), GemmConfig(16, bn, bk, warps, split_k=s)), True, False)
-            for bn in (8, 16)
-            for bk in (256, 1024)
-            for warps in (4, 8)
-            for s in (2, 3)
+            run(
+                GemmConfig(16, gn, bk, gw, st),
+                GemmConfig(16, dn, bk, dw, st, split_k=s),
+                "gemv_tma",
+            )
+            for gn, gw, dn, dw in widths
+            for bk in (512, 1024, 2048)
+            for st in (2, 3, 4)
+            for s in ((1, 2) if (gn, gw, dn, dw, bk) == (*widths[0], 1024) else (1,))
         ]
     if decode and SHAPES[shape][4] == "bf16":  # moe_tma_gemv_kernel (down also split)
         runs += [
-            ((GemmConfig(16, bn, bk, 4, st), GemmConfig(16, bn, bk, 4, st, split_k=s)), False, True)
+            run(GemmConfig(16, bn, bk, 4, st), GemmConfig(16, bn, bk, 4, st, split_k=s), "tma")
             for bn in (16, 32, 64, 128)
             for bk in (64, 128)
             for st in (2, 3, 4)
             for s in (1, 2)
         ]
-    for cfg, gemv, tma in runs:
+    for cfg, gemv, tma, gemv_tma in runs:
 
-        def step(cfg=cfg, gemv=gemv, tma=tma) -> None:
+        def step(cfg=cfg, gemv=gemv, tma=tma, gemv_tma=gemv_tma) -> None:
             for layer, (w, ids) in zip(layers, routed, strict=True):
                 w_all = layer.experts.expert_weights()
-                fused_experts(x, w, ids, w_all, spec, configs=cfg, gemv=gemv, tma=tma)
+                fused_experts(
+                    x, w, ids, w_all, spec, configs=cfg, gemv=gemv, tma=tma, gemv_tma=gemv_tma
+                )
 
         if tma:
             label = f"tma gate_up {cfg[0]}  down {cfg[1]}"
+        elif gemv_tma:
+            g, d = cfg
+            label = (
+                f"gemv tma gate_up {g.block_n} x {g.block_k} by {g.num_warps} warps, down "
+                f"{d.block_n} x {d.block_k} by {d.num_warps}, {g.num_stages} stages"
+            )
+            label += f", down K in {d.split_k}" if d.split_k > 1 else ""
         elif gemv:
             label = f"gemv {cfg[0].block_n} x {cfg[0].block_k}, {cfg[0].num_warps} warps"
             label += f", down K in {cfg[1].split_k}" if cfg[1].split_k > 1 else ""
@@ -380,10 +410,11 @@ def main() -> None:
     print(f"MoE layer, {name}, floor at {args.bandwidth / 1e12:.2f} TB/s, per layer")
     print("unfused: shared experts apart (graph where there is one, else eager; - : none)")
     print("no-tma: bf16 experts on moe_gemm_kernel, not the TMA kernel (graph; - : none)")
+    print("mx-tma: MXFP4's GEMV with GEMV_MXFP4_TMA on, weight words by TMA (graph; - : none)")
     head = f"{'shape':<24}{'tokens':>7}{'floor us':>10}{'graph us':>10}{'eager us':>10}"
     print(
-        head + f"{'no-tma us':>10}{'unfused us':>11}{'atomic us':>10}{'torch us':>10}"
-        f"{'of floor':>10}"
+        head + f"{'no-tma us':>10}{'mx-tma us':>10}{'unfused us':>11}{'atomic us':>10}"
+        f"{'torch us':>10}{'of floor':>10}"
     )
     for shape in args.shapes.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):
@@ -395,9 +426,12 @@ def main() -> None:
             apart = f"{unfused:>11.1f}" if unfused is not None else f"{'-':>11}"
             no_tma = r.get("no_tma_graph_us", r.get("no_tma_eager_us"))
             gemm = f"{no_tma:>10.1f}" if no_tma is not None else f"{'-':>10}"
+            mx_tma = r.get("mx_tma_graph_us", r.get("mx_tma_eager_us"))
+            words = f"{mx_tma:>10.1f}" if mx_tma is not None else f"{'-':>10}"
             print(
                 f"{shape:<24}{tokens:>7}{r['floor_us']:>10.1f}{graph}{r['triton_eager_us']:>10.1f}"
-                f"{gemm}{apart}{r[key]:>10.1f}{r['torch_eager_us']:>10.1f}{r['of_floor']:>10.0%}"
+                f"{gemm}{words}{apart}{r[key]:>10.1f}{r['torch_eager_us']:>10.1f}"
+                f"{r['of_floor']:>10.0%}"
             )
     if args.json:
         with open(args.json, "w") as f:

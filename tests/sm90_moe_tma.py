@@ -5,7 +5,15 @@ pair) and four (grouped), gate_up and down; down also split along K and with ato
 once. Arguments that a launch passes divisible by 16 (pointers, strides, sizes) are
 compiled as such. Prints one JSON line: [label, shared memory bytes, registers, spilled bytes
 (sm90_mla's ptxas reading), the wgmma operand types, whether the weight comes by TMA bulk
-copies] per case."""
+copies] per case.
+
+`python sm90_moe_tma.py mxfp4` compiles moe_gemv_tma_kernel instead (MXFP4's GEMV, its weight
+words by TMA; test_moe_mxfp4_tma runs it): at gemm_configs(gemv_tma=True)'s tiles for
+gpt-oss-20b's one token (gate_up, down; down split and atomic; fp16 activations) and for
+SiLU experts (gate and up rows as two tiles). One JSON line: [label, shared memory bytes,
+registers, spilled bytes, whether the words come by TMA bulk copies, the bytes of one stage's
+weight tiles] per case.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +21,8 @@ import dataclasses
 import inspect
 import json
 import re
+import sys
+from pathlib import Path
 
 import triton
 from sm90_mla import registers_and_spills
@@ -80,7 +90,49 @@ def cases():
         yield label, ("fp16", cfg, gated, True, True, "fp16", False)
 
 
-if __name__ == "__main__":
+def mxfp4_cases():
+    """(label, kernel_sass.compile_sm90's arguments, one stage's weight tile bytes) of each
+    compile of moe_gemv_tma_kernel."""
+    cfgs = mk.gemm_configs(4, 32, 2880, 2880, "mxfp4", 132, gemv=True, gemv_tma=True)
+    silu = mk.gemm_configs(8, 128, 768, 2048, "mxfp4", 132, gemv=True, gemv_tma=True)
+    types = {"a_ptr": "*bf16", "scale_ptr": "*u8", "bias_ptr": "*bf16", "topk_w_ptr": "*fp32"}
+    types |= {"ids_ptr": "*i64", "out_ptr": "*bf16", "alpha": "fp32", "limit": "fp32"}
+    for label, cfg, gated, swiglu, act, extra in (
+        ("gpt-oss-20b 1 gate_up", cfgs[0], True, True, "bf16", {}),
+        ("gpt-oss-20b 1 down", cfgs[1], False, True, "bf16", {}),
+        ("gpt-oss-20b 1 down split", cfgs[1], False, True, "bf16", {"SPLIT_K": 2}),
+        ("gpt-oss-20b 1 down atomic", cfgs[1], False, True, "bf16", {"ATOMIC_K": 4}),
+        ("gpt-oss-20b fp16 1 gate_up", cfgs[0], True, True, "fp16", {}),
+        ("gpt-oss-20b fp16 1 down", cfgs[1], False, True, "fp16", {}),
+        ("silu 1 gate_up", silu[0], True, False, "bf16", {}),
+    ):
+        rows = 2 * cfg.block_n if gated and swiglu else cfg.block_n
+        constexprs = dict(
+            A_ROW_DIV=4 if gated else 1,
+            ACT=(mk.ACT_SWIGLU_OAI if swiglu else mk.ACT_SILU) if gated else mk.ACT_NONE,
+            GATE_STRIDE=2 if gated and swiglu else 1, HAS_BIAS=swiglu, WEIGHTED=not gated,
+            ATOMIC_K=0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages,
+            A_PAIRS=act == "bf16",
+        ) | extra  # fmt: skip
+        out = "fp32" if extra else act
+        arg_types = types | {"a_ptr": f"*{act}", "bias_ptr": f"*{act}", "out_ptr": f"*{out}"}
+        arg_types["w_desc"] = f"tensordesc<i32[1, {rows}, {cfg.block_k // 8}]>"
+        args = (mk.moe_gemv_tma_kernel, arg_types, constexprs, cfg.num_warps, cfg.num_stages)
+        yield label, args, rows * cfg.block_k // 2 * (2 if gated and not swiglu else 1)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["mxfp4"]:
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from kernel_sass import compile_sm90 as compile_kernel
+
+    result = []
+    for label, args, tile_bytes in mxfp4_cases():
+        kernel = compile_kernel(*args)
+        bulk = "cp.async.bulk.tensor" in kernel.asm["ptx"]
+        spills = registers_and_spills(kernel)
+        result.append([label, kernel.metadata.shared, *spills, bulk, tile_bytes])
+    print(json.dumps(result))
+elif __name__ == "__main__":
     result = []
     for label, args in cases():
         kernel = compile_sm90(*args)

@@ -3,7 +3,8 @@ expert pairs grouped by expert on the device, and a grouped GEMM over the expert
 its bias and activation in the epilogue, then down with its bias and the routing weight) over
 dense (bf16 / fp16 / fp32), FP8 (per output channel), MXFP4 or W4A16 (GPTQ / AWQ) weights
 dequantized in registers (dense fp16 / bf16 ones at decode sizes read through TMA descriptors
-on Hopper: moe_tma_gemv_kernel), then each token's top-k outputs summed in a fixed order.
+on Hopper: moe_tma_gemv_kernel; MXFP4's GEMV may read its weight words so too:
+moe_gemv_tma_kernel), then each token's top-k outputs summed in a fixed order.
 
 Every launch's grid depends only on the token count, which the host knows, so a step runs the
 same launches under CUDA-graph capture and replay. The design and its reasons are in
@@ -326,6 +327,19 @@ GEMV_WARPS = 8
 GEMV_MXFP4_BLOCK_N = 8
 GEMV_MXFP4_BLOCK_K = 1024
 GEMV_MXFP4_WARPS = 4
+# MXFP4's GEMV with its weight words read through TMA descriptors (moe_gemv_tma_kernel: bulk
+# copies pipelined GEMV_MXFP4_TMA_* stages deep, more loads in flight than a thread's
+# registers hold) where the GPU has TMA and the blocks' layout allows (mxfp4_tma_problem). Off
+# until timed; A/B: gpu_table.py --patch inferx_kernels_cuda.moe_kernels.GEMV_MXFP4_TMA=True.
+GEMV_MXFP4_TMA = False
+# Its (output columns a program, K columns a step, warps, stages) for gate_up and down: both
+# copy 16 weight rows by 512 bytes a step (gate_up's 8 columns are 16 interleaved rows), a
+# thread's 4 rows of one 32-weight group, as moe_gemv_kernel's gate_up at 8 columns (9.6
+# against its 9.2 SASS instructions a weight byte, 96 registers: kernel_sass.py --kernels
+# moe_gemv,moe_gemv_tma); 4 stages hold gpt-oss's 3 K steps in flight at once, 5 programs
+# an SM (by registers) 120 KB. Untimed: moe_layer.py --sweep tries others.
+GEMV_MXFP4_TMA_GATE_UP = (8, 1024, 4, 4)
+GEMV_MXFP4_TMA_DOWN = (16, 1024, 4, 4)
 # Runs of K the down projection's GEMV splits into (GemmConfig.split_k; more programs, more
 # loads in flight): 1, the split measured slower in gpt-oss-20b's decode.
 GEMV_DOWN_SPLIT_K = 1
@@ -807,22 +821,63 @@ def _mxfp4_word_dot(w, a0, a1, a2, a3, a4, a5, a6, a7):
 
 @triton.jit
 def _quarters(x, GROUPS: tl.constexpr):
-    """x [GROUPS, 16] as 4 tensors [1, GROUPS, 1, 4]: x[:, 4 * i + q] at [0, :, 0, i], q = 0..3."""
+    """x [GROUPS, 16] as 4 tensors [GROUPS, 4]: x[:, 4 * i + q] at [:, i], q = 0..3."""
     lo, hi = tl.split(tl.reshape(x, (GROUPS, 4, 2, 2)))
     q0, q2 = tl.split(lo)
     q1, q3 = tl.split(hi)
-    return q0[None, :, None, :], q1[None, :, None, :], q2[None, :, None, :], q3[None, :, None, :]
+    return q0, q1, q2, q3
+
+
+@triton.jit
+def _mxfp4_acts(a_row, g1, k_in, GROUPS: tl.constexpr, A_PAIRS: tl.constexpr):
+    """The activations of a row's 32-column groups g1 [GROUPS] (zero past k_in), float32 and
+    _A_UP times theirs, as 8 tensors aj [GROUPS, 4]: aj[g, i] meets code j of group g's word i.
+    A_PAIRS: the bf16 row read as int32 pairs (an even row stride, 4-byte aligned), 2 ** 64
+    added to each one's exponent field."""
+    kq = tl.arange(0, 16)
+    g1_ok = (g1 < k_in // 32)[:, None]
+    if A_PAIRS:  # a group's 32 bf16 activations as 16 int32, their bits made float32's
+        a_pairs = a_row.to(tl.pointer_type(tl.int32))
+        p = tl.load(a_pairs + g1[:, None] * 16 + kq[None, :], mask=g1_ok, other=0)
+        ev = ((p << 16) + _A_UP_BITS).to(tl.float32, bitcast=True)
+        od = ((p + _A_UP_BITS) & -65536).to(tl.float32, bitcast=True)
+    else:
+        a_k = a_row + g1[:, None] * 32 + 2 * kq[None, :]
+        ev = tl.load(a_k, mask=g1_ok, other=0.0).to(tl.float32) * _A_UP
+        od = tl.load(a_k + 1, mask=g1_ok, other=0.0).to(tl.float32) * _A_UP
+    a0, a2, a4, a6 = _quarters(ev, GROUPS)
+    a1, a3, a5, a7 = _quarters(od, GROUPS)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _spread(a):
+    """Activations [groups, 4] as [1, groups, 1, 4], moe_gemv_kernel's word layout's."""
+    return a[None, :, None, :]
 
 
 @triton.jit
 def _mxfp4_group_dots(words_ptrs, scale_ptrs, a0, a1, a2, a3, a4, a5, a6, a7, mask, scale_mask):
     """[sub, groups, rows] dot products of MXFP4 weight groups with activations: the int32
     words at words_ptrs [sub, groups, rows, 4] (a group's 16 bytes) against aj [1, groups, 1,
-    4] (float32, times _A_UP: code j of each word's), summed per group, then times the
-    group's scale 2 ** (e8m0 - 127) at scale_ptrs [sub, groups, rows] and 2 ** _SCALE_UP."""
+    4] (_mxfp4_acts'), summed per group, then times the group's scale 2 ** (e8m0 - 127) at
+    scale_ptrs [sub, groups, rows] and 2 ** _SCALE_UP."""
     w = tl.load(words_ptrs, mask=mask, other=0)
     scale = _e8m0_up(tl.load(scale_ptrs, mask=scale_mask, other=0))
     return tl.sum(_mxfp4_word_dot(w, a0, a1, a2, a3, a4, a5, a6, a7), axis=3) * scale
+
+
+@triton.jit
+def _mxfp4_tile_dots(w, scale_bits, a0, a1, a2, a3, a4, a5, a6, a7):
+    """[rows, groups] dot products of a tile of MXFP4 weight words w [rows, groups, 4] (a
+    group's 16 bytes on the last axis) with activations aj [groups, 4] (_mxfp4_acts'), summed
+    per group, then times the group's scale (e8m0 bytes scale_bits [rows, groups]) and 2 **
+    _SCALE_UP, as _mxfp4_group_dots."""
+    s = _mxfp4_word_dot(
+        w, a0[None, :, :], a1[None, :, :], a2[None, :, :], a3[None, :, :], a4[None, :, :],
+        a5[None, :, :], a6[None, :, :], a7[None, :, :],
+    )  # fmt: skip
+    return tl.sum(s, axis=2) * _e8m0_up(scale_bits)
 
 
 @triton.jit
@@ -889,6 +944,7 @@ def moe_gemv_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
     if SPLIT_K == 1:
+        run = 0
         k_lo = 0
         k_hi = k_in
     else:
@@ -910,7 +966,6 @@ def moe_gemv_kernel(
         GROUPS: tl.constexpr = BLOCK_K // 32
         SUB: tl.constexpr = BLOCK_N // ROWS
         kw = tl.arange(0, 4)
-        kq = tl.arange(0, 16)
         cols3 = tl.reshape(cols, (SUB, ROWS))[:, None, :]
         ok3 = cols3 < n_out
         rows_g3 = (cols3 * GATE_STRIDE).to(tl.int64)
@@ -921,25 +976,16 @@ def moe_gemv_kernel(
         words_u = (w_base + rows_u3 * stride_wn).to(tl.pointer_type(tl.int32))[:, :, :, None]
         scales_g = s_base + rows_g3 * stride_sn
         scales_u = s_base + rows_u3 * stride_sn
-        a_pairs = a_row.to(tl.pointer_type(tl.int32))
         for k0 in range(k_lo, k_hi, BLOCK_K):
             g1 = k0 // 32 + tl.arange(0, GROUPS)
-            g1_ok = (g1 < k_in // 32)[:, None]
             group = g1[None, :, None]  # [1, GROUPS, 1]
             g_ok = group < k_in // 32
             word = (group * 4)[:, :, :, None] + kw[None, None, None, :]
             m = (ok3 & g_ok)[:, :, :, None]
             sm = ok3 & g_ok
-            if A_PAIRS:  # a group's 32 bf16 activations as 16 int32, their bits made float32's
-                p = tl.load(a_pairs + g1[:, None] * 16 + kq[None, :], mask=g1_ok, other=0)
-                ev = ((p << 16) + _A_UP_BITS).to(tl.float32, bitcast=True)
-                od = ((p + _A_UP_BITS) & -65536).to(tl.float32, bitcast=True)
-            else:
-                a_k = a_row + g1[:, None] * 32 + 2 * kq[None, :]
-                ev = tl.load(a_k, mask=g1_ok, other=0.0).to(tl.float32) * _A_UP
-                od = tl.load(a_k + 1, mask=g1_ok, other=0.0).to(tl.float32) * _A_UP
-            a0, a2, a4, a6 = _quarters(ev, GROUPS)
-            a1, a3, a5, a7 = _quarters(od, GROUPS)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _mxfp4_acts(a_row, g1, k_in, GROUPS, A_PAIRS)
+            a0, a1, a2, a3 = _spread(a0), _spread(a1), _spread(a2), _spread(a3)
+            a4, a5, a6, a7 = _spread(a4), _spread(a5), _spread(a6), _spread(a7)
             acc3 += _mxfp4_group_dots(
                 words_g + word, scales_g + group, a0, a1, a2, a3, a4, a5, a6, a7, m, sm
             )
@@ -997,11 +1043,44 @@ def moe_gemv_kernel(
         acc *= tl.load(s_base + rows_g * stride_sn, mask=col_ok, other=0.0)
         if gated:
             acc_up *= tl.load(s_base + rows_u * stride_sn, mask=col_ok, other=0.0)
+    _gemv_epilogue(
+        acc, acc_up, pair, run, cols, n_out, bias_ptr + expert * stride_be, rows_g, rows_u,
+        topk_w_ptr, out_ptr, stride_out, alpha, limit, ACT, HAS_BIAS, WEIGHTED, ATOMIC_K,
+        SPLIT_K,
+    )  # fmt: skip
+
+
+@triton.jit
+def _gemv_epilogue(
+    acc,
+    acc_up,
+    pair,
+    run,
+    cols,
+    n_out,
+    b_base,
+    rows_g,
+    rows_u,
+    topk_w_ptr,
+    out_ptr,
+    stride_out,
+    alpha,
+    limit,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    ATOMIC_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    """The GEMVs' end for one pair's output columns cols [BLOCK_N] (acc, acc_up [BLOCK_N]
+    float32, the up sums for ACT): the expert's bias (at b_base, rows rows_g and rows_u; in
+    run 0's partial sum alone), the activation, the routing weight, then the store to
+    out[pair] (out[run, pair] with SPLIT_K), or the atomic add to out[pair // ATOMIC_K]."""
+    col_ok = cols < n_out
     if HAS_BIAS:
-        b_base = bias_ptr + expert * stride_be
         b_ok = col_ok if SPLIT_K == 1 else cols + run * n_out < n_out  # run 0's alone
         acc += tl.load(b_base + rows_g, mask=b_ok, other=0.0).to(tl.float32)
-        if gated:
+        if ACT != 0:
             acc_up += tl.load(b_base + rows_u, mask=col_ok, other=0.0).to(tl.float32)
     acc = _activation(acc, acc_up, alpha, limit, ACT)
     if WEIGHTED:
@@ -1014,6 +1093,96 @@ def moe_gemv_kernel(
         if SPLIT_K > 1:
             row += run.to(tl.int64) * tl.num_programs(0)
         tl.store(out_ptr + row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def moe_gemv_tma_kernel(
+    a_ptr,
+    w_desc,
+    scale_ptr,
+    bias_ptr,
+    topk_w_ptr,
+    ids_ptr,
+    out_ptr,
+    n_out,
+    k_in,
+    up_offset,
+    stride_a,
+    stride_se,
+    stride_sn,
+    stride_be,
+    stride_out,
+    alpha,
+    limit,
+    A_ROW_DIV: tl.constexpr,
+    ACT: tl.constexpr,
+    GATE_STRIDE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    ATOMIC_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    A_PAIRS: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1,
+):
+    """moe_gemv_kernel's MXFP4 product (same grid, arithmetic and epilogue) with the weight
+    words read through a TMA descriptor: w_desc covers the experts' blocks as int32 words [E,
+    rows, K / 8], so a tile of rows by BLOCK_K / 8 words is one bulk copy into shared memory,
+    zero-filled past K and past the expert's rows, that Triton pipelines num_stages deep: the
+    loads in flight are the copies ahead, not a thread's registers. Scales (1/16 of the bytes)
+    and activations stay pointer loads. Gated: gate rows j and up rows j + up_offset as two
+    tiles (GATE_STRIDE 1), or interleaved rows 2j, 2j + 1 as one tile of 2 * BLOCK_N rows
+    split after the loop (GATE_STRIDE 2, "swiglu_oai")."""
+    pair = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    if SPLIT_K == 1:
+        run = 0
+        k_lo = 0
+        k_hi = k_in
+    else:
+        run = tl.program_id(2)
+        k_run = tl.cdiv(tl.cdiv(k_in, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_lo = run * k_run
+        k_hi = tl.minimum(k_in, k_lo + k_run)
+    expert = tl.load(ids_ptr + pair).to(tl.int32)
+    a_row = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_a
+    gated: tl.constexpr = ACT != 0
+    pairs_in_tile: tl.constexpr = gated and GATE_STRIDE == 2  # gate and up rows interleaved
+    W_ROWS: tl.constexpr = 2 * BLOCK_N if pairs_in_tile else BLOCK_N
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    r = tl.arange(0, W_ROWS)
+    row0 = n0 * GATE_STRIDE
+    # the tile's rows of output columns past n_out (read, never stored): no scales
+    row_ok = (n0 + r // (2 if pairs_in_tile else 1)) < n_out
+    s_rows = (row0 + r)[:, None].to(tl.int64) * stride_sn
+    scales = scale_ptr + expert.to(tl.int64) * stride_se + s_rows
+    acc = tl.zeros([W_ROWS, GROUPS], dtype=tl.float32)
+    acc_up = tl.zeros([W_ROWS, GROUPS], dtype=tl.float32)
+    # num_stages on the loop itself: Triton pipelines a loop without tl.dot only when asked
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        g1 = k0 // 32 + tl.arange(0, GROUPS)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _mxfp4_acts(a_row, g1, k_in, GROUPS, A_PAIRS)
+        s_ok = row_ok[:, None] & (g1 < k_in // 32)[None, :]
+        w = tl.reshape(w_desc.load([expert, row0, k0 // 8]), (W_ROWS, GROUPS, 4))
+        bits = tl.load(scales + g1[None, :], mask=s_ok, other=0)
+        acc += _mxfp4_tile_dots(w, bits, a0, a1, a2, a3, a4, a5, a6, a7)
+        if gated and not pairs_in_tile:
+            w = tl.reshape(w_desc.load([expert, row0 + up_offset, k0 // 8]), (W_ROWS, GROUPS, 4))
+            bits = tl.load(scales + up_offset * stride_sn + g1[None, :], mask=s_ok, other=0)
+            acc_up += _mxfp4_tile_dots(w, bits, a0, a1, a2, a3, a4, a5, a6, a7)
+    sums = tl.sum(acc, axis=1)
+    if pairs_in_tile:  # rows 2j (gate) and 2j + 1 (up) apart
+        sums, sums_up = tl.split(tl.reshape(sums, (BLOCK_N, 2)))
+    else:
+        sums_up = tl.sum(acc_up, axis=1)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    rows_g = (cols * GATE_STRIDE).to(tl.int64)
+    _gemv_epilogue(
+        sums, sums_up, pair, run, cols, n_out, bias_ptr + expert.to(tl.int64) * stride_be,
+        rows_g, rows_g + up_offset, topk_w_ptr, out_ptr, stride_out, alpha, limit, ACT,
+        HAS_BIAS, WEIGHTED, ATOMIC_K, SPLIT_K,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -1152,7 +1321,9 @@ def moe_sum_kernel(
 class GemmConfig:
     """Tiles of one grouped GEMM; block_m is the grouping's. swap_ab: moe_gemm_kernel's
     SWAP_AB (MXFP4 weights with bf16 / float32 activations only). split_k: moe_gemv_kernel's
-    SPLIT_K for the down projection (the GEMV's only; gate_up's activation needs whole sums)."""
+    SPLIT_K for the down projection (the GEMV's only; gate_up's activation needs whole sums).
+    num_stages: Triton's pipeline depth (moe_gemv_tma_kernel's K loop's too; moe_gemv_kernel
+    has none)."""
 
     block_m: int
     block_n: int
@@ -1196,6 +1367,7 @@ def gemm_configs(
     num_sms: int,
     gemv: bool = False,
     swap_ab: bool = False,
+    gemv_tma: bool = False,
 ) -> tuple[GemmConfig, GemmConfig]:
     """(gate_up's, down's) tiles for a step of num_pairs pairs over experts of intermediate
     size n. Up to 16 pairs an expert on average, 16-row tiles (a decode step reads weights;
@@ -1206,9 +1378,17 @@ def gemm_configs(
     by benchmarks/kernel_sass.py's resources). gemv: moe_gemv_kernel's columns. Small tiles
     under the interpreter. swap_ab: whether the prefill tiles may swap operands (MXFP4 weights,
     bf16 / float32 activations), which MXFP4's take: W @ A^T reads each weight tile once a
-    tile of tokens, faster at 256 and 2048 tokens (docs/BENCHMARKS.md)."""
+    tile of tokens, faster at 256 and 2048 tokens (docs/BENCHMARKS.md). gemv_tma: MXFP4's
+    GEMV through moe_gemv_tma_kernel (GEMV_MXFP4_TMA_GATE_UP / _DOWN; num_stages its
+    pipeline's depth)."""
     mxfp4 = fmt == "mxfp4"
     decode_k = 64 if fmt == "w4a16" else 128
+    if gemv_tma:
+        if _interpreting():  # 2 stages: the pipelined loop's code path, at small tiles
+            small = GemmConfig(16, 16, 64, 4, 2)
+            return small, dataclasses.replace(small, split_k=GEMV_DOWN_SPLIT_K)
+        gate_up, down = GEMV_MXFP4_TMA_GATE_UP, GEMV_MXFP4_TMA_DOWN
+        return GemmConfig(16, *gate_up), GemmConfig(16, *down, split_k=GEMV_DOWN_SPLIT_K)
     if _interpreting():
         small = GemmConfig(16, 32, 32 if mxfp4 else 16, 4, 1)
         return small, small
@@ -1248,6 +1428,35 @@ def _bf16_pairs(a: torch.Tensor) -> bool:
 def _words_aligned(w: ExpertWeights) -> bool:
     """Whether moe_gemv_kernel may read MXFP4 blocks as int32 words (4-byte aligned rows)."""
     return all(t.data_ptr() % 4 == 0 and t.stride(1) % 4 == 0 for t in (w.gate_up, w.down))
+
+
+def mxfp4_tma_problem(w: ExpertWeights) -> str | None:
+    """Why moe_gemv_tma_kernel cannot read these experts' blocks, or None when it can: MXFP4
+    blocks [E, rows, K / 32, 16] whose rows are K / 2 contiguous bytes, seen as int32 words
+    [E, rows, K / 8] by a TMA descriptor (16-byte aligned base, row and expert strides)."""
+    if w.format != "mxfp4":
+        return f"the TMA MXFP4 GEMV takes MXFP4 experts, got {w.format}"
+    for name, t in (("gate_up", w.gate_up), ("down", w.down)):
+        if t.stride(3) != 1 or t.stride(2) != 16 or t.stride(1) % 16 or t.stride(0) % 16:
+            return (
+                f"the TMA MXFP4 GEMV reads {name}'s rows as words: it needs blocks [E, rows, "
+                f"K / 32, 16] with contiguous rows and 16-byte aligned row and expert strides "
+                f"(strides {t.stride()})"
+            )
+        if t.data_ptr() % 16:
+            return f"the TMA MXFP4 GEMV needs {name}'s blocks 16-byte aligned ({t.data_ptr()})"
+    return None
+
+
+def _words_desc(blocks: torch.Tensor, tile_rows: int, block_k: int) -> TensorDescriptor:
+    """A TMA descriptor over MXFP4 blocks [E, rows, K / 32, 16] as int32 words [E, rows, K /
+    8], tiles [1, tile_rows, block_k / 8] (mxfp4_tma_problem's layout)."""
+    e, rows, groups, _ = blocks.shape
+    words = blocks.view(torch.int32)  # [E, rows, K / 32, 4]: strides in words
+    return TensorDescriptor(
+        words, [e, rows, groups * 4], [words.stride(0), words.stride(1), 1],
+        [1, tile_rows, block_k // 8],
+    )  # fmt: skip
 
 
 def tma_configs(
@@ -1403,6 +1612,7 @@ def fused_experts(
     atomic_sum: bool = False,
     gemv: bool | None = None,
     tma: bool | None = None,
+    gemv_tma: bool | None = None,
 ) -> torch.Tensor:
     """QuantExperts.forward on the device: x [T, H], topk_weights [T, k] float32, topk_ids
     [T, k] -> sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), [T, H] in x's dtype.
@@ -1416,7 +1626,10 @@ def fused_experts(
     tma: the GEMMs through moe_tma_gemv_kernel (dense weights read by TMA; None: up to
     TMA_GEMV_MAX_TOKENS fp16 / bf16 tokens on a GPU with TMA or under the interpreter, where
     neither gemv nor configs is given and tma_problem finds nothing); configs then give its
-    tiles (tma_configs' by default)."""
+    tiles (tma_configs' by default). gemv_tma: MXFP4's GEMV as moe_gemv_tma_kernel, its
+    weight words by TMA (None: where the GEMV runs, GEMV_MXFP4_TMA is on, the GPU has TMA or
+    the interpreter runs and mxfp4_tma_problem finds nothing; True implies gemv); configs
+    then give its columns, K columns a step, warps and stages."""
     check_weights(w, spec, x)
     t, hidden = x.shape
     k = topk_ids.shape[1]
@@ -1432,6 +1645,16 @@ def fused_experts(
     num_pairs = t * k
     mxfp4 = w.format == "mxfp4"
     bk = w.scale_block_k if w.format == "fp8" else 0
+    if gemv_tma:
+        if gemv is False or tma:
+            problem = "gemv_tma is the MXFP4 GEMV's: it takes neither gemv=False nor tma=True"
+        elif not _tma_device(x):
+            problem = f"the TMA MXFP4 GEMV needs a GPU with TMA (sm_90+), got {x.device}"
+        else:
+            problem = mxfp4_tma_problem(w)
+        if problem:
+            raise ValueError(f"{spec.prefix}: {problem}")
+        gemv = True
     if tma is None:
         tma = (
             gemv is None
@@ -1453,14 +1676,29 @@ def fused_experts(
         raise ValueError(f"{spec.prefix}: the MoE GEMV takes no K-blocked fp8 scales")
     elif gemv and mxfp4 and not _words_aligned(w):
         raise ValueError(f"{spec.prefix}: the MoE GEMV reads MXFP4 rows as 4-byte words")
+    if gemv_tma is None:
+        gemv_tma = bool(
+            gemv and mxfp4 and GEMV_MXFP4_TMA and _tma_device(x) and mxfp4_tma_problem(w) is None
+        )
     swappable = mxfp4 and x.dtype != torch.float16  # what SWAP_AB takes
     if configs is None:
         sms = 132 if _interpreting() else _num_sms(x.device)
         if tma:
             configs = tma_configs(num_pairs, e, n, hidden, sms, x.element_size())
         else:
-            configs = gemm_configs(num_pairs, e, n, hidden, w.format, sms, gemv, swappable)
+            configs = gemm_configs(
+                num_pairs, e, n, hidden, w.format, sms, gemv, swappable, gemv_tma
+            )
     gate_up_cfg, down_cfg = configs
+    if gemv_tma:
+        for cfg, rows in ((gate_up_cfg, 2 if spec.activation != "silu" else 1), (down_cfg, 1)):
+            bk_ok = cfg.block_k in (32, 64, 128, 256, 512, 1024, 2048)
+            if not bk_ok or rows * cfg.block_n > 256 or cfg.num_stages < 1:
+                raise ValueError(
+                    f"{spec.prefix}: the TMA MXFP4 GEMV's copies are at most 256 rows of at "
+                    f"most 256 words: block_k a power of two 32..2048, block_n * {rows} <= 256, "
+                    f"num_stages >= 1, got {cfg}"
+                )
     if (gate_up_cfg.swap_ab or down_cfg.swap_ab) and not swappable:
         raise ValueError(
             f"{spec.prefix}: swapped MoE GEMM operands take MXFP4 weights and bf16 / float32 "
@@ -1549,6 +1787,18 @@ def fused_experts(
                 dest.stride(-2), float(spec.alpha), float(spec.limit), **epilogue,
                 PER_PAIR=per_pair, DOT_FP32=dot_fp32, BLOCK_M=cfg.block_m,
                 BLOCK_K=cfg.block_k, SPLIT_K=runs,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+            continue
+        if gemv_tma:  # weight words by TMA, [E, rows, K / 8]
+            runs = 1 if gated else split
+            tile_rows = 2 * cfg.block_n if gated and not silu else cfg.block_n
+            moe_gemv_tma_kernel[(num_pairs, triton.cdiv(n_out, cfg.block_n), runs)](
+                a, _words_desc(weights, tile_rows, cfg.block_k), scale_t, bias_t, topk_weights,
+                sorted_ids, dest, n_out, k_in, up_offset, a.stride(0), scale_t.stride(0),
+                scale_t.stride(1), bias_t.stride(0), dest.stride(-2), float(spec.alpha),
+                float(spec.limit), **epilogue, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages,
+                A_PAIRS=_bf16_pairs(a), SPLIT_K=runs,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip
             continue
