@@ -881,6 +881,20 @@ def _mxfp4_tile_dots(w, scale_bits, a0, a1, a2, a3, a4, a5, a6, a7):
 
 
 @triton.jit
+def _k_split(k_in, run, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[k_lo, k_hi): run `run`'s K columns of SPLIT_K runs of whole BLOCK_K tiles (all of K for
+    one run; a last run past K is empty)."""
+    if SPLIT_K == 1:
+        k_lo = 0
+        k_hi = k_in
+    else:
+        k_run = tl.cdiv(tl.cdiv(k_in, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_lo = run * k_run
+        k_hi = tl.minimum(k_in, k_lo + k_run)
+    return k_lo, k_hi
+
+
+@triton.jit
 def moe_gemv_kernel(
     a_ptr,
     w_ptr,
@@ -943,15 +957,8 @@ def moe_gemv_kernel(
     pair = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
-    if SPLIT_K == 1:
-        run = 0
-        k_lo = 0
-        k_hi = k_in
-    else:
-        run = tl.program_id(2)
-        k_run = tl.cdiv(tl.cdiv(k_in, SPLIT_K), BLOCK_K) * BLOCK_K
-        k_lo = run * k_run
-        k_hi = tl.minimum(k_in, k_lo + k_run)
+    run = tl.program_id(2) if SPLIT_K > 1 else 0
+    k_lo, k_hi = _k_split(k_in, run, SPLIT_K, BLOCK_K)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     a_row = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_a
     gated: tl.constexpr = ACT != 0
@@ -1136,15 +1143,8 @@ def moe_gemv_tma_kernel(
     split after the loop (GATE_STRIDE 2, "swiglu_oai")."""
     pair = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
-    if SPLIT_K == 1:
-        run = 0
-        k_lo = 0
-        k_hi = k_in
-    else:
-        run = tl.program_id(2)
-        k_run = tl.cdiv(tl.cdiv(k_in, SPLIT_K), BLOCK_K) * BLOCK_K
-        k_lo = run * k_run
-        k_hi = tl.minimum(k_in, k_lo + k_run)
+    run = tl.program_id(2) if SPLIT_K > 1 else 0
+    k_lo, k_hi = _k_split(k_in, run, SPLIT_K, BLOCK_K)
     expert = tl.load(ids_ptr + pair).to(tl.int32)
     a_row = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_a
     gated: tl.constexpr = ACT != 0
@@ -1242,14 +1242,8 @@ def moe_tma_gemv_kernel(
             return
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int32)
         pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    if SPLIT_K == 1:
-        k_lo = 0
-        k_hi = k_in
-    else:
-        run = tl.program_id(1)
-        k_run = tl.cdiv(tl.cdiv(k_in, SPLIT_K), BLOCK_K) * BLOCK_K
-        k_lo = run * k_run
-        k_hi = tl.minimum(k_in, k_lo + k_run)
+    run = tl.program_id(1) if SPLIT_K > 1 else 0
+    k_lo, k_hi = _k_split(k_in, run, SPLIT_K, BLOCK_K)
     row_ok = pair < num_pairs
     a_rows = (pair // A_ROW_DIV).to(tl.int64) * stride_a
     n0 = pid_n * BLOCK_N
