@@ -10,11 +10,12 @@ longest loop in the SASS and prints its length, the instructions a weight byte a
 python benchmarks/kernel_sass.py [--kernels moe_gemv,moe_gemv_tma,moe_gemm,w4a16,split_k_reduce]
     [--block-n 8,16,32]
     [--warps 8] [--block-k 1024] [--stages 3]
-    [--model qwen2.5-3b] [--rows 1] [--act-order] [--row-group] [--pdl]
+    [--model qwen2.5-3b] [--rows 1] [--act-order] [--row-group] [--pdl] [--tma]
     [--shapes qkv,o,gate_up,down]
     [--json OUT] [--dump DIR]
 
-Per kernel and config: registers a thread and stack bytes (spills) from cuobjdump, the loop's
+Per kernel and config: registers a thread and stack bytes (spills) from cuobjdump, shared
+memory bytes a program (`smem`: the TMA variant's pipeline buffers), the loop's
 SASS instructions (one warp's pass), those over the weight bytes a thread takes a pass, and the
 commonest opcodes; --dump writes each loop's SASS to a file.
 
@@ -31,7 +32,9 @@ w4a16_kernel at a dense model's decode shapes (benchmarks/gemm_shapes.py; --mode
 w4a16.fma_config (CUDA cores) give; --act-order with the K permutation; --row-group with it
 and a group read per row (ROW_GROUP: act-order split along K over tensor-parallel ranks);
 --pdl also fma_config's as w4a16.pdl_launch launches it on Hopper (pdl: the trigger at its
-start, as QKV, o_proj and down get it; pdl late: after its K loop). split_k_reduce:
+start, as QKV, o_proj and down get it; pdl late: after its K loop); --tma also the TMA
+variant's (w4a16_tma_kernel at fma_config(tma=True)'s tiles, "fma tma"; with --pdl its PDL
+launches too). split_k_reduce:
 gemv.split_k_reduce_kernel as w4a16.w4a16_linear launches it (fp32 partials into bf16, plain
 and gated; per thread the partial bytes a split in place of weight bytes); --pdl also with
 PDL and TRIGGER, as it launches behind a W4A16 GEMV with PDL.
@@ -39,7 +42,9 @@ PDL and TRIGGER, as it launches behind a W4A16 GEMV with PDL.
 A kernel compiled with a grid-dependency wait (PDL; `griddepcontrol.wait` in the PTX, ACQBULK
 in the SASS) also gets the loads issued before it: in the PTX by the function of the kernel's
 source each comes from, and the SASS's LDG count before ACQBULK (the `pre-wait` column, and
-`pre_wait` in the JSON): what the kernel reads before the kernel ahead has finished.
+`pre_wait` in the JSON), and its TMA copies (UTMALDG) there: what the kernel reads before the
+kernel ahead has finished. The PTX's count is by text order, which for a wait inside a loop
+(the TMA variant's) need not be the order of execution; the SASS's is ptxas's layout.
 """
 
 from __future__ import annotations
@@ -135,9 +140,9 @@ def loop_mix(compiled: Any) -> tuple[int, collections.Counter]:
 
 
 def loop_sass(compiled: Any) -> list[str]:
-    """The instructions of the longest loop (a backward branch) in the SASS, in order. A span
-    holding an EXIT is not a loop: a pipelined TMA loop's barrier wait retries out of line,
-    after the kernel's end, and branches back into the loop from there."""
+    """The instructions of the longest loop (a backward branch) in the SASS, in order. A
+    backward branch over an unpredicated EXIT is no loop: ptxas places an mbarrier wait's
+    retry (a TMA pipeline's) after the kernel's end, jumping back into the loop it serves."""
     instrs, labels, label = [], {}, None
     for line in _tool("nvdisasm", compiled.asm["cubin"], "-c").splitlines():
         if m := re.match(r"\s*\.L_x_(\d+):", line):
@@ -152,8 +157,8 @@ def loop_sass(compiled: Any) -> list[str]:
         for addr, ins in instrs
         if (m := re.search(r"BRA.*\.L_x_(\d+)", ins)) and labels.get(m.group(1), addr) < addr
     ]
-    exits = [addr for addr, ins in instrs if re.search(r"\bEXIT\b", ins)]
-    loops = [(lo, hi) for lo, hi in loops if not any(lo <= addr <= hi for addr in exits)]
+    exits = [addr for addr, ins in instrs if ins.split()[0] == "EXIT"]
+    loops = [(lo, hi) for lo, hi in loops if not any(lo < addr < hi for addr in exits)]
     if not loops:
         return []
     start, end = max(loops, key=lambda span: span[1] - span[0])
@@ -164,7 +169,8 @@ def pre_wait_loads(compiled: Any) -> dict[str, Any] | None:
     """The global loads issued before the kernel's grid-dependency wait, None without one:
     {"ptx": {function: loads} by the kernel source's function each comes from (the innermost
     of its line info), "sass": LDGs before the first ACQBULK, "sass_128": those 128 bits
-    wide}. A load ptxas moved across the wait shows as the two counts differing."""
+    wide, "tma": TMA copies (UTMALDG) before it}. A load ptxas moved across the wait shows as
+    the two counts differing."""
     ptx = compiled.asm["ptx"]
     if "griddepcontrol.wait" not in ptx:
         return None
@@ -178,15 +184,16 @@ def pre_wait_loads(compiled: Any) -> dict[str, Any] | None:
             break
         elif re.search(r"\bld\.global", line):
             by_function[_function_at(*where) if where else "?"] += 1
-    sass = []
+    sass, tma = [], 0
     for line in _tool("nvdisasm", compiled.asm["cubin"], "-c").splitlines():
         if m := re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
             if re.search(r"\bACQBULK\b", m.group(1)):
                 break
             if re.search(r"\bLDG\b", m.group(1)):
                 sass.append(m.group(1))
+            tma += bool(re.search(r"\bUTMALDG\b", m.group(1)))
     wide = sum(".128" in ins for ins in sass)
-    return {"ptx": dict(by_function), "sass": len(sass), "sass_128": wide}
+    return {"ptx": dict(by_function), "sass": len(sass), "sass_128": wide, "tma": tma}
 
 
 @functools.cache
@@ -311,10 +318,15 @@ def moe_gemm_cases(args: argparse.Namespace) -> Iterator[Case]:
 
 def w4a16_cases(args: argparse.Namespace) -> Iterator[Case]:
     """w4a16_kernel as w4a16._launch starts it for a bf16 x of --rows rows, at each shape, at
-    pick_config's config and (1-4 rows) fma_config's; a split K writes fp32 partial sums."""
+    pick_config's config and (1-4 rows) fma_config's (--tma: also w4a16_tma_kernel at
+    fma_config(tma=True)'s); a split K writes fp32 partial sums."""
     from inferx_kernels_cuda import w4a16
 
     shapes = MODELS[args.model]
+    pdl_launches = [
+        (" pdl", {"PDL": True, "TRIGGER": True}),
+        (" pdl late", {"PDL": True, "LATE": True}),
+    ]
     for shape in args.shapes.split(",") if args.shapes else shapes:
         k, n = shapes[shape]
         configs = [w4a16.pick_config(args.rows, n, k)]
@@ -323,11 +335,16 @@ def w4a16_cases(args: argparse.Namespace) -> Iterator[Case]:
             fma = w4a16.fma_config(args.rows, n, k)
             configs.append((fma, "", {}))
             if args.pdl:  # the PDL launches of w4a16.pdl_launch
-                configs += [
-                    (fma, " pdl", {"PDL": True, "TRIGGER": True}),
-                    (fma, " pdl late", {"PDL": True, "LATE": True}),
-                ]
+                configs += [(fma, suffix, pdl) for suffix, pdl in pdl_launches]
+            if args.tma and not args.row_group:  # row groups stay on the pointer loads
+                tma = w4a16.fma_config(args.rows, n, k, tma=True)
+                configs.append((tma, "", {}))
+                if args.pdl:
+                    configs += [(tma, suffix, pdl) for suffix, pdl in pdl_launches]
         for cfg, suffix, pdl in configs:
+            if cfg.tma:
+                yield w4a16_tma_case(args, shape, k, cfg, suffix, pdl)
+                continue
             block_k = w4a16._block_k(cfg, k if args.row_group else W4A16_GROUP, k)
             constexprs = dict(
                 HAS_PERM=args.act_order or args.row_group, HAS_BIAS=False, BLOCK_M=cfg.block_m,
@@ -344,6 +361,30 @@ def w4a16_cases(args: argparse.Namespace) -> Iterator[Case]:
                 f"w4a16 {shape} {cfg}{suffix}", w4a16.w4a16_kernel, types, constexprs,
                 cfg.num_warps, per_thread, cfg.num_stages, W4A16_UNALIGNED,
             )  # fmt: skip
+
+
+def w4a16_tma_case(
+    args: argparse.Namespace, shape: str, k: int, cfg: Any, suffix: str, pdl: dict[str, Any]
+) -> Case:
+    """w4a16_tma_kernel as w4a16._launch starts it at cfg (a TMA config): the words, fp16
+    scales and uint8 zeros as tensor descriptors of its tiles."""
+    from inferx_kernels_cuda import w4a16
+
+    block_k = w4a16._block_k(cfg, W4A16_GROUP, k)
+    constexprs = dict(
+        HAS_PERM=args.act_order, HAS_BIAS=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=block_k, STAGES=cfg.num_stages, **pdl,
+    )  # fmt: skip
+    types = {"x_ptr": "*bf16", "perm_ptr": "*i32", "bias_ptr": "*bf16"}
+    types |= {"qw_desc": f"tensordesc<i32[{block_k // 8}, {cfg.block_n}]>"}
+    types |= {"s_desc": f"tensordesc<fp16[1, {cfg.block_n}]>"}
+    types |= {"z_desc": f"tensordesc<u8[1, {cfg.block_n}]>"}
+    types["out_ptr"] = "*fp32" if cfg.split_k > 1 else "*bf16"
+    per_thread = block_k * cfg.block_n / 2 / (32 * cfg.num_warps)
+    return Case(
+        f"w4a16 {shape} {cfg}{suffix}", w4a16.w4a16_tma_kernel, types, constexprs,
+        cfg.num_warps, per_thread, cfg.num_stages, W4A16_UNALIGNED,
+    )  # fmt: skip
 
 
 def split_k_reduce_cases(args: argparse.Namespace) -> Iterator[Case]:
@@ -394,6 +435,9 @@ def _args() -> argparse.Namespace:
     parser.add_argument(
         "--pdl", action="store_true", help="w4a16, split_k_reduce: also their PDL launches"
     )
+    parser.add_argument(
+        "--tma", action="store_true", help="w4a16: also the CUDA-core path's TMA variant"
+    )
     parser.add_argument("--shapes", help="w4a16's, comma-separated (default: all)")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--dump", help="also write each loop's SASS to a file in this folder")
@@ -419,8 +463,8 @@ def main() -> None:
             f"act-order {args.act_order}, row groups {args.row_group}"
         )
     print(
-        f"{'kernel':60s} {'regs':>4s} {'stack':>5s} {'loop':>5s} {'/byte':>6s} {'pre-wait':>8s}"
-        f" {'tma':>3s}  top opcodes"
+        f"{'kernel':60s} {'regs':>4s} {'stack':>5s} {'smem':>6s} {'loop':>5s} {'/byte':>6s} "
+        f"{'pre-wait':>8s} {'tma':>3s}  top opcodes"
     )
     rows = []
     for name in kernels:
@@ -440,8 +484,9 @@ def main() -> None:
             top = " ".join(f"{op} {n}" for op, n in ops.most_common(8))
             pre_wait = pre_wait_loads(compiled)
             loads = "-" if pre_wait is None else str(pre_wait["sass"])
+            shared = compiled.metadata.shared
             print(
-                f"{case.label:60s} {regs:4d} {stack:5d} {length:5d} {per_byte:6.1f} "
+                f"{case.label:60s} {regs:4d} {stack:5d} {shared:6d} {length:5d} {per_byte:6.1f} "
                 f"{loads:>8s} {tma:3d}  {top}",
                 flush=True,
             )
@@ -449,7 +494,8 @@ def main() -> None:
                 print(f"{'':60s} before the wait: {pre_wait}", flush=True)
             rows.append(
                 {"kernel": case.label, "regs": regs, "stack": stack, "loop": length}
-                | {"per_byte": per_byte, "pre_wait": pre_wait, "tma": tma}
+                | {"per_byte": per_byte, "pre_wait": pre_wait, "shared": shared, "tma": tma}
+                | {"ops": dict(ops)}
             )
     if args.json:
         with open(args.json, "w") as f:

@@ -352,7 +352,7 @@ def test_split_reduce_waits_before_it_reads_the_partials(tmp_path) -> None:
     for row in with_pdl:
         base = plain[row["kernel"].removesuffix(" pdl")]
         assert base["pre_wait"] is None, stdout
-        assert row["pre_wait"] == {"ptx": {}, "sass": 0, "sass_128": 0}, stdout
+        assert row["pre_wait"] == {"ptx": {}, "sass": 0, "sass_128": 0, "tma": 0}, stdout
         assert row["loop"] == base["loop"] > 0 and row["stack"] == 0, stdout
 
 
