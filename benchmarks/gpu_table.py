@@ -135,6 +135,47 @@ PEERS: dict[str, dict[str, tuple[str, str]]] = {
     },
 }
 
+# The quantization issue's (47) peers and goals for a model run with FP8 weights and / or an
+# FP8 KV cache (--set quantization.scheme=fp8, --set kv_cache.dtype=fp8_e4m3), keyed by
+# (preset, variant_of(--set)): vLLM 0.26 `--quantization fp8` on an H100 (2026-12-05); the 8B
+# goals are the H200's. A variant without an entry shows no peers: bf16's would mislead.
+VARIANT_PEERS: dict[tuple[str, str], dict[str, tuple[str, str]]] = {
+    ("qwen2.5-3b-instruct", "fp8"): {
+        "decode": ("2.954 (H100, fp8)", "<= 1.45"),
+        "ttft_2048": ("28.0 (H100, fp8)", "<= 20"),
+        "throughput": ("20,473 (H100, fp8)", ">= 27,000"),
+    },
+    ("qwen2.5-3b-instruct", "kv fp8"): {"kv": ("", "2x the bf16 cache's blocks")},
+    ("llama-3.1-8b-instruct", "kv fp8"): {
+        "serve_64": ("", ">= 8,000 tok/s (H200)"),
+        "kv": ("", "2x the bf16 cache's blocks"),
+    },
+    ("llama-3.1-8b-instruct", "fp8 + kv fp8"): {
+        "serve_64": ("", ">= 10,000 tok/s (H200)"),
+        "throughput": ("", ">= 14,000 (H200)"),
+    },
+}
+
+
+def variant_of(sets: list[str]) -> str:
+    """The quantization variant that --set overrides make ("" for none): "fp8" (FP8
+    weights), "kv fp8" (an e4m3 KV cache) or both, "fp8 + kv fp8"."""
+    given = dict(item.split("=", 1) for item in sets if "=" in item)
+    parts = []
+    if given.get("quantization.scheme") == "fp8":
+        parts.append("fp8")
+    if given.get("kv_cache.dtype") == "fp8_e4m3":
+        parts.append("kv fp8")
+    return " + ".join(parts)
+
+
+def peers_for(preset: str, sets: list[str]) -> dict[str, tuple[str, str]]:
+    """The peer and goal of each figure for a run of `preset` with these --set overrides."""
+    variant = variant_of(sets)
+    if variant:
+        return VARIANT_PEERS.get((preset, variant), {})
+    return PEERS.get(preset, {})
+
 
 @dataclass(frozen=True)
 class Sizes:
@@ -954,7 +995,7 @@ def _serve(r: dict[str, Any]) -> str:
 
 def table(preset: str, res: dict[str, Any], s: Sizes) -> str:
     """One model's markdown table: our figures beside the peer's and the goals."""
-    peers = PEERS.get(preset, {})
+    peers = peers_for(preset, res.get("set") or [])
     st = res.get("startup", {})
     off = st.get("offline", {})
     head = f"### {preset}"
@@ -1108,6 +1149,7 @@ def main(argv: list[str] | None = None) -> int:
             },
         },
         "peers": PEERS,
+        "variant_peers": {f"{p} [{v}]": peers for (p, v), peers in VARIANT_PEERS.items()},
         "models": {},
     }
     run.save()

@@ -144,6 +144,23 @@ def test_peers_and_errors_render(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "6,371 tok/s" in mod.table("llama-3.1-8b-instruct", {}, mod.Sizes())
 
 
+def test_quantized_runs_take_the_quantization_goals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--set quantization.scheme=fp8 / kv_cache.dtype=fp8_e4m3 rows show the quantization
+    issue's peers and goals, and a variant without any shows none of bf16's."""
+    mod = table_module(monkeypatch)
+    fp8 = ["quantization.scheme=fp8"]
+    both = ["kv_cache.dtype=fp8_e4m3", "quantization.scheme=fp8", "model.dtype=bfloat16"]
+    assert mod.variant_of(fp8) == "fp8" and mod.variant_of(both) == "fp8 + kv fp8"
+    assert mod.variant_of(["kv_cache.dtype=auto"]) == ""
+    text = mod.table("qwen2.5-3b-instruct", {"set": fp8}, mod.Sizes())
+    assert "| 2.954 (H100, fp8) | <= 1.45 |" in text and "2.975" not in text
+    text = mod.table("llama-3.1-8b-instruct", {"set": both}, mod.Sizes())
+    assert ">= 10,000 tok/s (H200)" in text and ">= 14,000 (H200)" in text
+    assert "6,371" not in text and "<= 4.3" not in text
+    text = mod.table("llama-3.1-8b-instruct", {"set": fp8}, mod.Sizes())
+    assert "6,371" not in text and "(H200)" not in text  # no goals named for FP8 weights alone
+
+
 def test_only_and_a_second_start_with_fixed_blocks(tmp_path: Path) -> None:
     # A fraction of memory cannot size a cache on the CPU: the engine fails to start, and the
     # table starts it again with kv_cache.num_blocks, as it would after a fault on the GPU.
