@@ -579,12 +579,15 @@ def _free_port() -> int:
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
 def test_torchrun_two_nodes_on_one_host(cli_expected):
-    """Two torchrun "nodes" of one rank each, meeting through c10d's TCP rendezvous."""
+    """Two torchrun "nodes" of one rank each, meeting through c10d's TCP rendezvous. Node 0
+    hosts the rendezvous store (is_host): on one host both nodes match the endpoint's address,
+    and which of them bound the store first was left to a race."""
     port = _free_port()
     procs = []
     for node in range(2):
         cmd = ["torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node)]
         cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        cmd += ["--rdzv-conf", f"is_host={int(node == 0)}"]
         cmd += ["--rdzv-id", "inferx-test", "-m", "inferx_core.cli", "generate", *CLI]
         cmd += ["--prompt", TEXT, "--max-tokens", "5", "--temperature", "0", "--ignore-eos"]
         cmd += ["--json", "--parallel-tensor", "2"]

@@ -183,5 +183,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> None:
+    """The `inferx` command: main(), then a process that joined a torch.distributed group (a
+    tensor-parallel rank 0, under torchrun too) ends at once through exit_if_joined: a plain
+    interpreter exit with gloo's threads alive aborts now and then. Not in main(), which tests
+    call in a process that may have joined a group earlier."""
+    code = main()
+    joined = sys.modules.get("inferx_core.distributed")
+    sys.exit(joined.exit_if_joined(code) if joined is not None else code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
