@@ -545,6 +545,21 @@ def _dot(a, b, acc, DOT_FP32: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
+@triton.jit
+def _tile_pairs(pid_m, block_expert_ptr, sorted_ptr, num_pairs, PER_PAIR: tl.constexpr,
+                BLOCK_M: tl.constexpr):  # fmt: skip
+    """The expert of tile pid_m and its BLOCK_M pair slots (num_pairs where none): PER_PAIR,
+    pair pid_m alone in slot 0, its expert read from topk_ids (block_expert_ptr); else the
+    grouping's sorted pairs and the tile's expert (a tile past num_padded is the caller's to
+    skip, before this)."""
+    expert = tl.load(block_expert_ptr + pid_m)
+    if PER_PAIR:
+        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+    else:
+        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return expert, pair
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def moe_gemm_kernel(
     a_ptr,
@@ -625,15 +640,11 @@ def moe_gemm_kernel(
     num_n = tl.cdiv(n_out, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    if PER_PAIR:
-        # tile pid_m is pair pid_m alone (row 0), its expert read from topk_ids
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
-    else:
+    if not PER_PAIR:
         if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
             return
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    expert, pair = _tile_pairs(pid_m, block_expert_ptr, sorted_ptr, num_pairs, PER_PAIR, BLOCK_M)
+    expert = expert.to(tl.int64)
     row_ok = pair < num_pairs
     a_rows = (pair // A_ROW_DIV).to(tl.int64) * stride_a
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -1234,14 +1245,11 @@ def moe_tma_gemv_kernel(
     num_n = tl.cdiv(n_out, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    if PER_PAIR:
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int32)
-        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
-    else:
+    if not PER_PAIR:
         if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
             return
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int32)
-        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    expert, pair = _tile_pairs(pid_m, block_expert_ptr, sorted_ptr, num_pairs, PER_PAIR, BLOCK_M)
+    expert = expert.to(tl.int32)
     run = tl.program_id(1) if SPLIT_K > 1 else 0
     k_lo, k_hi = _k_split(k_in, run, SPLIT_K, BLOCK_K)
     row_ok = pair < num_pairs
