@@ -640,9 +640,8 @@ def moe_gemm_kernel(
     num_n = tl.cdiv(n_out, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    if not PER_PAIR:
-        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-            return
+    if not PER_PAIR and pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
     expert, pair = _tile_pairs(pid_m, block_expert_ptr, sorted_ptr, num_pairs, PER_PAIR, BLOCK_M)
     expert = expert.to(tl.int64)
     row_ok = pair < num_pairs
@@ -1245,9 +1244,8 @@ def moe_tma_gemv_kernel(
     num_n = tl.cdiv(n_out, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    if not PER_PAIR:
-        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-            return
+    if not PER_PAIR and pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
     expert, pair = _tile_pairs(pid_m, block_expert_ptr, sorted_ptr, num_pairs, PER_PAIR, BLOCK_M)
     expert = expert.to(tl.int32)
     run = tl.program_id(1) if SPLIT_K > 1 else 0
