@@ -3,7 +3,12 @@ engine (dummy weights of a preset, CUDA graphs on, the table's engine settings),
 timed by torch.profiler and printed per decode step, largest first.
 
 python benchmarks/decode_profile.py --model gpt-oss-20b --tokenizer DIR [--steps 128]
-    [--prompt-len 128] [--top 28] [--set KEY=VALUE ...] [--shared-experts-apart]
+    [--prompt-len 128] [--batch 1] [--top 28] [--set KEY=VALUE ...] [--shared-experts-apart]
+python benchmarks/decode_profile.py --model gpt-oss-20b --tokenizer DIR --batch 256 \
+    --prompt-len 512 --steps 255      # the offline figure's batch: prefill and decode together
+
+--batch N generates N prompts at once (the offline figure's shape: where its time goes, prefill
+included; the kernels' total is printed in ms too).
 
 --set model.path=DIR profiles a checkpoint of the preset's shapes from disk (as gpu_table.py).
 
@@ -48,6 +53,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--steps", type=int, default=128, help="decode steps profiled")
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1, help="prompts generated together")
     ap.add_argument("--top", type=int, default=28, help="kernels printed")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument(
@@ -75,7 +81,7 @@ def main() -> None:
         if overrides.get("model.path"):  # a checkpoint of the preset's shapes on disk (W4A16's)
             del overrides["model.preset"]
         llm = LLM(load_config(None, overrides))
-        prompt = [[7 + i for i in range(args.prompt_len)]]
+        prompt = [[7 + b + i for i in range(args.prompt_len)] for b in range(args.batch)]
         warm = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
         llm.generate(prompt, warm)  # graphs and compiles before the profile
         torch.cuda.synchronize()
@@ -94,7 +100,8 @@ def main() -> None:
     total = sum(us for us, _, _ in rows)
     print(
         f"{args.model}, {torch.cuda.get_device_name()}: kernel time a decode step {total:.1f} µs "
-        f"(the prompt's prefill spread over the {args.steps} steps)"
+        f"(the prompt's prefill spread over the {args.steps} steps; batch {args.batch}, "
+        f"{total * args.steps / 1e3:.1f} ms in all)"
     )
     print(f"{'µs a step':>10} {'calls':>6}  kernel")
     for us, calls, key in rows[: args.top]:
