@@ -259,3 +259,36 @@ def test_gpu_matches_the_pointer_gemv(tokens):
     assert rel(got, pointer.double()) < 1e-2
     assert rel(halves, pointer.double()) < 1e-2
     assert torch.equal(static_out, got)
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+def test_pointer_gemv_pipelines_when_asked(tmp_path, stages):
+    """moe_gemv_kernel's MXFP4 K loop (GEMV_MXFP4_STAGES; 1, the default, no pipeline): at 3 its
+    weight words come by cp.async (LDGSTS in the loop's sm_90 SASS) into shared memory for two
+    steps ahead, no spills; at 1 straight into registers (LDG, no LDGSTS). Compiled by
+    kernel_sass.py at gpt-oss-20b's one-token shapes."""
+    from test_w4a16_kernel import _kernel_sass
+
+    flags = ("--kernels", "moe_gemv", "--block-n", "8", "--stages", str(stages))
+    rows, table = _kernel_sass(tmp_path, *flags)
+    assert len(rows) == 2, table  # gate_up, down
+    for row in rows:
+        assert row["stack"] == 0, table
+        loads = row["ops"].get("LDGSTS", 0)
+        assert (loads > 0) if stages > 1 else (loads == 0 and row["ops"]["LDG"] > 0), table
+        step_bytes = 8 * (2 if "gate_up" in row["kernel"] else 1) * 1024 // 2
+        assert row["shared"] >= ((stages - 1) * step_bytes if stages > 1 else 0), table
+
+
+@interpreted
+def test_pointer_gemv_stages_keep_the_result(monkeypatch):
+    """GEMV_MXFP4_STAGES reaches moe_gemv_kernel (the interpreter runs the loop as written):
+    the same bits at 3 as at 1."""
+    spec = SPECS["gpt-oss"]
+    w = mxfp4_experts(spec, torch.float16, seed=91).expert_weights()
+    x, weights, ids = inputs(spec, torch.float16, 2, 92)
+    seen = launches(monkeypatch, "moe_gemv_kernel")
+    plain = fused_experts(x, weights, ids, w, spec, gemv=True)
+    monkeypatch.setattr(moe_kernels, "GEMV_MXFP4_STAGES", 3)
+    assert torch.equal(fused_experts(x, weights, ids, w, spec, gemv=True), plain)
+    assert seen == ["moe_gemv_kernel"] * 4

@@ -332,6 +332,10 @@ GEMV_MXFP4_WARPS = 4
 # registers hold) where the GPU has TMA and the blocks' layout allows (mxfp4_tma_problem). Off
 # until timed; A/B: gpu_table.py --patch inferx_kernels_cuda.moe_kernels.GEMV_MXFP4_TMA=True.
 GEMV_MXFP4_TMA = False
+# Pipeline depth of moe_gemv_kernel's MXFP4 K loop (its pointer loads; 1: none, each step's
+# loads issued after the last step's arithmetic). Off until timed (A/B: gpu_table.py --patch
+# inferx_kernels_cuda.moe_kernels.GEMV_MXFP4_STAGES=3).
+GEMV_MXFP4_STAGES = 1
 # Its (output columns a program, K columns a step, warps, stages) for gate_up and down: both
 # copy 16 weight rows by 512 bytes a step (gate_up's 8 columns are 16 interleaved rows), a
 # thread's 4 rows of one 32-weight group, as moe_gemv_kernel's gate_up at 8 columns (9.6
@@ -946,6 +950,7 @@ def moe_gemv_kernel(
     SPLIT_K: tl.constexpr = 1,
     ROWS: tl.constexpr = 1,
     ROW_GROUP: tl.constexpr = False,
+    STAGES: tl.constexpr = 1,
 ):
     """moe_gemm_kernel's product for one pair (program axis 0) and BLOCK_N output columns (axis
     1) on the CUDA cores: weight tiles [BLOCK_N, BLOCK_K] in their stored layout (K along the
@@ -993,7 +998,9 @@ def moe_gemv_kernel(
         words_u = (w_base + rows_u3 * stride_wn).to(tl.pointer_type(tl.int32))[:, :, :, None]
         scales_g = s_base + rows_g3 * stride_sn
         scales_u = s_base + rows_u3 * stride_sn
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        # STAGES > 1: Triton pipelines the loop's loads that deep (it pipelines a loop
+        # without tl.dot only when asked)
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
             g1 = k0 // 32 + tl.arange(0, GROUPS)
             group = g1[None, :, None]  # [1, GROUPS, 1]
             g_ok = group < k_in // 32
@@ -1807,12 +1814,14 @@ def fused_experts(
             if w4:
                 block_k = _w4_block_k(block_k, group, k_in)
             runs = 1 if gated else split
+            # left at its default otherwise: the kernel compiles as before
+            stages = {"STAGES": GEMV_MXFP4_STAGES} if mxfp4 and GEMV_MXFP4_STAGES > 1 else {}
             moe_gemv_kernel[(num_pairs, triton.cdiv(n_out, cfg.block_n), runs)](
                 a, weights, scale_t, bias_t, topk_weights, sorted_ids, dest, n_out, k_in,
                 up_offset, *strides, float(spec.alpha), float(spec.limit), *w4_args, **shared,
                 BLOCK_K=block_k, A_PAIRS=mxfp4 and _bf16_pairs(a), **w4_flags,
                 SPLIT_K=runs, ROWS=gemv_rows(cfg.block_n, block_k, cfg.num_warps) if mxfp4 else 1,
-                num_warps=cfg.num_warps,
+                **stages, num_warps=cfg.num_warps,
             )  # fmt: skip
             continue
         grid = (tiles * triton.cdiv(n_out, cfg.block_n),)
