@@ -158,7 +158,7 @@ def small_case(
     ],
 )
 @pytest.mark.parametrize(("dtype", "tol", "tol_ab"), [(torch.float32, 1e-5, 1e-6),
-                                                      (torch.float16, 3e-3, 2e-4)])  # fmt: skip
+                                                      (torch.float16, 3e-3, 1e-3)])  # fmt: skip
 def test_fused_absorbed_equals_torch_reference_and_the_unfused_form(
     contexts: list[int], heads: int, num_splits: int, dtype: torch.dtype, tol: float,
     tol_ab: float,
@@ -166,7 +166,9 @@ def test_fused_absorbed_equals_torch_reference_and_the_unfused_form(
     """Both forms of mla_decode_absorbed against mla_absorbed in float64 within tol of the
     largest element, and against each other within tol_ab (the same rounding points, q's
     dtype for the absorbed query, the combined latent and the output; float32 sums in
-    another order); heads fewer than a program's 16 rows."""
+    another order, which may flip a rounding: fp16's tol_ab is one ulp of any element, 2 **
+    -10 of it; the interpreter's dots go through numpy's BLAS, whose sum order can change
+    from run to run); heads fewer than a program's 16 rows."""
     q, cache, table, ctx, rows, mla = small_case(contexts, heads, dtype, seed=11)
     scale = 0.15
     args = (q, cache, table, ctx, mla, scale, num_splits, 16)
