@@ -10,7 +10,8 @@ python benchmarks/decode_profile.py --model gpt-oss-20b --tokenizer DIR --batch 
 --batch N generates N prompts at once (the offline figure's shape: where its time goes, prefill
 included; the kernels' total is printed in ms too).
 
---set model.path=DIR profiles a checkpoint of the preset's shapes from disk (as gpu_table.py).
+--set model.path=DIR profiles a checkpoint of the preset's shapes from disk (as gpu_table.py);
+--set parallel.tensor=2 profiles rank 0 of two GPUs (its NCCL all-reduces among the kernels).
 
 DIR holds the preset's tokenizer (../shared/fixtures/tokenizers/{qwen,llama3,gpt-oss}); for
 DeepSeek-V2 pass Llama 3's, which is cut down to its vocabulary as gpu_table.py does. Kernels
@@ -109,4 +110,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from inferx_core.distributed import exit_if_joined
+
     main()
+    # with parallel.tensor > 1 this process joined a process group: end it as inferx does
+    raise SystemExit(exit_if_joined(0))
