@@ -678,24 +678,22 @@ TP_PRESETS = {
 
 
 def _top5_run(preset: str, tokenizer: Path, tensor: int) -> list[list[tuple[int, set[int]]]]:
-    """64 greedy tokens of four prompts and each step's top-5 ids: the preset's dummy weights
-    (random, seeded, the same on any number of ranks) in bf16 on `tensor` GPUs, CUDA graphs on."""
+    """test_gpu_correctness.ours_greedy's tokens and top-5 ids (64 greedy tokens) of four
+    prompts: the preset's dummy weights (random, seeded, the same on any number of ranks) in
+    bf16 on `tensor` GPUs, CUDA graphs on."""
+    from test_gpu_correctness import ours_greedy
+
     config = {"model.preset": preset, "model.tokenizer": str(tokenizer), "model.dtype": "bfloat16"}
     config |= {"engine.device": "cuda", "engine.cuda_graphs": True, "kv_cache.memory": "4GiB"}
     llm = LLM(load_config(None, config | {"parallel.tensor": tensor}))
-    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=5)
     prompts = [[100 + 7 * i + j for j in range(16 + 9 * i)] for i in range(4)]
     try:
         assert tensor > 1 or llm.engine.executor.graphs is not None
-        done = llm.generate(prompts, params)
+        runs = ours_greedy(llm, prompts)
     finally:
         if tensor > 1:
             llm.engine.executor.close()
-    runs = [
-        [(t, {alt for alt, _ in lp[1]}) for t, lp in zip(d.token_ids, d.logprobs, strict=True)]
-        for d in done
-    ]
-    del llm, done
+    del llm
     torch.cuda.empty_cache()
     return runs
 
@@ -716,13 +714,12 @@ def test_two_gpus_agree_with_one_in_the_top5_sense(preset, tmp_path):
     derive = BY_MODEL_TYPE.get(config["model_type"])
     if derive is not None:
         tokenizer = derive.write(tokenizer, tmp_path / "tokenizer", int(config["vocab_size"]))
+    from test_gpu_correctness import check_close
+
     one = _top5_run(preset, tokenizer, 1)
     two = _top5_run(preset, tokenizer, 2)
     for i, (ours, ref) in enumerate(zip(two, one, strict=True)):
-        for step, ((a, a_top), (b, b_top)) in enumerate(zip(ours, ref, strict=True)):
-            if a != b:
-                assert a in b_top and b in a_top, f"{preset} prompt {i} token {step}: {a} vs {b}"
-                break
+        check_close(ours, ref, f"{preset} on two GPUs, prompt {i}")
 
 
 KILLED_OVER_NCCL = """
