@@ -248,15 +248,11 @@ def moe_gemv_cases(args: argparse.Namespace) -> Iterator[Case]:
             )  # fmt: skip
             if "ROWS" in inspect.signature(mk.moe_gemv_kernel.fn).parameters:
                 constexprs["ROWS"] = mk.gemv_rows(block_n, block_k, warps)
-            stages = args.stages or mk.GEMV_MXFP4_STAGES
-            if stages > 1:  # the K loop pipelined (GEMV_MXFP4_STAGES)
-                constexprs["STAGES"] = stages
             per_thread = block_n * block_k / 2 * (2 if gated else 1) / (32 * warps)
             label = (
                 f"moe_gemv gpt-oss {'gate_up' if gated else 'down'} N{block_n} K{block_k}/{warps}"
-                + (f" st{stages}" if stages > 1 else "")
             )
-            yield Case(label, mk.moe_gemv_kernel, types, constexprs, warps, per_thread, stages)
+            yield Case(label, mk.moe_gemv_kernel, types, constexprs, warps, per_thread)
 
 
 def moe_gemv_tma_cases(args: argparse.Namespace) -> Iterator[Case]:
@@ -429,9 +425,7 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--block-n", default="8,16,32", help="moe_gemv's columns a program")
     parser.add_argument("--block-k", type=int, help="moe_gemv's K columns a step (GEMV_BLOCK_K)")
     parser.add_argument("--warps", type=int, help="moe_gemv's warps (GEMV_MXFP4_WARPS)")
-    parser.add_argument(
-        "--stages", type=int, help="moe_gemv_tma's pipeline stages (moe_gemv's: GEMV_MXFP4_STAGES)"
-    )
+    parser.add_argument("--stages", type=int, help="moe_gemv_tma's pipeline stages")
     parser.add_argument("--model", choices=MODELS, default="qwen2.5-3b", help="w4a16's shapes")
     parser.add_argument("--rows", type=int, default=1, help="w4a16's rows of x")
     parser.add_argument("--act-order", action="store_true", help="w4a16 with the K permutation")

@@ -16,13 +16,11 @@ outlast the L2 cache (a decode step reads every layer once, as a model does); ti
 layer. "atomic": the Triton path with the top-k sum by atomics in the down GEMM
 (TritonOps.moe_atomic_sum), in a graph. "no-tma": where the Triton path runs bf16 experts on
 moe_tma_gemv_kernel (up to moe_kernels.TMA_GEMV_MAX_TOKENS tokens), the same in a graph with it
-off (TMA_GEMV_MAX_TOKENS 0: moe_gemm_kernel's tiles), the A/B of that switch. "mx-tma": where
-MXFP4 experts run the GEMV (up to moe_kernels.GEMV_MAX_TOKENS tokens), the same in a graph with
-moe_kernels.GEMV_MXFP4_TMA on (moe_gemv_tma_kernel: the weight words by TMA), the A/B of that
-switch against the graph column while it is off. The floor counts the router, each expert
-that some token picked (weights, scales, biases, once), the shared experts, the input and the
-output. --sweep also times the TMA kernels' tiles at decode sizes (bf16 experts'
-moe_tma_gemv_kernel, MXFP4's moe_gemv_tma_kernel: columns, K columns a step, stages).
+off (TMA_GEMV_MAX_TOKENS 0: moe_gemm_kernel's tiles), the A/B of that switch. The floor counts
+the router, each expert that some token picked (weights, scales, biases, once), the shared
+experts, the input and the output. --sweep also times the TMA kernels' tiles at decode sizes
+(bf16 experts' moe_tma_gemv_kernel, MXFP4's moe_gemv_tma_kernel: columns, K columns a step,
+stages).
 
 Shapes with shared experts ("deepseek-v2-lite-shared": V2-Lite's whole MoE layer, 2 shared
 experts of 1408) are built as the model builds them (DeepseekV2ForCausalLM.build_mlp): the
@@ -176,11 +174,8 @@ def bench(shape: str, tokens: int, args, device: torch.device) -> dict:
         runs.insert(1, ("unfused", unfused_ops()))
     if SHAPES[shape][4] == "bf16" and tokens <= moe_kernels.TMA_GEMV_MAX_TOKENS:
         runs.insert(1, ("no_tma", TritonOps()))  # run with TMA_GEMV_MAX_TOKENS 0
-    if SHAPES[shape][4] == "mxfp4" and tokens <= moe_kernels.GEMV_MAX_TOKENS:
-        runs.insert(1, ("mx_tma", TritonOps()))  # run with GEMV_MXFP4_TMA on
-    switches = {"no_tma": ("TMA_GEMV_MAX_TOKENS", 0), "mx_tma": ("GEMV_MXFP4_TMA", True)}
     for name, ops in runs:
-        with patched(*switches.get(name, ("TMA_GEMV_MAX_TOKENS", None))):
+        with patched("TMA_GEMV_MAX_TOKENS", 0 if name == "no_tma" else None):
             time_run(name, ops, shape, x, row, args, device, dtype)
     row["floor_us"] = row["floor_bytes"] / args.bandwidth * 1e6
     best = row.get("triton_graph_us", row["triton_eager_us"])
@@ -219,7 +214,7 @@ def time_run(
         if device.type == "cuda":
             graphed = [("graph", True), *modes]
             modes = {"triton": graphed, "unfused": graphed}.get(name, modes)
-            if name in ("atomic", "no_tma", "mx_tma"):
+            if name in ("atomic", "no_tma"):
                 modes = [("graph", True)]
         for mode, graph in modes:
             sec = time_calls(step, device, graph, args.iters) / args.layers
@@ -410,10 +405,9 @@ def main() -> None:
     print(f"MoE layer, {name}, floor at {args.bandwidth / 1e12:.2f} TB/s, per layer")
     print("unfused: shared experts apart (graph where there is one, else eager; - : none)")
     print("no-tma: bf16 experts on moe_gemm_kernel, not the TMA kernel (graph; - : none)")
-    print("mx-tma: MXFP4's GEMV with GEMV_MXFP4_TMA on, weight words by TMA (graph; - : none)")
     head = f"{'shape':<24}{'tokens':>7}{'floor us':>10}{'graph us':>10}{'eager us':>10}"
     print(
-        head + f"{'no-tma us':>10}{'mx-tma us':>10}{'unfused us':>11}{'atomic us':>10}"
+        head + f"{'no-tma us':>10}{'unfused us':>11}{'atomic us':>10}"
         f"{'torch us':>10}{'of floor':>10}"
     )
     for shape in args.shapes.split(","):
@@ -426,11 +420,9 @@ def main() -> None:
             apart = f"{unfused:>11.1f}" if unfused is not None else f"{'-':>11}"
             no_tma = r.get("no_tma_graph_us", r.get("no_tma_eager_us"))
             gemm = f"{no_tma:>10.1f}" if no_tma is not None else f"{'-':>10}"
-            mx_tma = r.get("mx_tma_graph_us", r.get("mx_tma_eager_us"))
-            words = f"{mx_tma:>10.1f}" if mx_tma is not None else f"{'-':>10}"
             print(
                 f"{shape:<24}{tokens:>7}{r['floor_us']:>10.1f}{graph}{r['triton_eager_us']:>10.1f}"
-                f"{gemm}{words}{apart}{r[key]:>10.1f}{r['torch_eager_us']:>10.1f}"
+                f"{gemm}{apart}{r[key]:>10.1f}{r['torch_eager_us']:>10.1f}"
                 f"{r['of_floor']:>10.0%}"
             )
     if args.json:

@@ -482,11 +482,13 @@ def test_gemv_matches_the_reference(name, fmt, atomic_sum, monkeypatch):
 
     monkeypatch.setattr(moe_kernels, "group_by_expert", grouped)
     calls = gemv_grids(monkeypatch)
-    check_experts(experts, fmt, spec, dtype, 1, 2, seed=41, atomic_sum=atomic_sum)
+    # MXFP4 without gemv_tma=False takes the GEMV's TMA variant (test_moe_mxfp4_tma.py)
+    kw = dict(atomic_sum=atomic_sum, gemv_tma=False)
+    check_experts(experts, fmt, spec, dtype, 1, 2, seed=41, **kw)
     by_default = 2 if fmt == "mxfp4" else 0  # gate_up and down for one MXFP4 token
     assert len(calls) == by_default
-    check_experts(experts, fmt, spec, dtype, 1, 2, seed=43, atomic_sum=atomic_sum, gemv=True)
-    check_experts(experts, fmt, spec, dtype, 3, 2, seed=42, atomic_sum=atomic_sum, gemv=True)
+    check_experts(experts, fmt, spec, dtype, 1, 2, seed=43, gemv=True, **kw)
+    check_experts(experts, fmt, spec, dtype, 3, 2, seed=42, gemv=True, **kw)
     assert len(calls) == by_default + 4
 
 
@@ -607,7 +609,7 @@ def test_gemv_mxfp4_scale_range_and_bf16_pairs(name, monkeypatch):
     gate_up, down = dequantized(w)
     bias = (w.gate_up_bias, w.down_bias)
     want = reference_experts(x, weights, ids, gate_up, bias[0], down, bias[1], spec)
-    got = fused_experts(x, weights, ids, w, spec, gemv=True)
+    got = fused_experts(x, weights, ids, w, spec, gemv=True, gemv_tma=False)
     assert rel(got, want) < TOL[torch.float32]
 
     pairs: list[bool] = []
@@ -629,10 +631,12 @@ def test_gemv_mxfp4_scale_range_and_bf16_pairs(name, monkeypatch):
     for p_name, p in wb.named_parameters():
         p.data.copy_(dict(experts.named_parameters())[p_name].data)
     wbw = wb.expert_weights()
-    paired = fused_experts(xb, weights, ids, wbw, spec, gemv=True)
+    paired = fused_experts(xb, weights, ids, wbw, spec, gemv=True, gemv_tma=False)
     odd = torch.zeros(2, spec.hidden_size + 1, dtype=torch.bfloat16)
     odd[:, : spec.hidden_size] = xb
-    one_by_one = fused_experts(odd[:, : spec.hidden_size], weights, ids, wbw, spec, gemv=True)
+    one_by_one = fused_experts(
+        odd[:, : spec.hidden_size], weights, ids, wbw, spec, gemv=True, gemv_tma=False
+    )
     # gate_up reads x (pairs, then not); down reads the intermediate, contiguous both times
     assert pairs == [True, True, False, True]
     assert torch.equal(paired, one_by_one)

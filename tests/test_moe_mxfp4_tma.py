@@ -4,7 +4,7 @@ descriptors, zero fill past the edges included) against the float64 reference on
 dequantized experts and against moe_gemv_kernel (pointer loads, the same arithmetic): the
 interleaved clamped SwiGLU with biases and SiLU's gate and up rows as two tiles, 1 to 4
 tokens, float32 / float16 / bfloat16 activations, K not a multiple of the K tile, the down
-projection split along K or summed by atomics; when fused_experts takes it (GEMV_MXFP4_TMA,
+projection split along K or summed by atomics; when fused_experts takes it (by default, not
 the layouts it refuses); compiled for sm_90 without a GPU; on a GPU at gpt-oss-20b's shapes
 against moe_gemv_kernel and inside a CUDA graph."""
 
@@ -77,7 +77,7 @@ def test_matches_the_reference_and_the_pointer_gemv(name, dtype, tokens, monkeyp
     seen = launches(monkeypatch, "moe_gemv_tma_kernel", "moe_gemv_kernel")
     got = fused_experts(x, weights, ids, w, spec, gemv_tma=True)
     assert seen == ["moe_gemv_tma_kernel"] * 2
-    pointer = fused_experts(x, weights, ids, w, spec, gemv=True)  # GEMV_MXFP4_TMA is off
+    pointer = fused_experts(x, weights, ids, w, spec, gemv=True, gemv_tma=False)
     assert seen[2:] == ["moe_gemv_kernel"] * 2
     want = want_of(w, spec, x, weights, ids)
     assert got.dtype == dtype and want.abs().max() > 0
@@ -140,19 +140,20 @@ def test_down_split_along_k_and_atomics(split, atomic_sum):
 
 @interpreted
 def test_when_fused_experts_takes_it(monkeypatch):
-    """Off by default (GEMV_MXFP4_TMA False: moe_gemv_kernel). On: MXFP4 GEMV steps (up to
-    GEMV_MAX_TOKENS tokens) take it, with gemm_configs(gemv_tma=True)'s tiles; not past
-    GEMV_MAX_TOKENS, not with gemv=False or gemv_tma=False, not for blocks TMA cannot address
-    (a base 4 bytes past 16-byte alignment: moe_gemv_kernel's words still read them). Asking
-    for it where it cannot run is refused, naming why."""
+    """By default MXFP4 GEMV steps (up to GEMV_MAX_TOKENS tokens) take it, with
+    gemm_configs(gemv_tma=True)'s tiles; not past GEMV_MAX_TOKENS, not with gemv=False,
+    gemv_tma=False or configs (the pointer GEMV's), not for blocks TMA cannot address (a base 4
+    bytes past 16-byte alignment: moe_gemv_kernel's words still read them). Asking for it where
+    it cannot run is refused, naming why."""
     spec = SPECS["gpt-oss"]
     w = mxfp4_experts(spec, torch.float16, seed=88).expert_weights()
     most = moe_kernels.GEMV_MAX_TOKENS
     x, weights, ids = inputs(spec, torch.float16, most + 1, 89)
     seen = launches(monkeypatch, "moe_gemv_tma_kernel", "moe_gemv_kernel", "moe_gemm_kernel")
-    fused_experts(x[:1], weights[:1], ids[:1], w, spec)
+    e, n, h = spec.num_experts, spec.intermediate_size, spec.hidden_size
+    configs = gemm_configs(ids.shape[1], e, n, h, "mxfp4", 132, gemv=True)
+    fused_experts(x[:1], weights[:1], ids[:1], w, spec, configs=configs, gemv=True)
     assert seen == ["moe_gemv_kernel"] * 2
-    monkeypatch.setattr(moe_kernels, "GEMV_MXFP4_TMA", True)
     on = fused_experts(x[:most], weights[:most], ids[:most], w, spec)
     assert seen[2:] == ["moe_gemv_tma_kernel"] * 2
     assert rel(on, want_of(w, spec, x[:most], weights[:most], ids[:most])) < TOL[torch.float16]
@@ -259,36 +260,3 @@ def test_gpu_matches_the_pointer_gemv(tokens):
     assert rel(got, pointer.double()) < 1e-2
     assert rel(halves, pointer.double()) < 1e-2
     assert torch.equal(static_out, got)
-
-
-@pytest.mark.parametrize("stages", [1, 3])
-def test_pointer_gemv_pipelines_when_asked(tmp_path, stages):
-    """moe_gemv_kernel's MXFP4 K loop (GEMV_MXFP4_STAGES; 1, the default, no pipeline): at 3 its
-    weight words come by cp.async (LDGSTS in the loop's sm_90 SASS) into shared memory for two
-    steps ahead, no spills; at 1 straight into registers (LDG, no LDGSTS). Compiled by
-    kernel_sass.py at gpt-oss-20b's one-token shapes."""
-    from test_w4a16_kernel import _kernel_sass
-
-    flags = ("--kernels", "moe_gemv", "--block-n", "8", "--stages", str(stages))
-    rows, table = _kernel_sass(tmp_path, *flags)
-    assert len(rows) == 2, table  # gate_up, down
-    for row in rows:
-        assert row["stack"] == 0, table
-        loads = row["ops"].get("LDGSTS", 0)
-        assert (loads > 0) if stages > 1 else (loads == 0 and row["ops"]["LDG"] > 0), table
-        step_bytes = 8 * (2 if "gate_up" in row["kernel"] else 1) * 1024 // 2
-        assert row["shared"] >= (stages - 1) * step_bytes, table
-
-
-@interpreted
-def test_pointer_gemv_stages_keep_the_result(monkeypatch):
-    """GEMV_MXFP4_STAGES reaches moe_gemv_kernel (the interpreter runs the loop as written):
-    the same bits at 3 as at 1."""
-    spec = SPECS["gpt-oss"]
-    w = mxfp4_experts(spec, torch.float16, seed=91).expert_weights()
-    x, weights, ids = inputs(spec, torch.float16, 2, 92)
-    seen = launches(monkeypatch, "moe_gemv_kernel")
-    plain = fused_experts(x, weights, ids, w, spec, gemv=True)
-    monkeypatch.setattr(moe_kernels, "GEMV_MXFP4_STAGES", 3)
-    assert torch.equal(fused_experts(x, weights, ids, w, spec, gemv=True), plain)
-    assert seen == ["moe_gemv_kernel"] * 4

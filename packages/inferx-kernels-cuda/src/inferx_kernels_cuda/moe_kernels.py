@@ -327,15 +327,10 @@ GEMV_WARPS = 8
 GEMV_MXFP4_BLOCK_N = 8
 GEMV_MXFP4_BLOCK_K = 1024
 GEMV_MXFP4_WARPS = 4
-# MXFP4's GEMV with its weight words read through TMA descriptors (moe_gemv_tma_kernel: bulk
+# MXFP4's GEMV reads its weight words through TMA descriptors (moe_gemv_tma_kernel: bulk
 # copies pipelined GEMV_MXFP4_TMA_* stages deep, more loads in flight than a thread's
-# registers hold) where the GPU has TMA and the blocks' layout allows (mxfp4_tma_problem). Off
-# until timed; A/B: gpu_table.py --patch inferx_kernels_cuda.moe_kernels.GEMV_MXFP4_TMA=True.
-GEMV_MXFP4_TMA = False
-# Pipeline depth of moe_gemv_kernel's MXFP4 K loop (its pointer loads; 1: none, each step's
-# loads issued after the last step's arithmetic). Off until timed (A/B: gpu_table.py --patch
-# inferx_kernels_cuda.moe_kernels.GEMV_MXFP4_STAGES=3).
-GEMV_MXFP4_STAGES = 1
+# registers hold) wherever the GPU has TMA and the blocks' layout allows (mxfp4_tma_problem);
+# moe_gemv_kernel's pointer loads elsewhere (measured: docs/ARCHITECTURE.md, MoE decisions).
 # Its (output columns a program, K columns a step, warps, stages) for gate_up and down: both
 # copy 16 weight rows by 512 bytes a step (gate_up's 8 columns are 16 interleaved rows), a
 # thread's 4 rows of one 32-weight group, as moe_gemv_kernel's gate_up at 8 columns (9.6
@@ -950,7 +945,6 @@ def moe_gemv_kernel(
     SPLIT_K: tl.constexpr = 1,
     ROWS: tl.constexpr = 1,
     ROW_GROUP: tl.constexpr = False,
-    STAGES: tl.constexpr = 1,
 ):
     """moe_gemm_kernel's product for one pair (program axis 0) and BLOCK_N output columns (axis
     1) on the CUDA cores: weight tiles [BLOCK_N, BLOCK_K] in their stored layout (K along the
@@ -998,9 +992,7 @@ def moe_gemv_kernel(
         words_u = (w_base + rows_u3 * stride_wn).to(tl.pointer_type(tl.int32))[:, :, :, None]
         scales_g = s_base + rows_g3 * stride_sn
         scales_u = s_base + rows_u3 * stride_sn
-        # STAGES > 1: Triton pipelines the loop's loads that deep (it pipelines a loop
-        # without tl.dot only when asked)
-        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             g1 = k0 // 32 + tl.arange(0, GROUPS)
             group = g1[None, :, None]  # [1, GROUPS, 1]
             g_ok = group < k_in // 32
@@ -1634,9 +1626,9 @@ def fused_experts(
     TMA_GEMV_MAX_TOKENS fp16 / bf16 tokens on a GPU with TMA or under the interpreter, where
     neither gemv nor configs is given and tma_problem finds nothing); configs then give its
     tiles (tma_configs' by default). gemv_tma: MXFP4's GEMV as moe_gemv_tma_kernel, its
-    weight words by TMA (None: where the GEMV runs, GEMV_MXFP4_TMA is on, the GPU has TMA or
-    the interpreter runs and mxfp4_tma_problem finds nothing; True implies gemv); configs
-    then give its columns, K columns a step, warps and stages."""
+    weight words by TMA (None: where the GEMV runs without configs, the GPU has TMA or the
+    interpreter runs and mxfp4_tma_problem finds nothing; True implies gemv); configs then
+    give its columns, K columns a step, warps and stages."""
     check_weights(w, spec, x)
     t, hidden = x.shape
     k = topk_ids.shape[1]
@@ -1685,7 +1677,11 @@ def fused_experts(
         raise ValueError(f"{spec.prefix}: the MoE GEMV reads MXFP4 rows as 4-byte words")
     if gemv_tma is None:
         gemv_tma = bool(
-            gemv and mxfp4 and GEMV_MXFP4_TMA and _tma_device(x) and mxfp4_tma_problem(w) is None
+            gemv
+            and mxfp4
+            and configs is None  # configs given are the pointer GEMV's
+            and _tma_device(x)
+            and mxfp4_tma_problem(w) is None
         )
     swappable = mxfp4 and x.dtype != torch.float16  # what SWAP_AB takes
     if configs is None:
@@ -1814,14 +1810,12 @@ def fused_experts(
             if w4:
                 block_k = _w4_block_k(block_k, group, k_in)
             runs = 1 if gated else split
-            # left at its default otherwise: the kernel compiles as before
-            stages = {"STAGES": GEMV_MXFP4_STAGES} if mxfp4 and GEMV_MXFP4_STAGES > 1 else {}
             moe_gemv_kernel[(num_pairs, triton.cdiv(n_out, cfg.block_n), runs)](
                 a, weights, scale_t, bias_t, topk_weights, sorted_ids, dest, n_out, k_in,
                 up_offset, *strides, float(spec.alpha), float(spec.limit), *w4_args, **shared,
                 BLOCK_K=block_k, A_PAIRS=mxfp4 and _bf16_pairs(a), **w4_flags,
                 SPLIT_K=runs, ROWS=gemv_rows(cfg.block_n, block_k, cfg.num_warps) if mxfp4 else 1,
-                **stages, num_warps=cfg.num_warps,
+                num_warps=cfg.num_warps,
             )  # fmt: skip
             continue
         grid = (tiles * triton.cdiv(n_out, cfg.block_n),)
