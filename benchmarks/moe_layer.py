@@ -229,13 +229,27 @@ def time_run(
 def candidates(decode: bool, mxfp4: bool) -> list[tuple[GemmConfig, GemmConfig]]:
     """(gate_up, down) tiles to try: one shape for both GEMMs, or down twice as wide; for MXFP4
     beyond decode sizes also swapped operands (SWAP_AB: the weight tile, 64 or 128 output
-    columns, as wgmma's register operand; 16 to 128 rows of pairs)."""
+    columns, as wgmma's register operand; 16 to 128 rows of pairs), 128 K columns a step, and
+    16-32 rows unswapped."""
     out = []
     if mxfp4 and not decode:
         for bm in (16, 32, 64, 128):
             for bn, warps in ((64, 4), (128, 4), (128, 8)):
-                c = GemmConfig(bm, bn, 64, warps, 3, swap_ab=True)
-                out.append((c, c))
+                for bk in (64, 128) if (bn, warps) != (128, 4) else (64,):
+                    c = GemmConfig(bm, bn, bk, warps, 3, swap_ab=True)
+                    out.append((c, c))
+        for bm, bn, warps in ((64, 64, 4), (64, 128, 8), (128, 64, 4), (128, 128, 8)):
+            c = GemmConfig(bm, bn, 128, warps, 3 if bn == 64 else 2)
+            out.append((c, c))
+        # 16-32 rows of pairs unswapped: mma.sync, not wgmma (whose steps wait on each other)
+        for bm, bn, bk, warps in (
+            (32, 64, 64, 4),
+            (32, 64, 128, 4),
+            (32, 128, 64, 8),
+            (16, 64, 128, 4),
+        ):
+            c = GemmConfig(bm, bn, bk, warps, 3)
+            out.append((c, c))
     if decode:
         for bn in (16, 32, 64):
             for bk in (64, 128, 256):
