@@ -10,12 +10,12 @@ longest loop in the SASS and prints its length, the instructions a weight byte a
 python benchmarks/kernel_sass.py [--kernels moe_gemv,moe_gemv_tma,moe_gemm,w4a16,split_k_reduce]
     [--block-n 8,16,32]
     [--warps 8] [--block-k 1024] [--stages 3]
-    [--model qwen2.5-3b] [--rows 1] [--act-order] [--row-group] [--pdl] [--tma]
+    [--model qwen2.5-3b] [--rows 1] [--act-order] [--row-group] [--pdl]
     [--shapes qkv,o,gate_up,down]
     [--json OUT] [--dump DIR]
 
 Per kernel and config: registers a thread and stack bytes (spills) from cuobjdump, shared
-memory bytes a program (`smem`: the TMA variant's pipeline buffers), the loop's
+memory bytes a program (`smem`: moe_gemv_tma's pipeline buffers), the loop's
 SASS instructions (one warp's pass), those over the weight bytes a thread takes a pass, and the
 commonest opcodes; --dump writes each loop's SASS to a file.
 
@@ -32,9 +32,7 @@ w4a16_kernel at a dense model's decode shapes (benchmarks/gemm_shapes.py; --mode
 w4a16.fma_config (CUDA cores) give; --act-order with the K permutation; --row-group with it
 and a group read per row (ROW_GROUP: act-order split along K over tensor-parallel ranks);
 --pdl also fma_config's as w4a16.pdl_launch launches it on Hopper (pdl: the trigger at its
-start, as QKV, o_proj and down get it; pdl late: after its K loop); --tma also the TMA
-variant's (w4a16_tma_kernel at fma_config(tma=True)'s tiles, "fma tma"; with --pdl its PDL
-launches too). split_k_reduce:
+start, as QKV, o_proj and down get it; pdl late: after its K loop). split_k_reduce:
 gemv.split_k_reduce_kernel as w4a16.w4a16_linear launches it (fp32 partials into bf16, plain
 and gated; per thread the partial bytes a split in place of weight bytes); --pdl also with
 PDL and TRIGGER, as it launches behind a W4A16 GEMV with PDL.
@@ -44,7 +42,7 @@ in the SASS) also gets the loads issued before it: in the PTX by the function of
 source each comes from, and the SASS's LDG count before ACQBULK (the `pre-wait` column, and
 `pre_wait` in the JSON), and its TMA copies (UTMALDG) there: what the kernel reads before the
 kernel ahead has finished. The PTX's count is by text order, which for a wait inside a loop
-(the TMA variant's) need not be the order of execution; the SASS's is ptxas's layout.
+need not be the order of execution; the SASS's is ptxas's layout.
 """
 
 from __future__ import annotations
@@ -318,8 +316,7 @@ def moe_gemm_cases(args: argparse.Namespace) -> Iterator[Case]:
 
 def w4a16_cases(args: argparse.Namespace) -> Iterator[Case]:
     """w4a16_kernel as w4a16._launch starts it for a bf16 x of --rows rows, at each shape, at
-    pick_config's config and (1-4 rows) fma_config's (--tma: also w4a16_tma_kernel at
-    fma_config(tma=True)'s); a split K writes fp32 partial sums."""
+    pick_config's config and (1-4 rows) fma_config's; a split K writes fp32 partial sums."""
     from inferx_kernels_cuda import w4a16
 
     shapes = MODELS[args.model]
@@ -336,15 +333,7 @@ def w4a16_cases(args: argparse.Namespace) -> Iterator[Case]:
             configs.append((fma, "", {}))
             if args.pdl:  # the PDL launches of w4a16.pdl_launch
                 configs += [(fma, suffix, pdl) for suffix, pdl in pdl_launches]
-            if args.tma and not args.row_group:  # row groups stay on the pointer loads
-                tma = w4a16.fma_config(args.rows, n, k, tma=True)
-                configs.append((tma, "", {}))
-                if args.pdl:
-                    configs += [(tma, suffix, pdl) for suffix, pdl in pdl_launches]
         for cfg, suffix, pdl in configs:
-            if cfg.tma:
-                yield w4a16_tma_case(args, shape, k, cfg, suffix, pdl)
-                continue
             block_k = w4a16._block_k(cfg, k if args.row_group else W4A16_GROUP, k)
             constexprs = dict(
                 HAS_PERM=args.act_order or args.row_group, HAS_BIAS=False, BLOCK_M=cfg.block_m,
@@ -361,30 +350,6 @@ def w4a16_cases(args: argparse.Namespace) -> Iterator[Case]:
                 f"w4a16 {shape} {cfg}{suffix}", w4a16.w4a16_kernel, types, constexprs,
                 cfg.num_warps, per_thread, cfg.num_stages, W4A16_UNALIGNED,
             )  # fmt: skip
-
-
-def w4a16_tma_case(
-    args: argparse.Namespace, shape: str, k: int, cfg: Any, suffix: str, pdl: dict[str, Any]
-) -> Case:
-    """w4a16_tma_kernel as w4a16._launch starts it at cfg (a TMA config): the words, fp16
-    scales and uint8 zeros as tensor descriptors of its tiles."""
-    from inferx_kernels_cuda import w4a16
-
-    block_k = w4a16._block_k(cfg, W4A16_GROUP, k)
-    constexprs = dict(
-        HAS_PERM=args.act_order, HAS_BIAS=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=block_k, STAGES=cfg.num_stages, **pdl,
-    )  # fmt: skip
-    types = {"x_ptr": "*bf16", "perm_ptr": "*i32", "bias_ptr": "*bf16"}
-    types |= {"qw_desc": f"tensordesc<i32[{block_k // 8}, {cfg.block_n}]>"}
-    types |= {"s_desc": f"tensordesc<fp16[1, {cfg.block_n}]>"}
-    types |= {"z_desc": f"tensordesc<u8[1, {cfg.block_n}]>"}
-    types["out_ptr"] = "*fp32" if cfg.split_k > 1 else "*bf16"
-    per_thread = block_k * cfg.block_n / 2 / (32 * cfg.num_warps)
-    return Case(
-        f"w4a16 {shape} {cfg}{suffix}", w4a16.w4a16_tma_kernel, types, constexprs,
-        cfg.num_warps, per_thread, cfg.num_stages, W4A16_UNALIGNED,
-    )  # fmt: skip
 
 
 def split_k_reduce_cases(args: argparse.Namespace) -> Iterator[Case]:
@@ -434,9 +399,6 @@ def _args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--pdl", action="store_true", help="w4a16, split_k_reduce: also their PDL launches"
-    )
-    parser.add_argument(
-        "--tma", action="store_true", help="w4a16: also the CUDA-core path's TMA variant"
     )
     parser.add_argument("--shapes", help="w4a16's, comma-separated (default: all)")
     parser.add_argument("--json", help="also write the rows to this file")

@@ -6,18 +6,12 @@ down_proj 14336 -> 4096; `--model qwen2.5-3b`: 2048 -> 2560, 2048 -> 2048, 2048 
     python benchmarks/w4a16_gemm.py                 # on a GPU: the table
     python benchmarks/w4a16_gemm.py --act-order     # weights with an act-order permutation
     python benchmarks/w4a16_gemm.py --fma           # up to 4 rows also the CUDA-core path
-    python benchmarks/w4a16_gemm.py --tma           # up to 4 rows also its TMA variant
     python benchmarks/w4a16_gemm.py --sweep         # also the best of a few configs a shape
     python benchmarks/w4a16_gemm.py --smoke         # CPU: tiny shapes under the interpreter
 
 `--fma` times the CUDA-core path (W4Config.use_dot=False at w4a16.fma_config) in the same
 process, beside the picked config, checked the same way (`python benchmarks/kernel_sass.py
---kernels w4a16` counts the loops' instructions). `--tma` times the CUDA-core path's TMA
-variant (w4a16_tma_kernel at fma_config(tma=True)'s tiles, what w4a16.FMA_TMA picks) beside
-it, the pointer path's column included; with `--sweep` also the best of its tiles, pipeline
-depths and K splits (`tma_sweep_configs`), its own column. For the decode shapes of
-Qwen2.5-3B: `python benchmarks/w4a16_gemm.py --model qwen2.5-3b --batches 1,2,4 --tma
---sweep` (`kernel_sass.py --tma` counts its loop).
+--kernels w4a16` counts the loops' instructions).
 
 Each figure is one call's time in µs, from a CUDA graph of `--calls` calls replayed `--reps`
 times (the decode step runs in CUDA graphs, so launch gaps are not counted), the calls cycling
@@ -50,9 +44,6 @@ def _args() -> argparse.Namespace:
     p.add_argument("--act-order", action="store_true", help="weights with a K permutation")
     p.add_argument("--sweep", action="store_true", help="time a few configs a shape too")
     p.add_argument("--fma", action="store_true", help="up to 4 rows, the CUDA-core path too")
-    p.add_argument(
-        "--tma", action="store_true", help="up to 4 rows, the CUDA-core path and its TMA variant"
-    )
     p.add_argument("--model", choices=MODELS, default="llama-3.1-8b", help="the shapes")
     p.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
     p.add_argument("--reps", type=int, default=20, help="graph replays timed")
@@ -72,7 +63,6 @@ from inferx_kernels_cuda.w4a16 import (  # noqa: E402
     W4Config,
     fma_config,
     pick_config,
-    tma_problem,
     w4a16_linear,
 )
 from inferx_quant.w4a16 import unpack_rows  # noqa: E402
@@ -141,22 +131,6 @@ def sweep_configs(m: int) -> list[W4Config]:
     ]
 
 
-def tma_sweep_configs(m: int) -> list[W4Config]:
-    """The TMA variant's configs --tma --sweep times at m (1-4) rows: 64 or 128 columns,
-    pipelines 2-4 deep, K splits 1-32 (fma_config(tma=True) takes 128 columns at one row, 64
-    above, FMA_TMA_STAGES deep, split as the pointer path)."""
-    rows = 1 << (m - 1).bit_length()
-    return [
-        W4Config(
-            block_m=rows, block_n=bn, block_k=128, split_k=s, num_stages=st, use_dot=False,
-            tma=True,
-        )
-        for bn in (64, 128)
-        for st in (2, 3, 4)
-        for s in (1, 2, 4, 8, 16, 32)
-    ]  # fmt: skip
-
-
 def best_of(configs: list[W4Config], layers, x, cuda: bool) -> tuple[float, W4Config] | None:
     """The fastest of configs (µs, config), each timed as the columns are; None if none ran."""
     best = None
@@ -198,14 +172,10 @@ def main() -> None:
     print(f"# floor: bytes / {ARGS.bandwidth / 1e12:.2f} TB/s")
     head = f"{'shape':<8} {'K->N':>12} {'M':>4} {'w4a16 µs':>9} {'floor':>7} {'%floor':>6} "
     head += f"{'bf16 µs':>8} {'floor':>7} {'speedup':>7}  config"
-    if ARGS.fma or ARGS.tma:
+    if ARGS.fma:
         head += f"  | {'fma µs':>7} {'%floor':>6}  config"
-    if ARGS.tma:
-        head += f"  | {'tma µs':>7} {'%floor':>6}  config"
     if ARGS.sweep:
         head += "  | best swept config (µs)"
-        if ARGS.tma:
-            head += "  | best swept tma config (µs)"
     print(head)
     for shape, (k, n) in shapes.items():
         copies = copies_for(k * n // 2, cuda)
@@ -232,30 +202,18 @@ def main() -> None:
                 f"{100 * w4_floor / w4_us:>5.0f}% {bf_us:>8.2f} {bf_floor:>7.2f} "
                 f"{bf_us / w4_us:>6.2f}x  {picked}"
             )
-            fma_rows = (ARGS.fma or ARGS.tma) and m <= MAX_FMA_ROWS
-            configs = [fma_config(m, n, k, sms)] if fma_rows else []
-            if ARGS.tma and m <= MAX_FMA_ROWS:
-                configs.append(fma_config(m, n, k, sms, tma=True))
-                problem = tma_problem(x, *args0[:3], configs[-1].block_n)
-                if problem:  # the call would run the pointer path: say so
-                    raise SystemExit(f"--tma: {problem}")
-            for cfg_ in configs:
-                check(shape, m, x, args0, want, cfg_)
-                us = time_calls(
-                    [lambda a=a, x=x, c=cfg_: w4a16_linear(x, *a, config=c) for a, _ in layers],
+            if ARGS.fma and m <= MAX_FMA_ROWS:
+                fma = fma_config(m, n, k, sms)
+                check(shape, m, x, args0, want, fma)
+                fma_us = time_calls(
+                    [lambda a=a, x=x, c=fma: w4a16_linear(x, *a, config=c) for a, _ in layers],
                     cuda,
                 )
-                line += f"  | {us:>7.2f} {100 * w4_floor / us:>5.0f}%  {cfg_}"
+                line += f"  | {fma_us:>7.2f} {100 * w4_floor / fma_us:>5.0f}%  {fma}"
             if ARGS.sweep and cuda:
                 best = best_of(sweep_configs(m), layers, x, cuda)
                 if best:
                     line += f"  | {best[1]} ({best[0]:.2f})"
-                if ARGS.tma and m <= MAX_FMA_ROWS:
-                    for c in tma_sweep_configs(m):
-                        check(shape, m, x, args0, want, c)
-                    best = best_of(tma_sweep_configs(m), layers, x, cuda)
-                    if best:
-                        line += f"  | {best[1]} ({best[0]:.2f})"
             print(line, flush=True)
 
 

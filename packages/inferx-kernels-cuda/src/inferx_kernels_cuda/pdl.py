@@ -8,8 +8,7 @@ waits in `gdc_wait` until that kernel has finished and its writes are visible. T
 ahead of the GEMVs call `gdc_launch_dependents` at their start (their TRIGGER constexpr):
 rms_norm_kernel, decode_kernel, decode_reduce_kernel, and silu_and_mul_kernel (ahead of a
 down_proj not fused with gate_up). The trigger does nothing when the next kernel was launched
-without PDL. Every other kernel launches as before. W4A16's GEMV (w4a16.w4a16_kernel, and
-its TMA variant, which waits inside its pipelined loop: pdl_start_token) takes
+without PDL. Every other kernel launches as before. W4A16's GEMV (w4a16.w4a16_kernel) takes
 the same rules up to w4a16.PDL_MAX_ROWS rows (w4a16.pdl_launch), through
 QuantLinear.takes_trigger for the call sites' triggers below; the split reduce after it
 (gemv.split_k_reduce_kernel) launches with PDL and triggers at its start.
@@ -58,26 +57,10 @@ try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # a Triton without grid dependency control: never traced (PDL is off)
     gdc_wait, gdc_launch_dependents = _no_wait, _no_trigger
-
-
-@triton.jit
-def _wait_token():
-    """griddepcontrol.wait, then 0 from the same asm statement (see pdl_start_token)."""
-    return tl.inline_asm_elementwise(
-        "griddepcontrol.wait;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def _no_wait_token():
-    return 0
-
-
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     # The interpreter has no grid dependency control either. PDL never launches there, but
     # tests run a kernel's PDL variant (its loads placed around the wait) against the plain one.
     gdc_wait, gdc_launch_dependents = _no_wait, _no_trigger
-    _wait_token = _no_wait_token
 
 
 __all__ = [
@@ -89,7 +72,6 @@ __all__ = [
     "pdl_enabled",
     "pdl_late",
     "pdl_start",
-    "pdl_start_token",
 ]
 
 # The rows (a decode step's batch) at which the GEMVs let the next kernel launch early
@@ -117,20 +99,6 @@ def pdl_start(PDL: tl.constexpr, TRIGGER: tl.constexpr):
         gdc_wait()
     if TRIGGER:
         gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_start_token(PDL: tl.constexpr, TRIGGER: tl.constexpr):
-    """pdl_start returning an int32 0 made by the wait's own instruction, for a kernel to add
-    to the addresses of what the kernel ahead writes: those loads then depend on the wait, so
-    neither Triton's loop pipeliner (which orders a loop's ops by their data, not by the wait's
-    side effect) nor ptxas can issue them before it. Without PDL a plain 0."""
-    token = 0
-    if PDL:
-        token = _wait_token()
-    if TRIGGER:
-        gdc_launch_dependents()
-    return token
 
 
 @triton.jit

@@ -46,24 +46,11 @@ scale, round, and the trip through shared memory into the MMA layout). Exact wei
 magnitude below 2^64. `benchmarks/kernel_sass.py --kernels w4a16` counts both loops'
 instructions.
 
-Its TMA variant (W4Config.tma, `w4a16_tma_kernel`; FMA_TMA picks it for calls without a
-config, off until timed on a GPU): the same arithmetic, with the words, scales and zeros read
-through tensor descriptors in a loop Triton pipelines num_stages deep, so num_stages - 1 K
-steps of weight are in flight a program where the pointer path holds one (its register
-prefetch): the pointer path reads its bytes far below the bandwidth while its loop issues
-fewer instructions a byte than an H100 can, so bytes in flight look like its limit. One
-thread issues each copy, the tiles land in shared memory (fewer registers than the
-prefetch), and columns past N read TMA's zeros. tma_problem says where it cannot run (no TMA
-device, row_group, rows not 16-byte aligned); those calls take the pointer path.
-
 PDL: up to PDL_MAX_ROWS rows the kernel launches with programmatic dependent launch by the
 bf16 decode GEMVs' rules (pdl_launch: where the device has PDL; the kernel ahead, a norm or
 the attention, lets it launch early), so its launch and the first step's weight loads overlap
 the kernel ahead: the CUDA-core path's prefetch issues them before its wait (`gdc_wait`),
-every load of x comes after it; the tl.dot path waits first; the TMA variant requests its
-pipeline's first steps before the wait and waits in its first step, x's loads taking a 0 made
-by the wait into their addresses (pdl.pdl_start_token), which keeps the loop pipeliner from
-hoisting them above it. Faster decode on an H100
+every load of x comes after it; the tl.dot path waits first. Faster decode on an H100
 (docs/BENCHMARKS.md). Where w4a16_linear's split reduce follows (a K split, or gated), the
 GEMV triggers at its start and the reduce launches with PDL too, waiting at its start and
 then triggering, so the kernel after it (down_proj's GEMV) launches early and prefetches as
@@ -81,11 +68,9 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from inferx_kernels_cuda.gemv import split_k_reduce_kernel
-from inferx_kernels_cuda.pdl import gemv_launch, pdl_late, pdl_start, pdl_start_token
-from inferx_kernels_cuda.tma_gemv import has_tma
+from inferx_kernels_cuda.pdl import gemv_launch, pdl_late, pdl_start
 
 GEMV_ROWS = 16  # up to this many rows: the split-K GEMV regime
 MAX_FMA_ROWS = 4
@@ -96,13 +81,6 @@ FMA_ROWS = MAX_FMA_ROWS
 # rows (the TMA GEMVs' limit, TritonOps.tma_gemv_max_rows), by the rules of the bf16 decode
 # GEMVs (pdl_launch); above it, or on a device without PDL, the kernel compiles as without it.
 PDL_MAX_ROWS = 64
-# The CUDA-core path with its weight read through TMA (w4a16_tma_kernel) where the device and
-# the layout allow it (tma_problem), for calls without a config: off until timed on a GPU
-# (benchmarks/w4a16_gemm.py --tma; gpu_table.py --patch inferx_kernels_cuda.w4a16.FMA_TMA=True).
-# Read at each call.
-FMA_TMA = False
-# Its pipeline depth: num_stages - 1 K steps of words, scales and zeros in flight a program.
-FMA_TMA_STAGES = 4
 _REDUCE_BLOCK = 256
 _H100_SMS = 132
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -117,9 +95,7 @@ class W4Config:
     CUDA cores in fp32 instead of tl.dot (`_fma_rows`: no padding of x to 16 rows, no
     conversion of the weight tile to tl.dot's operand layout), block_m rows a program (1, 2
     or 4), for the benchmark to weigh against the dot path at a few rows; packed_loads and
-    num_stages do not apply to it. tma (with use_dot=False): the words, scales and zeros
-    come through TMA tensor descriptors, pipelined num_stages deep (w4a16_tma_kernel), where
-    tma_problem finds nothing against it; elsewhere the CUDA-core path's pointer loads."""
+    num_stages do not apply to it."""
 
     block_m: int = 16
     block_n: int = 64
@@ -129,15 +105,12 @@ class W4Config:
     num_stages: int = 3
     packed_loads: bool = True
     use_dot: bool = True
-    tma: bool = False
 
     def __str__(self) -> str:
         loads = "packed" if self.packed_loads else "dup"
         return (
             f"m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k} "
-            f"w{self.num_warps} st{self.num_stages} {loads}"
-            + ("" if self.use_dot else " fma")
-            + (" tma" if self.tma and not self.use_dot else "")
+            f"w{self.num_warps} st{self.num_stages} {loads}" + ("" if self.use_dot else " fma")
         )
 
 
@@ -179,23 +152,17 @@ def pick_config(m: int, n: int, k: int, num_sms: int = _H100_SMS) -> W4Config:
     return replace(cfg, split_k=split_for(tiles, k, cfg.block_k, m, num_sms))
 
 
-def fma_config(m: int, n: int, k: int, num_sms: int = _H100_SMS, tma: bool = False) -> W4Config:
+def fma_config(m: int, n: int, k: int, num_sms: int = _H100_SMS) -> W4Config:
     """The CUDA-core path's config for 1-4 rows, which benchmarks/w4a16_gemm.py --fma times
     beside pick_config's: 64 columns, a 128-row step (one group), four warps. The next step's
     words, scales and zeros are loaded during the current step's arithmetic (_fma_rows'
     prefetch); beyond that, memory parallelism comes from resident programs: K is split for
-    eight programs an SM, down to two steps a split (a guess for the sweep to tune).
-    tma: the TMA variant's (w4a16_tma_kernel, `--tma`): FMA_TMA_STAGES deep, 128 columns at
-    one row (the TMA copies' and barriers' instructions a step, about 50 at any width, then
-    weigh half as much a weight byte: `kernel_sass.py --tma`), 64 at 2-4 rows (128 would
-    double the registers), split alike."""
+    eight programs an SM, down to two steps a split (a guess for the sweep to tune)."""
     if not 1 <= m <= MAX_FMA_ROWS:
         raise ValueError(f"w4a16: the CUDA-core path takes 1-{MAX_FMA_ROWS} rows, not {m}")
     cfg = W4Config(
         block_m=1 << (m - 1).bit_length(), block_n=64, block_k=128, num_stages=1, use_dot=False
     )
-    if tma:
-        cfg = replace(cfg, block_n=128 if m == 1 else 64, num_stages=FMA_TMA_STAGES, tma=True)
     split = split_for(triton.cdiv(n, cfg.block_n), k, cfg.block_k, m, num_sms, 8, 2)
     return replace(cfg, split_k=split)
 
@@ -488,7 +455,7 @@ def _fma_rows(
 
 @triton.jit
 def _rows_out(acc0, acc1, acc2, acc3, BLOCK_M: tl.constexpr):
-    """The CUDA-core paths' [BLOCK_M, BLOCK_N] result: each row's [KW, BLOCK_N] sums
+    """The CUDA-core path's [BLOCK_M, BLOCK_N] result: each row's [KW, BLOCK_N] sums
     summed across their KW rows (the one cross-thread sum)."""
     rows = tl.arange(0, BLOCK_M)[:, None]
     out = tl.where(rows == 0, tl.sum(acc0, axis=0)[None, :], 0.0)
@@ -579,84 +546,6 @@ def w4a16_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n < n)[None, :])
 
 
-@triton.jit(do_not_specialize=["m"])
-def w4a16_tma_kernel(
-    x_ptr,
-    qw_desc,
-    s_desc,
-    z_desc,
-    perm_ptr,
-    bias_ptr,
-    out_ptr,
-    m,
-    n,
-    k,
-    stride_xm,
-    stride_os,
-    stride_om,
-    k_per_split,
-    group_shift,
-    HAS_PERM: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,
-    PDL: tl.constexpr = False,
-    TRIGGER: tl.constexpr = False,
-    LATE: tl.constexpr = False,
-):
-    """w4a16_kernel's CUDA-core path (its grid, splits and outputs) with the words, scales
-    and zeros read through tensor descriptors (TMA) over qweight [K / 8, N] (tiles [BLOCK_K /
-    8, BLOCK_N]), scales and zeros [G, N] (tiles [1, BLOCK_N]), pipelined num_stages deep by
-    Triton: num_stages - 1 steps in flight while one is summed (_fma_rows holds one). Columns
-    past n read zeros (TMA's fill), never stored. PDL: the wait is in the first step, after
-    the pipeline's first loads (the weight is no kernel's output) and before any load of x; a
-    split past K (no steps) waits after its loop, before its store."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    n0 = pid_n * BLOCK_N
-    row0 = pid_m * BLOCK_M
-    x_rows = x_ptr + pid_m.to(tl.int64) * BLOCK_M * stride_xm
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, k)
-    KW: tl.constexpr = BLOCK_K // 8
-    kw = tl.arange(0, KW)
-    acc0 = tl.zeros([KW, BLOCK_N], tl.float32)
-    acc1 = tl.zeros([KW, BLOCK_N], tl.float32)
-    acc2 = tl.zeros([KW, BLOCK_N], tl.float32)
-    acc3 = tl.zeros([KW, BLOCK_N], tl.float32)
-    # num_stages on the loop itself: Triton pipelines loads that feed no tl.dot only there
-    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
-        packed = qw_desc.load([k0 // 8, n0])  # [KW, BLOCK_N]
-        group = k0 >> group_shift
-        s_raw = tl.reshape(s_desc.load([group, n0]), [BLOCK_N])
-        z_raw = tl.reshape(z_desc.load([group, n0]), [BLOCK_N])
-        # The wait, in the first step: the pipeline's first num_stages - 1 steps of weight
-        # are requested before it (ahead of the loop), and x's loads take its token (0) into
-        # their column, so they follow it (the pipeliner orders by data).
-        token = 0
-        if k0 == k_start:
-            token = pdl_start_token(PDL, TRIGGER)
-        acc0, acc1, acc2, acc3 = _fma_step_groups(
-            acc0, acc1, acc2, acc3, packed, s_raw, z_raw, x_rows, perm_ptr, m, row0, k0 + token,
-            kw, stride_xm, HAS_PERM, BLOCK_M, BLOCK_N, KW,
-        )  # fmt: skip
-    if k_start >= k_end:
-        pdl_start(PDL, TRIGGER)
-    acc = _rows_out(acc0, acc1, acc2, acc3, BLOCK_M)
-    pdl_late(LATE)
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=offs_n < n, other=0.0).to(tl.float32)
-        acc += bias[None, :] * (pid_k == 0).to(tl.float32)
-    out = out_ptr + pid_k * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    mask = (offs_m < m)[:, None] & (offs_n < n)[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def _block_k(cfg: W4Config, group_size: int, k: int) -> int:
     """cfg.block_k lowered to the largest power of two dividing the group size and K."""
     common = math.gcd(group_size, k)
@@ -721,35 +610,6 @@ def _check(
         )
 
 
-def tma_problem(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    block_n: int = 64,
-    row_group: torch.Tensor | None = None,
-) -> str | None:
-    """Why w4a16_tma_kernel cannot read these operands in block_n-column tiles, or None when
-    it can: a TMA device (sm_90 or newer; or the interpreter), no row_group (each row's own
-    scales stay on the pointer path), 16-byte aligned bases and rows of qweight, scales and
-    zeros (N a multiple of 16 for uint8 zeros), and block_n a multiple of 16 up to 256 (a
-    TMA box's inner extent: at least 16 bytes, at most 256 elements)."""
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if not interpret and not (x.is_cuda and has_tma(x.device)):
-        return f"w4a16: TMA needs a CUDA device of sm_90 or newer, not {x.device}"
-    if row_group is not None:
-        return "w4a16: row_group (a scale row a kernel row) stays on the pointer loads"
-    if block_n % 16 or not 16 <= block_n <= 256:
-        return f"w4a16: TMA tiles of block_n 16-256 in steps of 16, not {block_n}"
-    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros)):
-        if (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
-            return (
-                f"w4a16: TMA needs {name}'s base and rows 16-byte aligned (row stride "
-                f"{t.stride(0)} x {t.element_size()} bytes, address {t.data_ptr()})"
-            )
-    return None
-
-
 def pdl_launch(device: torch.device, rows: int, trigger: bool = False) -> dict[str, Any]:
     """w4a16_kernel's PDL arguments for `rows` rows of x: none (the kernel as without PDL)
     past PDL_MAX_ROWS rows; else pdl.gemv_launch's, as the bf16 decode GEMVs get them (PDL
@@ -784,24 +644,6 @@ def _launch(
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), cfg.split_k)
-    if (
-        cfg.tma
-        and not cfg.use_dot
-        and tma_problem(x, qweight, scales, zeros, cfg.block_n, row_group) is None
-    ):
-        # Descriptors built per call (host objects, no sync; a CUDA graph keeps their values).
-        qw_desc = TensorDescriptor.from_tensor(qweight, [block_k // 8, cfg.block_n])
-        s_desc = TensorDescriptor.from_tensor(scales, [1, cfg.block_n])
-        z_desc = TensorDescriptor.from_tensor(zeros, [1, cfg.block_n])
-        w4a16_tma_kernel[grid](
-            x, qw_desc, s_desc, z_desc, perm if perm is not None else qweight,
-            bias if bias is not None else scales, out, m, n, k, x.stride(0), out.stride(0),
-            out.stride(1), k_per_split, _group_shift(group_size, k),
-            HAS_PERM=perm is not None, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n, BLOCK_K=block_k, STAGES=cfg.num_stages,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
-        )  # fmt: skip
-        return
     # Absent perm, bias, row_group: a dummy pointer HAS_PERM / HAS_BIAS / ROW_GROUP = False
     # compiles away.
     w4a16_kernel[grid](
@@ -857,31 +699,11 @@ def _pdl_after_gather(x: torch.Tensor, perm: torch.Tensor | None, trigger: bool)
     return pdl_launch(x.device, x.shape[0], trigger)
 
 
-def default_config(m: int, n: int, k: int, num_sms: int = _H100_SMS, tma: bool = False) -> W4Config:
-    """fma_config up to FMA_ROWS rows (its TMA variant's with `tma`), else pick_config."""
+def default_config(m: int, n: int, k: int, num_sms: int = _H100_SMS) -> W4Config:
+    """fma_config up to FMA_ROWS rows, else pick_config."""
     if 1 <= m <= min(FMA_ROWS, MAX_FMA_ROWS):
-        return fma_config(m, n, k, num_sms, tma)
+        return fma_config(m, n, k, num_sms)
     return pick_config(m, n, k, num_sms)
-
-
-def _call_config(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    row_group: torch.Tensor | None,
-) -> W4Config:
-    """default_config for a call without one: the TMA variant where FMA_TMA is on (read
-    now, so a patched module constant takes effect at the next call) and tma_problem, at its
-    tiles' width, finds nothing against it."""
-    m, k = x.shape
-    n = qweight.shape[1]
-    sms = _num_sms(x.device)
-    if FMA_TMA:
-        cfg = default_config(m, n, k, sms, tma=True)
-        if cfg.tma and tma_problem(x, qweight, scales, zeros, cfg.block_n, row_group) is None:
-            return cfg
-    return default_config(m, n, k, sms)
 
 
 def w4a16_linear(
@@ -913,7 +735,7 @@ def w4a16_linear(
     out = torch.empty((m, n // 2 if gated else n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = config or _call_config(x, qweight, scales, zeros, row_group)
+    cfg = config or default_config(m, n, k, _num_sms(x.device))
     reduced = cfg.split_k > 1 or gated
     # Before a reduce the GEMV triggers at its start (the reduce loads nothing before its wait,
     # and its programs arrive only once all of the GEMV's have started).
@@ -962,7 +784,7 @@ def w4a16_linear_parts(
     _check(x, qweight, scales, zeros, group_size, perm, bias, row_group)
     m, k = x.shape
     n = qweight.shape[1]
-    cfg = config or _call_config(x, qweight, scales, zeros, row_group)
+    cfg = config or default_config(m, n, k, _num_sms(x.device))
     out = torch.empty((cfg.split_k, m, n), dtype=x.dtype, device=x.device)
     if m:
         pdl = _pdl_after_gather(x, perm, trigger)
