@@ -25,8 +25,10 @@ step (GEMV_MXFP4_WARPS, GEMV_MXFP4_BLOCK_K; --warps, --block-k). moe_gemv_tma: t
 GEMV with its weight words by TMA bulk copies (moe_gemv_tma_kernel), at its defaults
 (GEMV_MXFP4_TMA_GATE_UP / _DOWN) and the --block-n given (--block-k, --stages); the loop's
 UTMALDG count is the `tma` column (a copy a tile a step, issued by one thread). moe_gemm:
-moe_gemm_kernel's MXFP4 tiles at 8, 256 and 2048 tokens (gemm_configs'), whose weight tile is
-dequantized once per M tile: its bytes a clock then also feed the tensor cores. w4a16:
+moe_gemm_kernel's MXFP4 tiles at 8, 256 and 2048 tokens (gemm_configs' for bf16 activations,
+swapped where it swaps), whose weight tile is dequantized once per M tile: its bytes a clock
+then also feed the tensor cores; a loop with wgmma also prints its HGMMA count and its waits
+for all of them (one a HGMMA: the tensor-core steps serialized). w4a16:
 w4a16_kernel at a dense model's decode shapes (benchmarks/gemm_shapes.py; --model, --shapes),
 --rows rows of bf16 x, group 128, at the configs w4a16.pick_config (tl.dot) and, up to 4 rows,
 w4a16.fma_config (CUDA cores) give; --act-order with the K permutation; --row-group with it
@@ -163,6 +165,15 @@ def loop_sass(compiled: Any) -> list[str]:
     return [ins for addr, ins in instrs if start <= addr <= end]
 
 
+def wgmma_waits(compiled: Any) -> int:
+    """The loop's waits for every wgmma in flight (WARPGROUP.DEPBAR.LE gsb0, 0x0): one after
+    each HGMMA means the tensor-core steps run one at a time (ptxas serialized them, or the
+    code waits before reusing an operand)."""
+    return sum(
+        bool(re.match(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x0\b", ins)) for ins in loop_sass(compiled)
+    )
+
+
 def pre_wait_loads(compiled: Any) -> dict[str, Any] | None:
     """The global loads issued before the kernel's grid-dependency wait, None without one:
     {"ptx": {function: loads} by the kernel source's function each comes from (the innermost
@@ -294,19 +305,21 @@ def moe_gemm_cases(args: argparse.Namespace) -> Iterator[Case]:
     types |= {n: "*i32" for n in ("sorted_ptr", "block_expert_ptr", "num_padded_ptr")}
     types |= {"alpha": "fp32", "limit": "fp32"}
     for tokens in (8, 256, 2048):
-        configs = mk.gemm_configs(tokens * 4, 32, 2880, 2880, "mxfp4", 132)
+        # bf16 activations: the prefill tiles may swap operands, as fused_experts lets them
+        configs = mk.gemm_configs(tokens * 4, 32, 2880, 2880, "mxfp4", 132, swap_ab=True)
         for gated, cfg in zip((True, False), configs, strict=True):
             constexprs = dict(
                 A_ROW_DIV=4 if gated else 1, ACT=mk.ACT_SWIGLU_OAI if gated else mk.ACT_NONE,
                 GATE_STRIDE=2 if gated else 1, MXFP4=True, ROW_SCALE=False, K_SCALE=False,
                 HAS_BIAS=True, WEIGHTED=not gated, ATOMIC_K=0, PER_PAIR=False, DOT_FP32=False,
-                BF16_BITS=True,
+                BF16_BITS=True, SWAP_AB=cfg.swap_ab,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             )  # fmt: skip
             per_thread = cfg.block_n * cfg.block_k / 2 * (2 if gated else 1) / (32 * cfg.num_warps)
             label = (
                 f"moe_gemm gpt-oss {'gate_up' if gated else 'down'} {tokens} tok "
                 f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/{cfg.num_warps}"
+                + (" swap" if cfg.swap_ab else "")
             )
             yield Case(
                 label, mk.moe_gemm_kernel, types, constexprs, cfg.num_warps, per_thread,
@@ -454,10 +467,13 @@ def main() -> None:
             )
             if pre_wait is not None:
                 print(f"{'':60s} before the wait: {pre_wait}", flush=True)
+            waits = wgmma_waits(compiled)
+            if ops.get("HGMMA"):
+                print(f"{'':60s} wgmma: {ops['HGMMA']} HGMMA, {waits} full waits", flush=True)
             rows.append(
                 {"kernel": case.label, "regs": regs, "stack": stack, "loop": length}
                 | {"per_byte": per_byte, "pre_wait": pre_wait, "shared": shared, "tma": tma}
-                | {"ops": dict(ops)}
+                | {"ops": dict(ops), "wgmma_waits": waits}
             )
     if args.json:
         with open(args.json, "w") as f:
