@@ -130,9 +130,8 @@ def resources(compiled: Any) -> tuple[int, int]:
     return int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else -1
 
 
-def loop_mix(compiled: Any) -> tuple[int, collections.Counter]:
-    """(length, opcode counts) of the longest loop (a backward branch) in the SASS."""
-    body = loop_sass(compiled)
+def loop_mix(body: list[str]) -> tuple[int, collections.Counter]:
+    """(length, opcode counts) of a loop's instructions (loop_sass's)."""
     ops = collections.Counter(
         re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0] for ins in body
     )
@@ -165,13 +164,11 @@ def loop_sass(compiled: Any) -> list[str]:
     return [ins for addr, ins in instrs if start <= addr <= end]
 
 
-def wgmma_waits(compiled: Any) -> int:
-    """The loop's waits for every wgmma in flight (WARPGROUP.DEPBAR.LE gsb0, 0x0): one after
-    each HGMMA means the tensor-core steps run one at a time (ptxas serialized them, or the
-    code waits before reusing an operand)."""
-    return sum(
-        bool(re.match(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x0\b", ins)) for ins in loop_sass(compiled)
-    )
+def wgmma_waits(body: list[str]) -> int:
+    """A loop's waits for every wgmma in flight (WARPGROUP.DEPBAR.LE gsb0, 0x0) among its
+    instructions (loop_sass's): one after each HGMMA means the tensor-core steps run one at a
+    time (ptxas serialized them, or the code waits before reusing an operand)."""
+    return sum(bool(re.match(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x0\b", ins)) for ins in body)
 
 
 def pre_wait_loads(compiled: Any) -> dict[str, Any] | None:
@@ -448,13 +445,14 @@ def main() -> None:
                 case.kernel, case.types, case.constexprs, case.warps, case.stages, case.unaligned
             )
             regs, stack = resources(compiled)
-            length, ops = loop_mix(compiled)
+            body = loop_sass(compiled)
+            length, ops = loop_mix(body)
             tma = sum(n for op, n in ops.items() if op == "UTMALDG")
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
                 path = os.path.join(args.dump, re.sub(r"\W+", "_", case.label) + ".sass")
                 with open(path, "w") as f:
-                    f.write("\n".join(loop_sass(compiled)) + "\n")
+                    f.write("\n".join(body) + "\n")
             per_byte = length / case.per_thread
             top = " ".join(f"{op} {n}" for op, n in ops.most_common(8))
             pre_wait = pre_wait_loads(compiled)
@@ -467,7 +465,7 @@ def main() -> None:
             )
             if pre_wait is not None:
                 print(f"{'':60s} before the wait: {pre_wait}", flush=True)
-            waits = wgmma_waits(compiled)
+            waits = wgmma_waits(body)
             if ops.get("HGMMA"):
                 print(f"{'':60s} wgmma: {ops['HGMMA']} HGMMA, {waits} full waits", flush=True)
             rows.append(
