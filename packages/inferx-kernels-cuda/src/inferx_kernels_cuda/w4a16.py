@@ -450,13 +450,7 @@ def _fma_rows(
             k_end - BLOCK_K, kw, stride_xm, s_ptr, z_ptr, rg_ptr, cols, n, HAS_PERM,
             BLOCK_M, BLOCK_N, KW, ROW_GROUP,
         )  # fmt: skip
-    return _rows_out(acc0, acc1, acc2, acc3, BLOCK_M)
-
-
-@triton.jit
-def _rows_out(acc0, acc1, acc2, acc3, BLOCK_M: tl.constexpr):
-    """The CUDA-core path's [BLOCK_M, BLOCK_N] result: each row's [KW, BLOCK_N] sums
-    summed across their KW rows (the one cross-thread sum)."""
+    # each row's [KW, BLOCK_N] sums summed across their KW rows (the one cross-thread sum)
     rows = tl.arange(0, BLOCK_M)[:, None]
     out = tl.where(rows == 0, tl.sum(acc0, axis=0)[None, :], 0.0)
     if BLOCK_M > 1:
