@@ -335,6 +335,20 @@ class FusedMoE(torch.nn.Module):
         # K), summed by route_experts
         logits = self.ops.linear_parts(self.gate, x)
         weights, ids = self.ops.route_experts(logits, self.router, self.selection_bias)
+        return self._experts(x, weights, ids)
+
+    def forward_normed(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: torch.nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(norm(x, residual, parts=True)) and the norm's new residual: x is the
+        partial results of the sublayer before ([S, T, H]), `norm` an RMSNorm (weight, eps).
+        The norm and the routing are one ops call (KernelOps.rms_norm_route)."""
+        h, residual, weights, ids = self.ops.rms_norm_route(
+            x, norm.weight, norm.eps, residual, self.gate, self.router, self.selection_bias
+        )
+        return self._experts(h, weights, ids), residual
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.router.shared and ids.shape[-1] == self.router.top_k:
             # a KernelOps whose route_experts predates RouterSpec.shared: appended in torch
             weights, ids = append_shared(weights, ids, self.router)

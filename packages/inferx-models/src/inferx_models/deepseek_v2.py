@@ -229,18 +229,29 @@ class MLAttention(nn.Module):
 
     def _attend(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> the attention output before o_proj, [T, heads * v_head_dim]."""
-        t = x.shape[0]
-        widths = [self.q_out, self.rank + self.rope]
         if self.q_a_layernorm is not None and self.q_b_proj is not None:
-            q, kv = self.qkv_a_proj(x).split(widths, dim=-1)
+            t = x.shape[0]
+            q, kv = self.qkv_a_proj(x).split([self.q_out, self.rank + self.rope], dim=-1)
             q = self.q_b_proj(self.q_a_layernorm(q)).view(t, self.heads, self.nope + self.rope)
-        else:
-            # Without q LoRA the GEMM's K-slice parts (a kernel package's decode GEMM) go to
-            # mla_rope_norm, which sums them: [S, T, ...] views of q and kv.
-            parts, bias = self.ops.linear_split(self.qkv_a_proj, x)
-            assert bias is None  # qkv_a_proj has none
-            q, kv = parts.split(widths, dim=-1)
-            q = q.view(q.shape[0], t, self.heads, self.nope + self.rope)
+            return self._attend_qkv(positions, q, kv)
+        # Without q LoRA the GEMM's K-slice parts (a kernel package's decode GEMM) go to
+        # mla_rope_norm, which sums them.
+        parts, bias = self.ops.linear_split(self.qkv_a_proj, x)
+        assert bias is None  # qkv_a_proj has none
+        return self._attend_parts(positions, parts)
+
+    def _attend_parts(self, positions: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
+        """_attend from qkv_a_proj's output as [S, T, q + kv] K-slice parts (no q LoRA)."""
+        q, kv = parts.split([self.q_out, self.rank + self.rope], dim=-1)
+        q = q.view(q.shape[0], q.shape[1], self.heads, self.nope + self.rope)
+        return self._attend_qkv(positions, q, kv)
+
+    def _attend_qkv(
+        self, positions: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
+    ) -> torch.Tensor:
+        """The attention output from q [(S,) T, heads, nope + rope] and kv [(S,) T, rank +
+        rope] (whole, or [S, ...] views of K-slice parts, which mla_rope_norm sums)."""
+        t = q.shape[-3]
         # q rotated; k [T, 1, rank + rope]: the normed latent and the rotated rope key
         q, k = self.ops.mla_rope_norm(
             q,
@@ -258,7 +269,10 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """The layer's output, or with `parts` o_proj's partial results for a norm that adds
         them up (Attention.forward's contract)."""
-        out = self._attend(positions, x)
+        return self._project(self._attend(positions, x), parts)
+
+    def _project(self, out: torch.Tensor, parts: bool) -> torch.Tensor:
+        """o_proj of the attention output (as forward returns it)."""
         if parts:
             y = self.ops.linear_parts(self.o_proj, out)
             return y if self.tp is None else reduce_parts(self.tp, y)
@@ -268,9 +282,16 @@ class MLAttention(nn.Module):
     def forward_normed(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward(norm(x, residual, parts=True), parts=True) and the norm's new residual."""
-        h, residual = norm(x, residual, parts=True)
-        return self.forward(positions, h, parts=True), residual
+        """forward(norm(x, residual, parts=True), parts=True) and the norm's new residual;
+        without q LoRA the norm and qkv_a_proj are one ops call (rms_norm_linear_split)."""
+        if self.q_a_layernorm is not None:
+            h, residual = norm(x, residual, parts=True)
+            return self.forward(positions, h, parts=True), residual
+        qkv, bias, residual = self.ops.rms_norm_linear_split(
+            x, norm.weight, norm.eps, residual, self.qkv_a_proj
+        )
+        assert bias is None  # qkv_a_proj has none
+        return self._project(self._attend_parts(positions, qkv), parts=True), residual
 
 
 class DeepseekV2ForCausalLM(Qwen3MoeForCausalLM):

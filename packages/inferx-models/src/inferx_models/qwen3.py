@@ -48,8 +48,8 @@ class SparseMoeBlock(FusedMoE):
         self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """MLP.forward_normed's contract: the output as one part [1, T, H], and the residual."""
-        h, residual = norm(x, residual, parts=True)
-        return self(h).unsqueeze(0), residual
+        out, residual = super().forward_normed(x, residual, norm)
+        return out.unsqueeze(0), residual
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
