@@ -357,6 +357,41 @@ def test_fp8_model_with_the_fusion_agrees_with_the_torch_reference(llama, tmp_pa
                 break
 
 
+@interpreted
+@pytest.mark.parametrize("spec_index", range(3), ids=SPEC_IDS)
+def test_pdl_variants_write_the_same(spec_index: int, monkeypatch) -> None:
+    """The kernels as a decode chain launches them where PDL is on (rms_norm_quant_kernel
+    waiting and triggering, silu_and_mul_quant_kernel and quant_rows_kernel triggering; the
+    interpreter runs the grid-dependency calls as no-ops): the same bits as plain launches."""
+    from inferx_kernels_cuda import ops as ops_module
+    from inferx_kernels_cuda.fp8_gemm import quantize_rows
+
+    spec = specs()[spec_index]
+    x, residual, weight = norm_inputs(4, 3, 96, torch.float16, 5)
+    h = silu_input(3, 200, torch.float16, 6)
+    launched = []
+    runs = {
+        "norm": lambda: ops(True).rms_norm_quant(x, weight, 1e-6, spec, residual, parts=True),
+        "silu": lambda: (ops(True).silu_and_mul_quant(h, spec), None),
+    }
+    want = {name: run() for name, run in runs.items()}
+
+    def early(*args, **kwargs):
+        launched.append(kwargs.get("norm", False))
+        return {"PDL": True, "TRIGGER": True} if kwargs.get("norm") else {"TRIGGER": True}
+
+    monkeypatch.setattr(ops_module, "between_launch", early)
+    for name, run in runs.items():
+        got_q, got_sum = run()
+        assert_same(got_q, want[name][0])
+        if got_sum is not None:
+            assert torch.equal(got_sum, want[name][1])
+    assert launched == [True, False]  # the norm waits too; SiLU-and-mul only triggers
+    (q, scale), (plain_q, plain_scale) = (quantize_rows(h[:, :100], trigger=t) for t in (1, 0))
+    assert torch.equal(q.view(torch.uint8), plain_q.view(torch.uint8))
+    assert torch.equal(scale, plain_scale)
+
+
 # --- on a GPU (compiled kernels, bf16) ---
 
 

@@ -265,3 +265,79 @@ def test_gemvs_wait_for_their_producers_inside_a_graph(
         torch.testing.assert_close(down[0].float(), want_down, rtol=2e-2, atol=2e-2)
         want_final = ref.rms_norm(down[0], norm_w, eps)
         torch.testing.assert_close(final, want_final, rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("rows", [1, 8])
+def test_fp8_chain_waits_for_its_producers_inside_a_graph(pdl_env, rows: int) -> None:
+    """The FP8 W8A8 decode chain at the 3B's widths as TritonOps and Fp8Linear launch it with
+    PDL: a slow cuBLAS GEMM writes y; add + RMSNorm + e4m3 quantization (PDL, TRIGGER) reads
+    it; the FP8 TMA GEMV (PDL, triggering the next) its rows; quantize_rows (TRIGGER) their
+    sum; a gate_up-wide FP8 GEMV (PDL) those; SiLU-and-mul + quantization (TRIGGER) its
+    output; the down GEMV (PDL) that. Each replay's inputs are fresh, and each stage is held to
+    float32 products of what the graph itself held: a stale read would be off by O(1)."""
+    from inferx_core.interfaces.quant import ActivationQuant
+    from inferx_kernels_cuda.fp8_gemm import fp8_scaled_linear, quantize_rows
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the TMA GEMVs and PDL need Hopper")
+    pdl_env()
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    hidden, inter, eps = 2048, 11008, 1e-6
+    g = torch.Generator(device=dev).manual_seed(9)
+
+    def weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w8, scale = quantize_rows((torch.randn(n, k, generator=g, device=dev) * k**-0.5).to(bf16))
+        return w8, scale.reshape(-1)
+
+    a = torch.empty(rows, 8192, device=dev, dtype=bf16)
+    b = (torch.randn(8192, hidden, generator=g, device=dev) * 8192**-0.5).to(bf16)
+    residual = torch.empty(rows, hidden, device=dev, dtype=bf16)
+    norm_w = (torch.rand(hidden, generator=g, device=dev) + 0.5).to(bf16)
+    (w_qkv, s_qkv), (w_gu, s_gu), (w_down, s_down) = (
+        weight(2560, hidden), weight(2 * inter, 2560), weight(hidden, inter)
+    )  # fmt: skip
+    ops, spec = TritonOps(), ActivationQuant("token")
+    assert pdl.between_launch(dev, rows, hidden, norm=True)["PDL"]
+
+    def dq(q) -> torch.Tensor:  # a QuantizedActivation or (e4m3, scale) as float32
+        data, scale = (q.data, q.scale) if hasattr(q, "data") else q
+        return data.float() * scale
+
+    def step() -> tuple:
+        y = a @ b
+        normed, _ = ops.rms_norm_quant(y, norm_w, eps, spec, residual)
+        qkv = fp8_scaled_linear(normed.data, normed.scale, w_qkv, s_qkv, None, bf16,
+                                parts=True, trigger=True)  # fmt: skip
+        h = quantize_rows(qkv.sum(0), trigger=True)
+        gate_up = fp8_scaled_linear(*h, w_gu, s_gu, None, bf16)
+        act = ops.silu_and_mul_quant(gate_up, spec)
+        down = fp8_scaled_linear(act.data, act.scale, w_down, s_down, None, bf16, parts=True)
+        return y, normed, qkv, h, gate_up, act, down
+
+    a.normal_(generator=g)
+    residual.normal_(generator=g)
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for _ in range(4):
+        a.normal_(generator=g)
+        residual.normal_(generator=g)
+        graph.replay()
+        torch.cuda.synchronize()
+        y, normed, qkv, h, gate_up, act, down = outs
+        torch.testing.assert_close(y, a @ b, rtol=0, atol=0)
+        want_normed, _ = TorchOps().rms_norm(y, norm_w, eps, residual)
+        torch.testing.assert_close(dq(normed), want_normed.float(), rtol=7e-2, atol=7e-2)
+        for got, x, w, s in (
+            (qkv.float().sum(0), dq(normed), w_qkv, s_qkv),
+            (gate_up.float(), dq(h), w_gu, s_gu),
+            (down.float().sum(0), dq(act), w_down, s_down),
+        ):
+            want = F.linear(x, w.float() * s[:, None])
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        g_, u = gate_up.float().chunk(2, dim=-1)
+        torch.testing.assert_close(dq(act), F.silu(g_) * u, rtol=7e-2, atol=7e-2)

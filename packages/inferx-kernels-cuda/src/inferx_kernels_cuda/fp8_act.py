@@ -17,6 +17,7 @@ import triton.language as tl
 
 from inferx_kernels_cuda.fp8_gemm import FP8, _to_e4m3
 from inferx_kernels_cuda.fused_kernels import _rounded, norm_row, silu_times
+from inferx_kernels_cuda.pdl import pdl_start
 
 # SiLU-and-mul per token holds the whole row in one program up to this many columns (3B's
 # 11008 and 8B's 14336 pad to 16384): one load's latency instead of two passes of several.
@@ -60,15 +61,17 @@ def rms_norm_quant_kernel(
     x_ptr, residual_ptr, weight_ptr, q_ptr, s_ptr, static_ptr, residual_out_ptr,
     stride_x, stride_residual, stride_q, stride_s, stride_residual_out, stride_part, n_cols, eps,
     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, GROUP: tl.constexpr,
-    STATIC: tl.constexpr, HAND_ROUND: tl.constexpr,
+    STATIC: tl.constexpr, HAND_ROUND: tl.constexpr, PDL: tl.constexpr = False,
+    TRIGGER: tl.constexpr = False,
 ):  # fmt: skip
     """rms_norm_kernel (one program per row, the whole row in one tile, parts and residual
-    alike), its output rounded to x's dtype and then quantized (_quantize_store) instead of
-    stored."""
+    alike, PDL and TRIGGER too), its output rounded to x's dtype and then quantized
+    (_quantize_store) instead of stored."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_start(PDL, TRIGGER)
     y = norm_row(
         x_ptr, residual_ptr, residual_out_ptr, w, row, cols, mask, stride_x, stride_residual,
         stride_residual_out, stride_part, n_cols, eps, HAS_RESIDUAL, PARTS,
@@ -93,12 +96,13 @@ def _silu_row(x_row, cols, mask, n_cols, DTYPE: tl.constexpr):
 def silu_and_mul_quant_kernel(
     x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, stride_s, n_cols,
     BLOCK: tl.constexpr, GROUP: tl.constexpr, STATIC: tl.constexpr, ONE_TILE: tl.constexpr,
-    HAND_ROUND: tl.constexpr,
+    HAND_ROUND: tl.constexpr, TRIGGER: tl.constexpr = False,
 ):  # fmt: skip
-    """silu_and_mul_kernel's output quantized. Grid (rows, column blocks) where a block's
-    scales need only its own columns (GROUP > 0, dividing BLOCK; STATIC); per token one
+    """silu_and_mul_kernel's output quantized (TRIGGER too). Grid (rows, column blocks) where a
+    block's scales need only its own columns (GROUP > 0, dividing BLOCK; STATIC); per token one
     program a row: the whole row in one tile (ONE_TILE), else two passes over BLOCK-column
     tiles, the absmax first, then the values again (from L2) to quantize."""
+    pdl_start(False, TRIGGER)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
@@ -155,9 +159,11 @@ def silu_and_mul_quant(
     group: int = 0,
     static: torch.Tensor | None = None,
     interpret: bool = False,
+    trigger: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, 2I] (gate then up, unit column stride) -> (e4m3 [rows, I], float32 scales as
-    scales_for). interpret: under Triton's interpreter (the e4m3 rounding by hand)."""
+    scales_for). interpret: under Triton's interpreter (the e4m3 rounding by hand). trigger:
+    the GEMV after it may launch now (inferx_kernels_cuda.pdl)."""
     rows, half = x.shape[0], x.shape[1] // 2
     q = torch.empty((rows, half), dtype=FP8, device=x.device)
     scale, stride_s = scales_for(rows, half, granularity, group, static, x.device)
@@ -174,6 +180,6 @@ def silu_and_mul_quant(
         x, q, scale, scale, x.stride(0), q.stride(0), stride_s, half,
         BLOCK=block, GROUP=group if granularity == "group" else 0,
         STATIC=granularity == "static", ONE_TILE=one_tile, HAND_ROUND=interpret,
-        num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
+        TRIGGER=trigger, num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
     )  # fmt: skip
     return q, scale

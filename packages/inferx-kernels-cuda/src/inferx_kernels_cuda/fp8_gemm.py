@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from inferx_kernels_cuda.pdl import pdl_enabled, pdl_start
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
@@ -78,9 +80,12 @@ def _to_e4m3(v, HAND_ROUND: tl.constexpr):
 def quant_rows_kernel(
     x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, stride_q, stride_s,
     GROUP: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr, HAND_ROUND: tl.constexpr,
+    TRIGGER: tl.constexpr = False,
 ):  # fmt: skip
     """One program per row. GROUP > 0: a scale per GROUP columns (BLOCK == GROUP); GROUP == 0:
-    one scale for the row (two passes over it); STATIC: the scale is *static_ptr."""
+    one scale for the row (two passes over it); STATIC: the scale is *static_ptr. TRIGGER: the
+    GEMM after it may launch now (inferx_kernels_cuda.pdl)."""
+    pdl_start(False, TRIGGER)
     row = tl.program_id(0)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
@@ -113,11 +118,15 @@ def quant_rows_kernel(
 
 
 def quantize_rows(
-    x: torch.Tensor, group: int = 0, static_scale: torch.Tensor | None = None
+    x: torch.Tensor,
+    group: int = 0,
+    static_scale: torch.Tensor | None = None,
+    trigger: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scales): [M, 1] per token (group 0), [M, ceil(K /
     group)] per token per group, or the static [1, 1] scale given. Scales are absmax / 448, at
-    least 1 / (448 * 512), as inferx_quant.fp8.quantize_activations computes them."""
+    least 1 / (448 * 512), as inferx_quant.fp8.quantize_activations computes them. trigger:
+    the GEMM after it may launch now (it then launches with PDL)."""
     m, k = x.shape
     q = torch.empty((m, k), dtype=FP8, device=x.device)
     if static_scale is not None:
@@ -133,7 +142,8 @@ def quantize_rows(
         quant_rows_kernel[(m,)](
             x, q, scale, scale, k, x.stride(0), q.stride(0), stride_s,
             GROUP=group if static_scale is None else 0, STATIC=static_scale is not None,
-            BLOCK=block, HAND_ROUND=_interpreting(), num_warps=4 if block <= 1024 else 8,
+            BLOCK=block, HAND_ROUND=_interpreting(), TRIGGER=trigger,
+            num_warps=4 if block <= 1024 else 8,
         )  # fmt: skip
     return q, scale
 
@@ -327,12 +337,14 @@ def tma_fp8_gemm(
     out_dtype: torch.dtype,
     slices: int | None = None,
     parts: bool = False,
+    trigger: bool = False,
 ) -> torch.Tensor:
     """tma_gemv.tma_fp8_linear_parts: a [M <= its MAX_ROWS, K] e4m3 with a_scale [M, 1] or
     [1, 1], or half precision with a_scale None (weight-only); w [N, K] e4m3 with w_scale [N].
     K in tma_gemv.fp8_parts slices (or `slices`). parts: the [S, M, N] slices in out_dtype,
     the bias in slice 0, for a caller that sums them anyway; else one [M, N] result, more than
-    one slice kept in fp32 and summed with the bias by split_sum_kernel."""
+    one slice kept in fp32 and summed with the bias by split_sum_kernel. trigger: the kernel
+    after the GEMM may launch early (PDL; not after a split_sum_kernel)."""
     tma_gemv = _tma_gemv()
     m, k = a.shape
     n = w.shape[0]
@@ -341,7 +353,9 @@ def tma_fp8_gemm(
     elem = 1 if a_scale is not None else a.element_size()
     cfg = tma_gemv.plain_config(n, slices, sms, m, False, elem)
     if parts or slices == 1:
-        out = tma_gemv.tma_fp8_linear_parts(a, a_scale, w, w_scale, bias, slices, cfg, out_dtype)
+        out = tma_gemv.tma_fp8_linear_parts(
+            a, a_scale, w, w_scale, bias, slices, cfg, out_dtype, trigger=trigger
+        )
         return out if parts else out[0]
     p = tma_gemv.tma_fp8_linear_parts(a, a_scale, w, w_scale, None, slices, cfg, torch.float32)
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -388,28 +402,32 @@ def fp8_linear(
     input_scale: torch.Tensor | None = None,
     gemm: str = "auto",
     parts: bool = False,
+    trigger: bool = False,
 ) -> torch.Tensor:
     """x [M, K] in half precision -> x @ dequant(w).T + bias, [M, N] in x's dtype.
     activations: token / tensor (dynamic), static (input_scale), group (per token per block[1]
     columns; block weights), none (weight-only). parts: [S, M, N] K-slice parts that sum to
     it, the bias in part 0 (QuantLinear.forward_parts' form): S > 1 where the TMA GEMM splits
-    K, else the result as one part."""
+    K, else the result as one part. trigger: the kernel after the GEMM may launch early (PDL,
+    where the TMA GEMM runs); the quantization kernel lets the GEMM launch early where PDL is
+    on."""
     if activations == "none":
         if block is not None:
             return _as_parts(triton_fp8_gemm(x, None, w, w_scale, bias, x.dtype, block), parts)
-        return _per_row(x, None, w, w_scale, bias, x.dtype, gemm, parts)
+        return _per_row(x, None, w, w_scale, bias, x.dtype, gemm, parts, trigger)
+    early = pdl_enabled(x.device)
     if activations == "group":
         if block is None:
             raise ValueError("group activation scales come with block weight scales")
         xq, xs = quantize_rows(x, group=block[1])
     elif activations == "static":
-        xq, xs = quantize_rows(x, static_scale=input_scale)
+        xq, xs = quantize_rows(x, static_scale=input_scale, trigger=early)
     elif activations == "tensor":
         xs = (x.abs().amax().float() / FP8_MAX).clamp(min=MIN_SCALE).reshape(1, 1)
-        xq, _ = quantize_rows(x, static_scale=xs)
+        xq, _ = quantize_rows(x, static_scale=xs, trigger=early)
     else:
-        xq, xs = quantize_rows(x)
-    return fp8_scaled_linear(xq, xs, w, w_scale, bias, x.dtype, block, gemm, parts)
+        xq, xs = quantize_rows(x, trigger=early)
+    return fp8_scaled_linear(xq, xs, w, w_scale, bias, x.dtype, block, gemm, parts, trigger)
 
 
 def fp8_scaled_linear(
@@ -422,6 +440,7 @@ def fp8_scaled_linear(
     block: tuple[int, int] | None = None,
     gemm: str = "auto",
     parts: bool = False,
+    trigger: bool = False,
 ) -> torch.Tensor:
     """fp8_linear's GEMM for activations already quantized: xq [M, K] e4m3 with xs [M, 1] or
     [1, 1] (per-row weight scales), or [M, ceil(K / block[1])] (block weight scales); from
@@ -432,7 +451,7 @@ def fp8_scaled_linear(
         return _as_parts(triton_fp8_gemm(xq, xs, w, w_scale, bias, out_dtype, block), parts)
     if xs.shape[1] != 1:
         raise ValueError("activation scales per group need block weight scales")
-    return _per_row(xq, xs, w, w_scale, bias, out_dtype, gemm, parts)
+    return _per_row(xq, xs, w, w_scale, bias, out_dtype, gemm, parts, trigger)
 
 
 def _as_parts(y: torch.Tensor, parts: bool) -> torch.Tensor:
@@ -448,9 +467,11 @@ def _per_row(
     out_dtype: torch.dtype,
     gemm: str,
     parts: bool,
+    trigger: bool = False,
 ) -> torch.Tensor:
     """A per-row-scaled GEMM by pick_gemm's choice (or `gemm`'s): a e4m3 with a_scale, or half
-    precision with a_scale None (weight-only: the TMA GEMM or the Triton kernel)."""
+    precision with a_scale None (weight-only: the TMA GEMM or the Triton kernel). trigger:
+    the TMA GEMM's (tma_fp8_gemm)."""
     if gemm not in ("auto", "tma", "triton", "cublas"):
         raise ValueError(f"gemm {gemm!r}: expected auto, tma, triton or cublas")
     n, k = w.shape
@@ -458,7 +479,7 @@ def _per_row(
     if gemm == "auto":
         choice = pick_gemm(a.shape[0], n, k, tma_readable(a, a_scale, w, w_scale))
     if choice == "tma":
-        return tma_fp8_gemm(a, a_scale, w, w_scale, bias, out_dtype, parts=parts)
+        return tma_fp8_gemm(a, a_scale, w, w_scale, bias, out_dtype, parts=parts, trigger=trigger)
     # cuBLASLt's rule: 16-aligned sizes, e4m3 on both sides
     if choice == "cublas" and a_scale is not None and a.is_cuda and n % 16 == 0 and k % 16 == 0:
         return _as_parts(cublas_fp8_gemm(a, a_scale, w, w_scale, bias, out_dtype), parts)

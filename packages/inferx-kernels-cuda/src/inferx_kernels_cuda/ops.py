@@ -60,14 +60,20 @@ def _dense(linear: torch.nn.Module) -> bool:
     return isinstance(linear, QuantLinear) and linear.dense_weight() is not None
 
 
+def _activation_rows(x: object) -> Any:
+    """x's rows as a tensor: a QuantizedActivation's e4m3 data, else x."""
+    return x.data if isinstance(x, QuantizedActivation) else x
+
+
 def _takes_trigger(linear: torch.nn.Module, x: object) -> bool:
     """Whether the layer's forward_parts / forward_split take `trigger` (QuantLinear.
-    takes_trigger) for x: rows of plain activations."""
+    takes_trigger) for x: rows of activations, plain or quantized."""
+    data = _activation_rows(x)
     return (
         isinstance(linear, QuantLinear)
         and linear.takes_trigger
-        and isinstance(x, torch.Tensor)
-        and x.dim() == 2
+        and isinstance(data, torch.Tensor)
+        and data.dim() == 2
     )
 
 
@@ -351,7 +357,7 @@ class TritonOps(KernelOps):
                 x2.stride(0), r2.stride(0), q2.stride(0), stride_s, s2.stride(0), stride_part,
                 n, eps, BLOCK=block, HAS_RESIDUAL=has_residual, PARTS=num_parts, GROUP=group,
                 STATIC=quant.granularity == "static", HAND_ROUND=self._interpret,
-                num_warps=_norm_warps(block),
+                **between_launch(x.device, rows, n, norm=True), num_warps=_norm_warps(block),
             )  # fmt: skip
         return QuantizedActivation(q, scale, x.dtype, quant)
 
@@ -383,8 +389,10 @@ class TritonOps(KernelOps):
         if x.shape[-1] % 2:
             raise ValueError(f"silu_and_mul: last dim {x.shape[-1]} is not gate + up (even)")
         x2 = _rows(x)
+        # TRIGGER as silu_and_mul's: down_proj's FP8 GEMV may launch early
+        trigger = between_launch(x.device, x2.shape[0], x2.shape[1] // 2)["TRIGGER"]
         q, scale = fp8_act.silu_and_mul_quant(
-            x2, quant.granularity, quant.group, quant.static_scale, self._interpret
+            x2, quant.granularity, quant.group, quant.static_scale, self._interpret, trigger
         )
         return QuantizedActivation(q.view(*x.shape[:-1], -1), scale, x.dtype, quant)
 
@@ -522,8 +530,9 @@ class TritonOps(KernelOps):
             # (gpt-oss's o_proj) goes into part 0
             trigger = norm_early(x.device, x.shape[0])
             return self._tma(x, linear.dense_weight(), parts, trigger, linear.bias)
-        if _takes_trigger(linear, x):  # the same rule for a method's own GEMV (W4A16's)
-            return linear.forward_parts(x, trigger=norm_early(x.device, x.shape[0]))
+        if _takes_trigger(linear, x):  # the same rule for a method's own GEMV (W4A16's, FP8's)
+            rows = _activation_rows(x)
+            return linear.forward_parts(x, trigger=norm_early(rows.device, rows.shape[0]))
         return linear.forward_parts(x)
 
     def _takes_reduce(self, linear: torch.nn.Module, splits: SplitAttention) -> bool:
@@ -554,8 +563,9 @@ class TritonOps(KernelOps):
             if in_ranges(x.shape[0], self.qkv_half_rows):
                 parts = max(1, parts // 2)
             return self._tma(x, linear.dense_weight(), parts, trigger), linear.bias
-        if _takes_trigger(linear, x):  # the same rule for a method's own GEMV (W4A16's)
-            return linear.forward_split(x, trigger=attention_early(x.device, x.shape[0]))
+        if _takes_trigger(linear, x):  # the same rule for a method's own GEMV (W4A16's, FP8's)
+            rows = _activation_rows(x)
+            return linear.forward_split(x, trigger=attention_early(rows.device, rows.shape[0]))
         return linear.forward_split(x)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:

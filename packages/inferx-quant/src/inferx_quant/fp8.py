@@ -125,6 +125,8 @@ class Fp8Linear(QuantLinear):
     [ceil(out/bn), ceil(in/bk)]. input_scale: the static activation scale, the largest of the
     fused parts' (they share one input, as vLLM does)."""
 
+    takes_trigger = True  # forward_parts / forward_split: the TMA GEMM's PDL trigger
+
     def __init__(
         self,
         spec: LinearSpec,
@@ -337,35 +339,41 @@ class Fp8Linear(QuantLinear):
             xd = xq.float() * scale
         return self._reference_gemm(xd, x.dtype).reshape(*lead, -1)
 
-    def forward_parts(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+    def forward_parts(
+        self, x: torch.Tensor | QuantizedActivation, trigger: bool = False
+    ) -> torch.Tensor:
         """On a GPU, the FP8 GEMM's K-slice parts, the bias in part 0, where it splits K (the
         TMA decode GEMM at decode sizes on Hopper: the caller's sum replaces its reduce
-        launch); else y as one part."""
+        launch); else y as one part. trigger: the kernel after the GEMM may launch early
+        (QuantLinear.takes_trigger; the TMA GEMM's PDL)."""
         if isinstance(x, QuantizedActivation):
             self._check_quantized(x)
         if not (x.data if isinstance(x, QuantizedActivation) else x).is_cuda:
             return super().forward_parts(x)
-        return self._gpu(x, parts=True)
+        return self._gpu(x, parts=True, trigger=trigger)
 
     def forward_split(
-        self, x: torch.Tensor | QuantizedActivation
+        self, x: torch.Tensor | QuantizedActivation, trigger: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward_parts, whose part 0 already holds the bias: none is left to add."""
-        return self.forward_parts(x), None
+        return self.forward_parts(x, trigger), None
 
-    def _gpu(self, x: torch.Tensor | QuantizedActivation, parts: bool) -> torch.Tensor:
+    def _gpu(
+        self, x: torch.Tensor | QuantizedActivation, parts: bool, trigger: bool = False
+    ) -> torch.Tensor:
         """inferx-kernels-cuda's FP8 GEMM (fp8_gemm.fp8_linear, or fp8_scaled_linear for x
         already quantized): y [..., N], or with `parts` [S, ..., N]."""
         lead, k = x.shape[:-1], x.shape[-1]
         if isinstance(x, QuantizedActivation):
             y = _gpu_kernels().fp8_scaled_linear(
                 x.data.reshape(-1, k), x.scale, self.weight, self.weight_scale, self.bias,
-                x.dtype, self._block(), parts=parts,
+                x.dtype, self._block(), parts=parts, trigger=trigger,
             )  # fmt: skip
         else:
             y = _gpu_kernels().fp8_linear(
                 x.reshape(-1, k), self.weight, self.weight_scale, self.bias,
                 self.fmt.activations, self._block(), self.input_scale, parts=parts,
+                trigger=trigger,
             )  # fmt: skip
         return y.reshape(*y.shape[:-2], *lead, y.shape[-1])
 
