@@ -158,7 +158,45 @@ def test_fused_moe_forward_normed_matches_torch_ops(name):
         outs.append(layer.forward_normed(x, residual, norm))
     (want, want_r), (got, got_r) = outs
     assert torch.equal(got_r, want_r)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # TritonOps hands over the k (+ shared) weighted outputs as parts; TorchOps the sum
+    assert want.shape == (1, 4, hidden) and got.shape == (k + shared, 4, hidden)
+    torch.testing.assert_close(got.sum(0), want[0], rtol=1e-5, atol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("name", ["gpt-oss", "v2-lite"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_parts_sum_in_the_next_norm_as_the_sum_kernel_did(name, dtype):
+    """moe_experts_parts' [k, T, H] view of the weighted expert outputs, summed by the next
+    norm (rms_norm and norm_route, parts=True), gives the bits that moe_experts' sum kernel and
+    the same norm over that one part give: the same fp32 order, one rounding."""
+    e, k, after, renorm, scaling, shared, bias = ROUTERS[name]
+    hidden, inter, rows = 64, 32, 5
+    spec = RouterSpec(e, k, softmax_after_topk=after, renormalize=renorm, shared=shared)
+    experts = ExpertsSpec("mlp.experts", e + shared, hidden, inter, shared=shared)
+    ops = TritonOps()
+    ctx = BuildContext(dtype, torch.device("cpu"), None, Unquantized(), ops, ParallelContext())
+    layer = FusedMoE(ctx, "mlp", hidden, spec, experts, router_bias=bias)
+    g = gen(13)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_((torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5).to(dtype))
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    weights, ids = ops.route_experts(ops.linear_parts(layer.gate, x), layer.router)
+    parts = ops.moe_experts_parts(layer.experts, x, weights, ids)
+    summed = ops.moe_experts(layer.experts, x, weights, ids)
+    assert parts.shape == (k + shared, rows, hidden) and not parts[0].is_contiguous()
+    _, residual, norm_w = inputs(1, rows, hidden, dtype, g)
+    spec2, router2 = router(name, hidden, dtype, torch.device("cpu"), g)
+    ops.norm_route_rows = ((1, 16),)
+    for a, b in (
+        (ops.rms_norm(parts, norm_w, 1e-6, residual, parts=True),
+         ops.rms_norm(summed[None], norm_w, 1e-6, residual, parts=True)),
+        (ops.rms_norm_route(parts, norm_w, 1e-6, residual, router2, spec2),
+         ops.rms_norm_route(summed[None], norm_w, 1e-6, residual, router2, spec2)),
+    ):  # fmt: skip
+        for got, want in zip(a, b, strict=True):
+            assert torch.equal(got, want)
 
 
 @on_gpu

@@ -340,18 +340,29 @@ class FusedMoE(torch.nn.Module):
     def forward_normed(
         self, x: torch.Tensor, residual: torch.Tensor, norm: torch.nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward(norm(x, residual, parts=True)) and the norm's new residual: x is the
-        partial results of the sublayer before ([S, T, H]), `norm` an RMSNorm (weight, eps).
-        The norm and the routing are one ops call (KernelOps.rms_norm_route)."""
+        """forward(norm(x, residual, parts=True)) as partial results [S, T, H] for the next
+        norm (KernelOps.moe_experts_parts: a kernel package may leave the top-k sum to it), and
+        the norm's new residual: x is the partial results of the sublayer before ([S, T, H]),
+        `norm` an RMSNorm (weight, eps). The norm and the routing are one ops call
+        (KernelOps.rms_norm_route)."""
         h, residual, weights, ids = self.ops.rms_norm_route(
             x, norm.weight, norm.eps, residual, self.gate, self.router, self.selection_bias
         )
-        return self._experts(h, weights, ids), residual
+        if self.shared is None and self.parallel.world_size == 1:
+            weights, ids = self._with_shared(weights, ids)
+            return self.ops.moe_experts_parts(self.experts, h, weights, ids), residual
+        return self._experts(h, weights, ids).unsqueeze(0), residual
 
-    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _with_shared(
+        self, weights: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.router.shared and ids.shape[-1] == self.router.top_k:
             # a KernelOps whose route_experts predates RouterSpec.shared: appended in torch
-            weights, ids = append_shared(weights, ids, self.router)
+            return append_shared(weights, ids, self.router)
+        return weights, ids
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self._with_shared(weights, ids)
         out = self.ops.moe_experts(self.experts, x, weights, ids)
         if self.shared is not None:
             out = out + self.shared(x)

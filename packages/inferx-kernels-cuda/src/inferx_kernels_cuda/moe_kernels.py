@@ -280,7 +280,7 @@ def norm_route(
         )
     if t > NORM_ROUTE_MAX_ROWS:
         raise ValueError(f"norm_route: {t} rows, at most {NORM_ROUTE_MAX_ROWS}")
-    if x.stride(-1) != 1 or not x[0].is_contiguous():
+    if x.stride(-1) != 1:  # parts and rows may be strided (moe_experts_parts' are)
         x = x.contiguous()
     residual = residual.contiguous()
     gate = gate.contiguous()
@@ -1786,9 +1786,13 @@ def fused_experts(
     gemv: bool | None = None,
     tma: bool | None = None,
     gemv_tma: bool | None = None,
+    parts: bool = False,
 ) -> torch.Tensor:
     """QuantExperts.forward on the device: x [T, H], topk_weights [T, k] float32, topk_ids
     [T, k] -> sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), [T, H] in x's dtype.
+    parts: as [S, T, H] partial results for a norm to sum (KernelOps.moe_experts_parts): the
+    k weighted outputs unsummed, [k, T, H] (a view, no sum launch), where down writes them in
+    x's dtype (no atomic_sum, no split K), else the sum as one part.
     Four launches (group, gate_up, down, sum; no grouping for one token, two more grouping
     passes for many pairs), with no host synchronisation. atomic_sum: down adds each pair's
     output into a float32 [T, H] (zeroed first, cast after) with atomics instead of writing
@@ -1814,7 +1818,7 @@ def fused_experts(
     topk_weights = topk_weights.contiguous()
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     if t == 0:
-        return out
+        return out.unsqueeze(0) if parts else out
     num_pairs = t * k
     mxfp4 = w.format == "mxfp4"
     bk = w.scale_block_k if w.format == "fp8" else 0
@@ -2004,9 +2008,11 @@ def fused_experts(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     if atomic_sum:
-        return y.to(x.dtype)
+        return y.to(x.dtype).unsqueeze(0) if parts else y.to(x.dtype)
+    if parts and split == 1:
+        return y.view(t, k, hidden).transpose(0, 1)
     block = min(1024, triton.next_power_of_2(hidden))
     moe_sum_kernel[(t, triton.cdiv(hidden, block))](
         y, out, hidden, num_pairs, TOP_K=k, BLOCK=block, SPLITS=split, num_warps=4
     )
-    return out
+    return out.unsqueeze(0) if parts else out

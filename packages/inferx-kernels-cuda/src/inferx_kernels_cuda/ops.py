@@ -281,7 +281,8 @@ class TritonOps(KernelOps):
         if parts:
             check_parts(x, residual)
             num_parts = x.shape[0]
-            if num_parts > 1 and (x.stride(-1) != 1 or not x[0].is_contiguous()):
+            # parts [S, T, n] may be strided along S and T (moe_experts_parts' [k, T, n] view)
+            if num_parts > 1 and (x.stride(-1) != 1 or (x.dim() != 3 and not x[0].is_contiguous())):
                 x = x.contiguous()
             stride_part = x.stride(0) if num_parts > 1 else 0
             x = x[0]  # part 0; the kernel finds the others stride_part further
@@ -653,6 +654,26 @@ class TritonOps(KernelOps):
         return fused_experts(
             x, topk_weights, topk_ids, weights, experts.spec, atomic_sum=self.moe_atomic_sum
         )
+
+    def moe_experts_parts(
+        self,
+        experts: QuantExperts,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """moe_experts' weighted top-k outputs unsummed, [k, T, H] (fused_experts(parts=True)):
+        the norm after the layer sums them in the order moe_sum_kernel would, rounding once,
+        so the result is the same and the sum launch is saved."""
+        weights = experts.expert_weights()
+        if (
+            weights is None
+            or x.dim() != 2
+            or not (x.is_cuda or self._interpret)
+            or self.moe_atomic_sum
+        ):
+            return super().moe_experts_parts(experts, x, topk_weights, topk_ids)
+        return fused_experts(x, topk_weights, topk_ids, weights, experts.spec, parts=True)
 
     def mla_rope_norm(
         self,

@@ -12,7 +12,6 @@ from torch import nn
 from inferx_core.interfaces.model import BuildContext
 from inferx_core.interfaces.moe import ExpertsSpec, QuantExperts, RouterSpec
 from inferx_core.moe import FusedMoE
-from inferx_models.layers import RMSNorm
 from inferx_models.llama import LlamaForCausalLM
 
 _EXPERT_PARTS = ("gate", "up", "down", "gate_up")
@@ -42,14 +41,8 @@ def is_moe_layer(hf_config: dict[str, Any], layer: int) -> bool:
 
 
 class SparseMoeBlock(FusedMoE):
-    """A FusedMoE layer ("mlp.gate" router, "mlp.experts") as a decoder layer's MLP."""
-
-    def forward_normed(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """MLP.forward_normed's contract: the output as one part [1, T, H], and the residual."""
-        out, residual = super().forward_normed(x, residual, norm)
-        return out.unsqueeze(0), residual
+    """A FusedMoE layer ("mlp.gate" router, "mlp.experts") as a decoder layer's MLP: its
+    forward_normed keeps MLP.forward_normed's contract (the output as parts, the residual)."""
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):

@@ -204,6 +204,19 @@ class KernelOps(ABC):
         method without them runs its own forward."""
         return experts(x, topk_weights, topk_ids)
 
+    def moe_experts_parts(
+        self,
+        experts: QuantExperts,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """moe_experts as partial results [S, T, H] for the norm after the layer, which sums
+        them (rms_norm's parts: float32, in order, rounded once). A kernel package may hand
+        over each token's weighted expert outputs unsummed, so the norm's sum replaces the
+        layer's own; by default the sum as one part."""
+        return self.moe_experts(experts, x, topk_weights, topk_ids).unsqueeze(0)
+
     def mla_rope_norm(
         self,
         q: torch.Tensor,
