@@ -25,7 +25,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from inferx_core.interfaces.moe import ExpertsSpec, ExpertWeights, RouterSpec
-from inferx_kernels_cuda.fused_kernels import _rounded
+from inferx_kernels_cuda.fused_kernels import _rounded, summed_row
 from inferx_kernels_cuda.pdl import pdl_start
 from inferx_kernels_cuda.tma_gemv import has_tma, resident_config
 from inferx_kernels_cuda.w4a16 import _dequantized as _w4_tile
@@ -180,8 +180,8 @@ def norm_route_kernel(
     out_ty = h_ptr.dtype.element_ty
     w = tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_start(PDL, TRIGGER)
-    h = _summed_row(x_ptr, residual_ptr, row, cols, mask, stride_x, stride_residual, stride_part,
-                    dtype, PARTS)  # fmt: skip
+    h = summed_row(x_ptr, residual_ptr, row, cols, mask, stride_x, stride_residual, stride_part,
+                   dtype, True, PARTS)  # fmt: skip
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
     if block == 0:
         tl.store(residual_out_ptr + row * stride_residual_out + cols, h.to(dtype), mask=mask)
@@ -194,8 +194,8 @@ def norm_route_kernel(
     for k0 in range(0, n_cols, BLOCK_K):
         kc = k0 + tl.arange(0, BLOCK_K)
         k_ok = kc < n_cols
-        hk = _summed_row(x_ptr, residual_ptr, row, kc, k_ok, stride_x, stride_residual,
-                         stride_part, dtype, PARTS)  # fmt: skip
+        hk = summed_row(x_ptr, residual_ptr, row, kc, k_ok, stride_x, stride_residual,
+                        stride_part, dtype, True, PARTS)  # fmt: skip
         wk = tl.load(norm_w_ptr + kc, mask=k_ok, other=0.0).to(tl.float32)
         yk = _rounded(wk * _rounded(hk * rstd, dtype), out_ty)
         g = tl.load(gate_ptr + experts[:, None].to(tl.int64) * stride_gate + kc[None, :],
@@ -217,22 +217,6 @@ def norm_route_kernel(
             x, rows, rows >= 0, e_cols, weights_ptr, ids_ptr, num_experts, scaling, TOP_K,
             SHARED, K_PAD, SOFTMAX_ALL, 1, E_PAD,
         )  # fmt: skip
-
-
-@triton.jit
-def _summed_row(
-    x_ptr, residual_ptr, row, cols, mask, stride_x, stride_residual, stride_part,
-    DTYPE: tl.constexpr, PARTS: tl.constexpr,
-):  # fmt: skip
-    """norm_row's sum (fp32, rounded where it rounds): the parts, then the residual."""
-    h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if PARTS > 1:
-        for p in tl.static_range(1, PARTS):
-            part = tl.load(x_ptr + p * stride_part + row * stride_x + cols, mask=mask, other=0.0)
-            h += part.to(tl.float32)
-        h = _rounded(h, DTYPE)
-    r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
-    return _rounded(h + r.to(tl.float32), DTYPE)
 
 
 # One int32 counter a row for norm_route_kernel's last program, per device; each launch leaves
