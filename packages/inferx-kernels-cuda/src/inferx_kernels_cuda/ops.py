@@ -11,7 +11,7 @@ import torch
 import triton
 
 from inferx_core.interfaces.attention import SplitAttention
-from inferx_core.interfaces.moe import QuantExperts, RouterSpec
+from inferx_core.interfaces.moe import ExpertWeights, QuantExperts, RouterSpec
 from inferx_core.interfaces.ops import KernelOps, check_mla_rope_norm, check_parts
 from inferx_core.interfaces.quant import ActivationQuant, QuantizedActivation, QuantLinear
 from inferx_core.quant_none import SPLIT_PARTS
@@ -648,8 +648,8 @@ class TritonOps(KernelOps):
         """The routed experts as grouped Triton GEMMs (moe_kernels.fused_experts) where the
         method hands out its tensors (QuantExperts.expert_weights); no host synchronisation, so
         CUDA graphs capture it."""
-        weights = experts.expert_weights()
-        if weights is None or x.dim() != 2 or not (x.is_cuda or self._interpret):
+        weights = self._expert_weights(experts, x)
+        if weights is None:
             return super().moe_experts(experts, x, topk_weights, topk_ids)
         return fused_experts(
             x, topk_weights, topk_ids, weights, experts.spec, atomic_sum=self.moe_atomic_sum
@@ -665,15 +665,20 @@ class TritonOps(KernelOps):
         """moe_experts' weighted top-k outputs unsummed, [k, T, H] (fused_experts(parts=True)):
         the norm after the layer sums them in the order moe_sum_kernel would, rounding once,
         so the result is the same and the sum launch is saved."""
-        weights = experts.expert_weights()
-        if (
-            weights is None
-            or x.dim() != 2
-            or not (x.is_cuda or self._interpret)
-            or self.moe_atomic_sum
-        ):
+        weights = self._expert_weights(experts, x)
+        if weights is None:
             return super().moe_experts_parts(experts, x, topk_weights, topk_ids)
-        return fused_experts(x, topk_weights, topk_ids, weights, experts.spec, parts=True)
+        return fused_experts(
+            x, topk_weights, topk_ids, weights, experts.spec, atomic_sum=self.moe_atomic_sum,
+            parts=True,
+        )  # fmt: skip
+
+    def _expert_weights(self, experts: QuantExperts, x: torch.Tensor) -> ExpertWeights | None:
+        """The tensors fused_experts runs (QuantExperts.expert_weights) where it can run on x
+        ([T, H] on a GPU or under the interpreter); None: the method's own forward."""
+        if x.dim() != 2 or not (x.is_cuda or self._interpret):
+            return None
+        return experts.expert_weights()
 
     def mla_rope_norm(
         self,
