@@ -3,7 +3,8 @@ its own, outside the interpreter): argv[1] is a JSON list of [x dtype ("fp8e4nv"
 "bf16": weight-only), rows, [block_n, block_k, num_warps, num_stages], gated]. Arguments that a
 launch passes divisible by 16 (pointers, strides) are compiled as such. Prints one JSON line:
 [shared memory bytes, registers, spilled bytes (sm90_mla's ptxas reading), the wgmma
-operand types, whether the tiles come by TMA bulk copies] per case."""
+operand types, whether the tiles come by TMA bulk copies, whether ptxas serialized the wgmma]
+per case."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import re
 import sys
 
 import triton
-from sm90_mla import registers_and_spills
+from sm90_mla import registers_and_spills, wgmma_serialized
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -60,5 +61,6 @@ if __name__ == "__main__":
         ptx = kernel.asm["ptx"]
         wgmma = sorted(set(re.findall(r"wgmma\.mma_async\S*\.f32\.(\w+\.\w+)", ptx)))
         bulk = "cp.async.bulk.tensor" in ptx
-        out.append([kernel.metadata.shared, *registers_and_spills(kernel), wgmma, bulk])
+        serialized = wgmma_serialized(kernel)
+        out.append([kernel.metadata.shared, *registers_and_spills(kernel), wgmma, bulk, serialized])
     print(json.dumps(out))

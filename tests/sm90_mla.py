@@ -62,8 +62,8 @@ def compile_sm90(block_m: int, block_n: int, warps: int, stages: int, tma: bool)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def registers_and_spills(kernel) -> tuple[int, int]:
-    """ptxas -v over the kernel's PTX: (registers, spill store + load bytes)."""
+def ptxas_log(kernel) -> str:
+    """What ptxas -v says over the kernel's PTX (Triton's compile keeps it to itself)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     try:
@@ -76,10 +76,21 @@ def registers_and_spills(kernel) -> tuple[int, int]:
         f.flush()
         cmd = [path, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"]
         log = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    text = log.stdout + log.stderr
+    return log.stdout + log.stderr
+
+
+def registers_and_spills(kernel) -> tuple[int, int]:
+    """ptxas -v over the kernel's PTX: (registers, spill store + load bytes)."""
+    text = ptxas_log(kernel)
     regs = int(re.search(r"Used (\d+) registers", text).group(1))
     spills = sum(int(b) for b in re.findall(r"(\d+) bytes spill (?:stores|loads)", text))
     return regs, spills
+
+
+def wgmma_serialized(kernel) -> bool:
+    """Whether ptxas serialized the kernel's wgmma (C7515: a wait after each, the tensor
+    cores' steps no longer overlapping the loads and the dequantization around them)."""
+    return "wgmma.mma_async" in kernel.asm["ptx"] and "C7515" in ptxas_log(kernel)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ of its own, outside the interpreter): every kernel of moe_kernels at the tiles g
 for gpt-oss-20b's and Qwen3-30B-A3B's shapes, decode and prefill, each weight format. Arguments
 that a launch passes divisible by 16 (pointers, strides, sizes) are compiled as such, as
 Triton's specialisation would, so the loads pipeline as they will on the GPU. Prints one JSON
-line: [name, shared memory bytes, whether the loads went through cp.async] per kernel.
+line: [name, shared memory bytes, whether the loads went through cp.async, whether ptxas
+serialized its wgmma (C7515: a wait after each)] per kernel.
 benchmarks/kernel_sass.py compiles them (its UNALIGNED: the arguments not divisible by 16)."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 from kernel_sass import compile_sm90  # noqa: E402
+from sm90_mla import wgmma_serialized  # noqa: E402
 
 from inferx_kernels_cuda import moe_kernels as mk  # noqa: E402
 
@@ -84,7 +86,9 @@ def cases():
         # act-order over ranks ("-tp": down's scales by row, ROW_GROUP)
         w4_formats = ("w4a16", "w4a16-zeros-act-order", "w4a16-act-order-tp") if silu else ()
         for fmt in ("dense", "mxfp4", "fp8", "fp8-block", *w4_formats):
-            for tokens in (1, 8, 2048):
+            # gpt-oss's MXFP4 at a 256-token step too: swapped, as fused_experts runs it
+            steps = (1, 8, 256, 2048) if fmt == "mxfp4" and not silu else (1, 8, 2048)
+            for tokens in steps:
                 layout = "w4a16" if fmt.startswith("w4a16") else fmt
                 configs = mk.gemm_configs(tokens * k, experts, inter, hidden, layout, 132)
                 gemv_configs = mk.gemm_configs(
@@ -115,7 +119,7 @@ def cases():
                     kernel = mk.moe_gemm_kernel
                     types = gemm_types(fmt, constexprs["PER_PAIR"])
                     yield label, kernel, types, constexprs, cfg.num_warps, cfg.num_stages
-                    if fmt == "mxfp4" and tokens == 2048 and not silu:  # swapped operands
+                    if fmt == "mxfp4" and tokens >= 256 and not silu:  # swapped operands
                         swapped = constexprs | {"SWAP_AB": True}
                         yield f"{label} swap_ab", kernel, types, swapped, cfg.num_warps, 3
                     if tokens <= mk.GEMV_MAX_TOKENS and fmt != "fp8-block":
@@ -143,5 +147,6 @@ if __name__ == "__main__":
     out = []
     for label, kernel, types, constexprs, warps, stages in cases():
         compiled = compile_sm90(kernel, types, constexprs, warps, stages)
-        out.append([label, compiled.metadata.shared, "cp.async" in compiled.asm["ptx"]])
+        ptx = compiled.asm["ptx"]
+        out.append([label, compiled.metadata.shared, "cp.async" in ptx, wgmma_serialized(compiled)])
     print(json.dumps(out))

@@ -208,9 +208,9 @@ SM90_MAX_SHARED_PER_PROGRAM = 232_448
 def test_default_tiles_compile_for_sm90_without_spills() -> None:
     """The tiles fp8_gemm.tma_fp8_gemm picks for Qwen2.5-3B's projections at 1, 16 and 64 rows
     (e4m3 x and weight-only bf16 x; the gated form too) compile for sm_90 with no register
-    spills, within an SM's shared memory, with e4m3 x e4m3 (or bf16) wgmma and TMA bulk
-    copies. Compiled by Triton without a GPU, in a process of its own (this one may run
-    Triton under the interpreter)."""
+    spills, within an SM's shared memory, with e4m3 x e4m3 (or bf16) wgmma that ptxas does not
+    serialize and TMA bulk copies. Compiled by Triton without a GPU, in a process of its own
+    (this one may run Triton under the interpreter)."""
     cases: list = []
     for n, k in ((2560, 2048), (2048, 2048), (22016, 2048), (2048, 11008)):
         for rows in (1, 16, 64):
@@ -229,7 +229,8 @@ def test_default_tiles_compile_for_sm90_without_spills() -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.splitlines()[-1])
-    for case, (shared, regs, spilled, wgmma, bulk) in zip(cases, got, strict=True):
+    for case, (shared, regs, spilled, wgmma, bulk, serialized) in zip(cases, got, strict=True):
+        assert not serialized, case  # ptxas kept the wgmma asynchronous (C7515)
         assert 0 < shared <= SM90_MAX_SHARED_PER_PROGRAM, (case, shared)
         assert spilled == 0, (case, regs, spilled)
         assert wgmma == (["e4m3.e4m3"] if case[0] == "fp8e4nv" else ["bf16.bf16"]), case

@@ -793,6 +793,9 @@ def moe_gemm_kernel(
     perm[expert, i] (perm_ptr int32 [E, k_in], act-order), gathered as the tile loads.
     ROW_GROUP: K row i's scales and zeros are row rg[expert, i] of the expert's (rg_ptr int32
     [E, k_in]: act-order split along K over ranks), so a tile may cross groups."""
+    # a K loop known to run keeps the accumulators' zeros off a skip path, which made ptxas
+    # serialize the swapped MXFP4 tiles' wgmma (C7515: a wait after each)
+    tl.assume(k_in > 0)
     pid = tl.program_id(0)
     num_n = tl.cdiv(n_out, BLOCK_N)
     pid_m = pid // num_n

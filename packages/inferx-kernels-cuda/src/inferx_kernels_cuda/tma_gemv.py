@@ -292,6 +292,7 @@ def tma_fp8_gemv_kernel(
     x e4m3, row r's scale at x_scale_ptr[r * stride_xs]; else x half precision), + bias[rows]
     in part 0. GATED (one split): out [m, n] = silu(gate) * up of the scaled (and biased)
     gate and up rows, each rounded to out's dtype first as silu_and_mul reads them."""
+    tl.assume(k_per_split > 0)  # else ptxas may serialize the wgmma (moe_gemm_kernel's note)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     n0 = pid_n * BLOCK_N
