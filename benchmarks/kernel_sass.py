@@ -309,7 +309,7 @@ def moe_gemm_cases(args: argparse.Namespace) -> Iterator[Case]:
                 A_ROW_DIV=4 if gated else 1, ACT=mk.ACT_SWIGLU_OAI if gated else mk.ACT_NONE,
                 GATE_STRIDE=2 if gated else 1, MXFP4=True, ROW_SCALE=False, K_SCALE=False,
                 HAS_BIAS=True, WEIGHTED=not gated, ATOMIC_K=0, PER_PAIR=False, DOT_FP32=False,
-                BF16_BITS=True, SWAP_AB=cfg.swap_ab,
+                BF16_BITS=True, SWAP_AB=cfg.swap_ab, EVEN_K=2880 % cfg.block_k == 0,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             )  # fmt: skip
             per_thread = cfg.block_n * cfg.block_k / 2 * (2 if gated else 1) / (32 * cfg.num_warps)

@@ -114,6 +114,7 @@ def cases():
                         WEIGHTED=not gated, ATOMIC_K=0, DOT_FP32=False, BLOCK_M=cfg.block_m,
                         PER_PAIR=tokens <= mk.PER_PAIR_MAX_TOKENS,
                         BLOCK_N=cfg.block_n, BLOCK_K=block_k, BF16_BITS=True, **w4,
+                        EVEN_K=k_in % block_k == 0,
                     )  # fmt: skip
                     label = f"{name} {fmt} {tokens} {'gate_up' if gated else 'down'}"
                     kernel = mk.moe_gemm_kernel

@@ -766,6 +766,7 @@ def moe_gemm_kernel(
     HAS_ZEROS: tl.constexpr = False,
     HAS_PERM: tl.constexpr = False,
     ROW_GROUP: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False,
 ):
     """One BLOCK_M tile of the grouped pairs (one expert's) times BLOCK_N output columns of that
     expert's weight [rows, K]. Row r of the tile is pair p = sorted[r]; its input row is
@@ -792,7 +793,8 @@ def moe_gemm_kernel(
     k0 >> group_shift. HAS_PERM: K row i of the expert's weight takes activation column
     perm[expert, i] (perm_ptr int32 [E, k_in], act-order), gathered as the tile loads.
     ROW_GROUP: K row i's scales and zeros are row rg[expert, i] of the expert's (rg_ptr int32
-    [E, k_in]: act-order split along K over ranks), so a tile may cross groups."""
+    [E, k_in]: act-order split along K over ranks), so a tile may cross groups. EVEN_K:
+    BLOCK_K divides k_in, so the activations' and MXFP4 weights' loads need no K mask."""
     # a K loop known to run keeps the accumulators' zeros off a skip path, which made ptxas
     # serialize the swapped MXFP4 tiles' wgmma (C7515: a wait after each)
     tl.assume(k_in > 0)
@@ -843,16 +845,20 @@ def moe_gemm_kernel(
         ka = k0 + kr
         if HAS_PERM:
             ka = tl.load(perm_row + ka)
-        a = tl.load(
-            a_ptr + a_rows[:, None] + ka[None, :],
-            mask=row_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
+        if EVEN_K:  # BLOCK_K divides k_in
+            a_mask = row_ok[:, None]
+        else:
+            a_mask = row_ok[:, None] & k_ok[None, :]
+        a = tl.load(a_ptr + a_rows[:, None] + ka[None, :], mask=a_mask, other=0.0)
         if MXFP4:
             if W_DOWN:
                 # weight rows [BLOCK_N, BLOCK_K] in bf16, 2 ** -64 times theirs
-                w_mask = col_ok[:, None] & ((k0 // 2 + kk) < k_in // 2)[None, :]
-                s_mask = col_ok[:, None] & ((k0 // 32 + kg) < k_in // 32)[None, :]
+                if EVEN_K:
+                    w_mask = col_ok[:, None]
+                    s_mask = col_ok[:, None]
+                else:
+                    w_mask = col_ok[:, None] & ((k0 // 2 + kk) < k_in // 2)[None, :]
+                    s_mask = col_ok[:, None] & ((k0 // 32 + kg) < k_in // 32)[None, :]
                 byte_off = (k0 // 2 + kk)[None, :]
                 scale_off = (k0 // 32 + kg)[None, :]
                 w = _mxfp4_rows_bf16(
@@ -1991,7 +1997,7 @@ def fused_experts(
             float(spec.alpha), float(spec.limit), max(bk, 1), *w4_args, **shared,
             K_SCALE=bk > 0, PER_PAIR=per_pair, DOT_FP32=dot_fp32,
             BLOCK_M=cfg.block_m, BLOCK_K=block_k, BF16_BITS=not _interpreting(),
-            SWAP_AB=cfg.swap_ab, **w4_flags,
+            SWAP_AB=cfg.swap_ab, EVEN_K=k_in % block_k == 0, **w4_flags,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     if atomic_sum:
