@@ -62,20 +62,6 @@ def cases():
     # DeepSeek-V2-Lite's routing with its 2 shared experts appended (6 + 2 a row)
     lite = dict(TOP_K=6, SHARED=2, K_PAD=8, SOFTMAX_ALL=True, BLOCK_T=16, BLOCK_E=64, PARTS=4)
     yield "topk_softmax E64 shared", mk.topk_softmax_kernel, logits, lite, 4, 1
-    # the norm, router and top-k in one launch at gpt-oss-20b's and DeepSeek-V2-Lite's widths
-    route = {n: "*bf16" for n in ("x_ptr", "residual_ptr", "norm_w_ptr", "h_ptr", "gate_ptr")}
-    route |= {"residual_out_ptr": "*bf16", "bias_ptr": "*bf16", "logits_ptr": "*fp32"}
-    route |= {"count_ptr": "*i32", "weights_ptr": "*fp32", "ids_ptr": "*i64"}
-    route |= {"eps": "fp32", "scaling": "fp32"}
-    for name, hidden, experts, k, shared, after in (
-        ("gpt-oss-20b", 2880, 32, 4, 0, True),
-        ("deepseek-v2-lite", 2048, 64, 6, 2, False),
-    ):
-        block, block_e = triton.next_power_of_2(hidden), triton.next_power_of_2(experts) // 8
-        cfg = dict(BLOCK=block, BLOCK_K=min(block, 4096 // block_e), BLOCK_E=block_e)
-        cfg |= dict(E_PAD=experts, TOP_K=k, SHARED=shared, K_PAD=triton.next_power_of_2(k + shared))
-        cfg |= dict(SOFTMAX_ALL=not after, PARTS=4, HAS_BIAS=after, PDL=True, TRIGGER=True)
-        yield f"norm_route {name}", mk.norm_route_kernel, route, cfg, 4, 1
     sums = {"y_ptr": "*bf16", "out_ptr": "*bf16"}
     yield "moe_sum", mk.moe_sum_kernel, sums, dict(TOP_K=8, BLOCK=1024), 4, 1
     splits = sums | {"y_ptr": "*fp32"}

@@ -343,11 +343,10 @@ class FusedMoE(torch.nn.Module):
         """forward(norm(x, residual, parts=True)) as partial results [S, T, H] for the next
         norm (KernelOps.moe_experts_parts: a kernel package may leave the top-k sum to it), and
         the norm's new residual: x is the partial results of the sublayer before ([S, T, H]),
-        `norm` an RMSNorm (weight, eps). The norm and the routing are one ops call
-        (KernelOps.rms_norm_route)."""
-        h, residual, weights, ids = self.ops.rms_norm_route(
-            x, norm.weight, norm.eps, residual, self.gate, self.router, self.selection_bias
-        )
+        `norm` an RMSNorm (weight, eps)."""
+        h, residual = self.ops.rms_norm(x, norm.weight, norm.eps, residual, parts=True)
+        logits = self.ops.linear_parts(self.gate, h)
+        weights, ids = self.ops.route_experts(logits, self.router, self.selection_bias)
         if self.shared is None and self.parallel.world_size == 1:
             weights, ids = self._with_shared(weights, ids)
             return self.ops.moe_experts_parts(self.experts, h, weights, ids), residual

@@ -25,8 +25,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from inferx_core.interfaces.moe import ExpertsSpec, ExpertWeights, RouterSpec
-from inferx_kernels_cuda.fused_kernels import _rounded, summed_row
-from inferx_kernels_cuda.pdl import pdl_start
 from inferx_kernels_cuda.tma_gemv import has_tma, resident_config
 from inferx_kernels_cuda.w4a16 import _dequantized as _w4_tile
 from inferx_kernels_cuda.w4a16 import _group_shift
@@ -150,148 +148,6 @@ def topk_softmax(logits: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, 
             BLOCK_T=block_t, BLOCK_E=block_e, PARTS=s, num_warps=4,
         )  # fmt: skip
     return weights, ids
-
-
-# stride_part is rows x hidden, so it changes with the batch: not specialised on.
-@triton.jit(do_not_specialize=["stride_part", "n_blocks"])
-def norm_route_kernel(
-    x_ptr, residual_ptr, norm_w_ptr, h_ptr, residual_out_ptr, gate_ptr, bias_ptr, logits_ptr,
-    count_ptr, weights_ptr, ids_ptr, stride_x, stride_residual, stride_h, stride_residual_out,
-    stride_part, stride_gate, n_cols, num_experts, n_blocks, eps, scaling,
-    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, E_PAD: tl.constexpr,
-    TOP_K: tl.constexpr, SHARED: tl.constexpr, K_PAD: tl.constexpr, SOFTMAX_ALL: tl.constexpr,
-    PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False,
-    TRIGGER: tl.constexpr = False,
-):  # fmt: skip
-    """A MoE layer's norm, router GEMV and top-k softmax in one launch, grid (rows, n_blocks).
-
-    Every program of row r sums its PARTS partial results and the residual and normalises
-    them as rms_norm_kernel does (program 0 stores the new residual and the normed row to
-    h_ptr); then it multiplies that normed row, rounded to h's dtype as stored, into the router
-    weight's rows of its BLOCK_E experts (plus their bias), BLOCK_K columns at a time, fp32,
-    and stores those logits to logits_ptr [rows, E_PAD]. The row's last program to finish
-    (count_ptr[r], an int32 counter that it resets to 0 for the next launch) picks the top
-    TOP_K from all logits as topk_softmax_kernel does. PDL / TRIGGER: rms_norm_kernel's."""
-    row = tl.program_id(0).to(tl.int64)
-    block = tl.program_id(1)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    dtype = x_ptr.dtype.element_ty
-    out_ty = h_ptr.dtype.element_ty
-    w = tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    pdl_start(PDL, TRIGGER)
-    h = summed_row(x_ptr, residual_ptr, row, cols, mask, stride_x, stride_residual, stride_part,
-                   dtype, True, PARTS)  # fmt: skip
-    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
-    if block == 0:
-        tl.store(residual_out_ptr + row * stride_residual_out + cols, h.to(dtype), mask=mask)
-        y = w * _rounded(h * rstd, dtype)
-        tl.store(h_ptr + row * stride_h + cols, y.to(out_ty), mask=mask)
-    # the router over this program's experts, the normed row recomputed a slice at a time
-    experts = block * BLOCK_E + tl.arange(0, BLOCK_E)
-    e_ok = experts < num_experts
-    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
-    for k0 in range(0, n_cols, BLOCK_K):
-        kc = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kc < n_cols
-        hk = summed_row(x_ptr, residual_ptr, row, kc, k_ok, stride_x, stride_residual,
-                        stride_part, dtype, True, PARTS)  # fmt: skip
-        wk = tl.load(norm_w_ptr + kc, mask=k_ok, other=0.0).to(tl.float32)
-        yk = _rounded(wk * _rounded(hk * rstd, dtype), out_ty)
-        g = tl.load(gate_ptr + experts[:, None].to(tl.int64) * stride_gate + kc[None, :],
-                    mask=e_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        acc += tl.sum(g.to(tl.float32) * yk[None, :], axis=1)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + experts, mask=e_ok, other=0.0).to(tl.float32)
-    tl.store(logits_ptr + row * E_PAD + experts, acc, mask=e_ok)
-    # release: the logits above before the count; acquire: every other program's after it
-    done = tl.atomic_add(count_ptr + row, 1, sem="acq_rel")
-    if done == n_blocks - 1:
-        tl.atomic_xchg(count_ptr + row, 0)
-        rows = tl.program_id(0) + tl.arange(0, 1)
-        e_cols = tl.arange(0, E_PAD)
-        x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * E_PAD + e_cols[None, :],
-                    mask=e_cols[None, :] < num_experts, other=-float("inf"),
-                    cache_modifier=".cg")  # fmt: skip
-        _store_topk(
-            x, rows, rows >= 0, e_cols, weights_ptr, ids_ptr, num_experts, scaling, TOP_K,
-            SHARED, K_PAD, SOFTMAX_ALL, 1, E_PAD,
-        )  # fmt: skip
-
-
-# One int32 counter a row for norm_route_kernel's last program, per device; each launch leaves
-# them at 0. Made outside CUDA-graph capture (a capture records a memset but runs none).
-_ROUTE_COUNTS: dict[torch.device, torch.Tensor] = {}
-NORM_ROUTE_MAX_ROWS = 64
-
-
-def route_counts(device: torch.device) -> torch.Tensor | None:
-    """The device's counters, made on first use; None while a CUDA graph is being captured and
-    none exist yet (the caller then runs the unfused ops)."""
-    counts = _ROUTE_COUNTS.get(device)
-    if counts is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counts = _ROUTE_COUNTS[device] = torch.zeros(
-            NORM_ROUTE_MAX_ROWS, dtype=torch.int32, device=device
-        )
-    return counts
-
-
-def norm_route(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    gate: torch.Tensor,
-    gate_bias: torch.Tensor | None,
-    spec: RouterSpec,
-    counts: torch.Tensor,
-    launch: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """rms_norm(x, norm_weight, eps, residual, parts=True), the router (gate [E, H], bias
-    [E]) on the normed rows and topk_softmax, in one norm_route_kernel launch: x [S, T, H]
-    partial results, residual [T, H], T <= NORM_ROUTE_MAX_ROWS, a fusable_router spec ->
-    (normed [T, H], new residual [T, H], topk_weights [T, k + s] float32, topk_ids [T, k + s]
-    int64). `launch`: the PDL arguments (inferx_kernels_cuda.pdl.between_launch)."""
-    s, t, n = x.shape
-    e, k = spec.num_experts, spec.top_k
-    if residual.shape != (t, n) or norm_weight.shape != (n,) or gate.shape != (e, n):
-        raise ValueError(
-            f"norm_route: x {tuple(x.shape)}, residual {tuple(residual.shape)}, norm weight "
-            f"{tuple(norm_weight.shape)} and router {tuple(gate.shape)} do not fit [S, T, H], "
-            f"[T, H], [H], [{e}, H]"
-        )
-    if t > NORM_ROUTE_MAX_ROWS:
-        raise ValueError(f"norm_route: {t} rows, at most {NORM_ROUTE_MAX_ROWS}")
-    if x.stride(-1) != 1:  # parts and rows may be strided (moe_experts_parts' are)
-        x = x.contiguous()
-    residual = residual.contiguous()
-    gate = gate.contiguous()
-    dtype = torch.promote_types(x.dtype, norm_weight.dtype)
-    h = torch.empty(t, n, dtype=dtype, device=x.device)
-    new_residual = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    width = k + spec.shared
-    weights = torch.empty(t, width, dtype=torch.float32, device=x.device)
-    ids = torch.empty(t, width, dtype=torch.int64, device=x.device)
-    e_pad = triton.next_power_of_2(e)
-    logits = torch.empty(t, e_pad, dtype=torch.float32, device=x.device)
-    if t:
-        block = triton.next_power_of_2(n)
-        block_e = max(1, e_pad // 8)  # ~8 programs a row
-        n_blocks = triton.cdiv(e, block_e)
-        block_k = min(block, max(64, 4096 // block_e))
-        bias = gate_bias if gate_bias is not None else gate
-        norm_route_kernel[(t, n_blocks)](
-            x, residual, norm_weight.contiguous(), h, new_residual, gate, bias, logits, counts,
-            weights, ids, x.stride(1), residual.stride(0), h.stride(0), new_residual.stride(0),
-            x.stride(0) if s > 1 else 0, gate.stride(0), n, e, n_blocks, eps,
-            float(spec.scaling), BLOCK=block, BLOCK_K=block_k, BLOCK_E=block_e, E_PAD=e_pad,
-            TOP_K=k, SHARED=spec.shared, K_PAD=triton.next_power_of_2(width),
-            SOFTMAX_ALL=not (spec.softmax_after_topk or spec.renormalize), PARTS=s,
-            HAS_BIAS=gate_bias is not None, **(launch or {}), num_warps=4,
-        )  # fmt: skip
-    return h, new_residual, weights, ids
 
 
 # --- grouping the (token, expert) pairs by expert ------------------------------------------------
@@ -845,10 +701,7 @@ def moe_gemm_kernel(
         ka = k0 + kr
         if HAS_PERM:
             ka = tl.load(perm_row + ka)
-        if EVEN_K:  # BLOCK_K divides k_in
-            a_mask = row_ok[:, None]
-        else:
-            a_mask = row_ok[:, None] & k_ok[None, :]
+        a_mask = row_ok[:, None] if EVEN_K else row_ok[:, None] & k_ok[None, :]
         a = tl.load(a_ptr + a_rows[:, None] + ka[None, :], mask=a_mask, other=0.0)
         if MXFP4:
             if W_DOWN:

@@ -19,14 +19,7 @@ from inferx_kernels_cuda import fp8_act
 from inferx_kernels_cuda import fused_kernels as kernels
 from inferx_kernels_cuda.fp8_gemm import quantize_rows
 from inferx_kernels_cuda.gemv import skinny_linear
-from inferx_kernels_cuda.moe_kernels import (
-    NORM_ROUTE_MAX_ROWS,
-    fusable_router,
-    fused_experts,
-    norm_route,
-    route_counts,
-    topk_softmax,
-)
+from inferx_kernels_cuda.moe_kernels import fusable_router, fused_experts, topk_softmax
 from inferx_kernels_cuda.pdl import (
     attention_early,
     between_launch,
@@ -197,10 +190,6 @@ class TritonOps(KernelOps):
         # instead of the sum kernel (moe_kernels.fused_experts); off: the sum kernel's fixed
         # order gives the same bits on every run, atomics do not.
         self.moe_atomic_sum = False
-        # A MoE layer's norm, router GEMV and top-k softmax as one norm_route launch at these
-        # rows (row ranges; () never), instead of rms_norm, the router's GEMV and topk_softmax.
-        # Off until timed on a GPU.
-        self.norm_route_rows: tuple[tuple[int, int], ...] = ()
         # q heads per program of mla_rope_norm_kernel (a power of two; unmeasured).
         self.mla_heads_block = 4
 
@@ -606,37 +595,6 @@ class TritonOps(KernelOps):
         if (logits.is_cuda or self._interpret) and fusable_router(spec, selection_bias):
             return topk_softmax(logits, spec)
         return super().route_experts(logits, spec, selection_bias)
-
-    def rms_norm_route(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        residual: torch.Tensor,
-        router: torch.nn.Module,
-        spec: RouterSpec,
-        selection_bias: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One norm_route launch (moe_kernels) at norm_route_rows rows, where the router is
-        unquantized and fusable_router routes it; else the norm, GEMV and top-k apart."""
-        counts = None
-        if (
-            (x.is_cuda or self._interpret)
-            and x.dim() == 3
-            and in_ranges(x.shape[1], self.norm_route_rows)
-            and x.shape[1] <= NORM_ROUTE_MAX_ROWS
-            and _dense(router)
-            and fusable_router(spec, selection_bias)
-            and x.dtype == residual.dtype == weight.dtype == router.dense_weight().dtype
-        ):
-            counts = route_counts(x.device)
-        if counts is None:
-            return super().rms_norm_route(x, weight, eps, residual, router, spec, selection_bias)
-        check_parts(x, residual)
-        launch = between_launch(x.device, x.shape[1], x.shape[-1], norm=True)
-        return norm_route(
-            x, residual, weight, eps, router.dense_weight(), router.bias, spec, counts, launch
-        )
 
     def moe_experts(
         self,

@@ -175,23 +175,6 @@ class KernelOps(ABC):
             logits = logits[0] if logits.shape[0] == 1 else logits.float().sum(0)
         return route(logits, spec, selection_bias)
 
-    def rms_norm_route(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        residual: torch.Tensor,
-        router: torch.nn.Module,
-        spec: RouterSpec,
-        selection_bias: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A MoE layer's norm and routing: rms_norm(x, weight, eps, residual, parts=True), the
-        router's linear_parts on the normed rows, route_experts -> (normed rows, the new
-        residual, topk_weights, topk_ids). A kernel package may run the three as one launch."""
-        h, new_residual = self.rms_norm(x, weight, eps, residual, parts=True)
-        weights, ids = self.route_experts(self.linear_parts(router, h), spec, selection_bias)
-        return h, new_residual, weights, ids
-
     def moe_experts(
         self,
         experts: QuantExperts,
