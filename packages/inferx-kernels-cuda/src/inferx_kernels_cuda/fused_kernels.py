@@ -31,25 +31,6 @@ def silu_times(gate, up, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def summed_row(
-    x_ptr, residual_ptr, row, cols, mask, stride_x, stride_residual, stride_part,
-    DTYPE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr,
-):  # fmt: skip
-    """A norm's input row in fp32: PARTS partial results stride_part apart summed in fp32 and
-    rounded once to DTYPE (one part: as it is), then the residual added and rounded."""
-    h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if PARTS > 1:
-        for p in tl.static_range(1, PARTS):
-            part = tl.load(x_ptr + p * stride_part + row * stride_x + cols, mask=mask, other=0.0)
-            h += part.to(tl.float32)
-        h = _rounded(h, DTYPE)
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
-        h = _rounded(h + r.to(tl.float32), DTYPE)
-    return h
-
-
-@triton.jit
 def norm_row(
     x_ptr, residual_ptr, residual_out_ptr, w, row, cols, mask, stride_x, stride_residual,
     stride_residual_out, stride_part, n_cols, eps, HAS_RESIDUAL: tl.constexpr,
@@ -58,11 +39,15 @@ def norm_row(
     """rms_norm_kernel's row: its parts summed, the residual added (and stored), normalised,
     times the weight w (fp32, loaded by the caller); fp32, not yet rounded to the output."""
     dtype = x_ptr.dtype.element_ty
-    h = summed_row(
-        x_ptr, residual_ptr, row, cols, mask, stride_x, stride_residual, stride_part, dtype,
-        HAS_RESIDUAL, PARTS,
-    )  # fmt: skip
+    h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if PARTS > 1:
+        for p in tl.static_range(1, PARTS):
+            part = tl.load(x_ptr + p * stride_part + row * stride_x + cols, mask=mask, other=0.0)
+            h += part.to(tl.float32)
+        h = _rounded(h, dtype)
     if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        h = _rounded(h + r.to(tl.float32), dtype)
         tl.store(residual_out_ptr + row * stride_residual_out + cols, h.to(dtype), mask=mask)
     # Masked columns load as 0 and add nothing to the sum of squares.
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)

@@ -60,27 +60,13 @@ def topk_softmax_kernel(
     shared experts num_experts + i with weight 1.0 (unscaled)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
+    kcols = tl.arange(0, K_PAD)
     row_ok = rows < num_tokens
     ptrs = logits_ptr + rows[:, None].to(tl.int64) * stride_logits + cols[None, :]
     mask = row_ok[:, None] & (cols[None, :] < num_experts)
     x = tl.load(ptrs, mask=mask, other=-float("inf")).to(tl.float32)
     for p in tl.static_range(1, PARTS):
         x += tl.load(ptrs + p * stride_part, mask=mask, other=-float("inf")).to(tl.float32)
-    _store_topk(
-        x, rows, row_ok, cols, weights_ptr, ids_ptr, num_experts, scaling, TOP_K, SHARED, K_PAD,
-        SOFTMAX_ALL, BLOCK_T, BLOCK_E,
-    )  # fmt: skip
-
-
-@triton.jit
-def _store_topk(
-    x, rows, row_ok, cols, weights_ptr, ids_ptr, num_experts, scaling, TOP_K: tl.constexpr,
-    SHARED: tl.constexpr, K_PAD: tl.constexpr, SOFTMAX_ALL: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):  # fmt: skip
-    """topk_softmax_kernel's picks from x [BLOCK_T, BLOCK_E] fp32 logits (-inf past the
-    experts) of rows `rows` (row_ok: in range), stored as its docstring says."""
-    kcols = tl.arange(0, K_PAD)
     top = tl.where(row_ok, tl.max(x, axis=1), 0.0)
     if SOFTMAX_ALL:
         denom = tl.sum(tl.exp(x - top[:, None]), axis=1)
